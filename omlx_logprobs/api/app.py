@@ -1,0 +1,55 @@
+"""Routes. Thin: parse, hand to serving, return JSON or SSE."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from omlx_logprobs.api.errors import install_error_handlers
+from omlx_logprobs.api.protocol import ChatCompletionRequest
+from omlx_logprobs.api.serving import ChatServing, Served
+
+
+def create_app(served: Served) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        served.engine.start()
+        yield
+        served.engine.shutdown()
+
+    app = FastAPI(title="omlx_logprobs", lifespan=lifespan)
+    install_error_handlers(app)
+    chat = ChatServing(served)
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "running": served.engine.num_unfinished}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": served.model.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "omlx_logprobs",
+            "max_model_len": served.model.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        if req.stream:
+            return StreamingResponse(chat.stream(req), media_type="text/event-stream")
+        try:
+            body = await chat.complete(req, raw)
+        except ConnectionAbortedError:
+            return Response(status_code=499)
+        return Response(body, media_type="application/json")
+
+    return app

@@ -1,0 +1,64 @@
+"""Request models for the OpenAI-compatible API. Unknown fields are ignored, as vLLM does;
+NaN and Infinity are rejected wherever a number is expected."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Model):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class SamplingFields(_Model):
+    """Fields shared by chat and (later) text completions."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    chat_template_kwargs: dict[str, Any] | None = None

@@ -1,0 +1,249 @@
+"""From a validated request to engine work and back: prompt building, parameter checks, and the
+JSON and SSE bodies of chat completions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from omlx_logprobs.api.errors import APIError, error_body
+from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
+from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.engine import Engine, RequestHandle
+from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.logprobs.format import ChatLogprobFormatter
+from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.types import RequestOutput, SamplingParams
+
+MAX_STOP = 16
+
+
+@dataclass(frozen=True)
+class Served:
+    """Everything a route needs: the engine, the model's facts and the server's limits."""
+
+    engine: Engine
+    model: LoadedModel
+    cfg: EngineConfig
+
+    def check_model(self, name: str) -> None:
+        if name != self.model.name:
+            raise APIError(
+                f"The model `{name}` does not exist. This server serves `{self.model.name}`.",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
+
+
+def sampling_params(
+    req: SamplingFields,
+    served: Served,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int,
+) -> SamplingParams:
+    """Request fields as SamplingParams; a 400 for every value the engine cannot take."""
+    limit = served.model.max_model_len
+    room = limit - prompt_len
+    if room <= 0 or (max_tokens is not None and max_tokens > room):
+        raise APIError(
+            f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len}"
+            f" and max_tokens asks for {max_tokens}.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    if top_logprobs > served.cfg.max_top_logprobs:
+        raise APIError(
+            f"top_logprobs must be at most {served.cfg.max_top_logprobs}", param="top_logprobs"
+        )
+    if req.n != 1:
+        raise APIError("Only n=1 is supported.", param="n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP:
+        raise APIError(f"At most {MAX_STOP} stop sequences are allowed.", param="stop")
+    vocab = len(served.model.vocab)
+    bias = _logit_bias(req.logit_bias or {}, vocab)
+    for t in req.stop_token_ids or []:
+        if not 0 <= t < vocab:
+            raise APIError(
+                f"stop_token_ids: {t} is not a token id of this model", param="stop_token_ids"
+            )
+    return SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else room,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=max(req.top_k, 0),
+        min_p=req.min_p,
+        seed=req.seed,
+        stop=tuple(s for s in stop if s),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logit_bias=bias,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def _logit_bias(raw: dict[str, float], vocab: int) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in raw.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise APIError(
+                f"logit_bias: key {key!r} is not a token id", param="logit_bias"
+            ) from None
+        if not 0 <= tid < vocab:
+            raise APIError(f"logit_bias: {tid} is not a token id of this model", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise APIError("logit_bias values must be in [-100, 100]", param="logit_bias")
+        out.append((tid, float(value)))
+    return tuple(out)
+
+
+def chat_prompt(req: ChatCompletionRequest, model: LoadedModel) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        text = model.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **(req.chat_template_kwargs or {})
+        )
+    except Exception as e:  # a template error is the request's fault
+        raise APIError(
+            f"The chat template could not render these messages: {e}", param="messages"
+        ) from None
+    return list(model.tokenizer.encode(text, add_special_tokens=False))
+
+
+async def wait_or_disconnect(handle: RequestHandle, raw: Request) -> RequestOutput:
+    """Collect every output until the request finishes; abort it if the client goes away."""
+
+    async def collect() -> RequestOutput:
+        out = await handle.collector.get()
+        while not out.finished:
+            out = out.merge(await handle.collector.get())
+        return out
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            raise ConnectionAbortedError("client disconnected")
+    return task.result()
+
+
+class ChatServing:
+    def __init__(self, served: Served) -> None:
+        self.served = served
+        self.formatter = ChatLogprobFormatter(served.model.vocab)
+
+    def _start(self, req: ChatCompletionRequest) -> RequestHandle:
+        served = self.served
+        served.check_model(req.model)
+        if req.top_logprobs and not req.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        prompt = chat_prompt(req, served.model)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = sampling_params(
+            req, served, len(prompt), max_tokens, req.logprobs, req.top_logprobs or 0
+        )
+        seq = Sequence(f"chatcmpl-{uuid.uuid4().hex}", prompt, params)
+        return served.engine.add_request(seq, asyncio.get_running_loop())
+
+    async def complete(self, req: ChatCompletionRequest, raw: Request) -> dict[str, Any] | str:
+        handle = self._start(req)
+        try:
+            out = await wait_or_disconnect(handle, raw)
+        finally:
+            if handle.seq.finish_reason is None:
+                self.served.engine.abort(handle.seq)
+        _raise_if_failed(out)
+        seq = handle.seq
+        lp = self._logprobs_json(seq, 0, out.end_token)
+        message = json.dumps({"role": "assistant", "content": out.text}, ensure_ascii=False)
+        finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
+        choice = f'{{"index":0,"message":{message},"logprobs":{lp},"finish_reason":{finish}}}'
+        return (
+            f'{{"id":"{seq.request_id}","object":"chat.completion","created":{int(time.time())},'
+            f'"model":{json.dumps(self.served.model.name)},"choices":[{choice}],'
+            f'"usage":{json.dumps(_usage(out))}}}'
+        )
+
+    def _logprobs_json(self, seq: Sequence, start: int, end: int) -> str:
+        if seq.store is None:
+            return "null"
+        return '{"content":' + self.formatter.entries(seq.store, start, end) + ',"refusal":null}'
+
+    def stream(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
+        handle = self._start(req)  # errors raise here, before the 200 starts
+        return self._events(req, handle)
+
+    async def _events(
+        self, req: ChatCompletionRequest, handle: RequestHandle
+    ) -> AsyncIterator[str]:
+        seq = handle.seq
+        head = (
+            f'{{"id":"{seq.request_id}","object":"chat.completion.chunk","created":{int(time.time())},'
+            f'"model":{json.dumps(self.served.model.name)},'
+        )
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        tail = ',"usage":null}' if usage else "}"
+
+        def chunk(delta: dict[str, Any], logprobs: str, finish: str | None) -> str:
+            d = json.dumps(delta, ensure_ascii=False)
+            fin = json.dumps(finish)
+            choice = f'{{"index":0,"delta":{d},"logprobs":{logprobs},"finish_reason":{fin}}}'
+            return f'data: {head}"choices":[{choice}]{tail}\n\n'
+
+        try:
+            yield chunk({"role": "assistant", "content": ""}, "null", None)
+            while True:
+                out = await handle.collector.get()
+                if out.text or out.end_token > out.first_token:
+                    lp = self._logprobs_json(seq, out.first_token, out.end_token)
+                    yield chunk({"content": out.text}, lp, None)
+                if out.finished:
+                    break
+            if out.error:
+                err = error_body(out.error, "server_error", None, None)
+                yield f"data: {json.dumps(err)}\n\n"
+            else:
+                yield chunk({}, "null", out.finish_reason.value if out.finish_reason else None)
+            if usage:
+                yield f'data: {head}"choices":[],"usage":{json.dumps(_usage(out))}}}\n\n'
+            yield "data: [DONE]\n\n"
+        finally:
+            if seq.finish_reason is None:
+                self.served.engine.abort(seq)
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    return {
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "total_tokens": out.prompt_tokens + out.completion_tokens,
+    }
+
+
+def _raise_if_failed(out: RequestOutput) -> None:
+    if out.error:
+        raise APIError(out.error, status=500, type_="server_error")

@@ -1,0 +1,70 @@
+"""`omlx-logprobs serve`: load a model and serve it over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import omlx_logprobs
+from omlx_logprobs.config import EngineConfig
+
+log = logging.getLogger("omlx_logprobs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omlx-logprobs")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    s.add_argument(
+        "--model",
+        default=None,
+        help="mlx-lm model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--prefill-chunk", type=int, default=512)
+    s.add_argument("--max-top-logprobs", type=int, default=20)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--log-level", default="info")
+    return p
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from omlx_logprobs.api.app import create_app
+    from omlx_logprobs.api.serving import Served
+    from omlx_logprobs.engine.engine import Engine
+    from omlx_logprobs.models.loader import load_model
+
+    cfg = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        prefill_chunk=args.prefill_chunk,
+        max_top_logprobs=args.max_top_logprobs,
+        max_model_len=args.max_model_len,
+    )
+    log.info("BLAS: %s", omlx_logprobs.BLAS)
+    model = load_model(args.model, args.served_model_name, cfg.max_model_len)
+    log.info(
+        "model %s from %s (vocab %d, context %d)",
+        model.name,
+        model.path,
+        len(model.vocab),
+        model.max_model_len,
+    )
+    engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg)
+    app = create_app(Served(engine, model, cfg))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        serve(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The one place logprobs are computed: a float32 log-softmax over the vocabulary, then, for the
+whole batch at once and still on the device, the sampled token's logprob and rank and the top K."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    """Float32 log-softmax over the last axis, whatever the model's dtype."""
+    x = logits.astype(mx.float32)
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+@dataclass(frozen=True)
+class BatchLogprobs:
+    """Host copies of one step's small arrays: row i belongs to the step's i-th sequence."""
+
+    logprobs: np.ndarray  # [B] float32, the sampled token's logprob
+    ranks: np.ndarray  # [B] int32, count(logprobs >= sampled), 1 for the argmax
+    top_ids: np.ndarray  # [B, K] int32, best first, distinct ids
+    top_logprobs: np.ndarray  # [B, K] float32
+
+
+def extract(logprobs: mx.array, tokens: mx.array, k: int) -> tuple[mx.array, ...]:
+    """Lazy on-device extraction; the caller evaluates it together with the sampled tokens."""
+    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
+    ranks = mx.sum(logprobs >= chosen, axis=-1).astype(mx.int32)
+    if k == 0:
+        b = logprobs.shape[0]
+        return chosen[:, 0], ranks, mx.zeros((b, 0), mx.int32), mx.zeros((b, 0), mx.float32)
+    # A partial selection of K, then a sort of only those K: never a full-vocabulary sort.
+    idx = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(logprobs, idx, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    idx = mx.take_along_axis(idx, order, axis=-1).astype(mx.int32)
+    vals = mx.take_along_axis(vals, order, axis=-1)
+    return chosen[:, 0], ranks, idx, vals
+
+
+def to_host(parts: tuple[mx.array, ...]) -> BatchLogprobs:
+    lp, ranks, ids, vals = (np.array(p, copy=False) for p in parts)
+    return BatchLogprobs(lp, ranks, ids, vals)

@@ -1,0 +1,41 @@
+"""Flat per-request logprob storage: parallel typed arrays, a constant number of Python objects
+however many tokens a request generates."""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+
+
+class LogprobStore:
+    """Entries for every generated token, in order: the sampled id, its logprob and rank, and the
+    request's own top-k (ids and logprobs, k per position, best first)."""
+
+    __slots__ = ("k", "token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.token_ids = array("i")
+        self.logprobs = array("f")
+        self.ranks = array("i")
+        self.top_ids = array("i")
+        self.top_logprobs = array("f")
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def append(
+        self, token: int, logprob: float, rank: int, top_ids: np.ndarray, top_lps: np.ndarray
+    ) -> None:
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.ranks.append(rank)
+        if self.k:
+            self.top_ids.frombytes(top_ids[: self.k].astype(np.int32).tobytes())
+            self.top_logprobs.frombytes(top_lps[: self.k].astype(np.float32).tobytes())
+
+    def top(self, i: int) -> tuple[array, array]:
+        """The top list of position i: (ids, logprobs), best first."""
+        a, b = i * self.k, (i + 1) * self.k
+        return self.top_ids[a:b], self.top_logprobs[a:b]

@@ -1,0 +1,105 @@
+"""Load a model for serving: an mlx-lm directory, a GGUF file (converted once, cached), or the
+embedded default. Never a model hub."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a path that is not there must fail, not download
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.utils import load as mlx_lm_load  # noqa: E402
+
+from omlx_logprobs.output.detokenizer import Vocabulary, build_vocabulary  # noqa: E402
+
+log = logging.getLogger("omlx_logprobs")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str
+    path: Path
+    model: Any  # an mlx-lm nn.Module
+    tokenizer: Any  # the Hugging Face tokenizer
+    vocab: Vocabulary
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+
+
+def _progress(msg: str) -> None:
+    print(f"[omlx-logprobs] {msg}", file=sys.stderr, flush=True)
+
+
+def cache_root() -> Path:
+    env = os.environ.get("OMLX_LOGPROBS_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "omlx_logprobs"
+
+
+def _gguf_dir(gguf: Path) -> Path:
+    """Convert a GGUF file once into the cache; reuse it afterwards."""
+    from omlx_logprobs.models.gguf import convert_gguf
+
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    out = cache_root() / f"{gguf.stem}-{key[:12]}"
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    convert_gguf(gguf, tmp, progress=_progress)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model_path(model: str | None) -> tuple[Path, str]:
+    """(mlx-lm directory, served name) for a --model argument."""
+    if model is None:
+        from omlx_logprobs.models.embedded import EMBEDDED_NAME, ensure_embedded_model
+
+        return ensure_embedded_model(), EMBEDDED_NAME
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return _gguf_dir(p), p.stem
+    if p.is_dir() and (p / "config.json").exists():
+        return p, p.name
+    raise FileNotFoundError(
+        f"--model {model!r} is neither an mlx-lm model directory nor a .gguf file"
+    )
+
+
+def load_model(
+    model: str | None = None, name: str | None = None, max_model_len: int | None = None
+) -> LoadedModel:
+    path, default_name = resolve_model_path(model)
+    net, wrapper, config = mlx_lm_load(str(path), return_config=True)  # type: ignore[misc]
+    if mx.default_device() == mx.cpu:
+        net.set_dtype(mx.float32)  # float16 on the CPU is slow and, for SmolLM2, off by >1 nat
+    hf = wrapper._tokenizer
+    size = int(net.model.embed_tokens.weight.shape[0]) if hasattr(net, "model") else len(hf)
+    eos = config.get("eos_token_id", [])
+    eos_ids = tuple(sorted({*([eos] if isinstance(eos, int) else eos), *wrapper.eos_token_ids}))
+    native = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+    max_len = min(max_model_len, native) if max_model_len else native
+    return LoadedModel(
+        name=name or default_name,
+        path=path,
+        model=net,
+        tokenizer=hf,
+        vocab=build_vocabulary(hf, max(size, len(hf))),
+        eos_token_ids=eos_ids,
+        max_model_len=max_len,
+    )

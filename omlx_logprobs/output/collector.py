@@ -1,0 +1,38 @@
+"""One slot per request between the engine thread and the asyncio consumer.
+
+When the consumer lags, a new output is merged into the one still waiting (text concatenated,
+token range widened), so a slow client never stalls the engine and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from omlx_logprobs.types import RequestOutput
+
+
+class RequestOutputCollector:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: RequestOutput | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        """Engine thread: deposit or merge, then wake the consumer."""
+        with self._lock:
+            first = self._pending is None
+            self._pending = out if self._pending is None else self._pending.merge(out)
+        if first:
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def get(self) -> RequestOutput:
+        """Event loop: wait for the next (possibly merged) output."""
+        while True:
+            await self._ready.wait()
+            with self._lock:
+                out, self._pending = self._pending, None
+                self._ready.clear()
+            if out is not None:
+                return out

@@ -1,0 +1,87 @@
+"""The one loop over step outputs: record tokens and logprob entries, release text, check stops,
+and hand each request its delta."""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable
+
+import numpy as np
+
+from omlx_logprobs.engine.model_runner import StepResult
+from omlx_logprobs.engine.sequence import Sequence, Status
+from omlx_logprobs.output.detokenizer import Vocabulary
+from omlx_logprobs.types import FinishReason, RequestOutput
+
+Sink = Callable[[Sequence, RequestOutput], None]
+
+
+class OutputProcessor:
+    def __init__(self, vocab: Vocabulary, eos_token_ids: tuple[int, ...], sink: Sink) -> None:
+        self.vocab = vocab
+        self.eos = frozenset(eos_token_ids)
+        self.sink = sink
+
+    def process(self, result: StepResult) -> list[Sequence]:
+        """Apply one step; return the sequences that finished in it."""
+        finished: list[Sequence] = []
+        lp = result.logprobs
+        for i, seq in enumerate(result.seqs):
+            token = int(result.token_ids[i])
+            seq.output_ids.append(token)
+            if seq.store is not None and lp is not None:
+                rank = int(lp.ranks[i])
+                seq.store.append(
+                    token, float(lp.logprobs[i]), rank, lp.top_ids[i], lp.top_logprobs[i]
+                )
+                if np.isnan(lp.logprobs[i]):
+                    seq.finish(FinishReason.ERROR, "the model produced non-finite logits")
+            self._advance(seq, token)
+            if seq.status is Status.FINISHED:
+                finished.append(seq)
+        return finished
+
+    def _advance(self, seq: Sequence, token: int) -> None:
+        data = self.vocab.token_bytes[token] if token < len(self.vocab) else None
+        before = seq.token_ends[-1] if seq.token_ends else 0
+        seq.token_ends.append(before + len(data or b""))
+        text = seq.text.feed(data) if data else ""
+        if seq.status is not Status.FINISHED:
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                seq.finish(reason)
+        if seq.status is Status.FINISHED:
+            text += seq.text.flush()
+            end = seq.num_output  # at the end every entry goes out, stop token included
+        else:
+            end = bisect_right(seq.token_ends, seq.text.released_bytes)
+        self.emit(seq, text, end)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if seq.text.stopped:
+            return FinishReason.STOP
+        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output >= p.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def emit(self, seq: Sequence, text: str, end: int) -> None:
+        """Send the sequence's delta: `text` and the entries up to `end` not sent before."""
+        done = seq.status is Status.FINISHED
+        if not text and end == seq.released_tokens and not done:
+            return
+        out = RequestOutput(
+            request_id=seq.request_id,
+            text=text,
+            first_token=seq.released_tokens,
+            end_token=end,
+            finished=done,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.prompt_len,
+            completion_tokens=seq.num_output,
+            error=seq.error,
+        )
+        seq.released_tokens = end
+        self.sink(seq, out)

@@ -1,0 +1,101 @@
+"""Shared fixtures: the embedded model, a tiny seeded random model with the real tokenizer, and an
+independent reference (one full forward pass, float32 log-softmax)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+
+import omlx_logprobs  # noqa: F401  (loads OpenBLAS before mlx)
+from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.engine import Engine
+from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.models.embedded import ensure_embedded_model
+from omlx_logprobs.models.loader import LoadedModel, load_model
+from omlx_logprobs.types import RequestOutput, SamplingParams
+
+TINY_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 49152,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+    "eos_token_id": [2, 0],
+}
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    return ensure_embedded_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, embedded_dir: Path) -> Path:
+    """A 2-layer llama with seeded random weights and SmolLM2's real tokenizer."""
+    out = tmp_path_factory.mktemp("tiny")
+    for f in embedded_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(TINY_CONFIG))
+    mx.random.seed(1234)
+    model = llama.Model(llama.ModelArgs.from_dict(TINY_CONFIG))
+    # Logits with a standard deviation near 1: neither flat nor one-hot, so sampling leaves the
+    # argmax and ranks and top lists carry information.
+    model.model.embed_tokens.weight = mx.random.normal((49152, 64)) * 0.15
+    weights = dict(nn.utils.tree_flatten(model.parameters()))  # type: ignore[attr-defined]
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_dir))
+
+
+def reference_logprobs(model: LoadedModel, ids: list[int]) -> np.ndarray:
+    """[len(ids), V]: float32 log-softmax of one full forward pass with no cache and no batch."""
+    logits = model.model(mx.array([ids]))[0].astype(mx.float32)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return np.array(lp)
+
+
+async def _collect(engine: Engine, seq: Sequence) -> list[RequestOutput]:
+    handle = engine.add_request(seq, asyncio.get_running_loop())
+    outs = [await handle.collector.get()]
+    while not outs[-1].finished:
+        outs.append(await handle.collector.get())
+    return outs
+
+
+def run_engine(
+    model: LoadedModel,
+    requests: list[tuple[list[int], SamplingParams]],
+    cfg: EngineConfig | None = None,
+) -> list[tuple[Sequence, list[RequestOutput]]]:
+    """Submit all requests at once to a fresh engine; return each one's record and outputs."""
+    engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg or EngineConfig())
+    engine.start()
+    seqs = [Sequence(f"r{i}", list(p), sp) for i, (p, sp) in enumerate(requests)]
+
+    async def main() -> list[list[RequestOutput]]:
+        return await asyncio.gather(*[_collect(engine, s) for s in seqs])
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    return list(zip(seqs, outs))

@@ -1,0 +1,145 @@
+"""The engine against an independent computation: every returned logprob, rank and top list
+equals a full forward pass with a float32 log-softmax, alone and inside a batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.types import FinishReason, SamplingParams
+from tests.conftest import reference_logprobs, run_engine
+
+PROMPTS = [
+    "Hello, how are you today?",
+    "The quick brown fox",
+    "1 2 3 4 5",
+    "Écrire en français, 日本語 and emoji 😀",
+]
+
+
+def encode(model: LoadedModel, text: str) -> list[int]:
+    return list(model.tokenizer.encode(text, add_special_tokens=False))
+
+
+def check_against_reference(model: LoadedModel, prompt: list[int], seq, k: int) -> None:
+    out = list(seq.output_ids)
+    ref = reference_logprobs(model, prompt + out)[len(prompt) - 1 : -1]
+    store = seq.store
+    assert len(store) == len(out)
+    for i, tok in enumerate(out):
+        row = ref[i]
+        assert store.token_ids[i] == tok
+        assert abs(store.logprobs[i] - row[tok]) < 1e-4
+        assert store.ranks[i] == int(np.sum(row >= row[tok]))
+        if k:
+            ids, lps = store.top(i)
+            want = np.argsort(-row, kind="stable")[:k]
+            np.testing.assert_allclose(np.array(lps), row[want], atol=1e-4)
+            assert list(lps) == sorted(lps, reverse=True)
+            assert len(set(ids)) == k
+            # ids equal the reference's top k up to ties within float noise
+            for got, exp in zip(ids, want):
+                assert got == exp or abs(row[got] - row[exp]) < 1e-4
+
+
+@pytest.mark.parametrize("k", [0, 5, 20])
+def test_greedy_logprobs_match_full_forward(tiny: LoadedModel, k: int) -> None:
+    prompt = encode(tiny, PROMPTS[0])
+    params = SamplingParams(
+        max_tokens=12, temperature=0, logprobs=True, top_logprobs=k, ignore_eos=True
+    )
+    [(seq, outs)] = run_engine(tiny, [(prompt, params)])
+    check_against_reference(tiny, prompt, seq, k)
+    assert all(r == 1 for r in seq.store.ranks)  # greedy: the sampled token is the argmax
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_sampled_logprobs_are_raw_distribution(tiny: LoadedModel) -> None:
+    prompt = encode(tiny, PROMPTS[1])
+    params = SamplingParams(
+        max_tokens=16,
+        temperature=1.3,
+        top_p=0.9,
+        seed=7,
+        logprobs=True,
+        top_logprobs=4,
+        ignore_eos=True,
+    )
+    [(seq, _)] = run_engine(tiny, [(prompt, params)])
+    check_against_reference(tiny, prompt, seq, 4)
+    assert max(seq.store.ranks) > 1  # sampling did leave the argmax somewhere
+
+
+def test_batch_of_16_equals_each_alone(tiny: LoadedModel) -> None:
+    prompts = [encode(tiny, f"{PROMPTS[i % 4]} #{i}" * (1 + i % 3)) for i in range(16)]
+    params = [
+        SamplingParams(
+            max_tokens=6 + i % 5, temperature=0, logprobs=True, top_logprobs=3, ignore_eos=True
+        )
+        for i in range(16)
+    ]
+    together = run_engine(tiny, list(zip(prompts, params)), EngineConfig(prefill_chunk=7))
+    for i, (seq, _) in enumerate(together):
+        [(alone, _)] = run_engine(tiny, [(prompts[i], params[i])])
+        assert list(seq.output_ids) == list(alone.output_ids)
+        np.testing.assert_allclose(seq.store.logprobs, alone.store.logprobs, atol=1e-4)
+        np.testing.assert_allclose(seq.store.top_logprobs, alone.store.top_logprobs, atol=1e-4)
+        check_against_reference(tiny, prompts[i], seq, 3)
+
+
+def test_seeded_sampling_is_independent_of_batch(tiny: LoadedModel) -> None:
+    prompt = encode(tiny, PROMPTS[2])
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=42, ignore_eos=True)
+    [(alone, _)] = run_engine(tiny, [(prompt, params)])
+    others = [(encode(tiny, p), SamplingParams(max_tokens=8, temperature=0.8)) for p in PROMPTS]
+    mixed = run_engine(tiny, others[:2] + [(prompt, params)] + others[2:])
+    assert list(mixed[2][0].output_ids) == list(alone.output_ids)
+
+
+def test_stream_deltas_concatenate_to_text_and_entries(tiny: LoadedModel) -> None:
+    prompt = encode(tiny, PROMPTS[3])
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, logprobs=True, ignore_eos=True)
+    [(seq, outs)] = run_engine(tiny, [(prompt, params)])
+    assert outs[0].first_token == 0
+    for a, b in zip(outs, outs[1:]):
+        assert a.end_token == b.first_token
+    assert outs[-1].end_token == seq.num_output == 40
+    text = "".join(o.text for o in outs)
+    data = b"".join(tiny.vocab.token_bytes[t] or b"" for t in seq.output_ids)
+    assert text == data.decode("utf-8", errors="replace")
+
+
+def test_stop_string_across_tokens_is_not_returned(tiny: LoadedModel) -> None:
+    prompt = encode(tiny, PROMPTS[0])
+    free = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    [(seq, outs)] = run_engine(tiny, [(prompt, free)])
+    full = "".join(o.text for o in outs)
+    stop = full[10:13]  # three characters in the middle, very likely across a token boundary
+    [(seq2, outs2)] = run_engine(
+        tiny, [(prompt, free.__class__(**{**free.__dict__, "stop": (stop,)}))]
+    )
+    text = "".join(o.text for o in outs2)
+    assert text == full[: full.index(stop)]
+    assert outs2[-1].finish_reason is FinishReason.STOP
+
+
+def test_logit_bias_forces_a_token(tiny: LoadedModel) -> None:
+    prompt = encode(tiny, PROMPTS[1])
+    target = encode(tiny, " banana")[0]
+    params = SamplingParams(
+        max_tokens=3, temperature=0, logit_bias=((target, 100.0),), logprobs=True, ignore_eos=True
+    )
+    [(seq, _)] = run_engine(tiny, [(prompt, params)])
+    assert list(seq.output_ids) == [target] * 3
+    assert all(lp > -1e-3 for lp in seq.store.logprobs)  # logprobs are after the bias
+
+
+def test_eos_finishes_with_stop_and_keeps_its_entry(tiny: LoadedModel) -> None:
+    prompt = encode(tiny, PROMPTS[0])
+    params = SamplingParams(max_tokens=5, temperature=0, logit_bias=((2, 100.0),), logprobs=True)
+    [(seq, outs)] = run_engine(tiny, [(prompt, params)])
+    assert list(seq.output_ids) == [2]
+    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].end_token == 1
+    assert "".join(o.text for o in outs) == ""
