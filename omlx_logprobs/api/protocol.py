@@ -62,3 +62,4 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_ids: bool = False  # vLLM: prompt_token_ids and choices[].token_ids

@@ -181,11 +181,17 @@ class ChatServing:
         lp = self._logprobs_json(seq, 0, out.end_token)
         message = json.dumps({"role": "assistant", "content": out.text}, ensure_ascii=False)
         finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
-        choice = f'{{"index":0,"message":{message},"logprobs":{lp},"finish_reason":{finish}}}'
+        ids = ""
+        if req.return_token_ids:
+            ids = f',"token_ids":{json.dumps(seq.output_ids[: out.end_token].tolist())}'
+        choice = f'{{"index":0,"message":{message},"logprobs":{lp},"finish_reason":{finish}{ids}}}'
+        prompt_ids = ""
+        if req.return_token_ids:
+            prompt_ids = f',"prompt_token_ids":{json.dumps(seq.prompt_ids)}'
         return (
             f'{{"id":"{seq.request_id}","object":"chat.completion","created":{int(time.time())},'
             f'"model":{json.dumps(self.served.model.name)},"choices":[{choice}],'
-            f'"usage":{json.dumps(_usage(out))}}}'
+            f'"usage":{json.dumps(_usage(out))}{prompt_ids}}}'
         )
 
     def _logprobs_json(self, seq: Sequence, start: int, end: int) -> str:
@@ -208,19 +214,23 @@ class ChatServing:
         usage = bool(req.stream_options and req.stream_options.include_usage)
         tail = ',"usage":null}' if usage else "}"
 
-        def chunk(delta: dict[str, Any], logprobs: str, finish: str | None) -> str:
+        def chunk(delta: dict[str, Any], logprobs: str, finish: str | None, extra: str = "") -> str:
             d = json.dumps(delta, ensure_ascii=False)
             fin = json.dumps(finish)
-            choice = f'{{"index":0,"delta":{d},"logprobs":{logprobs},"finish_reason":{fin}}}'
+            choice = f'{{"index":0,"delta":{d},"logprobs":{logprobs},"finish_reason":{fin}{extra}}}'
             return f'data: {head}"choices":[{choice}]{tail}\n\n'
 
+        ids = req.return_token_ids
         try:
-            yield chunk({"role": "assistant", "content": ""}, "null", None)
+            first = f',"prompt_token_ids":{json.dumps(seq.prompt_ids)}' if ids else ""
+            yield chunk({"role": "assistant", "content": ""}, "null", None, first)
             while True:
                 out = await handle.collector.get()
                 if out.text or out.end_token > out.first_token:
                     lp = self._logprobs_json(seq, out.first_token, out.end_token)
-                    yield chunk({"content": out.text}, lp, None)
+                    new = seq.output_ids[out.first_token : out.end_token].tolist() if ids else []
+                    extra = f',"token_ids":{json.dumps(new)}' if ids else ""
+                    yield chunk({"content": out.text}, lp, None, extra)
                 if out.finished:
                     break
             if out.error:
