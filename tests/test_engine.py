@@ -143,3 +143,54 @@ def test_eos_finishes_with_stop_and_keeps_its_entry(tiny: LoadedModel) -> None:
     assert list(seq.output_ids) == [2]
     assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].end_token == 1
     assert "".join(o.text for o in outs) == ""
+
+
+def test_penalties_match_an_independent_application(tiny: LoadedModel) -> None:
+    prompt = encode(tiny, PROMPTS[0])
+    params = SamplingParams(
+        max_tokens=8,
+        temperature=0,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        logprobs=True,
+        ignore_eos=True,
+    )
+    [(seq, _)] = run_engine(tiny, [(prompt, params)])
+    out = list(seq.output_ids)
+    import mlx.core as mx
+
+    logits = np.array(tiny.model(mx.array([prompt + out]))[0].astype(mx.float32))
+    for i, tok in enumerate(out):
+        row = logits[len(prompt) - 1 + i].astype(np.float64)
+        seen = set(prompt) | set(out[:i])
+        for t in seen:
+            row[t] = row[t] / 1.3 if row[t] > 0 else row[t] * 1.3
+        for t in set(out[:i]):
+            row[t] -= 0.5 * out[:i].count(t) + 0.25
+        lp = row - np.log(np.sum(np.exp(row - row.max()))) - row.max()
+        assert tok == int(np.argmax(row))
+        assert abs(seq.store.logprobs[i] - lp[tok]) < 1e-4
+
+
+def test_top_k_one_samples_the_argmax(tiny: LoadedModel) -> None:
+    prompt = encode(tiny, PROMPTS[2])
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    topk1 = SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=5, ignore_eos=True)
+    minp = SamplingParams(max_tokens=10, temperature=1.5, min_p=1.0, seed=5, ignore_eos=True)
+    runs = run_engine(tiny, [(prompt, greedy), (prompt, topk1), (prompt, minp)])
+    assert list(runs[0][0].output_ids) == list(runs[1][0].output_ids) == list(runs[2][0].output_ids)
+
+
+def test_top_p_keeps_sampled_tokens_inside_the_nucleus(tiny: LoadedModel) -> None:
+    prompt = encode(tiny, PROMPTS[1])
+    params = SamplingParams(
+        max_tokens=20, temperature=1.0, top_p=0.5, seed=9, logprobs=True, ignore_eos=True
+    )
+    [(seq, _)] = run_engine(tiny, [(prompt, params)])
+    out = list(seq.output_ids)
+    ref = reference_logprobs(tiny, prompt + out)[len(prompt) - 1 : -1]
+    for i, tok in enumerate(out):
+        p = np.exp(ref[i].astype(np.float64))
+        mass_before = p[p > p[tok]].sum()
+        assert mass_before < 0.5 + 1e-5

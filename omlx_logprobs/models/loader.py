@@ -3,12 +3,8 @@ embedded default. Never a model hub."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import shutil
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,37 +30,6 @@ class LoadedModel:
     max_model_len: int
 
 
-def _progress(msg: str) -> None:
-    print(f"[omlx-logprobs] {msg}", file=sys.stderr, flush=True)
-
-
-def cache_root() -> Path:
-    env = os.environ.get("OMLX_LOGPROBS_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "omlx_logprobs"
-
-
-def _gguf_dir(gguf: Path) -> Path:
-    """Convert a GGUF file once into the cache; reuse it afterwards."""
-    from omlx_logprobs.models.gguf import convert_gguf
-
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
-    out = cache_root() / f"{gguf.stem}-{key[:12]}"
-    if (out / "config.json").exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    convert_gguf(gguf, tmp, progress=_progress)
-    try:
-        tmp.rename(out)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
 def resolve_model_path(model: str | None) -> tuple[Path, str]:
     """(mlx-lm directory, served name) for a --model argument."""
     if model is None:
@@ -73,7 +38,9 @@ def resolve_model_path(model: str | None) -> tuple[Path, str]:
         return ensure_embedded_model(), EMBEDDED_NAME
     p = Path(model).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        return _gguf_dir(p), p.stem
+        from omlx_logprobs.models.embedded import ensure_converted
+
+        return ensure_converted(p, p.stem), p.stem
     if p.is_dir() and (p / "config.json").exists():
         return p, p.name
     raise FileNotFoundError(

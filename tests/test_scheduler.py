@@ -1,0 +1,73 @@
+"""The scheduler is plain Python: tested over Sequence objects with no model."""
+
+from __future__ import annotations
+
+from omlx_logprobs.engine.scheduler import Scheduler
+from omlx_logprobs.engine.sequence import Sequence, Status
+from omlx_logprobs.types import FinishReason, SamplingParams
+
+
+def seq(n: int) -> Sequence:
+    return Sequence(f"r{n}", list(range(n)), SamplingParams())
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes() -> None:
+    s = Scheduler(max_num_seqs=4, prefill_chunk=5)
+    short, long = seq(3), seq(12)
+    s.add(short)
+    s.add(long)
+    work = s.schedule()
+    assert work.prefill and (work.prefill.start, work.prefill.end, work.prefill.is_last) == (
+        0,
+        3,
+        True,
+    )
+    s.update(work)
+    assert s.running == [short] and short.status is Status.RUNNING
+    chunks = []
+    while s.waiting:
+        work = s.schedule()
+        assert work.decode == [short]  # decoding goes on during the long prefill
+        assert work.prefill is not None
+        chunks.append((work.prefill.start, work.prefill.end))
+        s.update(work)
+    assert chunks == [(0, 5), (5, 10), (10, 12)]
+    assert s.running == [short, long]
+
+
+def test_batch_limit_holds_new_prompts_back() -> None:
+    s = Scheduler(max_num_seqs=2, prefill_chunk=100)
+    seqs = [seq(2) for _ in range(3)]
+    for q in seqs:
+        s.add(q)
+    for _ in range(2):
+        s.update(s.schedule())
+    assert len(s.running) == 2
+    assert s.schedule().prefill is None  # full
+    seqs[0].finish(FinishReason.STOP)
+    s.update(s.schedule())
+    assert seqs[0] not in s.running
+    work = s.schedule()
+    assert work.prefill is not None and work.prefill.seq is seqs[2]
+
+
+def test_sequence_finished_by_its_first_token_never_runs() -> None:
+    s = Scheduler(max_num_seqs=2, prefill_chunk=100)
+    q = seq(4)
+    s.add(q)
+    work = s.schedule()
+    q.finish(FinishReason.LENGTH)  # what the output processor does for max_tokens=1
+    s.update(work)
+    assert not s.running and not s.waiting and not s.has_work()
+
+
+def test_remove_takes_a_sequence_out_wherever_it_is() -> None:
+    s = Scheduler(max_num_seqs=2, prefill_chunk=2)
+    a, b = seq(2), seq(6)
+    s.add(a)
+    s.add(b)
+    s.update(s.schedule())
+    s.update(s.schedule())  # b half prefilled
+    s.remove(a)
+    s.remove(b)
+    assert not s.has_work()
