@@ -1,0 +1,297 @@
+"""Closed-loop load generator for any OpenAI-compatible chat completions endpoint.
+
+`concurrency` workers, each with its own connection, send requests back to back until `requests`
+are done. Output length is pinned with `max_tokens` + `ignore_eos` so that tokens/s compares like
+with like, and every response is checked (status, token count, logprobs shape): a fast server
+that returns the wrong thing must not look good.
+
+    .venv/bin/python bench/loadgen.py --base-url http://127.0.0.1:8000/v1 --concurrency 8 \
+        --requests 32 --logprobs 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import httpx
+
+# A fixed vocabulary of plain English words: every one is a common token or two, so prompt length
+# in tokens stays close to --prompt-words whatever the tokenizer.
+WORDS = (
+    "river stone garden window market yellow silver winter summer forest planet engine "
+    "letter castle bridge pocket ladder candle hammer basket mirror orange purple violet "
+    "gentle quiet bright heavy simple rapid silent golden wooden paper glass metal cloud "
+    "storm island valley desert ocean harbor station village museum library kitchen "
+    "doctor farmer painter sailor teacher writer singer dancer pilot baker travel build "
+    "carry follow gather listen measure notice offer open paint reach remember return "
+    "share start study turn visit wander write answer balance change circle corner "
+    "danger effort family friend future history memory moment number people reason "
+    "season signal spirit system theory thought value wonder animal button coffee "
+    "dinner flower guitar jacket kettle lemon monkey needle pencil rabbit saddle tiger"
+).split()
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    base_url: str  # e.g. http://127.0.0.1:8000/v1
+    model: str
+    concurrency: int = 1
+    requests: int = 8
+    max_tokens: int = 64
+    logprobs: int | None = None  # None: no logprobs field; k: logprobs=true, top_logprobs=k
+    stream: bool = False
+    prompt_words: int = 32
+    temperature: float = 0.0
+    seed: int = 0  # prompt seed; request i of seed s always gets the same prompt
+    timeout_s: float = 600.0
+
+
+@dataclass
+class RequestRecord:
+    latency_s: float
+    ttft_s: float | None = None
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class LoadResult:
+    config: LoadConfig
+    ok: int
+    errors: int
+    wall_s: float
+    completion_tokens: int
+    tokens_per_s: float
+    requests_per_s: float
+    latency_mean_s: float
+    latency_p50_s: float
+    latency_p90_s: float
+    ttft_mean_s: float | None = None
+    ttft_p50_s: float | None = None
+    ttft_p90_s: float | None = None
+    error_samples: list[str] = field(default_factory=list)
+    # Per-request data, kept so runs of the same cell can be merged with exact percentiles.
+    records: list[RequestRecord] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        del d["records"]
+        return d
+
+
+def make_prompt(index: int, words: int, seed: int = 0) -> str:
+    """Deterministic and distinct per request; the index leads so no two prompts share a prefix
+    beyond the chat template's own, and prefix caching cannot help."""
+    rng = random.Random(seed * 1_000_003 + index)
+    body = " ".join(rng.choice(WORDS) for _ in range(words))
+    return f"Request {index}: {body}"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    pos = (len(s) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def request_body(cfg: LoadConfig, index: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": cfg.model,
+        "messages": [{"role": "user", "content": make_prompt(index, cfg.prompt_words, cfg.seed)}],
+        "max_tokens": cfg.max_tokens,
+        "ignore_eos": True,
+        "temperature": cfg.temperature,
+        "stream": cfg.stream,
+    }
+    if cfg.stream:
+        body["stream_options"] = {"include_usage": True}
+    if cfg.logprobs is not None:
+        body["logprobs"] = True
+        body["top_logprobs"] = cfg.logprobs
+    return body
+
+
+def check_logprobs(content: list[Any] | None, cfg: LoadConfig) -> str | None:
+    """None when the logprobs match the request, else why not."""
+    if cfg.logprobs is None:
+        return None if not content else "logprobs returned but not asked for"
+    if content is None or len(content) != cfg.max_tokens:
+        n = None if content is None else len(content)
+        return f"logprobs.content has {n} entries, expected {cfg.max_tokens}"
+    for i, entry in enumerate(content):
+        top = entry.get("top_logprobs")
+        if "logprob" not in entry or top is None or len(top) != cfg.logprobs:
+            got = None if top is None else len(top)
+            return f"entry {i}: top_logprobs has {got} items, expected {cfg.logprobs}"
+    return None
+
+
+async def _complete(client: httpx.AsyncClient, cfg: LoadConfig, index: int) -> RequestRecord:
+    t0 = time.perf_counter()
+    r = await client.post("/chat/completions", json=request_body(cfg, index))
+    latency = time.perf_counter() - t0
+    if r.status_code != 200:
+        return RequestRecord(latency, error=f"HTTP {r.status_code}: {r.text[:200]}")
+    data = r.json()
+    n = int((data.get("usage") or {}).get("completion_tokens", 0))
+    rec = RequestRecord(latency, completion_tokens=n)
+    lp = data["choices"][0].get("logprobs")
+    rec.error = _check_count(n, cfg) or check_logprobs((lp or {}).get("content"), cfg)
+    return rec
+
+
+async def _stream(client: httpx.AsyncClient, cfg: LoadConfig, index: int) -> RequestRecord:
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    usage: dict[str, Any] | None = None
+    content: list[Any] = []
+    async with client.stream("POST", "/chat/completions", json=request_body(cfg, index)) as r:
+        if r.status_code != 200:
+            text = (await r.aread()).decode(errors="replace")
+            return RequestRecord(time.perf_counter() - t0, error=f"HTTP {r.status_code}: {text}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                return RequestRecord(time.perf_counter() - t0, error=f"stream error: {payload}")
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                # The role-only opening chunk has content "": TTFT is the first real text.
+                if ttft is None and (choice.get("delta") or {}).get("content"):
+                    ttft = time.perf_counter() - t0
+                content.extend((choice.get("logprobs") or {}).get("content") or [])
+    rec = RequestRecord(time.perf_counter() - t0, ttft_s=ttft)
+    if usage is None:
+        rec.error = "no usage chunk (stream_options.include_usage ignored?)"
+        return rec
+    rec.completion_tokens = int(usage.get("completion_tokens", 0))
+    rec.error = _check_count(rec.completion_tokens, cfg) or check_logprobs(content, cfg)
+    return rec
+
+
+def _check_count(n: int, cfg: LoadConfig) -> str | None:
+    return None if n == cfg.max_tokens else f"{n} completion tokens, expected {cfg.max_tokens}"
+
+
+async def run_load(cfg: LoadConfig) -> LoadResult:
+    """Run one closed-loop load and return its measurements. Requests that fail still count in
+    the wall time but not in tokens; `errors` says how many."""
+    next_index = 0
+    records: list[RequestRecord] = []
+    send = _stream if cfg.stream else _complete
+    # One connection per worker: the client-side pool must never be what limits concurrency.
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
+
+    async def worker() -> None:
+        nonlocal next_index
+        async with httpx.AsyncClient(base_url=cfg.base_url, limits=limits, timeout=timeout) as c:
+            while next_index < cfg.requests:
+                index = next_index
+                next_index += 1  # single-threaded event loop: no lock needed
+                t0 = time.perf_counter()
+                try:
+                    records.append(await send(c, cfg, index))
+                except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+                    lat = time.perf_counter() - t0
+                    records.append(RequestRecord(lat, error=f"{type(e).__name__}: {e}"))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, cfg.requests))))
+    wall = time.perf_counter() - start
+    return summarize(cfg, records, wall)
+
+
+def summarize(cfg: LoadConfig, records: list[RequestRecord], wall: float) -> LoadResult:
+    good = [r for r in records if r.error is None]
+    bad = [r for r in records if r.error is not None]
+    lat = [r.latency_s for r in good]
+    ttft = [r.ttft_s for r in good if r.ttft_s is not None]
+    tokens = sum(r.completion_tokens for r in good)
+    res = LoadResult(
+        config=cfg,
+        ok=len(good),
+        errors=len(bad),
+        wall_s=wall,
+        completion_tokens=tokens,
+        tokens_per_s=tokens / wall if wall > 0 else 0.0,
+        requests_per_s=len(good) / wall if wall > 0 else 0.0,
+        latency_mean_s=sum(lat) / len(lat) if lat else float("nan"),
+        latency_p50_s=percentile(lat, 0.5),
+        latency_p90_s=percentile(lat, 0.9),
+        error_samples=sorted({r.error for r in bad if r.error})[:5],
+        records=records,
+    )
+    if cfg.stream and ttft:
+        res.ttft_mean_s = sum(ttft) / len(ttft)
+        res.ttft_p50_s = percentile(ttft, 0.5)
+        res.ttft_p90_s = percentile(ttft, 0.9)
+    return res
+
+
+def merge(results: list[LoadResult]) -> LoadResult:
+    """Several runs of one configuration as one: tokens over summed wall time, percentiles over
+    all requests. The runs must not overlap in time."""
+    records = [r for res in results for r in res.records]
+    cfg = replace(results[0].config, requests=sum(res.config.requests for res in results))
+    return summarize(cfg, records, sum(res.wall_s for res in results))
+
+
+def parse_logprobs(value: str) -> int | None:
+    if value == "off":
+        return None
+    k = int(value)
+    if not 0 <= k <= 20:
+        raise argparse.ArgumentTypeError("--logprobs is off or 0..20")
+    return k
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--logprobs", type=parse_logprobs, default=None, metavar="off|0..20")
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--prompt-words", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0)
+    a = p.parse_args(argv)
+    cfg = LoadConfig(
+        base_url=a.base_url,
+        model=a.model,
+        concurrency=a.concurrency,
+        requests=a.requests,
+        max_tokens=a.max_tokens,
+        logprobs=a.logprobs,
+        stream=a.stream,
+        prompt_words=a.prompt_words,
+        temperature=a.temperature,
+        seed=a.seed,
+        timeout_s=a.timeout,
+    )
+    res = asyncio.run(run_load(cfg))
+    print(json.dumps(res.to_json(), indent=2))
+    return 1 if res.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
