@@ -171,10 +171,10 @@ def section(rep: Report, facts: dict[str, str]) -> str:
         "",
         f"Non-streaming chat completions, {rep.max_tokens} completion tokens per request "
         f"(`ignore_eos`), prompts of about {rep.prompt_words} random words, distinct per request, "
-        "temperature 0. Off and on runs alternate at each concurrency (off, on, on, off with two "
-        "runs per mode, to cancel drift); tokens/s is completion tokens over wall time, summed "
-        "over the runs of a mode. A run whose request count equals its concurrency is a single "
-        "wave: admission and drain are part of it.",
+        "temperature 0. Off and on runs alternate at each concurrency (off, on, on, off, or on, "
+        "off, off, on at every other concurrency, to cancel drift); tokens/s is completion "
+        "tokens over wall time, summed over the runs of a mode. A run whose request count "
+        "equals its concurrency is a single wave: admission and drain are part of it.",
         "",
         table(rep),
         "",
