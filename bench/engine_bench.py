@@ -8,6 +8,7 @@ wave of the HTTP benchmark.
     python bench/engine_bench.py --model DIR --batch 8 32 64 --max-tokens 128
 """
 
+# ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import omlx_logprobs  # noqa: F401  (loads OpenBLAS before mlx)
-import mlx.core as mx  # noqa: I001
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from omlx_logprobs.config import EngineConfig
@@ -115,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         base = next(r for r in results if r.batch == n and r.target == "batchgen")
-        off = next((r for r in results if r.batch == n and r.mode == "off" and r.target == "omlx"),
-                   None)
+        off = next(
+            (r for r in results if r.batch == n and r.mode == "off" and r.target == "omlx"), None
+        )
         for r in results:
             if r.batch == n and r.target == "omlx":
                 vs_off = f", vs our off {r.tokens_per_s / off.tokens_per_s:.2f}x" if off else ""
-                print(f"  {r.mode:6s} vs batchgen {r.tokens_per_s / base.tokens_per_s:.2f}x{vs_off}")
+                ratio = r.tokens_per_s / base.tokens_per_s
+                print(f"  {r.mode:6s} vs batchgen {ratio:.2f}x{vs_off}")
     if a.json:
         a.json.write_text(json.dumps([asdict(r) | {"tok_s": r.tokens_per_s} for r in results]))
     return 0

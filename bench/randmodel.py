@@ -6,6 +6,7 @@ here, and needs none: throughput depends on shapes, not values.
     python bench/randmodel.py --out /tmp/rand-1b --tokenizer-from DIR [--size 1b|tiny]
 """
 
+# ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)
 from __future__ import annotations
 
 import argparse
@@ -15,16 +16,26 @@ import sys
 from pathlib import Path
 
 import omlx_logprobs  # noqa: F401  (loads OpenBLAS before mlx)
-import mlx.core as mx  # noqa: I001
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
 SIZES = {
     # hidden 2048, 16 layers, vocab 49,152: the size named in issue 5 (1.07B parameters).
-    "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,
-           "num_attention_heads": 32, "num_key_value_heads": 8},
-    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-             "num_attention_heads": 4, "num_key_value_heads": 2},
+    "1b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "intermediate_size": 8192,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
 }
 
 
