@@ -61,7 +61,7 @@ def run_omlx(m: LoadedModel, batch: list[list[int]], max_tokens: int, top: int |
     seqs = [Sequence(f"b{i}", p, params) for i, p in enumerate(batch)]
     for s in seqs:
         engine.scheduler.add(s)
-    while engine.scheduler.has_work():  # the engine thread's loop, inline
+    while engine.has_work():  # the engine thread's loop, inline
         engine.step()
     return sum(s.num_output for s in seqs)
 

@@ -27,6 +27,8 @@ class OutputProcessor:
         finished: list[Sequence] = []
         lp = result.logprobs
         for i, seq in enumerate(result.seqs):
+            if seq.status is Status.FINISHED:
+                continue  # finished (or aborted) while this step ran: its row is surplus
             token = int(result.token_ids[i])
             seq.output_ids.append(token)
             if seq.store is not None and lp is not None:
