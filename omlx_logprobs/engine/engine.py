@@ -38,6 +38,7 @@ class Engine:
         self.processor = OutputProcessor(vocab, eos, self._deliver)
         self.inflight: LaunchedStep | None = None  # launched, not yet processed
         self._collectors: dict[int, RequestOutputCollector] = {}
+        self._to_wake: list[RequestOutputCollector] = []  # woken together after each step
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -104,6 +105,7 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
+            self._wake_consumers()
             if not self.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -114,7 +116,9 @@ class Engine:
                 log.exception("engine step failed")
                 self.inflight = None
                 self._fail_all(f"internal error in the engine step: {exc}")
+            self._wake_consumers()
         self._fail_all("the server is shutting down")
+        self._wake_consumers()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -134,13 +138,18 @@ class Engine:
         self.runner.release([seq])
         self.processor.emit(seq, seq.text.flush(), seq.num_output)
 
+    def _wake_consumers(self) -> None:
+        if self._to_wake:
+            RequestOutputCollector.wake_all(self._to_wake)
+            self._to_wake = []
+
     def _fail_all(self, message: str) -> None:
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             self._end(seq, FinishReason.ERROR, message)
 
     def _deliver(self, seq: Sequence, out: RequestOutput) -> None:
         collector = self._collectors.get(seq.seq_id)
-        if collector is not None:
-            collector.put(out)
+        if collector is not None and collector.deposit(out):
+            self._to_wake.append(collector)
         if out.finished:
             self._collectors.pop(seq.seq_id, None)
