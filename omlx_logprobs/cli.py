@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 
 import omlx_logprobs
 from omlx_logprobs.config import EngineConfig
@@ -54,6 +56,9 @@ def serve(args: argparse.Namespace) -> None:
         len(model.vocab),
         model.max_model_len,
     )
+    # The engine thread needs the GIL back promptly after each device wait; the default 5 ms
+    # switch interval lets a busy event loop hold it for a whole decode step.
+    sys.setswitchinterval(float(os.environ.get("OMLX_SWITCH_INTERVAL", "0.005")))
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg)
     app = create_app(Served(engine, model, cfg))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -167,7 +167,7 @@ class ChatServing:
             req, served, len(prompt), max_tokens, req.logprobs, req.top_logprobs or 0
         )
         seq = Sequence(f"chatcmpl-{uuid.uuid4().hex}", prompt, params)
-        return served.engine.add_request(seq, asyncio.get_running_loop())
+        return served.engine.add_request(seq, asyncio.get_running_loop(), not req.stream)
 
     async def complete(self, req: ChatCompletionRequest, raw: Request) -> dict[str, Any] | str:
         handle = self._start(req)

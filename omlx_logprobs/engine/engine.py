@@ -7,6 +7,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.model_runner import LaunchedStep, ModelRunner
 from omlx_logprobs.engine.scheduler import Scheduler, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence, Status
+from omlx_logprobs.engine.stats import StepStats
 from omlx_logprobs.output.collector import RequestOutputCollector
 from omlx_logprobs.output.detokenizer import Vocabulary
 from omlx_logprobs.output.processor import OutputProcessor
@@ -37,6 +39,7 @@ class Engine:
         self.runner = ModelRunner(model, len(vocab))
         self.processor = OutputProcessor(vocab, eos, self._deliver)
         self.inflight: LaunchedStep | None = None  # launched, not yet processed
+        self.stats = StepStats()
         self._collectors: dict[int, RequestOutputCollector] = {}
         self._to_wake: list[RequestOutputCollector] = []  # woken together after each step
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -53,8 +56,11 @@ class Engine:
         self._wake.set()
         self._thread.join(timeout)
 
-    def add_request(self, seq: Sequence, loop: asyncio.AbstractEventLoop) -> RequestHandle:
-        handle = RequestHandle(seq, RequestOutputCollector(loop))
+    def add_request(
+        self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
+    ) -> RequestHandle:
+        """Queue a request; `final_only`: its consumer waits for the finished output alone."""
+        handle = RequestHandle(seq, RequestOutputCollector(loop, final_only))
         self._inbox.put(("add", handle))
         self._wake.set()
         return handle
@@ -72,12 +78,17 @@ class Engine:
         """Launch this step, then process the previous one while the device runs this one."""
         if self.inflight is not None and self._needs_history():
             self._complete()
+        t0 = time.perf_counter()
         work = self.scheduler.schedule()
         launched = self.runner.launch(work)
         self._admit(work)
         self.scheduler.update(work)
+        t1 = time.perf_counter()
         self._complete()
         self.inflight = launched
+        rows = len(launched.seqs) if launched is not None else 0
+        prefill = sum(c.end - c.start for c in work.prefill)
+        self.stats.add(rows, prefill, t1 - t0, time.perf_counter() - t1)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None

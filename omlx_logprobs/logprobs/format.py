@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from array import array
+from collections.abc import Callable
 
 import numpy as np
 
@@ -72,12 +73,10 @@ class ChatLogprobFormatter:
             store.top_ids[start * k : end * k],
             store.top_logprobs[start * k : end * k],
         )
-        fmt = repr
-        if not (
-            _all_finite(store.logprobs, start, end)
-            and _all_finite(store.top_logprobs, start * k, end * k)
-        ):
-            fmt = num  # the slow path: -inf as -9999.0, NaN refused
+        finite = _all_finite(store.logprobs, start, end) and _all_finite(
+            store.top_logprobs, start * k, end * k
+        )
+        fmt: Callable[[float], str] = float.__repr__ if finite else num  # num: -inf, NaN
         heads = self._head_list(ids)
         if k:
             heads = self._head_list(top_ids)
