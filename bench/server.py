@@ -36,9 +36,11 @@ def omlx_command(port: int, model: str | None, max_num_seqs: int) -> list[str]:
 
 
 def mlx_lm_command(port: int, model: str, max_num_seqs: int) -> list[str]:
-    """mlx-lm's own server. Its decode batch defaults to 32; it gets ours (64) so that
-    concurrency 64 is not capped for it alone. Prefill batch: its default, 8."""
-    cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1"]
+    """mlx-lm's own server, through bench/mlx_lm_server.py (OpenBLAS as ours). Its decode batch
+    defaults to 32; it gets ours (64) so that concurrency 64 is not capped for it alone.
+    Prefill batch: its default, 8."""
+    launcher = str(REPO / "bench" / "mlx_lm_server.py")
+    cmd = [sys.executable, launcher, "--model", model, "--host", "127.0.0.1"]
     return cmd + ["--port", str(port), "--decode-concurrency", str(max_num_seqs)]
 
 
