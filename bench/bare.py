@@ -99,9 +99,9 @@ def run(p: Preset, model_dir: Path) -> PartResult:
     t0 = time.perf_counter()
     m = load_model(str(model_dir))
     log(f"bare mlx-lm on {mx.default_device()}, model {m.path}")
-    top = max(c.concurrency for c in p.cells)
-    warm = [chat_ids(m, make_prompt(i, p.prompt_words, 0)) for i in range(top)]
-    run_batchgen(m, warm, p.warmup_tokens)  # compile kernels and allocate before timing
+    for c in sorted({c.concurrency for c in p.cells}):  # compile kernels, allocate: not timed
+        warm = [chat_ids(m, make_prompt(i, p.prompt_words, 0)) for i in range(c)]
+        run_batchgen(m, warm, p.warmup_tokens)
     part = PartResult("batchgen", "", 0.0, "")
     for spec in p.cells:
         part.throughput.append(throughput(m, p, spec))

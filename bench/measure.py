@@ -94,14 +94,14 @@ class ServerBench:
         return res
 
     async def warmup(self, modes: tuple[str, ...]) -> float:
-        """A cold request, then a short-output wave at the largest concurrency in the most
-        expensive mode, so batch shapes and the logprobs path have run before anything is timed.
-        Returns the cold request's latency."""
+        """A cold request, then a short-output wave at every concurrency in the most expensive
+        mode, so that batch shapes (kernels compiled per shape on a GPU) and the logprobs path
+        have run before anything is timed. Returns the cold request's latency."""
         log(f"warm-up {self.target.name}:")
         short = {"max_tokens": self.p.warmup_tokens}
         cold = await self.load(self.config(1, 1, "off", **short))
-        top = max(c.concurrency for c in self.p.cells)
-        await self.load(self.config(top, top, modes[-1], **short))
+        for c in sorted({c.concurrency for c in self.p.cells}):
+            await self.load(self.config(c, c, modes[-1], **short))
         return cold.latency_mean_s
 
     async def cell(self, spec: CellSpec, modes: tuple[str, ...], shift: int) -> list[Throughput]:

@@ -70,7 +70,8 @@ class Preset:
 
 # `make bench` on the 2-core CPU box, where prefill runs at ~150 tokens/s and decode at batch 64
 # takes ~0.7 s a step: 32 new tokens per request and one single-wave run per mode and
-# concurrency make our server's part ~6 minutes and the whole preset ~9 on a quiet box (limit 15).
+# concurrency (two at c=1) make our server's part ~6 minutes with its warm-up, mlx-lm's ~2,
+# bare mlx-lm ~1, and the whole preset ~10 on a quiet box (limit 15).
 CPU = Preset(
     name="cpu",
     model=ModelSpec("embedded"),

@@ -183,7 +183,7 @@ def run_parts(parts: list[str], p: Preset, m: Model, res: Results, state: Path) 
 
 def starting_results(p: Preset, m: Model, a: argparse.Namespace, state: Path) -> Results:
     """Saved results of this preset and model when only some parts run, else a fresh start."""
-    label = str(m.omlx_arg or "embedded SmolLM2-135M-Instruct")
+    label = shown([m.omlx_arg]) if m.omlx_arg else "embedded SmolLM2-135M-Instruct"
     facts = machine_facts(REPO)
     if a.only and state.exists() and not a.fresh:
         old = Results.load(state)
