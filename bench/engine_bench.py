@@ -61,7 +61,7 @@ def run_omlx(m: LoadedModel, batch: list[list[int]], max_tokens: int, top: int |
     seqs = [Sequence(f"b{i}", p, params) for i, p in enumerate(batch)]
     for s in seqs:
         engine.scheduler.add(s)
-    while engine.scheduler.has_work():  # the engine thread's loop, inline
+    while engine.has_work():  # the engine thread's loop, inline
         engine.step()
     return sum(s.num_output for s in seqs)
 
@@ -97,6 +97,21 @@ def cell(m: LoadedModel, target: str, mode: str, n: int, args: argparse.Namespac
     return Result(target, mode, n, tokens, time.perf_counter() - t0)
 
 
+def profile(m: LoadedModel, mode: str, n: int, a: argparse.Namespace) -> int:
+    """Where the host thread's time goes in one cell (waits for the device show as collect)."""
+    import cProfile
+    import pstats
+
+    cell(m, "omlx", mode, n, a)
+    prof = cProfile.Profile()
+    prof.enable()
+    r = cell(m, "omlx", mode, n, a)
+    prof.disable()
+    print(f"batch {n} {mode}: {r.tokens_per_s:.1f} tok/s")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="mlx-lm dir or .gguf; default: embedded")
@@ -106,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=["off", "top0", "top5", "top20"])
     ap.add_argument("--rounds", type=int, default=2, help="repeat each cell, keep the best")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--profile", default=None, help="MODE: profile our engine at the last batch")
     a = ap.parse_args(argv)
     m = load_model(a.model)
     print(f"device {mx.default_device()}, model {m.path}", file=sys.stderr)
     cell(m, "omlx", "top20", 2, a)  # warm-up: compile kernels, first allocations
     cell(m, "batchgen", "off", 2, a)
+    if a.profile:
+        return profile(m, a.profile, a.batch[-1], a)
     results: list[Result] = []
     for n in a.batch:
         runs = [("batchgen", "off")] + [("omlx", mode) for mode in a.modes]
