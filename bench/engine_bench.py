@@ -66,8 +66,18 @@ def run_omlx(m: LoadedModel, batch: list[list[int]], max_tokens: int, top: int |
     return sum(s.num_output for s in seqs)
 
 
-def run_batchgen(m: LoadedModel, batch: list[list[int]], max_tokens: int) -> int:
-    gen = BatchGenerator(m.model, max_tokens=max_tokens, completion_batch_size=len(batch))
+def run_batchgen(
+    m: LoadedModel, batch: list[list[int]], max_tokens: int, batch_size: int | None = None
+) -> int:
+    """Generate `max_tokens` for every prompt (no stop tokens), at most `batch_size` at a time
+    (default: all), as mlx-lm's own continuous batching schedules them; return the token count."""
+    size = batch_size or len(batch)
+    gen = BatchGenerator(
+        m.model,
+        max_tokens=max_tokens,
+        completion_batch_size=size,
+        prefill_batch_size=min(size, 8),  # mlx-lm's default, fewer for small batches
+    )
     gen.insert(batch, max_tokens=[max_tokens] * len(batch))
     tokens = 0
     while responses := gen.next_generated():
