@@ -90,7 +90,7 @@ class RequestOutput:
     completion_tokens: int = 0
     error: str | None = None
     reasoning_text: str = ""
-    content_start: int = 0  # tokens before it are reasoning; 0: all content
+    content_start: int = 0  # the request's reasoning tokens so far: those before it; 0: none
 
     @property
     def split_token(self) -> int:
@@ -99,9 +99,9 @@ class RequestOutput:
         return min(max(self.content_start, self.first_token), self.end_token)
 
     def merge(self, later: RequestOutput) -> RequestOutput:
-        # Reasoning tokens come first, so the merged split is this one unless all of this
-        # delta's tokens were reasoning.
-        split = self.split_token if self.split_token < self.end_token else later.split_token
+        # Reasoning tokens come first: the count of reasoning tokens is this delta's unless all
+        # of its tokens were reasoning (then the later one knows at least as many).
+        split = self.content_start if self.split_token < self.end_token else later.content_start
         return RequestOutput(
             request_id=self.request_id,
             text=self.text + later.text,

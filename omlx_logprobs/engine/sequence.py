@@ -38,6 +38,7 @@ class Sequence:
         self.num_prefilled = 0  # prompt tokens already in the KV cache
         self.output_ids = array("i")
         self.store = LogprobStore(params.top_logprobs) if params.logprobs else None
+        self.think = think
         self.text = SectionedText(params.stop, think)  # reasoning and content
         self.token_ends = array("q")  # cumulative UTF-8 byte end of each generated token
         self.released_tokens = 0  # tokens whose text (and entry) has gone to the consumer
