@@ -20,6 +20,7 @@ from tests.scripted import CASES, check_entries
 from tests.test_scripted import case_ids
 
 MODEL = "scripted-thinker"
+OPEN = {"enable_thinking": True}  # the scripted template then ends the prompt with "<think>\n"
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +101,22 @@ def from_chunks(chunks: list[Any]) -> Got:
     return got
 
 
-def check(got: Got, name: str, k: int, model: LoadedModel, first_step: int = 0) -> None:
+def check(
+    got: Got,
+    name: str,
+    k: int,
+    model: LoadedModel,
+    first_step: int = 0,
+    reasoning: tuple[str, str] | None = None,
+) -> None:
+    """All of an answer against its case; first_step: script tokens the template wrote."""
     case = CASES[name]
     ids, n_reasoning = case_ids(model, name)
     ids = ids[first_step:]
     n_reasoning -= first_step
     assert got.token_ids == ids
-    assert (got.reasoning or "", got.content) == (case.reasoning, case.content)
+    want = reasoning or (case.reasoning, case.content)
+    assert (got.reasoning or "", got.content) == want
     assert got.finish == "stop"
     assert got.usage["completion_tokens"] == len(ids)
     assert got.usage["completion_tokens_details"]["reasoning_tokens"] == n_reasoning
@@ -115,15 +125,15 @@ def check(got: Got, name: str, k: int, model: LoadedModel, first_step: int = 0) 
     check_entries(entries, ids, first_step, model.vocab, k)
     assert entries[-1]["token"] == "<|im_end|>" and entries[-1]["bytes"] is None
     if got.chunks:
-        check_chunks(got.chunks, [model.vocab.token_bytes[t] or b"" for t in ids])
+        check_chunks(got.chunks, [model.vocab.token_bytes[t] or b"" for t in ids], first_step > 0)
 
 
-def check_chunks(chunks: list[dict[str, Any]], raw_tokens: list[bytes]) -> None:
+def check_chunks(chunks: list[dict[str, Any]], raw_tokens: list[bytes], inside: bool) -> None:
     """After every chunk, the entries sent so far cover exactly the tokens whose last byte has
     been sent as text (or consumed as a tag): never ahead of the text, never a whole token behind.
     """
     raw = b"".join(raw_tokens)
-    tags = _tag_ranges(raw)
+    tags = _tag_ranges(raw, inside)
     ends = [sum(len(t) for t in raw_tokens[: i + 1]) for i in range(len(raw_tokens))]
     text, n = b"", 0
     for ch in chunks:
@@ -138,12 +148,14 @@ def check_chunks(chunks: list[dict[str, Any]], raw_tokens: list[bytes]) -> None:
     assert n == len(ends)
 
 
-def _tag_ranges(raw: bytes) -> list[range]:
-    """Where the parser's rule puts the tags: <think> first, then the first </think>."""
-    if not raw.startswith(b"<think>"):
+def _tag_ranges(raw: bytes, inside: bool) -> list[range]:
+    """Where the rules put the tags: <think> first (unless the prompt opened it), then the
+    first </think>."""
+    if not inside and not raw.startswith(b"<think>"):
         return []
-    close = raw.find(b"</think>", 7)
-    return [range(0, 7)] + ([range(close, close + 8)] if close >= 0 else [])
+    start = 0 if inside else 7
+    close = raw.find(b"</think>", start)
+    return [range(0, start)] + ([range(close, close + 8)] if close >= 0 else [])
 
 
 def _untagged(raw: bytes, tags: list[range], end: int) -> bytes:
@@ -184,33 +196,29 @@ def test_every_case_inside_one_batch(
     thinker: str, scripted: LoadedModel, stream: bool, k: int
 ) -> None:
     names = list(CASES) * 2
+    bodies = [request(n, k, pad=i % 7) for i, n in enumerate(names)]
+    # and thinking opened by the template, next to requests that open it themselves
+    bodies.append(request("opened", k, extra_body={"chat_template_kwargs": OPEN}))
 
     async def together() -> list[Got]:
         async with openai.AsyncOpenAI(
             base_url=thinker + "/v1", api_key="-", max_retries=0, timeout=300
         ) as c:
-            return await asyncio.gather(
-                *[aask(c, stream, request(n, k, pad=i % 7)) for i, n in enumerate(names)]
-            )
+            return await asyncio.gather(*[aask(c, stream, b) for b in bodies])
 
-    for name, got in zip(names, asyncio.run(together())):
+    *gots, opened = asyncio.run(together())
+    for name, got in zip(names, gots):
         check(got, name, k, scripted)
+    check(opened, "opened", k, scripted, first_step=2, reasoning=("inside", " out"))
 
 
+@pytest.mark.parametrize("k", [0, 20])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_thinking_opened_by_the_template(
-    client: openai.OpenAI, scripted: LoadedModel, stream: bool
+    client: openai.OpenAI, scripted: LoadedModel, stream: bool, k: int
 ) -> None:
-    body = request("opened", 5, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
-    got = ask(client, stream, body)
-    assert (got.reasoning, got.content) == ("inside", " out")
-    check_entries(
-        got.reasoning_entries + got.content_entries,
-        case_ids(scripted, "opened")[0][2:],
-        2,
-        scripted.vocab,
-        5,
-    )
+    got = ask(client, stream, request("opened", k, extra_body={"chat_template_kwargs": OPEN}))
+    check(got, "opened", k, scripted, first_step=2, reasoning=("inside", " out"))
     assert len(got.reasoning_entries) == 2  # "inside", "</think>"; the stop token is content
 
 
