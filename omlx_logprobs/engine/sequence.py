@@ -37,6 +37,7 @@ class Sequence:
         self.status = Status.WAITING
         self.num_prefilled = 0  # prompt tokens already in the KV cache
         self.output_ids = array("i")
+        self.num_sampled = 0  # tokens sampled on the device, some perhaps not yet processed
         self.store = LogprobStore(params.top_logprobs) if params.logprobs else None
         self.think = think
         self.text = SectionedText(params.stop, think)  # reasoning and content
