@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from array import array
+from collections.abc import Callable
 
 import numpy as np
 
@@ -72,7 +73,7 @@ class ChatLogprobFormatter:
             store.top_ids[start * k : end * k],
             store.top_logprobs[start * k : end * k],
         )
-        fmt = repr
+        fmt: Callable[[float], str] = repr
         if not (
             _all_finite(store.logprobs, start, end)
             and _all_finite(store.top_logprobs, start * k, end * k)
