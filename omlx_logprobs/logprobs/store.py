@@ -23,9 +23,7 @@ class LogprobStore:
     def __len__(self) -> int:
         return len(self.logprobs)
 
-    def append(
-        self, token: int, logprob: float, rank: int, top_ids: bytes, top_lps: bytes
-    ) -> None:
+    def append(self, token: int, logprob: float, rank: int, top_ids: bytes, top_lps: bytes) -> None:
         """One position; the top list as raw int32 ids and float32 logprobs, best first."""
         self.token_ids.append(token)
         self.logprobs.append(logprob)

@@ -214,10 +214,11 @@ class ScriptedModel(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
         b, t = inputs.shape
-        keys = (inputs.astype(mx.float32) + 1)[:, None, :, None]  # 0 is left padding
+        keys = (inputs.astype(mx.float32) + 1)[:, None, :, None]  # 0: padding the cache adds
         if cache is not None:
             keys, _ = cache[0].update_and_fetch(keys, keys)
-        ids = keys[:, 0, :, 0].astype(mx.int32) - 1  # [B, L]: every token so far, -1 = padding
+        # [B, L]: every token so far; before the prompt, -1 or the runner's pad id (not the marker)
+        ids = keys[:, 0, :, 0].astype(mx.int32) - 1
         n = ids.shape[1]
         pos = mx.arange(n)
         marker = mx.cummax(mx.where(ids == self._s.marker, pos, -1), axis=1)

@@ -31,12 +31,14 @@ class TextDelta:
 
 
 class SectionedText:
-    __slots__ = ("parser", "reasoning", "content")
+    __slots__ = ("parser", "reasoning", "content", "_plain", "_reasoning_done")
 
     def __init__(self, stops: tuple[str, ...] = (), start: ThinkStart = ThinkStart.OFF) -> None:
         self.parser = ThinkingParser(start)
         self.reasoning = IncrementalText()
         self.content = IncrementalText(stops)
+        self._plain = start is ThinkStart.OFF  # the common case: every byte is content
+        self._reasoning_done = self._plain
 
     @property
     def stopped(self) -> bool:
@@ -59,6 +61,9 @@ class SectionedText:
         return -1
 
     def feed(self, b: bytes) -> TextDelta:
+        if self._plain:
+            self.parser.fed += len(b)
+            return TextDelta(content=self.content.feed(b))
         return self._take(self.parser.feed(b), end=False)
 
     def flush(self) -> TextDelta:
@@ -67,8 +72,9 @@ class SectionedText:
 
     def _take(self, split: Split, end: bool) -> TextDelta:
         r = self.reasoning.feed(split.reasoning) if split.reasoning else ""
-        if end or self.parser.content_from is not None:
+        if not self._reasoning_done and (end or self.parser.content_from is not None):
             r += self.reasoning.flush()  # reasoning is over: a broken character ends here
+            self._reasoning_done = True
         c = self.content.feed(split.content) if split.content else ""
         if end:
             c += self.content.flush()
