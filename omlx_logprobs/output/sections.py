@@ -46,10 +46,6 @@ class SectionedText:
         return self.content.stopped
 
     @property
-    def has_reasoning(self) -> bool:
-        return self.parser.reasoning_from is not None
-
-    @property
     def settled_bytes(self) -> int:
         p = self.parser
         if p.content_from is not None:

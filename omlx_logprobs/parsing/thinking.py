@@ -73,10 +73,6 @@ class ThinkingParser:
         # Raw offset where content starts (after </think>, or 0); None: not known yet.
         self.content_from: int | None = 0 if start is ThinkStart.OFF else None
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self._state is _State.REASONING
-
     def feed(self, b: bytes) -> Split:
         base = self.fed - len(self._held)  # raw offset of data[0]
         data = self._held + b
