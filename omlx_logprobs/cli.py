@@ -9,6 +9,7 @@ import sys
 
 import omlx_logprobs
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -20,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--model",
         default=None,
-        help="mlx-lm model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        help="mlx-lm model directory, .gguf file or scripted model description (.json);"
+        " default: the embedded SmolLM2-135M-Instruct",
     )
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--host", default="127.0.0.1")
@@ -29,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, default=512)
     s.add_argument("--max-top-logprobs", type=int, default=20)
     s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument(
+        "--reasoning-parser",
+        choices=[m.value for m in ReasoningParser],
+        default=ReasoningParser.AUTO.value,
+        help="split <think> reasoning from the answer: auto (when the model has think markers),"
+        " think (always) or none",
+    )
     s.add_argument("--log-level", default="info")
     return p
 
@@ -59,8 +68,10 @@ def serve(args: argparse.Namespace) -> None:
     # The engine thread needs the GIL back promptly after each device wait; the default 5 ms
     # switch interval lets a busy event loop hold it for a whole decode step.
     sys.setswitchinterval(float(os.environ.get("OMLX_SWITCH_INTERVAL", "0.005")))
+    reasoning = parser_enabled(ReasoningParser(args.reasoning_parser), model.tokenizer)
+    log.info("reasoning parser: %s", "on" if reasoning else "off")
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg)
-    app = create_app(Served(engine, model, cfg))
+    app = create_app(Served(engine, model, cfg, reasoning=reasoning))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

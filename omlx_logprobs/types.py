@@ -76,10 +76,12 @@ class RequestOutput:
 
     Token entries are addressed as the range [first_token, end_token) of the request's own flat
     stores, so merging two deltas is a concatenation of text and a widening of the range.
+    Reasoning precedes content: entries before `content_start` (an absolute token index, clamped
+    to the range) are reasoning tokens, the rest content tokens.
     """
 
     request_id: str
-    text: str
+    text: str  # content
     first_token: int
     end_token: int
     finished: bool = False
@@ -87,11 +89,24 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    reasoning_text: str = ""
+    content_start: int = 0  # the request's reasoning tokens so far: those before it; 0: none
+
+    @property
+    def split_token(self) -> int:
+        """The first content token of this delta's range: [first, split) reasoning, [split, end)
+        content."""
+        return min(max(self.content_start, self.first_token), self.end_token)
 
     def merge(self, later: RequestOutput) -> RequestOutput:
+        # Reasoning tokens come first: the count of reasoning tokens is this delta's unless all
+        # of its tokens were reasoning (then the later one knows at least as many).
+        split = self.content_start if self.split_token < self.end_token else later.content_start
         return RequestOutput(
             request_id=self.request_id,
             text=self.text + later.text,
+            reasoning_text=self.reasoning_text + later.reasoning_text,
+            content_start=split,
             first_token=self.first_token,
             end_token=later.end_token,
             finished=later.finished,

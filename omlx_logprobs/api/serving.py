@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
+from omlx_logprobs.api import sections
 from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
 from omlx_logprobs.config import EngineConfig
@@ -20,6 +21,7 @@ from omlx_logprobs.engine.engine import Engine, RequestHandle
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.parsing.thinking import ThinkStart, think_start
 from omlx_logprobs.types import RequestOutput, SamplingParams
 
 MAX_STOP = 16
@@ -32,6 +34,7 @@ class Served:
     engine: Engine
     model: LoadedModel
     cfg: EngineConfig
+    reasoning: bool = False  # the thinking parser is on (--reasoning-parser)
 
     def check_model(self, name: str) -> None:
         if name != self.model.name:
@@ -166,7 +169,8 @@ class ChatServing:
         params = sampling_params(
             req, served, len(prompt), max_tokens, req.logprobs, req.top_logprobs or 0
         )
-        seq = Sequence(f"chatcmpl-{uuid.uuid4().hex}", prompt, params)
+        think = think_start(served.reasoning, served.model.tokenizer.decode(prompt[-8:]))
+        seq = Sequence(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, think)
         return served.engine.add_request(seq, asyncio.get_running_loop(), not req.stream)
 
     async def complete(self, req: ChatCompletionRequest, raw: Request) -> dict[str, Any] | str:
@@ -178,8 +182,10 @@ class ChatServing:
                 self.served.engine.abort(handle.seq)
         _raise_if_failed(out)
         seq = handle.seq
-        lp = self._logprobs_json(seq, 0, out.end_token)
-        message = json.dumps({"role": "assistant", "content": out.text}, ensure_ascii=False)
+        lp = self._logprobs_json(seq, out)
+        message = json.dumps(
+            {"role": "assistant", **sections.message(out, seq.think)}, ensure_ascii=False
+        )
         finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
         ids = ""
         if req.return_token_ids:
@@ -191,13 +197,21 @@ class ChatServing:
         return (
             f'{{"id":"{seq.request_id}","object":"chat.completion","created":{int(time.time())},'
             f'"model":{json.dumps(self.served.model.name)},"choices":[{choice}],'
-            f'"usage":{json.dumps(_usage(out))}{prompt_ids}}}'
+            f'"usage":{json.dumps(_usage(out, seq.think))}{prompt_ids}}}'
         )
 
-    def _logprobs_json(self, seq: Sequence, start: int, end: int) -> str:
+    def _logprobs_json(self, seq: Sequence, out: RequestOutput) -> str:
+        """The entries of out's tokens; with the thinking parser on, reasoning tokens apart."""
         if seq.store is None:
             return "null"
-        return '{"content":' + self.formatter.entries(seq.store, start, end) + ',"refusal":null}'
+        entries = self.formatter.entries
+        first, split, end = out.first_token, out.split_token, out.end_token
+        if seq.think is ThinkStart.OFF:
+            return '{"content":' + entries(seq.store, first, end) + ',"refusal":null}'
+        return (
+            f'{{"content":{entries(seq.store, split, end)},'
+            f'"reasoning_content":{entries(seq.store, first, split)},"refusal":null}}'
+        )
 
     def stream(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
         handle = self._start(req)  # errors raise here, before the 200 starts
@@ -226,11 +240,11 @@ class ChatServing:
             yield chunk({"role": "assistant", "content": ""}, "null", None, first)
             while True:
                 out = await handle.collector.get()
-                if out.text or out.end_token > out.first_token:
-                    lp = self._logprobs_json(seq, out.first_token, out.end_token)
+                if out.text or out.reasoning_text or out.end_token > out.first_token:
+                    lp = self._logprobs_json(seq, out)
                     new = seq.output_ids[out.first_token : out.end_token].tolist() if ids else []
                     extra = f',"token_ids":{json.dumps(new)}' if ids else ""
-                    yield chunk({"content": out.text}, lp, None, extra)
+                    yield chunk(sections.delta(out, seq.think), lp, None, extra)
                 if out.finished:
                     break
             if out.error:
@@ -239,19 +253,22 @@ class ChatServing:
             else:
                 yield chunk({}, "null", out.finish_reason.value if out.finish_reason else None)
             if usage:
-                yield f'data: {head}"choices":[],"usage":{json.dumps(_usage(out))}}}\n\n'
+                yield f'data: {head}"choices":[],"usage":{json.dumps(_usage(out, seq.think))}}}\n\n'
             yield "data: [DONE]\n\n"
         finally:
             if seq.finish_reason is None:
                 self.served.engine.abort(seq)
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
-    return {
+def _usage(out: RequestOutput, think: ThinkStart = ThinkStart.OFF) -> dict[str, Any]:
+    usage: dict[str, Any] = {
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
         "total_tokens": out.prompt_tokens + out.completion_tokens,
     }
+    if think is not ThinkStart.OFF:  # the final output's content_start counts reasoning tokens
+        usage["completion_tokens_details"] = {"reasoning_tokens": out.content_start}
+    return usage
 
 
 def _raise_if_failed(out: RequestOutput) -> None:

@@ -7,7 +7,8 @@ from array import array
 from enum import Enum
 
 from omlx_logprobs.logprobs.store import LogprobStore
-from omlx_logprobs.output.detokenizer import IncrementalText
+from omlx_logprobs.output.sections import SectionedText
+from omlx_logprobs.parsing.thinking import ThinkStart
 from omlx_logprobs.types import FinishReason, SamplingParams
 
 _ids = itertools.count()
@@ -22,7 +23,13 @@ class Status(Enum):
 class Sequence:
     """Plain Python state; the scheduler reads it, the model runner never stores it."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        think: ThinkStart = ThinkStart.OFF,
+    ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -32,7 +39,8 @@ class Sequence:
         self.output_ids = array("i")
         self.num_sampled = 0  # tokens sampled on the device, some perhaps not yet processed
         self.store = LogprobStore(params.top_logprobs) if params.logprobs else None
-        self.text = IncrementalText(params.stop)
+        self.think = think
+        self.text = SectionedText(params.stop, think)  # reasoning and content
         self.token_ends = array("q")  # cumulative UTF-8 byte end of each generated token
         self.released_tokens = 0  # tokens whose text (and entry) has gone to the consumer
         self.finish_reason: FinishReason | None = None

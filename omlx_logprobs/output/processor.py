@@ -9,6 +9,7 @@ from collections.abc import Callable
 from omlx_logprobs.engine.model_runner import StepResult
 from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.output.detokenizer import Vocabulary
+from omlx_logprobs.output.sections import TextDelta
 from omlx_logprobs.types import FinishReason, RequestOutput
 
 Sink = Callable[[Sequence, RequestOutput], None]
@@ -49,17 +50,17 @@ class OutputProcessor:
         data = self.vocab.token_bytes[token] if token < len(self.vocab) else None
         before = seq.token_ends[-1] if seq.token_ends else 0
         seq.token_ends.append(before + len(data or b""))
-        text = seq.text.feed(data) if data else ""
+        delta = seq.text.feed(data) if data else TextDelta()
         if seq.status is not Status.FINISHED:
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish(reason)
         if seq.status is Status.FINISHED:
-            text += seq.text.flush()
+            delta += seq.text.flush()
             end = seq.num_output  # at the end every entry goes out, stop token included
         else:
-            end = bisect_right(seq.token_ends, seq.text.released_bytes)
-        self.emit(seq, text, end)
+            end = bisect_right(seq.token_ends, seq.text.settled_bytes)
+        self.emit(seq, delta, end)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
@@ -71,14 +72,14 @@ class OutputProcessor:
             return FinishReason.LENGTH
         return None
 
-    def emit(self, seq: Sequence, text: str, end: int) -> None:
-        """Send the sequence's delta: `text` and the entries up to `end` not sent before."""
+    def emit(self, seq: Sequence, delta: TextDelta, end: int) -> None:
+        """Send the sequence's delta: its text and the entries up to `end` not sent before."""
         done = seq.status is Status.FINISHED
-        if not text and end == seq.released_tokens and not done:
+        if not delta and end == seq.released_tokens and not done:
             return
         out = RequestOutput(
             request_id=seq.request_id,
-            text=text,
+            text=delta.content,
             first_token=seq.released_tokens,
             end_token=end,
             finished=done,
@@ -86,6 +87,8 @@ class OutputProcessor:
             prompt_tokens=seq.prompt_len,
             completion_tokens=seq.num_output,
             error=seq.error,
+            reasoning_text=delta.reasoning,
+            content_start=seq.text.reasoning_tokens(seq.token_ends),
         )
         seq.released_tokens = end
         self.sink(seq, out)
