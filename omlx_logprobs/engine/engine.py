@@ -52,10 +52,14 @@ class Engine:
         self._thread.join(timeout)
 
     def add_request(self, seq: Sequence, loop: asyncio.AbstractEventLoop) -> RequestHandle:
-        handle = RequestHandle(seq, RequestOutputCollector(loop))
-        self._inbox.put(("add", handle))
+        return self.add_group(seq, loop)[0]
+
+    def add_group(self, seq: Sequence, loop: asyncio.AbstractEventLoop) -> list[RequestHandle]:
+        """Submit `seq` and its forks (made with `seq.fork`): one handle per choice, in order."""
+        handles = [RequestHandle(s, RequestOutputCollector(loop)) for s in seq.group]
+        self._inbox.put(("add", handles))
         self._wake.set()
-        return handle
+        return handles
 
     def abort(self, seq: Sequence) -> None:
         self._inbox.put(("abort", seq))
@@ -76,8 +80,9 @@ class Engine:
 
     def _admit(self, work: SchedulerOutput) -> None:
         chunk = work.prefill
-        if chunk is not None and chunk.is_last and chunk.seq.status is Status.WAITING:
-            self.runner.admit(chunk.seq)
+        if chunk is not None and chunk.is_last:
+            if any(s.status is Status.WAITING for s in chunk.seq.group):
+                self.runner.admit(chunk.seq)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -100,10 +105,15 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._collectors[item.seq.seq_id] = item.collector
-                self.scheduler.add(item.seq)
+                for handle in item:
+                    self._collectors[handle.seq.seq_id] = handle.collector
+                self.scheduler.add(item[0].seq)
             elif item.status is not Status.FINISHED:
-                self._end(item, FinishReason.ABORT, None)
+                # Forks still waiting cannot start without their prompt: they end with it.
+                waiting = item.group if item.status is Status.WAITING else [item]
+                for seq in waiting:
+                    if seq.status is not Status.FINISHED:
+                        self._end(seq, FinishReason.ABORT, None)
 
     def _end(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:
         seq.finish(reason, error)
@@ -112,8 +122,10 @@ class Engine:
         self.processor.emit(seq, seq.text.flush(), seq.num_output)
 
     def _fail_all(self, message: str) -> None:
-        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
-            self._end(seq, FinishReason.ERROR, message)
+        waiting = [s for seq in self.scheduler.waiting for s in seq.group]
+        for seq in waiting + list(self.scheduler.running):
+            if seq.status is not Status.FINISHED:
+                self._end(seq, FinishReason.ERROR, message)
 
     def _deliver(self, seq: Sequence, out: RequestOutput) -> None:
         collector = self._collectors.get(seq.seq_id)

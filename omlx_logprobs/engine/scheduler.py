@@ -21,7 +21,8 @@ class PrefillChunk:
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: decode every running sequence, and prefill at most one prompt chunk."""
+    """One step's work: decode every running sequence, and prefill at most one prompt chunk
+    (for a sequence with forks, the chunk is theirs too)."""
 
     decode: list[Sequence] = field(default_factory=list)
     prefill: PrefillChunk | None = None
@@ -48,7 +49,10 @@ class Scheduler:
         # Prefill the oldest waiting prompt by one chunk while the batch has room; decoding the
         # running batch continues in the same step, so a long prompt never stalls other streams.
         out = SchedulerOutput(decode=list(self.running))
-        if self.waiting and len(self.running) < self.max_num_seqs:
+        # A prompt with n choices joins as n rows; it waits for room unless the batch is empty.
+        if self.waiting and (
+            not self.running or len(self.running) + len(self.waiting[0].group) <= self.max_num_seqs
+        ):
             seq = self.waiting[0]
             end = min(seq.prompt_len, seq.num_prefilled + self.prefill_chunk)
             out.prefill = PrefillChunk(seq, seq.num_prefilled, end)
@@ -61,10 +65,14 @@ class Scheduler:
             seq.num_prefilled = out.prefill.end
             if out.prefill.is_last and self.waiting and self.waiting[0] is seq:
                 self.waiting.popleft()
-                if seq.status is Status.WAITING:
-                    seq.status = Status.RUNNING
-                    self.running.append(seq)
+                for member in seq.group:  # the forks start with their prompt's cache
+                    member.num_prefilled = out.prefill.end
+                    if member.status is Status.WAITING:
+                        member.status = Status.RUNNING
+                        self.running.append(member)
         self.running = [s for s in self.running if s.status is not Status.FINISHED]
+        if self.waiting and all(s.status is Status.FINISHED for s in self.waiting[0].group):
+            self.waiting.popleft()  # ended while prefilling (a fault in its prompt's logits)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out wherever it is (abort or fault)."""
