@@ -27,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, default=512)
     s.add_argument("--max-top-logprobs", type=int, default=20)
     s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument(
+        "--logprobs-mode",
+        choices=["raw_logprobs", "processed_logprobs"],
+        default="raw_logprobs",
+        help="what logprobs describe when a request names no logprobs_mode",
+    )
     s.add_argument("--log-level", default="info")
     return p
 
@@ -44,6 +50,7 @@ def serve(args: argparse.Namespace) -> None:
         prefill_chunk=args.prefill_chunk,
         max_top_logprobs=args.max_top_logprobs,
         max_model_len=args.max_model_len,
+        logprobs_mode=args.logprobs_mode,
     )
     log.info("BLAS: %s", omlx_logprobs.BLAS)
     model = load_model(args.model, args.served_model_name, cfg.max_model_len)

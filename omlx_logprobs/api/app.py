@@ -10,8 +10,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from omlx_logprobs.api import tokenize as tok
+from omlx_logprobs.api.completions import CompletionServing
 from omlx_logprobs.api.errors import install_error_handlers
-from omlx_logprobs.api.protocol import ChatCompletionRequest
+from omlx_logprobs.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from omlx_logprobs.api.serving import ChatServing, Served
 
 
@@ -25,6 +32,7 @@ def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="omlx_logprobs", lifespan=lifespan)
     install_error_handlers(app)
     chat = ChatServing(served)
+    completions = CompletionServing(served)
     created = int(time.time())
 
     @app.get("/health")
@@ -51,5 +59,27 @@ def create_app(served: Served) -> FastAPI:
         except ConnectionAbortedError:
             return Response(status_code=499)
         return Response(body, media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def text_completions(req: CompletionRequest, raw: Request) -> Response:
+        if req.stream:
+            return StreamingResponse(completions.stream(req), media_type="text/event-stream")
+        try:
+            body = await completions.complete(req, raw)
+        except ConnectionAbortedError:
+            return Response(status_code=499)
+        return Response(body, media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        return tok.tokenize(req, served)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        return tok.detokenize(req, served)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return tok.tokenizer_info(served)
 
     return app
