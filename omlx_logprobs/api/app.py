@@ -13,12 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from omlx_logprobs.api import tokenize as tok
 from omlx_logprobs.api.completions import CompletionServing
 from omlx_logprobs.api.errors import install_error_handlers
-from omlx_logprobs.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
 from omlx_logprobs.api.serving import ChatServing, Served
 
 
@@ -70,16 +65,5 @@ def create_app(served: Served) -> FastAPI:
             return Response(status_code=499)
         return Response(body, media_type="application/json")
 
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        return tok.tokenize(req, served)
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
-        return tok.detokenize(req, served)
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info() -> dict[str, Any]:
-        return tok.tokenizer_info(served)
-
+    tok.add_routes(app, served)
     return app

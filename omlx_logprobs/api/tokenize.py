@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi import FastAPI
+
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.protocol import DetokenizeRequest, TokenizeRequest
 from omlx_logprobs.api.serving import Served
@@ -65,3 +67,17 @@ def tokenizer_info(served: Served) -> dict[str, Any]:
         "add_bos_token": getattr(tok, "add_bos_token", None),
         "chat_template": tok.chat_template,
     }
+
+
+def add_routes(app: FastAPI, served: Served) -> None:
+    @app.post("/tokenize")
+    async def _tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        return tokenize(req, served)
+
+    @app.post("/detokenize")
+    async def _detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        return detokenize(req, served)
+
+    @app.get("/tokenizer_info")
+    async def _tokenizer_info() -> dict[str, Any]:
+        return tokenizer_info(served)

@@ -160,6 +160,24 @@ def test_stream_equals_non_stream_with_echo(client: openai.OpenAI) -> None:
     assert tops == full.logprobs.top_logprobs and offsets == full.logprobs.text_offset
 
 
+def test_stream_of_several_prompts_and_choices(client: openai.OpenAI) -> None:
+    prompts = ["Roses are red,", "In the beginning"]
+    kw = dict(n=2, max_tokens=6, temperature=0.9, seed=31, logprobs=1)
+    full = complete(client, prompts, extra_body={"ignore_eos": True}, **kw)
+    texts, tokens = [""] * 4, [[] for _ in range(4)]  # type: list[str], list[list[str]]
+    finished = set()
+    for c in complete(client, prompts, stream=True, extra_body={"ignore_eos": True}, **kw):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            if ch.logprobs is not None:
+                tokens[ch.index] += ch.logprobs.tokens
+            if ch.finish_reason is not None:
+                finished.add(ch.index)
+    assert finished == {0, 1, 2, 3}
+    assert texts == [c.text for c in full.choices]
+    assert tokens == [c.logprobs.tokens for c in full.choices]
+
+
 def test_text_offsets_with_multibyte_characters(client: openai.OpenAI) -> None:
     r = complete(client, "Café, naïve, 日本語", echo=True, logprobs=0, max_tokens=0)
     choice = r.choices[0]
