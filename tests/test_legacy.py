@@ -22,7 +22,8 @@ VOCAB = Vocabulary(
 def store_of(rows: list[tuple[int, float, list[int], list[float]]], k: int) -> LogprobStore:
     s = LogprobStore(k)
     for tok, lp, ids, lps in rows:
-        s.append(tok, lp, 1, np.array(ids), np.array(lps))
+        ids_b = np.array(ids, np.int32)[:k].tobytes()
+        s.append(tok, lp, 1, ids_b, np.array(lps, np.float32)[:k].tobytes())
     return s
 
 

@@ -1,7 +1,9 @@
 """All MLX and KV-cache work: prefill chunks, batched decode, sampling and logprob extraction.
 
 The runner keeps one batched KV cache whose rows are the running sequences in admission order
-(the scheduler's `running` order), and a private cache per sequence while its prompt prefills.
+(the scheduler's `running` order). A step is launched (its graph queued on the device) and
+collected later, so the host can work on one step's outputs while the device runs the next:
+decode inputs are the previous step's sampled tokens, read on the device.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from omlx_logprobs.engine.batch_cache import BatchCache
 from omlx_logprobs.engine.sampler import apply_processors, sample, sampling_logits, step_key
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
-from omlx_logprobs.engine.sequence import Sequence, Status
+from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs.extract import BatchLogprobs, extract, log_softmax, to_host
 from omlx_logprobs.types import SamplingParams
 
@@ -25,12 +28,23 @@ PROMPT_BLOCK = 128
 
 @dataclass(frozen=True)
 class PromptLogprobs:
-    """Entries for one chunk's prompt tokens: row i is prompt position `first + i`."""
+    """Host entries for one chunk's prompt tokens: row i is prompt position `first + i`."""
 
     seq: Sequence
     first: int
     token_ids: np.ndarray  # [R] the prompt tokens being scored
     logprobs: BatchLogprobs
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step queued on the device; `collect` turns it into a StepResult."""
+
+    seqs: list[Sequence]
+    tokens: mx.array  # [B] sampled ids, lazy
+    logprobs: tuple[mx.array, ...] | None  # extract()'s lazy arrays
+    prompt: list[PromptLogprobs] = field(default_factory=list)  # scored prompt chunks
+    prompt_only: list[Sequence] = field(default_factory=list)  # prefilled with max_tokens 0
 
 
 @dataclass(frozen=True)
@@ -40,8 +54,21 @@ class StepResult:
     seqs: list[Sequence]
     token_ids: np.ndarray  # [B] int
     logprobs: BatchLogprobs | None  # None when no sequence in the step asked for logprobs
-    prompt: PromptLogprobs | None = None  # the prefill chunk's prompt entries, when asked for
-    prompt_only: list[Sequence] = field(default_factory=list)  # prefilled with max_tokens 0
+    prompt: list[PromptLogprobs] = field(default_factory=list)
+    prompt_only: list[Sequence] = field(default_factory=list)
+
+
+# Model families whose forward is `model.model` (hidden states) then a head: prefill can run the
+# head on the last position only, instead of computing logits for every prompt position.
+_SPLIT_HEAD = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+
+@dataclass(frozen=True)
+class _Prefilled:
+    """Where a prefilled sequence's keys and values wait for admission: a row of a batch cache."""
+
+    cache: BatchCache
+    row: int
 
 
 class ModelRunner:
@@ -49,59 +76,113 @@ class ModelRunner:
         self.model = model
         self.vocab_size = vocab_size
         self.rows: list[Sequence] = []  # the batch cache's rows
-        self.batch_cache: list[Any] | None = None
-        self.prefill_caches: dict[int, list[Any]] = {}
+        self.batch_cache: BatchCache | None = None
+        self.last_tokens: mx.array | None = None  # the last launched step's sampled ids
+        self.last_rows: dict[int, int] = {}  # seq_id -> its row in last_tokens
+        self.chunk_caches: dict[int, list[Any]] = {}  # long prompts between their chunks
+        self.prefilled: dict[int, _Prefilled] = {}  # prompts done, not yet in the batch
+        probe = make_prompt_cache(model)
+        self.num_layers = len(probe)
+        # Prompts batch together only with plain KV caches (left padding needs BatchKVCache).
+        self.batch_prefill = all(type(c) is KVCache for c in probe)
+        family = type(model).__module__.rsplit(".", 1)[-1]
+        self.split_head = family in _SPLIT_HEAD and hasattr(model, "model")
 
-    def execute(self, work: SchedulerOutput) -> StepResult | None:
+    def launch(self, work: SchedulerOutput) -> LaunchedStep | None:
+        """Queue one step on the device and return at once."""
         assert [s.seq_id for s in work.decode] == [s.seq_id for s in self.rows]
         parts: list[mx.array] = []
         seqs: list[Sequence] = []
         if self.rows:
-            inputs = mx.array([[s.last_token] for s in self.rows])
-            parts.append(self.model(inputs, cache=self.batch_cache)[:, -1, :])
+            assert self.last_tokens is not None and self.batch_cache is not None
+            # Every row took part in the last step, so its input token is there, on the device.
+            rows = mx.array([self.last_rows[s.seq_id] for s in self.rows])
+            inputs = self.last_tokens[rows][:, None]
+            parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
             seqs += self.rows
-        prompt, prompt_only = None, []
-        if work.prefill is not None:
-            logits, prompt = self._prefill(work.prefill)
-            if logits is not None:
-                members = [s for s in work.prefill.seq.group if s.status is not Status.FINISHED]
-                if work.prefill.seq.params.max_tokens == 0:
-                    prompt_only = members
-                else:  # one row per choice: the forks sample their first token here
-                    parts.append(mx.broadcast_to(logits, (len(members), logits.shape[-1])))
-                    seqs += members
+        # Prompts that are scored, forked or not generated from take the one-prompt path.
+        whole = [c for c in work.prefill if c.start == 0 and c.is_last and _plain(c.seq)]
+        whole = whole if self.batch_prefill else []
+        for group in _groups(whole):
+            parts.append(self._prefill_group(group))
+            seqs += [c.seq for c in group]
+        prompt: list[PromptLogprobs] = []
+        prompt_only: list[Sequence] = []
+        for chunk in work.prefill:
+            if chunk in whole:
+                continue
+            logits, scored = self._prefill_chunk(chunk)
+            prompt += [scored] if scored is not None else []
+            if logits is None:
+                continue
+            if chunk.seq.params.max_tokens == 0:
+                prompt_only += chunk.seq.group
+            elif members := chunk.seq.joining():  # one row per choice: forks sample here too
+                parts.append(mx.broadcast_to(logits, (len(members), logits.shape[-1])))
+                seqs += members
         if not seqs:
-            if prompt is None and not prompt_only:
+            if not prompt and not prompt_only:
                 return None
-            return StepResult([], np.zeros(0, np.int32), None, prompt, prompt_only)
+            return LaunchedStep([], mx.zeros((0,), mx.int32), None, prompt, prompt_only)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
         return replace(self._sample(logits, seqs), prompt=prompt, prompt_only=prompt_only)
 
-    def _prefill(self, chunk: PrefillChunk) -> tuple[mx.array | None, PromptLogprobs | None]:
-        """Run one prompt chunk: the last position's logits [1, V] when the prompt is done."""
+    def _last_logits(self, ids: mx.array, cache: list[Any]) -> mx.array:
+        """[B, V] logits of the last position only."""
+        if not self.split_head:
+            return self.model(ids, cache=cache)[:, -1, :]
+        m = self.model
+        h = m.model(ids, cache=cache)[:, -1:, :]
+        head = m.lm_head if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear
+        return head(h)[:, 0, :]
+
+    def _prefill_group(self, group: list[PrefillChunk]) -> mx.array:
+        """Whole prompts in one left-padded forward; their rows wait in the group's cache."""
+        width = max(c.end for c in group)
+        pads = [width - c.end for c in group]
+        ids = mx.array([[0] * p + c.seq.prompt_ids for p, c in zip(pads, group)])
+        cache = BatchCache.empty(self.num_layers, pads)
+        logits = self._last_logits(ids, cache.layers)
+        for row, c in enumerate(group):
+            self.prefilled[c.seq.seq_id] = _Prefilled(cache, row)
+        return logits
+
+    def _prefill_chunk(self, chunk: PrefillChunk) -> tuple[mx.array | None, PromptLogprobs | None]:
+        """One chunk of one prompt in its own cache: the last chunk's last logits (else None),
+        and the chunk's prompt entries when the prompt asks for them."""
         seq = chunk.seq
-        cache = self.prefill_caches.setdefault(seq.seq_id, make_prompt_cache(self.model))
+        cache = self.chunk_caches.setdefault(seq.seq_id, make_prompt_cache(self.model))
         ids = mx.array([seq.prompt_ids[chunk.start : chunk.end]])
-        out = self.model(ids, cache=cache)
-        prompt = None
-        if seq.prompt_store is not None:
-            prompt = self._score_prompt(seq, chunk.start, out[0])
-        if chunk.is_last:
-            return out[:, -1, :], prompt
-        mx.eval([c.state for c in cache])  # bound the lazy graph between chunks
-        return None, prompt
+        scored = None
+        if seq.prompt_store is not None:  # every position's logits: the prompt is scored
+            out = self.model(ids, cache=cache)
+            scored = self._score_prompt(seq, chunk.start, out[0])
+            logits = out[:, -1, :]
+        elif chunk.is_last:
+            logits = self._last_logits(ids, cache)
+        else:
+            self.model(ids, cache=cache)  # lazy: evaluating only the cache skips the head
+        if not chunk.is_last:
+            mx.async_eval([c.state for c in cache])  # bound the lazy graph between chunks
+            return None, scored
+        del self.chunk_caches[seq.seq_id]
+        members = seq.joining()
+        if members:  # one copy of the prompt's cache per choice, rows in choice order
+            rows = BatchCache.of_copies(cache, len(members))
+            for row, m in enumerate(members):
+                self.prefilled[m.seq_id] = _Prefilled(rows, row)
+        return logits, scored
 
     def _score_prompt(self, seq: Sequence, start: int, logits: mx.array) -> PromptLogprobs | None:
         """Entries for the prompt tokens this chunk predicts: row j predicts token start+j+1.
-        Prompt entries are the model's own distribution (no processors, no temperature)."""
+        Prompt entries are the model's own distribution (no processors, no temperature).
+        Evaluated block by block here, so only one block's temporaries exist at a time."""
         stop = min(start + logits.shape[0], seq.prompt_len - 1)  # the last row predicts output
         if stop <= start:
             return None
         p = seq.params
         k = p.num_prompt_top
-        wanted = (
-            mx.array(list(p.logprob_token_ids), dtype=mx.int32) if p.logprob_token_ids else None
-        )
+        wanted = mx.array(list(p.logprob_token_ids), mx.int32) if p.logprob_token_ids else None
         blocks = []
         for a in range(start, stop, PROMPT_BLOCK):
             b = min(stop, a + PROMPT_BLOCK)
@@ -115,7 +196,7 @@ class ModelRunner:
         ids = np.array(seq.prompt_ids[start + 1 : stop + 1], np.int32)
         return PromptLogprobs(seq, start + 1, ids, merged)
 
-    def _sample(self, logits: mx.array, seqs: list[Sequence]) -> StepResult:
+    def _sample(self, logits: mx.array, seqs: list[Sequence]) -> LaunchedStep:
         params = [s.params for s in seqs]
         logits = logits.astype(mx.float32)
         histories = [
@@ -123,39 +204,53 @@ class ModelRunner:
         ]
         logits = apply_processors(logits, params, histories)
         dist = sampling_logits(logits, params)
-        keys = [step_key(p.seed, s.num_output, s.choice_index) for p, s in zip(params, seqs)]
+        keys = [step_key(p.seed, s.num_sampled, s.choice_index) for p, s in zip(params, seqs)]
         tokens = sample(logits, dist, params, keys)
-        if not any(p.logprobs for p in params):
-            mx.eval(tokens)
-            return StepResult(seqs, np.array(tokens), None)
-        src = logits
-        if any(p.logprobs and p.processed for p in params):  # per row: what was sampled from
-            src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
-        k = max(p.num_top for p in params if p.logprobs)
-        fixed, natural = _fixed_ids(params, k)
-        parts = extract(log_softmax(src), tokens, k, fixed, natural)
-        mx.eval(tokens, *parts)  # one sync for the whole batch, then one copy of small arrays
-        return StepResult(seqs, np.array(tokens), to_host(parts))
+        parts = None
+        if any(p.logprobs for p in params):
+            src = logits
+            if any(p.logprobs and p.processed for p in params):  # per row: what was sampled from
+                src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
+            k = max(p.num_top for p in params if p.logprobs)
+            fixed, natural = _fixed_ids(params, k)
+            parts = extract(log_softmax(src), tokens, k, fixed, natural)
+        for s in seqs:
+            s.num_sampled += 1
+        self.last_tokens = tokens
+        self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        mx.async_eval(tokens, *(parts or ()))
+        return LaunchedStep(seqs, tokens, parts)
 
-    def admit(self, seq: Sequence) -> None:
-        """Move a prefilled prompt's cache into the batch: one row per choice still running
-        (`seq` and its forks, in order), each a copy of the prompt's cache."""
-        own = self.prefill_caches.pop(seq.seq_id)
-        for member in seq.group:
-            if member.status is not Status.WAITING:
-                continue
-            merged = [BatchKVCache.merge([c]) for c in own]
-            if self.batch_cache is None:
-                self.batch_cache = merged
+    def collect(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step; one copy of its small arrays to the host."""
+        tokens = np.array(step.tokens)
+        logprobs = to_host(step.logprobs) if step.logprobs is not None else None
+        return StepResult(step.seqs, tokens, logprobs, step.prompt, step.prompt_only)
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Move prefilled sequences' caches into the batch, as its last rows, in this order.
+        Consecutive rows of one prefill group move with one filter and one extend."""
+        runs: list[tuple[BatchCache, list[int]]] = []
+        for seq in seqs:
+            p = self.prefilled.pop(seq.seq_id)
+            if runs and runs[-1][0] is p.cache:
+                runs[-1][1].append(p.row)
             else:
-                for mine, new in zip(self.batch_cache, merged):
-                    mine.extend(new)
-            self.rows.append(member)
+                runs.append((p.cache, [p.row]))
+        for cache, rows in runs:
+            if rows != list(range(len(cache))):
+                cache.filter(rows)
+            if self.batch_cache is None:
+                self.batch_cache = cache
+            else:
+                self.batch_cache.extend(cache)
+        self.rows += seqs
 
     def release(self, seqs: list[Sequence]) -> None:
         """Forget finished or aborted sequences and free their cache rows."""
         for s in seqs:
-            self.prefill_caches.pop(s.seq_id, None)
+            self.chunk_caches.pop(s.seq_id, None)
+            self.prefilled.pop(s.seq_id, None)
         gone = {s.seq_id for s in seqs}
         keep = [i for i, s in enumerate(self.rows) if s.seq_id not in gone]
         if len(keep) == len(self.rows):
@@ -165,8 +260,28 @@ class ModelRunner:
             self.batch_cache = None
             return
         assert self.batch_cache is not None
-        for c in self.batch_cache:
-            c.filter(mx.array(keep))
+        self.batch_cache.filter(keep)
+
+
+def _groups(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+    """Split whole prompts into forward groups, in order, so that left padding never more than
+    doubles the tokens a group computes."""
+    groups: list[list[PrefillChunk]] = []
+    width = total = 0
+    for c in chunks:
+        n = c.end
+        if groups and max(width, n) * (len(groups[-1]) + 1) <= 2 * (total + n):
+            groups[-1].append(c)
+            width, total = max(width, n), total + n
+        else:
+            groups.append([c])
+            width, total = n, n
+    return groups
+
+
+def _plain(seq: Sequence) -> bool:
+    """A prompt that needs nothing but its last position's logits and one batch row."""
+    return seq.prompt_store is None and not seq.forks and seq.params.max_tokens > 0
 
 
 def _fields(b: BatchLogprobs) -> tuple[np.ndarray, ...]:

@@ -21,15 +21,16 @@ class PrefillChunk:
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: decode every running sequence, and prefill at most one prompt chunk
-    (for a sequence with forks, the chunk is theirs too)."""
+    """One step's work: decode every running sequence, and prefill prompt chunks within the
+    step's token budget, oldest prompt first. Only the last chunk of the list may be partial.
+    A chunk of a prompt with forks (n choices) is theirs too."""
 
     decode: list[Sequence] = field(default_factory=list)
-    prefill: PrefillChunk | None = None
+    prefill: list[PrefillChunk] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.decode and self.prefill is None
+        return not self.decode and not self.prefill
 
 
 class Scheduler:
@@ -38,44 +39,61 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.scored: list[Sequence] = []  # prefilled with max_tokens 0: done once processed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.scored)
 
     def schedule(self) -> SchedulerOutput:
-        # Prefill the oldest waiting prompt by one chunk while the batch has room; decoding the
-        # running batch continues in the same step, so a long prompt never stalls other streams.
+        # Prefill waiting prompts, oldest first, up to `prefill_chunk` tokens in all and while the
+        # batch has room; decoding goes on in the same step, so prompts never stall the streams.
+        # Many short prompts share one step; a long one takes the rest of the budget, in chunks.
         out = SchedulerOutput(decode=list(self.running))
-        # A prompt with n choices joins as n rows; it waits for room unless the batch is empty.
-        if self.waiting and (
-            not self.running or len(self.running) + len(self.waiting[0].group) <= self.max_num_seqs
-        ):
-            seq = self.waiting[0]
-            end = min(seq.prompt_len, seq.num_prefilled + self.prefill_chunk)
-            out.prefill = PrefillChunk(seq, seq.num_prefilled, end)
+        budget = self.prefill_chunk
+        room = self.max_num_seqs - len(self.running)
+        for seq in self.waiting:
+            # A prompt with n choices joins as n rows; too many for any room, it goes alone.
+            rows = len(seq.group)
+            if budget <= 0 or (rows > room and (self.running or out.prefill)):
+                break
+            end = min(seq.prompt_len, seq.num_prefilled + budget)
+            chunk = PrefillChunk(seq, seq.num_prefilled, end)
+            out.prefill.append(chunk)
+            budget -= end - seq.num_prefilled
+            room -= rows
+            if not chunk.is_last:
+                break
         return out
 
     def update(self, out: SchedulerOutput) -> None:
         """Account for a finished step: advance prefill, admit, and drop finished sequences."""
-        if out.prefill is not None:
-            seq = out.prefill.seq
-            seq.num_prefilled = out.prefill.end
-            if out.prefill.is_last and self.waiting and self.waiting[0] is seq:
-                self.waiting.popleft()
-                for member in seq.group:  # the forks start with their prompt's cache
-                    member.num_prefilled = out.prefill.end
-                    if member.status is Status.WAITING:
-                        member.status = Status.RUNNING
-                        self.running.append(member)
+        for chunk in out.prefill:
+            seq = chunk.seq
+            seq.num_prefilled = chunk.end
+            if chunk.is_last and seq in self.waiting:
+                self.waiting.remove(seq)
+                if seq.params.max_tokens == 0:
+                    self.scored += seq.group
+                for member in seq.joining():  # the forks start with their prompt's cache
+                    member.num_prefilled = chunk.end
+                    member.status = Status.RUNNING
+                    self.running.append(member)
+        self.drop_finished()
+
+    def drop_finished(self) -> None:
         self.running = [s for s in self.running if s.status is not Status.FINISHED]
-        if self.waiting and all(s.status is Status.FINISHED for s in self.waiting[0].group):
-            self.waiting.popleft()  # ended while prefilling (a fault in its prompt's logits)
+        self.scored = [s for s in self.scored if s.status is not Status.FINISHED]
+        if any(s.status is Status.FINISHED for s in self.waiting):  # a fault in prompt logits
+            self.waiting = deque(
+                s for s in self.waiting if any(m.status is not Status.FINISHED for m in s.group)
+            )
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out wherever it is (abort or fault)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.running = [s for s in self.running if s is not seq]
+        self.scored = [s for s in self.scored if s is not seq]

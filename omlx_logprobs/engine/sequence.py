@@ -44,6 +44,7 @@ class Sequence:
         self.status = Status.WAITING
         self.num_prefilled = 0  # prompt tokens already in the KV cache
         self.output_ids = array("i")
+        self.num_sampled = 0  # tokens sampled on the device, some perhaps not yet processed
         self.store = LogprobStore(params.num_top) if params.logprobs else None
         self.text = IncrementalText(params.stop)
         self.token_ends = array("q")  # cumulative UTF-8 byte end of each generated token
@@ -61,6 +62,13 @@ class Sequence:
     def group(self) -> list[Sequence]:
         """This sequence and its forks, in choice order."""
         return [self, *self.forks]
+
+    def joining(self) -> list[Sequence]:
+        """The choices that enter the decode batch when this prompt is prefilled: those still
+        waiting, none when nothing is to be generated (max_tokens 0)."""
+        if self.params.max_tokens == 0:
+            return []
+        return [s for s in self.group if s.status is Status.WAITING]
 
     @property
     def prompt_len(self) -> int:

@@ -25,23 +25,29 @@ class OutputProcessor:
     def process(self, result: StepResult) -> list[Sequence]:
         """Apply one step; return the sequences that finished in it."""
         finished: list[Sequence] = []
-        if result.prompt is not None:
-            finished += self._record_prompt(result.prompt)
+        for chunk in result.prompt:
+            finished += self._record_prompt(chunk)
         for seq in result.prompt_only:  # max_tokens 0: the prompt was all there was to do
             if seq.status is not Status.FINISHED:
                 seq.finish(FinishReason.LENGTH)
                 self.emit(seq, "", 0)
             finished.append(seq)
         lp = result.logprobs
+        # Whole-batch conversions once: per-row numpy indexing costs more than the row's work.
+        tokens = result.token_ids.tolist()
+        if lp is not None:
+            chosen, ranks = lp.logprobs.tolist(), lp.ranks.tolist()
+            k = lp.top_ids.shape[1]
+            top_ids, top_lps = lp.top_ids.tobytes(), lp.top_logprobs.tobytes()
         for i, seq in enumerate(result.seqs):
-            token = int(result.token_ids[i])
+            if seq.status is Status.FINISHED:
+                continue  # finished (or aborted) while this step ran: its row is surplus
+            token = tokens[i]
             seq.output_ids.append(token)
             if seq.store is not None and lp is not None:
-                rank = int(lp.ranks[i])
-                seq.store.append(
-                    token, float(lp.logprobs[i]), rank, lp.top_ids[i], lp.top_logprobs[i]
-                )
-                if np.isnan(lp.logprobs[i]):
+                a, b = 4 * k * i, 4 * (k * i + seq.store.k)  # 4-byte items, row i's first k
+                seq.store.append(token, chosen[i], ranks[i], top_ids[a:b], top_lps[a:b])
+                if chosen[i] != chosen[i]:  # NaN
                     seq.finish(FinishReason.ERROR, "the model produced non-finite logits")
             self._advance(seq, token)
             if seq.status is Status.FINISHED:
