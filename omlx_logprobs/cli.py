@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="split <think> reasoning from the answer: auto (when the model has think markers),"
         " think (always) or none",
     )
+    s.add_argument(
+        "--logprobs-mode",
+        choices=["raw_logprobs", "processed_logprobs"],
+        default="raw_logprobs",
+        help="what logprobs describe when a request names no logprobs_mode",
+    )
     s.add_argument("--log-level", default="info")
     return p
 
@@ -55,6 +61,7 @@ def serve(args: argparse.Namespace) -> None:
         prefill_chunk=args.prefill_chunk,
         max_top_logprobs=args.max_top_logprobs,
         max_model_len=args.max_model_len,
+        logprobs_mode=args.logprobs_mode,
     )
     log.info("BLAS: %s", omlx_logprobs.BLAS)
     model = load_model(args.model, args.served_model_name, cfg.max_model_len)

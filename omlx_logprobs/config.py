@@ -11,6 +11,7 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens per prefill step, so decoding is never starved
     max_top_logprobs: int = 20  # the server cap on top_logprobs
     max_model_len: int | None = None  # None: the model's own context length
+    logprobs_mode: str = "raw_logprobs"  # the default of requests that name none
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -19,6 +20,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk must be >= 1")
         if not 0 <= self.max_top_logprobs <= 20:
             raise ValueError("max_top_logprobs must be in [0, 20]")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError("logprobs_mode must be raw_logprobs or processed_logprobs")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,17 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
+class LogprobsMode(str, Enum):
+    """Which distribution logprobs describe (vLLM's names)."""
+
+    RAW = "raw_logprobs"  # after logit processors, before temperature and truncation
+    PROCESSED = "processed_logprobs"  # what was sampled from: scaled, truncated, renormalised
+
+
+MAX_N = 16  # choices per prompt
+MAX_LOGPROB_TOKEN_IDS = 128
+
+
 class FinishReason(str, Enum):
     STOP = "stop"
     LENGTH = "length"
@@ -33,6 +44,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's entry and a top k
+    logprob_token_ids: tuple[int, ...] = ()  # reported in place of the natural top list
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -47,6 +61,12 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0")
         if self.top_logprobs < 0 or (self.top_logprobs and not self.logprobs):
             raise ValueError("top_logprobs needs logprobs and must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError("prompt_logprobs must be >= 0")
+        if len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_LOGPROB_TOKEN_IDS} logprob_token_ids")
+        if len(set(self.logprob_token_ids)) != len(self.logprob_token_ids):
+            raise ValueError("logprob_token_ids must be distinct")
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +76,19 @@ class SamplingParams:
     def truncates(self) -> bool:
         """Whether top-k, top-p or min-p cut the distribution (needs a sort of the vocabulary)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+    @property
+    def processed(self) -> bool:
+        return self.logprobs_mode is LogprobsMode.PROCESSED
+
+    @property
+    def num_top(self) -> int:
+        """Entries per generated position besides the sampled one: the fixed ids or the top K."""
+        return len(self.logprob_token_ids) or self.top_logprobs
+
+    @property
+    def num_prompt_top(self) -> int:
+        return len(self.logprob_token_ids) or (self.prompt_logprobs or 0)
 
     @property
     def penalizes(self) -> bool:

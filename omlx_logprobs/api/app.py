@@ -10,8 +10,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from omlx_logprobs.api import tokenize as tok
+from omlx_logprobs.api.completions import CompletionServing
 from omlx_logprobs.api.errors import install_error_handlers
-from omlx_logprobs.api.protocol import ChatCompletionRequest
+from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
 from omlx_logprobs.api.serving import ChatServing, Served
 
 
@@ -25,6 +27,7 @@ def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="omlx_logprobs", lifespan=lifespan)
     install_error_handlers(app)
     chat = ChatServing(served)
+    completions = CompletionServing(served)
     created = int(time.time())
 
     @app.get("/health")
@@ -52,4 +55,15 @@ def create_app(served: Served) -> FastAPI:
             return Response(status_code=499)
         return Response(body, media_type="application/json")
 
+    @app.post("/v1/completions")
+    async def text_completions(req: CompletionRequest, raw: Request) -> Response:
+        if req.stream:
+            return StreamingResponse(completions.stream(req), media_type="text/event-stream")
+        try:
+            body = await completions.complete(req, raw)
+        except ConnectionAbortedError:
+            return Response(status_code=499)
+        return Response(body, media_type="application/json")
+
+    tok.add_routes(app, served)
     return app

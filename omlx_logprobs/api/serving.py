@@ -20,9 +20,15 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import Engine, RequestHandle
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
+from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.parsing.thinking import ThinkStart, think_start
-from omlx_logprobs.types import RequestOutput, SamplingParams
+from omlx_logprobs.types import (
+    MAX_LOGPROB_TOKEN_IDS,
+    LogprobsMode,
+    RequestOutput,
+    SamplingParams,
+)
 
 MAX_STOP = 16
 
@@ -53,8 +59,10 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """Request fields as SamplingParams; a 400 for every value the engine cannot take."""
+    """Request fields as SamplingParams; a 400 for every value the engine cannot take.
+    `prompt_logprobs` is what the engine computes (the caller may ask more than the field)."""
     limit = served.model.max_model_len
     room = limit - prompt_len
     if room <= 0 or (max_tokens is not None and max_tokens > room):
@@ -68,8 +76,9 @@ def sampling_params(
         raise APIError(
             f"top_logprobs must be at most {served.cfg.max_top_logprobs}", param="top_logprobs"
         )
-    if req.n != 1:
-        raise APIError("Only n=1 is supported.", param="n")
+    cap = served.cfg.max_top_logprobs
+    if prompt_logprobs is not None and prompt_logprobs > cap:
+        raise APIError(f"prompt_logprobs must be at most {cap}", param="prompt_logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP:
         raise APIError(f"At most {MAX_STOP} stop sequences are allowed.", param="stop")
@@ -96,7 +105,27 @@ def sampling_params(
         repetition_penalty=req.repetition_penalty,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
+        logprob_token_ids=_logprob_token_ids(req, vocab, logprobs or prompt_logprobs is not None),
+        logprobs_mode=LogprobsMode(req.logprobs_mode or served.cfg.logprobs_mode),
     )
+
+
+def _logprob_token_ids(req: SamplingFields, vocab: int, any_logprobs: bool) -> tuple[int, ...]:
+    ids = req.logprob_token_ids
+    if ids is None:
+        return ()
+    param = "logprob_token_ids"
+    if not any_logprobs:
+        raise APIError("logprob_token_ids needs logprobs or prompt_logprobs", param=param)
+    if not 1 <= len(ids) <= MAX_LOGPROB_TOKEN_IDS:
+        raise APIError(f"logprob_token_ids takes 1 to {MAX_LOGPROB_TOKEN_IDS} ids", param=param)
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise APIError(f"logprob_token_ids: {t} is not a token id of this model", param=param)
+    if len(set(ids)) != len(ids):
+        raise APIError("logprob_token_ids must be distinct", param=param)
+    return tuple(ids)
 
 
 def _logit_bias(raw: dict[str, float], vocab: int) -> tuple[tuple[int, float], ...]:
@@ -131,8 +160,14 @@ def chat_prompt(req: ChatCompletionRequest, model: LoadedModel) -> list[int]:
 
 async def wait_or_disconnect(handle: RequestHandle, raw: Request) -> RequestOutput:
     """Collect every output until the request finishes; abort it if the client goes away."""
+    return (await wait_all_or_disconnect([handle], raw))[0]
 
-    async def collect() -> RequestOutput:
+
+async def wait_all_or_disconnect(handles: list[RequestHandle], raw: Request) -> list[RequestOutput]:
+    """Each request's merged outputs once all have finished; ConnectionAbortedError if the
+    client goes away first (the caller aborts what is unfinished)."""
+
+    async def collect(handle: RequestHandle) -> RequestOutput:
         out = await handle.collector.get()
         while not out.finished:
             out = out.merge(await handle.collector.get())
@@ -142,10 +177,13 @@ async def wait_or_disconnect(handle: RequestHandle, raw: Request) -> RequestOutp
         while (await raw.receive())["type"] != "http.disconnect":
             pass
 
-    task = asyncio.ensure_future(collect())
+    async def collect_all() -> list[RequestOutput]:
+        return list(await asyncio.gather(*[collect(h) for h in handles]))
+
+    task = asyncio.ensure_future(collect_all())
     watch = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
         if not task.done():
@@ -154,20 +192,39 @@ async def wait_or_disconnect(handle: RequestHandle, raw: Request) -> RequestOutp
     return task.result()
 
 
+def check_prompt_logprobs(req: SamplingFields) -> None:
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError("prompt_logprobs is not available with streaming", param="prompt_logprobs")
+
+
 class ChatServing:
     def __init__(self, served: Served) -> None:
         self.served = served
-        self.formatter = ChatLogprobFormatter(served.model.vocab)
+        vocab = served.model.vocab
+        self.formatters = (ChatLogprobFormatter(vocab), ChatLogprobFormatter(vocab, as_ids=True))
+        self.prompt_formatters = (
+            PromptLogprobFormatter(vocab),
+            PromptLogprobFormatter(vocab, as_ids=True),
+        )
 
     def _start(self, req: ChatCompletionRequest) -> RequestHandle:
         served = self.served
         served.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if req.n != 1:
+            raise APIError("Only n=1 is supported on chat completions.", param="n")
+        check_prompt_logprobs(req)
         prompt = chat_prompt(req, served.model)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = sampling_params(
-            req, served, len(prompt), max_tokens, req.logprobs, req.top_logprobs or 0
+            req,
+            served,
+            len(prompt),
+            max_tokens,
+            req.logprobs,
+            req.top_logprobs or 0,
+            req.prompt_logprobs,
         )
         think = think_start(served.reasoning, served.model.tokenizer.decode(prompt[-8:]))
         seq = Sequence(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, think)
@@ -182,7 +239,7 @@ class ChatServing:
                 self.served.engine.abort(handle.seq)
         _raise_if_failed(out)
         seq = handle.seq
-        lp = self._logprobs_json(seq, out)
+        lp = self._logprobs_json(req, seq, out)
         message = json.dumps(
             {"role": "assistant", **sections.message(out, seq.think)}, ensure_ascii=False
         )
@@ -194,17 +251,21 @@ class ChatServing:
         prompt_ids = ""
         if req.return_token_ids:
             prompt_ids = f',"prompt_token_ids":{json.dumps(seq.prompt_ids)}'
+        if req.prompt_logprobs is not None and seq.prompt_store is not None:
+            fmt = self.prompt_formatters[req.return_tokens_as_token_ids]
+            entries = fmt.json(seq.prompt_store, req.prompt_logprobs, bool(req.logprob_token_ids))
+            prompt_ids += f',"prompt_logprobs":{entries}'
         return (
             f'{{"id":"{seq.request_id}","object":"chat.completion","created":{int(time.time())},'
             f'"model":{json.dumps(self.served.model.name)},"choices":[{choice}],'
             f'"usage":{json.dumps(_usage(out, seq.think))}{prompt_ids}}}'
         )
 
-    def _logprobs_json(self, seq: Sequence, out: RequestOutput) -> str:
+    def _logprobs_json(self, req: ChatCompletionRequest, seq: Sequence, out: RequestOutput) -> str:
         """The entries of out's tokens; with the thinking parser on, reasoning tokens apart."""
         if seq.store is None:
             return "null"
-        entries = self.formatter.entries
+        entries = self.formatters[req.return_tokens_as_token_ids].entries
         first, split, end = out.first_token, out.split_token, out.end_token
         if seq.think is ThinkStart.OFF:
             return '{"content":' + entries(seq.store, first, end) + ',"refusal":null}'
@@ -241,7 +302,7 @@ class ChatServing:
             while True:
                 out = await handle.collector.get()
                 if out.text or out.reasoning_text or out.end_token > out.first_token:
-                    lp = self._logprobs_json(seq, out)
+                    lp = self._logprobs_json(req, seq, out)
                     new = seq.output_ids[out.first_token : out.end_token].tolist() if ids else []
                     extra = f',"token_ids":{json.dumps(new)}' if ids else ""
                     yield chunk(sections.delta(out, seq.think), lp, None, extra)

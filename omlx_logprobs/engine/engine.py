@@ -59,11 +59,17 @@ class Engine:
     def add_request(
         self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
     ) -> RequestHandle:
-        """Queue a request; `final_only`: its consumer waits for the finished output alone."""
-        handle = RequestHandle(seq, RequestOutputCollector(loop, final_only))
-        self._inbox.put(("add", handle))
+        return self.add_group(seq, loop, final_only)[0]
+
+    def add_group(
+        self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
+    ) -> list[RequestHandle]:
+        """Submit `seq` and its forks (made with `seq.fork`): one handle per choice, in order.
+        `final_only`: the consumers wait for the finished outputs alone (no streaming)."""
+        handles = [RequestHandle(s, RequestOutputCollector(loop, final_only)) for s in seq.group]
+        self._inbox.put(("add", handles))
         self._wake.set()
-        return handle
+        return handles
 
     def abort(self, seq: Sequence) -> None:
         self._inbox.put(("abort", seq))
@@ -108,8 +114,9 @@ class Engine:
         return any(s.params.penalizes for s in self.scheduler.running)
 
     def _admit(self, work: SchedulerOutput) -> None:
-        # In the order the scheduler appends them to `running`, which is the batch's row order.
-        done = [c.seq for c in work.prefill if c.is_last and c.seq.status is Status.WAITING]
+        # In the order the scheduler appends them to `running`, which is the batch's row order;
+        # a prompt's forks join right after it.
+        done = [s for c in work.prefill if c.is_last for s in c.seq.joining()]
         if done:
             self.runner.admit(done)
 
@@ -138,10 +145,15 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._collectors[item.seq.seq_id] = item.collector
-                self.scheduler.add(item.seq)
+                for handle in item:
+                    self._collectors[handle.seq.seq_id] = handle.collector
+                self.scheduler.add(item[0].seq)
             elif item.status is not Status.FINISHED:
-                self._end(item, FinishReason.ABORT, None)
+                # Forks still waiting cannot start without their prompt: they end with it.
+                waiting = item.group if item.status is Status.WAITING else [item]
+                for seq in waiting:
+                    if seq.status is not Status.FINISHED:
+                        self._end(seq, FinishReason.ABORT, None)
 
     def _end(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:
         seq.finish(reason, error)
@@ -155,8 +167,10 @@ class Engine:
             self._to_wake = []
 
     def _fail_all(self, message: str) -> None:
-        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
-            self._end(seq, FinishReason.ERROR, message)
+        waiting = [s for seq in self.scheduler.waiting for s in seq.group]
+        for seq in waiting + self.scheduler.running + self.scheduler.scored:
+            if seq.status is not Status.FINISHED:
+                self._end(seq, FinishReason.ERROR, message)
 
     def _deliver(self, seq: Sequence, out: RequestOutput) -> None:
         collector = self._collectors.get(seq.seq_id)

@@ -22,7 +22,8 @@ class PrefillChunk:
 @dataclass
 class SchedulerOutput:
     """One step's work: decode every running sequence, and prefill prompt chunks within the
-    step's token budget, oldest prompt first. Only the last chunk of the list may be partial."""
+    step's token budget, oldest prompt first. Only the last chunk of the list may be partial.
+    A chunk of a prompt with forks (n choices) is theirs too."""
 
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[PrefillChunk] = field(default_factory=list)
@@ -38,12 +39,13 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.scored: list[Sequence] = []  # prefilled with max_tokens 0: done once processed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.scored)
 
     def schedule(self) -> SchedulerOutput:
         # Prefill waiting prompts, oldest first, up to `prefill_chunk` tokens in all and while the
@@ -53,13 +55,15 @@ class Scheduler:
         budget = self.prefill_chunk
         room = self.max_num_seqs - len(self.running)
         for seq in self.waiting:
-            if budget <= 0 or room <= 0:
+            # A prompt with n choices joins as n rows; too many for any room, it goes alone.
+            rows = len(seq.group)
+            if budget <= 0 or (rows > room and (self.running or out.prefill)):
                 break
             end = min(seq.prompt_len, seq.num_prefilled + budget)
             chunk = PrefillChunk(seq, seq.num_prefilled, end)
             out.prefill.append(chunk)
             budget -= end - seq.num_prefilled
-            room -= 1
+            room -= rows
             if not chunk.is_last:
                 break
         return out
@@ -71,16 +75,25 @@ class Scheduler:
             seq.num_prefilled = chunk.end
             if chunk.is_last and seq in self.waiting:
                 self.waiting.remove(seq)
-                if seq.status is Status.WAITING:
-                    seq.status = Status.RUNNING
-                    self.running.append(seq)
+                if seq.params.max_tokens == 0:
+                    self.scored += seq.group
+                for member in seq.joining():  # the forks start with their prompt's cache
+                    member.num_prefilled = chunk.end
+                    member.status = Status.RUNNING
+                    self.running.append(member)
         self.drop_finished()
 
     def drop_finished(self) -> None:
         self.running = [s for s in self.running if s.status is not Status.FINISHED]
+        self.scored = [s for s in self.scored if s.status is not Status.FINISHED]
+        if any(s.status is Status.FINISHED for s in self.waiting):  # a fault in prompt logits
+            self.waiting = deque(
+                s for s in self.waiting if any(m.status is not Status.FINISHED for m in s.group)
+            )
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out wherever it is (abort or fault)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.running = [s for s in self.running if s is not seq]
+        self.scored = [s for s in self.scored if s is not seq]

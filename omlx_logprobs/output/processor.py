@@ -6,7 +6,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable
 
-from omlx_logprobs.engine.model_runner import StepResult
+import numpy as np
+
+from omlx_logprobs.engine.model_runner import PromptLogprobs, StepResult
 from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.output.detokenizer import Vocabulary
 from omlx_logprobs.output.sections import TextDelta
@@ -24,6 +26,13 @@ class OutputProcessor:
     def process(self, result: StepResult) -> list[Sequence]:
         """Apply one step; return the sequences that finished in it."""
         finished: list[Sequence] = []
+        for chunk in result.prompt:
+            finished += self._record_prompt(chunk)
+        for seq in result.prompt_only:  # max_tokens 0: the prompt was all there was to do
+            if seq.status is not Status.FINISHED:
+                seq.finish(FinishReason.LENGTH)
+                self.emit(seq, TextDelta(), 0)
+            finished.append(seq)
         lp = result.logprobs
         # Whole-batch conversions once: per-row numpy indexing costs more than the row's work.
         tokens = result.token_ids.tolist()
@@ -45,6 +54,19 @@ class OutputProcessor:
             if seq.status is Status.FINISHED:
                 finished.append(seq)
         return finished
+
+    def _record_prompt(self, chunk: PromptLogprobs) -> list[Sequence]:
+        """Append a chunk's prompt entries; a NaN ends every choice of the prompt."""
+        seq, lp = chunk.seq, chunk.logprobs
+        assert seq.prompt_store is not None and len(seq.prompt_store) == chunk.first - 1
+        seq.prompt_store.extend(chunk.token_ids, lp.logprobs, lp.ranks, lp.top_ids, lp.top_logprobs)
+        if not np.isnan(lp.logprobs).any():
+            return []
+        ended = [s for s in seq.group if s.status is not Status.FINISHED]
+        for s in ended:
+            s.finish(FinishReason.ERROR, "the model produced non-finite logits")
+            self.emit(s, TextDelta(), 0)
+        return ended
 
     def _advance(self, seq: Sequence, token: int) -> None:
         data = self.vocab.token_bytes[token] if token < len(self.vocab) else None
