@@ -57,6 +57,9 @@ def load_model(
     net, wrapper, config = mlx_lm_load(str(path), return_config=True)  # type: ignore[misc]
     if mx.default_device() == mx.cpu:
         net.set_dtype(mx.float32)  # float16 on the CPU is slow and, for SmolLM2, off by >1 nat
+        # Evaluate here: a lazy cast would belong to this thread's stream, and the engine
+        # thread, which has streams of its own, could not evaluate it.
+        mx.eval(net.parameters())
     hf = wrapper._tokenizer
     size = int(net.model.embed_tokens.weight.shape[0]) if hasattr(net, "model") else len(hf)
     eos = config.get("eos_token_id", [])
