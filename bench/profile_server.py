@@ -30,7 +30,9 @@ def _profiled_loop(self: Engine) -> None:
 
 
 def main() -> int:
-    Engine._loop = _profiled_loop  # type: ignore[method-assign]
+    # Python 3.12's cProfile is process-wide (sys.monitoring): one profile then covers both.
+    if sys.version_info < (3, 12):
+        Engine._loop = _profiled_loop  # type: ignore[method-assign]
     PROFILES["event loop"].enable()
     try:
         cli.main(sys.argv[1:])
@@ -38,7 +40,7 @@ def main() -> int:
         PROFILES["event loop"].disable()
         for name, prof in PROFILES.items():
             print(f"===== {name} thread", flush=True)
-            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(35)
     return 0
 
 
