@@ -30,6 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--prefill-chunk", type=int, default=512)
     s.add_argument("--max-top-logprobs", type=int, default=20)
+    s.add_argument(
+        "--prefill-delay-ms",
+        type=float,
+        default=None,
+        help="while a batch decodes, how long a new prompt may wait to prefill together with"
+        " others (default: 20 on a GPU, 0 on the CPU)",
+    )
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument(
         "--reasoning-parser",
@@ -49,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> None:
+    import mlx.core as mx
     import uvicorn
 
     from omlx_logprobs.api.app import create_app
@@ -56,12 +64,16 @@ def serve(args: argparse.Namespace) -> None:
     from omlx_logprobs.engine.engine import Engine
     from omlx_logprobs.models.loader import load_model
 
+    # On a GPU a prefill forward costs about as much host time as a decode step, so prompts
+    # are gathered; on the CPU the step itself is far longer than any useful delay.
+    gpu_delay = 0.0 if mx.default_device() == mx.cpu else 20.0
     cfg = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         prefill_chunk=args.prefill_chunk,
         max_top_logprobs=args.max_top_logprobs,
         max_model_len=args.max_model_len,
         logprobs_mode=args.logprobs_mode,
+        prefill_delay_ms=args.prefill_delay_ms if args.prefill_delay_ms is not None else gpu_delay,
     )
     log.info("BLAS: %s", omlx_logprobs.BLAS)
     model = load_model(args.model, args.served_model_name, cfg.max_model_len)

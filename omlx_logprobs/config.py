@@ -9,6 +9,8 @@ from dataclasses import dataclass
 class EngineConfig:
     max_num_seqs: int = 64  # requests decoded together
     prefill_chunk: int = 512  # prompt tokens per prefill step, so decoding is never starved
+    # While a batch decodes, a new prompt waits up to this long for others to prefill with.
+    prefill_delay_ms: float = 0.0
     max_top_logprobs: int = 20  # the server cap on top_logprobs
     max_model_len: int | None = None  # None: the model's own context length
     logprobs_mode: str = "raw_logprobs"  # the default of requests that name none
@@ -18,6 +20,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
+        if not 0 <= self.prefill_delay_ms <= 10_000:
+            raise ValueError("prefill_delay_ms must be in [0, 10000]")
         if not 0 <= self.max_top_logprobs <= 20:
             raise ValueError("max_top_logprobs must be in [0, 20]")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):

@@ -35,7 +35,7 @@ class RequestHandle:
 class Engine:
     def __init__(self, model: Any, vocab: Vocabulary, eos: tuple[int, ...], cfg: EngineConfig):
         self.cfg = cfg
-        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.prefill_chunk)
+        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.prefill_chunk, cfg.prefill_delay_ms / 1e3)
         self.runner = ModelRunner(model, len(vocab))
         self.processor = OutputProcessor(vocab, eos, self._deliver)
         self.inflight: LaunchedStep | None = None  # launched, not yet processed
