@@ -22,6 +22,7 @@ from omlx_logprobs.output.processor import OutputProcessor
 from omlx_logprobs.types import FinishReason, RequestOutput
 
 log = logging.getLogger("omlx_logprobs")
+SMALL_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Engine:
         self.processor = OutputProcessor(vocab, eos, self._deliver)
         self.inflight: LaunchedStep | None = None  # launched, not yet processed
         self.stats = StepStats()
+        self._inflight_first = False  # the step in flight samples some prompt's first token
         self._collectors: dict[int, RequestOutputCollector] = {}
         self._to_wake: list[RequestOutputCollector] = []  # woken together after each step
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -82,7 +84,7 @@ class Engine:
     # ---- engine thread ------------------------------------------------------------------------
     def step(self) -> None:
         """Launch this step, then process the previous one while the device runs this one."""
-        if self.inflight is not None and self._needs_history():
+        if self.inflight is not None and (self._needs_history() or self._first_token_waits()):
             self._complete()
         t0 = time.perf_counter()
         work = self.scheduler.schedule()
@@ -92,6 +94,7 @@ class Engine:
         t1 = time.perf_counter()
         self._complete()
         self.inflight = launched
+        self._inflight_first = any(c.is_last for c in work.prefill)
         rows = len(launched.seqs) if launched is not None else 0
         prefill = sum(c.end - c.start for c in work.prefill)
         self.stats.add(rows, prefill, t1 - t0, time.perf_counter() - t1)
@@ -108,6 +111,11 @@ class Engine:
         finished = self.processor.process(result)
         self.runner.release(finished)
         self.scheduler.drop_finished()
+
+    def _first_token_waits(self) -> bool:
+        # A first token is latency a client sees; with a small batch, overlapping the next
+        # step with its processing gains little, so it is processed before the next launch.
+        return self._inflight_first and len(self.scheduler.running) <= SMALL_BATCH
 
     def _needs_history(self) -> bool:
         # Penalties read every earlier token, so the step in flight must be processed first.
