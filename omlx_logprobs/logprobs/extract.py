@@ -48,12 +48,15 @@ def extract(
     if fixed is not None and not natural:
         idx = fixed.astype(mx.int32)
         return own[:, 0], ranks, idx, mx.take_along_axis(logprobs, idx, axis=-1)
-    # A partial selection of K, then a sort of only those K: never a full-vocabulary sort.
-    idx = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
-    vals = mx.take_along_axis(logprobs, idx, axis=-1)
-    order = mx.argsort(-vals, axis=-1)
-    idx = mx.take_along_axis(idx, order, axis=-1).astype(mx.int32)
-    vals = mx.take_along_axis(vals, order, axis=-1)
+    if k == 1:  # scoring's usual ask (lm-eval sends logprobs=1): one pass, no selection
+        idx = mx.argmax(logprobs, axis=-1, keepdims=True).astype(mx.int32)
+        vals = mx.take_along_axis(logprobs, idx, axis=-1)
+    else:  # a partial selection of K, then a sort of only those K: never a full-vocabulary sort
+        idx = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+        vals = mx.take_along_axis(logprobs, idx, axis=-1)
+        order = mx.argsort(-vals, axis=-1)
+        idx = mx.take_along_axis(idx, order, axis=-1).astype(mx.int32)
+        vals = mx.take_along_axis(vals, order, axis=-1)
     if fixed is not None:
         idx = mx.where(fixed >= 0, fixed.astype(mx.int32), idx)
         vals = mx.take_along_axis(logprobs, idx, axis=-1)
