@@ -7,6 +7,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,16 @@ class RequestHandle:
     collector: RequestOutputCollector
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /health: what is queued, what holds KV memory, and how much MLX holds."""
+
+    waiting: int
+    running: int
+    cached_sequences: int  # batch cache rows plus prompts mid-prefill
+    active_memory: int  # bytes in live MLX arrays, weights included
+
+
 class Engine:
     def __init__(self, model: Any, vocab: Vocabulary, eos: tuple[int, ...], cfg: EngineConfig):
         self.cfg = cfg
@@ -40,6 +51,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._closing_at: float | None = None  # after this monotonic time, fail what is left
         self._thread = threading.Thread(target=self._loop, name="omlx-engine", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------------
@@ -50,6 +62,11 @@ class Engine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """In-flight requests may finish for grace_s seconds; then they end with an error."""
+        self._closing_at = time.monotonic() + grace_s
+        self._wake.set()
 
     def add_request(self, seq: Sequence, loop: asyncio.AbstractEventLoop) -> RequestHandle:
         handle = RequestHandle(seq, RequestOutputCollector(loop))
@@ -64,6 +81,14 @@ class Engine:
     @property
     def num_unfinished(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            cached_sequences=self.runner.num_cached,
+            active_memory=self.runner.active_memory(),
+        )
 
     # ---- engine thread ------------------------------------------------------------------------
     def step(self) -> None:
@@ -82,6 +107,8 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
+            if self._closing_at is not None and time.monotonic() >= self._closing_at:
+                self._fail_all("the server is shutting down")
             if not self.scheduler.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()

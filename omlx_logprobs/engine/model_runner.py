@@ -26,6 +26,7 @@ class StepResult:
     seqs: list[Sequence]
     token_ids: np.ndarray  # [B] int
     logprobs: BatchLogprobs | None  # None when no sequence in the step asked for logprobs
+    finite: np.ndarray | None = None  # [B] bool: False where the row's logits held NaN or +inf
 
 
 class ModelRunner:
@@ -68,13 +69,25 @@ class ModelRunner:
         logits = apply_processors(logits, params, histories)
         keys = [step_key(p.seed, s.num_output) for p, s in zip(params, seqs)]
         tokens = sample(logits, params, keys)
+        # One reduction per row, evaluated in the same sync: a NaN or +inf anywhere in a row (or
+        # a row of only -inf) makes its log-sum-exp non-finite and its sampled token meaningless.
+        finite = mx.isfinite(mx.logsumexp(logits, axis=-1))
         if not any(p.logprobs for p in params):
-            mx.eval(tokens)
-            return StepResult(seqs, np.array(tokens), None)
+            mx.eval(tokens, finite)
+            return StepResult(seqs, np.array(tokens), None, np.array(finite))
         k = max(p.top_logprobs for p in params)
         parts = extract(log_softmax(logits), tokens, k)
-        mx.eval(tokens, *parts)  # one sync for the whole batch, then one copy of small arrays
-        return StepResult(seqs, np.array(tokens), to_host(parts))
+        mx.eval(tokens, finite, *parts)  # one sync for the whole batch, then small copies
+        return StepResult(seqs, np.array(tokens), to_host(parts), np.array(finite))
+
+    @property
+    def num_cached(self) -> int:
+        """Sequences holding KV memory: batch rows and prompts mid-prefill."""
+        return len(self.rows) + len(self.prefill_caches)
+
+    @staticmethod
+    def active_memory() -> int:
+        return int(mx.get_active_memory())
 
     def admit(self, seq: Sequence) -> None:
         """Move a prefilled sequence's cache into the batch, as its last row."""

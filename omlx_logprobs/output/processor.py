@@ -3,10 +3,9 @@ and hand each request its delta."""
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_right
 from collections.abc import Callable
-
-import numpy as np
 
 from omlx_logprobs.engine.model_runner import StepResult
 from omlx_logprobs.engine.sequence import Sequence, Status
@@ -14,6 +13,7 @@ from omlx_logprobs.output.detokenizer import Vocabulary
 from omlx_logprobs.types import FinishReason, RequestOutput
 
 Sink = Callable[[Sequence, RequestOutput], None]
+log = logging.getLogger("omlx_logprobs")
 
 
 class OutputProcessor:
@@ -25,21 +25,32 @@ class OutputProcessor:
     def process(self, result: StepResult) -> list[Sequence]:
         """Apply one step; return the sequences that finished in it."""
         finished: list[Sequence] = []
-        lp = result.logprobs
         for i, seq in enumerate(result.seqs):
-            token = int(result.token_ids[i])
-            seq.output_ids.append(token)
-            if seq.store is not None and lp is not None:
-                rank = int(lp.ranks[i])
-                seq.store.append(
-                    token, float(lp.logprobs[i]), rank, lp.top_ids[i], lp.top_logprobs[i]
-                )
-                if np.isnan(lp.logprobs[i]):
-                    seq.finish(FinishReason.ERROR, "the model produced non-finite logits")
-            self._advance(seq, token)
+            try:
+                if result.finite is not None and not result.finite[i]:
+                    self.fail(seq, "the model produced non-finite logits")
+                else:
+                    self._record(seq, i, result)
+            except Exception as exc:  # one request's fault ends that request, not its batch
+                log.exception("output processing failed for %s", seq.request_id)
+                self.fail(seq, f"internal error while processing this request: {exc}")
             if seq.status is Status.FINISHED:
                 finished.append(seq)
         return finished
+
+    def _record(self, seq: Sequence, i: int, result: StepResult) -> None:
+        token = int(result.token_ids[i])
+        seq.output_ids.append(token)
+        lp = result.logprobs
+        if seq.store is not None and lp is not None:
+            rank = int(lp.ranks[i])
+            seq.store.append(token, float(lp.logprobs[i]), rank, lp.top_ids[i], lp.top_logprobs[i])
+        self._advance(seq, token)
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        """End a request with an error; nothing more of its output is released."""
+        seq.finish(FinishReason.ERROR, message)
+        self.emit(seq, "", seq.released_tokens)
 
     def _advance(self, seq: Sequence, token: int) -> None:
         data = self.vocab.token_bytes[token] if token < len(self.vocab) else None
