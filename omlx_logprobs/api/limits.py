@@ -21,6 +21,10 @@ from omlx_logprobs.config import Limits
 # `prompt_logprobs`. A boolean `logprobs` (chat) is not a count.
 COUNT_FIELDS = ("top_logprobs", "logprobs", "prompt_logprobs")
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+# Below this, dividing a logit by the penalty can overflow float32 and poison the whole row.
+MIN_REPETITION_PENALTY = 0.01
+# What the template renderer itself passes to Jinja besides apply_chat_template's parameters.
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,13 @@ def model_bounds(model: Any, max_top_logprobs: int) -> ModelBounds:
     )
     try:
         params = inspect.signature(model.tokenizer.apply_chat_template).parameters
-        reserved = frozenset(n for n, p in params.items() if p.kind is not p.VAR_KEYWORD)
+        reserved = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
     except (TypeError, ValueError, AttributeError):
-        reserved = frozenset()
-    return ModelBounds(len(vocab), model.max_model_len, max_top_logprobs, max(longest, 1), reserved)
+        reserved = set()
+    reserved |= TEMPLATE_VARIABLES
+    return ModelBounds(
+        len(vocab), model.max_model_len, max_top_logprobs, max(longest, 1), frozenset(reserved)
+    )
 
 
 class RequestLimits:
@@ -72,6 +79,12 @@ class RequestLimits:
             value = get(name)
             if isinstance(value, int) and not isinstance(value, bool):
                 _at_most(value, self.bounds.max_top_logprobs, name)
+        penalty = get("repetition_penalty")
+        if penalty is not None and penalty < MIN_REPETITION_PENALTY:
+            raise APIError(
+                f"repetition_penalty must be at least {MIN_REPETITION_PENALTY}",
+                param="repetition_penalty",
+            )
         stop = get("stop")
         if stop is not None:
             stops = [stop] if isinstance(stop, str) else list(stop)
