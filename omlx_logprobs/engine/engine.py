@@ -39,6 +39,8 @@ class EngineStats:
     running: int
     cached_sequences: int  # batch cache rows plus prompts mid-prefill
     active_memory: int  # bytes in live MLX arrays, weights included
+    aborted_waiting: int  # requests aborted (client gone) before their prompt was prefilled
+    aborted_running: int  # ... and while decoding
 
 
 class Engine:
@@ -52,6 +54,7 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._closing_at: float | None = None  # after this monotonic time, fail what is left
+        self._aborted = {Status.WAITING: 0, Status.RUNNING: 0}
         self._thread = threading.Thread(target=self._loop, name="omlx-engine", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------------
@@ -88,6 +91,8 @@ class Engine:
             running=len(self.scheduler.running),
             cached_sequences=self.runner.num_cached,
             active_memory=self.runner.active_memory(),
+            aborted_waiting=self._aborted[Status.WAITING],
+            aborted_running=self._aborted[Status.RUNNING],
         )
 
     # ---- engine thread ------------------------------------------------------------------------
@@ -130,6 +135,7 @@ class Engine:
                 self._collectors[item.seq.seq_id] = item.collector
                 self.scheduler.add(item.seq)
             elif item.status is not Status.FINISHED:
+                self._aborted[item.status] += 1
                 self._end(item, FinishReason.ABORT, None)
 
     def _end(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:

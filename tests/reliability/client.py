@@ -22,13 +22,25 @@ class ChatResult:
     error: dict[str, Any] | None = None
     chunk_misaligned: int = 0  # stream chunks whose entries' bytes differ from their text
 
+    stops: tuple[str, ...] = ()
+
     @property
     def aligned(self) -> bool:
-        """The alignment invariant: the entries' joined bytes are the text, chunk by chunk."""
+        """The alignment invariant: the entries' joined bytes are the whole text; after a stop
+        string, the text and then the stop string (its tokens are entries, its text is not)."""
         if not self.entries:
-            return self.chunk_misaligned == 0
+            return True
         joined = b"".join(bytes(e["bytes"] or b"") for e in self.entries)
-        return self.chunk_misaligned == 0 and joined.decode("utf-8", "replace") == self.text
+        full = joined.decode("utf-8", "replace")
+        if full == self.text:
+            return True
+        rest = full[len(self.text) :]
+        return full.startswith(self.text) and any(rest.startswith(s) for s in self.stops)
+
+    @property
+    def chunks_aligned(self) -> bool:
+        """The same for every stream chunk on its own."""
+        return self.aligned and self.chunk_misaligned == 0
 
 
 def chat_body(content: str, **kw: Any) -> dict[str, Any]:
@@ -41,8 +53,13 @@ def chat_body(content: str, **kw: Any) -> dict[str, Any]:
 
 
 async def chat(client: httpx.AsyncClient, body: dict[str, Any]) -> ChatResult:
-    if body.get("stream"):
-        return await _stream(client, body)
+    out = await (_stream(client, body) if body.get("stream") else _plain(client, body))
+    stop = body.get("stop") or ()
+    out.stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    return out
+
+
+async def _plain(client: httpx.AsyncClient, body: dict[str, Any]) -> ChatResult:
     r = await client.post("/v1/chat/completions", json=body)
     data = r.json()
     if r.status_code != 200:

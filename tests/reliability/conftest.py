@@ -3,15 +3,19 @@ access settings, and (for fault injection) wrappers around the tiny model and it
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
 import mlx.core as mx
+import psutil
 import pytest
 import uvicorn
 
@@ -123,3 +127,45 @@ class FaultyBytes(tuple):  # type: ignore[type-arg]
         if i == self.poison:
             raise KeyError(f"detokenizer fault injected by the test at token {i}")
         return super().__getitem__(i)
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[bytes]
+    base: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def rss(self) -> int:
+        return int(psutil.Process(self.proc.pid).memory_info().rss)
+
+
+@contextmanager
+def server_process(args: list[str], tmp: Path, start_s: float = 180) -> Iterator[ServerProcess]:
+    """`omlx-logprobs serve ARGS` as a real process on a free loopback port."""
+    port = free_port()
+    log_path = tmp / f"server-{port}.log"
+    with open(log_path, "wb") as log:
+        cmd = [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--port", str(port), *args]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        deadline = time.time() + start_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{server.log()[-3000:]}")
+            try:
+                if httpx.get(server.base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.2)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
