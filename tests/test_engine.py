@@ -91,6 +91,26 @@ def test_batch_of_16_equals_each_alone(tiny: LoadedModel) -> None:
         check_against_reference(tiny, prompts[i], seq, 3)
 
 
+def test_prompts_prefilled_together_with_left_padding_equal_each_alone(tiny: LoadedModel) -> None:
+    # Lengths 1 to ~60 in one budget: several left-padded groups in one step; the max_tokens=1
+    # requests finish at their first token, so their rows are filtered out of their group.
+    prompts = [encode(tiny, "word " * (1 + (i * 7) % 30))[: 1 + (i * 13) % 60] for i in range(12)]
+    params = [
+        SamplingParams(
+            max_tokens=1 if i % 4 == 1 else 5,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            ignore_eos=True,
+        )
+        for i in range(12)
+    ]
+    together = run_engine(tiny, list(zip(prompts, params)))
+    for i, (seq, _) in enumerate(together):
+        assert seq.num_output == params[i].max_tokens
+        check_against_reference(tiny, prompts[i], seq, 2)
+
+
 def test_seeded_sampling_is_independent_of_batch(tiny: LoadedModel) -> None:
     prompt = encode(tiny, PROMPTS[2])
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=42, ignore_eos=True)

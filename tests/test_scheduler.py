@@ -17,22 +17,33 @@ def test_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes() -> None:
     s.add(short)
     s.add(long)
     work = s.schedule()
-    assert work.prefill and (work.prefill.start, work.prefill.end, work.prefill.is_last) == (
-        0,
-        3,
-        True,
-    )
+    # The short prompt and the first 2 tokens of the long one share the 5-token budget.
+    assert [(c.seq, c.start, c.end, c.is_last) for c in work.prefill] == [
+        (short, 0, 3, True),
+        (long, 0, 2, False),
+    ]
     s.update(work)
     assert s.running == [short] and short.status is Status.RUNNING
     chunks = []
     while s.waiting:
         work = s.schedule()
         assert work.decode == [short]  # decoding goes on during the long prefill
-        assert work.prefill is not None
-        chunks.append((work.prefill.start, work.prefill.end))
+        chunks += [(c.start, c.end) for c in work.prefill]
         s.update(work)
-    assert chunks == [(0, 5), (5, 10), (10, 12)]
+    assert chunks == [(2, 7), (7, 12)]
     assert s.running == [short, long]
+
+
+def test_short_prompts_share_a_step_in_arrival_order() -> None:
+    s = Scheduler(max_num_seqs=3, prefill_chunk=100)
+    seqs = [seq(n) for n in (4, 9, 2, 5)]
+    for q in seqs:
+        s.add(q)
+    work = s.schedule()
+    assert [c.seq for c in work.prefill] == seqs[:3]  # the batch has room for 3
+    assert all(c.is_last for c in work.prefill)
+    s.update(work)
+    assert s.running == seqs[:3] and list(s.waiting) == seqs[3:]
 
 
 def test_batch_limit_holds_new_prompts_back() -> None:
@@ -43,12 +54,12 @@ def test_batch_limit_holds_new_prompts_back() -> None:
     for _ in range(2):
         s.update(s.schedule())
     assert len(s.running) == 2
-    assert s.schedule().prefill is None  # full
+    assert not s.schedule().prefill  # full
     seqs[0].finish(FinishReason.STOP)
     s.update(s.schedule())
     assert seqs[0] not in s.running
     work = s.schedule()
-    assert work.prefill is not None and work.prefill.seq is seqs[2]
+    assert [c.seq for c in work.prefill] == [seqs[2]]
 
 
 def test_sequence_finished_by_its_first_token_never_runs() -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine.model_runner import ModelRunner
+from omlx_logprobs.engine.model_runner import LaunchedStep, ModelRunner
 from omlx_logprobs.engine.scheduler import Scheduler, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.output.collector import RequestOutputCollector
@@ -49,7 +49,9 @@ class Engine:
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.prefill_chunk)
         self.runner = ModelRunner(model, len(vocab))
         self.processor = OutputProcessor(vocab, eos, self._deliver)
+        self.inflight: LaunchedStep | None = None  # launched, not yet processed
         self._collectors: dict[int, RequestOutputCollector] = {}
+        self._to_wake: list[RequestOutputCollector] = []  # woken together after each step
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -97,24 +99,46 @@ class Engine:
 
     # ---- engine thread ------------------------------------------------------------------------
     def step(self) -> None:
+        """Launch this step, then process the previous one while the device runs this one."""
+        if self.inflight is not None and self._needs_history():
+            self._complete()
         work = self.scheduler.schedule()
-        result = self.runner.execute(work)
-        finished = self.processor.process(result) if result is not None else []
+        launched = self.runner.launch(work)
         self._admit(work)
-        self.runner.release(finished)
         self.scheduler.update(work)
+        self._complete()
+        self.inflight = launched
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self.inflight is not None
+
+    def _complete(self) -> None:
+        """Process the step in flight: outputs, stops, and freeing what finished."""
+        if self.inflight is None:
+            return
+        result = self.runner.collect(self.inflight)
+        self.inflight = None
+        finished = self.processor.process(result)
+        self.runner.release(finished)
+        self.scheduler.drop_finished()
+
+    def _needs_history(self) -> bool:
+        # Penalties read every earlier token, so the step in flight must be processed first.
+        return any(s.params.penalizes for s in self.scheduler.running)
 
     def _admit(self, work: SchedulerOutput) -> None:
-        chunk = work.prefill
-        if chunk is not None and chunk.is_last and chunk.seq.status is Status.WAITING:
-            self.runner.admit(chunk.seq)
+        # In the order the scheduler appends them to `running`, which is the batch's row order.
+        done = [c.seq for c in work.prefill if c.is_last and c.seq.status is Status.WAITING]
+        if done:
+            self.runner.admit(done)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
             if self._closing_at is not None and time.monotonic() >= self._closing_at:
                 self._fail_all("the server is shutting down")
-            if not self.scheduler.has_work():
+            self._wake_consumers()
+            if not self.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
@@ -122,8 +146,11 @@ class Engine:
                 self.step()
             except Exception as exc:  # a fault must end its requests, never the server
                 log.exception("engine step failed")
+                self.inflight = None
                 self._fail_all(f"internal error in the engine step: {exc}")
+            self._wake_consumers()
         self._fail_all("the server is shutting down")
+        self._wake_consumers()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -144,13 +171,18 @@ class Engine:
         self.runner.release([seq])
         self.processor.emit(seq, seq.text.flush(), seq.num_output)
 
+    def _wake_consumers(self) -> None:
+        if self._to_wake:
+            RequestOutputCollector.wake_all(self._to_wake)
+            self._to_wake = []
+
     def _fail_all(self, message: str) -> None:
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             self._end(seq, FinishReason.ERROR, message)
 
     def _deliver(self, seq: Sequence, out: RequestOutput) -> None:
         collector = self._collectors.get(seq.seq_id)
-        if collector is not None:
-            collector.put(out)
+        if collector is not None and collector.deposit(out):
+            self._to_wake.append(collector)
         if out.finished:
             self._collectors.pop(seq.seq_id, None)

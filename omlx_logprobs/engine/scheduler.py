@@ -21,14 +21,15 @@ class PrefillChunk:
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: decode every running sequence, and prefill at most one prompt chunk."""
+    """One step's work: decode every running sequence, and prefill prompt chunks within the
+    step's token budget, oldest prompt first. Only the last chunk of the list may be partial."""
 
     decode: list[Sequence] = field(default_factory=list)
-    prefill: PrefillChunk | None = None
+    prefill: list[PrefillChunk] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.decode and self.prefill is None
+        return not self.decode and not self.prefill
 
 
 class Scheduler:
@@ -45,25 +46,37 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        # Prefill the oldest waiting prompt by one chunk while the batch has room; decoding the
-        # running batch continues in the same step, so a long prompt never stalls other streams.
+        # Prefill waiting prompts, oldest first, up to `prefill_chunk` tokens in all and while the
+        # batch has room; decoding goes on in the same step, so prompts never stall the streams.
+        # Many short prompts share one step; a long one takes the rest of the budget, in chunks.
         out = SchedulerOutput(decode=list(self.running))
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            end = min(seq.prompt_len, seq.num_prefilled + self.prefill_chunk)
-            out.prefill = PrefillChunk(seq, seq.num_prefilled, end)
+        budget = self.prefill_chunk
+        room = self.max_num_seqs - len(self.running)
+        for seq in self.waiting:
+            if budget <= 0 or room <= 0:
+                break
+            end = min(seq.prompt_len, seq.num_prefilled + budget)
+            chunk = PrefillChunk(seq, seq.num_prefilled, end)
+            out.prefill.append(chunk)
+            budget -= end - seq.num_prefilled
+            room -= 1
+            if not chunk.is_last:
+                break
         return out
 
     def update(self, out: SchedulerOutput) -> None:
         """Account for a finished step: advance prefill, admit, and drop finished sequences."""
-        if out.prefill is not None:
-            seq = out.prefill.seq
-            seq.num_prefilled = out.prefill.end
-            if out.prefill.is_last and self.waiting and self.waiting[0] is seq:
-                self.waiting.popleft()
+        for chunk in out.prefill:
+            seq = chunk.seq
+            seq.num_prefilled = chunk.end
+            if chunk.is_last and seq in self.waiting:
+                self.waiting.remove(seq)
                 if seq.status is Status.WAITING:
                     seq.status = Status.RUNNING
                     self.running.append(seq)
+        self.drop_finished()
+
+    def drop_finished(self) -> None:
         self.running = [s for s in self.running if s.status is not Status.FINISHED]
 
     def remove(self, seq: Sequence) -> None:

@@ -30,6 +30,7 @@ class Sequence:
         self.status = Status.WAITING
         self.num_prefilled = 0  # prompt tokens already in the KV cache
         self.output_ids = array("i")
+        self.num_sampled = 0  # tokens sampled on the device, some perhaps not yet processed
         self.store = LogprobStore(params.top_logprobs) if params.logprobs else None
         self.text = IncrementalText(params.stop)
         self.token_ends = array("q")  # cumulative UTF-8 byte end of each generated token

@@ -43,4 +43,10 @@ def extract(logprobs: mx.array, tokens: mx.array, k: int) -> tuple[mx.array, ...
 
 def to_host(parts: tuple[mx.array, ...]) -> BatchLogprobs:
     lp, ranks, ids, vals = (np.array(p, copy=False) for p in parts)
-    return BatchLogprobs(lp, ranks, ids, vals)
+    # The stores take raw 4-byte items: pin the dtypes (no copy when they already match).
+    return BatchLogprobs(
+        lp.astype(np.float32, copy=False),
+        ranks.astype(np.int32, copy=False),
+        ids.astype(np.int32, copy=False),
+        vals.astype(np.float32, copy=False),
+    )

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
+from collections.abc import Callable
+
+import numpy as np
 
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.output.detokenizer import Vocabulary
@@ -28,10 +32,15 @@ def num(x: float) -> str:
     raise NonFiniteLogprob(f"non-finite logprob {x}")
 
 
+def _all_finite(values: array, start: int, end: int) -> bool:
+    return bool(np.isfinite(np.frombuffer(values, np.float32)[start:end]).all())
+
+
 class ChatLogprobFormatter:
     def __init__(self, vocab: Vocabulary) -> None:
         self.vocab = vocab
         self._frags: dict[int, str] = {}
+        self._heads: list[str | None] = [None] * len(vocab)  # '{"token":..,"bytes":..,"logprob":'
 
     def token_fragment(self, tid: int) -> str:
         """`"token": ..., "bytes": ...` for one id (bytes null for special tokens)."""
@@ -44,26 +53,41 @@ class ChatLogprobFormatter:
             self._frags[tid] = frag
         return frag
 
+    def _head_list(self, ids: array) -> list[str]:
+        heads = self._heads
+        if len(heads) <= max(ids, default=-1):
+            heads.extend([None] * (max(ids) + 1 - len(heads)))
+        for t in set(ids):
+            if heads[t] is None:
+                heads[t] = "{" + self.token_fragment(t) + ',"logprob":'
+        return heads  # type: ignore[return-value]
+
     def entries(self, store: LogprobStore, start: int, end: int) -> str:
-        """The JSON array of entries for positions [start, end)."""
-        parts = []
-        frag = self.token_fragment
+        """The JSON array of entries for positions [start, end).
+
+        Built with list comprehensions over cached per-id heads and `repr` of each logprob: this
+        runs on the event loop for every token and every alternative, so it must be cheap."""
         k = store.k
-        for i in range(start, end):
-            top = ""
-            if k:
-                ids, lps = store.top(i)
-                top = ",".join(
-                    "{" + frag(t) + ',"logprob":' + num(v) + "}" for t, v in zip(ids, lps)
-                )
-            tid = store.token_ids[i]
-            parts.append(
-                "{"
-                + frag(tid)
-                + ',"logprob":'
-                + num(store.logprobs[i])
-                + ',"top_logprobs":['
-                + top
-                + "]}"
-            )
-        return "[" + ",".join(parts) + "]"
+        ids, lps = store.token_ids[start:end], store.logprobs[start:end]
+        top_ids, top_lps = (
+            store.top_ids[start * k : end * k],
+            store.top_logprobs[start * k : end * k],
+        )
+        fmt: Callable[[float], str] = repr
+        if not (
+            _all_finite(store.logprobs, start, end)
+            and _all_finite(store.top_logprobs, start * k, end * k)
+        ):
+            fmt = num  # the slow path: -inf as -9999.0, NaN refused
+        heads = self._head_list(ids)
+        if k:
+            heads = self._head_list(top_ids)
+            tops = [heads[t] + fmt(v) + "}" for t, v in zip(top_ids, top_lps)]
+            lists = [",".join(tops[i : i + k]) for i in range(0, len(tops), k)]
+        else:
+            lists = [""] * len(ids)
+        body = [
+            heads[t] + fmt(v) + ',"top_logprobs":[' + top + "]}"
+            for t, v, top in zip(ids, lps, lists)
+        ]
+        return "[" + ",".join(body) + "]"

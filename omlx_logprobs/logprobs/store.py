@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from array import array
 
-import numpy as np
-
 
 class LogprobStore:
     """Entries for every generated token, in order: the sampled id, its logprob and rank, and the
@@ -25,15 +23,14 @@ class LogprobStore:
     def __len__(self) -> int:
         return len(self.logprobs)
 
-    def append(
-        self, token: int, logprob: float, rank: int, top_ids: np.ndarray, top_lps: np.ndarray
-    ) -> None:
+    def append(self, token: int, logprob: float, rank: int, top_ids: bytes, top_lps: bytes) -> None:
+        """One position; the top list as raw int32 ids and float32 logprobs, best first."""
         self.token_ids.append(token)
         self.logprobs.append(logprob)
         self.ranks.append(rank)
         if self.k:
-            self.top_ids.frombytes(top_ids[: self.k].astype(np.int32).tobytes())
-            self.top_logprobs.frombytes(top_lps[: self.k].astype(np.float32).tobytes())
+            self.top_ids.frombytes(top_ids)
+            self.top_logprobs.frombytes(top_lps)
 
     def top(self, i: int) -> tuple[array, array]:
         """The top list of position i: (ids, logprobs), best first."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterable
 
 from omlx_logprobs.types import RequestOutput
 
@@ -21,11 +22,24 @@ class RequestOutputCollector:
 
     def put(self, out: RequestOutput) -> None:
         """Engine thread: deposit or merge, then wake the consumer."""
+        if self.deposit(out):
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    def deposit(self, out: RequestOutput) -> bool:
+        """Engine thread: deposit or merge; True when the consumer needs a wake-up (`wake_all`)."""
         with self._lock:
             first = self._pending is None
             self._pending = out if self._pending is None else self._pending.merge(out)
-        if first:
-            self._loop.call_soon_threadsafe(self._ready.set)
+        return first
+
+    @staticmethod
+    def wake_all(collectors: Iterable[RequestOutputCollector]) -> None:
+        """Wake many consumers with one cross-thread call per event loop, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+        for c in collectors:
+            by_loop.setdefault(c._loop, []).append(c._ready)
+        for loop, events in by_loop.items():
+            loop.call_soon_threadsafe(_set_all, events)
 
     async def get(self) -> RequestOutput:
         """Event loop: wait for the next (possibly merged) output."""
@@ -36,3 +50,8 @@ class RequestOutputCollector:
                 self._ready.clear()
             if out is not None:
                 return out
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for e in events:
+        e.set()

@@ -25,27 +25,33 @@ class OutputProcessor:
     def process(self, result: StepResult) -> list[Sequence]:
         """Apply one step; return the sequences that finished in it."""
         finished: list[Sequence] = []
+        lp = result.logprobs
+        # Whole-batch conversions once: per-row numpy indexing costs more than the row's work.
+        tokens = result.token_ids.tolist()
+        finite = result.finite.tolist() if result.finite is not None else None
+        if lp is not None:
+            chosen, ranks = lp.logprobs.tolist(), lp.ranks.tolist()
+            k = lp.top_ids.shape[1]
+            top_ids, top_lps = lp.top_ids.tobytes(), lp.top_logprobs.tobytes()
         for i, seq in enumerate(result.seqs):
+            if seq.status is Status.FINISHED:
+                continue  # finished (or aborted) while this step ran: its row is surplus
             try:
-                if result.finite is not None and not result.finite[i]:
+                if finite is not None and not finite[i]:
                     self.fail(seq, "the model produced non-finite logits")
                 else:
-                    self._record(seq, i, result)
+                    token = tokens[i]
+                    seq.output_ids.append(token)
+                    if seq.store is not None and lp is not None:
+                        a, b = 4 * k * i, 4 * (k * i + seq.store.k)  # 4-byte items, row i's k
+                        seq.store.append(token, chosen[i], ranks[i], top_ids[a:b], top_lps[a:b])
+                    self._advance(seq, token)
             except Exception as exc:  # one request's fault ends that request, not its batch
                 log.exception("output processing failed for %s", seq.request_id)
                 self.fail(seq, f"internal error while processing this request: {exc}")
             if seq.status is Status.FINISHED:
                 finished.append(seq)
         return finished
-
-    def _record(self, seq: Sequence, i: int, result: StepResult) -> None:
-        token = int(result.token_ids[i])
-        seq.output_ids.append(token)
-        lp = result.logprobs
-        if seq.store is not None and lp is not None:
-            rank = int(lp.ranks[i])
-            seq.store.append(token, float(lp.logprobs[i]), rank, lp.top_ids[i], lp.top_logprobs[i])
-        self._advance(seq, token)
 
     def fail(self, seq: Sequence, message: str) -> None:
         """End a request with an error; nothing more of its output is released."""

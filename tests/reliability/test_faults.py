@@ -44,7 +44,7 @@ def faulty(tiny_served: LoadedModel, poison_ids: tuple[int, int]) -> Iterator[st
         tokenizer=FaultyTokenizer(tiny_served.tokenizer, MARKER),
         vocab=replace(tiny_served.vocab, token_bytes=table),
     )
-    cfg = EngineConfig(max_num_seqs=16, prefill_chunk=16)
+    cfg = EngineConfig(max_num_seqs=16, prefill_chunk=2048)  # whole prompts: poison in view
     limits = Limits(max_stop_chars=512)
     with thread_server(model, cfg, limits) as (base, _):
         yield base

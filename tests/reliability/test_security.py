@@ -112,3 +112,28 @@ def test_template_kwargs_reach_the_template_as_variables(open_server: str) -> No
     body = {**CHAT, "chat_template_kwargs": {"enable_thinking": False}}
     r = httpx.post(open_server + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
+
+
+def test_request_handling_reaches_no_shell_file_or_eval() -> None:
+    """Static: the HTTP layer imports nothing that runs commands or opens files, and nothing in
+    the package evaluates code (files are opened only when loading --model at start-up)."""
+    import ast
+    from pathlib import Path
+
+    import omlx_logprobs
+
+    root = Path(omlx_logprobs.__file__).parent
+    forbidden_imports = {"os", "subprocess", "pathlib", "ctypes", "shutil", "pickle"}
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in ("eval", "exec", "compile"), path
+                assert node.func.id != "open" or path.parent.name == "models", path
+            if path.parent.name == "api" and isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                )
+                assert not {n.split(".")[0] for n in names} & forbidden_imports, (path, names)

@@ -1,0 +1,82 @@
+"""Build a random-weight llama as an mlx-lm model directory, with SmolLM2's tokenizer.
+
+The GPU benchmark's model (about 1.1B parameters, bfloat16) has no weights anyone can download
+here, and needs none: throughput depends on shapes, not values.
+
+    python bench/randmodel.py --out /tmp/rand-1b --tokenizer-from DIR [--size 1b|tiny]
+"""
+
+# ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import omlx_logprobs  # noqa: F401  (loads OpenBLAS before mlx)
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama
+
+SIZES = {
+    # hidden 2048, 16 layers, vocab 49,152: the size named in issue 5 (1.07B parameters).
+    "1b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "intermediate_size": 8192,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+}
+
+
+def build(out: Path, tokenizer_from: Path, size: str = "1b", dtype: str = "bfloat16") -> Path:
+    if (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tokenizer_from.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    config = {
+        "model_type": "llama",
+        **SIZES[size],
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 49152,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "eos_token_id": [2],
+    }
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    # Embeddings scaled so the logits are neither flat nor one-hot.
+    model.model.embed_tokens.weight = mx.random.normal((49152, config["hidden_size"])) * 0.02
+    model.set_dtype(getattr(mx, dtype))
+    weights = dict(nn.utils.tree_flatten(model.parameters()))  # type: ignore[attr-defined]
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tokenizer-from", type=Path, required=True)
+    ap.add_argument("--size", choices=sorted(SIZES), default="1b")
+    ap.add_argument("--dtype", default="bfloat16")
+    a = ap.parse_args(argv)
+    print(build(a.out, a.tokenizer_from, a.size, a.dtype))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

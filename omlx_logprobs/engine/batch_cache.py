@@ -1,0 +1,57 @@
+"""The decode batch's KV cache: mlx-lm's BatchKVCache per layer, with each row's left padding
+also kept on the host.
+
+`BatchKVCache.filter` reads the padding back from the device to trim it, which waits for every
+step queued before it. Keeping the padding here lets rows join and leave while the previous
+step still runs on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+
+class BatchCache:
+    def __init__(self, layers: list[Any], pads: list[int]) -> None:
+        self.layers = layers  # one BatchKVCache per layer, all with the same rows and width
+        self.pads = pads  # left padding of each row, as in every layer's `left_padding`
+
+    @classmethod
+    def empty(cls, num_layers: int, pads: list[int]) -> BatchCache:
+        """A cache for prompts that will be prefilled together, left-padded by `pads`."""
+        return cls([BatchKVCache(pads) for _ in range(num_layers)], list(pads))
+
+    @classmethod
+    def of_one(cls, caches: list[Any]) -> BatchCache:
+        """One sequence's per-layer KVCache as a one-row batch."""
+        return cls([BatchKVCache.merge([c]) for c in caches], [0])
+
+    def __len__(self) -> int:
+        return len(self.pads)
+
+    def extend(self, other: BatchCache) -> None:
+        """Append other's rows below these (BatchKVCache.extend right-aligns both)."""
+        width = max(self.layers[0]._idx, other.layers[0]._idx)
+        mine = [p + width - self.layers[0]._idx for p in self.pads]
+        theirs = [p + width - other.layers[0]._idx for p in other.pads]
+        for c, o in zip(self.layers, other.layers):
+            c.extend(o)
+        self.pads = mine + theirs
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep only these rows, and drop the padding columns every remaining row shares."""
+        idx = mx.array(keep)
+        pads = [self.pads[i] for i in keep]
+        trim = min(pads)
+        for c in self.layers:
+            if c.keys is not None:
+                c.keys, c.values = c.keys[idx], c.values[idx]
+                if trim:
+                    c.keys, c.values = c.keys[..., trim:, :], c.values[..., trim:, :]
+            c.offset = c.offset[idx]
+            c.left_padding = c.left_padding[idx] - trim
+            c._idx -= trim
+        self.pads = [p - trim for p in pads]
