@@ -39,6 +39,7 @@ class EngineStats:
     running: int
     cached_sequences: int  # batch cache rows plus prompts mid-prefill
     active_memory: int  # bytes in live MLX arrays, weights included
+    cache_memory: int  # bytes MLX keeps from freed arrays for reuse
     aborted_waiting: int  # requests aborted (client gone) before their prompt was prefilled
     aborted_running: int  # ... and while decoding
 
@@ -93,6 +94,7 @@ class Engine:
             running=len(self.scheduler.running),
             cached_sequences=self.runner.num_cached,
             active_memory=self.runner.active_memory(),
+            cache_memory=self.runner.cache_memory(),
             aborted_waiting=self._aborted[Status.WAITING],
             aborted_running=self._aborted[Status.RUNNING],
         )

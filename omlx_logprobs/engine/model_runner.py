@@ -163,6 +163,10 @@ class ModelRunner:
     def active_memory() -> int:
         return int(mx.get_active_memory())
 
+    @staticmethod
+    def cache_memory() -> int:
+        return int(mx.get_cache_memory())
+
     def collect(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step; one copy of its small arrays to the host."""
         tokens = np.array(step.tokens)
@@ -200,6 +204,7 @@ class ModelRunner:
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.batch_cache = None
+            self.last_tokens, self.last_rows = None, {}  # idle: MLX holds only the weights
             return
         assert self.batch_cache is not None
         self.batch_cache.filter(keep)

