@@ -15,6 +15,7 @@ import argparse
 import json
 import random
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,8 +67,48 @@ def run_omlx(m: LoadedModel, batch: list[list[int]], max_tokens: int, top: int |
     return sum(s.num_output for s in seqs)
 
 
-def run_batchgen(m: LoadedModel, batch: list[list[int]], max_tokens: int) -> int:
-    gen = BatchGenerator(m.model, max_tokens=max_tokens, completion_batch_size=len(batch))
+def run_closed_loop(
+    m: LoadedModel, n: int, total: int, max_tokens: int, top: int | None, seed: int = 0
+) -> int:
+    """`n` requests always in flight, each replaced by a new one (prompt of 24 to 72 random
+    tokens) when it finishes, until `total` are done: the HTTP benchmark's shape, without HTTP."""
+    rng = random.Random(seed)
+    engine = Engine(m.model, m.vocab, m.eos_token_ids, EngineConfig(max_num_seqs=max(64, n)))
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=top is not None,
+        top_logprobs=top or 0,
+    )
+    started, live, done = 0, [], 0
+    while done < total:
+        while len(live) < n and started < total:
+            prompt = [rng.randrange(100, len(m.vocab) - 100) for _ in range(rng.randint(24, 72))]
+            live.append(Sequence(f"c{started}", prompt, params))
+            engine.scheduler.add(live[-1])
+            started += 1
+        engine.step()
+        finished = [s for s in live if s.finish_reason is not None]
+        done += len(finished)
+        live = [s for s in live if s.finish_reason is None]
+    while engine.has_work():
+        engine.step()
+    return done * max_tokens
+
+
+def run_batchgen(
+    m: LoadedModel, batch: list[list[int]], max_tokens: int, batch_size: int | None = None
+) -> int:
+    """Generate `max_tokens` for every prompt (no stop tokens), at most `batch_size` at a time
+    (default: all), as mlx-lm's own continuous batching schedules them; return the token count."""
+    size = batch_size or len(batch)
+    gen = BatchGenerator(
+        m.model,
+        max_tokens=max_tokens,
+        completion_batch_size=size,
+        prefill_batch_size=min(size, 8),  # mlx-lm's default, fewer for small batches
+    )
     gen.insert(batch, max_tokens=[max_tokens] * len(batch))
     tokens = 0
     while responses := gen.next_generated():
@@ -80,7 +121,9 @@ def cell(m: LoadedModel, target: str, mode: str, n: int, args: argparse.Namespac
     batch = prompts(n, args.prompt_len, len(m.vocab), seed=n)
     top = None if mode == "off" else int(mode[3:])
     t0 = time.perf_counter()
-    if target == "omlx":
+    if target == "omlx" and args.closed_loop:
+        tokens = run_closed_loop(m, n, n * args.closed_loop, args.max_tokens, top)
+    elif target == "omlx":
         tokens = run_omlx(m, batch, args.max_tokens, top)
     else:
         tokens = run_batchgen(m, batch, args.max_tokens)
@@ -111,8 +154,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=["off", "top0", "top5", "top20"])
     ap.add_argument("--rounds", type=int, default=2, help="repeat each cell, keep the best")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--threaded", action="store_true", help="run on a thread, not the main one")
+    ap.add_argument(
+        "--closed-loop",
+        type=int,
+        default=0,
+        metavar="WAVES",
+        help="our engine in a closed loop of WAVES x batch requests (BatchGenerator: one wave)",
+    )
     ap.add_argument("--profile", default=None, help="MODE: profile our engine at the last batch")
     a = ap.parse_args(argv)
+    if a.threaded:  # everything MLX on one other thread, as the server's engine thread
+        box: list[int] = []
+        t = threading.Thread(target=lambda: box.append(run(a)))
+        t.start()
+        t.join()
+        return box[0] if box else 1
+    return run(a)
+
+
+def run(a: argparse.Namespace) -> int:
     m = load_model(a.model)
     print(f"device {mx.default_device()}, model {m.path}", file=sys.stderr)
     cell(m, "omlx", "top20", 2, a)  # warm-up: compile kernels, first allocations

@@ -17,6 +17,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -51,6 +52,12 @@ class LoadConfig:
     temperature: float = 0.0
     seed: int = 0  # prompt seed; request i of seed s always gets the same prompt
     timeout_s: float = 600.0
+    # True: every entry must have OpenAI's four keys. False, for peers known to differ (mlx-lm:
+    # no `bytes`, no top list when top_logprobs is 0): only counts and the logprob are checked.
+    strict: bool = True
+    # Token ids banned through `logit_bias`: fixes the output length on servers that do not
+    # know `ignore_eos` (mlx-lm), by making EOS unreachable at temperature 0.
+    ban_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -58,6 +65,7 @@ class RequestRecord:
     latency_s: float
     ttft_s: float | None = None
     completion_tokens: int = 0
+    prompt_tokens: int = 0
     error: str | None = None
 
 
@@ -69,6 +77,8 @@ class LoadResult:
     wall_s: float
     completion_tokens: int
     tokens_per_s: float
+    prompt_tokens: int
+    prompt_tokens_per_s: float
     requests_per_s: float
     latency_mean_s: float
     latency_p50_s: float
@@ -119,6 +129,8 @@ def request_body(cfg: LoadConfig, index: int) -> dict[str, Any]:
     if cfg.logprobs is not None:
         body["logprobs"] = True
         body["top_logprobs"] = cfg.logprobs
+    if cfg.ban_token_ids:
+        body["logit_bias"] = {str(t): -100 for t in cfg.ban_token_ids}
     return body
 
 
@@ -129,9 +141,17 @@ def check_logprobs(content: list[Any] | None, cfg: LoadConfig) -> str | None:
     if content is None or len(content) != cfg.max_tokens:
         n = None if content is None else len(content)
         return f"logprobs.content has {n} entries, expected {cfg.max_tokens}"
+    keys = ("token", "logprob", "bytes", "top_logprobs") if cfg.strict else ("logprob",)
     for i, entry in enumerate(content):
+        missing = [k for k in keys if k not in entry]
+        if missing:
+            return f"entry {i}: no {missing}"
+        if not isinstance(entry["logprob"], (int, float)):
+            return f"entry {i}: logprob is {entry['logprob']!r}"
+        if not cfg.strict and cfg.logprobs == 0:
+            continue
         top = entry.get("top_logprobs")
-        if "logprob" not in entry or top is None or len(top) != cfg.logprobs:
+        if top is None or len(top) != cfg.logprobs:
             got = None if top is None else len(top)
             return f"entry {i}: top_logprobs has {got} items, expected {cfg.logprobs}"
     return None
@@ -144,8 +164,11 @@ async def _complete(client: httpx.AsyncClient, cfg: LoadConfig, index: int) -> R
     if r.status_code != 200:
         return RequestRecord(latency, error=f"HTTP {r.status_code}: {r.text[:200]}")
     data = r.json()
-    n = int((data.get("usage") or {}).get("completion_tokens", 0))
-    rec = RequestRecord(latency, completion_tokens=n)
+    usage = data.get("usage") or {}
+    n = int(usage.get("completion_tokens", 0))
+    rec = RequestRecord(
+        latency, completion_tokens=n, prompt_tokens=int(usage.get("prompt_tokens", 0))
+    )
     lp = data["choices"][0].get("logprobs")
     rec.error = _check_count(n, cfg) or check_logprobs((lp or {}).get("content"), cfg)
     return rec
@@ -180,6 +203,7 @@ async def _stream(client: httpx.AsyncClient, cfg: LoadConfig, index: int) -> Req
         rec.error = "no usage chunk (stream_options.include_usage ignored?)"
         return rec
     rec.completion_tokens = int(usage.get("completion_tokens", 0))
+    rec.prompt_tokens = int(usage.get("prompt_tokens", 0))
     rec.error = _check_count(rec.completion_tokens, cfg) or check_logprobs(content, cfg)
     return rec
 
@@ -188,12 +212,16 @@ def _check_count(n: int, cfg: LoadConfig) -> str | None:
     return None if n == cfg.max_tokens else f"{n} completion tokens, expected {cfg.max_tokens}"
 
 
-async def run_load(cfg: LoadConfig) -> LoadResult:
+Sender = Callable[[httpx.AsyncClient, LoadConfig, int], Awaitable[RequestRecord]]
+
+
+async def run_load(cfg: LoadConfig, send: Sender | None = None) -> LoadResult:
     """Run one closed-loop load and return its measurements. Requests that fail still count in
-    the wall time but not in tokens; `errors` says how many."""
+    the wall time but not in tokens; `errors` says how many. `send` makes and checks one
+    request (default: chat completions, streaming or not as `cfg` says)."""
     next_index = 0
     records: list[RequestRecord] = []
-    send = _stream if cfg.stream else _complete
+    send = send or (_stream if cfg.stream else _complete)
     # One connection per worker: the client-side pool must never be what limits concurrency.
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
@@ -223,6 +251,7 @@ def summarize(cfg: LoadConfig, records: list[RequestRecord], wall: float) -> Loa
     lat = [r.latency_s for r in good]
     ttft = [r.ttft_s for r in good if r.ttft_s is not None]
     tokens = sum(r.completion_tokens for r in good)
+    prompt_tokens = sum(r.prompt_tokens for r in good)
     res = LoadResult(
         config=cfg,
         ok=len(good),
@@ -230,6 +259,8 @@ def summarize(cfg: LoadConfig, records: list[RequestRecord], wall: float) -> Loa
         wall_s=wall,
         completion_tokens=tokens,
         tokens_per_s=tokens / wall if wall > 0 else 0.0,
+        prompt_tokens=prompt_tokens,
+        prompt_tokens_per_s=prompt_tokens / wall if wall > 0 else 0.0,
         requests_per_s=len(good) / wall if wall > 0 else 0.0,
         latency_mean_s=sum(lat) / len(lat) if lat else float("nan"),
         latency_p50_s=percentile(lat, 0.5),

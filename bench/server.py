@@ -35,9 +35,13 @@ def omlx_command(port: int, model: str | None, max_num_seqs: int) -> list[str]:
     return cmd + (["--model", model] if model else [])
 
 
-def mlx_lm_command(port: int, model: str) -> list[str]:
-    """mlx-lm's reference server, for the comparison presets (not used by `--preset cpu`)."""
-    return [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port)]
+def mlx_lm_command(port: int, model: str, max_num_seqs: int) -> list[str]:
+    """mlx-lm's own server, through bench/mlx_lm_server.py (OpenBLAS as ours). Its decode batch
+    defaults to 32; it gets ours (64) so that concurrency 64 is not capped for it alone.
+    Prefill batch: its default, 8."""
+    launcher = str(REPO / "bench" / "mlx_lm_server.py")
+    cmd = [sys.executable, launcher, "--model", model, "--host", "127.0.0.1"]
+    return cmd + ["--port", str(port), "--decode-concurrency", str(max_num_seqs)]
 
 
 @dataclass
@@ -72,6 +76,15 @@ class Server:
         except OSError:
             return 0.0
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def rss_mib(self) -> float:
+        """Resident memory of the server process (host memory: not the GPU's)."""
+        try:
+            text = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except OSError:
+            return 0.0
+        m = re.search(r"^VmRSS:\s+(\d+) kB", text, re.MULTILINE)
+        return int(m.group(1)) / 1024 if m else 0.0
 
     def stop(self) -> None:
         if self.proc.poll() is None:

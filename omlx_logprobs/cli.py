@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 import omlx_logprobs
 from omlx_logprobs.config import Access, EngineConfig, Limits, ServerConfig
+from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled
 
 log = logging.getLogger("omlx_logprobs")
 API_KEY_ENV = "OMLX_LOGPROBS_API_KEY"  # a key in the environment stays out of `ps` listings
@@ -20,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--model",
         default=None,
-        help="mlx-lm model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        help="mlx-lm model directory, .gguf file or scripted model description (.json);"
+        " default: the embedded SmolLM2-135M-Instruct",
     )
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -28,7 +31,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--prefill-chunk", type=int, default=512)
     s.add_argument("--max-top-logprobs", type=int, default=20)
+    s.add_argument(
+        "--prefill-delay-ms",
+        type=float,
+        default=None,
+        help="while a batch decodes, how long a new prompt may wait to prefill together with"
+        " others (default: 20 on a GPU, 0 on the CPU)",
+    )
     s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument(
+        "--reasoning-parser",
+        choices=[m.value for m in ReasoningParser],
+        default=ReasoningParser.AUTO.value,
+        help="split <think> reasoning from the answer: auto (when the model has think markers),"
+        " think (always) or none",
+    )
+    s.add_argument(
+        "--logprobs-mode",
+        choices=["raw_logprobs", "processed_logprobs"],
+        default="raw_logprobs",
+        help="what logprobs describe when a request names no logprobs_mode",
+    )
     s.add_argument("--log-level", default="info")
     _add_limits(s)
     sec = s.add_argument_group("access")
@@ -71,6 +94,11 @@ def _add_limits(s: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Raises ValueError for any value out of range."""
+    import mlx.core as mx
+
+    # On a GPU a prefill forward costs about as much host time as a decode step, so prompts
+    # are gathered; on the CPU the step itself is far longer than any useful delay.
+    gpu_delay = 0.0 if mx.default_device() == mx.cpu else 20.0
     return ServerConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -81,6 +109,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             prefill_chunk=args.prefill_chunk,
             max_top_logprobs=args.max_top_logprobs,
             max_model_len=args.max_model_len,
+            logprobs_mode=args.logprobs_mode,
+            prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
         ),
         limits=Limits(
             max_body_bytes=args.max_body_bytes,
@@ -100,7 +130,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def serve(cfg: ServerConfig, log_level: str) -> None:
+def serve(cfg: ServerConfig, args: argparse.Namespace) -> None:
     from omlx_logprobs.api.app import create_app
     from omlx_logprobs.api.server import run_server
     from omlx_logprobs.api.serving import Served
@@ -116,13 +146,18 @@ def serve(cfg: ServerConfig, log_level: str) -> None:
         len(model.vocab),
         model.max_model_len,
     )
+    # The engine thread needs the GIL back promptly after each device wait; the default 5 ms
+    # switch interval lets a busy event loop hold it for a whole decode step.
+    sys.setswitchinterval(float(os.environ.get("OMLX_SWITCH_INTERVAL", "0.005")))
+    reasoning = parser_enabled(ReasoningParser(args.reasoning_parser), model.tokenizer)
+    log.info("reasoning parser: %s", "on" if reasoning else "off")
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.access.api_key is None:
         log.warning(
             "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
         )
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg.engine)
-    app = create_app(Served(engine, model, cfg.engine, cfg.limits), cfg.access)
-    run_server(app, engine.begin_shutdown, cfg, log_level)
+    served = Served(engine, model, cfg.engine, reasoning=reasoning, limits=cfg.limits)
+    run_server(create_app(served, cfg.access), engine.begin_shutdown, cfg, args.log_level)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             parser.error(str(e))
         try:
-            serve(cfg, args.log_level)
+            serve(cfg, args)
         except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown
             raise SystemExit(130) from None
 

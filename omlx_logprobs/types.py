@@ -7,6 +7,17 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
+class LogprobsMode(str, Enum):
+    """Which distribution logprobs describe (vLLM's names)."""
+
+    RAW = "raw_logprobs"  # after logit processors, before temperature and truncation
+    PROCESSED = "processed_logprobs"  # what was sampled from: scaled, truncated, renormalised
+
+
+MAX_N = 16  # choices per prompt
+MAX_LOGPROB_TOKEN_IDS = 128
+
+
 class FinishReason(str, Enum):
     STOP = "stop"
     LENGTH = "length"
@@ -33,6 +44,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's entry and a top k
+    logprob_token_ids: tuple[int, ...] = ()  # reported in place of the natural top list
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -47,6 +61,12 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0")
         if self.top_logprobs < 0 or (self.top_logprobs and not self.logprobs):
             raise ValueError("top_logprobs needs logprobs and must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError("prompt_logprobs must be >= 0")
+        if len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_LOGPROB_TOKEN_IDS} logprob_token_ids")
+        if len(set(self.logprob_token_ids)) != len(self.logprob_token_ids):
+            raise ValueError("logprob_token_ids must be distinct")
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +76,19 @@ class SamplingParams:
     def truncates(self) -> bool:
         """Whether top-k, top-p or min-p cut the distribution (needs a sort of the vocabulary)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+    @property
+    def processed(self) -> bool:
+        return self.logprobs_mode is LogprobsMode.PROCESSED
+
+    @property
+    def num_top(self) -> int:
+        """Entries per generated position besides the sampled one: the fixed ids or the top K."""
+        return len(self.logprob_token_ids) or self.top_logprobs
+
+    @property
+    def num_prompt_top(self) -> int:
+        return len(self.logprob_token_ids) or (self.prompt_logprobs or 0)
 
     @property
     def penalizes(self) -> bool:
@@ -76,10 +109,12 @@ class RequestOutput:
 
     Token entries are addressed as the range [first_token, end_token) of the request's own flat
     stores, so merging two deltas is a concatenation of text and a widening of the range.
+    Reasoning precedes content: entries before `content_start` (an absolute token index, clamped
+    to the range) are reasoning tokens, the rest content tokens.
     """
 
     request_id: str
-    text: str
+    text: str  # content
     first_token: int
     end_token: int
     finished: bool = False
@@ -87,11 +122,24 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    reasoning_text: str = ""
+    content_start: int = 0  # the request's reasoning tokens so far: those before it; 0: none
+
+    @property
+    def split_token(self) -> int:
+        """The first content token of this delta's range: [first, split) reasoning, [split, end)
+        content."""
+        return min(max(self.content_start, self.first_token), self.end_token)
 
     def merge(self, later: RequestOutput) -> RequestOutput:
+        # Reasoning tokens come first: the count of reasoning tokens is this delta's unless all
+        # of its tokens were reasoning (then the later one knows at least as many).
+        split = self.content_start if self.split_token < self.end_token else later.content_start
         return RequestOutput(
             request_id=self.request_id,
             text=self.text + later.text,
+            reasoning_text=self.reasoning_text + later.reasoning_text,
+            content_start=split,
             first_token=self.first_token,
             end_token=later.end_token,
             finished=later.finished,

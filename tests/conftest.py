@@ -20,6 +20,7 @@ from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.embedded import ensure_embedded_model
 from omlx_logprobs.models.loader import LoadedModel, load_model
+from omlx_logprobs.parsing.thinking import ThinkStart
 from omlx_logprobs.types import RequestOutput, SamplingParams
 
 TINY_CONFIG = {
@@ -66,6 +67,19 @@ def tiny(tiny_dir: Path) -> LoadedModel:
     return load_model(str(tiny_dir))
 
 
+@pytest.fixture(scope="session")
+def scripted_path(tmp_path_factory: pytest.TempPathFactory, embedded_dir: Path) -> Path:
+    """The scripted reasoning model's description (tests/scripted.py); tokenizer: SmolLM2's."""
+    from tests.scripted import write_description
+
+    return write_description(tmp_path_factory.mktemp("scripted") / "thinker.json")
+
+
+@pytest.fixture(scope="session")
+def scripted(scripted_path: Path) -> LoadedModel:
+    return load_model(str(scripted_path))
+
+
 def reference_logprobs(model: LoadedModel, ids: list[int]) -> np.ndarray:
     """[len(ids), V]: float32 log-softmax of one full forward pass with no cache and no batch."""
     logits = model.model(mx.array([ids]))[0].astype(mx.float32)
@@ -85,11 +99,15 @@ def run_engine(
     model: LoadedModel,
     requests: list[tuple[list[int], SamplingParams]],
     cfg: EngineConfig | None = None,
+    thinks: list[ThinkStart] | None = None,
 ) -> list[tuple[Sequence, list[RequestOutput]]]:
     """Submit all requests at once to a fresh engine; return each one's record and outputs."""
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg or EngineConfig())
     engine.start()
-    seqs = [Sequence(f"r{i}", list(p), sp) for i, (p, sp) in enumerate(requests)]
+    thinks = thinks or [ThinkStart.OFF] * len(requests)
+    seqs = [
+        Sequence(f"r{i}", list(p), sp, t) for i, ((p, sp), t) in enumerate(zip(requests, thinks))
+    ]
 
     async def main() -> list[list[RequestOutput]]:
         return await asyncio.gather(*[_collect(engine, s) for s in seqs])

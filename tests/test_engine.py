@@ -3,13 +3,16 @@ equals a full forward pass with a float32 log-softmax, alone and inside a batch.
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
+from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.types import FinishReason, SamplingParams
 from tests.conftest import reference_logprobs, run_engine
 
@@ -214,3 +217,18 @@ def test_top_p_keeps_sampled_tokens_inside_the_nucleus(tiny: LoadedModel) -> Non
         p = np.exp(ref[i].astype(np.float64))
         mass_before = p[p > p[tok]].sum()
         assert mass_before < 0.5 + 1e-5
+
+
+def test_bfloat16_weights_are_served_from_the_engine_thread(tiny_dir: Path, tmp_path: Path) -> None:
+    # On the CPU the loader casts to float32; a lazy cast made on the loading thread could not
+    # be evaluated on the engine thread ("no Stream(cpu, 0) in current thread").
+    out = tmp_path / "bf16"
+    shutil.copytree(tiny_dir, out)
+    weights = mx.load(str(out / "model.safetensors"))
+    mx.save_safetensors(
+        str(out / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in weights.items()}
+    )
+    model = load_model(str(out))
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    [(seq, outs)] = run_engine(model, [([1, 2, 3], params)])
+    assert outs[-1].finish_reason is FinishReason.LENGTH and seq.num_output == 3

@@ -82,3 +82,45 @@ def test_remove_takes_a_sequence_out_wherever_it_is() -> None:
     s.remove(a)
     s.remove(b)
     assert not s.has_work()
+
+
+def test_forks_wait_for_room_and_join_with_their_prompt() -> None:
+    s = Scheduler(max_num_seqs=4, prefill_chunk=100)
+    first = seq(3)
+    s.add(first)
+    s.update(s.schedule())
+    leader = seq(5)
+    forks = [leader.fork(i) for i in (1, 2, 3)]
+    s.add(leader)
+    assert s.schedule().prefill == []  # 1 running + 4 choices > 4
+    first.finish(FinishReason.STOP)
+    s.update(s.schedule())
+    work = s.schedule()
+    assert [c.seq for c in work.prefill] == [leader]
+    forks[1].finish(FinishReason.ABORT)
+    s.update(work)
+    assert s.running == [leader, forks[0], forks[2]]
+    assert forks[0].num_prefilled == forks[2].num_prefilled == 5
+
+
+def test_prompts_wait_for_company_while_a_batch_decodes() -> None:
+    now = [0.0]
+    s = Scheduler(max_num_seqs=8, prefill_chunk=100, prefill_delay_s=0.02, clock=lambda: now[0])
+    first = seq(4)
+    s.add(first)
+    assert [c.seq for c in s.schedule().prefill] == [first]  # nothing decodes: no waiting
+    s.update(s.schedule())
+    late = seq(5)
+    s.add(late)
+    assert not s.schedule().prefill  # the batch decodes: the new prompt waits
+    now[0] = 0.019
+    assert not s.schedule().prefill
+    now[0] = 0.021
+    work = s.schedule()
+    assert [c.seq for c in work.prefill] == [late]
+    s.update(work)
+    # A full budget's worth of prompts goes at once, without waiting.
+    many = [seq(30) for _ in range(4)]
+    for q in many:
+        s.add(q)
+    assert [c.seq for c in s.schedule().prefill] == many

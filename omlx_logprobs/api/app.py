@@ -13,9 +13,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from omlx_logprobs.api import tokenize as tok
+from omlx_logprobs.api.completions import CompletionServing
 from omlx_logprobs.api.errors import install_error_handlers
 from omlx_logprobs.api.guard import install_guard
-from omlx_logprobs.api.protocol import ChatCompletionRequest
+from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
 from omlx_logprobs.api.serving import ChatServing, Served
 from omlx_logprobs.config import Access
 
@@ -35,11 +37,12 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
     install_error_handlers(app)
     install_guard(app, access or Access(), served.limits, served.cfg.max_num_seqs)
     chat = ChatServing(served)
+    completions = CompletionServing(served)
     created = int(time.time())
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        stats = asdict(served.engine.stats())
+        stats = asdict(served.engine.snapshot())
         return {"status": "ok", "running": stats["waiting"] + stats["running"], "engine": stats}
 
     @app.get("/v1/models")
@@ -63,4 +66,15 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
             return Response(status_code=499)
         return Response(body, media_type="application/json")
 
+    @app.post("/v1/completions")
+    async def text_completions(req: CompletionRequest, raw: Request) -> Response:
+        if req.stream:
+            return StreamingResponse(completions.stream(req), media_type="text/event-stream")
+        try:
+            body = await completions.complete(req, raw)
+        except ConnectionAbortedError:
+            return Response(status_code=499)
+        return Response(body, media_type="application/json")
+
+    tok.add_routes(app, served)
     return app

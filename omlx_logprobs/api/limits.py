@@ -71,8 +71,8 @@ class RequestLimits:
         n = get("n")
         if n is not None:
             _at_most(n, lim.max_n, "n")
-        for name in TOKEN_LIMIT_FIELDS:
-            value = get(name)
+        for name in TOKEN_LIMIT_FIELDS:  # as sent: a route's own default is not the client's ask
+            value = get(name) if name in req.model_fields_set else None
             if lim.max_output_tokens is not None and value is not None:
                 _at_most(value, lim.max_output_tokens, name)
         for name in COUNT_FIELDS:

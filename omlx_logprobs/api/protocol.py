@@ -54,6 +54,11 @@ class SamplingFields(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's scoring and RL extensions, on both endpoints
+    prompt_logprobs: int | None = Field(None, ge=0)
+    logprob_token_ids: list[int] | None = None
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
+    return_tokens_as_token_ids: bool = False
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -63,3 +68,27 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM: prompt_token_ids and choices[].token_ids
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    return_token_ids: bool = False  # vLLM: choices[].prompt_token_ids and choices[].token_ids
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]

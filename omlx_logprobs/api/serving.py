@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import Request
 
+from omlx_logprobs.api import sections
 from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.api.limits import RequestLimits, model_bounds
 from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
@@ -21,8 +22,15 @@ from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.engine.engine import Engine, RequestHandle
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
+from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.types import RequestOutput, SamplingParams
+from omlx_logprobs.parsing.thinking import ThinkStart, think_start
+from omlx_logprobs.types import (
+    MAX_LOGPROB_TOKEN_IDS,
+    LogprobsMode,
+    RequestOutput,
+    SamplingParams,
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,7 @@ class Served:
     engine: Engine
     model: LoadedModel
     cfg: EngineConfig
+    reasoning: bool = False  # the thinking parser is on (--reasoning-parser)
     limits: Limits = field(default_factory=Limits)
 
     @cached_property
@@ -55,15 +64,18 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Request fields as SamplingParams; a 400 for every value the engine cannot take (the size
-    and range checks live in api/limits.py)."""
+    and range checks live in api/limits.py). `prompt_logprobs` is what the engine computes (the
+    caller may ask more than the field)."""
     completion = getattr(req, "max_completion_tokens", None) is not None
     tokens_param = "max_completion_tokens" if completion else "max_tokens"
     prompt_param = "messages" if hasattr(req, "messages") else "prompt"
     room = served.checks.check_prompt(prompt_len, max_tokens, prompt_param, tokens_param)
-    if req.n != 1:
-        raise APIError("Only n=1 is supported.", param="n")
+    cap = served.cfg.max_top_logprobs
+    if prompt_logprobs is not None and prompt_logprobs > cap:
+        raise APIError(f"prompt_logprobs must be at most {cap}", param="prompt_logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     vocab = len(served.model.vocab)
     bias = _logit_bias(req.logit_bias or {}, vocab)
@@ -83,7 +95,27 @@ def sampling_params(
         repetition_penalty=req.repetition_penalty,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
+        logprob_token_ids=_logprob_token_ids(req, vocab, logprobs or prompt_logprobs is not None),
+        logprobs_mode=LogprobsMode(req.logprobs_mode or served.cfg.logprobs_mode),
     )
+
+
+def _logprob_token_ids(req: SamplingFields, vocab: int, any_logprobs: bool) -> tuple[int, ...]:
+    ids = req.logprob_token_ids
+    if ids is None:
+        return ()
+    param = "logprob_token_ids"
+    if not any_logprobs:
+        raise APIError("logprob_token_ids needs logprobs or prompt_logprobs", param=param)
+    if not 1 <= len(ids) <= MAX_LOGPROB_TOKEN_IDS:
+        raise APIError(f"logprob_token_ids takes 1 to {MAX_LOGPROB_TOKEN_IDS} ids", param=param)
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise APIError(f"logprob_token_ids: {t} is not a token id of this model", param=param)
+    if len(set(ids)) != len(ids):
+        raise APIError("logprob_token_ids must be distinct", param=param)
+    return tuple(ids)
 
 
 def _logit_bias(raw: dict[str, float], vocab: int) -> tuple[tuple[int, float], ...]:
@@ -120,18 +152,24 @@ def chat_prompt(
     return encode(model, text, "messages")
 
 
-def encode(model: LoadedModel, text: str, param: str) -> list[int]:
+def encode(model: LoadedModel, text: str, param: str, special: bool = False) -> list[int]:
     """Token ids of text; a tokenizer that fails on it fails this request alone, as a 400."""
     try:
-        return list(model.tokenizer.encode(text, add_special_tokens=False))
+        return list(model.tokenizer.encode(text, add_special_tokens=special))
     except Exception as e:
         raise APIError(f"The text could not be tokenized: {e}", param=param) from None
 
 
 async def wait_or_disconnect(handle: RequestHandle, raw: Request) -> RequestOutput:
     """Collect every output until the request finishes; abort it if the client goes away."""
+    return (await wait_all_or_disconnect([handle], raw))[0]
 
-    async def collect() -> RequestOutput:
+
+async def wait_all_or_disconnect(handles: list[RequestHandle], raw: Request) -> list[RequestOutput]:
+    """Each request's merged outputs once all have finished; ConnectionAbortedError if the
+    client goes away first (the caller aborts what is unfinished)."""
+
+    async def collect(handle: RequestHandle) -> RequestOutput:
         out = await handle.collector.get()
         while not out.finished:
             out = out.merge(await handle.collector.get())
@@ -141,10 +179,13 @@ async def wait_or_disconnect(handle: RequestHandle, raw: Request) -> RequestOutp
         while (await raw.receive())["type"] != "http.disconnect":
             pass
 
-    task = asyncio.ensure_future(collect())
+    async def collect_all() -> list[RequestOutput]:
+        return list(await asyncio.gather(*[collect(h) for h in handles]))
+
+    task = asyncio.ensure_future(collect_all())
     watch = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
         if not task.done():
@@ -153,10 +194,20 @@ async def wait_or_disconnect(handle: RequestHandle, raw: Request) -> RequestOutp
     return task.result()
 
 
+def check_prompt_logprobs(req: SamplingFields) -> None:
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError("prompt_logprobs is not available with streaming", param="prompt_logprobs")
+
+
 class ChatServing:
     def __init__(self, served: Served) -> None:
         self.served = served
-        self.formatter = ChatLogprobFormatter(served.model.vocab)
+        vocab = served.model.vocab
+        self.formatters = (ChatLogprobFormatter(vocab), ChatLogprobFormatter(vocab, as_ids=True))
+        self.prompt_formatters = (
+            PromptLogprobFormatter(vocab),
+            PromptLogprobFormatter(vocab, as_ids=True),
+        )
 
     def _start(self, req: ChatCompletionRequest) -> RequestHandle:
         served = self.served
@@ -164,13 +215,23 @@ class ChatServing:
         served.checks.check(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if req.n != 1:
+            raise APIError("Only n=1 is supported on chat completions.", param="n")
+        check_prompt_logprobs(req)
         prompt = chat_prompt(req, served.model, served.checks)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = sampling_params(
-            req, served, len(prompt), max_tokens, req.logprobs, req.top_logprobs or 0
+            req,
+            served,
+            len(prompt),
+            max_tokens,
+            req.logprobs,
+            req.top_logprobs or 0,
+            req.prompt_logprobs,
         )
-        seq = Sequence(f"chatcmpl-{uuid.uuid4().hex}", prompt, params)
-        return served.engine.add_request(seq, asyncio.get_running_loop())
+        think = think_start(served.reasoning, served.model.tokenizer.decode(prompt[-8:]))
+        seq = Sequence(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, think)
+        return served.engine.add_request(seq, asyncio.get_running_loop(), not req.stream)
 
     async def complete(self, req: ChatCompletionRequest, raw: Request) -> dict[str, Any] | str:
         handle = self._start(req)
@@ -181,8 +242,10 @@ class ChatServing:
                 self.served.engine.abort(handle.seq)
         _raise_if_failed(out)
         seq = handle.seq
-        lp = self._logprobs_json(seq, 0, out.end_token)
-        message = json.dumps({"role": "assistant", "content": out.text}, ensure_ascii=False)
+        lp = self._logprobs_json(req, seq, out)
+        message = json.dumps(
+            {"role": "assistant", **sections.message(out, seq.think)}, ensure_ascii=False
+        )
         finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
         ids = ""
         if req.return_token_ids:
@@ -191,16 +254,28 @@ class ChatServing:
         prompt_ids = ""
         if req.return_token_ids:
             prompt_ids = f',"prompt_token_ids":{json.dumps(seq.prompt_ids)}'
+        if req.prompt_logprobs is not None and seq.prompt_store is not None:
+            fmt = self.prompt_formatters[req.return_tokens_as_token_ids]
+            entries = fmt.json(seq.prompt_store, req.prompt_logprobs, bool(req.logprob_token_ids))
+            prompt_ids += f',"prompt_logprobs":{entries}'
         return (
             f'{{"id":"{seq.request_id}","object":"chat.completion","created":{int(time.time())},'
             f'"model":{json.dumps(self.served.model.name)},"choices":[{choice}],'
-            f'"usage":{json.dumps(_usage(out))}{prompt_ids}}}'
+            f'"usage":{json.dumps(_usage(out, seq.think))}{prompt_ids}}}'
         )
 
-    def _logprobs_json(self, seq: Sequence, start: int, end: int) -> str:
+    def _logprobs_json(self, req: ChatCompletionRequest, seq: Sequence, out: RequestOutput) -> str:
+        """The entries of out's tokens; with the thinking parser on, reasoning tokens apart."""
         if seq.store is None:
             return "null"
-        return '{"content":' + self.formatter.entries(seq.store, start, end) + ',"refusal":null}'
+        entries = self.formatters[req.return_tokens_as_token_ids].entries
+        first, split, end = out.first_token, out.split_token, out.end_token
+        if seq.think is ThinkStart.OFF:
+            return '{"content":' + entries(seq.store, first, end) + ',"refusal":null}'
+        return (
+            f'{{"content":{entries(seq.store, split, end)},'
+            f'"reasoning_content":{entries(seq.store, first, split)},"refusal":null}}'
+        )
 
     def stream(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
         handle = self._start(req)  # errors raise here, before the 200 starts
@@ -229,11 +304,11 @@ class ChatServing:
             yield chunk({"role": "assistant", "content": ""}, "null", None, first)
             while True:
                 out = await handle.collector.get()
-                if out.text or out.end_token > out.first_token:
-                    lp = self._logprobs_json(seq, out.first_token, out.end_token)
+                if out.text or out.reasoning_text or out.end_token > out.first_token:
+                    lp = self._logprobs_json(req, seq, out)
                     new = seq.output_ids[out.first_token : out.end_token].tolist() if ids else []
                     extra = f',"token_ids":{json.dumps(new)}' if ids else ""
-                    yield chunk({"content": out.text}, lp, None, extra)
+                    yield chunk(sections.delta(out, seq.think), lp, None, extra)
                 if out.finished:
                     break
             if out.error:
@@ -242,19 +317,22 @@ class ChatServing:
             else:
                 yield chunk({}, "null", out.finish_reason.value if out.finish_reason else None)
             if usage:
-                yield f'data: {head}"choices":[],"usage":{json.dumps(_usage(out))}}}\n\n'
+                yield f'data: {head}"choices":[],"usage":{json.dumps(_usage(out, seq.think))}}}\n\n'
             yield "data: [DONE]\n\n"
         finally:
             if seq.finish_reason is None:
                 self.served.engine.abort(seq)
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
-    return {
+def _usage(out: RequestOutput, think: ThinkStart = ThinkStart.OFF) -> dict[str, Any]:
+    usage: dict[str, Any] = {
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
         "total_tokens": out.prompt_tokens + out.completion_tokens,
     }
+    if think is not ThinkStart.OFF:  # the final output's content_start counts reasoning tokens
+        usage["completion_tokens_details"] = {"reasoning_tokens": out.content_start}
+    return usage
 
 
 def _raise_if_failed(out: RequestOutput) -> None:

@@ -29,6 +29,11 @@ class BatchCache:
         """One sequence's per-layer KVCache as a one-row batch."""
         return cls([BatchKVCache.merge([c]) for c in caches], [0])
 
+    @classmethod
+    def of_copies(cls, caches: list[Any], n: int) -> BatchCache:
+        """One sequence's per-layer KVCache as n identical rows (the n choices of one prompt)."""
+        return cls([BatchKVCache.merge([c] * n) for c in caches], [0] * n)
+
     def __len__(self) -> int:
         return len(self.pads)
 

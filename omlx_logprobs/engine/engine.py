@@ -15,12 +15,14 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.model_runner import LaunchedStep, ModelRunner
 from omlx_logprobs.engine.scheduler import Scheduler, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence, Status
+from omlx_logprobs.engine.stats import StepStats
 from omlx_logprobs.output.collector import RequestOutputCollector
 from omlx_logprobs.output.detokenizer import Vocabulary
 from omlx_logprobs.output.processor import OutputProcessor
 from omlx_logprobs.types import FinishReason, RequestOutput
 
 log = logging.getLogger("omlx_logprobs")
+SMALL_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -47,10 +49,12 @@ class EngineStats:
 class Engine:
     def __init__(self, model: Any, vocab: Vocabulary, eos: tuple[int, ...], cfg: EngineConfig):
         self.cfg = cfg
-        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.prefill_chunk)
+        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.prefill_chunk, cfg.prefill_delay_ms / 1e3)
         self.runner = ModelRunner(model, len(vocab))
         self.processor = OutputProcessor(vocab, eos, self._deliver)
         self.inflight: LaunchedStep | None = None  # launched, not yet processed
+        self.stats = StepStats()
+        self._inflight_first = False  # the step in flight samples some prompt's first token
         self._collectors: dict[int, RequestOutputCollector] = {}
         self._to_wake: list[RequestOutputCollector] = []  # woken together after each step
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -74,11 +78,20 @@ class Engine:
         self._closing_at = time.monotonic() + grace_s
         self._wake.set()
 
-    def add_request(self, seq: Sequence, loop: asyncio.AbstractEventLoop) -> RequestHandle:
-        handle = RequestHandle(seq, RequestOutputCollector(loop))
-        self._inbox.put(("add", handle))
+    def add_request(
+        self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
+    ) -> RequestHandle:
+        return self.add_group(seq, loop, final_only)[0]
+
+    def add_group(
+        self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
+    ) -> list[RequestHandle]:
+        """Submit `seq` and its forks (made with `seq.fork`): one handle per choice, in order.
+        `final_only`: the consumers wait for the finished outputs alone (no streaming)."""
+        handles = [RequestHandle(s, RequestOutputCollector(loop, final_only)) for s in seq.group]
+        self._inbox.put(("add", handles))
         self._wake.set()
-        return handle
+        return handles
 
     def abort(self, seq: Sequence) -> None:
         self._inbox.put(("abort", seq))
@@ -88,7 +101,7 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
-    def stats(self) -> EngineStats:
+    def snapshot(self) -> EngineStats:
         return EngineStats(
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
@@ -102,14 +115,20 @@ class Engine:
     # ---- engine thread ------------------------------------------------------------------------
     def step(self) -> None:
         """Launch this step, then process the previous one while the device runs this one."""
-        if self.inflight is not None and self._needs_history():
+        if self.inflight is not None and (self._needs_history() or self._first_token_waits()):
             self._complete()
+        t0 = time.perf_counter()
         work = self.scheduler.schedule()
         launched = self.runner.launch(work)
         self._admit(work)
         self.scheduler.update(work)
+        t1 = time.perf_counter()
         self._complete()
         self.inflight = launched
+        self._inflight_first = any(c.is_last for c in work.prefill)
+        rows = len(launched.seqs) if launched is not None else 0
+        prefill = sum(c.end - c.start for c in work.prefill)
+        self.stats.add(rows, prefill, t1 - t0, time.perf_counter() - t1)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
@@ -124,13 +143,19 @@ class Engine:
         self.runner.release(finished)
         self.scheduler.drop_finished()
 
+    def _first_token_waits(self) -> bool:
+        # A first token is latency a client sees; with a small batch, overlapping the next
+        # step with its processing gains little, so it is processed before the next launch.
+        return self._inflight_first and len(self.scheduler.running) <= SMALL_BATCH
+
     def _needs_history(self) -> bool:
         # Penalties read every earlier token, so the step in flight must be processed first.
         return any(s.params.penalizes for s in self.scheduler.running)
 
     def _admit(self, work: SchedulerOutput) -> None:
-        # In the order the scheduler appends them to `running`, which is the batch's row order.
-        done = [c.seq for c in work.prefill if c.is_last and c.seq.status is Status.WAITING]
+        # In the order the scheduler appends them to `running`, which is the batch's row order;
+        # a prompt's forks join right after it.
+        done = [s for c in work.prefill if c.is_last for s in c.seq.joining()]
         if done:
             self.runner.admit(done)
 
@@ -161,11 +186,16 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._collectors[item.seq.seq_id] = item.collector
-                self.scheduler.add(item.seq)
+                for handle in item:
+                    self._collectors[handle.seq.seq_id] = handle.collector
+                self.scheduler.add(item[0].seq)
             elif item.status is not Status.FINISHED:
-                self._aborted[item.status] += 1
-                self._end(item, FinishReason.ABORT, None)
+                # Forks still waiting cannot start without their prompt: they end with it.
+                waiting = item.group if item.status is Status.WAITING else [item]
+                for seq in waiting:
+                    if seq.status is not Status.FINISHED:
+                        self._aborted[seq.status] += 1
+                        self._end(seq, FinishReason.ABORT, None)
 
     def _end(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:
         seq.finish(reason, error)
@@ -179,8 +209,10 @@ class Engine:
             self._to_wake = []
 
     def _fail_all(self, message: str) -> None:
-        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
-            self._end(seq, FinishReason.ERROR, message)
+        waiting = [s for seq in self.scheduler.waiting for s in seq.group]
+        for seq in waiting + self.scheduler.running + self.scheduler.scored:
+            if seq.status is not Status.FINISHED:
+                self._end(seq, FinishReason.ERROR, message)
 
     def _deliver(self, seq: Sequence, out: RequestOutput) -> None:
         collector = self._collectors.get(seq.seq_id)

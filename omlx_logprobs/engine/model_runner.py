@@ -8,7 +8,7 @@ decode inputs are the previous step's sampled tokens, read on the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -16,10 +16,24 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx_logprobs.engine.batch_cache import BatchCache
-from omlx_logprobs.engine.sampler import apply_processors, sample, step_key
+from omlx_logprobs.engine.sampler import apply_processors, sample, sampling_logits, step_key
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs.extract import BatchLogprobs, extract, log_softmax, to_host
+from omlx_logprobs.types import SamplingParams
+
+# Prompt positions scored per extraction: bounds its temporaries whatever the prefill chunk.
+PROMPT_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Host entries for one chunk's prompt tokens: row i is prompt position `first + i`."""
+
+    seq: Sequence
+    first: int
+    token_ids: np.ndarray  # [R] the prompt tokens being scored
+    logprobs: BatchLogprobs
 
 
 @dataclass(frozen=True)
@@ -29,7 +43,9 @@ class LaunchedStep:
     seqs: list[Sequence]
     tokens: mx.array  # [B] sampled ids, lazy
     logprobs: tuple[mx.array, ...] | None  # extract()'s lazy arrays
-    finite: mx.array  # [B] bool, lazy
+    prompt: list[PromptLogprobs] = field(default_factory=list)  # scored prompt chunks
+    prompt_only: list[Sequence] = field(default_factory=list)  # prefilled with max_tokens 0
+    finite: mx.array | None = None  # [B] bool, lazy
 
 
 @dataclass(frozen=True)
@@ -39,6 +55,8 @@ class StepResult:
     seqs: list[Sequence]
     token_ids: np.ndarray  # [B] int
     logprobs: BatchLogprobs | None  # None when no sequence in the step asked for logprobs
+    prompt: list[PromptLogprobs] = field(default_factory=list)
+    prompt_only: list[Sequence] = field(default_factory=list)
     finite: np.ndarray | None = None  # [B] bool: False where the row's logits held NaN or +inf
 
 
@@ -84,20 +102,32 @@ class ModelRunner:
             inputs = self.last_tokens[rows][:, None]
             parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
             seqs += self.rows
-        whole = [c for c in work.prefill if c.start == 0 and c.is_last and self.batch_prefill]
+        # Prompts that are scored, forked or not generated from take the one-prompt path.
+        whole = [c for c in work.prefill if c.start == 0 and c.is_last and _plain(c.seq)]
+        whole = whole if self.batch_prefill else []
         for group in _groups(whole):
             parts.append(self._prefill_group(group))
             seqs += [c.seq for c in group]
+        prompt: list[PromptLogprobs] = []
+        prompt_only: list[Sequence] = []
         for chunk in work.prefill:
-            if chunk not in whole:
-                logits = self._prefill_chunk(chunk)
-                if logits is not None:
-                    parts.append(logits)
-                    seqs.append(chunk.seq)
+            if chunk in whole:
+                continue
+            logits, scored = self._prefill_chunk(chunk)
+            prompt += [scored] if scored is not None else []
+            if logits is None:
+                continue
+            if chunk.seq.params.max_tokens == 0:
+                prompt_only += chunk.seq.group
+            elif members := chunk.seq.joining():  # one row per choice: forks sample here too
+                parts.append(mx.broadcast_to(logits, (len(members), logits.shape[-1])))
+                seqs += members
         if not seqs:
-            return None
+            if not prompt and not prompt_only:
+                return None
+            return LaunchedStep([], mx.zeros((0,), mx.int32), None, prompt, prompt_only)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-        return self._sample(logits, seqs)
+        return replace(self._sample(logits, seqs), prompt=prompt, prompt_only=prompt_only)
 
     def _last_logits(self, ids: mx.array, cache: list[Any]) -> mx.array:
         """[B, V] logits of the last position only."""
@@ -119,18 +149,54 @@ class ModelRunner:
             self.prefilled[c.seq.seq_id] = _Prefilled(cache, row)
         return logits
 
-    def _prefill_chunk(self, chunk: PrefillChunk) -> mx.array | None:
-        """One chunk of one prompt in its own cache; the last chunk's logits, else None."""
-        cache = self.chunk_caches.setdefault(chunk.seq.seq_id, make_prompt_cache(self.model))
-        ids = mx.array([chunk.seq.prompt_ids[chunk.start : chunk.end]])
-        if not chunk.is_last:
+    def _prefill_chunk(self, chunk: PrefillChunk) -> tuple[mx.array | None, PromptLogprobs | None]:
+        """One chunk of one prompt in its own cache: the last chunk's last logits (else None),
+        and the chunk's prompt entries when the prompt asks for them."""
+        seq = chunk.seq
+        cache = self.chunk_caches.setdefault(seq.seq_id, make_prompt_cache(self.model))
+        ids = mx.array([seq.prompt_ids[chunk.start : chunk.end]])
+        scored = None
+        if seq.prompt_store is not None:  # every position's logits: the prompt is scored
+            out = self.model(ids, cache=cache)
+            scored = self._score_prompt(seq, chunk.start, out[0])
+            logits = out[:, -1, :]
+        elif chunk.is_last:
+            logits = self._last_logits(ids, cache)
+        else:
             self.model(ids, cache=cache)  # lazy: evaluating only the cache skips the head
+        if not chunk.is_last:
             mx.async_eval([c.state for c in cache])  # bound the lazy graph between chunks
+            return None, scored
+        del self.chunk_caches[seq.seq_id]
+        members = seq.joining()
+        if members:  # one copy of the prompt's cache per choice, rows in choice order
+            rows = BatchCache.of_copies(cache, len(members))
+            for row, m in enumerate(members):
+                self.prefilled[m.seq_id] = _Prefilled(rows, row)
+        return logits, scored
+
+    def _score_prompt(self, seq: Sequence, start: int, logits: mx.array) -> PromptLogprobs | None:
+        """Entries for the prompt tokens this chunk predicts: row j predicts token start+j+1.
+        Prompt entries are the model's own distribution (no processors, no temperature).
+        Evaluated block by block here, so only one block's temporaries exist at a time."""
+        stop = min(start + logits.shape[0], seq.prompt_len - 1)  # the last row predicts output
+        if stop <= start:
             return None
-        logits = self._last_logits(ids, cache)
-        del self.chunk_caches[chunk.seq.seq_id]
-        self.prefilled[chunk.seq.seq_id] = _Prefilled(BatchCache.of_one(cache), 0)
-        return logits
+        p = seq.params
+        k = p.num_prompt_top
+        wanted = mx.array(list(p.logprob_token_ids), mx.int32) if p.logprob_token_ids else None
+        blocks = []
+        for a in range(start, stop, PROMPT_BLOCK):
+            b = min(stop, a + PROMPT_BLOCK)
+            fixed = None if wanted is None else mx.broadcast_to(wanted, (b - a, k))
+            chosen = mx.array(seq.prompt_ids[a + 1 : b + 1], dtype=mx.int32)
+            lp = log_softmax(logits[a - start : b - start])
+            parts = extract(lp, chosen, k, fixed, natural=wanted is None)
+            mx.eval(*parts)
+            blocks.append(to_host(parts))
+        merged = BatchLogprobs(*(np.concatenate(x) for x in zip(*(_fields(b) for b in blocks))))
+        ids = np.array(seq.prompt_ids[start + 1 : stop + 1], np.int32)
+        return PromptLogprobs(seq, start + 1, ids, merged)
 
     def _sample(self, logits: mx.array, seqs: list[Sequence]) -> LaunchedStep:
         params = [s.params for s in seqs]
@@ -139,20 +205,26 @@ class ModelRunner:
             (s.prompt_ids, s.output_ids.tolist()) if s.params.penalizes else ((), ()) for s in seqs
         ]
         logits = apply_processors(logits, params, histories)
-        keys = [step_key(p.seed, s.num_sampled) for p, s in zip(params, seqs)]
-        tokens = sample(logits, params, keys)
+        dist = sampling_logits(logits, params)
+        keys = [step_key(p.seed, s.num_sampled, s.choice_index) for p, s in zip(params, seqs)]
+        tokens = sample(logits, dist, params, keys)
         # One reduction per row, in the same evaluation: a NaN or +inf anywhere in a row (or a
         # row of only -inf) makes its log-sum-exp non-finite and its sampled token meaningless.
         finite = mx.isfinite(mx.logsumexp(logits, axis=-1))
         parts = None
         if any(p.logprobs for p in params):
-            parts = extract(log_softmax(logits), tokens, max(p.top_logprobs for p in params))
+            src = logits
+            if any(p.logprobs and p.processed for p in params):  # per row: what was sampled from
+                src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
+            k = max(p.num_top for p in params if p.logprobs)
+            fixed, natural = _fixed_ids(params, k)
+            parts = extract(log_softmax(src), tokens, k, fixed, natural)
         for s in seqs:
             s.num_sampled += 1
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
         mx.async_eval(tokens, finite, *(parts or ()))
-        return LaunchedStep(seqs, tokens, parts, finite)
+        return LaunchedStep(seqs, tokens, parts, finite=finite)
 
     @property
     def num_cached(self) -> int:
@@ -171,7 +243,8 @@ class ModelRunner:
         """Wait for a launched step; one copy of its small arrays to the host."""
         tokens = np.array(step.tokens)
         logprobs = to_host(step.logprobs) if step.logprobs is not None else None
-        return StepResult(step.seqs, tokens, logprobs, np.array(step.finite))
+        finite = np.array(step.finite) if step.finite is not None else None
+        return StepResult(step.seqs, tokens, logprobs, step.prompt, step.prompt_only, finite)
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Move prefilled sequences' caches into the batch, as its last rows, in this order.
@@ -224,3 +297,28 @@ def _groups(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
             groups.append([c])
             width, total = n, n
     return groups
+
+
+def _plain(seq: Sequence) -> bool:
+    """A prompt that needs nothing but its last position's logits and one batch row."""
+    return seq.prompt_store is None and not seq.forks and seq.params.max_tokens > 0
+
+
+def _fields(b: BatchLogprobs) -> tuple[np.ndarray, ...]:
+    return b.logprobs, b.ranks, b.top_ids, b.top_logprobs
+
+
+def _fixed_ids(params: list[SamplingParams], k: int) -> tuple[mx.array | None, bool]:
+    """[B, k] ids for rows with `logprob_token_ids` (padded with their first id, sliced off on
+    the host), and whether any row still needs its natural top list (marked -1)."""
+    if not any(p.logprob_token_ids for p in params):
+        return None, True
+    natural = any(p.logprobs and p.top_logprobs and not p.logprob_token_ids for p in params)
+    rows = []
+    for p in params:
+        ids = list(p.logprob_token_ids[:k])
+        if ids:
+            rows.append(ids + [ids[0]] * (k - len(ids)))
+        else:  # a row not asking for ids: -1 takes the natural list, 0 is an ignored filler
+            rows.append([-1 if natural else 0] * k)
+    return mx.array(rows, dtype=mx.int32), natural

@@ -46,43 +46,58 @@ def _process_row(row: mx.array, p: SamplingParams, history: History) -> mx.array
 
 
 def _truncation_mask(scaled: mx.array, params: Seq[SamplingParams]) -> mx.array:
-    """True where top-k, top-p or min-p removes a token; each row with its own settings."""
+    """True where top-k, top-p or min-p removes a token; each row with its own settings.
+    Rows that do not truncate (greedy ones included) get settings that can never cut."""
     lp = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
     desc = -mx.sort(-lp, axis=-1)
     v = lp.shape[-1]
-    top_k = mx.array([p.top_k if p.top_k > 0 and not p.greedy else v for p in params])
+    top_k = mx.array([p.top_k if p.top_k > 0 and p.truncates else v for p in params])
     kth = mx.take_along_axis(desc, (mx.minimum(top_k, v) - 1)[:, None], axis=-1)
-    top_p = mx.array([p.top_p for p in params], dtype=mx.float32)[:, None]
+    # 2.0, not 1.0: the float32 mass before the last tokens can round up to 1.
+    top_p = mx.array([p.top_p if p.truncates and p.top_p < 1 else 2.0 for p in params])[:, None]
     # Keep the smallest prefix whose mass reaches top_p: a token stays while the mass before it < p.
     before = mx.cumsum(mx.exp(desc), axis=-1) - mx.exp(desc)
     pth = mx.min(mx.where(before < top_p, desc, mx.inf), axis=-1, keepdims=True)
-    min_p = mx.array([p.min_p for p in params], dtype=mx.float32)[:, None]
+    min_p = mx.array([p.min_p if p.truncates else 0.0 for p in params], dtype=mx.float32)[:, None]
     mth = mx.where(min_p > 0, desc[:, :1] + mx.log(mx.maximum(min_p, 1e-30)), -mx.inf)
     return (lp < kth) | (lp < pth) | (lp < mth)
 
 
-def sample(logits: mx.array, params: Seq[SamplingParams], keys: Seq[mx.array | None]) -> mx.array:
-    """Token ids [B]. `logits` are float32 and processed; keys[i] seeds row i (None: global)."""
-    greedy = [p.greedy for p in params]
-    argmax = mx.argmax(logits, axis=-1)
-    if all(greedy):
-        return argmax
+def sampling_logits(logits: mx.array, params: Seq[SamplingParams]) -> mx.array:
+    """The logits a row is sampled from: divided by its temperature, top-k, top-p and min-p
+    masked to -inf. Their log-softmax is the `processed_logprobs` distribution. Greedy rows keep
+    their logits (temperature 1, no truncation): at temperature 0, processed equals raw."""
+    if all(p.greedy for p in params):
+        return logits
     temps = mx.array([1.0 if p.greedy else p.temperature for p in params], dtype=mx.float32)
     scaled = logits / temps[:, None]
     if any(p.truncates for p in params):
         scaled = mx.where(_truncation_mask(scaled, params), -mx.inf, scaled)
+    return scaled
+
+
+def sample(
+    logits: mx.array, dist: mx.array, params: Seq[SamplingParams], keys: Seq[mx.array | None]
+) -> mx.array:
+    """Token ids [B]: the argmax of `logits` for greedy rows, a Gumbel-max draw from `dist`
+    (from `sampling_logits`) for the others; keys[i] seeds row i (None: the global generator)."""
+    greedy = [p.greedy for p in params]
+    argmax = mx.argmax(logits, axis=-1)
+    if all(greedy):
+        return argmax
     v = logits.shape[-1]
     if any(k is not None for k in keys):
         noise = mx.stack([mx.random.gumbel((v,), key=k) for k in keys])
     else:
         noise = mx.random.gumbel(logits.shape)
-    sampled = mx.argmax(scaled + noise, axis=-1)
+    sampled = mx.argmax(dist + noise, axis=-1)
     return mx.where(mx.array(greedy), argmax, sampled)
 
 
-def step_key(seed: int | None, step: int) -> mx.array | None:
-    """A seeded request's key for its n-th token: a function of (seed, n) alone, so the same
-    request samples the same tokens whatever else shares its batch."""
+def step_key(seed: int | None, step: int, index: int = 0) -> mx.array | None:
+    """A seeded request's key for choice `index`'s n-th token: a function of (seed, index, n)
+    alone, so the same request samples the same tokens whatever else shares its batch, and the
+    choices of one request differ from each other."""
     if seed is None:
         return None
-    return mx.random.key((seed * 1_000_003 + step) % (1 << 63))
+    return mx.random.key((seed * 1_000_003 + step + (index << 40)) % (1 << 63))

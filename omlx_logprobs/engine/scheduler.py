@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omlx_logprobs.engine.sequence import Sequence, Status
@@ -22,7 +24,8 @@ class PrefillChunk:
 @dataclass
 class SchedulerOutput:
     """One step's work: decode every running sequence, and prefill prompt chunks within the
-    step's token budget, oldest prompt first. Only the last chunk of the list may be partial."""
+    step's token budget, oldest prompt first. Only the last chunk of the list may be partial.
+    A chunk of a prompt with forks (n choices) is theirs too."""
 
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[PrefillChunk] = field(default_factory=list)
@@ -33,33 +36,64 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, prefill_chunk: int) -> None:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        prefill_chunk: int,
+        prefill_delay_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
+        self.prefill_delay_s = prefill_delay_s
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
+        self.arrivals: dict[int, float] = {}  # seq_id -> when it was added
         self.running: list[Sequence] = []
+        self.scored: list[Sequence] = []  # prefilled with max_tokens 0: done once processed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.arrivals[seq.seq_id] = self.clock()
+
+    def prefill_due(self) -> bool:
+        """Whether this step prefills. While a batch decodes, new prompts wait up to
+        `prefill_delay_s` for company: each prefill is a forward of its own, whose fixed cost
+        (on a GPU, launching every layer's kernels) is worth paying for several prompts at once."""
+        if not self.waiting:
+            return False
+        oldest = self.waiting[0]
+        if not self.running or oldest.num_prefilled or self.prefill_delay_s <= 0:
+            return True
+        if len(self.waiting) >= self.max_num_seqs - len(self.running):
+            return True  # enough to fill the batch
+        tokens = 0
+        for s in self.waiting:  # enough to fill the step's budget
+            tokens += s.prompt_len
+            if tokens >= self.prefill_chunk:
+                return True
+        return self.clock() - self.arrivals.get(oldest.seq_id, 0.0) >= self.prefill_delay_s
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.scored)
 
     def schedule(self) -> SchedulerOutput:
         # Prefill waiting prompts, oldest first, up to `prefill_chunk` tokens in all and while the
         # batch has room; decoding goes on in the same step, so prompts never stall the streams.
         # Many short prompts share one step; a long one takes the rest of the budget, in chunks.
         out = SchedulerOutput(decode=list(self.running))
-        budget = self.prefill_chunk
+        budget = self.prefill_chunk if self.prefill_due() else 0
         room = self.max_num_seqs - len(self.running)
         for seq in self.waiting:
-            if budget <= 0 or room <= 0:
+            # A prompt with n choices joins as n rows; too many for any room, it goes alone.
+            rows = len(seq.group)
+            if budget <= 0 or (rows > room and (self.running or out.prefill)):
                 break
             end = min(seq.prompt_len, seq.num_prefilled + budget)
             chunk = PrefillChunk(seq, seq.num_prefilled, end)
             out.prefill.append(chunk)
             budget -= end - seq.num_prefilled
-            room -= 1
+            room -= rows
             if not chunk.is_last:
                 break
         return out
@@ -71,16 +105,27 @@ class Scheduler:
             seq.num_prefilled = chunk.end
             if chunk.is_last and seq in self.waiting:
                 self.waiting.remove(seq)
-                if seq.status is Status.WAITING:
-                    seq.status = Status.RUNNING
-                    self.running.append(seq)
+                self.arrivals.pop(seq.seq_id, None)
+                if seq.params.max_tokens == 0:
+                    self.scored += seq.group
+                for member in seq.joining():  # the forks start with their prompt's cache
+                    member.num_prefilled = chunk.end
+                    member.status = Status.RUNNING
+                    self.running.append(member)
         self.drop_finished()
 
     def drop_finished(self) -> None:
         self.running = [s for s in self.running if s.status is not Status.FINISHED]
+        self.scored = [s for s in self.scored if s.status is not Status.FINISHED]
+        if any(s.status is Status.FINISHED for s in self.waiting):  # a fault in prompt logits
+            self.waiting = deque(
+                s for s in self.waiting if any(m.status is not Status.FINISHED for m in s.group)
+            )
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out wherever it is (abort or fault)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+            self.arrivals.pop(seq.seq_id, None)
         self.running = [s for s in self.running if s is not seq]
+        self.scored = [s for s in self.scored if s is not seq]

@@ -7,7 +7,8 @@ from array import array
 from enum import Enum
 
 from omlx_logprobs.logprobs.store import LogprobStore
-from omlx_logprobs.output.detokenizer import IncrementalText
+from omlx_logprobs.output.sections import SectionedText
+from omlx_logprobs.parsing.thinking import ThinkStart
 from omlx_logprobs.types import FinishReason, SamplingParams
 
 _ids = itertools.count()
@@ -22,21 +23,62 @@ class Status(Enum):
 class Sequence:
     """Plain Python state; the scheduler reads it, the model runner never stores it."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        think: ThinkStart = ThinkStart.OFF,
+        choice_index: int = 0,
+        prompt_store: LogprobStore | None = None,
+    ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
+        self.choice_index = choice_index  # seeds its own sampling: (seed, index, step)
+        # Choices 1..n-1 of the same prompt: prefilled once through this sequence, then forked.
+        self.forks: list[Sequence] = []
+        # Entries for prompt positions 1..len-1 (position 0 has none), shared by the forks.
+        if prompt_store is None and params.prompt_logprobs is not None:
+            prompt_store = LogprobStore(params.num_prompt_top)
+        self.prompt_store = prompt_store
         self.status = Status.WAITING
         self.num_prefilled = 0  # prompt tokens already in the KV cache
         self.output_ids = array("i")
         self.num_sampled = 0  # tokens sampled on the device, some perhaps not yet processed
-        self.store = LogprobStore(params.top_logprobs) if params.logprobs else None
-        self.text = IncrementalText(params.stop)
+        self.store = LogprobStore(params.num_top) if params.logprobs else None
+        self.think = think
+        self.text = SectionedText(params.stop, think)  # reasoning and content
         self.token_ends = array("q")  # cumulative UTF-8 byte end of each generated token
         self.released_tokens = 0  # tokens whose text (and entry) has gone to the consumer
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
+
+    def fork(self, index: int) -> Sequence:
+        """Choice `index` of the same request: it shares the prompt, its cache and its entries."""
+        seq = Sequence(
+            self.request_id,
+            self.prompt_ids,
+            self.params,
+            self.think,
+            choice_index=index,
+            prompt_store=self.prompt_store,
+        )
+        self.forks.append(seq)
+        return seq
+
+    @property
+    def group(self) -> list[Sequence]:
+        """This sequence and its forks, in choice order."""
+        return [self, *self.forks]
+
+    def joining(self) -> list[Sequence]:
+        """The choices that enter the decode batch when this prompt is prefilled: those still
+        waiting, none when nothing is to be generated (max_tokens 0)."""
+        if self.params.max_tokens == 0:
+            return []
+        return [s for s in self.group if s.status is Status.WAITING]
 
     @property
     def prompt_len(self) -> int:

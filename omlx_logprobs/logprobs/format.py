@@ -36,9 +36,17 @@ def _all_finite(values: array, start: int, end: int) -> bool:
     return bool(np.isfinite(np.frombuffer(values, np.float32)[start:end]).all())
 
 
+def token_string(vocab: Vocabulary, tid: int, as_ids: bool = False) -> str:
+    """A token's `token` string: its vocabulary text, or vLLM's `token_id:<id>`."""
+    if as_ids:
+        return f"token_id:{tid}"
+    return vocab.token_text[tid] if tid < len(vocab) else ""
+
+
 class ChatLogprobFormatter:
-    def __init__(self, vocab: Vocabulary) -> None:
+    def __init__(self, vocab: Vocabulary, as_ids: bool = False) -> None:
         self.vocab = vocab
+        self.as_ids = as_ids  # return_tokens_as_token_ids
         self._frags: dict[int, str] = {}
         self._heads: list[str | None] = [None] * len(vocab)  # '{"token":..,"bytes":..,"logprob":'
 
@@ -47,7 +55,7 @@ class ChatLogprobFormatter:
         frag = self._frags.get(tid)
         if frag is None:
             b = self.vocab.token_bytes[tid] if tid < len(self.vocab) else None
-            text = self.vocab.token_text[tid] if tid < len(self.vocab) else ""
+            text = token_string(self.vocab, tid, self.as_ids)
             raw = "null" if b is None else "[" + ",".join(map(str, b)) + "]"
             frag = f'"token":{json.dumps(text, ensure_ascii=False)},"bytes":{raw}'
             self._frags[tid] = frag
@@ -73,12 +81,10 @@ class ChatLogprobFormatter:
             store.top_ids[start * k : end * k],
             store.top_logprobs[start * k : end * k],
         )
-        fmt: Callable[[float], str] = repr
-        if not (
-            _all_finite(store.logprobs, start, end)
-            and _all_finite(store.top_logprobs, start * k, end * k)
-        ):
-            fmt = num  # the slow path: -inf as -9999.0, NaN refused
+        finite = _all_finite(store.logprobs, start, end) and _all_finite(
+            store.top_logprobs, start * k, end * k
+        )
+        fmt: Callable[[float], str] = float.__repr__ if finite else num  # num: -inf, NaN
         heads = self._head_list(ids)
         if k:
             heads = self._head_list(top_ids)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
+
 
 class LogprobStore:
-    """Entries for every generated token, in order: the sampled id, its logprob and rank, and the
-    request's own top-k (ids and logprobs, k per position, best first)."""
+    """Entries for every generated (or every scored prompt) token, in order: the token's id, its
+    logprob and rank, and the request's own k alternatives per position (its top k, best first,
+    or the logprobs of its `logprob_token_ids`, in the order asked)."""
 
     __slots__ = ("k", "token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
 
@@ -31,6 +34,24 @@ class LogprobStore:
         if self.k:
             self.top_ids.frombytes(top_ids)
             self.top_logprobs.frombytes(top_lps)
+
+    def extend(
+        self,
+        tokens: np.ndarray,
+        logprobs: np.ndarray,
+        ranks: np.ndarray,
+        top_ids: np.ndarray,
+        top_lps: np.ndarray,
+    ) -> None:
+        """Append R positions at once (a prompt chunk): [R] arrays and [R, >=k] top lists."""
+        self.token_ids.frombytes(tokens.astype(np.int32).tobytes())
+        self.logprobs.frombytes(logprobs.astype(np.float32).tobytes())
+        self.ranks.frombytes(ranks.astype(np.int32).tobytes())
+        if self.k:
+            self.top_ids.frombytes(np.ascontiguousarray(top_ids[:, : self.k], np.int32).tobytes())
+            self.top_logprobs.frombytes(
+                np.ascontiguousarray(top_lps[:, : self.k], np.float32).tobytes()
+            )
 
     def top(self, i: int) -> tuple[array, array]:
         """The top list of position i: (ids, logprobs), best first."""

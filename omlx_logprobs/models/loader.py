@@ -51,10 +51,15 @@ def resolve_model_path(model: str | None) -> tuple[Path, str]:
 def load_model(
     model: str | None = None, name: str | None = None, max_model_len: int | None = None
 ) -> LoadedModel:
+    if model is not None and Path(model).suffix == ".json":
+        return _load_scripted(Path(model).expanduser(), name, max_model_len)
     path, default_name = resolve_model_path(model)
     net, wrapper, config = mlx_lm_load(str(path), return_config=True)  # type: ignore[misc]
     if mx.default_device() == mx.cpu:
         net.set_dtype(mx.float32)  # float16 on the CPU is slow and, for SmolLM2, off by >1 nat
+        # Evaluate here: a lazy cast would belong to this thread's stream, and the engine
+        # thread, which has streams of its own, could not evaluate it.
+        mx.eval(net.parameters())
     hf = wrapper._tokenizer
     size = int(net.model.embed_tokens.weight.shape[0]) if hasattr(net, "model") else len(hf)
     eos = config.get("eos_token_id", [])
@@ -69,4 +74,22 @@ def load_model(
         vocab=build_vocabulary(hf, max(size, len(hf))),
         eos_token_ids=eos_ids,
         max_model_len=max_len,
+    )
+
+
+def _load_scripted(path: Path, name: str | None, max_model_len: int | None) -> LoadedModel:
+    """A scripted test model from its JSON description (models/scripted.py)."""
+    from omlx_logprobs.models.scripted import load_scripted
+
+    net, tok, script, spec = load_scripted(path)
+    limit = min(max_model_len, spec.max_model_len) if max_model_len else spec.max_model_len
+    eos = {script.eos, *([tok.eos_token_id] if tok.eos_token_id is not None else [])}
+    return LoadedModel(
+        name=name or spec.name,
+        path=path,
+        model=net,
+        tokenizer=tok,
+        vocab=build_vocabulary(tok, len(tok)),
+        eos_token_ids=tuple(sorted(eos)),
+        max_model_len=limit,
     )

@@ -14,8 +14,11 @@ from omlx_logprobs.types import RequestOutput
 
 
 class RequestOutputCollector:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, final_only: bool = False) -> None:
         self._loop = loop
+        # A consumer that wants only the finished output (a non-streamed response) is woken
+        # once, at the end, not after every step.
+        self.final_only = final_only
         self._lock = threading.Lock()
         self._pending: RequestOutput | None = None
         self._ready = asyncio.Event()
@@ -30,7 +33,7 @@ class RequestOutputCollector:
         with self._lock:
             first = self._pending is None
             self._pending = out if self._pending is None else self._pending.merge(out)
-        return first
+        return out.finished if self.final_only else first
 
     @staticmethod
     def wake_all(collectors: Iterable[RequestOutputCollector]) -> None:

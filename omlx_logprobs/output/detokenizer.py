@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from omlx_logprobs.parsing.thinking import THINK_TAGS
+
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
@@ -31,7 +33,8 @@ def _byte_level_decoder() -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Vocabulary:
-    """Per token id: its UTF-8 bytes (None for special tokens) and the string shown as `token`."""
+    """Per token id: its UTF-8 bytes (None for special tokens other than the think tags, which
+    are text) and the string shown as `token`."""
 
     token_bytes: tuple[bytes | None, ...]
     token_text: tuple[str, ...]
@@ -77,6 +80,10 @@ def build_vocabulary(hf_tokenizer: Any, size: int) -> Vocabulary:
     out_text: list[str] = []
     for tid in range(size):
         piece = pieces[tid] if tid < n_tok else None
+        if piece in THINK_TAGS:  # a think tag is output text, even when marked special
+            out_bytes.append(piece.encode())
+            out_text.append(piece)
+            continue
         if piece is None or tid in special:
             out_bytes.append(None)
             out_text.append(piece or "")

@@ -7,9 +7,12 @@ import logging
 from bisect import bisect_right
 from collections.abc import Callable
 
-from omlx_logprobs.engine.model_runner import StepResult
+import numpy as np
+
+from omlx_logprobs.engine.model_runner import PromptLogprobs, StepResult
 from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.output.detokenizer import Vocabulary
+from omlx_logprobs.output.sections import TextDelta
 from omlx_logprobs.types import FinishReason, RequestOutput
 
 Sink = Callable[[Sequence, RequestOutput], None]
@@ -25,6 +28,13 @@ class OutputProcessor:
     def process(self, result: StepResult) -> list[Sequence]:
         """Apply one step; return the sequences that finished in it."""
         finished: list[Sequence] = []
+        for chunk in result.prompt:
+            finished += self._record_prompt(chunk)
+        for seq in result.prompt_only:  # max_tokens 0: the prompt was all there was to do
+            if seq.status is not Status.FINISHED:
+                seq.finish(FinishReason.LENGTH)
+                self.emit(seq, TextDelta(), 0)
+            finished.append(seq)
         lp = result.logprobs
         # Whole-batch conversions once: per-row numpy indexing costs more than the row's work.
         tokens = result.token_ids.tolist()
@@ -56,23 +66,36 @@ class OutputProcessor:
     def fail(self, seq: Sequence, message: str) -> None:
         """End a request with an error; nothing more of its output is released."""
         seq.finish(FinishReason.ERROR, message)
-        self.emit(seq, "", seq.released_tokens)
+        self.emit(seq, TextDelta(), seq.released_tokens)
+
+    def _record_prompt(self, chunk: PromptLogprobs) -> list[Sequence]:
+        """Append a chunk's prompt entries; a NaN ends every choice of the prompt."""
+        seq, lp = chunk.seq, chunk.logprobs
+        assert seq.prompt_store is not None and len(seq.prompt_store) == chunk.first - 1
+        seq.prompt_store.extend(chunk.token_ids, lp.logprobs, lp.ranks, lp.top_ids, lp.top_logprobs)
+        if not np.isnan(lp.logprobs).any():
+            return []
+        ended = [s for s in seq.group if s.status is not Status.FINISHED]
+        for s in ended:
+            s.finish(FinishReason.ERROR, "the model produced non-finite logits")
+            self.emit(s, TextDelta(), 0)
+        return ended
 
     def _advance(self, seq: Sequence, token: int) -> None:
         data = self.vocab.token_bytes[token] if token < len(self.vocab) else None
         before = seq.token_ends[-1] if seq.token_ends else 0
         seq.token_ends.append(before + len(data or b""))
-        text = seq.text.feed(data) if data else ""
+        delta = seq.text.feed(data) if data else TextDelta()
         if seq.status is not Status.FINISHED:
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish(reason)
         if seq.status is Status.FINISHED:
-            text += seq.text.flush()
+            delta += seq.text.flush()
             end = seq.num_output  # at the end every entry goes out, stop token included
         else:
-            end = bisect_right(seq.token_ends, seq.text.released_bytes)
-        self.emit(seq, text, end)
+            end = bisect_right(seq.token_ends, seq.text.settled_bytes)
+        self.emit(seq, delta, end)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
@@ -84,14 +107,14 @@ class OutputProcessor:
             return FinishReason.LENGTH
         return None
 
-    def emit(self, seq: Sequence, text: str, end: int) -> None:
-        """Send the sequence's delta: `text` and the entries up to `end` not sent before."""
+    def emit(self, seq: Sequence, delta: TextDelta, end: int) -> None:
+        """Send the sequence's delta: its text and the entries up to `end` not sent before."""
         done = seq.status is Status.FINISHED
-        if not text and end == seq.released_tokens and not done:
+        if not delta and end == seq.released_tokens and not done:
             return
         out = RequestOutput(
             request_id=seq.request_id,
-            text=text,
+            text=delta.content,
             first_token=seq.released_tokens,
             end_token=end,
             finished=done,
@@ -99,6 +122,8 @@ class OutputProcessor:
             prompt_tokens=seq.prompt_len,
             completion_tokens=seq.num_output,
             error=seq.error,
+            reasoning_text=delta.reasoning,
+            content_start=seq.text.reasoning_tokens(seq.token_ends),
         )
         seq.released_tokens = end
         self.sink(seq, out)

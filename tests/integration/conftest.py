@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -25,23 +26,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
-def server(embedded_dir: Path) -> Iterator[str]:
+@contextmanager
+def launch(*args: str) -> Iterator[str]:
+    """`omlx-logprobs serve ARGS` on a free loopback port; yields its base URL."""
     port = free_port()
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"omlx-server-{port}.log", "w")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "omlx_logprobs.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--max-num-seqs",
-            "32",
-            "--log-level",
-            "warning",
-        ],
+        [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--port", str(port), *args],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -58,13 +49,21 @@ def server(embedded_dir: Path) -> Iterator[str]:
     else:
         proc.kill()
         raise RuntimeError("server did not start in 120 s")
-    yield base
-    proc.terminate()
     try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def server(embedded_dir: Path) -> Iterator[str]:
+    with launch("--max-num-seqs", "32", "--log-level", "warning") as base:
+        yield base
 
 
 @pytest.fixture(scope="session")

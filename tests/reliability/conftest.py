@@ -39,7 +39,7 @@ def thread_server(
     """`create_app` under a real uvicorn server in a thread; yields (base URL, engine)."""
     cfg = cfg or EngineConfig(max_num_seqs=64, prefill_chunk=64)
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg)
-    app = create_app(Served(engine, model, cfg, limits or Limits()), access)
+    app = create_app(Served(engine, model, cfg, limits=limits or Limits()), access)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")

@@ -24,6 +24,7 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.models.loader import LoadedModel
 from tests.reliability.conftest import TINY_NAME, thread_server, wait_idle
 from tests.reliability.schema import Route, from_schema, json_values, minimal_body, routes
+from tests.reliability.test_limits import EXTRA_MINIMAL
 
 CONTEXT = 96  # a short context keeps every generated answer short
 FAST_EXAMPLES = 40
@@ -203,7 +204,7 @@ def hostile_values(prop: dict[str, Any]) -> list[Any]:
 
 def test_hostile_values_in_every_field(http: httpx.Client, fuzz_server: str) -> None:
     for route in post_routes(fuzz_server):
-        base = minimal_body(route, TINY_NAME)
+        base = {**minimal_body(route, TINY_NAME), **EXTRA_MINIMAL.get(route.path, {})}
         for field, prop in route.properties.items():
             for value in hostile_values(prop):
                 status = send(http, route, dumps({**base, field: value}))

@@ -1,0 +1,198 @@
+"""The server parts of a benchmark run: closed-loop loads against one running server.
+
+`ServerBench` wraps a started server with the preset's request shape; `measure_server` (our
+server or mlx-lm's: throughput per logprobs mode, and for ours TTFT and prompt scoring) and
+`measure_memory` (our server's RSS over a long top_logprobs=20 load) fill a `PartResult`.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from loadgen import LoadConfig, LoadResult, Sender, merge, percentile, run_load
+from presets import TTFT_SEED, CellSpec, Preset, mode_top_k
+from results import Memory, MemoryPoint, PartResult, Scoring, Throughput, Ttft
+from scoring import endpoint_status, send_prefill, send_score
+from server import Server
+
+now = time.monotonic
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds all processes have used since boot, from /proc/stat."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0
+    idle = f[3] + f[4]  # idle + iowait
+    return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Target:
+    """How to talk to one server: its name in results, the model name it serves, and whether
+    it follows our logprobs contract to the letter (strict checks) or needs EOS banned."""
+
+    name: str  # "omlx" or "mlx-lm"
+    served_name: str
+    strict: bool = True
+    ban_token_ids: tuple[int, ...] = ()
+
+
+class ServerBench:
+    def __init__(self, preset: Preset, server: Server, target: Target) -> None:
+        self.p = preset
+        self.server = server
+        self.target = target
+        self.seed = 0  # bumped per run: no prompt is sent twice, so no prompt cache can help
+        self.other_cpu = 0.0  # share of all cores other processes used during the last run
+
+    def config(self, concurrency: int, requests: int, mode: str, **changes: Any) -> LoadConfig:
+        """The preset's request shape; `changes` override LoadConfig fields."""
+        self.seed += 1
+        cfg = LoadConfig(
+            base_url=self.server.base_url,
+            model=self.target.served_name,
+            concurrency=concurrency,
+            requests=requests,
+            max_tokens=self.p.max_tokens,
+            logprobs=mode_top_k(mode),
+            prompt_words=self.p.prompt_words,
+            seed=self.seed,
+            strict=self.target.strict,
+            ban_token_ids=self.target.ban_token_ids,
+        )
+        return replace(cfg, **changes)
+
+    async def load(
+        self, cfg: LoadConfig, send: Sender | None = None, label: str = ""
+    ) -> LoadResult:
+        busy0, self0, server0, t0 = busy_cpu_s(), time.process_time(), self.server.cpu_s(), now()
+        res = await run_load(cfg, send)
+        # Other processes on this box skew every number: measure how much CPU they took meanwhile.
+        mine = time.process_time() - self0 + self.server.cpu_s() - server0
+        other = (busy_cpu_s() - busy0 - mine) / ((now() - t0) * (os.cpu_count() or 1))
+        self.other_cpu = max(0.0, other)  # clock-tick rounding can dip below zero
+        mode = label or ("off" if cfg.logprobs is None else f"top{cfg.logprobs}")
+        tps = res.prompt_tokens_per_s if cfg.max_tokens <= 1 else res.tokens_per_s
+        err = f", {res.errors} ERRORS {res.error_samples[:1]}" if res.errors else ""
+        log(
+            f"  {self.target.name:<6} c={cfg.concurrency:<3} {mode:<7} n={cfg.requests:<4} "
+            f"{tps:8.1f} tok/s  wall {res.wall_s:6.1f} s  p50 {res.latency_p50_s:6.2f} s  "
+            f"others {self.other_cpu:4.0%}{err}"
+        )
+        return res
+
+    async def warmup(self, modes: tuple[str, ...]) -> float:
+        """A cold request, then a short-output wave at every concurrency in the most expensive
+        mode, so that batch shapes (kernels compiled per shape on a GPU) and the logprobs path
+        have run before anything is timed. Returns the cold request's latency."""
+        log(f"warm-up {self.target.name}:")
+        short = {"max_tokens": self.p.warmup_tokens}
+        cold = await self.load(self.config(1, 1, "off", **short))
+        for c in sorted({c.concurrency for c in self.p.cells}):
+            await self.load(self.config(c, c, modes[-1], **short))
+        return cold.latency_mean_s
+
+    async def cell(self, spec: CellSpec, modes: tuple[str, ...], shift: int) -> list[Throughput]:
+        """Every mode `rounds` times, in an order rotated by `shift` and reversed on odd rounds
+        (a b c d, d c b a, ...), so that no mode always runs first or last."""
+        order = list(modes[shift % len(modes) :] + modes[: shift % len(modes)])
+        runs: dict[str, list[LoadResult]] = {m: [] for m in modes}
+        others: dict[str, float] = {m: 0.0 for m in modes}
+        for r in range(spec.rounds):
+            for mode in order if r % 2 == 0 else order[::-1]:
+                cfg = self.config(spec.concurrency, spec.requests_per_run, mode)
+                runs[mode].append(await self.load(cfg))
+                others[mode] = max(others[mode], self.other_cpu)
+        cells = []
+        for mode in modes:
+            res = merge(runs[mode])
+            cells.append(
+                Throughput(
+                    self.target.name,
+                    mode,
+                    spec.concurrency,
+                    res.config.requests,
+                    len(runs[mode]),
+                    res.tokens_per_s,
+                    res.latency_p50_s,
+                    res.errors,
+                    others[mode],
+                    res.error_samples,
+                )
+            )
+        return cells
+
+    async def ttft(self) -> Ttft:
+        """Streaming, concurrency 1, logprobs off, the prompts bare.py gives mlx-lm generate."""
+        short = self.p.warmup_tokens
+        cfg = self.config(
+            1, self.p.ttft_requests, "off", stream=True, seed=TTFT_SEED, max_tokens=short
+        )
+        res = await self.load(cfg, label="ttft")
+        times = [r.ttft_s for r in res.records if r.ttft_s is not None and r.error is None]
+        prompt = round(statistics.mean(r.prompt_tokens for r in res.records)) if times else None
+        med = statistics.median(times) if times else float("nan")
+        return Ttft("omlx", len(times), prompt, med, percentile(times, 0.9), errors=res.errors)
+
+    async def scoring(self) -> list[Scoring]:
+        """Prompt scoring (echo, max_tokens 0, logprobs 1) and our own plain prefill of prompts
+        of the same length; skipped with a note while the server has no /v1/completions."""
+        s = self.p.score
+        status = await endpoint_status(self.server.base_url, self.target.served_name)
+        if status == 404:
+            note = "skipped: the server answers 404 on /v1/completions"
+            return [Scoring(k, s.concurrency, 0, 0, None, note=note) for k in ("score", "prefill")]
+        out = []
+        # Seed 0 scores the very prompts bare.py prefills; our prefill gets seed 1, so that a
+        # prefix cache could not serve it from the scoring run.
+        for kind, send, seed in (("score", send_score, 0), ("prefill", send_prefill, 1)):
+            words, new = s.prompt_words, int(kind == "prefill")
+            cfg = self.config(s.concurrency, s.requests, "off", prompt_words=words, max_tokens=new)
+            cfg = replace(cfg, seed=seed)
+            res = await self.load(cfg, send, label=kind)
+            out.append(
+                Scoring(kind, s.concurrency, s.requests, res.prompt_tokens,
+                        res.prompt_tokens_per_s, res.errors,
+                        "; ".join(res.error_samples[:2]))
+            )  # fmt: skip
+        return out
+
+
+async def measure_server(b: ServerBench, part: PartResult, modes: tuple[str, ...]) -> None:
+    await b.warmup(modes)
+    for i, spec in enumerate(b.p.cells):
+        part.throughput += await b.cell(spec, modes, shift=i)
+    if b.target.name == "omlx":
+        part.ttft.append(await b.ttft())
+        part.scoring += await b.scoring()
+
+
+async def measure_memory(b: ServerBench, part: PartResult) -> None:
+    """RSS after a warm-up, then after each slice of the measured requests."""
+    m = b.p.memory
+    mode = f"top{m.top_k}"
+    kw = {"max_tokens": m.max_tokens, "prompt_words": m.prompt_words}
+    await b.load(b.config(m.concurrency, m.warmup_requests, mode, **kw), label="warm-up")
+    mem = Memory(m.concurrency, m.max_tokens, m.top_k, b.server.rss_mib())
+    log(f"  RSS after warm-up {mem.warm_rss_mib:.1f} MiB")
+    done = 0
+    for i in range(m.readings):
+        n = m.requests * (i + 1) // m.readings - done
+        res = await b.load(b.config(m.concurrency, n, mode, **kw))
+        done += n
+        mem.errors += res.errors
+        mem.points.append(MemoryPoint(done, b.server.rss_mib()))
+        log(f"  RSS after {done} requests {mem.points[-1].rss_mib:.1f} MiB")
+    part.memory = mem

@@ -1,0 +1,126 @@
+"""Benchmark presets: the model, the concurrency matrix and the size of every load.
+
+Adding a preset: a `Preset` in PRESETS. Every part of a run reads its sizes from here, including
+the bare mlx-lm subprocess (bare.py), so that both sides of a ratio see the same requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+TTFT_SEED = 7  # prompt seed of the TTFT requests, the same for our server and mlx-lm generate
+MODES = ("off", "top0", "top5", "top20")  # logprobs off, then top_logprobs = 0, 5, 20
+
+
+def mode_top_k(mode: str) -> int | None:
+    """None for "off", else the top_logprobs of a "topK" mode."""
+    return None if mode == "off" else int(mode[3:])
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    concurrency: int
+    requests_per_run: int
+    rounds: int = 1  # runs per mode; modes rotate between runs and cells to cancel drift
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    concurrency: int
+    requests: int
+    prompt_words: int  # about 1.3 tokens a word with SmolLM2's tokenizer
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    requests: int  # measured, after the warm-up
+    warmup_requests: int
+    concurrency: int
+    max_tokens: int
+    prompt_words: int
+    top_k: int = 20
+    readings: int = 8  # RSS is read this many times over the measured requests
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str  # "embedded" (SmolLM2-135M-Instruct), "random" (randmodel.py) or "path"
+    size: str = "tiny"  # random only: a randmodel.SIZES key
+    dtype: str = "float32"  # random only
+    path: str | None = None  # "path" only: an mlx-lm dir or .gguf
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    model: ModelSpec
+    parts: tuple[str, ...]  # run by default; `--only` picks any of results.PARTS
+    max_num_seqs: int
+    max_tokens: int
+    prompt_words: int
+    cells: tuple[CellSpec, ...]
+    peer_goal: float  # ours top5 / mlx-lm top5 must reach this at concurrency 32 and 64
+    ttft_requests: int
+    score: ScoreSpec
+    memory: MemorySpec
+    omlx_modes: tuple[str, ...] = MODES
+    peer_modes: tuple[str, ...] = ("off", "top5")  # mlx-lm's server caps top_logprobs at 11
+    warmup_tokens: int = 4
+
+
+# `make bench` on the 2-core CPU box, where prefill runs at ~150 tokens/s and decode at batch 64
+# takes ~0.7 s a step: 32 new tokens per request and one single-wave run per mode and
+# concurrency (two at c=1) make our server's part ~6 minutes with its warm-up, mlx-lm's ~2,
+# bare mlx-lm ~1, and the whole preset ~10 on a quiet box (limit 15).
+CPU = Preset(
+    name="cpu",
+    model=ModelSpec("embedded"),
+    parts=("omlx", "mlx-lm", "batchgen"),
+    max_num_seqs=64,
+    max_tokens=32,
+    prompt_words=32,
+    cells=(CellSpec(1, 2, 2), CellSpec(8, 8), CellSpec(32, 32), CellSpec(64, 64)),
+    peer_goal=1.2,
+    ttft_requests=5,
+    score=ScoreSpec(concurrency=4, requests=8, prompt_words=200),
+    memory=MemorySpec(2000, 100, concurrency=16, max_tokens=8, prompt_words=8),
+)
+
+# A random-weight 1.1B llama (hidden 2048, 16 layers, vocab 49,152, bfloat16), 128 new tokens per
+# request, two waves per run at c >= 8. Sized for about 9 minutes for all default parts on an
+# H100/H200 with MLX's CUDA backend; split with `--only omlx` then `--only mlx-lm,batchgen` when a
+# command may run at most 10 minutes. `--only memory` adds the 2,000-request soak (~1 minute).
+GPU = Preset(
+    name="gpu",
+    model=ModelSpec("random", size="1b", dtype="bfloat16"),
+    parts=("omlx", "mlx-lm", "batchgen"),
+    max_num_seqs=64,
+    max_tokens=128,
+    prompt_words=32,
+    cells=(CellSpec(1, 3), CellSpec(8, 16), CellSpec(32, 64), CellSpec(64, 128)),
+    peer_goal=2.0,
+    ttft_requests=10,
+    score=ScoreSpec(concurrency=8, requests=64, prompt_words=400),
+    memory=MemorySpec(2000, 200, concurrency=64, max_tokens=16, prompt_words=16),
+)
+
+# Seconds: checks that every part runs end to end and every check passes (use --no-docs).
+SMOKE = Preset(
+    name="smoke",
+    model=ModelSpec("random", size="tiny", dtype="float32"),
+    parts=("omlx", "mlx-lm", "batchgen", "memory"),
+    max_num_seqs=8,
+    max_tokens=8,
+    prompt_words=16,
+    cells=(CellSpec(1, 2), CellSpec(4, 4)),
+    peer_goal=1.2,
+    ttft_requests=3,
+    score=ScoreSpec(concurrency=2, requests=4, prompt_words=40),
+    memory=MemorySpec(40, 8, concurrency=4, max_tokens=4, prompt_words=8, readings=4),
+)
+
+# Resident memory of our server over 2,000 requests with top_logprobs 20 on the embedded model
+# (about 10 minutes on the CPU box); on a GPU host use `--preset gpu --only memory` instead.
+MEMORY = replace(CPU, name="memory", parts=("memory",))
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (CPU, GPU, SMOKE, MEMORY)}

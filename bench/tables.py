@@ -1,0 +1,137 @@
+"""Markdown for one preset's results: the throughput matrix, the targets, scoring, TTFT,
+memory, the machine and the exact commands. `section` is what lands between the markers."""
+
+from __future__ import annotations
+
+from presets import Preset
+from report import begin_marker, end_marker
+from results import PartResult, Results, Throughput
+from targets import Check
+
+
+def _tps(t: Throughput | None) -> str:
+    if t is None:
+        return "–"
+    return f"{t.tokens_per_s:.1f}" + (f" (**{t.errors} errors**)" if t.errors else "")
+
+
+def _x(num: Throughput | None, den: Throughput | None) -> str:
+    if num is None or den is None or den.tokens_per_s <= 0:
+        return "–"
+    return f"{num.tokens_per_s / den.tokens_per_s:.2f}"
+
+
+def throughput_table(res: Results) -> str:
+    head = (
+        "| concurrency | ours off | ours top0 | ours top5 | ours top20 | top20 / off "
+        "| mlx-lm off | mlx-lm top5 | ours / mlx-lm, top5 | BatchGenerator | ours off / BG "
+        "| other CPU |"
+    )
+    lines = [head, "|" + "---:|" * 12]
+    for c in res.concurrencies():
+        ours = {m: res.throughput("omlx", m, c) for m in ("off", "top0", "top5", "top20")}
+        peer = {m: res.throughput("mlx-lm", m, c) for m in ("off", "top5")}
+        bare = res.throughput("batchgen", "off", c)
+        cells = [t for t in (*ours.values(), *peer.values(), bare) if t is not None]
+        other = max((t.other_cpu for t in cells), default=0.0)
+        lines.append(
+            f"| {c} | {_tps(ours['off'])} | {_tps(ours['top0'])} | {_tps(ours['top5'])} "
+            f"| {_tps(ours['top20'])} | {_x(ours['top20'], ours['off'])} "
+            f"| {_tps(peer['off'])} | {_tps(peer['top5'])} | {_x(ours['top5'], peer['top5'])} "
+            f"| {_tps(bare)} | {_x(ours['off'], bare)} | {other:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def targets_table(checks: list[Check]) -> str:
+    lines = ["| target | measured | goal | met |", "|---|---:|---:|---|"]
+    for c in checks:
+        met = "not measured" if c.met is None else ("yes" if c.met else "**no**")
+        note = f" ({c.note})" if c.note else ""
+        lines.append(f"| {c.name} | {c.value} | {c.goal} | {met}{note} |")
+    return "\n".join(lines)
+
+
+def detail_tables(res: Results) -> list[str]:
+    out: list[str] = []
+    scoring = [s for p in res.parts for s in p.scoring]
+    if scoring:
+        out += [
+            "",
+            "| prompt load | concurrency | requests | prompt tokens | prompt tok/s | note |",
+        ]
+        out += ["|---|---:|---:|---:|---:|---|"]
+        names = {"score": "ours: echo, max_tokens 0, logprobs 1", "prefill": "ours: max_tokens 1",
+                 "bare": "bare BatchGenerator, 1 token"}  # fmt: skip
+        for s in scoring:
+            tps = "–" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}"
+            errs = f"**{s.errors} errors** " if s.errors else ""
+            out.append(
+                f"| {names.get(s.kind, s.kind)} | {s.concurrency} | {s.requests} "
+                f"| {s.prompt_tokens} | {tps} | {errs}{s.note} |"
+            )
+    ttft = [t for p in res.parts for t in p.ttft]
+    if ttft:
+        out += ["", "| TTFT, concurrency 1 | requests | prompt tokens | median (ms) | p90 (ms) "
+                "| first token, text or not (ms) |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for t in ttft:
+            name = "ours, streaming HTTP" if t.source == "omlx" else "mlx-lm stream_generate"
+            first = "–" if t.first_token_median_s is None else f"{t.first_token_median_s * 1e3:.1f}"
+            out.append(
+                f"| {name} | {t.requests} | {t.prompt_tokens} | {t.median_s * 1e3:.1f} "
+                f"| {t.p90_s * 1e3:.1f} | {first} |"
+            )
+    mem = res.memory()
+    if mem is not None:
+        out += ["", f"Memory soak: concurrency {mem.concurrency}, {mem.max_tokens} new tokens, "
+                f"top_logprobs {mem.top_k}; RSS after warm-up {mem.warm_rss_mib:.1f} MiB, then "
+                + ", ".join(f"{p.rss_mib:.1f} after {p.requests_done}" for p in mem.points)
+                + (f"; **{mem.errors} errors**" if mem.errors else "") + "."]  # fmt: skip
+    return out
+
+
+def _commands(parts: list[PartResult]) -> list[str]:
+    out = ["Commands (each part's runner command, then the server or subprocess it started):", ""]
+    for p in parts:
+        out += [f"- `{p.part}`, finished {p.finished}, {p.seconds / 60:.1f} min:", "", "  ```"]
+        out += [f"  {p.runner_cmd}"] + ([f"  {p.server_cmd}"] if p.server_cmd else []) + ["  ```"]
+        extra = []
+        if p.startup_s is not None:
+            extra.append(f"server ready in {p.startup_s:.1f} s")
+        if p.blas:
+            extra.append(f"BLAS: {p.blas}")
+        if p.server_cores is not None:
+            extra.append(f"server used {p.server_cores:.2f} cores while measured")
+        extra.append(f"{len(p.problems)} server log problem lines")
+        out += ["", "  " + "; ".join(extra) + "."]
+        out += [f"  {n}" for n in p.notes]
+        out += [""]
+    return out
+
+
+def section(res: Results, p: Preset, checks: list[Check]) -> str:
+    when = max((x.finished for x in res.parts), default="")
+    out = [
+        begin_marker(res.preset),
+        f"## Preset `{res.preset}` ({when})",
+        "",
+        *[f"- {k}: {v}" for k, v in res.facts],
+        f"- model: {res.model}",
+        "",
+        *_commands(res.parts),
+        f"Non-streaming chat completions, {p.max_tokens} new tokens per request (`ignore_eos`; "
+        "mlx-lm's server, which has no `ignore_eos`, gets EOS banned with `logit_bias` -100), "
+        f"prompts of about {p.prompt_words} random words, distinct per request, temperature 0. "
+        "Completion tokens/s over wall time, summed over a mode's runs; modes run one after the "
+        "other at each concurrency in an order that rotates between concurrencies. "
+        "BatchGenerator: bare mlx-lm in-process, the same number of chat-templated prompts, "
+        "completion batch = concurrency. Other CPU: the largest share of the machine that other "
+        "processes took during a run of that row (above ~10%, distrust the row).",
+        "",
+        throughput_table(res),
+        "",
+        targets_table(checks),
+        *detail_tables(res),
+        end_marker(res.preset),
+    ]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,105 @@
+"""Issue 5's targets, evaluated on one run's results: every one is reported, met or not, and
+one that was not measured says so rather than disappearing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from presets import Preset
+from results import Results, Throughput
+
+TOP20_GOAL = 0.95  # top_logprobs 20 against logprobs off, every concurrency
+BATCHGEN_GOAL = 0.8  # our server without logprobs against bare BatchGenerator, c=64
+SCORING_GOAL = 0.8  # prompt scoring against plain prefill of the same tokens
+TTFT_GOAL_MS = 10.0  # our TTFT minus mlx-lm generate's, concurrency 1
+MEMORY_GOAL = 0.05  # RSS growth over the memory soak, past warm-up
+
+
+@dataclass
+class Check:
+    name: str
+    value: str  # as measured, e.g. "0.97x"; "not measured" when a side is missing
+    goal: str
+    met: bool | None  # None: not measured
+    note: str = ""
+
+
+def _ratio(num: Throughput | None, den: Throughput | None) -> float | None:
+    if num is None or den is None or den.tokens_per_s <= 0:
+        return None
+    return num.tokens_per_s / den.tokens_per_s
+
+
+def _ratio_check(
+    name: str, num: Throughput | None, den: Throughput | None, goal: float, missing: str
+) -> Check:
+    r = _ratio(num, den)
+    if r is None:
+        return Check(name, "not measured", f">= {goal:g}x", None, missing)
+    bad = sum(t.errors for t in (num, den) if t is not None)
+    if bad:
+        return Check(name, f"{r:.2f}x", f">= {goal:g}x", False, f"{bad} failed requests")
+    return Check(name, f"{r:.2f}x", f">= {goal:g}x", r >= goal)
+
+
+def _pick(concurrencies: list[int], wanted: tuple[int, ...]) -> list[int]:
+    """The wanted concurrencies that were run, else the largest one that was (smoke runs)."""
+    hits = [c for c in wanted if c in concurrencies]
+    return hits or concurrencies[-1:]
+
+
+def throughput_checks(res: Results, p: Preset) -> list[Check]:
+    out = []
+    cs = [c.concurrency for c in p.cells]
+    for c in cs:
+        on, off = res.throughput("omlx", "top20", c), res.throughput("omlx", "off", c)
+        out.append(_ratio_check(f"ours top20 / ours off, c={c}", on, off, TOP20_GOAL, "run omlx"))
+    for c in _pick(cs, (32, 64)):
+        ours, peer = res.throughput("omlx", "top5", c), res.throughput("mlx-lm", "top5", c)
+        name = f"ours top5 / mlx-lm server top5, c={c}"
+        out.append(_ratio_check(name, ours, peer, p.peer_goal, "run omlx and mlx-lm"))
+    for c in _pick(cs, (64,)):
+        ours, bare = res.throughput("omlx", "off", c), res.throughput("batchgen", "off", c)
+        name = f"ours off / bare BatchGenerator, c={c}"
+        out.append(_ratio_check(name, ours, bare, BATCHGEN_GOAL, "run omlx and batchgen"))
+    return out
+
+
+def scoring_check(res: Results) -> Check:
+    name, goal = "prompt scoring / plain prefill (prompt tok/s)", f">= {SCORING_GOAL:g}x"
+    score, bare = res.scoring("score"), res.scoring("bare")
+    if score is None or bare is None or score.tokens_per_s is None or not bare.tokens_per_s:
+        note = score.note if score is not None and score.note else "run omlx and batchgen"
+        return Check(name, "not measured", goal, None, note)
+    r = score.tokens_per_s / bare.tokens_per_s
+    if score.errors:
+        return Check(name, f"{r:.2f}x", goal, False, f"{score.errors} failed: {score.note}")
+    return Check(name, f"{r:.2f}x", goal, r >= SCORING_GOAL)
+
+
+def ttft_check(res: Results) -> Check:
+    name, goal = "TTFT, ours minus mlx-lm generate, c=1", f"<= {TTFT_GOAL_MS:g} ms"
+    ours, gen = res.ttft("omlx"), res.ttft("generate")
+    if ours is None or gen is None:
+        return Check(name, "not measured", goal, None, "run omlx and batchgen")
+    d = (ours.median_s - gen.median_s) * 1000
+    value = f"{d:+.1f} ms ({ours.median_s * 1000:.1f} vs {gen.median_s * 1000:.1f})"
+    if ours.errors:
+        return Check(name, value, goal, False, f"{ours.errors} failed requests")
+    return Check(name, value, goal, d <= TTFT_GOAL_MS)
+
+
+def memory_check(res: Results) -> Check:
+    name, goal = "RSS growth past warm-up, top_logprobs 20", f"< {MEMORY_GOAL:.0%}"
+    mem = res.memory()
+    if mem is None or mem.growth is None:
+        return Check(name, "not measured", goal, None, "run memory")
+    done = mem.points[-1].requests_done
+    value = f"{mem.growth:+.1%} after {done} requests"
+    if mem.errors:
+        return Check(name, value, goal, False, f"{mem.errors} failed requests")
+    return Check(name, value, goal, mem.growth < MEMORY_GOAL)
+
+
+def evaluate(res: Results, p: Preset) -> list[Check]:
+    return throughput_checks(res, p) + [scoring_check(res), ttft_check(res), memory_check(res)]

@@ -1,0 +1,47 @@
+"""Step-loop counters, logged every few seconds like vLLM's periodic stats line: enough to tell
+a starved engine (host time near wall time) from a device-bound one."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("omlx_logprobs")
+
+
+@dataclass
+class StepStats:
+    interval_s: float = 10.0
+    steps: int = 0
+    rows: int = 0  # sequences sampled, over all steps
+    prefill_tokens: int = 0
+    launch_s: float = 0.0  # host time building and queueing steps
+    complete_s: float = 0.0  # waiting for the device, then processing outputs
+    _since: float = field(default_factory=time.perf_counter)
+
+    def add(self, rows: int, prefill_tokens: int, launch_s: float, complete_s: float) -> None:
+        self.steps += 1
+        self.rows += rows
+        self.prefill_tokens += prefill_tokens
+        self.launch_s += launch_s
+        self.complete_s += complete_s
+        if time.perf_counter() - self._since >= self.interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        wall = time.perf_counter() - self._since
+        if self.steps and log.isEnabledFor(logging.INFO):
+            log.info(
+                "engine: %.1f steps/s, %.1f rows/step, %.0f tokens/s generated, %.0f prompt "
+                "tokens/s; per step %.2f ms launch, %.2f ms complete",
+                self.steps / wall,
+                self.rows / self.steps,
+                self.rows / wall,
+                self.prefill_tokens / wall,
+                1e3 * self.launch_s / self.steps,
+                1e3 * self.complete_s / self.steps,
+            )
+        self.steps = self.rows = self.prefill_tokens = 0
+        self.launch_s = self.complete_s = 0.0
+        self._since = time.perf_counter()
