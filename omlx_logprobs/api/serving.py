@@ -8,15 +8,17 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from fastapi import Request
 
 from omlx_logprobs.api import sections
 from omlx_logprobs.api.errors import APIError, error_body
+from omlx_logprobs.api.limits import RequestLimits, model_bounds
 from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
-from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.engine.engine import Engine, RequestHandle
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
@@ -30,8 +32,6 @@ from omlx_logprobs.types import (
     SamplingParams,
 )
 
-MAX_STOP = 16
-
 
 @dataclass(frozen=True)
 class Served:
@@ -41,6 +41,11 @@ class Served:
     model: LoadedModel
     cfg: EngineConfig
     reasoning: bool = False  # the thinking parser is on (--reasoning-parser)
+    limits: Limits = field(default_factory=Limits)
+
+    @cached_property
+    def checks(self) -> RequestLimits:
+        return RequestLimits(self.limits, model_bounds(self.model, self.cfg.max_top_logprobs))
 
     def check_model(self, name: str) -> None:
         if name != self.model.name:
@@ -61,39 +66,24 @@ def sampling_params(
     top_logprobs: int,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """Request fields as SamplingParams; a 400 for every value the engine cannot take.
-    `prompt_logprobs` is what the engine computes (the caller may ask more than the field)."""
-    limit = served.model.max_model_len
-    room = limit - prompt_len
-    if room <= 0 or (max_tokens is not None and max_tokens > room):
-        raise APIError(
-            f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len}"
-            f" and max_tokens asks for {max_tokens}.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    if top_logprobs > served.cfg.max_top_logprobs:
-        raise APIError(
-            f"top_logprobs must be at most {served.cfg.max_top_logprobs}", param="top_logprobs"
-        )
+    """Request fields as SamplingParams; a 400 for every value the engine cannot take (the size
+    and range checks live in api/limits.py). `prompt_logprobs` is what the engine computes (the
+    caller may ask more than the field)."""
+    completion = getattr(req, "max_completion_tokens", None) is not None
+    tokens_param = "max_completion_tokens" if completion else "max_tokens"
+    prompt_param = "messages" if hasattr(req, "messages") else "prompt"
+    room = served.checks.check_prompt(prompt_len, max_tokens, prompt_param, tokens_param)
     cap = served.cfg.max_top_logprobs
     if prompt_logprobs is not None and prompt_logprobs > cap:
         raise APIError(f"prompt_logprobs must be at most {cap}", param="prompt_logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP:
-        raise APIError(f"At most {MAX_STOP} stop sequences are allowed.", param="stop")
     vocab = len(served.model.vocab)
     bias = _logit_bias(req.logit_bias or {}, vocab)
-    for t in req.stop_token_ids or []:
-        if not 0 <= t < vocab:
-            raise APIError(
-                f"stop_token_ids: {t} is not a token id of this model", param="stop_token_ids"
-            )
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else room,
         temperature=req.temperature,
         top_p=req.top_p,
-        top_k=max(req.top_k, 0),
+        top_k=min(max(req.top_k, 0), vocab),
         min_p=req.min_p,
         seed=req.seed,
         stop=tuple(s for s in stop if s),
@@ -145,7 +135,9 @@ def _logit_bias(raw: dict[str, float], vocab: int) -> tuple[tuple[int, float], .
     return tuple(out)
 
 
-def chat_prompt(req: ChatCompletionRequest, model: LoadedModel) -> list[int]:
+def chat_prompt(
+    req: ChatCompletionRequest, model: LoadedModel, checks: RequestLimits | None = None
+) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
         text = model.tokenizer.apply_chat_template(
@@ -155,7 +147,17 @@ def chat_prompt(req: ChatCompletionRequest, model: LoadedModel) -> list[int]:
         raise APIError(
             f"The chat template could not render these messages: {e}", param="messages"
         ) from None
-    return list(model.tokenizer.encode(text, add_special_tokens=False))
+    if checks is not None:
+        checks.check_text(text, "messages")
+    return encode(model, text, "messages")
+
+
+def encode(model: LoadedModel, text: str, param: str, special: bool = False) -> list[int]:
+    """Token ids of text; a tokenizer that fails on it fails this request alone, as a 400."""
+    try:
+        return list(model.tokenizer.encode(text, add_special_tokens=special))
+    except Exception as e:
+        raise APIError(f"The text could not be tokenized: {e}", param=param) from None
 
 
 async def wait_or_disconnect(handle: RequestHandle, raw: Request) -> RequestOutput:
@@ -210,12 +212,13 @@ class ChatServing:
     def _start(self, req: ChatCompletionRequest) -> RequestHandle:
         served = self.served
         served.check_model(req.model)
+        served.checks.check(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if req.n != 1:
             raise APIError("Only n=1 is supported on chat completions.", param="n")
         check_prompt_logprobs(req)
-        prompt = chat_prompt(req, served.model)
+        prompt = chat_prompt(req, served.model, served.checks)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = sampling_params(
             req,

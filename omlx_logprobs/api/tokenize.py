@@ -9,7 +9,7 @@ from fastapi import FastAPI
 
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.protocol import DetokenizeRequest, TokenizeRequest
-from omlx_logprobs.api.serving import Served
+from omlx_logprobs.api.serving import Served, encode
 
 
 def _check_model(served: Served, name: str | None) -> None:
@@ -21,12 +21,14 @@ def tokenize(req: TokenizeRequest, served: Served) -> dict[str, Any]:
     """Ids of a prompt (special tokens added by default) or of chat messages rendered with the
     chat template (its own special tokens only, as chat completions does)."""
     _check_model(served, req.model)
+    served.checks.check(req)
     tok = served.model.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise APIError("Give exactly one of prompt and messages.", param="prompt")
     if req.prompt is not None:
         add = True if req.add_special_tokens is None else req.add_special_tokens
-        ids = list(tok.encode(req.prompt, add_special_tokens=add))
+        served.checks.check_text(req.prompt, "prompt")
+        ids = encode(served.model, req.prompt, "prompt", special=add)
     else:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages or []]
         try:
@@ -38,12 +40,14 @@ def tokenize(req: TokenizeRequest, served: Served) -> dict[str, Any]:
             )
         except Exception as e:  # a template error is the request's fault
             raise APIError(f"The chat template could not render: {e}", param="messages") from None
-        ids = list(tok.encode(text, add_special_tokens=bool(req.add_special_tokens)))
+        served.checks.check_text(text, "messages")
+        ids = encode(served.model, text, "messages", special=bool(req.add_special_tokens))
     return {"tokens": ids, "count": len(ids), "max_model_len": served.model.max_model_len}
 
 
 def detokenize(req: DetokenizeRequest, served: Served) -> dict[str, Any]:
     _check_model(served, req.model)
+    served.checks.check(req)
     vocab = len(served.model.vocab)
     for t in req.tokens:
         if not 0 <= t < vocab:

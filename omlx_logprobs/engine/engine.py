@@ -33,6 +33,19 @@ class RequestHandle:
     collector: RequestOutputCollector
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /health: what is queued, what holds KV memory, and how much MLX holds."""
+
+    waiting: int
+    running: int
+    cached_sequences: int  # batch cache rows plus prompts mid-prefill
+    active_memory: int  # bytes in live MLX arrays, weights included
+    cache_memory: int  # bytes MLX keeps from freed arrays for reuse
+    aborted_waiting: int  # requests aborted (client gone) before their prompt was prefilled
+    aborted_running: int  # ... and while decoding
+
+
 class Engine:
     def __init__(self, model: Any, vocab: Vocabulary, eos: tuple[int, ...], cfg: EngineConfig):
         self.cfg = cfg
@@ -47,6 +60,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._closing_at: float | None = None  # after this monotonic time, fail what is left
+        self._aborted = {Status.WAITING: 0, Status.RUNNING: 0}
         self._thread = threading.Thread(target=self._loop, name="omlx-engine", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------------
@@ -57,6 +72,11 @@ class Engine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """In-flight requests may finish for grace_s seconds; then they end with an error."""
+        self._closing_at = time.monotonic() + grace_s
+        self._wake.set()
 
     def add_request(
         self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
@@ -80,6 +100,17 @@ class Engine:
     @property
     def num_unfinished(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def snapshot(self) -> EngineStats:
+        return EngineStats(
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            cached_sequences=self.runner.num_cached,
+            active_memory=self.runner.active_memory(),
+            cache_memory=self.runner.cache_memory(),
+            aborted_waiting=self._aborted[Status.WAITING],
+            aborted_running=self._aborted[Status.RUNNING],
+        )
 
     # ---- engine thread ------------------------------------------------------------------------
     def step(self) -> None:
@@ -131,6 +162,8 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
+            if self._closing_at is not None and time.monotonic() >= self._closing_at:
+                self._fail_all("the server is shutting down")
             self._wake_consumers()
             if not self.has_work():
                 self._wake.wait(0.5)
@@ -161,6 +194,7 @@ class Engine:
                 waiting = item.group if item.status is Status.WAITING else [item]
                 for seq in waiting:
                     if seq.status is not Status.FINISHED:
+                        self._aborted[seq.status] += 1
                         self._end(seq, FinishReason.ABORT, None)
 
     def _end(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:

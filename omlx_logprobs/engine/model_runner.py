@@ -45,6 +45,7 @@ class LaunchedStep:
     logprobs: tuple[mx.array, ...] | None  # extract()'s lazy arrays
     prompt: list[PromptLogprobs] = field(default_factory=list)  # scored prompt chunks
     prompt_only: list[Sequence] = field(default_factory=list)  # prefilled with max_tokens 0
+    finite: mx.array | None = None  # [B] bool, lazy
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class StepResult:
     logprobs: BatchLogprobs | None  # None when no sequence in the step asked for logprobs
     prompt: list[PromptLogprobs] = field(default_factory=list)
     prompt_only: list[Sequence] = field(default_factory=list)
+    finite: np.ndarray | None = None  # [B] bool: False where the row's logits held NaN or +inf
 
 
 # Model families whose forward is `model.model` (hidden states) then a head: prefill can run the
@@ -206,6 +208,9 @@ class ModelRunner:
         dist = sampling_logits(logits, params)
         keys = [step_key(p.seed, s.num_sampled, s.choice_index) for p, s in zip(params, seqs)]
         tokens = sample(logits, dist, params, keys)
+        # One reduction per row, in the same evaluation: a NaN or +inf anywhere in a row (or a
+        # row of only -inf) makes its log-sum-exp non-finite and its sampled token meaningless.
+        finite = mx.isfinite(mx.logsumexp(logits, axis=-1))
         parts = None
         if any(p.logprobs for p in params):
             src = logits
@@ -218,14 +223,28 @@ class ModelRunner:
             s.num_sampled += 1
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        mx.async_eval(tokens, *(parts or ()))
-        return LaunchedStep(seqs, tokens, parts)
+        mx.async_eval(tokens, finite, *(parts or ()))
+        return LaunchedStep(seqs, tokens, parts, finite=finite)
+
+    @property
+    def num_cached(self) -> int:
+        """Sequences holding KV memory: batch rows, prompts between chunks, prompts done."""
+        return len(self.rows) + len(self.chunk_caches) + len(self.prefilled)
+
+    @staticmethod
+    def active_memory() -> int:
+        return int(mx.get_active_memory())
+
+    @staticmethod
+    def cache_memory() -> int:
+        return int(mx.get_cache_memory())
 
     def collect(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step; one copy of its small arrays to the host."""
         tokens = np.array(step.tokens)
         logprobs = to_host(step.logprobs) if step.logprobs is not None else None
-        return StepResult(step.seqs, tokens, logprobs, step.prompt, step.prompt_only)
+        finite = np.array(step.finite) if step.finite is not None else None
+        return StepResult(step.seqs, tokens, logprobs, step.prompt, step.prompt_only, finite)
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Move prefilled sequences' caches into the batch, as its last rows, in this order.
@@ -258,6 +277,7 @@ class ModelRunner:
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.batch_cache = None
+            self.last_tokens, self.last_rows = None, {}  # idle: MLX holds only the weights
             return
         assert self.batch_cache is not None
         self.batch_cache.filter(keep)

@@ -111,10 +111,14 @@ def _longest_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest suffix of text that is a proper prefix of some stop string."""
     best = 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
+        # Only suffixes starting at an occurrence of s[0] can match: str.find skips the rest, so
+        # a long held tail costs a scan, not a comparison per length.
+        i = text.find(s[0], max(len(text) - len(s) + 1, 0))
+        while i >= 0 and len(text) - i > best:
+            if s.startswith(text[i:]):
+                best = len(text) - i
                 break
+            i = text.find(s[0], i + 1)
     return best
 
 

@@ -3,6 +3,7 @@ and hand each request its delta."""
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_right
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ from omlx_logprobs.output.sections import TextDelta
 from omlx_logprobs.types import FinishReason, RequestOutput
 
 Sink = Callable[[Sequence, RequestOutput], None]
+log = logging.getLogger("omlx_logprobs")
 
 
 class OutputProcessor:
@@ -36,6 +38,7 @@ class OutputProcessor:
         lp = result.logprobs
         # Whole-batch conversions once: per-row numpy indexing costs more than the row's work.
         tokens = result.token_ids.tolist()
+        finite = result.finite.tolist() if result.finite is not None else None
         if lp is not None:
             chosen, ranks = lp.logprobs.tolist(), lp.ranks.tolist()
             k = lp.top_ids.shape[1]
@@ -43,17 +46,27 @@ class OutputProcessor:
         for i, seq in enumerate(result.seqs):
             if seq.status is Status.FINISHED:
                 continue  # finished (or aborted) while this step ran: its row is surplus
-            token = tokens[i]
-            seq.output_ids.append(token)
-            if seq.store is not None and lp is not None:
-                a, b = 4 * k * i, 4 * (k * i + seq.store.k)  # 4-byte items, row i's first k
-                seq.store.append(token, chosen[i], ranks[i], top_ids[a:b], top_lps[a:b])
-                if chosen[i] != chosen[i]:  # NaN
-                    seq.finish(FinishReason.ERROR, "the model produced non-finite logits")
-            self._advance(seq, token)
+            try:
+                if finite is not None and not finite[i]:
+                    self.fail(seq, "the model produced non-finite logits")
+                else:
+                    token = tokens[i]
+                    seq.output_ids.append(token)
+                    if seq.store is not None and lp is not None:
+                        a, b = 4 * k * i, 4 * (k * i + seq.store.k)  # 4-byte items, row i's k
+                        seq.store.append(token, chosen[i], ranks[i], top_ids[a:b], top_lps[a:b])
+                    self._advance(seq, token)
+            except Exception as exc:  # one request's fault ends that request, not its batch
+                log.exception("output processing failed for %s", seq.request_id)
+                self.fail(seq, f"internal error while processing this request: {exc}")
             if seq.status is Status.FINISHED:
                 finished.append(seq)
         return finished
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        """End a request with an error; nothing more of its output is released."""
+        seq.finish(FinishReason.ERROR, message)
+        self.emit(seq, TextDelta(), seq.released_tokens)
 
     def _record_prompt(self, chunk: PromptLogprobs) -> list[Sequence]:
         """Append a chunk's prompt entries; a NaN ends every choice of the prompt."""

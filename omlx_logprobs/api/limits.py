@@ -1,0 +1,184 @@
+"""Every size and range check a request meets before it reaches the engine, in one place.
+
+Fields are found by name on whatever request model a route parses, so a new endpoint whose model
+has `n`, `stop` or `logprob_token_ids` is checked without new code here. Each breach is an
+`APIError` naming the offending `param`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.config import Limits
+
+# Fields that take a logprob count: chat's `top_logprobs`, completions' integer `logprobs`, vLLM's
+# `prompt_logprobs`. A boolean `logprobs` (chat) is not a count.
+COUNT_FIELDS = ("top_logprobs", "logprobs", "prompt_logprobs")
+TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+# Below this, dividing a logit by the penalty can overflow float32 and poison the whole row.
+MIN_REPETITION_PENALTY = 0.01
+# What the template renderer itself passes to Jinja besides apply_chat_template's parameters.
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+@dataclass(frozen=True)
+class ModelBounds:
+    """The facts about the served model that limits depend on."""
+
+    vocab_size: int
+    max_model_len: int
+    max_top_logprobs: int
+    max_token_bytes: int  # the longest token's text, special tokens included
+    template_params: frozenset[str]  # apply_chat_template's own parameters
+
+
+def model_bounds(model: Any, max_top_logprobs: int) -> ModelBounds:
+    """From a LoadedModel (typed as Any: models.loader imports mlx, this module must not)."""
+    vocab = model.vocab
+    longest = max(
+        len(b) if b is not None else len(t.encode("utf-8", "replace"))
+        for b, t in zip(vocab.token_bytes, vocab.token_text)
+    )
+    try:
+        params = inspect.signature(model.tokenizer.apply_chat_template).parameters
+        reserved = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
+    except (TypeError, ValueError, AttributeError):
+        reserved = set()
+    reserved |= TEMPLATE_VARIABLES
+    return ModelBounds(
+        len(vocab), model.max_model_len, max_top_logprobs, max(longest, 1), frozenset(reserved)
+    )
+
+
+class RequestLimits:
+    def __init__(self, limits: Limits, bounds: ModelBounds) -> None:
+        self.limits = limits
+        self.bounds = bounds
+
+    # ---- before tokenizing ------------------------------------------------------------------
+    def check(self, req: BaseModel) -> None:
+        """Every check that needs no tokenizer, on any request model."""
+        bad = first_unencodable(req, "")
+        if bad is not None:
+            raise APIError(f"{bad}: text must be valid Unicode (a lone surrogate)", param=bad)
+        lim, get = self.limits, req.__dict__.get
+        n = get("n")
+        if n is not None:
+            _at_most(n, lim.max_n, "n")
+        for name in TOKEN_LIMIT_FIELDS:  # as sent: a route's own default is not the client's ask
+            value = get(name) if name in req.model_fields_set else None
+            if lim.max_output_tokens is not None and value is not None:
+                _at_most(value, lim.max_output_tokens, name)
+        for name in COUNT_FIELDS:
+            value = get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                _at_most(value, self.bounds.max_top_logprobs, name)
+        penalty = get("repetition_penalty")
+        if penalty is not None and penalty < MIN_REPETITION_PENALTY:
+            raise APIError(
+                f"repetition_penalty must be at least {MIN_REPETITION_PENALTY}",
+                param="repetition_penalty",
+            )
+        stop = get("stop")
+        if stop is not None:
+            stops = [stop] if isinstance(stop, str) else list(stop)
+            _at_most(len(stops), lim.max_stop, "stop", "stop strings")
+            for i, s in enumerate(stops):
+                _at_most(len(s), lim.max_stop_chars, f"stop[{i}]", "characters")
+        self._token_ids(get("stop_token_ids"), lim.max_stop_token_ids, "stop_token_ids")
+        self._token_ids(get("logprob_token_ids"), lim.max_logprob_token_ids, "logprob_token_ids")
+        self._template_kwargs(get("chat_template_kwargs"))
+
+    def _token_ids(self, ids: Iterable[int] | None, most: int, param: str) -> None:
+        if ids is None:
+            return
+        ids = list(ids)
+        _at_most(len(ids), most, param, "token ids")
+        self.check_token_ids(ids, param)
+
+    def check_token_ids(self, ids: Iterable[int], param: str) -> None:
+        """Every id must be one of the model's (prompts given as ids, stop ids, scored ids)."""
+        v = self.bounds.vocab_size
+        for i, t in enumerate(ids):
+            if not 0 <= t < v:
+                raise APIError(
+                    f"{param}[{i}]: {t} is not a token id of this model (vocabulary {v})",
+                    param=param,
+                    code="invalid_token_id",
+                )
+
+    def _template_kwargs(self, kwargs: dict[str, Any] | None) -> None:
+        # They reach apply_chat_template as keywords: none may replace one of its own parameters
+        # (`chat_template` would run a client's template, `tokenize` would change the return type).
+        for key in kwargs or {}:
+            if key in self.bounds.template_params:
+                raise APIError(
+                    f"chat_template_kwargs may not set `{key}`", param="chat_template_kwargs"
+                )
+
+    # ---- around tokenizing ------------------------------------------------------------------
+    def check_text(self, text: str, param: str) -> None:
+        """Refuse text too long for the context before paying to tokenize it: no token is longer
+        than max_token_bytes, so text over twice max_model_len such tokens can never fit."""
+        most = 2 * self.bounds.max_token_bytes * self.bounds.max_model_len
+        if len(text) > most or len(text.encode("utf-8", "surrogatepass")) > most:
+            raise APIError(
+                f"The prompt is far longer than this model's context of "
+                f"{self.bounds.max_model_len} tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def check_prompt(
+        self, prompt_len: int, max_tokens: int | None, prompt_param: str, tokens_param: str
+    ) -> int:
+        """The prompt and max_tokens against the context window; returns the room left."""
+        limit = self.bounds.max_model_len
+        room = limit - prompt_len
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens; the prompt has"
+                f" {prompt_len} and {tokens_param} asks for {max_tokens}.",
+                param=prompt_param if room <= 0 else tokens_param,
+                code="context_length_exceeded",
+            )
+        return room
+
+
+def _at_most(value: int, most: int, param: str, what: str = "") -> None:
+    if value > most:
+        unit = f" {what}" if what else ""
+        raise APIError(f"{param}: at most {most}{unit} allowed, got {value}", param=param)
+
+
+def first_unencodable(value: Any, path: str) -> str | None:
+    """The path of the first string that cannot be UTF-8 (JSON lets `\\ud800` through)."""
+    for p, s in _strings(value, path):
+        if not s.isascii():
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                return p or "body"
+    return None
+
+
+def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, BaseModel):
+        items = {**value.__dict__, **(value.model_extra or {})}
+        for k, v in items.items():
+            yield from _strings(v, f"{path}.{k}" if path else k)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _strings(v, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k, path)
+            yield from _strings(v, f"{path}.{k}" if path else str(k))

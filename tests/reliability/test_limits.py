@@ -1,0 +1,167 @@
+"""Every configurable limit gives a clear OpenAI-shaped error naming what was over it. The field
+limits run over every POST route the server's OpenAPI schema lists, so new endpoints are covered."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from omlx_logprobs.config import EngineConfig, Limits
+from omlx_logprobs.models.loader import LoadedModel
+from tests.reliability.conftest import TINY_NAME, assert_openai_error, thread_server, wait_idle
+from tests.reliability.schema import Route, accepts_type, minimal_body, routes
+
+LIMITS = Limits(
+    max_body_bytes=1 << 20,
+    max_queued=1,
+    max_output_tokens=8,
+    max_n=2,
+    max_stop=4,
+    max_stop_chars=8,
+    max_stop_token_ids=4,
+    max_logprob_token_ids=4,
+)
+CFG = EngineConfig(max_num_seqs=1, prefill_chunk=64)  # with max_queued=1: two in flight, then 429
+
+# field -> a value just over LIMITS (or over the model: vocabulary 49152, 20 top logprobs)
+OVER: dict[str, Any] = {
+    "n": 3,
+    "max_tokens": 9,
+    "max_completion_tokens": 9,
+    "top_logprobs": 21,
+    "logprobs": 21,  # only where the schema takes an integer (completions), not chat's boolean
+    "prompt_logprobs": 21,
+    "stop": ["a", "b", "c", "d", "e"],
+    "stop_token_ids": [1, 2, 3, 4, 5],
+    "logprob_token_ids": [1, 2, 3, 4, 5],
+}
+# Routes whose schema cannot say what their smallest accepted body is ("one of prompt and
+# messages"): the fields to add to the schema's required ones.
+EXTRA_MINIMAL: dict[str, dict[str, Any]] = {"/tokenize": {"prompt": "hi"}}
+# field -> (value, param): one bad element inside an otherwise allowed value
+BAD_ELEMENT: dict[str, tuple[Any, str]] = {
+    "stop": (["ok", "123456789"], "stop[1]"),
+    "stop_token_ids": ([1, 49152], "stop_token_ids"),
+    "logprob_token_ids": ([-1], "logprob_token_ids"),
+}
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_served: LoadedModel) -> Iterator[str]:
+    with thread_server(tiny_served, CFG, LIMITS) as (base, _):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def post_routes(limited: str) -> list[Route]:
+    found = [r for r in routes(limited) if r.method == "POST"]
+    assert any(r.path == "/v1/chat/completions" for r in found)
+    return found
+
+
+def cases(route: Route) -> Iterator[tuple[str, Any, str]]:
+    props, root = route.properties, route.body_schema or {}
+    for field, value in OVER.items():
+        if field in props and (field != "logprobs" or accepts_type(props[field], root, "integer")):
+            yield field, value, field
+    for field, (value, param) in BAD_ELEMENT.items():
+        if field in props:
+            yield field, value, param
+
+
+def test_field_limits_on_every_route(limited: str, post_routes: list[Route]) -> None:
+    checked = []
+    for route in post_routes:
+        base = {**minimal_body(route, TINY_NAME), **EXTRA_MINIMAL.get(route.path, {})}
+        ok = httpx.post(limited + route.path, json=base, timeout=60)
+        assert ok.status_code == 200, (route.path, ok.text)
+        for field, value, param in cases(route):
+            r = httpx.post(limited + route.path, json={**base, field: value}, timeout=60)
+            assert_openai_error(r, 400, param)
+            checked.append((route.path, field))
+    chat = {f for p, f in checked if p == "/v1/chat/completions"}
+    assert {"n", "max_tokens", "max_completion_tokens", "top_logprobs", "stop"} <= chat
+
+
+def test_limits_accept_values_at_the_limit(limited: str) -> None:
+    body = {
+        "model": TINY_NAME,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "stop": ["12345678", "b", "c", "d"],
+        "stop_token_ids": [1, 2, 3, 49151],
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
+    r = httpx.post(limited + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+
+
+def test_prompt_over_the_context_window(limited: str) -> None:
+    url = limited + "/v1/chat/completions"
+    long = " ".join(["word"] * 2100)  # the tiny model's context is 2048 tokens
+    r = httpx.post(url, json={"model": TINY_NAME, "messages": [{"role": "user", "content": long}]})
+    assert assert_openai_error(r, 400, "messages")["code"] == "context_length_exceeded"
+
+
+def test_far_too_long_text_is_refused_before_tokenizing(limited: str) -> None:
+    text = "x" * (2 * 81 * 2048 + 1)  # over twice the context in the longest tokens
+    body = {"model": TINY_NAME, "messages": [{"role": "user", "content": text}]}
+    r = httpx.post(limited + "/v1/chat/completions", json=body, timeout=60)
+    err = assert_openai_error(r, 400, "messages")
+    assert err["code"] == "context_length_exceeded" and "far longer" in err["message"]
+
+
+def test_body_size(limited: str) -> None:
+    url = limited + "/v1/chat/completions"
+    big = b'{"model": "tiny", "messages": [], "pad": "' + b"x" * (1 << 20) + b'"}'
+    r = httpx.post(url, content=big, headers={"content-type": "application/json"})
+    assert assert_openai_error(r, 413, None)["code"] == "request_too_large"
+
+    def chunked() -> Iterator[bytes]:  # no content-length: counted while read
+        for i in range(0, len(big), 65536):
+            yield big[i : i + 65536]
+
+    r = httpx.post(url, content=chunked(), headers={"content-type": "application/json"})
+    assert_openai_error(r, 413, None)
+    assert httpx.get(limited + "/health").status_code == 200
+
+
+def test_overload_gets_429_with_retry_after(limited: str) -> None:
+    url = limited + "/v1/chat/completions"
+    long = {
+        "model": TINY_NAME,
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 8,
+        "stream": True,
+    }
+    started = threading.Barrier(3)
+    release = threading.Event()
+
+    def hold() -> None:
+        with httpx.stream("POST", url, json=long, timeout=60) as r:
+            assert r.status_code == 200
+            started.wait()
+            release.wait(60)
+
+    holders = [threading.Thread(target=hold) for _ in range(2)]
+    for t in holders:
+        t.start()
+    started.wait(60)
+    try:
+        r = httpx.post(url, json={**long, "stream": False}, timeout=60)
+        err = assert_openai_error(r, 429, None)
+        assert err["code"] == "server_busy" and r.headers["retry-after"] == "1"
+        assert httpx.get(limited + "/v1/models").status_code == 200  # reads are never queued
+    finally:
+        release.set()
+        for t in holders:
+            t.join(60)
+    wait_idle(limited)
+    r = httpx.post(url, json={**long, "stream": False}, timeout=60)
+    assert r.status_code == 200, r.text
