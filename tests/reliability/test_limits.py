@@ -143,8 +143,12 @@ def test_overload_gets_429_with_retry_after(limited: str) -> None:
     started = threading.Barrier(3)
     release = threading.Event()
 
+    # The holders run to the context's end (no max_tokens, EOS ignored): a short stream could
+    # finish and leave the server before the third request arrives.
+    endless = {k: v for k, v in long.items() if k != "max_tokens"} | {"ignore_eos": True}
+
     def hold() -> None:
-        with httpx.stream("POST", url, json=long, timeout=60) as r:
+        with httpx.stream("POST", url, json=endless, timeout=60) as r:
             assert r.status_code == 200
             started.wait()
             release.wait(60)
