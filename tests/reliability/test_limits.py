@@ -134,10 +134,12 @@ def test_body_size(limited: str) -> None:
 
 def test_overload_gets_429_with_retry_after(limited: str) -> None:
     url = limited + "/v1/chat/completions"
+    # No max_tokens (the cap of 8 applies to values sent): the whole context, so both holders
+    # are still generating, one running and one queued, when the third request arrives.
     long = {
         "model": TINY_NAME,
         "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": 8,
+        "ignore_eos": True,
         "stream": True,
     }
     started = threading.Barrier(3)
@@ -158,7 +160,7 @@ def test_overload_gets_429_with_retry_after(limited: str) -> None:
         t.start()
     started.wait(60)
     try:
-        r = httpx.post(url, json={**long, "stream": False}, timeout=60)
+        r = httpx.post(url, json={**long, "stream": False, "max_tokens": 4}, timeout=60)
         err = assert_openai_error(r, 429, None)
         assert err["code"] == "server_busy" and r.headers["retry-after"] == "1"
         assert httpx.get(limited + "/v1/models").status_code == 200  # reads are never queued
@@ -167,5 +169,5 @@ def test_overload_gets_429_with_retry_after(limited: str) -> None:
         for t in holders:
             t.join(60)
     wait_idle(limited)
-    r = httpx.post(url, json={**long, "stream": False}, timeout=60)
+    r = httpx.post(url, json={**long, "stream": False, "max_tokens": 4}, timeout=60)
     assert r.status_code == 200, r.text
