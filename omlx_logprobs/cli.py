@@ -169,10 +169,18 @@ def main(argv: list[str] | None = None) -> None:
             cfg = config_from_args(args)
         except ValueError as e:
             parser.error(str(e))
+        code = 0
         try:
             serve(cfg, args)
         except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown
-            raise SystemExit(130) from None
+            code = 130
+        # Everything is stopped and joined by now. Skip interpreter teardown: destroying MLX's
+        # native stream threads at exit aborts the process ("terminate called without an
+        # active exception", status -6) after async evaluation was used.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":
