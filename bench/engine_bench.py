@@ -49,16 +49,21 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
-def run_omlx(m: LoadedModel, batch: list[list[int]], max_tokens: int, top: int | None) -> int:
-    cfg = EngineConfig(max_num_seqs=max(64, len(batch)))
-    engine = Engine(m.model, m.vocab, m.eos_token_ids, cfg)
-    params = SamplingParams(
+def greedy_params(max_tokens: int, top: int | None) -> SamplingParams:
+    """Fixed-length greedy requests; `top` None: logprobs off."""
+    return SamplingParams(
         max_tokens=max_tokens,
         temperature=0.0,
         ignore_eos=True,
         logprobs=top is not None,
         top_logprobs=top or 0,
     )
+
+
+def run_omlx(m: LoadedModel, batch: list[list[int]], max_tokens: int, top: int | None) -> int:
+    cfg = EngineConfig(max_num_seqs=max(64, len(batch)))
+    engine = Engine(m.model, m.vocab, m.eos_token_ids, cfg)
+    params = greedy_params(max_tokens, top)
     seqs = [Sequence(f"b{i}", p, params) for i, p in enumerate(batch)]
     for s in seqs:
         engine.scheduler.add(s)
@@ -74,13 +79,7 @@ def run_closed_loop(
     tokens) when it finishes, until `total` are done: the HTTP benchmark's shape, without HTTP."""
     rng = random.Random(seed)
     engine = Engine(m.model, m.vocab, m.eos_token_ids, EngineConfig(max_num_seqs=max(64, n)))
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=0.0,
-        ignore_eos=True,
-        logprobs=top is not None,
-        top_logprobs=top or 0,
-    )
+    params = greedy_params(max_tokens, top)
     started, live, done = 0, [], 0
     while done < total:
         while len(live) < n and started < total:
