@@ -58,23 +58,22 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        if req.stream:
-            return StreamingResponse(chat.stream(req), media_type="text/event-stream")
-        try:
-            body = await chat.complete(req, raw)
-        except ConnectionAbortedError:
-            return Response(status_code=499)
-        return Response(body, media_type="application/json")
+        return await _respond(chat, req, raw)
 
     @app.post("/v1/completions")
     async def text_completions(req: CompletionRequest, raw: Request) -> Response:
-        if req.stream:
-            return StreamingResponse(completions.stream(req), media_type="text/event-stream")
-        try:
-            body = await completions.complete(req, raw)
-        except ConnectionAbortedError:
-            return Response(status_code=499)
-        return Response(body, media_type="application/json")
+        return await _respond(completions, req, raw)
 
     tok.add_routes(app, served)
     return app
+
+
+async def _respond(serving: Any, req: Any, raw: Request) -> Response:
+    """SSE for a streamed request, else one JSON body; 499 when the client left first."""
+    if req.stream:
+        return StreamingResponse(serving.stream(req), media_type="text/event-stream")
+    try:
+        body = await serving.complete(req, raw)
+    except ConnectionAbortedError:
+        return Response(status_code=499)
+    return Response(body, media_type="application/json")
