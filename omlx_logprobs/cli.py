@@ -138,6 +138,7 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> None:
     from omlx_logprobs.models.loader import load_model
 
     log.info("BLAS: %s", omlx_logprobs.BLAS)
+    log.info("heap: %s", omlx_logprobs.HEAP)
     model = load_model(cfg.model, cfg.served_model_name, cfg.engine.max_model_len)
     log.info(
         "model %s from %s (vocab %d, context %d)",

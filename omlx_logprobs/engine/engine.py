@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from omlx_logprobs import heap
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.model_runner import LaunchedStep, ModelRunner
 from omlx_logprobs.engine.scheduler import Scheduler, SchedulerOutput
@@ -62,6 +63,7 @@ class Engine:
         self._stop = threading.Event()
         self._closing_at: float | None = None  # after this monotonic time, fail what is left
         self._aborted = {Status.WAITING: 0, Status.RUNNING: 0}
+        self._busy = False  # stepped since the engine was last idle
         self._thread = threading.Thread(target=self._loop, name="omlx-engine", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------------
@@ -166,9 +168,13 @@ class Engine:
                 self._fail_all("the server is shutting down")
             self._wake_consumers()
             if not self.has_work():
+                if self._busy:  # just went idle: the batch's freed buffers go back to the OS
+                    heap.trim()
+                    self._busy = False
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            self._busy = True
             try:
                 self.step()
             except Exception as exc:  # a fault must end its requests, never the server

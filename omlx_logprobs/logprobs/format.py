@@ -32,8 +32,10 @@ def num(x: float) -> str:
     raise NonFiniteLogprob(f"non-finite logprob {x}")
 
 
-def _all_finite(values: array, start: int, end: int) -> bool:
-    return bool(np.isfinite(np.frombuffer(values, np.float32)[start:end]).all())
+def _all_finite(values: array) -> bool:
+    # Only ever a copy (a slice): a numpy view of the store's own array would block the engine
+    # thread's appends to it ("cannot resize an array that is exporting buffers").
+    return bool(np.isfinite(np.frombuffer(values, np.float32)).all())
 
 
 def token_string(vocab: Vocabulary, tid: int, as_ids: bool = False) -> str:
@@ -81,9 +83,7 @@ class ChatLogprobFormatter:
             store.top_ids[start * k : end * k],
             store.top_logprobs[start * k : end * k],
         )
-        finite = _all_finite(store.logprobs, start, end) and _all_finite(
-            store.top_logprobs, start * k, end * k
-        )
+        finite = _all_finite(lps) and _all_finite(top_lps)
         fmt: Callable[[float], str] = float.__repr__ if finite else num  # num: -inf, NaN
         heads = self._head_list(ids)
         if k:
