@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import threading
@@ -162,6 +163,8 @@ def drive(args: argparse.Namespace, base: str, engine: Any, server: Any) -> None
             "mlx_active": s.active_memory,
             "mlx_cache": s.cache_memory,
             "threads": threading.active_count(),
+            "cpu_s": round(sum(os.times()[:2]), 1),  # this process, user + system
+            "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
             "type_growth": {k: v for k, v in (counts - first).most_common(12)},
         }
         if tracemalloc.is_tracing():
