@@ -13,8 +13,13 @@ from loadgen import LoadConfig, run_load
 
 
 async def main(base: str, model: str, c: int, n: int, words: int) -> None:
-    for name, send in (("prefill", scoring.send_prefill), ("score", scoring.send_score)) * 2:
-        cfg = LoadConfig(base_url=base, model=model, concurrency=c, requests=n, prompt_words=words)
+    # New prompts every run (seed), so that no run reuses the kernel shapes of an earlier one.
+    for seed, (name, send) in enumerate(
+        (("prefill", scoring.send_prefill), ("score", scoring.send_score)) * 3
+    ):
+        cfg = LoadConfig(
+            base_url=base, model=model, concurrency=c, requests=n, prompt_words=words, seed=seed
+        )
         r = await run_load(cfg, send)
         print(
             f"{name:<8} {r.prompt_tokens / r.wall_s:9.1f} prompt tok/s, errors {r.errors}",

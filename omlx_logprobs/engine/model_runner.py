@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx_logprobs.engine.batch_cache import BatchCache
 from omlx_logprobs.engine.prompt_scoring import (
+    PROMPT_BLOCK,
     PendingPrompts,
     PromptLogprobs,
     chunk_slice,
@@ -166,6 +167,7 @@ class ModelRunner:
         h = self.model.model(ids, cache=cache.layers)
         # Every row's real positions but its last, rows in group order: one flat [N, H] block.
         flat = np.concatenate([r * width + np.arange(p, width - 1) for r, p in enumerate(pads)])
+        flat = np.pad(flat, (0, -len(flat) % PROMPT_BLOCK))  # whole blocks: see prompt_scoring
         hidden = h.reshape(-1, h.shape[-1])[mx.array(flat)]
         slices = [chunk_slice(c.seq, 0, c.end) for c in group]
         pending = score(slices, lambda a, b: self._head(hidden[a:b]))

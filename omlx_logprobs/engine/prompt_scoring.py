@@ -68,9 +68,10 @@ def score_key(params: SamplingParams) -> tuple[int, tuple[int, ...]]:
 def score(
     slices: list[PromptSlice], logits_of: Callable[[int, int], mx.array]
 ) -> PendingPrompts | None:
-    """Entries for the slices' rows; `logits_of(a, b)` gives rows [a, b) of their logits (the
-    rows in slice order). All slices share one `score_key`. Prompt entries are the model's own
-    distribution: no processors, no temperature."""
+    """Entries for the slices' rows; `logits_of(a, b)` gives rows [a, b) of their logits, rows
+    in slice order (past the last row it may return fewer rows, or filler). All slices share
+    one `score_key`. Prompt entries are the model's own distribution: no processors, no
+    temperature."""
     slices = [s for s in slices if len(s.token_ids)]
     if not slices:
         return None
@@ -78,14 +79,19 @@ def score(
     k = p.num_prompt_top
     wanted = mx.array(list(p.logprob_token_ids), mx.int32) if p.logprob_token_ids else None
     ids = np.concatenate([s.token_ids for s in slices])
-    chosen = mx.array(ids)
+    n = len(ids)
+    # Every block has exactly PROMPT_BLOCK rows (the last is padded, its surplus rows dropped on
+    # the host): prompt lengths then never make new kernel shapes (compiled per shape on a GPU).
+    chosen = mx.array(np.pad(ids, (0, -n % PROMPT_BLOCK)))
+    fixed = None if wanted is None else mx.broadcast_to(wanted, (PROMPT_BLOCK, k))
     blocks = []
     # Evaluated in order with the step, so only about one block's temporaries are alive at once.
-    for a in range(0, len(ids), PROMPT_BLOCK):
-        b = min(len(ids), a + PROMPT_BLOCK)
-        fixed = None if wanted is None else mx.broadcast_to(wanted, (b - a, k))
-        lp = log_softmax(logits_of(a, b))
-        blocks.append(extract(lp, chosen[a:b], k, fixed, natural=wanted is None))
+    for a in range(0, n, PROMPT_BLOCK):
+        rows = logits_of(a, a + PROMPT_BLOCK)  # may stop short at the end
+        if rows.shape[0] < PROMPT_BLOCK:
+            rows = mx.pad(rows, [(0, PROMPT_BLOCK - rows.shape[0]), (0, 0)])
+        lp = log_softmax(rows)
+        blocks.append(extract(lp, chosen[a : a + PROMPT_BLOCK], k, fixed, natural=wanted is None))
     parts = tuple(mx.concatenate(list(x)) if len(x) > 1 else x[0] for x in zip(*blocks))
     return PendingPrompts(slices, parts)
 
