@@ -47,14 +47,14 @@ def main() -> int:
     timed("log_softmax", lambda: mx.eval(log_softmax(logits)))
     lp = log_softmax(logits)
     mx.eval(lp)
-    timed("extract k=1", lambda: mx.eval(*extract(lp, chosen, 1)))
-    timed("extract k=0", lambda: mx.eval(*extract(lp, chosen, 0)))
-    timed("extract k=5", lambda: mx.eval(*extract(lp, chosen, 5)))
+    timed("extract k=1", lambda: mx.eval(*extract(lp, chosen, 1).arrays()))
+    timed("extract k=0", lambda: mx.eval(*extract(lp, chosen, 0).arrays()))
+    timed("extract k=5", lambda: mx.eval(*extract(lp, chosen, 5).arrays()))
     for b in (128, 512):
 
         def blocks(b: int = b) -> None:
             for a in range(0, tokens, b):
-                mx.eval(*extract(log_softmax(logits[a : a + b]), chosen[a : a + b], 1))
+                mx.eval(*extract(log_softmax(logits[a : a + b]), chosen[a : a + b], 1).arrays())
 
         timed(f"softmax+extract, blocks of {b}", blocks)
     return 0

@@ -27,7 +27,7 @@ from omlx_logprobs.engine.prompt_scoring import (
 from omlx_logprobs.engine.sampler import apply_processors, sample, sampling_logits, step_key
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence
-from omlx_logprobs.logprobs.extract import BatchLogprobs, extract, log_softmax, to_host
+from omlx_logprobs.logprobs.extract import BatchLogprobs, Extraction, extract, log_softmax
 from omlx_logprobs.types import SamplingParams
 
 __all__ = ["LaunchedStep", "ModelRunner", "PromptLogprobs", "StepResult"]
@@ -39,7 +39,7 @@ class LaunchedStep:
 
     seqs: list[Sequence]
     tokens: mx.array  # [B] sampled ids, lazy
-    logprobs: tuple[mx.array, ...] | None  # extract()'s lazy arrays
+    logprobs: Extraction | None  # lazy
     prompt: list[PendingPrompts] = field(default_factory=list)  # scored prompt positions
     prompt_only: list[Sequence] = field(default_factory=list)  # prefilled with max_tokens 0
     finite: mx.array | None = None  # [B] bool, lazy
@@ -86,6 +86,9 @@ class ModelRunner:
         self.batch_prefill = all(type(c) is KVCache for c in probe)
         family = type(model).__module__.rsplit(".", 1)[-1]
         self.split_head = family in _SPLIT_HEAD and hasattr(model, "model")
+        # On the CPU backend a generated token's top k is picked on the host (numpy's partition
+        # is ~5x MLX's there, and the logprobs already sit in host memory).
+        self.host_top = mx.default_device() == mx.cpu
 
     def launch(self, work: SchedulerOutput) -> LaunchedStep | None:
         """Queue one step on the device and return at once."""
@@ -126,7 +129,7 @@ class ModelRunner:
                 parts.append(mx.broadcast_to(last, (len(members), last.shape[-1])))
                 seqs += members
         if prompt:  # queued now, collected with the step: no sync per scored block
-            mx.async_eval(*(x for p in prompt for x in p.parts))
+            mx.async_eval(*(x for p in prompt for x in p.parts.arrays()))
         if not seqs:
             if not prompt and not prompt_only:
                 return None
@@ -212,20 +215,23 @@ class ModelRunner:
         tokens = sample(logits, dist, params, keys)
         # One reduction per row, in the same evaluation: a NaN or +inf anywhere in a row (or a
         # row of only -inf) makes its log-sum-exp non-finite and its sampled token meaningless.
-        finite = mx.isfinite(mx.logsumexp(logits, axis=-1))
+        lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+        finite = mx.isfinite(lse[:, 0])
         parts = None
         if any(p.logprobs for p in params):
-            src = logits
-            if any(p.logprobs and p.processed for p in params):  # per row: what was sampled from
-                src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
             k = max(p.num_top for p in params if p.logprobs)
             fixed, natural = _fixed_ids(params, k)
-            parts = extract(log_softmax(src), tokens, k, fixed, natural)
+            if any(p.logprobs and p.processed for p in params):  # per row: what was sampled from
+                src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
+                lp = log_softmax(src)
+            else:  # the raw distribution: the finiteness check's log-sum-exp serves it too
+                lp = log_softmax(logits, lse)
+            parts = extract(lp, tokens, k, fixed, natural, self.host_top)
         for s in seqs:
             s.num_sampled += 1
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        mx.async_eval(tokens, finite, *(parts or ()))
+        mx.async_eval(tokens, finite, *(parts.arrays() if parts is not None else ()))
         return LaunchedStep(seqs, tokens, parts, finite=finite)
 
     @property
@@ -244,7 +250,7 @@ class ModelRunner:
     def collect(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step; one copy of its small arrays to the host."""
         tokens = np.array(step.tokens)
-        logprobs = to_host(step.logprobs) if step.logprobs is not None else None
+        logprobs = step.logprobs.to_host() if step.logprobs is not None else None
         finite = np.array(step.finite) if step.finite is not None else None
         prompt = [x for p in step.prompt for x in p.to_host()]
         return StepResult(step.seqs, tokens, logprobs, prompt, step.prompt_only, finite)

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.engine.sequence import Sequence
-from omlx_logprobs.logprobs.extract import BatchLogprobs, extract, log_softmax, to_host
+from omlx_logprobs.logprobs.extract import BatchLogprobs, Extraction, extract, log_softmax
 from omlx_logprobs.types import SamplingParams
 
 # Prompt positions per extraction block: bounds its float32 temporaries whatever the chunk size.
@@ -45,10 +45,10 @@ class PendingPrompts:
     """The entries of one or more slices, rows concatenated in slice order, still lazy."""
 
     slices: list[PromptSlice]
-    parts: tuple[mx.array, ...]  # extract()'s arrays
+    parts: Extraction
 
     def to_host(self) -> list[PromptLogprobs]:
-        host = to_host(self.parts)
+        host = self.parts.to_host()
         out, a = [], 0
         for s in self.slices:
             b = a + len(s.token_ids)
@@ -92,8 +92,20 @@ def score(
             rows = mx.pad(rows, [(0, PROMPT_BLOCK - rows.shape[0]), (0, 0)])
         lp = log_softmax(rows)
         blocks.append(extract(lp, chosen[a : a + PROMPT_BLOCK], k, fixed, natural=wanted is None))
-    parts = tuple(mx.concatenate(list(x)) if len(x) > 1 else x[0] for x in zip(*blocks))
+    parts = blocks[0]
+    if len(blocks) > 1:
+        parts = Extraction(
+            _cat([b.logprobs for b in blocks]),
+            _cat([b.ranks for b in blocks]),
+            _cat([b.top_ids for b in blocks]),
+            _cat([b.top_logprobs for b in blocks]),
+        )
     return PendingPrompts(slices, parts)
+
+
+def _cat(xs: list[mx.array | None]) -> mx.array:
+    assert all(x is not None for x in xs)  # prompt entries never pick their top k on the host
+    return mx.concatenate(xs)  # type: ignore[arg-type]
 
 
 def chunk_slice(seq: Sequence, start: int, rows: int) -> PromptSlice:
