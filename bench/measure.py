@@ -155,9 +155,18 @@ class ServerBench:
             note = "skipped: the server answers 404 on /v1/completions"
             return [Scoring(k, s.concurrency, 0, 0, None, note=note) for k in ("score", "prefill")]
         out = []
+        kinds = (("score", send_score, 0), ("prefill", send_prefill, 1))
+        # Long prompts are new shapes (kernels compiled per shape on a GPU): a warm-up wave of
+        # each kind on other prompts first, so that neither side of the ratio pays for them.
+        for kind, send, seed in kinds:
+            new = int(kind == "prefill")
+            cfg = self.config(
+                s.concurrency, s.concurrency, "off", prompt_words=s.prompt_words, max_tokens=new
+            )
+            await self.load(replace(cfg, seed=seed + 100), send, label=f"warm-up {kind}")
         # Seed 0 scores the very prompts bare.py prefills; our prefill gets seed 1, so that a
         # prefix cache could not serve it from the scoring run.
-        for kind, send, seed in (("score", send_score, 0), ("prefill", send_prefill, 1)):
+        for kind, send, seed in kinds:
             words, new = s.prompt_words, int(kind == "prefill")
             cfg = self.config(s.concurrency, s.requests, "off", prompt_words=words, max_tokens=new)
             cfg = replace(cfg, seed=seed)

@@ -69,9 +69,9 @@ class Preset:
 
 
 # `make bench` on the 2-core CPU box, where prefill runs at ~150 tokens/s and decode at batch 64
-# takes ~0.7 s a step: 32 new tokens per request and one single-wave run per mode and
-# concurrency (two at c=1) make our server's part ~6 minutes with its warm-up, mlx-lm's ~2,
-# bare mlx-lm ~1, and the whole preset ~10 on a quiet box (limit 15).
+# takes ~0.7 s a step: 32 new tokens per request, one single-wave run per mode and concurrency
+# (two at c=1), and no top0 run (no target reads it), so that the whole preset stays under its
+# 15 minutes on a quiet box: ~8 minutes for our server, ~5 for mlx-lm's, ~1 for bare mlx-lm.
 CPU = Preset(
     name="cpu",
     model=ModelSpec("embedded"),
@@ -79,16 +79,18 @@ CPU = Preset(
     max_num_seqs=64,
     max_tokens=32,
     prompt_words=32,
-    cells=(CellSpec(1, 2, 2), CellSpec(8, 8), CellSpec(32, 32), CellSpec(64, 64)),
+    cells=(CellSpec(1, 2), CellSpec(8, 8), CellSpec(32, 32), CellSpec(64, 64)),
     peer_goal=1.2,
     ttft_requests=5,
     score=ScoreSpec(concurrency=4, requests=8, prompt_words=200),
     memory=MemorySpec(2000, 100, concurrency=16, max_tokens=8, prompt_words=8),
+    omlx_modes=("off", "top5", "top20"),
 )
 
 # A random-weight 1.1B llama (hidden 2048, 16 layers, vocab 49,152, bfloat16), 128 new tokens per
-# request, two waves per run at c >= 8. Sized for about 9 minutes for all default parts on an
-# H100/H200 with MLX's CUDA backend; split with `--only omlx` then `--only mlx-lm,batchgen` when a
+# request, three waves per run at c >= 8 and three rounds of every mode (single runs moved the
+# top20/off ratio by +-0.3). About 5 minutes for our part and 4 for mlx-lm's on an H100/H200 with
+# MLX's CUDA backend: run `--only omlx` and `--only mlx-lm,batchgen` as separate commands when a
 # command may run at most 10 minutes. `--only memory` adds the 2,000-request soak (~1 minute).
 GPU = Preset(
     name="gpu",
@@ -97,7 +99,7 @@ GPU = Preset(
     max_num_seqs=64,
     max_tokens=128,
     prompt_words=32,
-    cells=(CellSpec(1, 3), CellSpec(8, 16), CellSpec(32, 64), CellSpec(64, 128)),
+    cells=(CellSpec(1, 3, 3), CellSpec(8, 24, 3), CellSpec(32, 96, 3), CellSpec(64, 192, 3)),
     peer_goal=2.0,
     ttft_requests=10,
     score=ScoreSpec(concurrency=8, requests=64, prompt_words=400),

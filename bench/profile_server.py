@@ -9,6 +9,7 @@ Same arguments as `omlx-logprobs serve`; on exit it prints where each thread spe
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
 import sys
 
@@ -29,18 +30,29 @@ def _profiled_loop(self: Engine) -> None:
         prof.disable()
 
 
+def _print_profiles() -> None:
+    for name, prof in PROFILES.items():
+        prof.disable()
+        print(f"===== {name} thread", flush=True)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(35)
+    sys.stdout.flush()
+
+
 def main() -> int:
     # Python 3.12's cProfile is process-wide (sys.monitoring): one profile then covers both.
     if sys.version_info < (3, 12):
         Engine._loop = _profiled_loop  # type: ignore[method-assign]
+    # The server ends with os._exit (MLX's stream threads abort interpreter teardown): print
+    # the profiles just before it.
+    real_exit = os._exit
+
+    def exit_after_printing(code: int) -> None:
+        _print_profiles()
+        real_exit(code)
+
+    os._exit = exit_after_printing  # type: ignore[assignment]
     PROFILES["event loop"].enable()
-    try:
-        cli.main(sys.argv[1:])
-    finally:
-        PROFILES["event loop"].disable()
-        for name, prof in PROFILES.items():
-            print(f"===== {name} thread", flush=True)
-            pstats.Stats(prof).sort_stats("tottime").print_stats(35)
+    cli.main(sys.argv[1:])
     return 0
 
 

@@ -9,9 +9,14 @@ from omlx_logprobs.output.detokenizer import IncrementalText, token_display
 
 
 def feed_all(pieces: list[bytes], stops: tuple[str, ...] = ()) -> tuple[list[str], IncrementalText]:
+    """Feed each piece and take all that is settled after it; the last item is the flush."""
     t = IncrementalText(stops)
-    out = [t.feed(p) for p in pieces]
-    out.append(t.flush())
+    out = []
+    for p in pieces:
+        t.feed(p)
+        out.append(t.take())
+    t.flush()
+    out.append(t.take())
     return out, t
 
 
@@ -23,7 +28,7 @@ def test_every_split_of_the_bytes_gives_the_same_text(text: str) -> None:
             out, t = feed_all([data[:cut], data[cut:cut2], data[cut2:]])
             assert "".join(out) == text
             assert "\ufffd" not in "".join(out[:-1])  # never a half character mid-stream
-            assert t.released_bytes == len(data)
+            assert t.taken_bytes == len(data)
 
 
 @pytest.mark.parametrize("stop", ["STOP", "é", "日本", "\n\n"])
@@ -44,7 +49,7 @@ def test_text_that_only_starts_like_a_stop_string_is_released() -> None:
 
 def test_invalid_utf8_is_replaced_but_counted() -> None:
     out, t = feed_all([b"a\xff", b"b"])
-    assert "".join(out) == "a\ufffdb" and t.released_bytes == 3
+    assert "".join(out) == "a\ufffdb" and t.taken_bytes == 3
 
 
 def test_token_display() -> None:
@@ -64,3 +69,14 @@ def test_vocabulary_bytes_of_the_real_tokenizer(tiny: LoadedModel) -> None:
     parts = [vocab.token_bytes[i] for i in ids]
     assert b"".join(p or b"" for p in parts) == "😀".encode()
     assert all(b"\xef\xbf\xbd" not in (p or b"") for p in parts)
+
+
+def test_settled_text_is_taken_up_to_a_byte_offset() -> None:
+    t = IncrementalText(("STOP",))
+    t.feed(" é".encode() + b"\xe2\x89")  # " é" settled, half of "≈" pending
+    assert t.settled_bytes == 3
+    assert t.take(1) == " " and t.take(1) == "" and t.taken_bytes == 1
+    t.feed(b"\x88 ST")  # "≈ " settled; "ST" may begin the stop string
+    assert t.settled_bytes == 7 and t.take(99) == "é≈ " and t.taken_bytes == 7
+    t.feed(b"OP!")
+    assert t.stopped and t.take() == ""

@@ -69,6 +69,33 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(tiny: LoadedMod
     assert busy.num_output == 4  # the batch beside it was unaffected
 
 
+def test_whole_prompts_scored_together_each_equal_their_own_forward(tiny: LoadedModel) -> None:
+    """Whole prompts of different lengths and settings in one step: scored ones share
+    left-padded forwards (one per top count), plain ones another; every prompt's entries and
+    greedy continuation equal its own full forward pass."""
+    texts = [TEXT, TEXT[:30], TEXT * 2, TEXT[10:50], "Hi", TEXT[:61]]
+    prompts = [encode(tiny, t) for t in texts]
+    settings = [
+        SamplingParams(max_tokens=0, temperature=0, prompt_logprobs=1, logprobs=True),
+        SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1, ignore_eos=True),
+        SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=5, ignore_eos=True),
+        SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=0, temperature=0, prompt_logprobs=1, logprobs=True),
+        SamplingParams(max_tokens=0, temperature=0, prompt_logprobs=5, logprobs=True),
+    ]
+    runs = run_engine(tiny, list(zip(prompts, settings)), EngineConfig(prefill_chunk=512))
+    for (seq, outs), prompt, p in zip(runs, prompts, settings):
+        out = list(seq.output_ids)
+        assert len(out) == p.max_tokens and outs[-1].finished
+        ref = reference_logprobs(tiny, prompt + out)
+        for j, tok in enumerate(out):  # greedy: each token is the argmax after its prefix
+            assert tok == int(np.argmax(ref[len(prompt) - 1 + j]))
+        if p.prompt_logprobs is not None:
+            check_prompt_store(seq, ref, p.prompt_logprobs)
+        else:
+            assert seq.prompt_store is None
+
+
 def processed_reference(
     row: np.ndarray, temperature: float, top_p: float, top_k: int
 ) -> np.ndarray:

@@ -176,8 +176,9 @@ def test_the_stop_token_falls_where_the_output_stands() -> None:
 def test_a_lone_lt_in_reasoning_is_released_with_its_token_once_settled() -> None:
     seq, outs = run([b"<think>", b"x <", b" y", b"</think>", b"a<b", None], DETECT)
     texts = [(o.reasoning_text, o.text, o.first_token, o.end_token) for o in outs]
-    # "x <" holds "<" (maybe "</think>"), so the token waits for " y" which settles it.
-    assert texts[:3] == [("", "", 0, 1), ("x ", "", 1, 1), ("< y", "", 1, 3)]
+    # "x <" holds "<" (maybe "</think>"), so the whole token, "x " included, waits for " y"
+    # which settles it: text leaves only at token boundaries.
+    assert texts[:3] == [("", "", 0, 1), ("x < y", "", 1, 3), ("", "", 3, 4)]
     assert ("", "a<b", 4, 5) in texts  # no hold-back in content: released at once
 
 

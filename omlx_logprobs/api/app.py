@@ -17,6 +17,7 @@ from omlx_logprobs.api import tokenize as tok
 from omlx_logprobs.api.completions import CompletionServing
 from omlx_logprobs.api.errors import install_error_handlers
 from omlx_logprobs.api.guard import install_guard
+from omlx_logprobs.api.openapi import install_openapi
 from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
 from omlx_logprobs.api.serving import ChatServing, Served
 from omlx_logprobs.config import Access
@@ -35,6 +36,7 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
 
     app = FastAPI(title="omlx_logprobs", lifespan=lifespan)
     install_error_handlers(app)
+    install_openapi(app)
     install_guard(app, access or Access(), served.limits, served.cfg.max_num_seqs)
     chat = ChatServing(served)
     completions = CompletionServing(served)

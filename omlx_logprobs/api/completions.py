@@ -132,7 +132,7 @@ class CompletionServing:
             assert seq.prompt_store is not None
             prompt = (seq.prompt_ids, seq.prompt_store)
         fmt = self.legacy[req.return_tokens_as_token_ids]
-        return fmt.json(c.cursor, k, prompt, seq.store, (first, end))
+        return fmt.json(c.cursor, k, prompt, seq.store, (first, end), fixed)
 
     def _extras(self, req: CompletionRequest, c: Choice, first: int, end: int) -> str:
         """vLLM's per-choice fields: prompt_logprobs, prompt_token_ids and token_ids."""

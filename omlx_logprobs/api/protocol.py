@@ -92,3 +92,16 @@ class TokenizeRequest(_Model):
 class DetokenizeRequest(_Model):
     model: str | None = None
     tokens: list[int]
+
+
+class ErrorDetail(BaseModel):
+    """What every rejection says (OpenAI's shape); all four keys are always present."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

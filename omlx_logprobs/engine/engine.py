@@ -119,6 +119,7 @@ class Engine:
         """Launch this step, then process the previous one while the device runs this one."""
         if self.inflight is not None and (self._needs_history() or self._first_token_waits()):
             self._complete()
+            self._wake_consumers()  # a first token goes out before the next launch's host work
         t0 = time.perf_counter()
         work = self.scheduler.schedule()
         launched = self.runner.launch(work)

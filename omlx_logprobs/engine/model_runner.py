@@ -16,24 +16,21 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx_logprobs.engine.batch_cache import BatchCache
+from omlx_logprobs.engine.prompt_scoring import (
+    PROMPT_BLOCK,
+    PendingPrompts,
+    PromptLogprobs,
+    chunk_slice,
+    score,
+    score_key,
+)
 from omlx_logprobs.engine.sampler import apply_processors, sample, sampling_logits, step_key
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence
-from omlx_logprobs.logprobs.extract import BatchLogprobs, extract, log_softmax, to_host
+from omlx_logprobs.logprobs.extract import BatchLogprobs, Extraction, extract, log_softmax
 from omlx_logprobs.types import SamplingParams
 
-# Prompt positions scored per extraction: bounds its temporaries whatever the prefill chunk.
-PROMPT_BLOCK = 128
-
-
-@dataclass(frozen=True)
-class PromptLogprobs:
-    """Host entries for one chunk's prompt tokens: row i is prompt position `first + i`."""
-
-    seq: Sequence
-    first: int
-    token_ids: np.ndarray  # [R] the prompt tokens being scored
-    logprobs: BatchLogprobs
+__all__ = ["LaunchedStep", "ModelRunner", "PromptLogprobs", "StepResult"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +39,8 @@ class LaunchedStep:
 
     seqs: list[Sequence]
     tokens: mx.array  # [B] sampled ids, lazy
-    logprobs: tuple[mx.array, ...] | None  # extract()'s lazy arrays
-    prompt: list[PromptLogprobs] = field(default_factory=list)  # scored prompt chunks
+    logprobs: Extraction | None  # lazy
+    prompt: list[PendingPrompts] = field(default_factory=list)  # scored prompt positions
     prompt_only: list[Sequence] = field(default_factory=list)  # prefilled with max_tokens 0
     finite: mx.array | None = None  # [B] bool, lazy
 
@@ -89,6 +86,9 @@ class ModelRunner:
         self.batch_prefill = all(type(c) is KVCache for c in probe)
         family = type(model).__module__.rsplit(".", 1)[-1]
         self.split_head = family in _SPLIT_HEAD and hasattr(model, "model")
+        # On the CPU backend a generated token's top k is picked on the host (numpy's partition
+        # is ~5x MLX's there, and the logprobs already sit in host memory).
+        self.host_top = mx.default_device() == mx.cpu
 
     def launch(self, work: SchedulerOutput) -> LaunchedStep | None:
         """Queue one step on the device and return at once."""
@@ -102,26 +102,34 @@ class ModelRunner:
             inputs = self.last_tokens[rows][:, None]
             parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
             seqs += self.rows
-        # Prompts that are scored, forked or not generated from take the one-prompt path.
-        whole = [c for c in work.prefill if c.start == 0 and c.is_last and _plain(c.seq)]
-        whole = whole if self.batch_prefill else []
-        for group in _groups(whole):
-            parts.append(self._prefill_group(group))
-            seqs += [c.seq for c in group]
-        prompt: list[PromptLogprobs] = []
+        # Whole prompts prefill together in left-padded groups, scored ones in groups of their
+        # own; partial chunks and prompts with forks take the one-prompt path.
+        grouped = [c for c in work.prefill if self._groupable(c)]
+        prompt: list[PendingPrompts] = []
         prompt_only: list[Sequence] = []
+        for group in _groups(grouped):
+            logits, pending = self._prefill_group(group)
+            prompt += [pending] if pending is not None else []
+            sampled = [i for i, c in enumerate(group) if c.seq.params.max_tokens > 0]
+            prompt_only += [c.seq for c in group if c.seq.params.max_tokens == 0]
+            if sampled:
+                part = logits if len(sampled) == len(group) else logits[mx.array(sampled)]
+                parts.append(part)
+                seqs += [group[i].seq for i in sampled]
         for chunk in work.prefill:
-            if chunk in whole:
+            if chunk in grouped:
                 continue
-            logits, scored = self._prefill_chunk(chunk)
+            last, scored = self._prefill_chunk(chunk)
             prompt += [scored] if scored is not None else []
-            if logits is None:
+            if last is None:
                 continue
             if chunk.seq.params.max_tokens == 0:
                 prompt_only += chunk.seq.group
             elif members := chunk.seq.joining():  # one row per choice: forks sample here too
-                parts.append(mx.broadcast_to(logits, (len(members), logits.shape[-1])))
+                parts.append(mx.broadcast_to(last, (len(members), last.shape[-1])))
                 seqs += members
+        if prompt:  # queued now, collected with the step: no sync per scored block
+            mx.async_eval(*(x for p in prompt for x in p.parts.arrays()))
         if not seqs:
             if not prompt and not prompt_only:
                 return None
@@ -129,27 +137,46 @@ class ModelRunner:
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
         return replace(self._sample(logits, seqs), prompt=prompt, prompt_only=prompt_only)
 
+    def _groupable(self, c: PrefillChunk) -> bool:
+        """A whole prompt with one choice, on a model whose caches can be left-padded; a scored
+        one also needs the head apart from the body (to run it on its positions block by block)."""
+        if not (c.start == 0 and c.is_last and not c.seq.forks and self.batch_prefill):
+            return False
+        return c.seq.prompt_store is None or self.split_head
+
+    def _head(self, h: mx.array) -> mx.array:
+        m = self.model
+        return (m.lm_head if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear)(h)
+
     def _last_logits(self, ids: mx.array, cache: list[Any]) -> mx.array:
         """[B, V] logits of the last position only."""
         if not self.split_head:
             return self.model(ids, cache=cache)[:, -1, :]
-        m = self.model
-        h = m.model(ids, cache=cache)[:, -1:, :]
-        head = m.lm_head if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear
-        return head(h)[:, 0, :]
+        return self._head(self.model.model(ids, cache=cache)[:, -1:, :])[:, 0, :]
 
-    def _prefill_group(self, group: list[PrefillChunk]) -> mx.array:
-        """Whole prompts in one left-padded forward; their rows wait in the group's cache."""
+    def _prefill_group(self, group: list[PrefillChunk]) -> tuple[mx.array, PendingPrompts | None]:
+        """Whole prompts in one left-padded forward: their last logits, and their prompt entries
+        when they are scored (a group is all scored or all plain, see `_groups`). Rows that will
+        generate wait in the group's cache for admission."""
         width = max(c.end for c in group)
         pads = [width - c.end for c in group]
         ids = mx.array([[0] * p + c.seq.prompt_ids for p, c in zip(pads, group)])
         cache = BatchCache.empty(self.num_layers, pads)
-        logits = self._last_logits(ids, cache.layers)
         for row, c in enumerate(group):
-            self.prefilled[c.seq.seq_id] = _Prefilled(cache, row)
-        return logits
+            if c.seq.params.max_tokens > 0:
+                self.prefilled[c.seq.seq_id] = _Prefilled(cache, row)
+        if group[0].seq.prompt_store is None:
+            return self._last_logits(ids, cache.layers), None
+        h = self.model.model(ids, cache=cache.layers)
+        # Every row's real positions but its last, rows in group order: one flat [N, H] block.
+        flat = np.concatenate([r * width + np.arange(p, width - 1) for r, p in enumerate(pads)])
+        flat = np.pad(flat, (0, -len(flat) % PROMPT_BLOCK))  # whole blocks: see prompt_scoring
+        hidden = h.reshape(-1, h.shape[-1])[mx.array(flat)]
+        slices = [chunk_slice(c.seq, 0, c.end) for c in group]
+        pending = score(slices, lambda a, b: self._head(hidden[a:b]))
+        return self._head(h[:, -1, :]), pending
 
-    def _prefill_chunk(self, chunk: PrefillChunk) -> tuple[mx.array | None, PromptLogprobs | None]:
+    def _prefill_chunk(self, chunk: PrefillChunk) -> tuple[mx.array | None, PendingPrompts | None]:
         """One chunk of one prompt in its own cache: the last chunk's last logits (else None),
         and the chunk's prompt entries when the prompt asks for them."""
         seq = chunk.seq
@@ -157,9 +184,10 @@ class ModelRunner:
         ids = mx.array([seq.prompt_ids[chunk.start : chunk.end]])
         scored = None
         if seq.prompt_store is not None:  # every position's logits: the prompt is scored
-            out = self.model(ids, cache=cache)
-            scored = self._score_prompt(seq, chunk.start, out[0])
-            logits = out[:, -1, :]
+            out = self.model(ids, cache=cache)[0]
+            rows = chunk_slice(seq, chunk.start, out.shape[0])
+            scored = score([rows], lambda a, b: out[a:b])
+            logits = out[-1:, :]
         elif chunk.is_last:
             logits = self._last_logits(ids, cache)
         else:
@@ -170,33 +198,10 @@ class ModelRunner:
         del self.chunk_caches[seq.seq_id]
         members = seq.joining()
         if members:  # one copy of the prompt's cache per choice, rows in choice order
-            rows = BatchCache.of_copies(cache, len(members))
+            rows_cache = BatchCache.of_copies(cache, len(members))
             for row, m in enumerate(members):
-                self.prefilled[m.seq_id] = _Prefilled(rows, row)
+                self.prefilled[m.seq_id] = _Prefilled(rows_cache, row)
         return logits, scored
-
-    def _score_prompt(self, seq: Sequence, start: int, logits: mx.array) -> PromptLogprobs | None:
-        """Entries for the prompt tokens this chunk predicts: row j predicts token start+j+1.
-        Prompt entries are the model's own distribution (no processors, no temperature).
-        Evaluated block by block here, so only one block's temporaries exist at a time."""
-        stop = min(start + logits.shape[0], seq.prompt_len - 1)  # the last row predicts output
-        if stop <= start:
-            return None
-        p = seq.params
-        k = p.num_prompt_top
-        wanted = mx.array(list(p.logprob_token_ids), mx.int32) if p.logprob_token_ids else None
-        blocks = []
-        for a in range(start, stop, PROMPT_BLOCK):
-            b = min(stop, a + PROMPT_BLOCK)
-            fixed = None if wanted is None else mx.broadcast_to(wanted, (b - a, k))
-            chosen = mx.array(seq.prompt_ids[a + 1 : b + 1], dtype=mx.int32)
-            lp = log_softmax(logits[a - start : b - start])
-            parts = extract(lp, chosen, k, fixed, natural=wanted is None)
-            mx.eval(*parts)
-            blocks.append(to_host(parts))
-        merged = BatchLogprobs(*(np.concatenate(x) for x in zip(*(_fields(b) for b in blocks))))
-        ids = np.array(seq.prompt_ids[start + 1 : stop + 1], np.int32)
-        return PromptLogprobs(seq, start + 1, ids, merged)
 
     def _sample(self, logits: mx.array, seqs: list[Sequence]) -> LaunchedStep:
         params = [s.params for s in seqs]
@@ -210,20 +215,23 @@ class ModelRunner:
         tokens = sample(logits, dist, params, keys)
         # One reduction per row, in the same evaluation: a NaN or +inf anywhere in a row (or a
         # row of only -inf) makes its log-sum-exp non-finite and its sampled token meaningless.
-        finite = mx.isfinite(mx.logsumexp(logits, axis=-1))
+        lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+        finite = mx.isfinite(lse[:, 0])
         parts = None
         if any(p.logprobs for p in params):
-            src = logits
-            if any(p.logprobs and p.processed for p in params):  # per row: what was sampled from
-                src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
             k = max(p.num_top for p in params if p.logprobs)
             fixed, natural = _fixed_ids(params, k)
-            parts = extract(log_softmax(src), tokens, k, fixed, natural)
+            if any(p.logprobs and p.processed for p in params):  # per row: what was sampled from
+                src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
+                lp = log_softmax(src)
+            else:  # the raw distribution: the finiteness check's log-sum-exp serves it too
+                lp = log_softmax(logits, lse)
+            parts = extract(lp, tokens, k, fixed, natural, self.host_top)
         for s in seqs:
             s.num_sampled += 1
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        mx.async_eval(tokens, finite, *(parts or ()))
+        mx.async_eval(tokens, finite, *(parts.arrays() if parts is not None else ()))
         return LaunchedStep(seqs, tokens, parts, finite=finite)
 
     @property
@@ -242,9 +250,10 @@ class ModelRunner:
     def collect(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step; one copy of its small arrays to the host."""
         tokens = np.array(step.tokens)
-        logprobs = to_host(step.logprobs) if step.logprobs is not None else None
+        logprobs = step.logprobs.to_host() if step.logprobs is not None else None
         finite = np.array(step.finite) if step.finite is not None else None
-        return StepResult(step.seqs, tokens, logprobs, step.prompt, step.prompt_only, finite)
+        prompt = [x for p in step.prompt for x in p.to_host()]
+        return StepResult(step.seqs, tokens, logprobs, prompt, step.prompt_only, finite)
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Move prefilled sequences' caches into the batch, as its last rows, in this order.
@@ -284,28 +293,22 @@ class ModelRunner:
 
 
 def _groups(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
-    """Split whole prompts into forward groups, in order, so that left padding never more than
-    doubles the tokens a group computes."""
+    """Split whole prompts into forward groups, in order: scored prompts apart from plain ones
+    and by `score_key`, and so that left padding never more than doubles a group's tokens."""
     groups: list[list[PrefillChunk]] = []
-    width = total = 0
+    open_: dict[object, tuple[list[PrefillChunk], int, int]] = {}  # kind -> (group, width, total)
     for c in chunks:
+        p = c.seq.params
+        kind = None if c.seq.prompt_store is None else score_key(p)
         n = c.end
-        if groups and max(width, n) * (len(groups[-1]) + 1) <= 2 * (total + n):
-            groups[-1].append(c)
-            width, total = max(width, n), total + n
+        group, width, total = open_.get(kind, ([], 0, 0))
+        if group and max(width, n) * (len(group) + 1) <= 2 * (total + n):
+            group.append(c)
+            open_[kind] = (group, max(width, n), total + n)
         else:
             groups.append([c])
-            width, total = n, n
+            open_[kind] = (groups[-1], n, n)
     return groups
-
-
-def _plain(seq: Sequence) -> bool:
-    """A prompt that needs nothing but its last position's logits and one batch row."""
-    return seq.prompt_store is None and not seq.forks and seq.params.max_tokens > 0
-
-
-def _fields(b: BatchLogprobs) -> tuple[np.ndarray, ...]:
-    return b.logprobs, b.ranks, b.top_ids, b.top_logprobs
 
 
 def _fixed_ids(params: list[SamplingParams], k: int) -> tuple[mx.array | None, bool]:

@@ -2,7 +2,8 @@
 
 Text is the concatenation of the generated tokens' own UTF-8 bytes, so every released character
 can be traced to the tokens that carry it. Bytes of an unfinished character, and a tail that may
-be the start of a stop string, are held back until they are settled.
+be the start of a stop string, are held back until they are settled; settled text is taken up to
+a byte offset, so the caller decides where it is cut (at token boundaries).
 """
 
 from __future__ import annotations
@@ -123,51 +124,80 @@ def _longest_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
 
 
 class IncrementalText:
-    """Turns each token's bytes into releasable text; finds stop strings across token boundaries."""
+    """Turns a section's bytes into text; finds stop strings across token boundaries.
 
-    __slots__ = ("stops", "_pending", "_held", "released_bytes", "stopped")
+    Text is settled once no later byte can change it (a whole character, not the start of a stop
+    string); settled text waits in `_ready` until the caller takes it up to a byte offset (the
+    end of a token), so text leaves with the token that carries it.
+    """
+
+    __slots__ = ("stops", "_pending", "_held", "_ready", "settled_bytes", "taken_bytes", "stopped")
 
     def __init__(self, stops: tuple[str, ...] = ()) -> None:
         self.stops = tuple(s for s in stops if s)
         self._pending = b""  # bytes of a character not yet complete
-        self._held = ""  # decoded text not yet released
-        self.released_bytes = 0
+        self._held = ""  # decoded text that may still begin a stop string
+        self._ready = ""  # settled text not yet taken
+        self.settled_bytes = 0  # bytes of the section settled (taken or ready)
+        self.taken_bytes = 0
         self.stopped = False
 
-    def feed(self, b: bytes) -> str:
-        """Add a token's bytes; return the text that can now be released."""
+    def feed(self, b: bytes) -> None:
+        """Add bytes; settle what no later byte can change."""
         if self.stopped:
-            return ""
+            return
         data = self._pending + b
         cut = _complete_utf8_prefix(data)
         self._pending = data[cut:]
-        # surrogateescape keeps invalid bytes countable; they become U+FFFD on release.
-        self._held += data[:cut].decode("utf-8", errors="surrogateescape")
-        if self.stops:
-            hit = min((p for p in (self._held.find(s) for s in self.stops) if p >= 0), default=-1)
-            if hit >= 0:
-                self.stopped = True
-                return self._release(len(self._held[:hit]), drop_rest=True)
-            return self._release(len(self._held) - _longest_stop_prefix(self._held, self.stops))
-        return self._release(len(self._held))
+        # surrogateescape keeps invalid bytes countable; they become U+FFFD when taken.
+        text = data[:cut].decode("utf-8", errors="surrogateescape")
+        if not self.stops:
+            self._ready += text
+            self.settled_bytes += cut
+            return
+        self._held += text
+        hit = min((p for p in (self._held.find(s) for s in self.stops) if p >= 0), default=-1)
+        if hit >= 0:
+            self.stopped = True
+            self._settle(hit)
+            self._held = ""  # the stop string and what follows it are not text
+        else:
+            self._settle(len(self._held) - _longest_stop_prefix(self._held, self.stops))
 
-    def flush(self) -> str:
-        """At the end: release everything held (an unfinished character as U+FFFD)."""
+    def flush(self) -> None:
+        """At the end: settle everything held (an unfinished character as U+FFFD)."""
         if self.stopped:
-            return ""
+            return
         self._held += self._pending.decode("utf-8", errors="surrogateescape")
         self._pending = b""
-        return self._release(len(self._held))
+        self._settle(len(self._held))
 
-    def _release(self, n: int, drop_rest: bool = False) -> str:
-        out, self._held = self._held[:n], ("" if drop_rest else self._held[n:])
-        raw = out.encode("utf-8", errors="surrogateescape")
-        self.released_bytes += len(raw)
+    def take(self, upto: int | None = None) -> str:
+        """The settled text before section byte `upto` (all settled text when None or beyond)."""
+        if upto is None or upto >= self.settled_bytes:
+            out, self._ready = self._ready, ""
+            self.taken_bytes = self.settled_bytes
+        else:
+            raw = self._ready.encode("utf-8", errors="surrogateescape")
+            k = max(upto - self.taken_bytes, 0)
+            out = raw[:k].decode("utf-8", errors="surrogateescape")
+            self._ready = raw[k:].decode("utf-8", errors="surrogateescape")
+            self.taken_bytes += k
         try:
             out.encode("utf-8")
         except UnicodeEncodeError:
-            return raw.decode("utf-8", errors="replace")
+            return out.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace")
         return out
+
+    def _settle(self, n: int) -> None:
+        text, self._held = self._held[:n], self._held[n:]
+        self._ready += text
+        self.settled_bytes += len(text.encode("utf-8", errors="surrogateescape"))
+
+
+def ends_inside_character(data: bytes) -> bool:
+    """Whether data (at least its last 4 bytes) ends with an unfinished UTF-8 character."""
+    return _complete_utf8_prefix(data) < len(data)
 
 
 def _complete_utf8_prefix(data: bytes) -> int:

@@ -4,7 +4,6 @@ and hand each request its delta."""
 from __future__ import annotations
 
 import logging
-from bisect import bisect_right
 from collections.abc import Callable
 
 import numpy as np
@@ -85,17 +84,18 @@ class OutputProcessor:
         data = self.vocab.token_bytes[token] if token < len(self.vocab) else None
         before = seq.token_ends[-1] if seq.token_ends else 0
         seq.token_ends.append(before + len(data or b""))
-        delta = seq.text.feed(data) if data else TextDelta()
+        if data:
+            seq.text.feed(data)
         if seq.status is not Status.FINISHED:
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish(reason)
         if seq.status is Status.FINISHED:
-            delta += seq.text.flush()
-            end = seq.num_output  # at the end every entry goes out, stop token included
+            # At the end every entry goes out (stop token included) with all the text left.
+            self.emit(seq, seq.text.flush(), seq.num_output)
         else:
-            end = bisect_right(seq.token_ends, seq.text.settled_bytes)
-        self.emit(seq, delta, end)
+            end, delta = seq.text.release(seq.token_ends, seq.released_tokens)
+            self.emit(seq, delta, end)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

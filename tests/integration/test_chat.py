@@ -152,6 +152,40 @@ def test_stop_string_is_not_returned(client: openai.OpenAI) -> None:
     assert r.finish_reason == "stop"
 
 
+def entry_text(entries: list[Any]) -> str:
+    return b"".join(bytes(e.bytes or b"") for e in entries).decode("utf-8", "replace")
+
+
+def test_stop_string_mid_token_streams_whole_tokens(client: openai.OpenAI) -> None:
+    """A stop string that begins inside a token: the stream holds that token back whole, each
+    chunk's text is exactly its entries' bytes, and the last chunk's entries go on through the
+    stop string (whose text is cut), as the non-streamed answer's do."""
+    kw = dict(max_tokens=40, temperature=0, logprobs=True)
+    free = chat(client, QUESTIONS[1], **kw).choices[0]
+    tokens = [e.token for e in free.logprobs.content]
+    offsets = np.cumsum([0] + [len(t) for t in tokens])
+    # a stop string from the last 2 characters of a word token into the next token
+    j = next(i for i in range(2, len(tokens) - 2) if len(tokens[i].strip()) >= 3)
+    stop = tokens[j][-2:] + tokens[j + 1][:2]
+    cut = int(offsets[j + 1]) - 2
+    assert free.message.content.find(stop) == cut
+    plain = chat(client, QUESTIONS[1], stop=[stop], **kw).choices[0]
+    assert plain.message.content == free.message.content[:cut] and plain.finish_reason == "stop"
+    assert len(plain.logprobs.content) == j + 2  # the tokens that completed the stop string
+    chunks = [c.choices[0] for c in chat(client, QUESTIONS[1], stop=[stop], stream=True, **kw)]
+    body = [c for c in chunks[1:] if c.finish_reason is None]
+    texts = [c.delta.content or "" for c in body]
+    joined = [entry_text(c.logprobs.content) for c in body]
+    assert texts[:-1] == joined[:-1]
+    assert joined[-1].startswith(texts[-1]) and joined[-1][len(texts[-1]) :].startswith(stop)
+    assert "".join(texts) == plain.message.content
+    assert entries_as_tuples([e for c in body for e in c.logprobs.content]) == entries_as_tuples(
+        plain.logprobs.content
+    )
+    # the token where the stop string begins went out only with the one that completed it
+    assert tokens[j] in [e.token for e in body[-1].logprobs.content]
+
+
 def test_models_and_health(client: openai.OpenAI, server: str) -> None:
     import httpx
 

@@ -160,15 +160,23 @@ def test_stream_equals_non_stream_with_echo(client: openai.OpenAI) -> None:
     assert tops == full.logprobs.top_logprobs and offsets == full.logprobs.text_offset
 
 
-def test_stream_of_several_prompts_and_choices(client: openai.OpenAI) -> None:
+def test_stream_of_several_prompts_and_choices(
+    client: openai.OpenAI, embedded: LoadedModel
+) -> None:
     prompts = ["Roses are red,", "In the beginning"]
     kw = dict(n=2, max_tokens=6, temperature=0.9, seed=31, logprobs=1)
-    full = complete(client, prompts, extra_body={"ignore_eos": True}, **kw)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    full = complete(client, prompts, extra_body=extra, **kw)
     texts, tokens = [""] * 4, [[] for _ in range(4)]  # type: list[str], list[list[str]]
     finished = set()
-    for c in complete(client, prompts, stream=True, extra_body={"ignore_eos": True}, **kw):
+    for c in complete(client, prompts, stream=True, extra_body=extra, **kw):
         for ch in c.choices:
             texts[ch.index] += ch.text
+            # each chunk's text is exactly its own tokens' bytes: text leaves at token boundaries
+            raw = b"".join(
+                embedded.vocab.token_bytes[t] or b"" for t in ch.model_extra.get("token_ids", [])
+            )
+            assert ch.text == raw.decode("utf-8", "replace")
             if ch.logprobs is not None:
                 tokens[ch.index] += ch.logprobs.tokens
             if ch.finish_reason is not None:

@@ -128,23 +128,25 @@ def check(
         check_chunks(got.chunks, [model.vocab.token_bytes[t] or b"" for t in ids], first_step > 0)
 
 
-def check_chunks(chunks: list[dict[str, Any]], raw_tokens: list[bytes], inside: bool) -> None:
-    """After every chunk, the entries sent so far cover exactly the tokens whose last byte has
-    been sent as text (or consumed as a tag): never ahead of the text, never a whole token behind.
-    """
+def check_chunks(
+    chunks: list[dict[str, Any]], raw_tokens: list[bytes], inside: bool, stop: str = ""
+) -> None:
+    """After every chunk, the text sent so far is exactly the text of the tokens whose entries
+    have been sent, tags removed: each chunk carries whole tokens, their entries and their text.
+    Only the last may end in a stop string (its tokens keep their entries, its text is cut)."""
     raw = b"".join(raw_tokens)
     tags = _tag_ranges(raw, inside)
     ends = [sum(len(t) for t in raw_tokens[: i + 1]) for i in range(len(raw_tokens))]
     text, n = b"", 0
-    for ch in chunks:
+    for i, ch in enumerate(chunks):
         for key in ("reasoning_content", "content"):
             text += (ch["delta"].get(key) or "").encode()
             n += len(ch["logprobs"][key])
         sent = _untagged(raw, tags, ends[n - 1] if n else 0)
-        assert text.startswith(sent), ch
-        upto = len(_untagged(raw, tags, ends[n])) if n < len(ends) else 0
-        if upto > len(sent):  # token n carries text: not all of it is out yet
-            assert len(text) < upto, ch
+        if stop and i == len(chunks) - 1:
+            assert sent.startswith(text) and sent[len(text) :].startswith(stop.encode()), ch
+        else:
+            assert text == sent, ch
     assert n == len(ends)
 
 
@@ -239,6 +241,9 @@ def test_stop_strings_cut_the_answer_not_the_reasoning(client: openai.OpenAI, st
     entries = got.reasoning_entries + got.content_entries
     assert [e["token"] for e in entries][-3:] == [" x", " <", " y"]
     assert len(entries) == len(got.token_ids) == got.usage["completion_tokens"]
+    if stream:
+        raw_tokens = [bytes(e["bytes"] or b"") for e in entries]
+        check_chunks(got.chunks, raw_tokens, inside=False, stop="x < y")
 
 
 def test_without_logprobs_the_text_is_still_split(client: openai.OpenAI) -> None:

@@ -12,6 +12,23 @@ import httpx
 from tests.reliability.conftest import TINY_NAME
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed content chunk: its text and its entries' bytes decoded."""
+
+    text: str
+    entry_text: str | None  # None: the chunk had `"logprobs": null`
+
+
+def text_aligned(text: str, entry_text: str, stops: tuple[str, ...]) -> bool:
+    """Entries' text equals the text; after a stop string, the text and then the stop string
+    (its tokens are entries, its text is not)."""
+    if entry_text == text:
+        return True
+    rest = entry_text[len(text) :]
+    return entry_text.startswith(text) and any(rest.startswith(s) for s in stops)
+
+
 @dataclass
 class ChatResult:
     status: int
@@ -20,27 +37,25 @@ class ChatResult:
     entries: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     error: dict[str, Any] | None = None
-    chunk_misaligned: int = 0  # stream chunks whose entries' bytes differ from their text
+    chunks: list[Chunk] = field(default_factory=list)  # a stream's chunks with entries
 
     stops: tuple[str, ...] = ()
 
     @property
     def aligned(self) -> bool:
-        """The alignment invariant: the entries' joined bytes are the whole text; after a stop
-        string, the text and then the stop string (its tokens are entries, its text is not)."""
+        """The alignment invariant, for the whole answer and for every stream chunk on its own:
+        the entries' joined bytes are the text (only the last chunk may end in a stop string)."""
         if not self.entries:
-            return True
+            return True  # no logprobs asked for
         joined = b"".join(bytes(e["bytes"] or b"") for e in self.entries)
-        full = joined.decode("utf-8", "replace")
-        if full == self.text:
-            return True
-        rest = full[len(self.text) :]
-        return full.startswith(self.text) and any(rest.startswith(s) for s in self.stops)
-
-    @property
-    def chunks_aligned(self) -> bool:
-        """The same for every stream chunk on its own."""
-        return self.aligned and self.chunk_misaligned == 0
+        if not text_aligned(self.text, joined.decode("utf-8", "replace"), self.stops):
+            return False
+        chunks = [c for c in self.chunks if c.text or c.entry_text is not None]
+        return all(
+            c.entry_text is not None
+            and text_aligned(c.text, c.entry_text, self.stops if i == len(chunks) - 1 else ())
+            for i, c in enumerate(chunks)
+        )
 
 
 def chat_body(content: str, **kw: Any) -> dict[str, Any]:
@@ -97,9 +112,10 @@ def _add_chunk(out: ChatResult, chunk: dict[str, Any]) -> None:
     delta = choice["delta"].get("content") or ""
     out.text += delta
     out.token_ids += choice.get("token_ids", [])
+    entry_text = None
     if choice["logprobs"]:
         entries = choice["logprobs"]["content"]
         out.entries += entries
-        joined = b"".join(bytes(e["bytes"] or b"") for e in entries)
-        out.chunk_misaligned += joined.decode("utf-8", "replace") != delta
+        entry_text = b"".join(bytes(e["bytes"] or b"") for e in entries).decode("utf-8", "replace")
+    out.chunks.append(Chunk(delta, entry_text))
     out.finish_reason = choice["finish_reason"] or out.finish_reason

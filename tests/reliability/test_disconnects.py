@@ -74,7 +74,7 @@ async def load(base: str, stop: asyncio.Event, want: dict[int, ChatResult]) -> i
             k = done % len(want)
             got = await chat(c, steady(k))
             assert got.token_ids == want[k].token_ids and got.text == want[k].text
-            assert got.chunks_aligned
+            assert got.aligned
             done += 1
     return done
 

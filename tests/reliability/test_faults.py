@@ -119,7 +119,7 @@ def test_faults_end_only_their_request(faulty: str, poison_ids: tuple[int, int])
     for got, want in zip(near, alone):
         assert got.status == want.status == 200 and got.error is None
         assert got.token_ids == want.token_ids and got.text == want.text
-        assert got.chunks_aligned and want.chunks_aligned
+        assert got.aligned and want.aligned
         assert [e["logprob"] for e in got.entries] == pytest.approx(
             [e["logprob"] for e in want.entries], abs=1e-4
         )

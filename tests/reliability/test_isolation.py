@@ -49,10 +49,6 @@ def test_64_concurrent_mixed_equal_alone(base: str) -> None:
         assert got.status == 200 and got.error is None, (i, got)
         assert got.aligned and want.aligned, i
         deterministic = "seed" in body or body["temperature"] == 0
-        # Text released inside a token (a stop-string prefix held back, a character split over
-        # tokens) sends that token's entry a chunk later than part of its text (see
-        # docs/reliability.md). These answers are fixed and do not hit it; the others might.
-        assert "stop" in body or not deterministic or got.chunks_aligned, i
         assert got.finish_reason in ("stop", "length")
         assert len(got.token_ids) <= body["max_tokens"]
         if body.get("logprobs"):

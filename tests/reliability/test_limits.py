@@ -87,6 +87,28 @@ def test_field_limits_on_every_route(limited: str, post_routes: list[Route]) -> 
     assert {"n", "max_tokens", "max_completion_tokens", "top_logprobs", "stop"} <= chat
 
 
+def test_openapi_says_400_in_openai_shape(limited: str, post_routes: list[Route]) -> None:
+    """/openapi.json advertises what the server answers: no FastAPI 422 anywhere, and every route
+    that takes a body a 400 whose schema is the error shape every rejection has."""
+    spec = httpx.get(limited + "/openapi.json", timeout=30).json()
+    assert "HTTPValidationError" not in str(spec)
+    for path, operations in spec["paths"].items():
+        for method, op in operations.items():
+            assert "422" not in op["responses"], (method, path)
+            if "requestBody" in op:
+                schema = op["responses"]["400"]["content"]["application/json"]["schema"]
+                assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, path
+    schemas = spec["components"]["schemas"]
+    assert schemas["ErrorResponse"]["required"] == ["error"]
+    detail = schemas["ErrorDetail"]
+    assert detail["required"] == ["message", "type", "param", "code"]
+    for route in post_routes:  # the advertised shape is the one sent
+        r = httpx.post(limited + route.path, json={"model": []}, timeout=60)
+        err = assert_openai_error(r, 400, "model")
+        assert set(err) == set(detail["properties"])
+    assert {r.path for r in post_routes} >= {"/v1/chat/completions", "/v1/completions"}
+
+
 def test_limits_accept_values_at_the_limit(limited: str) -> None:
     body = {
         "model": TINY_NAME,

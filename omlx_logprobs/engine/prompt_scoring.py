@@ -1,0 +1,115 @@
+"""Prompt logprobs on the device: entries for prompt positions, extracted block by block in the
+step's graph and copied to the host when the step is collected (no sync of their own).
+
+Used by the model runner only; the extraction itself is `logprobs.extract`, as for generated
+tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.logprobs.extract import BatchLogprobs, Extraction, extract, log_softmax
+from omlx_logprobs.types import SamplingParams
+
+# Prompt positions per extraction block: bounds its float32 temporaries whatever the chunk size.
+PROMPT_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Host entries for one chunk's prompt tokens: row i is prompt position `first + i`."""
+
+    seq: Sequence
+    first: int
+    token_ids: np.ndarray  # [R] the prompt tokens being scored
+    logprobs: BatchLogprobs
+
+
+@dataclass(frozen=True)
+class PromptSlice:
+    """Which prompt positions a run of extracted rows belongs to."""
+
+    seq: Sequence
+    first: int  # prompt position of the first row (>= 1: position 0 has no entry)
+    token_ids: np.ndarray  # [R] the prompt tokens those rows score
+
+
+@dataclass(frozen=True)
+class PendingPrompts:
+    """The entries of one or more slices, rows concatenated in slice order, still lazy."""
+
+    slices: list[PromptSlice]
+    parts: Extraction
+
+    def to_host(self) -> list[PromptLogprobs]:
+        host = self.parts.to_host()
+        out, a = [], 0
+        for s in self.slices:
+            b = a + len(s.token_ids)
+            rows = BatchLogprobs(
+                host.logprobs[a:b], host.ranks[a:b], host.top_ids[a:b], host.top_logprobs[a:b]
+            )
+            out.append(PromptLogprobs(s.seq, s.first, s.token_ids, rows))
+            a = b
+        return out
+
+
+def score_key(params: SamplingParams) -> tuple[int, tuple[int, ...]]:
+    """Prompts whose entries can be extracted together: same top count, same fixed ids."""
+    return params.num_prompt_top, tuple(params.logprob_token_ids or ())
+
+
+def score(
+    slices: list[PromptSlice], logits_of: Callable[[int, int], mx.array]
+) -> PendingPrompts | None:
+    """Entries for the slices' rows; `logits_of(a, b)` gives rows [a, b) of their logits, rows
+    in slice order (past the last row it may return fewer rows, or filler). All slices share
+    one `score_key`. Prompt entries are the model's own distribution: no processors, no
+    temperature."""
+    slices = [s for s in slices if len(s.token_ids)]
+    if not slices:
+        return None
+    p = slices[0].seq.params
+    k = p.num_prompt_top
+    wanted = mx.array(list(p.logprob_token_ids), mx.int32) if p.logprob_token_ids else None
+    ids = np.concatenate([s.token_ids for s in slices])
+    n = len(ids)
+    # Every block has exactly PROMPT_BLOCK rows (the last is padded, its surplus rows dropped on
+    # the host): prompt lengths then never make new kernel shapes (compiled per shape on a GPU).
+    chosen = mx.array(np.pad(ids, (0, -n % PROMPT_BLOCK)))
+    fixed = None if wanted is None else mx.broadcast_to(wanted, (PROMPT_BLOCK, k))
+    blocks = []
+    # Evaluated in order with the step, so only about one block's temporaries are alive at once.
+    for a in range(0, n, PROMPT_BLOCK):
+        rows = logits_of(a, a + PROMPT_BLOCK)  # may stop short at the end
+        if rows.shape[0] < PROMPT_BLOCK:
+            rows = mx.pad(rows, [(0, PROMPT_BLOCK - rows.shape[0]), (0, 0)])
+        lp = log_softmax(rows)
+        blocks.append(extract(lp, chosen[a : a + PROMPT_BLOCK], k, fixed, natural=wanted is None))
+    parts = blocks[0]
+    if len(blocks) > 1:
+        parts = Extraction(
+            _cat([b.logprobs for b in blocks]),
+            _cat([b.ranks for b in blocks]),
+            _cat([b.top_ids for b in blocks]),
+            _cat([b.top_logprobs for b in blocks]),
+        )
+    return PendingPrompts(slices, parts)
+
+
+def _cat(xs: list[mx.array | None]) -> mx.array:
+    assert all(x is not None for x in xs)  # prompt entries never pick their top k on the host
+    return mx.concatenate(xs)  # type: ignore[arg-type]
+
+
+def chunk_slice(seq: Sequence, start: int, rows: int) -> PromptSlice:
+    """The prompt tokens predicted by `rows` logits rows from position `start`: row j predicts
+    token start+j+1; a prompt's last row predicts output and has no entry."""
+    stop = min(start + rows, seq.prompt_len - 1)
+    return PromptSlice(seq, start + 1, np.array(seq.prompt_ids[start + 1 : stop + 1], np.int32))
