@@ -156,8 +156,9 @@ class LegacyLogprobFormatter:
 
 
 def _strings(values: array, start: int, end: int) -> list[str]:
-    """JSON numbers for a range of float32 logprobs (-inf as -9999.0, NaN refused)."""
-    chunk = np.frombuffer(values, np.float32)[start:end]
+    """JSON numbers for a range of float32 logprobs (-inf as -9999.0, NaN refused). The view is
+    of a slice (a copy): one of the store itself would block the engine thread's appends."""
+    chunk = np.frombuffer(values[start:end], np.float32)
     if np.isfinite(chunk).all():
         return list(map(float.__repr__, chunk.tolist()))
     return [num(x) for x in chunk.tolist()]
