@@ -7,6 +7,7 @@ import asyncio
 import gc
 import subprocess
 import sys
+import time
 import tracemalloc
 from collections import Counter
 from collections.abc import Iterator
@@ -90,12 +91,18 @@ def test_finished_requests_leave_no_python_objects(base: str) -> None:
         for _ in range(rounds):
             asyncio.run(one_round(base, 0))
         wait_idle(base)
-        grown = live() - objects
-        kept = tracemalloc.get_traced_memory()[0]  # bytes allocated since the start, still live
+        n = rounds * ROUND
+        # The server may still be closing the last connections (protocol objects, transports):
+        # those go within moments, a leak stays.
+        for _ in range(40):
+            grown = live() - objects
+            kept = tracemalloc.get_traced_memory()[0]  # bytes allocated since, still live
+            if sum(grown.values()) < n // 4 and kept < 1024 * n:
+                break
+            time.sleep(0.25)
         top = tracemalloc_top()
     finally:
         tracemalloc.stop()
-    n = rounds * ROUND
     print(f"\n{n} requests: gc objects {sum(grown.values()):+d}, {kept} bytes kept")
     # Constant per request: not an object per request, under a kilobyte per request (a
     # stored entry list would be kilobytes, the soak's RSS growth was megabytes).
