@@ -164,15 +164,20 @@ class ServerBench:
                 s.concurrency, s.concurrency, "off", prompt_words=s.prompt_words, max_tokens=new
             )
             await self.load(replace(cfg, seed=seed + 100), send, label=f"warm-up {kind}")
-        # Seed 0 scores the very prompts bare.py prefills; our prefill gets seed 1, so that a
-        # prefix cache could not serve it from the scoring run.
-        for kind, send, seed in kinds:
-            words, new = s.prompt_words, int(kind == "prefill")
-            cfg = self.config(s.concurrency, s.requests, "off", prompt_words=words, max_tokens=new)
-            cfg = replace(cfg, seed=seed)
-            res = await self.load(cfg, send, label=kind)
+        # Two rounds, alternating. Seed 0 scores the very prompts bare.py prefills; our prefill
+        # gets seed 1 (then 3), so that a prefix cache could not serve it from a scoring run.
+        runs: dict[str, list[LoadResult]] = {"score": [], "prefill": []}
+        for r in range(2):
+            for kind, send, seed in kinds if r == 0 else kinds[::-1]:
+                new = int(kind == "prefill")
+                cfg = self.config(
+                    s.concurrency, s.requests, "off", prompt_words=s.prompt_words, max_tokens=new
+                )
+                runs[kind].append(await self.load(replace(cfg, seed=seed + 2 * r), send, kind))
+        for kind in runs:
+            res = merge(runs[kind])
             out.append(
-                Scoring(kind, s.concurrency, s.requests, res.prompt_tokens,
+                Scoring(kind, s.concurrency, res.config.requests, res.prompt_tokens,
                         res.prompt_tokens_per_s, res.errors,
                         "; ".join(res.error_samples[:2]))
             )  # fmt: skip

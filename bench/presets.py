@@ -102,7 +102,7 @@ GPU = Preset(
     cells=(CellSpec(1, 3, 3), CellSpec(8, 24, 3), CellSpec(32, 96, 3), CellSpec(64, 192, 3)),
     peer_goal=2.0,
     ttft_requests=10,
-    score=ScoreSpec(concurrency=8, requests=64, prompt_words=400),
+    score=ScoreSpec(concurrency=8, requests=192, prompt_words=400),
     memory=MemorySpec(2000, 200, concurrency=64, max_tokens=16, prompt_words=16),
 )
 
