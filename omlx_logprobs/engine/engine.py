@@ -41,6 +41,7 @@ class EngineStats:
     waiting: int
     running: int
     cached_sequences: int  # batch cache rows plus prompts mid-prefill
+    step_in_flight: bool  # a launched step not yet processed (it holds its small arrays)
     active_memory: int  # bytes in live MLX arrays, weights included
     cache_memory: int  # bytes MLX keeps from freed arrays for reuse
     aborted_waiting: int  # requests aborted (client gone) before their prompt was prefilled
@@ -108,6 +109,7 @@ class Engine:
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
             cached_sequences=self.runner.num_cached,
+            step_in_flight=self.inflight is not None,
             active_memory=self.runner.active_memory(),
             cache_memory=self.runner.cache_memory(),
             aborted_waiting=self._aborted[Status.WAITING],

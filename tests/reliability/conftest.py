@@ -64,12 +64,14 @@ def tiny_served(tiny: LoadedModel) -> LoadedModel:
 
 
 def wait_idle(base: str, seconds: float = 30.0) -> dict[str, Any]:
-    """/health's engine block once nothing is queued, running or holding a cache row."""
+    """/health's engine block once nothing is queued, running, holding a cache row or still in
+    flight (a step launched before the last abort holds its arrays until it is processed)."""
     deadline = time.time() + seconds
     stats: dict[str, Any] = {}
     while time.time() < deadline:
         stats = httpx.get(base + "/health", timeout=10).json()["engine"]
-        if stats["waiting"] == stats["running"] == stats["cached_sequences"] == 0:
+        idle = stats["waiting"] == stats["running"] == stats["cached_sequences"] == 0
+        if idle and not stats["step_in_flight"]:
             return stats
         time.sleep(0.05)
     return stats
