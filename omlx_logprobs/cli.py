@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--log-level", default="info")
     _add_limits(s)
+    _add_access(s)
+    return p
+
+
+def _add_access(s: argparse.ArgumentParser) -> None:
     sec = s.add_argument_group("access")
     sec.add_argument(
         "--api-key",
@@ -76,7 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=ServerConfig.shutdown_grace_s,
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM",
     )
-    return p
 
 
 def _add_limits(s: argparse.ArgumentParser) -> None:
