@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 from array import array
-from collections.abc import Callable
 
 import numpy as np
 
@@ -32,10 +31,14 @@ def num(x: float) -> str:
     raise NonFiniteLogprob(f"non-finite logprob {x}")
 
 
-def _all_finite(values: array) -> bool:
-    # Only ever a copy (a slice): a numpy view of the store's own array would block the engine
-    # thread's appends to it ("cannot resize an array that is exporting buffers").
-    return bool(np.isfinite(np.frombuffer(values, np.float32)).all())
+def numbers(values: array) -> list[str]:
+    """JSON numbers for a range of float32 logprobs, one `repr` each (-inf as -9999.0, NaN
+    refused). `values` must be a copy (a slice): a numpy view of a store's own array would block
+    the engine thread's appends to it ("cannot resize an array that is exporting buffers")."""
+    floats = np.frombuffer(values, np.float32)
+    if np.isfinite(floats).all():
+        return list(map(float.__repr__, floats.tolist()))
+    return [num(x) for x in floats.tolist()]
 
 
 def token_string(vocab: Vocabulary, tid: int, as_ids: bool = False) -> str:
@@ -83,17 +86,15 @@ class ChatLogprobFormatter:
             store.top_ids[start * k : end * k],
             store.top_logprobs[start * k : end * k],
         )
-        finite = _all_finite(lps) and _all_finite(top_lps)
-        fmt: Callable[[float], str] = float.__repr__ if finite else num  # num: -inf, NaN
         heads = self._head_list(ids)
         if k:
             heads = self._head_list(top_ids)
-            tops = [heads[t] + fmt(v) + "}" for t, v in zip(top_ids, top_lps)]
+            tops = [heads[t] + v + "}" for t, v in zip(top_ids, numbers(top_lps))]
             lists = [",".join(tops[i : i + k]) for i in range(0, len(tops), k)]
         else:
             lists = [""] * len(ids)
         body = [
-            heads[t] + fmt(v) + ',"top_logprobs":[' + top + "]}"
-            for t, v, top in zip(ids, lps, lists)
+            heads[t] + v + ',"top_logprobs":[' + top + "]}"
+            for t, v, top in zip(ids, numbers(lps), lists)
         ]
         return "[" + ",".join(body) + "]"

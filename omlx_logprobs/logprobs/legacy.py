@@ -8,12 +8,9 @@ Positions come from two flat stores: the prompt's (for `echo`) and the generated
 from __future__ import annotations
 
 import json
-from array import array
 from dataclasses import dataclass
 
-import numpy as np
-
-from omlx_logprobs.logprobs.format import num, token_string
+from omlx_logprobs.logprobs.format import numbers, token_string
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.output.detokenizer import Vocabulary
 
@@ -146,19 +143,10 @@ class LegacyLogprobFormatter:
         """Append positions [start, end) of a store: their logprobs and their dicts."""
         start, end = span
         own = store.token_ids[start:end].tolist()
-        values = _strings(store.logprobs, start, end)
+        values = numbers(store.logprobs[start:end])
         s = store.k
         lps += values
         tops += self._dicts(
             own, values, store.top_ids[start * s : end * s].tolist(),
-            _strings(store.top_logprobs, start * s, end * s), min(k, s), fixed,
+            numbers(store.top_logprobs[start * s : end * s]), min(k, s), fixed,
         )  # fmt: skip
-
-
-def _strings(values: array, start: int, end: int) -> list[str]:
-    """JSON numbers for a range of float32 logprobs (-inf as -9999.0, NaN refused). The view is
-    of a slice (a copy): one of the store itself would block the engine thread's appends."""
-    chunk = np.frombuffer(values[start:end], np.float32)
-    if np.isfinite(chunk).all():
-        return list(map(float.__repr__, chunk.tolist()))
-    return [num(x) for x in chunk.tolist()]
