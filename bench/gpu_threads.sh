@@ -7,7 +7,7 @@ pid=$!
 for _ in $(seq 120); do curl -sf http://127.0.0.1:8106/health >/dev/null && break; kill -0 $pid || exit 1; sleep 1; done
 timeout 100 python3 bench/loadgen.py --base-url http://127.0.0.1:8106/v1 --model "$(basename $model)" --concurrency $c \
   --requests $(( c * 6 )) --max-tokens 128 --logprobs $lp 2>/dev/null > /tmp/load.json &
-sleep 12
+sleep 6
 snap() { for t in /proc/$pid/task/*; do echo "$(basename $t) $(cat $t/comm) $(awk '{print $14+$15}' $t/stat)"; done; }
 snap > /tmp/a; sleep 5; snap > /tmp/b
 join /tmp/a /tmp/b | awk '{d=($5-$3)/5; if (d>0) print $1, $2, d "% of a core"}'
