@@ -1,6 +1,6 @@
 """Does our server's resident memory grow with requests, or with distinct kernel shapes?
 
-    python bench/rss_shapes.py MODEL_DIR [REQUESTS_PER_PHASE]
+    python bench/rss_shapes.py MODEL_DIR [REQUESTS_PER_PHASE [SERVER FLAGS...]]
 
 Starts the server, then sends phases of closed-loop top-20 completions (concurrency 64, 16 new
 tokens) whose prompts are token-id lists: `fixed` phases repeat one prompt length (the same
@@ -51,10 +51,10 @@ async def phase(client: httpx.AsyncClient, model: str, n: int, lengths: list[int
     return errors
 
 
-async def main(model_dir: str, n: int) -> None:
+async def main(model_dir: str, n: int, flags: list[str]) -> None:
     server = subprocess.Popen(
         [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--model", model_dir,
-         "--port", str(PORT), "--max-num-seqs", "64", "--log-level", "warning"],
+         "--port", str(PORT), "--max-num-seqs", "64", "--log-level", "warning", *flags],
     )  # fmt: skip
     model = model_dir.rstrip("/").rsplit("/", 1)[-1]
     try:
@@ -73,10 +73,11 @@ async def main(model_dir: str, n: int) -> None:
                 t0 = time.perf_counter()
                 errors = await phase(client, model, n, lengths)
                 h = (await client.get(f"http://127.0.0.1:{PORT}/health")).json()["engine"]
+                active, cache = h["active_memory"] / 2**20, h["cache_memory"] / 2**20
                 print(
                     f"{name:<7} {n} requests in {time.perf_counter() - t0:5.1f} s, errors "
                     f"{errors}: RSS {rss_mib(server.pid):7.1f} MiB, MLX active "
-                    f"{h['active_memory'] / 2**20:7.1f} MiB, cache {h['cache_memory'] / 2**20:7.1f}",
+                    f"{active:7.1f} MiB, cache {cache:7.1f}",
                     flush=True,
                 )
     finally:
@@ -85,4 +86,4 @@ async def main(model_dir: str, n: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 500))
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 500, sys.argv[3:]))

@@ -13,6 +13,10 @@ from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled
 
 log = logging.getLogger("omlx_logprobs")
 API_KEY_ENV = "OMLX_LOGPROBS_API_KEY"  # a key in the environment stays out of `ps` listings
+# MLX's CUDA backend records each step into a CUDA graph and caches graphs by shape. A serving
+# batch changes shape every step: on an H200, turning graphs off kept throughput at c=1, raised
+# it ~25% at c=8 and saved ~480 MiB of host memory (docs/benchmarks.md, session 4).
+CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         " others (default: 20 on a GPU, 0 on the CPU)",
     )
     s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument(
+        "--mlx-cache-limit-mib",
+        type=int,
+        default=None,
+        help="freed MLX buffers kept for reuse, in MiB (default: 4096 on a GPU, MLX's own on"
+        " the CPU); the cache is also emptied whenever the server goes idle",
+    )
     s.add_argument(
         "--reasoning-parser",
         choices=[m.value for m in ReasoningParser],
@@ -123,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_top_logprobs=args.max_top_logprobs,
             max_model_len=args.max_model_len,
             logprobs_mode=args.logprobs_mode,
+            cache_limit_mib=args.mlx_cache_limit_mib,
             prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
         ),
         limits=Limits(
@@ -152,6 +164,7 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> None:
 
     log.info("BLAS: %s", omlx_logprobs.BLAS)
     log.info("heap: %s", omlx_logprobs.HEAP)
+    log.info("%s=%s", CUDA_GRAPHS_ENV, os.environ.get(CUDA_GRAPHS_ENV))
     model = load_model(cfg.model, cfg.served_model_name, cfg.engine.max_model_len)
     log.info(
         "model %s from %s (vocab %d, context %d)",
@@ -174,11 +187,18 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> None:
     run_server(create_app(served, cfg.access), engine.begin_shutdown, cfg, args.log_level)
 
 
+def mlx_environment() -> None:
+    """MLX settings read from the environment, unless already set there; before MLX first
+    uses a GPU."""
+    os.environ.setdefault(CUDA_GRAPHS_ENV, "0")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
+        mlx_environment()
         try:
             cfg = config_from_args(args)
         except ValueError as e:

@@ -14,6 +14,8 @@ class EngineConfig:
     max_top_logprobs: int = 20  # the server cap on top_logprobs
     max_model_len: int | None = None  # None: the model's own context length
     logprobs_mode: str = "raw_logprobs"  # the default of requests that name none
+    # MLX's cache of freed buffers; None: 4 GiB on a GPU, MLX's own default on the CPU.
+    cache_limit_mib: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -28,6 +30,8 @@ class EngineConfig:
             raise ValueError("logprobs_mode must be raw_logprobs or processed_logprobs")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if self.cache_limit_mib is not None and self.cache_limit_mib < 0:
+            raise ValueError("cache_limit_mib must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@ equals a full forward pass with a float32 log-softmax, alone and inside a batch.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,9 +14,12 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine import model_runner
+from omlx_logprobs.engine.engine import Engine
+from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.types import FinishReason, SamplingParams
-from tests.conftest import reference_logprobs, run_engine
+from tests.conftest import _collect, reference_logprobs, run_engine
 
 PROMPTS = [
     "Hello, how are you today?",
@@ -94,7 +99,12 @@ def test_batch_of_16_equals_each_alone(tiny: LoadedModel) -> None:
         check_against_reference(tiny, prompts[i], seq, 3)
 
 
-def test_prompts_prefilled_together_with_left_padding_equal_each_alone(tiny: LoadedModel) -> None:
+@pytest.mark.parametrize("align", [1, 32])
+def test_prompts_prefilled_together_with_left_padding_equal_each_alone(
+    tiny: LoadedModel, align: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`align` 32: the GPU's group widths rounded up (more left padding), run here on the CPU."""
+    monkeypatch.setattr(model_runner, "CPU_PREFILL_ALIGN", align)
     # Lengths 1 to ~60 in one budget: several left-padded groups in one step; the max_tokens=1
     # requests finish at their first token, so their rows are filtered out of their group.
     prompts = [encode(tiny, "word " * (1 + (i * 7) % 30))[: 1 + (i * 13) % 60] for i in range(12)]
@@ -232,3 +242,29 @@ def test_bfloat16_weights_are_served_from_the_engine_thread(tiny_dir: Path, tmp_
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     [(seq, outs)] = run_engine(model, [([1, 2, 3], params)])
     assert outs[-1].finish_reason is FinishReason.LENGTH and seq.num_output == 3
+
+
+def test_mlx_cache_is_limited_and_emptied_when_idle(tiny: LoadedModel) -> None:
+    """A GPU's MLX buffer cache otherwise grows towards the device's size; the limit is set
+    when asked, and whatever is cached goes back once the engine is idle."""
+    before = mx.set_cache_limit(1 << 40)
+    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, EngineConfig(cache_limit_mib=64))
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
+        seqs = [Sequence(f"r{i}", [1, 2, 3 + i], params) for i in range(4)]
+
+        async def run() -> None:
+            await asyncio.gather(*(_collect(engine, s) for s in seqs))
+
+        asyncio.run(run())
+        deadline = time.monotonic() + 10
+        while engine.snapshot().cache_memory and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.snapshot().cache_memory == 0
+        assert mx.set_cache_limit(1 << 40) == 64 << 20
+    finally:
+        engine.shutdown()
+        mx.set_cache_limit(before)
+    with pytest.raises(ValueError, match="cache_limit_mib"):
+        EngineConfig(cache_limit_mib=-1)

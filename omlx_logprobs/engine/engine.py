@@ -52,7 +52,7 @@ class Engine:
     def __init__(self, model: Any, vocab: Vocabulary, eos: tuple[int, ...], cfg: EngineConfig):
         self.cfg = cfg
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.prefill_chunk, cfg.prefill_delay_ms / 1e3)
-        self.runner = ModelRunner(model, len(vocab))
+        self.runner = ModelRunner(model, len(vocab), cfg.cache_limit_mib)
         self.processor = OutputProcessor(vocab, eos, self._deliver)
         self.inflight: LaunchedStep | None = None  # launched, not yet processed
         self.stats = StepStats()
@@ -172,6 +172,7 @@ class Engine:
             self._wake_consumers()
             if not self.has_work():
                 if self._busy:  # just went idle: the batch's freed buffers go back to the OS
+                    self.runner.idle()
                     heap.trim()
                     self._busy = False
                 self._wake.wait(0.5)

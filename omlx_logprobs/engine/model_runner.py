@@ -70,8 +70,22 @@ class _Prefilled:
     row: int
 
 
+# On a GPU, MLX keeps every freed buffer for reuse up to about the device's memory: with batch
+# and prompt sizes changing every step that grew to ~100 GB on an H200, and host RSS with it.
+GPU_CACHE_LIMIT_MIB = 4096
+# Scored prompt rows per extraction block at most: on a GPU fewer, larger kernels (the step is
+# host-bound there); on the CPU small blocks keep the float32 temporaries in cache.
+GPU_PROMPT_BLOCK = 512
+CPU_PROMPT_BLOCK = PROMPT_BLOCK
+# A left-padded prefill group's width is rounded up to this many tokens on a GPU: MLX's CUDA
+# backend keeps host state per kernel shape (CUDA graphs, cuDNN attention plans, in bounded
+# caches), which grew RSS with every new (rows, width) pair. On the CPU padding is real compute.
+GPU_PREFILL_ALIGN = 32
+CPU_PREFILL_ALIGN = 1
+
+
 class ModelRunner:
-    def __init__(self, model: Any, vocab_size: int) -> None:
+    def __init__(self, model: Any, vocab_size: int, cache_limit_mib: int | None = None) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.rows: list[Sequence] = []  # the batch cache's rows
@@ -88,7 +102,14 @@ class ModelRunner:
         self.split_head = family in _SPLIT_HEAD and hasattr(model, "model")
         # On the CPU backend a generated token's top k is picked on the host (numpy's partition
         # is ~5x MLX's there, and the logprobs already sit in host memory).
-        self.host_top = mx.default_device() == mx.cpu
+        cpu = mx.default_device() == mx.cpu
+        self.host_top = cpu
+        self.prompt_block = CPU_PROMPT_BLOCK if cpu else GPU_PROMPT_BLOCK
+        self.prefill_align = CPU_PREFILL_ALIGN if cpu else GPU_PREFILL_ALIGN
+        if cache_limit_mib is None and not cpu:
+            cache_limit_mib = GPU_CACHE_LIMIT_MIB
+        if cache_limit_mib is not None:
+            mx.set_cache_limit(cache_limit_mib << 20)
 
     def launch(self, work: SchedulerOutput) -> LaunchedStep | None:
         """Queue one step on the device and return at once."""
@@ -159,6 +180,7 @@ class ModelRunner:
         when they are scored (a group is all scored or all plain, see `_groups`). Rows that will
         generate wait in the group's cache for admission."""
         width = max(c.end for c in group)
+        width += -width % self.prefill_align
         pads = [width - c.end for c in group]
         ids = mx.array([[0] * p + c.seq.prompt_ids for p, c in zip(pads, group)])
         cache = BatchCache.empty(self.num_layers, pads)
@@ -173,7 +195,7 @@ class ModelRunner:
         flat = np.pad(flat, (0, -len(flat) % PROMPT_BLOCK))  # whole blocks: see prompt_scoring
         hidden = h.reshape(-1, h.shape[-1])[mx.array(flat)]
         slices = [chunk_slice(c.seq, 0, c.end) for c in group]
-        pending = score(slices, lambda a, b: self._head(hidden[a:b]))
+        pending = score(slices, lambda a, b: self._head(hidden[a:b]), self.prompt_block)
         return self._head(h[:, -1, :]), pending
 
     def _prefill_chunk(self, chunk: PrefillChunk) -> tuple[mx.array | None, PendingPrompts | None]:
@@ -186,7 +208,7 @@ class ModelRunner:
         if seq.prompt_store is not None:  # every position's logits: the prompt is scored
             out = self.model(ids, cache=cache)[0]
             rows = chunk_slice(seq, chunk.start, out.shape[0])
-            scored = score([rows], lambda a, b: out[a:b])
+            scored = score([rows], lambda a, b: out[a:b], self.prompt_block)
             logits = out[-1:, :]
         elif chunk.is_last:
             logits = self._last_logits(ids, cache)
@@ -238,6 +260,11 @@ class ModelRunner:
     def num_cached(self) -> int:
         """Sequences holding KV memory: batch rows, prompts between chunks, prompts done."""
         return len(self.rows) + len(self.chunk_caches) + len(self.prefilled)
+
+    @staticmethod
+    def idle() -> None:
+        """Nothing is running: give MLX's cached buffers back (device memory on a GPU)."""
+        mx.clear_cache()
 
     @staticmethod
     def active_memory() -> int:

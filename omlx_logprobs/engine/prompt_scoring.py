@@ -18,6 +18,8 @@ from omlx_logprobs.logprobs.extract import BatchLogprobs, Extraction, extract, l
 from omlx_logprobs.types import SamplingParams
 
 # Prompt positions per extraction block: bounds its float32 temporaries whatever the chunk size.
+# Rows are padded to a multiple of PROMPT_BLOCK; a runner may take up to `max_block` rows at once
+# in power-of-two multiples of it (fewer kernel launches on a GPU, still few distinct shapes).
 PROMPT_BLOCK = 128
 
 
@@ -65,8 +67,24 @@ def score_key(params: SamplingParams) -> tuple[int, tuple[int, ...]]:
     return params.num_prompt_top, tuple(params.logprob_token_ids or ())
 
 
+def block_sizes(n: int, max_block: int = PROMPT_BLOCK) -> list[int]:
+    """Block lengths covering n rows padded to a multiple of PROMPT_BLOCK: the largest power-of-two
+    multiple of PROMPT_BLOCK (at most `max_block`) that fits what is left, so at most
+    log2(max_block / PROMPT_BLOCK) + 1 shapes ever occur."""
+    left, sizes = n + (-n % PROMPT_BLOCK), []
+    while left:
+        b = max_block
+        while b > left:
+            b //= 2
+        sizes.append(b)
+        left -= b
+    return sizes
+
+
 def score(
-    slices: list[PromptSlice], logits_of: Callable[[int, int], mx.array]
+    slices: list[PromptSlice],
+    logits_of: Callable[[int, int], mx.array],
+    max_block: int = PROMPT_BLOCK,
 ) -> PendingPrompts | None:
     """Entries for the slices' rows; `logits_of(a, b)` gives rows [a, b) of their logits, rows
     in slice order (past the last row it may return fewer rows, or filler). All slices share
@@ -80,18 +98,19 @@ def score(
     wanted = mx.array(list(p.logprob_token_ids), mx.int32) if p.logprob_token_ids else None
     ids = np.concatenate([s.token_ids for s in slices])
     n = len(ids)
-    # Every block has exactly PROMPT_BLOCK rows (the last is padded, its surplus rows dropped on
-    # the host): prompt lengths then never make new kernel shapes (compiled per shape on a GPU).
+    # Every block has one of a few fixed lengths (the last is padded, its surplus rows dropped
+    # on the host): prompt lengths then never make new kernel shapes (compiled per shape on a GPU).
     chosen = mx.array(np.pad(ids, (0, -n % PROMPT_BLOCK)))
-    fixed = None if wanted is None else mx.broadcast_to(wanted, (PROMPT_BLOCK, k))
-    blocks = []
+    blocks, a = [], 0
     # Evaluated in order with the step, so only about one block's temporaries are alive at once.
-    for a in range(0, n, PROMPT_BLOCK):
-        rows = logits_of(a, a + PROMPT_BLOCK)  # may stop short at the end
-        if rows.shape[0] < PROMPT_BLOCK:
-            rows = mx.pad(rows, [(0, PROMPT_BLOCK - rows.shape[0]), (0, 0)])
+    for size in block_sizes(n, max_block):
+        rows = logits_of(a, a + size)  # may stop short at the end
+        if rows.shape[0] < size:
+            rows = mx.pad(rows, [(0, size - rows.shape[0]), (0, 0)])
+        fixed = None if wanted is None else mx.broadcast_to(wanted, (size, k))
         lp = log_softmax(rows)
-        blocks.append(extract(lp, chosen[a : a + PROMPT_BLOCK], k, fixed, natural=wanted is None))
+        blocks.append(extract(lp, chosen[a : a + size], k, fixed, natural=wanted is None))
+        a += size
     parts = blocks[0]
     if len(blocks) > 1:
         parts = Extraction(
