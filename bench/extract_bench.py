@@ -15,12 +15,18 @@ from collections.abc import Callable
 import omlx_logprobs  # noqa: F401
 import mlx.core as mx
 
-from omlx_logprobs.logprobs.extract import Extraction, extract, log_softmax
+from omlx_logprobs.logprobs.extract import (
+    Extraction,
+    HostExtraction,
+    extract,
+    extract_logits,
+    log_softmax,
+)
 
 
 def run(fn: Callable[[], object]) -> None:
     out = fn()
-    if isinstance(out, Extraction):  # the host part is the copy out
+    if isinstance(out, (Extraction, HostExtraction)):  # the host part is the copy out
         out.to_host()
     else:
         mx.eval(out)
@@ -61,7 +67,7 @@ def cases(x: mx.array, tok: mx.array, lp: mx.array, k: int) -> dict[str, Callabl
         "two-stage top k (256)": lambda: two_stage_top_k(lp, k, 256),
         "two-stage top k (2048)": lambda: two_stage_top_k(lp, k, 2048),
         f"extract k={k} (all)": lambda: extract(log_softmax(x), tok, k).arrays(),
-        f"extract k={k}, host top": lambda: extract(log_softmax(x), tok, k, host_top=True),
+        f"extract k={k}, on the host": lambda: extract_logits(x, tok, k, host=True),
         "extract k=0 (all)": lambda: extract(log_softmax(x), tok, 0).arrays(),
     }
 

@@ -1,5 +1,6 @@
-"""The one extraction function against numpy: chosen logprob, rank, the natural top k picked on
-the device and on the host (the CPU backend's path), fixed ids, and the shared log-sum-exp."""
+"""The one extraction function against numpy (float64): chosen logprob, rank, the natural top k,
+on the device and on the host (the CPU backend's path), fixed ids, the shared log-sum-exp, and
+rows the finiteness check must refuse."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from omlx_logprobs.logprobs.extract import extract, log_softmax
+from omlx_logprobs.logprobs.extract import (
+    extract_logits,
+    finite_rows,
+    host_log_softmax,
+    log_softmax,
+)
 
 
 def reference(x: np.ndarray) -> np.ndarray:
@@ -16,13 +22,15 @@ def reference(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("k", [1, 5, 20])
-@pytest.mark.parametrize("host_top", [False, True])
-def test_top_k_and_ranks_match_numpy(k: int, host_top: bool) -> None:
+@pytest.mark.parametrize("host", [False, True])
+def test_top_k_and_ranks_match_numpy(k: int, host: bool) -> None:
     rng = np.random.default_rng(k)
     x = (rng.standard_normal((6, 4096)) * 3).astype(np.float32)  # distinct values: no ties
     chosen = rng.integers(0, 4096, 6)
     ref = reference(x)
-    out = extract(log_softmax(mx.array(x)), mx.array(chosen), k, host_top=host_top).to_host()
+    out = extract_logits(mx.array(x), mx.array(chosen), k, host=host)
+    mx.eval(*out.arrays())
+    out = out.to_host()
     rows = np.arange(6)
     np.testing.assert_allclose(out.logprobs, ref[rows, chosen], atol=1e-4)
     assert out.ranks.tolist() == [int(np.sum(ref[i] >= ref[i, c])) for i, c in zip(rows, chosen)]
@@ -30,15 +38,40 @@ def test_top_k_and_ranks_match_numpy(k: int, host_top: bool) -> None:
     assert out.top_ids.tolist() == want.tolist()  # best first
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, want, -1), atol=1e-4)
     assert out.top_ids.dtype == np.int32 and out.top_logprobs.dtype == np.float32
+    assert out.logprobs.dtype == np.float32 and out.ranks.dtype == np.int32
 
 
-def test_fixed_ids_keep_their_order_whatever_host_top_says() -> None:
+@pytest.mark.parametrize("host", [False, True])
+def test_fixed_ids_keep_their_order(host: bool) -> None:
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, 512)).astype(np.float32)
     fixed = mx.broadcast_to(mx.array([7, 3, 500], mx.int32), (3, 3))
-    out = extract(log_softmax(mx.array(x)), mx.array([0, 1, 2]), 3, fixed, False, True).to_host()
+    out = extract_logits(mx.array(x), mx.array([0, 1, 2]), 3, fixed, False, host).to_host()
     assert out.top_ids.tolist() == [[7, 3, 500]] * 3
     np.testing.assert_allclose(out.top_logprobs, reference(x)[:, [7, 3, 500]], atol=1e-4)
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_fixed_ids_beside_natural_top_lists(host: bool) -> None:
+    """Rows with `logprob_token_ids` (ids >= 0) next to a row that wants its natural top 2 (-1)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    fixed = mx.array([[9, 4], [-1, -1]], mx.int32)
+    out = extract_logits(mx.array(x), mx.array([0, 1]), 2, fixed, True, host).to_host()
+    ref = reference(x)
+    assert out.top_ids[0].tolist() == [9, 4]
+    assert out.top_ids[1].tolist() == np.argsort(-ref[1])[:2].tolist()
+    np.testing.assert_allclose(out.top_logprobs[0], ref[0, [9, 4]], atol=1e-4)
+
+
+def test_host_rows_with_nan_inf_or_only_minus_inf_are_not_finite() -> None:
+    x = np.zeros((4, 8), np.float32)
+    x[1, 3], x[2, 5], x[3] = np.nan, np.inf, -np.inf
+    assert finite_rows(x).tolist() == [True, False, False, False]
+    lp = host_log_softmax(x)  # no warning, no exception: those rows are refused by the caller
+    np.testing.assert_allclose(lp[0], np.full(8, -np.log(8)), atol=1e-6)
+    x[0, :4] = -np.inf  # -inf entries in a row that has finite ones are fine
+    assert finite_rows(x)[0] and np.isneginf(host_log_softmax(x)[0, :4]).all()
 
 
 def test_a_given_log_sum_exp_gives_the_same_rows() -> None:

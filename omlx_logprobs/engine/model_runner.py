@@ -27,7 +27,13 @@ from omlx_logprobs.engine.prompt_scoring import (
 from omlx_logprobs.engine.sampler import apply_processors, sample, sampling_logits, step_key
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence
-from omlx_logprobs.logprobs.extract import BatchLogprobs, Extraction, extract, log_softmax
+from omlx_logprobs.logprobs.extract import (
+    BatchLogprobs,
+    Extraction,
+    HostExtraction,
+    extract_logits,
+    finite_rows,
+)
 from omlx_logprobs.types import SamplingParams
 
 __all__ = ["LaunchedStep", "ModelRunner", "PromptLogprobs", "StepResult"]
@@ -39,10 +45,11 @@ class LaunchedStep:
 
     seqs: list[Sequence]
     tokens: mx.array  # [B] sampled ids, lazy
-    logprobs: Extraction | None  # lazy
+    logprobs: Extraction | HostExtraction | None  # lazy
     prompt: list[PendingPrompts] = field(default_factory=list)  # scored prompt positions
     prompt_only: list[Sequence] = field(default_factory=list)  # prefilled with max_tokens 0
     finite: mx.array | None = None  # [B] bool, lazy
+    rows: mx.array | None = None  # [B, V] logits, lazy: where the host checks finiteness (CPU)
 
 
 @dataclass(frozen=True)
@@ -100,10 +107,10 @@ class ModelRunner:
         self.batch_prefill = all(type(c) is KVCache for c in probe)
         family = type(model).__module__.rsplit(".", 1)[-1]
         self.split_head = family in _SPLIT_HEAD and hasattr(model, "model")
-        # On the CPU backend a generated token's top k is picked on the host (numpy's partition
-        # is ~5x MLX's there, and the logprobs already sit in host memory).
+        # On the CPU backend logprobs and the finiteness check run in numpy at collect time
+        # (see HostExtraction): MLX's CPU exp and partition are several times slower there.
         cpu = mx.default_device() == mx.cpu
-        self.host_top = cpu
+        self.host_logprobs = cpu
         self.prompt_block = CPU_PROMPT_BLOCK if cpu else GPU_PROMPT_BLOCK
         self.prefill_align = CPU_PREFILL_ALIGN if cpu else GPU_PREFILL_ALIGN
         if cache_limit_mib is None and not cpu:
@@ -150,7 +157,7 @@ class ModelRunner:
                 parts.append(mx.broadcast_to(last, (len(members), last.shape[-1])))
                 seqs += members
         if prompt:  # queued now, collected with the step: no sync per scored block
-            mx.async_eval(*(x for p in prompt for x in p.parts.arrays()))
+            mx.async_eval(*(x for p in prompt for x in p.arrays()))
         if not seqs:
             if not prompt and not prompt_only:
                 return None
@@ -195,7 +202,9 @@ class ModelRunner:
         flat = np.pad(flat, (0, -len(flat) % PROMPT_BLOCK))  # whole blocks: see prompt_scoring
         hidden = h.reshape(-1, h.shape[-1])[mx.array(flat)]
         slices = [chunk_slice(c.seq, 0, c.end) for c in group]
-        pending = score(slices, lambda a, b: self._head(hidden[a:b]), self.prompt_block)
+        pending = score(
+            slices, lambda a, b: self._head(hidden[a:b]), self.prompt_block, self.host_logprobs
+        )
         return self._head(h[:, -1, :]), pending
 
     def _prefill_chunk(self, chunk: PrefillChunk) -> tuple[mx.array | None, PendingPrompts | None]:
@@ -208,7 +217,7 @@ class ModelRunner:
         if seq.prompt_store is not None:  # every position's logits: the prompt is scored
             out = self.model(ids, cache=cache)[0]
             rows = chunk_slice(seq, chunk.start, out.shape[0])
-            scored = score([rows], lambda a, b: out[a:b], self.prompt_block)
+            scored = score([rows], lambda a, b: out[a:b], self.prompt_block, self.host_logprobs)
             logits = out[-1:, :]
         elif chunk.is_last:
             logits = self._last_logits(ids, cache)
@@ -235,26 +244,41 @@ class ModelRunner:
         dist = sampling_logits(logits, params)
         keys = [step_key(p.seed, s.num_sampled, s.choice_index) for p, s in zip(params, seqs)]
         tokens = sample(logits, dist, params, keys)
-        # One reduction per row, in the same evaluation: a NaN or +inf anywhere in a row (or a
-        # row of only -inf) makes its log-sum-exp non-finite and its sampled token meaningless.
-        lse = mx.logsumexp(logits, axis=-1, keepdims=True)
-        finite = mx.isfinite(lse[:, 0])
-        parts = None
-        if any(p.logprobs for p in params):
-            k = max(p.num_top for p in params if p.logprobs)
-            fixed, natural = _fixed_ids(params, k)
-            if any(p.logprobs and p.processed for p in params):  # per row: what was sampled from
-                src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
-                lp = log_softmax(src)
-            else:  # the raw distribution: the finiteness check's log-sum-exp serves it too
-                lp = log_softmax(logits, lse)
-            parts = extract(lp, tokens, k, fixed, natural, self.host_top)
+        lse = None if self.host_logprobs else mx.logsumexp(logits, axis=-1, keepdims=True)
+        parts = self._logprobs(logits, dist, tokens, params, lse)
+        if lse is None:  # the finiteness check too runs on the host, from these rows
+            finite, rows = None, logits
+        else:
+            # One reduction per row, in the same evaluation: a NaN or +inf anywhere in a row (or
+            # a row of only -inf) makes its log-sum-exp non-finite and its token meaningless.
+            finite, rows = mx.isfinite(lse[:, 0]), None
         for s in seqs:
             s.num_sampled += 1
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        mx.async_eval(tokens, finite, *(parts.arrays() if parts is not None else ()))
-        return LaunchedStep(seqs, tokens, parts, finite=finite)
+        checks = [finite if finite is not None else rows]
+        mx.async_eval(tokens, *checks, *(parts.arrays() if parts is not None else ()))
+        return LaunchedStep(seqs, tokens, parts, finite=finite, rows=rows)
+
+    def _logprobs(
+        self,
+        logits: mx.array,
+        dist: mx.array,
+        tokens: mx.array,
+        params: list[SamplingParams],
+        lse: mx.array | None,
+    ) -> Extraction | HostExtraction | None:
+        """The step's entries, when any row asks: of the raw distribution (what the processors
+        left; `lse` is its log-sum-exp), or per row of what was sampled from."""
+        if not any(p.logprobs for p in params):
+            return None
+        k = max(p.num_top for p in params if p.logprobs)
+        fixed, natural = _fixed_ids(params, k)
+        src = logits
+        if any(p.logprobs and p.processed for p in params):
+            src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
+            lse = None
+        return extract_logits(src, tokens, k, fixed, natural, self.host_logprobs, lse)
 
     @property
     def num_cached(self) -> int:
@@ -279,6 +303,8 @@ class ModelRunner:
         tokens = np.array(step.tokens)
         logprobs = step.logprobs.to_host() if step.logprobs is not None else None
         finite = np.array(step.finite) if step.finite is not None else None
+        if step.rows is not None:
+            finite = finite_rows(np.array(step.rows, copy=False))
         prompt = [x for p in step.prompt for x in p.to_host()]
         return StepResult(step.seqs, tokens, logprobs, prompt, step.prompt_only, finite)
 

@@ -14,7 +14,12 @@ import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.engine.sequence import Sequence
-from omlx_logprobs.logprobs.extract import BatchLogprobs, Extraction, extract, log_softmax
+from omlx_logprobs.logprobs.extract import (
+    BatchLogprobs,
+    Extraction,
+    HostExtraction,
+    extract_logits,
+)
 from omlx_logprobs.types import SamplingParams
 
 # Prompt positions per extraction block: bounds its float32 temporaries whatever the chunk size.
@@ -44,13 +49,18 @@ class PromptSlice:
 
 @dataclass(frozen=True)
 class PendingPrompts:
-    """The entries of one or more slices, rows concatenated in slice order, still lazy."""
+    """The entries of one or more slices, rows concatenated in slice order over the blocks,
+    still lazy."""
 
     slices: list[PromptSlice]
-    parts: Extraction
+    blocks: list[Extraction | HostExtraction]
+
+    def arrays(self) -> list[mx.array]:
+        return [x for b in self.blocks for x in b.arrays()]
 
     def to_host(self) -> list[PromptLogprobs]:
-        host = self.parts.to_host()
+        parts = [b.to_host() for b in self.blocks]
+        host = parts[0] if len(parts) == 1 else _concatenate(parts)
         out, a = [], 0
         for s in self.slices:
             b = a + len(s.token_ids)
@@ -85,11 +95,12 @@ def score(
     slices: list[PromptSlice],
     logits_of: Callable[[int, int], mx.array],
     max_block: int = PROMPT_BLOCK,
+    host: bool = False,
 ) -> PendingPrompts | None:
     """Entries for the slices' rows; `logits_of(a, b)` gives rows [a, b) of their logits, rows
     in slice order (past the last row it may return fewer rows, or filler). All slices share
     one `score_key`. Prompt entries are the model's own distribution: no processors, no
-    temperature."""
+    temperature. `host`: the extraction runs in numpy at collect time (see HostExtraction)."""
     slices = [s for s in slices if len(s.token_ids)]
     if not slices:
         return None
@@ -108,23 +119,18 @@ def score(
         if rows.shape[0] < size:
             rows = mx.pad(rows, [(0, size - rows.shape[0]), (0, 0)])
         fixed = None if wanted is None else mx.broadcast_to(wanted, (size, k))
-        lp = log_softmax(rows)
-        blocks.append(extract(lp, chosen[a : a + size], k, fixed, natural=wanted is None))
+        blocks.append(extract_logits(rows, chosen[a : a + size], k, fixed, wanted is None, host))
         a += size
-    parts = blocks[0]
-    if len(blocks) > 1:
-        parts = Extraction(
-            _cat([b.logprobs for b in blocks]),
-            _cat([b.ranks for b in blocks]),
-            _cat([b.top_ids for b in blocks]),
-            _cat([b.top_logprobs for b in blocks]),
-        )
-    return PendingPrompts(slices, parts)
+    return PendingPrompts(slices, blocks)
 
 
-def _cat(xs: list[mx.array | None]) -> mx.array:
-    assert all(x is not None for x in xs)  # prompt entries never pick their top k on the host
-    return mx.concatenate(xs)  # type: ignore[arg-type]
+def _concatenate(parts: list[BatchLogprobs]) -> BatchLogprobs:
+    return BatchLogprobs(
+        np.concatenate([p.logprobs for p in parts]),
+        np.concatenate([p.ranks for p in parts]),
+        np.concatenate([p.top_ids for p in parts]),
+        np.concatenate([p.top_logprobs for p in parts]),
+    )
 
 
 def chunk_slice(seq: Sequence, start: int, rows: int) -> PromptSlice:

@@ -29,41 +29,97 @@ class BatchLogprobs:
 
 @dataclass(frozen=True)
 class Extraction:
-    """extract()'s lazy arrays; `to_host` copies them out. With `rows` set, the natural top k is
-    picked on the host from those [R, V] logprobs instead (see `extract`'s `host_top`)."""
+    """extract()'s lazy arrays; `to_host` copies them out."""
 
     logprobs: mx.array  # [R]
     ranks: mx.array  # [R]
-    top_ids: mx.array | None  # [R, K]
-    top_logprobs: mx.array | None  # [R, K]
-    rows: mx.array | None = None
-    k: int = 0
+    top_ids: mx.array  # [R, K]
+    top_logprobs: mx.array  # [R, K]
 
     def arrays(self) -> list[mx.array]:
         """What to evaluate."""
-        out = [self.logprobs, self.ranks, self.top_ids, self.top_logprobs, self.rows]
-        return [x for x in out if x is not None]
+        return [self.logprobs, self.ranks, self.top_ids, self.top_logprobs]
 
     def to_host(self) -> BatchLogprobs:
-        lp = np.array(self.logprobs, copy=False).astype(np.float32, copy=False)
-        ranks = np.array(self.ranks, copy=False).astype(np.int32, copy=False)
-        if self.rows is not None:
-            ids, vals = _host_top(np.array(self.rows, copy=False), self.k)
-        else:
-            assert self.top_ids is not None and self.top_logprobs is not None
-            ids, vals = np.array(self.top_ids, copy=False), np.array(self.top_logprobs, copy=False)
         # The stores take raw 4-byte items: pin the dtypes (no copy when they already match).
         return BatchLogprobs(
-            lp, ranks, ids.astype(np.int32, copy=False), vals.astype(np.float32, copy=False)
+            np.array(self.logprobs, copy=False).astype(np.float32, copy=False),
+            np.array(self.ranks, copy=False).astype(np.int32, copy=False),
+            np.array(self.top_ids, copy=False).astype(np.int32, copy=False),
+            np.array(self.top_logprobs, copy=False).astype(np.float32, copy=False),
         )
 
 
-def _host_top(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The same selection as on the device: a partition for the top k, then a sort of those k."""
-    idx = np.argpartition(rows, rows.shape[1] - k, axis=-1)[:, -k:]
-    vals = np.take_along_axis(rows, idx, axis=-1)
-    order = np.argsort(-vals, axis=-1, kind="stable")
-    return np.take_along_axis(idx, order, axis=-1), np.take_along_axis(vals, order, axis=-1)
+@dataclass(frozen=True)
+class HostExtraction:
+    """The same extraction, done in numpy when the step is collected, from the rows' logits
+    evaluated with the step. For MLX's CPU backend: the rows already sit in host memory (nothing
+    is copied) and numpy's `exp` and partition run about 3x and 5x faster than MLX's there."""
+
+    logits: mx.array  # [R, V]
+    chosen: mx.array  # [R]
+    k: int
+    fixed: mx.array | None  # [R, k]
+    natural: bool
+
+    def arrays(self) -> list[mx.array]:
+        return [self.logits, self.chosen] + ([self.fixed] if self.fixed is not None else [])
+
+    def to_host(self) -> BatchLogprobs:
+        lp = host_log_softmax(np.array(self.logits, copy=False))
+        chosen = np.array(self.chosen, copy=False).astype(np.int64)
+        own = np.take_along_axis(lp, chosen[:, None], axis=-1)
+        ranks = np.asarray(np.sum(lp >= own, axis=-1, dtype=np.int32))
+        fixed = None if self.fixed is None else np.array(self.fixed, copy=False).astype(np.int64)
+        if self.k == 0 or (fixed is not None and not self.natural):
+            idx = np.zeros((len(lp), 0), np.int64) if fixed is None else fixed
+        else:
+            idx = _host_top(lp, self.k)
+            if fixed is not None:
+                idx = np.where(fixed >= 0, fixed, idx)
+        vals = np.take_along_axis(lp, idx, axis=-1)
+        return BatchLogprobs(own[:, 0], ranks, idx.astype(np.int32), vals)
+
+
+def host_log_softmax(x: np.ndarray) -> np.ndarray:
+    """Float32 log-softmax over the last axis in numpy; a row holding NaN or +inf, or only -inf,
+    comes out NaN (such a row is refused, see `finite_rows`)."""
+    x = x.astype(np.float32, copy=False)
+    m = x.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        t = np.subtract(x, m)
+        np.exp(t, out=t)
+        return x - (m + np.log(t.sum(axis=-1, keepdims=True)))
+
+
+def finite_rows(x: np.ndarray) -> np.ndarray:
+    """[R] bool: the row's log-sum-exp is finite (no NaN, no +inf, not only -inf)."""
+    return np.isfinite(x.max(axis=-1))
+
+
+def _host_top(lp: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the top k, best first: a partition for the top k, then a sort of those k."""
+    if k == 1:
+        return np.argmax(lp, axis=-1)[:, None]
+    idx = np.argpartition(lp, lp.shape[1] - k, axis=-1)[:, -k:]
+    order = np.argsort(-np.take_along_axis(lp, idx, axis=-1), axis=-1, kind="stable")
+    return np.take_along_axis(idx, order, axis=-1)
+
+
+def extract_logits(
+    logits: mx.array,
+    chosen: mx.array,
+    k: int,
+    fixed: mx.array | None = None,
+    natural: bool = True,
+    host: bool = False,
+    lse: mx.array | None = None,
+) -> Extraction | HostExtraction:
+    """`extract` from logits: the log-softmax and extraction on the device, or, with `host`,
+    both in numpy when the step is collected (the CPU backend)."""
+    if host:
+        return HostExtraction(logits, chosen, k, fixed, natural)
+    return extract(log_softmax(logits, lse), chosen, k, fixed, natural)
 
 
 def extract(
@@ -72,17 +128,13 @@ def extract(
     k: int,
     fixed: mx.array | None = None,
     natural: bool = True,
-    host_top: bool = False,
 ) -> Extraction:
     """Lazy on-device extraction; the caller evaluates it together with the sampled tokens.
 
     logprobs [R, V]; chosen [R]: the ids whose own logprob and rank each row reports (the sampled
     token, or the next prompt token). Each row then has k more entries: its natural top k, or,
     where `fixed` [R, k] holds ids >= 0, the logprobs of exactly those ids. `natural` is False
-    when no row wants a natural top list, which skips the partial selection. `host_top`: pick a
-    natural top k (k > 1, no fixed ids) on the host, from the evaluated rows; on MLX's CPU
-    backend numpy's partition is about 5x faster than MLX's, and the rows are already in host
-    memory, so nothing is copied.
+    when no row wants a natural top list, which skips the partial selection.
     """
     own = mx.take_along_axis(logprobs, chosen[:, None], axis=-1)
     ranks = mx.sum(logprobs >= own, axis=-1).astype(mx.int32)
@@ -92,8 +144,6 @@ def extract(
     if fixed is not None and not natural:
         idx = fixed.astype(mx.int32)
         return Extraction(own[:, 0], ranks, idx, mx.take_along_axis(logprobs, idx, axis=-1))
-    if host_top and k > 1 and fixed is None:
-        return Extraction(own[:, 0], ranks, None, None, logprobs, k)
     if k == 1:  # scoring's usual ask (lm-eval sends logprobs=1): one pass, no selection
         idx = mx.argmax(logprobs, axis=-1, keepdims=True).astype(mx.int32)
         vals = mx.take_along_axis(logprobs, idx, axis=-1)
