@@ -1,7 +1,9 @@
 """Logprob entries in OpenAI's chat shape, written straight to JSON text.
 
-Entries are read from a request's flat store by position range; each token's `"token"` and
-`"bytes"` fragment is serialised once per vocabulary id and reused.
+Entries are read from a request's flat store by position range. Each (id, place) pair has a
+cached piece of text: the entry's `"token"` and `"bytes"`, a `%s` for its logprob and what
+follows it (the top list's opening, a comma, or its close). A body is then one `join` of
+pieces and one `%` of the numbers: no Python code runs per entry.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 from array import array
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -16,6 +20,7 @@ from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.output.detokenizer import Vocabulary
 
 NEG_INF_LOGPROB = "-9999.0"  # OpenAI's own stand-in for a logprob of -inf
+SLOT = 1 << 32  # piece keys: place * SLOT + token id
 
 
 class NonFiniteLogprob(ValueError):
@@ -31,14 +36,18 @@ def num(x: float) -> str:
     raise NonFiniteLogprob(f"non-finite logprob {x}")
 
 
-def numbers(values: array) -> list[str]:
-    """JSON numbers for a range of float32 logprobs, one `repr` each (-inf as -9999.0, NaN
-    refused). `values` must be a copy (a slice): a numpy view of a store's own array would block
-    the engine thread's appends to it ("cannot resize an array that is exporting buffers")."""
-    floats = np.frombuffer(values, np.float32)
+def float_numbers(floats: np.ndarray) -> list[str]:
+    """JSON numbers for float32 logprobs: `repr` of each widened to double (-inf as -9999.0,
+    NaN refused). `floats` must not view a store's own array: that would block the engine
+    thread's appends to it ("cannot resize an array that is exporting buffers")."""
     if np.isfinite(floats).all():
         return list(map(float.__repr__, floats.tolist()))
     return [num(x) for x in floats.tolist()]
+
+
+def numbers(values: array) -> list[str]:
+    """`float_numbers` of a copy (a slice) of a store's float32 array."""
+    return float_numbers(np.frombuffer(values, np.float32))
 
 
 def token_string(vocab: Vocabulary, tid: int, as_ids: bool = False) -> str:
@@ -48,53 +57,74 @@ def token_string(vocab: Vocabulary, tid: int, as_ids: bool = False) -> str:
     return vocab.token_text[tid] if tid < len(vocab) else ""
 
 
+T = TypeVar("T")
+
+
+class Pieces(dict[int, T]):
+    """A cached value per key (a piece of text), made on first use; afterwards a lookup is one
+    C-level call, and `map(pieces.__getitem__, keys)` runs no Python code per key."""
+
+    def __init__(self, make: Callable[[int], T]) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key: int) -> T:
+        text = self[key] = self.make(key)
+        return text
+
+
+# An entry's piece holds what precedes its logprob: the end of the entry before it, then its own
+# start. Places: first entry of the body, a position's own token (after the previous position's
+# last top entry), the first top entry, any other top entry; without top lists, the first and
+# any later own entry.
+FIRST, OWN, TOP1, TOP, BARE1, BARE = range(6)
+_BEFORE = ("[{", "}]},{", ',"top_logprobs":[{', "},{", "[{", ',"top_logprobs":[]},{')
+_END = ("}]}]", ',"top_logprobs":[]}]')  # with top lists, without
+
+
 class ChatLogprobFormatter:
     def __init__(self, vocab: Vocabulary, as_ids: bool = False) -> None:
         self.vocab = vocab
         self.as_ids = as_ids  # return_tokens_as_token_ids
-        self._frags: dict[int, str] = {}
-        self._heads: list[str | None] = [None] * len(vocab)  # '{"token":..,"bytes":..,"logprob":'
+        self._pieces: Pieces[str] = Pieces(self._piece)
+        self._places: dict[int, np.ndarray] = {}
 
     def token_fragment(self, tid: int) -> str:
         """`"token": ..., "bytes": ...` for one id (bytes null for special tokens)."""
-        frag = self._frags.get(tid)
-        if frag is None:
-            b = self.vocab.token_bytes[tid] if tid < len(self.vocab) else None
-            text = token_string(self.vocab, tid, self.as_ids)
-            raw = "null" if b is None else "[" + ",".join(map(str, b)) + "]"
-            frag = f'"token":{json.dumps(text, ensure_ascii=False)},"bytes":{raw}'
-            self._frags[tid] = frag
-        return frag
+        b = self.vocab.token_bytes[tid] if tid < len(self.vocab) else None
+        text = token_string(self.vocab, tid, self.as_ids)
+        raw = "null" if b is None else "[" + ",".join(map(str, b)) + "]"
+        return f'"token":{json.dumps(text, ensure_ascii=False)},"bytes":{raw}'
 
-    def _head_list(self, ids: array) -> list[str]:
-        heads = self._heads
-        if len(heads) <= max(ids, default=-1):
-            heads.extend([None] * (max(ids) + 1 - len(heads)))
-        for t in set(ids):
-            if heads[t] is None:
-                heads[t] = "{" + self.token_fragment(t) + ',"logprob":'
-        return heads  # type: ignore[return-value]
+    def _piece(self, key: int) -> str:
+        place, tid = divmod(key, SLOT)
+        return _BEFORE[place] + self.token_fragment(tid) + ',"logprob":'
+
+    def _place_keys(self, k: int) -> np.ndarray:
+        """Key offsets of one position's k + 1 entries (its own, then its top list); the body's
+        first entry adds FIRST - OWN (or BARE1 - BARE) to its offset."""
+        keys = self._places.get(k)
+        if keys is None:
+            places = [BARE] if k == 0 else [OWN, TOP1] + [TOP] * (k - 1)
+            keys = self._places[k] = np.array(places, np.int64) * SLOT
+        return keys
 
     def entries(self, store: LogprobStore, start: int, end: int) -> str:
-        """The JSON array of entries for positions [start, end).
-
-        Built with list comprehensions over cached per-id heads and `repr` of each logprob: this
-        runs on the event loop for every token and every alternative, so it must be cheap."""
-        k = store.k
-        ids, lps = store.token_ids[start:end], store.logprobs[start:end]
-        top_ids, top_lps = (
-            store.top_ids[start * k : end * k],
-            store.top_logprobs[start * k : end * k],
-        )
-        heads = self._head_list(ids)
-        if k:
-            heads = self._head_list(top_ids)
-            tops = [heads[t] + v + "}" for t, v in zip(top_ids, numbers(top_lps))]
-            lists = [",".join(tops[i : i + k]) for i in range(0, len(tops), k)]
-        else:
-            lists = [""] * len(ids)
-        body = [
-            heads[t] + v + ',"top_logprobs":[' + top + "]}"
-            for t, v, top in zip(ids, numbers(lps), lists)
-        ]
-        return "[" + ",".join(body) + "]"
+        """The JSON array of entries for positions [start, end): one join of cached pieces
+        (looked up in C) and logprob numbers, whatever the number of entries."""
+        k, n = store.k, end - start
+        if n <= 0:
+            return "[]"
+        ids = np.frombuffer(store.token_ids[start:end], np.int32)[:, None]
+        lps = np.frombuffer(store.logprobs[start:end], np.float32)[:, None]
+        if k:  # slices are copies: no view of the store's arrays (see float_numbers)
+            top_ids = np.frombuffer(store.top_ids[start * k : end * k], np.int32)
+            top_lps = np.frombuffer(store.top_logprobs[start * k : end * k], np.float32)
+            ids = np.concatenate([ids, top_ids.reshape(n, k)], axis=1)
+            lps = np.concatenate([lps, top_lps.reshape(n, k)], axis=1)
+        keys = (ids + self._place_keys(k)).ravel()
+        keys[0] -= (OWN - FIRST if k else BARE - BARE1) * SLOT
+        parts: list[str] = [""] * (2 * len(keys))
+        parts[0::2] = map(self._pieces.__getitem__, keys.tolist())
+        parts[1::2] = float_numbers(lps.ravel())
+        return "".join(parts) + _END[k == 0]

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from itertools import accumulate
 
-from omlx_logprobs.logprobs.format import numbers, token_string
+from omlx_logprobs.logprobs.format import Pieces, numbers, token_string
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.output.detokenizer import Vocabulary
 
@@ -26,16 +27,19 @@ class LegacyLogprobFormatter:
     def __init__(self, vocab: Vocabulary, as_ids: bool = False) -> None:
         self.vocab = vocab
         self.as_ids = as_ids
-        self._keys: dict[int, str] = {}
-        self._chars: dict[int, int] = {}
+        self._keys: Pieces[str] = Pieces(self._key)
+        # characters each id adds to the text: generated, echoed in the prompt
+        self._counts: tuple[Pieces[int], Pieces[int]] = (
+            Pieces(lambda t: self.chars(t, False)),
+            Pieces(lambda t: self.chars(t, True)),
+        )
+
+    def _key(self, tid: int) -> str:
+        return json.dumps(token_string(self.vocab, tid, self.as_ids), ensure_ascii=False)
 
     def key(self, tid: int) -> str:
         """The token's string, as a JSON string (the `tokens` item and the dict key)."""
-        k = self._keys.get(tid)
-        if k is None:
-            k = json.dumps(token_string(self.vocab, tid, self.as_ids), ensure_ascii=False)
-            self._keys[tid] = k
-        return k
+        return self._keys[tid]
 
     def chars(self, tid: int, in_prompt: bool) -> int:
         """Characters the token adds to the returned text: the UTF-8 characters that start in
@@ -46,11 +50,7 @@ class LegacyLogprobFormatter:
         b = self.vocab.token_bytes[tid]
         if b is None:
             return len(self.vocab.token_text[tid]) if in_prompt else 0
-        n = self._chars.get(tid)
-        if n is None:
-            n = sum(1 for c in b if c & 0xC0 != 0x80)
-            self._chars[tid] = n
-        return n
+        return sum(1 for c in b if c & 0xC0 != 0x80)
 
     def prompt_text(self, ids: list[int]) -> str:
         """The echoed prompt: its tokens' bytes (special tokens as their literal text)."""
@@ -73,7 +73,7 @@ class LegacyLogprobFormatter:
         """One `top_logprobs` dict per position, best first; a string already present keeps its
         higher-ranked value; the position's own token is always present (added last if it is not
         among the list). `top_*` hold `stride` items a position, of which the first k count."""
-        key = self.key
+        key = self._keys.__getitem__
         if not own:
             return []
         if k == 0:
@@ -120,15 +120,15 @@ class LegacyLogprobFormatter:
             self._extend(lps, tops, pstore, (0, len(ids) - 1), k, fixed)
         tokens += store.token_ids[span[0] : span[1]].tolist()
         self._extend(lps, tops, store, span, k, fixed)
-        offsets = []
-        for i, t in enumerate(tokens):
-            offsets.append(str(cursor.offset))
-            cursor.offset += self.chars(t, i < in_prompt)
-        keys = [self.key(t) for t in tokens]
+        gen, prompt_chars = self._counts
+        counts = [*map(prompt_chars.__getitem__, tokens[:in_prompt]),
+                  *map(gen.__getitem__, tokens[in_prompt:])]  # fmt: skip
+        offsets = list(accumulate(counts, initial=cursor.offset))
+        cursor.offset = offsets.pop()
+        keys = ",".join(map(self._keys.__getitem__, tokens))
         return (
-            '{"tokens":[' + ",".join(keys) + '],"token_logprobs":[' + ",".join(lps)
-            + '],"top_logprobs":[' + ",".join(tops) + '],"text_offset":[' + ",".join(offsets)
-            + "]}"
+            '{"tokens":[' + keys + '],"token_logprobs":[' + ",".join(lps) + '],"top_logprobs":['
+            + ",".join(tops) + '],"text_offset":[' + ",".join(map(str, offsets)) + "]}"
         )  # fmt: skip
 
     def _extend(

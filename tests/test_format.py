@@ -1,0 +1,122 @@
+"""The chat and legacy logprob JSON against a straightforward construction, entry by entry, from
+the same store: -inf, special tokens (bytes null), a partial UTF-8 character, JSON escapes and
+'%' in token text, token ids as strings, and fixed `logprob_token_ids` lists."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from omlx_logprobs.logprobs.format import ChatLogprobFormatter, NonFiniteLogprob
+from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
+from omlx_logprobs.logprobs.store import LogprobStore
+from omlx_logprobs.output.detokenizer import Vocabulary, token_display
+
+PIECES: list[bytes | None] = [
+    None, b"true", b" true", b"true", "é".encode(), b"\xe6\x97", b"\xa5", b'"%s\\', b"\n%", b"x",
+]  # fmt: skip
+VOCAB = Vocabulary(tuple(PIECES), tuple(token_display(b, "<|end|>") for b in PIECES))
+
+
+def random_store(rng: np.random.Generator, n: int, k: int, fixed: bool = False) -> LogprobStore:
+    ids = np.stack([rng.permutation(len(PIECES))[:k] for _ in range(n)])
+    if fixed:  # logprob_token_ids: the same ids in the order asked, values in any order
+        ids = np.repeat(rng.permutation(len(PIECES))[None, :k], n, axis=0)
+    lps = -rng.exponential(2.0, (n, k + 1)).astype(np.float32)
+    lps[rng.random((n, k + 1)) < 0.15] = -np.inf
+    if not fixed:
+        lps[:, 1:] = -np.sort(-lps[:, 1:], axis=1)
+    store = LogprobStore(k)
+    store.extend(rng.integers(0, len(PIECES), n), lps[:, 0], rng.integers(1, 9, n), ids, lps[:, 1:])
+    return store
+
+
+def value(x: float) -> float:
+    return -9999.0 if x == -np.inf else float(np.float32(x))
+
+
+def token(tid: int, as_ids: bool) -> str:
+    return f"token_id:{tid}" if as_ids else VOCAB.token_text[tid]
+
+
+def chat_entry(tid: int, lp: float, as_ids: bool) -> dict[str, Any]:
+    b = VOCAB.token_bytes[tid]
+    raw = None if b is None else list(b)
+    return {"token": token(tid, as_ids), "bytes": raw, "logprob": value(lp)}
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+@pytest.mark.parametrize("k, n", [(0, 3), (1, 5), (3, 40), (8, 300)])
+def test_chat_entries_match_entry_by_entry(as_ids: bool, k: int, n: int) -> None:
+    store = random_store(np.random.default_rng(k * 100 + n), n, k)
+    fmt = ChatLogprobFormatter(VOCAB, as_ids)
+    for start, end in [(0, n), (1, 2), (n - 1, n), (2, 2)]:
+        expected = []
+        for i in range(start, end):
+            entry = chat_entry(store.token_ids[i], store.logprobs[i], as_ids)
+            top_ids, top_lps = store.top(i)
+            entry["top_logprobs"] = [chat_entry(t, v, as_ids) for t, v in zip(top_ids, top_lps)]
+            expected.append(entry)
+        text = fmt.entries(store, start, end)
+        assert json.loads(text) == expected
+        assert "Infinity" not in text and "NaN" not in text
+
+
+def test_chat_numbers_are_repr_of_the_widened_float32() -> None:
+    store = random_store(np.random.default_rng(3), 50, 4)
+    text = ChatLogprobFormatter(VOCAB).entries(store, 0, 50)
+    for x in store.logprobs.tolist() + store.top_logprobs.tolist():
+        assert (repr(x) if np.isfinite(x) else "-9999.0") in text
+
+
+def test_nan_is_refused() -> None:
+    store = random_store(np.random.default_rng(4), 3, 2)
+    store.top_logprobs[4] = float("nan")
+    with pytest.raises(NonFiniteLogprob):
+        ChatLogprobFormatter(VOCAB).entries(store, 0, 3)
+    with pytest.raises(NonFiniteLogprob):
+        LegacyLogprobFormatter(VOCAB).json(LegacyCursor(), 2, None, store, (0, 3))
+
+
+def legacy_dict(own: int, own_lp: float, ids: Any, lps: Any, fixed: bool, as_ids: bool) -> dict:
+    """Best first (fixed ids sorted by value), a string seen before keeps its value, then the
+    position's own token."""
+    pairs = sorted(zip(ids, lps), key=lambda p: -value(p[1])) if fixed else list(zip(ids, lps))
+    out: dict[str, float] = {}
+    for t, v in [*pairs, (own, own_lp)]:
+        out.setdefault(token(t, as_ids), value(v))
+    return out
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+@pytest.mark.parametrize("k, fixed", [(0, False), (1, False), (3, False), (4, True)])
+def test_legacy_matches_entry_by_entry(as_ids: bool, k: int, fixed: bool) -> None:
+    rng = np.random.default_rng(k + 10 * fixed)
+    pstore, store = random_store(rng, 30, k, fixed), random_store(rng, 20, k, fixed)
+    prompt_ids = [0, *pstore.token_ids.tolist()]  # entry i scores prompt token i + 1
+    fmt = LegacyLogprobFormatter(VOCAB, as_ids)
+    cursor = LegacyCursor(5)
+    out = json.loads(fmt.json(cursor, k, (prompt_ids, pstore), store, (3, 20), fixed))
+    positions = [(pstore, i, True) for i in range(30)] + [(store, i, False) for i in range(3, 20)]
+    tokens = [prompt_ids[0]] + [s.token_ids[i] for s, i, _ in positions]
+    assert out["tokens"] == [token(t, as_ids) for t in tokens]
+    assert out["token_logprobs"] == [None] + [value(s.logprobs[i]) for s, i, _ in positions]
+    dicts = [legacy_dict(s.token_ids[i], s.logprobs[i], *s.top(i), fixed, as_ids)
+             for s, i, _ in positions]  # fmt: skip
+    assert [None if d is None else list(d.items()) for d in out["top_logprobs"]] == [None] + [
+        list(d.items()) for d in dicts
+    ]
+    in_prompt = [True] * 31 + [False] * 17
+    starts = np.cumsum([5] + [count(t, p) for t, p in zip(tokens, in_prompt)]).tolist()
+    assert out["text_offset"] == starts[:-1] and cursor.offset == starts[-1]
+
+
+def count(tid: int, in_prompt: bool) -> int:
+    """Characters whose first byte the token holds; a special token's text only in a prompt."""
+    b = VOCAB.token_bytes[tid]
+    if b is None:
+        return len(VOCAB.token_text[tid]) if in_prompt else 0
+    return sum(1 for c in b if c < 0x80 or c >= 0xC0)
