@@ -13,10 +13,11 @@ from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled
 
 log = logging.getLogger("omlx_logprobs")
 API_KEY_ENV = "OMLX_LOGPROBS_API_KEY"  # a key in the environment stays out of `ps` listings
-# MLX's CUDA backend records each step into a CUDA graph and caches graphs by shape. A serving
-# batch changes shape every step: on an H200, turning graphs off kept throughput at c=1, raised
-# it ~25% at c=8 and saved ~480 MiB of host memory (docs/benchmarks.md, session 4).
-CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
+# MLX's CUDA backend records each step into a CUDA graph and keeps up to 400 of them, keyed by
+# shape; a serving batch changes shape every step, so the cache fills with graphs used once and
+# held ~500 MiB of host memory on an H200. 64 keep the steady decode shapes (docs/benchmarks.md,
+# session 4). MLX raises after 2x capacity misses in total unless its thrashing check is off.
+MLX_ENVIRONMENT = {"MLX_CUDA_GRAPH_CACHE_SIZE": "64", "MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,7 +165,7 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> None:
 
     log.info("BLAS: %s", omlx_logprobs.BLAS)
     log.info("heap: %s", omlx_logprobs.HEAP)
-    log.info("%s=%s", CUDA_GRAPHS_ENV, os.environ.get(CUDA_GRAPHS_ENV))
+    log.info("MLX: %s", ", ".join(f"{k}={os.environ.get(k)}" for k in MLX_ENVIRONMENT))
     model = load_model(cfg.model, cfg.served_model_name, cfg.engine.max_model_len)
     log.info(
         "model %s from %s (vocab %d, context %d)",
@@ -190,7 +191,8 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> None:
 def mlx_environment() -> None:
     """MLX settings read from the environment, unless already set there; before MLX first
     uses a GPU."""
-    os.environ.setdefault(CUDA_GRAPHS_ENV, "0")
+    for key, value in MLX_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,5 @@
 """The process environment MLX runs in: OpenBLAS must win over mlx[cpu]'s reference BLAS wherever
-it is installed (40x on matmuls); the server turns MLX's CUDA graphs off."""
+it is installed (40x on matmuls); the server bounds MLX's CUDA graph cache."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import omlx_logprobs
-from omlx_logprobs.cli import CUDA_GRAPHS_ENV, mlx_environment
+from omlx_logprobs.cli import MLX_ENVIRONMENT, mlx_environment
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Linux only")
@@ -20,10 +20,12 @@ def test_openblas_is_in_use_when_installed() -> None:
     assert omlx_logprobs.BLAS.startswith("OpenBLAS"), omlx_logprobs.BLAS
 
 
-def test_server_turns_mlx_cuda_graphs_off_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(CUDA_GRAPHS_ENV, raising=False)
+def test_server_bounds_mlx_cuda_graph_cache_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in MLX_ENVIRONMENT:
+        monkeypatch.delenv(key, raising=False)
     mlx_environment()
-    assert os.environ[CUDA_GRAPHS_ENV] == "0"
-    monkeypatch.setenv(CUDA_GRAPHS_ENV, "1")
+    assert os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"] == "64"
+    assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
+    monkeypatch.setenv("MLX_CUDA_GRAPH_CACHE_SIZE", "400")
     mlx_environment()
-    assert os.environ[CUDA_GRAPHS_ENV] == "1"
+    assert os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"] == "400"

@@ -24,6 +24,7 @@ from omlx_logprobs.types import FinishReason, RequestOutput
 
 log = logging.getLogger("omlx_logprobs")
 SMALL_BATCH = 4
+IDLE_WAIT_S = 0.5  # an idle engine looks at its inbox at least this often
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Engine:
         self._closing_at: float | None = None  # after this monotonic time, fail what is left
         self._aborted = {Status.WAITING: 0, Status.RUNNING: 0}
         self._busy = False  # stepped since the engine was last idle
+        self._cached = False  # MLX may hold freed buffers from the last busy spell
         self._thread = threading.Thread(target=self._loop, name="omlx-engine", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------------
@@ -172,10 +174,12 @@ class Engine:
             self._wake_consumers()
             if not self.has_work():
                 if self._busy:  # just went idle: the batch's freed buffers go back to the OS
-                    self.runner.idle()
                     heap.trim()
-                    self._busy = False
-                self._wake.wait(0.5)
+                    self._busy, self._cached = False, True
+                elif self._cached:  # idle for a whole wait: MLX's buffer cache goes back too
+                    self.runner.idle()  # (not at once: a closed loop at c=1 idles per request)
+                    self._cached = False
+                self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
                 continue
             self._busy = True
