@@ -199,7 +199,8 @@ class ModelRunner:
         h = self.model.model(ids, cache=cache.layers)
         # Every row's real positions but its last, rows in group order: one flat [N, H] block.
         flat = np.concatenate([r * width + np.arange(p, width - 1) for r, p in enumerate(pads)])
-        flat = np.pad(flat, (0, -len(flat) % PROMPT_BLOCK))  # whole blocks: see prompt_scoring
+        if not self.host_logprobs:  # whole blocks on the device: see prompt_scoring
+            flat = np.pad(flat, (0, -len(flat) % PROMPT_BLOCK))
         hidden = h.reshape(-1, h.shape[-1])[mx.array(flat)]
         slices = [chunk_slice(c.seq, 0, c.end) for c in group]
         pending = score(

@@ -1,8 +1,8 @@
-"""Prompt logprobs on the device: entries for prompt positions, extracted block by block in the
-step's graph and copied to the host when the step is collected (no sync of their own).
+"""Prompt logprobs: entries for prompt positions, extracted block by block with the step and
+brought to the host when the step is collected (no sync of their own).
 
 Used by the model runner only; the extraction itself is `logprobs.extract`, as for generated
-tokens.
+tokens (on the device, or in numpy on the CPU backend).
 """
 
 from __future__ import annotations
@@ -109,17 +109,20 @@ def score(
     wanted = mx.array(list(p.logprob_token_ids), mx.int32) if p.logprob_token_ids else None
     ids = np.concatenate([s.token_ids for s in slices])
     n = len(ids)
-    # Every block has one of a few fixed lengths (the last is padded, its surplus rows dropped
-    # on the host): prompt lengths then never make new kernel shapes (compiled per shape on a GPU).
+    # On the device every block has one of a few fixed lengths (the last is padded, its surplus
+    # rows dropped on the host): prompt lengths then never make new kernel shapes (compiled per
+    # shape on a GPU). In numpy padding would only be work: the last block stays short.
     chosen = mx.array(np.pad(ids, (0, -n % PROMPT_BLOCK)))
     blocks, a = [], 0
-    # Evaluated in order with the step, so only about one block's temporaries are alive at once.
+    # On the device, blocks are evaluated in order with the step, so about one block's
+    # temporaries are alive at once; on the host, each block's logits wait for the collect.
     for size in block_sizes(n, max_block):
         rows = logits_of(a, a + size)  # may stop short at the end
-        if rows.shape[0] < size:
+        if rows.shape[0] < size and not host:
             rows = mx.pad(rows, [(0, size - rows.shape[0]), (0, 0)])
-        fixed = None if wanted is None else mx.broadcast_to(wanted, (size, k))
-        blocks.append(extract_logits(rows, chosen[a : a + size], k, fixed, wanted is None, host))
+        r = rows.shape[0]
+        fixed = None if wanted is None else mx.broadcast_to(wanted, (r, k))
+        blocks.append(extract_logits(rows, chosen[a : a + r], k, fixed, wanted is None, host))
         a += size
     return PendingPrompts(slices, blocks)
 
