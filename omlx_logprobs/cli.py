@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="freed MLX buffers kept for reuse, in MiB (default: 4096 on a GPU, MLX's own on"
-        " the CPU); the cache is also emptied whenever the server goes idle",
+        " the CPU); the cache is also emptied once the server has been idle for about 0.5 s",
     )
     s.add_argument(
         "--reasoning-parser",

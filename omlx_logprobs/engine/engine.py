@@ -176,7 +176,7 @@ class Engine:
                 if self._busy:  # just went idle: the batch's freed buffers go back to the OS
                     heap.trim()
                     self._busy, self._cached = False, True
-                elif self._cached:  # idle for a whole wait: MLX's buffer cache goes back too
+                elif self._cached:  # still idle one wait later: MLX's buffer cache goes back
                     self.runner.idle()  # (not at once: a closed loop at c=1 idles per request)
                     self._cached = False
                 self._wake.wait(IDLE_WAIT_S)

@@ -1,6 +1,8 @@
 """The one place logprobs are computed: a float32 log-softmax over the vocabulary, then, for the
-whole batch at once and still on the device, the chosen token's logprob and rank and the top K
-(or the logprobs of fixed ids). Generated tokens and prompt tokens go through the same function."""
+whole batch at once, the chosen token's logprob and rank and the top K (or the logprobs of fixed
+ids). On a GPU this stays on the device (`extract`); on MLX's CPU backend it runs in numpy when
+the step is collected (`HostExtraction`). Generated and prompt tokens take the same path
+(`extract_logits`)."""
 
 from __future__ import annotations
 

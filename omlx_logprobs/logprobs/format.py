@@ -1,9 +1,9 @@
 """Logprob entries in OpenAI's chat shape, written straight to JSON text.
 
-Entries are read from a request's flat store by position range. Each (id, place) pair has a
-cached piece of text: the entry's `"token"` and `"bytes"`, a `%s` for its logprob and what
-follows it (the top list's opening, a comma, or its close). A body is then one `join` of
-pieces and one `%` of the numbers: no Python code runs per entry.
+Entries are read from a request's flat store by position range. Each (place, id) pair has a
+cached piece of text: the end of the entry before it, then the entry's `"token"` and `"bytes"`
+up to its `"logprob":`. A body is one list, pieces and numbers interleaved by slice assignment,
+and one `join`: no Python code runs per entry.
 """
 
 from __future__ import annotations
