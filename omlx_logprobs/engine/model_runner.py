@@ -257,8 +257,8 @@ class ModelRunner:
             s.num_sampled += 1
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        checks = [finite if finite is not None else rows]
-        mx.async_eval(tokens, *checks, *(parts.arrays() if parts is not None else ()))
+        check = rows if finite is None else finite
+        mx.async_eval(tokens, check, *(parts.arrays() if parts is not None else ()))
         return LaunchedStep(seqs, tokens, parts, finite=finite, rows=rows)
 
     def _logprobs(
