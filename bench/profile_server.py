@@ -52,7 +52,7 @@ def main() -> int:
 
     os._exit = exit_after_printing  # type: ignore[assignment]
     PROFILES["event loop"].enable()
-    cli.main(sys.argv[1:])
+    cli.main([*sys.argv[1:], "--engine", "thread"])  # the profiled loop must be in this process
     return 0
 
 

@@ -18,16 +18,13 @@ import sys
 import time
 
 import httpx
+from server import tree_rss_mib
 
 PORT = 8109
 
 
 def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    return tree_rss_mib(pid)
 
 
 async def phase(client: httpx.AsyncClient, model: str, n: int, lengths: list[int]) -> int:

@@ -21,6 +21,35 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (our server's engine runs in a child process)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(p := todo.pop())
+        todo += children.get(p, [])
+    return tree
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and its descendants, in MiB (host memory: not a GPU's)."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            text = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        m = re.search(r"^VmRSS:\s+(\d+) kB", text, re.MULTILINE)
+        total += int(m.group(1)) if m else 0
+    return total / 1024
+
+
 def free_port() -> int:
     # Bind to port 0 and give it back: the kernel hands out ports it has not used for a while,
     # so the race with another process taking it is negligible on a bench machine.
@@ -70,21 +99,19 @@ class Server:
         return [ln for ln in self.log_text().splitlines() if pat.search(ln)]
 
     def cpu_s(self) -> float:
-        """CPU seconds the server process has used so far (user + system)."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """CPU seconds the server's processes (the server and its engine) have used so far."""
+        ticks = 0
+        for pid in process_tree(self.proc.pid):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def rss_mib(self) -> float:
-        """Resident memory of the server process (host memory: not the GPU's)."""
-        try:
-            text = Path(f"/proc/{self.proc.pid}/status").read_text()
-        except OSError:
-            return 0.0
-        m = re.search(r"^VmRSS:\s+(\d+) kB", text, re.MULTILINE)
-        return int(m.group(1)) / 1024 if m else 0.0
+        """Resident memory of the server's processes (host memory: not the GPU's)."""
+        return tree_rss_mib(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

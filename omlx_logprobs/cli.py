@@ -6,10 +6,16 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import omlx_logprobs
 from omlx_logprobs.config import Access, EngineConfig, Limits, ServerConfig
 from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled
+
+if TYPE_CHECKING:
+    from omlx_logprobs.engine.engine import EngineClient
+    from omlx_logprobs.models.loader import LoadedModel
 
 log = logging.getLogger("omlx_logprobs")
 API_KEY_ENV = "OMLX_LOGPROBS_API_KEY"  # a key in the environment stays out of `ps` listings
@@ -68,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["raw_logprobs", "processed_logprobs"],
         default="raw_logprobs",
         help="what logprobs describe when a request names no logprobs_mode",
+    )
+    s.add_argument(
+        "--engine",
+        choices=["process", "thread"],
+        default="process",
+        help="run the engine in a process of its own (default; the event loop and the step loop"
+        " then hold separate GILs) or in a thread of the server's process",
     )
     s.add_argument("--log-level", default="info")
     _add_limits(s)
@@ -153,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         ),
         shutdown_grace_s=args.shutdown_grace,
+        engine_process=args.engine == "process",
     )
 
 
@@ -160,13 +174,11 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> None:
     from omlx_logprobs.api.app import create_app
     from omlx_logprobs.api.server import run_server
     from omlx_logprobs.api.serving import Served
-    from omlx_logprobs.engine.engine import Engine
-    from omlx_logprobs.models.loader import load_model
 
     log.info("BLAS: %s", omlx_logprobs.BLAS)
     log.info("heap: %s", omlx_logprobs.HEAP)
     log.info("MLX: %s", ", ".join(f"{k}={os.environ.get(k)}" for k in MLX_ENVIRONMENT))
-    model = load_model(cfg.model, cfg.served_model_name, cfg.engine.max_model_len)
+    model, engine = start_engine(cfg, args.log_level)
     log.info(
         "model %s from %s (vocab %d, context %d)",
         model.name,
@@ -183,9 +195,29 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> None:
         log.warning(
             "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
         )
-    engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg.engine)
     served = Served(engine, model, cfg.engine, reasoning=reasoning, limits=cfg.limits)
     run_server(create_app(served, cfg.access), engine.begin_shutdown, cfg, args.log_level)
+
+
+def start_engine(cfg: ServerConfig, log_level: str) -> tuple[LoadedModel, EngineClient]:
+    """The model's tokenizer and facts for the API, and the engine: a child process that loads
+    the weights (the server's process then loads none), or a thread of this one."""
+    from omlx_logprobs.engine.engine import Engine
+    from omlx_logprobs.engine.process import EngineProcess, EngineSpec
+    from omlx_logprobs.models.loader import load_model
+    from omlx_logprobs.output.detokenizer import build_vocabulary
+
+    load = (cfg.model, cfg.served_model_name, cfg.engine.max_model_len)
+    if not cfg.engine_process:
+        model = load_model(*load)
+        return model, Engine(model.model, model.vocab, model.eos_token_ids, cfg.engine)
+    model = load_model(*load, weights=False)  # first: it converts a GGUF the child then loads
+    proc = EngineProcess(EngineSpec(cfg.model, cfg.served_model_name, cfg.engine, log_level))
+    proc.launch()
+    if proc.vocab_size != len(model.vocab):  # the weights' embedding size rules
+        vocab = build_vocabulary(model.tokenizer, max(proc.vocab_size, len(model.tokenizer)))
+        model = replace(model, vocab=vocab)
+    return replace(model, model=None), proc
 
 
 def mlx_environment() -> None:

@@ -77,6 +77,8 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     access: Access = field(default_factory=Access)
     shutdown_grace_s: float = 10.0  # on SIGINT/SIGTERM, in-flight requests get this long
+    # The engine in a process of its own (its own GIL), or in a thread of the server's.
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from omlx_logprobs.api import tokenize as tok
 from omlx_logprobs.api.completions import CompletionServing
@@ -42,10 +42,13 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
     completions = CompletionServing(served)
     created = int(time.time())
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
+    @app.get("/health", response_model=None)
+    async def health() -> dict[str, Any] | JSONResponse:
         stats = asdict(served.engine.snapshot())
-        return {"status": "ok", "running": stats["waiting"] + stats["running"], "engine": stats}
+        body = {"status": "ok", "running": stats["waiting"] + stats["running"], "engine": stats}
+        if not served.engine.alive:  # the engine process exited: nothing can be served
+            return JSONResponse({**body, "status": "engine stopped"}, status_code=503)
+        return body
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

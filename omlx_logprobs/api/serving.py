@@ -19,7 +19,7 @@ from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.api.limits import RequestLimits, model_bounds
 from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
 from omlx_logprobs.config import EngineConfig, Limits
-from omlx_logprobs.engine.engine import Engine, RequestHandle
+from omlx_logprobs.engine.engine import EngineClient, RequestHandle
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
@@ -37,7 +37,7 @@ from omlx_logprobs.types import (
 class Served:
     """Everything a route needs: the engine, the model's facts and the server's limits."""
 
-    engine: Engine
+    engine: EngineClient
     model: LoadedModel
     cfg: EngineConfig
     reasoning: bool = False  # the thinking parser is on (--reasoning-parser)

@@ -1,5 +1,7 @@
 """The engine: one thread owns all MLX work and runs the step loop; the asyncio side submits and
-aborts requests through a thread-safe inbox and reads outputs from per-request collectors."""
+aborts requests through a thread-safe inbox. Outputs leave through an outbox: per-request
+collectors when the engine runs in the server's process, a pipe when it runs in its own
+(engine/process.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from omlx_logprobs import heap
 from omlx_logprobs.config import EngineConfig
@@ -36,6 +38,75 @@ class RequestHandle:
 
 
 @dataclass(frozen=True)
+class Submission:
+    """A prompt and its forks as the engine thread receives them."""
+
+    seq: Sequence  # the leader; its forks are seq.forks
+    final_only: bool  # the consumers want the finished outputs alone (no streaming)
+    collectors: tuple[RequestOutputCollector, ...] = ()  # one per choice, in the server's process
+
+
+class Outbox(Protocol):
+    """Where the engine thread's outputs go."""
+
+    def register(self, sub: Submission) -> None: ...
+
+    def deliver(self, seq: Sequence, out: RequestOutput) -> None: ...
+
+    def flush(self, engine: Engine) -> None:
+        """After each step and each idle wait: hand over what was delivered since the last."""
+
+
+class CollectorOutbox:
+    """Outputs into per-request collectors; consumers woken together, once per flush."""
+
+    def __init__(self) -> None:
+        self._collectors: dict[int, RequestOutputCollector] = {}
+        self._to_wake: list[RequestOutputCollector] = []
+
+    def register(self, sub: Submission) -> None:
+        for seq, collector in zip(sub.seq.group, sub.collectors, strict=True):
+            self._collectors[seq.seq_id] = collector
+
+    def deliver(self, seq: Sequence, out: RequestOutput) -> None:
+        collector = self._collectors.get(seq.seq_id)
+        if collector is not None and collector.deposit(out):
+            self._to_wake.append(collector)
+        if out.finished:
+            self._collectors.pop(seq.seq_id, None)
+
+    def flush(self, engine: Engine) -> None:
+        if self._to_wake:
+            RequestOutputCollector.wake_all(self._to_wake)
+            self._to_wake = []
+
+
+class EngineClient(Protocol):
+    """What the API calls: `Engine` in this process, or `EngineProcess` (engine/process.py)."""
+
+    def start(self) -> None: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+    def begin_shutdown(self, grace_s: float) -> None: ...
+
+    def add_request(
+        self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
+    ) -> RequestHandle: ...
+
+    def add_group(
+        self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
+    ) -> list[RequestHandle]: ...
+
+    def abort(self, seq: Sequence) -> None: ...
+
+    def snapshot(self) -> EngineStats: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot for /health: what is queued, what holds KV memory, and how much MLX holds."""
 
@@ -50,16 +121,23 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: Any, vocab: Vocabulary, eos: tuple[int, ...], cfg: EngineConfig):
+    def __init__(
+        self,
+        model: Any,
+        vocab: Vocabulary,
+        eos: tuple[int, ...],
+        cfg: EngineConfig,
+        outbox: Outbox | None = None,
+    ):
         self.cfg = cfg
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.prefill_chunk, cfg.prefill_delay_ms / 1e3)
         self.runner = ModelRunner(model, len(vocab), cfg.cache_limit_mib)
         self.processor = OutputProcessor(vocab, eos, self._deliver)
+        self.outbox: Outbox = outbox or CollectorOutbox()
         self.inflight: LaunchedStep | None = None  # launched, not yet processed
         self.stats = StepStats()
         self._inflight_first = False  # the step in flight samples some prompt's first token
-        self._collectors: dict[int, RequestOutputCollector] = {}
-        self._to_wake: list[RequestOutputCollector] = []  # woken together after each step
+        self._live: dict[int, Sequence] = {}  # unfinished sequences by id (aborts name ids)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -94,13 +172,23 @@ class Engine:
         """Submit `seq` and its forks (made with `seq.fork`): one handle per choice, in order.
         `final_only`: the consumers wait for the finished outputs alone (no streaming)."""
         handles = [RequestHandle(s, RequestOutputCollector(loop, final_only)) for s in seq.group]
-        self._inbox.put(("add", handles))
-        self._wake.set()
+        self.submit(Submission(seq, final_only, tuple(h.collector for h in handles)))
         return handles
 
-    def abort(self, seq: Sequence) -> None:
-        self._inbox.put(("abort", seq))
+    def submit(self, sub: Submission) -> None:
+        self._inbox.put(("add", sub))
         self._wake.set()
+
+    def abort(self, seq: Sequence) -> None:
+        self.abort_id(seq.seq_id)
+
+    def abort_id(self, seq_id: int) -> None:
+        self._inbox.put(("abort", seq_id))
+        self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() or not self._stop.is_set()
 
     @property
     def num_unfinished(self) -> int:
@@ -200,16 +288,15 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
-                for handle in item:
-                    self._collectors[handle.seq.seq_id] = handle.collector
-                self.scheduler.add(item[0].seq)
-            elif item.status is not Status.FINISHED:
+                self.outbox.register(item)
+                self._live.update((s.seq_id, s) for s in item.seq.group)
+                self.scheduler.add(item.seq)
+            elif (seq := self._live.get(item)) is not None:
                 # Forks still waiting cannot start without their prompt: they end with it.
-                waiting = item.group if item.status is Status.WAITING else [item]
-                for seq in waiting:
-                    if seq.status is not Status.FINISHED:
-                        self._aborted[seq.status] += 1
-                        self._end(seq, FinishReason.ABORT, None)
+                for s in seq.group if seq.status is Status.WAITING else [seq]:
+                    if s.status is not Status.FINISHED:
+                        self._aborted[s.status] += 1
+                        self._end(s, FinishReason.ABORT, None)
 
     def _end(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:
         seq.finish(reason, error)
@@ -218,9 +305,7 @@ class Engine:
         self.processor.emit(seq, seq.text.flush(), seq.num_output)
 
     def _wake_consumers(self) -> None:
-        if self._to_wake:
-            RequestOutputCollector.wake_all(self._to_wake)
-            self._to_wake = []
+        self.outbox.flush(self)
 
     def _fail_all(self, message: str) -> None:
         waiting = [s for seq in self.scheduler.waiting for s in seq.group]
@@ -229,8 +314,6 @@ class Engine:
                 self._end(seq, FinishReason.ERROR, message)
 
     def _deliver(self, seq: Sequence, out: RequestOutput) -> None:
-        collector = self._collectors.get(seq.seq_id)
-        if collector is not None and collector.deposit(out):
-            self._to_wake.append(collector)
+        self.outbox.deliver(seq, out)
         if out.finished:
-            self._collectors.pop(seq.seq_id, None)
+            self._live.pop(seq.seq_id, None)

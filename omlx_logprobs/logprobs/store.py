@@ -4,8 +4,31 @@ however many tokens a request generates."""
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class StoreRows:
+    """Positions [start, end of the store) as raw native-order bytes: what crosses from the
+    engine's process to the server's (engine/process.py)."""
+
+    start: int
+    token_ids: bytes
+    logprobs: bytes
+    ranks: bytes
+    top_ids: bytes
+    top_logprobs: bytes
+
+
+def append_from(arr: array, start: int, data: bytes) -> None:
+    """Append the items of `data`, which begin at index `start` of the sender's copy, that
+    `arr` does not have yet (a resend of items already here adds nothing)."""
+    have = len(arr) - start
+    if have < 0:
+        raise ValueError(f"items from {start} cannot follow {len(arr)}")
+    arr.frombytes(data[have * arr.itemsize :])
 
 
 class LogprobStore:
@@ -52,6 +75,26 @@ class LogprobStore:
             self.top_logprobs.frombytes(
                 np.ascontiguousarray(top_lps[:, : self.k], np.float32).tobytes()
             )
+
+    def rows(self, start: int) -> StoreRows:
+        """Every position from `start` on, for another process's copy of this store."""
+        a = start * self.k
+        return StoreRows(
+            start,
+            self.token_ids[start:].tobytes(),
+            self.logprobs[start:].tobytes(),
+            self.ranks[start:].tobytes(),
+            self.top_ids[a:].tobytes(),
+            self.top_logprobs[a:].tobytes(),
+        )
+
+    def put(self, rows: StoreRows) -> None:
+        """Append the positions of `rows` this copy lacks (positions it has are skipped)."""
+        append_from(self.token_ids, rows.start, rows.token_ids)
+        append_from(self.logprobs, rows.start, rows.logprobs)
+        append_from(self.ranks, rows.start, rows.ranks)
+        append_from(self.top_ids, rows.start * self.k, rows.top_ids)
+        append_from(self.top_logprobs, rows.start * self.k, rows.top_logprobs)
 
     def top(self, i: int) -> tuple[array, array]:
         """The top list of position i: (ids, logprobs), best first."""

@@ -3,6 +3,7 @@ embedded default. Never a model hub."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a path that is not there must fa
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.utils import load as mlx_lm_load  # noqa: E402
+from mlx_lm.utils import load_tokenizer  # noqa: E402
 
 from omlx_logprobs.output.detokenizer import Vocabulary, build_vocabulary  # noqa: E402
 
@@ -23,7 +25,7 @@ log = logging.getLogger("omlx_logprobs")
 class LoadedModel:
     name: str
     path: Path
-    model: Any  # an mlx-lm nn.Module
+    model: Any  # an mlx-lm nn.Module; None where only the tokenizer was loaded
     tokenizer: Any  # the Hugging Face tokenizer
     vocab: Vocabulary
     eos_token_ids: tuple[int, ...]
@@ -49,19 +51,31 @@ def resolve_model_path(model: str | None) -> tuple[Path, str]:
 
 
 def load_model(
-    model: str | None = None, name: str | None = None, max_model_len: int | None = None
+    model: str | None = None,
+    name: str | None = None,
+    max_model_len: int | None = None,
+    weights: bool = True,
 ) -> LoadedModel:
+    """`weights=False`: the tokenizer and the model's facts alone (the server's process, when
+    the engine runs in its own)."""
     if model is not None and Path(model).suffix == ".json":
         return _load_scripted(Path(model).expanduser(), name, max_model_len)
     path, default_name = resolve_model_path(model)
-    net, wrapper, config = mlx_lm_load(str(path), return_config=True)  # type: ignore[misc]
-    if mx.default_device() == mx.cpu:
+    if weights:
+        net, wrapper, config = mlx_lm_load(str(path), return_config=True)  # type: ignore[misc]
+    else:
+        net, config = None, json.loads((path / "config.json").read_text())
+        wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    if net is not None and mx.default_device() == mx.cpu:
         net.set_dtype(mx.float32)  # float16 on the CPU is slow and, for SmolLM2, off by >1 nat
         # Evaluate here: a lazy cast would belong to this thread's stream, and the engine
         # thread, which has streams of its own, could not evaluate it.
         mx.eval(net.parameters())
     hf = wrapper._tokenizer
-    size = int(net.model.embed_tokens.weight.shape[0]) if hasattr(net, "model") else len(hf)
+    if net is not None and hasattr(net, "model"):
+        size = int(net.model.embed_tokens.weight.shape[0])
+    else:
+        size = int(config.get("vocab_size") or len(hf))
     eos = config.get("eos_token_id", [])
     eos_ids = tuple(sorted({*([eos] if isinstance(eos, int) else eos), *wrapper.eos_token_ids}))
     native = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
