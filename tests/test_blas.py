@@ -25,6 +25,7 @@ def test_server_bounds_mlx_cuda_graph_cache_unless_told(monkeypatch: pytest.Monk
         monkeypatch.delenv(key, raising=False)
     mlx_environment()
     assert os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"] == "64"
+    assert os.environ["MLX_CUDA_SDPA_CACHE_SIZE"] == "32"
     assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
     monkeypatch.setenv("MLX_CUDA_GRAPH_CACHE_SIZE", "400")
     mlx_environment()
