@@ -5,7 +5,8 @@ holds the accelerator:
     python bench/bare.py --preset gpu --model-dir DIR --out part.json
 
 - throughput: mlx-lm `BatchGenerator` at each concurrency of the preset (completion batch size =
-  concurrency, as many requests as our server gets, chat-templated prompts, no stop tokens);
+  concurrency, chat-templated prompts, no stop tokens), in the same runs as our server gets
+  (rounds x requests per run);
 - plain prefill: the scoring prompts through `BatchGenerator` with one new token;
 - TTFT: mlx-lm `stream_generate` on the TTFT prompts, time to the first non-empty text.
 """
@@ -43,14 +44,22 @@ def chat_ids(m: LoadedModel, text: str) -> list[int]:
 
 
 def throughput(m: LoadedModel, p: Preset, spec: CellSpec) -> Throughput:
-    n = spec.requests_per_run * spec.rounds
+    """As our server is measured: `rounds` runs of `requests_per_run` each, tokens over the sum
+    of their wall times. Each run has its ramp and its tail, where the batch is not full; one
+    run of all the requests (session 4 and before) had one tail for all of them."""
+    n, per_run = spec.requests_per_run * spec.rounds, spec.requests_per_run
     seed = BARE_SEED + spec.concurrency
     prompts = [chat_ids(m, make_prompt(i, p.prompt_words, seed)) for i in range(n)]
-    t0 = time.perf_counter()
-    tokens = run_batchgen(m, prompts, p.max_tokens, batch_size=spec.concurrency)
-    seconds = time.perf_counter() - t0
+    tokens, seconds = 0, 0.0
+    for r in range(spec.rounds):
+        t0 = time.perf_counter()
+        batch = prompts[r * per_run : (r + 1) * per_run]
+        tokens += run_batchgen(m, batch, p.max_tokens, batch_size=spec.concurrency)
+        seconds += time.perf_counter() - t0
     errors = 0 if tokens == n * p.max_tokens else n
-    return Throughput("batchgen", "off", spec.concurrency, n, 1, tokens / seconds, None, errors)
+    return Throughput(
+        "batchgen", "off", spec.concurrency, n, spec.rounds, tokens / seconds, None, errors
+    )
 
 
 def prefill(m: LoadedModel, p: Preset) -> Scoring:

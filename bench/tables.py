@@ -124,9 +124,10 @@ def section(res: Results, p: Preset, checks: list[Check]) -> str:
         f"prompts of about {p.prompt_words} random words, distinct per request, temperature 0. "
         "Completion tokens/s over wall time, summed over a mode's runs; modes run one after the "
         "other at each concurrency in an order that rotates between concurrencies. "
-        "BatchGenerator: bare mlx-lm in-process, the same number of chat-templated prompts, "
-        "completion batch = concurrency. Other CPU: the largest share of the machine that other "
-        "processes took during a run of that row (above ~10%, distrust the row).",
+        "BatchGenerator: bare mlx-lm in-process, chat-templated prompts in the same runs as "
+        "ours (as many runs, as many requests each), completion batch = concurrency. Other "
+        "CPU: the largest share of the machine that other processes took during a run of that "
+        "row (above ~10%, distrust the row).",
         "",
         throughput_table(res),
         "",

@@ -4,6 +4,7 @@ a starved engine (host time near wall time) from a device-bound one."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -12,7 +13,7 @@ log = logging.getLogger("omlx_logprobs")
 
 @dataclass
 class StepStats:
-    interval_s: float = 10.0
+    interval_s: float = float(os.environ.get("OMLX_STATS_INTERVAL_S", "10"))
     steps: int = 0
     rows: int = 0  # sequences sampled, over all steps
     prefill_tokens: int = 0
