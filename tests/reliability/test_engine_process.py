@@ -1,0 +1,55 @@
+"""The engine runs in a child process of the server: if that process dies, every request in
+flight and every later one gets an OpenAI-shaped 500 naming it, and /health turns 503; the
+server itself stays up and answers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.reliability.client import chat_body
+from tests.reliability.conftest import assert_openai_error, server_process
+
+
+def engine_child(pid: int) -> int:
+    """The server's engine process (its multiprocessing spawn child, not the resource tracker)."""
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+            cmd = (status.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"\nPPid:\t{pid}\n" in text and b"spawn_main" in cmd:
+            return int(status.parent.name)
+    raise AssertionError(f"no engine process under {pid}")
+
+
+def test_a_dead_engine_fails_requests_clearly(tiny_dir: Path, tmp_path: Path) -> None:
+    args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--log-level", "info"]
+    with server_process(args, tmp_path) as server:
+        body = chat_body("Count to a thousand.", max_tokens=1500, ignore_eos=True)
+        answers: list[httpx.Response] = []
+        inflight = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60)
+            )
+        )
+        inflight.start()
+        deadline = time.time() + 30
+        while httpx.get(server.base + "/health").json()["engine"]["running"] == 0:
+            assert not answers and time.time() < deadline, "the request never started"
+            time.sleep(0.05)
+        os.kill(engine_child(server.proc.pid), signal.SIGKILL)
+        inflight.join(60)
+        err = assert_openai_error(answers[0], 500, None)
+        assert "engine process has stopped" in err["message"]
+        health = httpx.get(server.base + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "engine stopped"
+        late = httpx.post(server.base + "/v1/chat/completions", json=chat_body("Hi"), timeout=30)
+        assert "engine process has stopped" in assert_openai_error(late, 500, None)["message"]
+        assert server.proc.poll() is None  # the HTTP server lives on
