@@ -73,16 +73,26 @@ def run_omlx(m: LoadedModel, batch: list[list[int]], max_tokens: int, top: int |
 
 
 def run_closed_loop(
-    m: LoadedModel, n: int, total: int, max_tokens: int, top: int | None, seed: int = 0
+    m: LoadedModel,
+    n: int,
+    total: int,
+    max_tokens: int,
+    top: int | None,
+    seed: int = 0,
+    stagger: bool = False,
 ) -> int:
     """`n` requests always in flight, each replaced by a new one (prompt of 24 to 72 random
-    tokens) when it finishes, until `total` are done: the HTTP benchmark's shape, without HTTP."""
+    tokens) when it finishes, until `total` are done: the HTTP benchmark's shape, without HTTP.
+    `stagger`: at most one new request a step, so requests finish at different steps and the
+    batch changes almost every step, as it does behind the HTTP server."""
     rng = random.Random(seed)
     engine = Engine(m.model, m.vocab, m.eos_token_ids, EngineConfig(max_num_seqs=max(64, n)))
     params = greedy_params(max_tokens, top)
     started, live, done = 0, [], 0
     while done < total:
-        while len(live) < n and started < total:
+        room = 1 if stagger else n
+        while len(live) < n and started < total and room > 0:
+            room -= 1
             prompt = [rng.randrange(100, len(m.vocab) - 100) for _ in range(rng.randint(24, 72))]
             live.append(Sequence(f"c{started}", prompt, params))
             engine.scheduler.add(live[-1])
@@ -121,7 +131,8 @@ def cell(m: LoadedModel, target: str, mode: str, n: int, args: argparse.Namespac
     top = None if mode == "off" else int(mode[3:])
     t0 = time.perf_counter()
     if target == "omlx" and args.closed_loop:
-        tokens = run_closed_loop(m, n, n * args.closed_loop, args.max_tokens, top)
+        total = n * args.closed_loop
+        tokens = run_closed_loop(m, n, total, args.max_tokens, top, stagger=args.stagger)
     elif target == "omlx":
         tokens = run_omlx(m, batch, args.max_tokens, top)
     else:
@@ -160,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="WAVES",
         help="our engine in a closed loop of WAVES x batch requests (BatchGenerator: one wave)",
+    )
+    ap.add_argument(
+        "--stagger", action="store_true", help="closed loop: at most one new request a step"
     )
     ap.add_argument("--profile", default=None, help="MODE: profile our engine at the last batch")
     a = ap.parse_args(argv)
