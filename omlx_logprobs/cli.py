@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import omlx_logprobs
@@ -210,16 +211,22 @@ def start_engine(cfg: ServerConfig, log_level: str) -> tuple[LoadedModel, Engine
     the weights (the server's process then loads none), or a thread of this one."""
     from omlx_logprobs.engine.engine import Engine
     from omlx_logprobs.engine.process import EngineProcess, EngineSpec
-    from omlx_logprobs.models.loader import load_model
+    from omlx_logprobs.models.loader import load_model, resolve_model_path
     from omlx_logprobs.output.detokenizer import build_vocabulary
 
-    load = (cfg.model, cfg.served_model_name, cfg.engine.max_model_len)
     if not cfg.engine_process:
-        model = load_model(*load)
+        model = load_model(cfg.model, cfg.served_model_name, cfg.engine.max_model_len)
         return model, Engine(model.model, model.vocab, model.eos_token_ids, cfg.engine)
-    model = load_model(*load, weights=False)  # first: it converts a GGUF the child then loads
-    proc = EngineProcess(EngineSpec(cfg.model, cfg.served_model_name, cfg.engine, log_level))
-    proc.launch()
+    # The model is resolved once, here (a GGUF converted before the child starts); the child
+    # loads the weights from that directory while this process loads the tokenizer.
+    source, name = cfg.model, cfg.served_model_name
+    if source is None or Path(source).suffix != ".json":
+        path, default_name = resolve_model_path(source)
+        source, name = str(path), name or default_name
+    proc = EngineProcess(EngineSpec(source, name, cfg.engine, log_level))
+    proc.spawn()
+    model = load_model(source, name, cfg.engine.max_model_len, weights=False)
+    proc.wait_ready()
     if proc.vocab_size != len(model.vocab):  # the weights' embedding size rules
         vocab = build_vocabulary(model.tokenizer, max(proc.vocab_size, len(model.tokenizer)))
         model = replace(model, vocab=vocab)

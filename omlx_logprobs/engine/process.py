@@ -224,9 +224,16 @@ class EngineProcess:
     # ---- lifetime ------------------------------------------------------------------------------
     def launch(self) -> None:
         """Start the child and wait until its model is loaded; RuntimeError if it fails."""
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the child, which loads the model; `wait_ready` waits for it."""
         self._proc.start()
         for end in self._child_ends:
             end.close()
+
+    def wait_ready(self) -> None:
         try:
             msg = self._wire.recv.recv()
         except EOFError:
