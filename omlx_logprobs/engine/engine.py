@@ -82,7 +82,8 @@ class CollectorOutbox:
 
 
 class EngineClient(Protocol):
-    """What the API calls: `Engine` in this process, or `EngineProcess` (engine/process.py)."""
+    """What the API calls: `Engine` in this process, or `EngineProcess` (engine/process.py);
+    both subclass it for `add_request`."""
 
     def start(self) -> None: ...
 
@@ -92,7 +93,9 @@ class EngineClient(Protocol):
 
     def add_request(
         self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
-    ) -> RequestHandle: ...
+    ) -> RequestHandle:
+        """Submit one choice; its handle."""
+        return self.add_group(seq, loop, final_only)[0]
 
     def add_group(
         self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
@@ -120,7 +123,7 @@ class EngineStats:
     aborted_running: int  # ... and while decoding
 
 
-class Engine:
+class Engine(EngineClient):
     def __init__(
         self,
         model: Any,
@@ -160,11 +163,6 @@ class Engine:
         """In-flight requests may finish for grace_s seconds; then they end with an error."""
         self._closing_at = time.monotonic() + grace_s
         self._wake.set()
-
-    def add_request(
-        self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
-    ) -> RequestHandle:
-        return self.add_group(seq, loop, final_only)[0]
 
     def add_group(
         self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False

@@ -24,7 +24,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine.engine import Engine, EngineStats, RequestHandle, Submission
+from omlx_logprobs.engine.engine import (
+    Engine,
+    EngineClient,
+    EngineStats,
+    RequestHandle,
+    Submission,
+)
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs.store import StoreRows, append_from
 from omlx_logprobs.output.collector import RequestOutputCollector
@@ -202,7 +208,7 @@ class _Wire:
     outgoing: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
 
 
-class EngineProcess:
+class EngineProcess(EngineClient):
     """The server's handle on an engine in a child process: the calls `Engine` offers the API."""
 
     def __init__(self, spec: EngineSpec) -> None:
@@ -270,11 +276,6 @@ class EngineProcess:
         return self._proc.pid
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(
-        self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
-    ) -> RequestHandle:
-        return self.add_group(seq, loop, final_only)[0]
-
     def add_group(
         self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
     ) -> list[RequestHandle]:
