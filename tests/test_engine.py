@@ -18,7 +18,7 @@ from omlx_logprobs.engine import model_runner
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from omlx_logprobs.types import FinishReason, SamplingParams
+from omlx_logprobs.types import FinishReason, LogprobsMode, SamplingParams
 from tests.conftest import _collect, reference_logprobs, run_engine
 
 PROMPTS = [
@@ -122,6 +122,65 @@ def test_prompts_prefilled_together_with_left_padding_equal_each_alone(
     for i, (seq, _) in enumerate(together):
         assert seq.num_output == params[i].max_tokens
         check_against_reference(tiny, prompts[i], seq, 2)
+
+
+def test_gpu_path_equals_host_path(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's step path (entries extracted by MLX, one packed int32 array read a step), run
+    on the CPU backend, against the CPU's numpy path: same tokens, same entries, for a batch
+    mixing every kind of logprobs request."""
+    base = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    params = [
+        replace(base, logprobs=True, top_logprobs=20),
+        replace(base, temperature=0.9, seed=3, logprobs=True, top_logprobs=5),
+        replace(
+            base,
+            temperature=0.7,
+            top_p=0.8,
+            seed=5,
+            logprobs=True,
+            top_logprobs=4,
+            logprobs_mode=LogprobsMode.PROCESSED,
+        ),
+        replace(base, logprobs=True, top_logprobs=3, logprob_token_ids=(5, 9, 11)),
+        replace(base, logit_bias=((7, 5.0),)),
+        replace(base, logprobs=True),
+    ]
+    requests = [(encode(tiny, PROMPTS[i % 4]), p) for i, p in enumerate(params)]
+    host = run_engine(tiny, requests)
+    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    device = run_engine(tiny, requests)
+    for (a, _), (b, _), p in zip(host, device, params):
+        assert list(a.output_ids) == list(b.output_ids)
+        if not p.logprobs:
+            continue
+        np.testing.assert_allclose(b.store.logprobs, a.store.logprobs, atol=1e-5)
+        assert list(b.store.ranks) == list(a.store.ranks)
+        np.testing.assert_allclose(b.store.top_logprobs, a.store.top_logprobs, atol=1e-5)
+        assert list(b.store.top_ids) == list(a.store.top_ids)
+    check_against_reference(tiny, requests[0][0], device[0][0], 20)
+
+
+def test_gpu_path_refuses_a_non_finite_row(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the GPU's path the finiteness flag travels in the packed array: a row whose logits
+    turn NaN ends its request with an error, and its batch neighbour runs to its end."""
+    from tests.reliability.conftest import PoisonModel
+
+    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    poison = encode(tiny, "zebra")[-1]
+    model = replace(tiny, model=PoisonModel(tiny.model, poison))
+    base = SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2
+    )
+    prompt = encode(tiny, PROMPTS[1])
+    bad, good = run_engine(
+        model, [(prompt, replace(base, logit_bias=((poison, 100.0),))), (prompt, base)]
+    )
+    assert bad[1][-1].finish_reason is FinishReason.ERROR
+    assert "non-finite" in (bad[0].error or "") and list(bad[0].output_ids) == [poison]
+    assert good[1][-1].finish_reason is FinishReason.LENGTH and good[0].num_output == 5
+    check_against_reference(tiny, prompt, good[0], 2)
 
 
 def test_seeded_sampling_is_independent_of_batch(tiny: LoadedModel) -> None:

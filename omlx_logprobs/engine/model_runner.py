@@ -31,8 +31,10 @@ from omlx_logprobs.logprobs.extract import (
     BatchLogprobs,
     Extraction,
     HostExtraction,
+    PackedStep,
     extract_logits,
     finite_rows,
+    pack_step,
 )
 from omlx_logprobs.types import SamplingParams
 
@@ -45,10 +47,10 @@ class LaunchedStep:
 
     seqs: list[Sequence]
     tokens: mx.array  # [B] sampled ids, lazy
-    logprobs: Extraction | HostExtraction | None  # lazy
+    logprobs: HostExtraction | None  # lazy (the CPU; on a GPU the entries are in `packed`)
     prompt: list[PendingPrompts] = field(default_factory=list)  # scored prompt positions
     prompt_only: list[Sequence] = field(default_factory=list)  # prefilled with max_tokens 0
-    finite: mx.array | None = None  # [B] bool, lazy
+    packed: PackedStep | None = None  # a GPU: tokens, finiteness and entries in one array
     rows: mx.array | None = None  # [B, V] logits, lazy: where the host checks finiteness (CPU)
 
 
@@ -89,6 +91,9 @@ CPU_PROMPT_BLOCK = PROMPT_BLOCK
 # caches), which grew RSS with every new (rows, width) pair. On the CPU padding is real compute.
 GPU_PREFILL_ALIGN = 32
 CPU_PREFILL_ALIGN = 1
+# Tests set this to run the GPU's path (extraction on the device, one packed read a step) on
+# the CPU backend.
+FORCE_GPU_PATH = False
 
 
 class ModelRunner:
@@ -109,7 +114,7 @@ class ModelRunner:
         self.split_head = family in _SPLIT_HEAD and hasattr(model, "model")
         # On the CPU backend logprobs and the finiteness check run in numpy at collect time
         # (see HostExtraction): MLX's CPU exp and partition are several times slower there.
-        cpu = mx.default_device() == mx.cpu
+        cpu = mx.default_device() == mx.cpu and not FORCE_GPU_PATH
         self.host_logprobs = cpu
         self.prompt_block = CPU_PROMPT_BLOCK if cpu else GPU_PROMPT_BLOCK
         self.prefill_align = CPU_PREFILL_ALIGN if cpu else GPU_PREFILL_ALIGN
@@ -237,29 +242,31 @@ class ModelRunner:
 
     def _sample(self, logits: mx.array, seqs: list[Sequence]) -> LaunchedStep:
         params = [s.params for s in seqs]
-        logits = logits.astype(mx.float32)
+        keys = [step_key(s.params.seed, s.num_sampled, s.choice_index) for s in seqs]
         histories = [
             (s.prompt_ids, s.output_ids.tolist()) if s.params.penalizes else ((), ()) for s in seqs
         ]
+        logits = logits.astype(mx.float32)
         logits = apply_processors(logits, params, histories)
         dist = sampling_logits(logits, params)
-        keys = [step_key(p.seed, s.num_sampled, s.choice_index) for p, s in zip(params, seqs)]
         tokens = sample(logits, dist, params, keys)
-        lse = None if self.host_logprobs else mx.logsumexp(logits, axis=-1, keepdims=True)
-        parts = self._logprobs(logits, dist, tokens, params, lse)
-        if lse is None:  # the finiteness check too runs on the host, from these rows
-            finite, rows = None, logits
-        else:
-            # One reduction per row, in the same evaluation: a NaN or +inf anywhere in a row (or
-            # a row of only -inf) makes its log-sum-exp non-finite and its token meaningless.
-            finite, rows = mx.isfinite(lse[:, 0]), None
         for s in seqs:
             s.num_sampled += 1
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        check = rows if finite is None else finite
-        mx.async_eval(tokens, check, *(parts.arrays() if parts is not None else ()))
-        return LaunchedStep(seqs, tokens, parts, finite=finite, rows=rows)
+        if self.host_logprobs:  # entries and the finiteness check run on the host, from the rows
+            host = self._logprobs(logits, dist, tokens, params, None)
+            assert not isinstance(host, Extraction)
+            mx.async_eval(tokens, logits, *(host.arrays() if host is not None else ()))
+            return LaunchedStep(seqs, tokens, host, rows=logits)
+        lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+        parts = self._logprobs(logits, dist, tokens, params, lse)
+        assert not isinstance(parts, HostExtraction)
+        # One reduction per row, in the same evaluation: a NaN or +inf anywhere in a row (or a
+        # row of only -inf) makes its log-sum-exp non-finite and its token meaningless.
+        packed = pack_step(tokens, mx.isfinite(lse[:, 0]), parts)
+        mx.async_eval(tokens, packed.array)
+        return LaunchedStep(seqs, tokens, None, packed=packed)
 
     def _logprobs(
         self,
@@ -301,11 +308,13 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step; one copy of its small arrays to the host."""
-        tokens = np.array(step.tokens)
-        logprobs = step.logprobs.to_host() if step.logprobs is not None else None
-        finite = np.array(step.finite) if step.finite is not None else None
-        if step.rows is not None:
-            finite = finite_rows(np.array(step.rows, copy=False))
+        finite: np.ndarray | None
+        if step.packed is not None:
+            tokens, finite, logprobs = step.packed.to_host()
+        else:
+            tokens = np.array(step.tokens)
+            logprobs = step.logprobs.to_host() if step.logprobs is not None else None
+            finite = None if step.rows is None else finite_rows(np.array(step.rows, copy=False))
         prompt = [x for p in step.prompt for x in p.to_host()]
         return StepResult(step.seqs, tokens, logprobs, prompt, step.prompt_only, finite)
 

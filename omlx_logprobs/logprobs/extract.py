@@ -53,6 +53,49 @@ class Extraction:
 
 
 @dataclass(frozen=True)
+class PackedStep:
+    """A decode step's small outputs as one int32 [R, 4 + 2K] array (token, finite, the
+    chosen token's logprob bits, rank, K ids, K logprob bits), so the host reads one buffer a
+    step: MLX's CUDA backend moves every array the host reads into unified memory, with an
+    allocation and a synchronous copy each."""
+
+    array: mx.array
+    k: int | None  # None: no row of the step asked for logprobs
+
+    def to_host(self) -> tuple[np.ndarray, np.ndarray, BatchLogprobs | None]:
+        """(token ids [B], finite [B] bool, the entries or None)."""
+        a = np.array(self.array, copy=False)
+        tokens, finite = a[:, 0].copy(), a[:, 1] != 0
+        if self.k is None:
+            return tokens, finite, None
+        k = self.k
+        return (
+            tokens,
+            finite,
+            BatchLogprobs(
+                a[:, 2].view(np.float32).copy(),
+                a[:, 3].copy(),
+                np.ascontiguousarray(a[:, 4 : 4 + k]),
+                np.ascontiguousarray(a[:, 4 + k :]).view(np.float32),
+            ),
+        )
+
+
+def pack_step(tokens: mx.array, finite: mx.array, parts: Extraction | None) -> PackedStep:
+    """`PackedStep` of a step's lazy arrays (tokens [R], finite [R] and its extraction)."""
+    cols = [tokens.astype(mx.int32)[:, None], finite.astype(mx.int32)[:, None]]
+    if parts is not None:
+        cols += [
+            parts.logprobs.astype(mx.float32).view(mx.int32)[:, None],
+            parts.ranks.astype(mx.int32)[:, None],
+            parts.top_ids.astype(mx.int32),
+            parts.top_logprobs.astype(mx.float32).view(mx.int32),
+        ]
+    k = None if parts is None else parts.top_ids.shape[1]
+    return PackedStep(mx.concatenate(cols, axis=1), k)
+
+
+@dataclass(frozen=True)
 class HostExtraction:
     """The same extraction, done in numpy when the step is collected, from the rows' logits
     evaluated with the step. For MLX's CPU backend: the rows already sit in host memory (nothing
