@@ -20,13 +20,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omlx_logprobs")
 API_KEY_ENV = "OMLX_LOGPROBS_API_KEY"  # a key in the environment stays out of `ps` listings
-# MLX's CUDA backend records each step into a CUDA graph and keeps up to 400 of them, keyed by
-# shape; a serving batch changes shape every step, so the cache fills with graphs used once and
-# held ~500 MiB of host memory on an H200. 64 keep the steady decode shapes (docs/benchmarks.md,
-# session 4). cuDNN attention plans (one per prefill shape, 256 kept) are bounded to 32: it halved
-# the RSS growth of the 2,000-request soak at no measurable throughput cost (session 5). MLX
-# raises after 2x capacity misses in total unless its thrashing check is off.
+# MLX's CUDA backend records kernels into CUDA graphs, keyed by shape; a serving batch changes
+# shape every step, so graphs are built, used once and evicted. Launching kernels directly made
+# top-20 steps ~12% faster through HTTP at c=64 on an H200 with logprobs off unchanged
+# (docs/benchmarks.md, session 6). Whoever turns graphs back on gets 64 of them kept (session 4:
+# 400 held ~500 MiB of host memory). cuDNN attention plans (one per prefill shape, 256 kept) are
+# bounded to 32: it halved the RSS growth of the 2,000-request soak (session 5). MLX raises after
+# 2x capacity misses in total unless its thrashing check is off.
 MLX_ENVIRONMENT = {
+    "MLX_USE_CUDA_GRAPHS": "0",
     "MLX_CUDA_GRAPH_CACHE_SIZE": "64",
     "MLX_CUDA_SDPA_CACHE_SIZE": "32",
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",

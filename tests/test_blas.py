@@ -20,13 +20,16 @@ def test_openblas_is_in_use_when_installed() -> None:
     assert omlx_logprobs.BLAS.startswith("OpenBLAS"), omlx_logprobs.BLAS
 
 
-def test_server_bounds_mlx_cuda_graph_cache_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_server_sets_mlx_cuda_settings_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in MLX_ENVIRONMENT:
         monkeypatch.delenv(key, raising=False)
     mlx_environment()
+    assert os.environ["MLX_USE_CUDA_GRAPHS"] == "0"
     assert os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"] == "64"
     assert os.environ["MLX_CUDA_SDPA_CACHE_SIZE"] == "32"
     assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
     monkeypatch.setenv("MLX_CUDA_GRAPH_CACHE_SIZE", "400")
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "1")
     mlx_environment()
     assert os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"] == "400"
+    assert os.environ["MLX_USE_CUDA_GRAPHS"] == "1"
