@@ -24,8 +24,10 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, on_first_signal: Callable[[], None]) -> None:
         super().__init__(config)
         self._on_first_signal = on_first_signal
+        self.signals: list[int] = []
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.signals.append(sig)
         if not self.should_exit:
             self._on_first_signal()
         super().handle_exit(sig, frame)
@@ -33,7 +35,8 @@ class _Server(uvicorn.Server):
 
 def run_server(
     app: FastAPI, begin_shutdown: Callable[[float], None], cfg: ServerConfig, log_level: str
-) -> None:
+) -> list[int]:
+    """Serve until a signal's graceful shutdown is done; the signals received, in order."""
     grace = cfg.shutdown_grace_s
     config = uvicorn.Config(
         app,
@@ -43,4 +46,6 @@ def run_server(
         # A backstop only: the engine has ended every request by `grace`, streams close after.
         timeout_graceful_shutdown=int(grace) + 5,
     )
-    _Server(config, lambda: begin_shutdown(grace)).run()
+    server = _Server(config, lambda: begin_shutdown(grace))
+    server.run()
+    return server.signals
