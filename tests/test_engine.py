@@ -157,7 +157,9 @@ def test_gpu_path_equals_host_path(tiny: LoadedModel, monkeypatch: pytest.Monkey
         assert list(b.store.ranks) == list(a.store.ranks)
         np.testing.assert_allclose(b.store.top_logprobs, a.store.top_logprobs, atol=1e-5)
         assert list(b.store.top_ids) == list(a.store.top_ids)
-    check_against_reference(tiny, requests[0][0], device[0][0], 20)
+    # And against a full forward pass: the raw-distribution rows with natural top lists.
+    for i, k in ((0, 20), (1, 5), (5, 0)):
+        check_against_reference(tiny, requests[i][0], device[i][0], k)
 
 
 def test_gpu_path_refuses_a_non_finite_row(
