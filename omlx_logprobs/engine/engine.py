@@ -37,6 +37,13 @@ class RequestHandle:
     collector: RequestOutputCollector
 
 
+def new_handles(
+    seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool
+) -> list[RequestHandle]:
+    """One handle per choice of `seq` (the leader and its forks), in order."""
+    return [RequestHandle(s, RequestOutputCollector(loop, final_only)) for s in seq.group]
+
+
 @dataclass(frozen=True)
 class Submission:
     """A prompt and its forks as the engine thread receives them."""
@@ -169,7 +176,7 @@ class Engine(EngineClient):
     ) -> list[RequestHandle]:
         """Submit `seq` and its forks (made with `seq.fork`): one handle per choice, in order.
         `final_only`: the consumers wait for the finished outputs alone (no streaming)."""
-        handles = [RequestHandle(s, RequestOutputCollector(loop, final_only)) for s in seq.group]
+        handles = new_handles(seq, loop, final_only)
         self.submit(Submission(seq, final_only, tuple(h.collector for h in handles)))
         return handles
 

@@ -30,6 +30,7 @@ from omlx_logprobs.engine.engine import (
     EngineStats,
     RequestHandle,
     Submission,
+    new_handles,
 )
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs.store import StoreRows, append_from
@@ -279,7 +280,7 @@ class EngineProcess(EngineClient):
     def add_group(
         self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
     ) -> list[RequestHandle]:
-        handles = [RequestHandle(s, RequestOutputCollector(loop, final_only)) for s in seq.group]
+        handles = new_handles(seq, loop, final_only)
         with self._lock:
             gone = self._gone
             if gone is None:  # registered before it is sent: an output may come back at once
