@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import omlx_logprobs
@@ -214,7 +213,7 @@ def start_engine(cfg: ServerConfig, log_level: str) -> tuple[LoadedModel, Engine
     the weights (the server's process then loads none), or a thread of this one."""
     from omlx_logprobs.engine.engine import Engine
     from omlx_logprobs.engine.process import EngineProcess, EngineSpec
-    from omlx_logprobs.models.loader import load_model, resolve_model_path
+    from omlx_logprobs.models.loader import is_scripted, load_model, resolve_model_path
     from omlx_logprobs.output.detokenizer import build_vocabulary
 
     if not cfg.engine_process:
@@ -223,7 +222,7 @@ def start_engine(cfg: ServerConfig, log_level: str) -> tuple[LoadedModel, Engine
     # The model is resolved once, here (a GGUF converted before the child starts); the child
     # loads the weights from that directory while this process loads the tokenizer.
     source, name = cfg.model, cfg.served_model_name
-    if source is None or Path(source).suffix != ".json":
+    if not is_scripted(source):
         path, default_name = resolve_model_path(source)
         source, name = str(path), name or default_name
     proc = EngineProcess(EngineSpec(source, name, cfg.engine, log_level))

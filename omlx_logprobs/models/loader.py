@@ -8,7 +8,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a path that is not there must fail, not download
 
@@ -50,6 +50,11 @@ def resolve_model_path(model: str | None) -> tuple[Path, str]:
     )
 
 
+def is_scripted(model: str | None) -> TypeGuard[str]:
+    """A scripted model's JSON spec (tests), not weights on disk."""
+    return model is not None and Path(model).suffix == ".json"
+
+
 def load_model(
     model: str | None = None,
     name: str | None = None,
@@ -58,7 +63,7 @@ def load_model(
 ) -> LoadedModel:
     """`weights=False`: the tokenizer and the model's facts alone (the server's process, when
     the engine runs in its own)."""
-    if model is not None and Path(model).suffix == ".json":
+    if is_scripted(model):
         return _load_scripted(Path(model).expanduser(), name, max_model_len)
     path, default_name = resolve_model_path(model)
     if weights:
