@@ -2,6 +2,7 @@
 # The engine's own accounting per logprobs mode: one server, long closed-loop runs (10 waves, so
 # each mode fills whole 10 s stats windows), the engine's stats line after each run.
 # Usage: bash bench/gpu_modes.sh MODEL_DIR CONCURRENCY "off 20 off 20" [SERVER FLAGS...]
+# LOADGEN_FLAGS adds load generator flags (LOADGEN_FLAGS=--stream).
 set -u
 model=$1; c=$2; modes=$3; shift 3
 OMLX_STATS_INTERVAL_S=${OMLX_STATS_INTERVAL_S:-3} python3 -m omlx_logprobs.cli serve --model $model --port 8107 --max-num-seqs 64 --log-level info "$@" > /tmp/modes.log 2>&1 &
@@ -14,7 +15,7 @@ child=$(for f in $(grep -l "^PPid:[[:space:]]*$pid\$" /proc/[0-9]*/status 2>/dev
   d=${f%/status}; tr '\0' ' ' < $d/cmdline | grep -q spawn_main && echo ${d#/proc/}; done | head -1)  # the engine
 load() {  # logprobs requests
   python3 bench/loadgen.py --base-url http://127.0.0.1:8107/v1 --model "$(basename $model)" \
-    --concurrency $c --requests $2 --max-tokens 128 --logprobs $1 --prompt-words 32 --seed $RANDOM \
+    --concurrency $c --requests $2 --max-tokens 128 --logprobs $1 --prompt-words 32 --seed $RANDOM ${LOADGEN_FLAGS:-} \
     2>/dev/null | python3 -c "import json,sys; d=json.load(sys.stdin); print(round(d['tokens_per_s'],1), 'tok/s, errors', d['errors'])"
 }
 load 20 $(( c * 2 )) >/dev/null; load off $(( c * 2 )) >/dev/null

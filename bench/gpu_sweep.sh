@@ -4,12 +4,13 @@
 # may hold environment settings ("OMLX_SWITCH_INTERVAL=0.001 --prefill-chunk 512"), and may start
 # with @DIR to run the package copy in DIR (an older commit's, from `git archive HEAD~1 omlx_logprobs`).
 # Usage: bash bench/gpu_sweep.sh MODEL_DIR CONCURRENCY "FLAGS A" "@old FLAGS A" ...
+# LOADGEN_FLAGS adds load generator flags (LOADGEN_FLAGS="--processes 8").
 set -u
 model=$1; c=$2; shift 2
 load() {  # logprobs seed
   python3 bench/loadgen.py --base-url http://127.0.0.1:8108/v1 --model "$(basename $model)" \
     --concurrency $c --requests $(( c * 3 )) --max-tokens 128 --logprobs $1 --prompt-words 32 \
-    --seed $2 2>/dev/null | python3 -c "import json,sys; d=json.load(sys.stdin); print(round(d['tokens_per_s'],1), 'e', d['errors'])"
+    --seed $2 ${LOADGEN_FLAGS:-} 2>/dev/null | python3 -c "import json,sys; d=json.load(sys.stdin); print(round(d['tokens_per_s'],1), 'e', d['errors'])"
 }
 for flags in "$@"; do
   envs=""; args=""; path=$PWD

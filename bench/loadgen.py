@@ -3,7 +3,9 @@
 `concurrency` workers, each with its own connection, send requests back to back until `requests`
 are done. Output length is pinned with `max_tokens` + `ignore_eos` so that tokens/s compares like
 with like, and every response is checked (status, token count, logprobs shape): a fast server
-that returns the wrong thing must not look good.
+that returns the wrong thing must not look good. `--processes N` splits the workers over N client
+processes: parsing a 128-token top-20 body (~170 KB of JSON) costs one Python process several
+ms, and when a closed-loop wave of 64 ends together the next wave would wait on the client.
 
     .venv/bin/python bench/loadgen.py --base-url http://127.0.0.1:8000/v1 --concurrency 8 \
         --requests 32 --logprobs 20
@@ -14,6 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
+import queue
 import random
 import sys
 import time
@@ -58,6 +62,8 @@ class LoadConfig:
     # Token ids banned through `logit_bias`: fixes the output length on servers that do not
     # know `ignore_eos` (mlx-lm), by making EOS unreachable at temperature 0.
     ban_token_ids: tuple[int, ...] = ()
+    processes: int = 1  # client processes sharing the workers and requests, one event loop each
+    first_index: int = 0  # the first request's index (prompts are a function of it)
 
 
 @dataclass
@@ -219,7 +225,10 @@ async def run_load(cfg: LoadConfig, send: Sender | None = None) -> LoadResult:
     """Run one closed-loop load and return its measurements. Requests that fail still count in
     the wall time but not in tokens; `errors` says how many. `send` makes and checks one
     request (default: chat completions, streaming or not as `cfg` says)."""
-    next_index = 0
+    if min(cfg.processes, cfg.concurrency, cfg.requests) > 1:
+        return await asyncio.to_thread(_run_processes, cfg, send)
+    next_index = cfg.first_index
+    end_index = cfg.first_index + cfg.requests
     records: list[RequestRecord] = []
     send = send or (_stream if cfg.stream else _complete)
     # One connection per worker: the client-side pool must never be what limits concurrency.
@@ -229,7 +238,7 @@ async def run_load(cfg: LoadConfig, send: Sender | None = None) -> LoadResult:
     async def worker() -> None:
         nonlocal next_index
         async with httpx.AsyncClient(base_url=cfg.base_url, limits=limits, timeout=timeout) as c:
-            while next_index < cfg.requests:
+            while next_index < end_index:
                 index = next_index
                 next_index += 1  # single-threaded event loop: no lock needed
                 t0 = time.perf_counter()
@@ -243,6 +252,47 @@ async def run_load(cfg: LoadConfig, send: Sender | None = None) -> LoadResult:
     await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, cfg.requests))))
     wall = time.perf_counter() - start
     return summarize(cfg, records, wall)
+
+
+def _shares(cfg: LoadConfig) -> list[LoadConfig]:
+    """Each client process's workers and requests, request indices disjoint and in order."""
+    n = min(cfg.processes, cfg.concurrency, cfg.requests)
+    shares, first = [], cfg.first_index
+    for i in range(n):
+        c = cfg.concurrency // n + (i < cfg.concurrency % n)
+        r = cfg.requests // n + (i < cfg.requests % n)
+        shares.append(replace(cfg, concurrency=c, requests=r, processes=1, first_index=first))
+        first += r
+    return shares
+
+
+def _child(cfg: LoadConfig, send: Sender | None, start: Any, out: Any) -> None:
+    start.wait()  # every process is up before any request is sent
+    t0 = time.perf_counter()  # CLOCK_MONOTONIC: comparable between processes
+    res = asyncio.run(run_load(cfg, send))
+    out.put((t0, time.perf_counter(), res))
+
+
+def _run_processes(cfg: LoadConfig, send: Sender | None) -> LoadResult:
+    """`run_load` over several client processes started together; wall time from the first
+    start to the last end. `send` must be a module-level function (it is pickled)."""
+    ctx = mp.get_context("spawn")
+    shares = _shares(cfg)
+    start, out = ctx.Barrier(len(shares)), ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(c, send, start, out)) for c in shares]
+    for p in procs:
+        p.start()
+    done: list[tuple[float, float, LoadResult]] = []
+    while len(done) < len(procs):
+        try:
+            done.append(out.get(timeout=1.0))
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError("a load generator process failed") from None
+    for p in procs:
+        p.join()
+    wall = max(d[1] for d in done) - min(d[0] for d in done)
+    return summarize(cfg, [r for d in done for r in d[2].records], wall)
 
 
 def summarize(cfg: LoadConfig, records: list[RequestRecord], wall: float) -> LoadResult:
@@ -305,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--processes", type=int, default=1, help="client processes")
     a = p.parse_args(argv)
     cfg = LoadConfig(
         base_url=a.base_url,
@@ -318,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         temperature=a.temperature,
         seed=a.seed,
         timeout_s=a.timeout,
+        processes=a.processes,
     )
     res = asyncio.run(run_load(cfg))
     print(json.dumps(res.to_json(), indent=2))

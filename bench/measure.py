@@ -38,6 +38,12 @@ def busy_cpu_s() -> float:
     return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def own_cpu_s() -> float:
+    """CPU seconds of this process and of its finished children (load generator processes)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 @dataclass
 class Target:
     """How to talk to one server: its name in results, the model name it serves, and whether
@@ -71,16 +77,17 @@ class ServerBench:
             seed=self.seed,
             strict=self.target.strict,
             ban_token_ids=self.target.ban_token_ids,
+            processes=self.p.client_processes,
         )
         return replace(cfg, **changes)
 
     async def load(
         self, cfg: LoadConfig, send: Sender | None = None, label: str = ""
     ) -> LoadResult:
-        busy0, self0, server0, t0 = busy_cpu_s(), time.process_time(), self.server.cpu_s(), now()
+        busy0, self0, server0, t0 = busy_cpu_s(), own_cpu_s(), self.server.cpu_s(), now()
         res = await run_load(cfg, send)
         # Other processes on this box skew every number: measure how much CPU they took meanwhile.
-        mine = time.process_time() - self0 + self.server.cpu_s() - server0
+        mine = own_cpu_s() - self0 + self.server.cpu_s() - server0
         other = (busy_cpu_s() - busy0 - mine) / ((now() - t0) * (os.cpu_count() or 1))
         self.other_cpu = max(0.0, other)  # clock-tick rounding can dip below zero
         mode = label or ("off" if cfg.logprobs is None else f"top{cfg.logprobs}")

@@ -66,6 +66,9 @@ class Preset:
     omlx_modes: tuple[str, ...] = MODES
     peer_modes: tuple[str, ...] = ("off", "top5")  # mlx-lm's server caps top_logprobs at 11
     warmup_tokens: int = 4
+    # Load generator processes: on the GPU host the client's JSON work must not be what paces a
+    # closed-loop wave; on the 2-core CPU box every extra process takes a core from the server.
+    client_processes: int = 1
 
 
 # `make bench` on the 2-core CPU box, where prefill runs at ~150 tokens/s and decode at batch 64
@@ -103,6 +106,7 @@ GPU = Preset(
     prompt_words=32,
     cells=(CellSpec(1, 3, 3), CellSpec(8, 24, 3), CellSpec(32, 96, 3), CellSpec(64, 192, 3)),
     peer_goal=2.0,
+    client_processes=8,
     ttft_requests=10,
     score=ScoreSpec(concurrency=8, requests=192, prompt_words=400),
     memory=MemorySpec(2000, 200, concurrency=64, max_tokens=16, prompt_words=16),
