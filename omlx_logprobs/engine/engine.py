@@ -228,7 +228,7 @@ class Engine(EngineClient):
         self._inflight_first = any(c.is_last for c in work.prefill)
         rows = len(launched.seqs) if launched is not None else 0
         prefill = sum(c.end - c.start for c in work.prefill)
-        self.stats.add(rows, prefill, t1 - t0, time.perf_counter() - t1)
+        self.stats.add(rows, prefill, t1 - t0, time.perf_counter() - t1, self.runner.take_time())
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None

@@ -8,6 +8,7 @@ decode inputs are the previous step's sampled tokens, read on the device.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,18 +28,28 @@ from omlx_logprobs.engine.prompt_scoring import (
 from omlx_logprobs.engine.sampler import apply_processors, sample, sampling_logits, step_key
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.logprobs import kernel
 from omlx_logprobs.logprobs.extract import (
     BatchLogprobs,
-    Extraction,
+    EntryAsk,
     HostExtraction,
     PackedStep,
-    extract_logits,
+    device_step,
     finite_rows,
-    pack_step,
 )
 from omlx_logprobs.types import SamplingParams
 
-__all__ = ["LaunchedStep", "ModelRunner", "PromptLogprobs", "StepResult"]
+__all__ = ["DeviceTime", "LaunchedStep", "ModelRunner", "PromptLogprobs", "StepResult"]
+
+
+@dataclass
+class DeviceTime:
+    """Host seconds spent at the device boundary since the last `take_time`: queueing graphs
+    (on a GPU, `async_eval` launches every kernel from the host) and reading steps back
+    (waiting for the device, the copy out; on the CPU also the numpy extraction)."""
+
+    queue_s: float = 0.0
+    read_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,7 @@ class ModelRunner:
         self.last_rows: dict[int, int] = {}  # seq_id -> its row in last_tokens
         self.chunk_caches: dict[int, list[Any]] = {}  # long prompts between their chunks
         self.prefilled: dict[int, _Prefilled] = {}  # prompts done, not yet in the batch
+        self.time = DeviceTime()
         probe = make_prompt_cache(model)
         self.num_layers = len(probe)
         # Prompts batch together only with plain KV caches (left padding needs BatchKVCache).
@@ -116,6 +128,8 @@ class ModelRunner:
         # (see HostExtraction): MLX's CPU exp and partition are several times slower there.
         cpu = mx.default_device() == mx.cpu and not FORCE_GPU_PATH
         self.host_logprobs = cpu
+        # On MLX's CUDA backend the step's outputs come from one kernel (logprobs/kernel.py).
+        self.fused = not cpu and kernel.available()
         self.prompt_block = CPU_PROMPT_BLOCK if cpu else GPU_PROMPT_BLOCK
         self.prefill_align = CPU_PREFILL_ALIGN if cpu else GPU_PREFILL_ALIGN
         if cache_limit_mib is None and not cpu:
@@ -162,7 +176,7 @@ class ModelRunner:
                 parts.append(mx.broadcast_to(last, (len(members), last.shape[-1])))
                 seqs += members
         if prompt:  # queued now, collected with the step: no sync per scored block
-            mx.async_eval(*(x for p in prompt for x in p.arrays()))
+            self._queue(*(x for p in prompt for x in p.arrays()))
         if not seqs:
             if not prompt and not prompt_only:
                 return None
@@ -230,7 +244,7 @@ class ModelRunner:
         else:
             self.model(ids, cache=cache)  # lazy: evaluating only the cache skips the head
         if not chunk.is_last:
-            mx.async_eval([c.state for c in cache])  # bound the lazy graph between chunks
+            self._queue([c.state for c in cache])  # bound the lazy graph between chunks
             return None, scored
         del self.chunk_caches[seq.seq_id]
         members = seq.joining()
@@ -254,39 +268,34 @@ class ModelRunner:
             s.num_sampled += 1
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        ask = self._entries_asked(logits, dist, params)
         if self.host_logprobs:  # entries and the finiteness check run on the host, from the rows
-            host = self._logprobs(logits, dist, tokens, params, None)
-            assert not isinstance(host, Extraction)
-            mx.async_eval(tokens, logits, *(host.arrays() if host is not None else ()))
+            host = None
+            if ask is not None:
+                host = HostExtraction(ask.src, tokens, ask.k, ask.fixed, ask.natural)
+            self._queue(tokens, logits, *(host.arrays() if host is not None else ()))
             return LaunchedStep(seqs, tokens, host, rows=logits)
-        lse = mx.logsumexp(logits, axis=-1, keepdims=True)
-        parts = self._logprobs(logits, dist, tokens, params, lse)
-        assert not isinstance(parts, HostExtraction)
         # One reduction per row, in the same evaluation: a NaN or +inf anywhere in a row (or a
         # row of only -inf) makes its log-sum-exp non-finite and its token meaningless.
-        packed = pack_step(tokens, mx.isfinite(lse[:, 0]), parts)
-        mx.async_eval(tokens, packed.array)
+        lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+        packed = device_step(tokens, lse, ask, self.fused)
+        self._queue(tokens, packed.array)
         return LaunchedStep(seqs, tokens, None, packed=packed)
 
-    def _logprobs(
-        self,
-        logits: mx.array,
-        dist: mx.array,
-        tokens: mx.array,
-        params: list[SamplingParams],
-        lse: mx.array | None,
-    ) -> Extraction | HostExtraction | None:
-        """The step's entries, when any row asks: of the raw distribution (what the processors
-        left; `lse` is its log-sum-exp), or per row of what was sampled from."""
+    @staticmethod
+    def _entries_asked(
+        logits: mx.array, dist: mx.array, params: list[SamplingParams]
+    ) -> EntryAsk | None:
+        """What the step's entries are taken from, when any row asks: the raw distribution (what
+        the processors left), or per row what was sampled from."""
         if not any(p.logprobs for p in params):
             return None
         k = max(p.num_top for p in params if p.logprobs)
         fixed, natural = _fixed_ids(params, k)
-        src = logits
-        if any(p.logprobs and p.processed for p in params):
-            src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
-            lse = None
-        return extract_logits(src, tokens, k, fixed, natural, self.host_logprobs, lse)
+        if not any(p.logprobs and p.processed for p in params):
+            return EntryAsk(logits, k, fixed, natural)
+        src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
+        return EntryAsk(src, k, fixed, natural, raw=False)
 
     @property
     def num_cached(self) -> int:
@@ -306,8 +315,19 @@ class ModelRunner:
     def cache_memory() -> int:
         return int(mx.get_cache_memory())
 
+    def _queue(self, *arrays: Any) -> None:
+        t0 = time.perf_counter()
+        mx.async_eval(*arrays)
+        self.time.queue_s += time.perf_counter() - t0
+
+    def take_time(self) -> DeviceTime:
+        """The device-boundary time since the last call."""
+        spent, self.time = self.time, DeviceTime()
+        return spent
+
     def collect(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step; one copy of its small arrays to the host."""
+        t0 = time.perf_counter()
         finite: np.ndarray | None
         if step.packed is not None:
             tokens, finite, logprobs = step.packed.to_host()
@@ -316,6 +336,7 @@ class ModelRunner:
             logprobs = step.logprobs.to_host() if step.logprobs is not None else None
             finite = None if step.rows is None else finite_rows(np.array(step.rows, copy=False))
         prompt = [x for p in step.prompt for x in p.to_host()]
+        self.time.read_s += time.perf_counter() - t0
         return StepResult(step.seqs, tokens, logprobs, prompt, step.prompt_only, finite)
 
     def admit(self, seqs: list[Sequence]) -> None:

@@ -8,6 +8,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from omlx_logprobs.engine.model_runner import DeviceTime
+
 log = logging.getLogger("omlx_logprobs")
 
 
@@ -19,14 +21,20 @@ class StepStats:
     prefill_tokens: int = 0
     launch_s: float = 0.0  # host time building and queueing steps
     complete_s: float = 0.0  # waiting for the device, then processing outputs
+    queue_s: float = 0.0  # of launch_s: in async_eval (on a GPU the host launches kernels there)
+    read_s: float = 0.0  # of complete_s: reading steps back (the wait for the device included)
     _since: float = field(default_factory=time.perf_counter)
 
-    def add(self, rows: int, prefill_tokens: int, launch_s: float, complete_s: float) -> None:
+    def add(
+        self, rows: int, prefill_tokens: int, launch_s: float, complete_s: float, device: DeviceTime
+    ) -> None:
         self.steps += 1
         self.rows += rows
         self.prefill_tokens += prefill_tokens
         self.launch_s += launch_s
         self.complete_s += complete_s
+        self.queue_s += device.queue_s
+        self.read_s += device.read_s
         if time.perf_counter() - self._since >= self.interval_s:
             self.flush()
 
@@ -35,14 +43,17 @@ class StepStats:
         if self.steps and log.isEnabledFor(logging.INFO):
             log.info(
                 "engine: %.1f steps/s, %.1f rows/step, %.0f tokens/s generated, %.0f prompt "
-                "tokens/s; per step %.2f ms launch, %.2f ms complete",
+                "tokens/s; per step %.2f ms launch (%.2f queueing), %.2f ms complete (%.2f "
+                "reading)",
                 self.steps / wall,
                 self.rows / self.steps,
                 self.rows / wall,
                 self.prefill_tokens / wall,
                 1e3 * self.launch_s / self.steps,
+                1e3 * self.queue_s / self.steps,
                 1e3 * self.complete_s / self.steps,
+                1e3 * self.read_s / self.steps,
             )
         self.steps = self.rows = self.prefill_tokens = 0
-        self.launch_s = self.complete_s = 0.0
+        self.launch_s = self.complete_s = self.queue_s = self.read_s = 0.0
         self._since = time.perf_counter()

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from omlx_logprobs.logprobs import kernel
+
 
 def log_softmax(logits: mx.array, lse: mx.array | None = None) -> mx.array:
     """Float32 log-softmax over the last axis, whatever the model's dtype. `lse`: the rows'
@@ -79,6 +81,33 @@ class PackedStep:
                 np.ascontiguousarray(a[:, 4 + k :]).view(np.float32),
             ),
         )
+
+
+@dataclass(frozen=True)
+class EntryAsk:
+    """What a step's rows ask for: the distribution's logits `src` [R, V] float32 (raw, or per
+    row the processed ones), K, and the fixed ids [R, K] (-1: the row's natural top list)."""
+
+    src: mx.array
+    k: int
+    fixed: mx.array | None = None
+    natural: bool = True  # some row wants its natural top list
+    raw: bool = True  # src is the raw logits (their log-sum-exp serves it)
+
+
+def device_step(tokens: mx.array, lse: mx.array, ask: EntryAsk | None, fused: bool) -> PackedStep:
+    """A step's packed outputs, lazy, on the device. `lse` [R, 1]: the raw logits' log-sum-exp
+    (a row is finite when it is). `fused`: one CUDA kernel (logprobs/kernel.py); else MLX ops."""
+    if ask is None:
+        if fused:
+            return PackedStep(kernel.packed_step(lse, lse, lse, tokens, None), None)
+        return pack_step(tokens, mx.isfinite(lse[:, 0]), None)
+    src_lse = lse if ask.raw else mx.logsumexp(ask.src, axis=-1, keepdims=True)
+    if fused:
+        fixed = ask.fixed if ask.k else None
+        return PackedStep(kernel.packed_step(ask.src, src_lse, lse, tokens, ask.k, fixed), ask.k)
+    parts = extract(log_softmax(ask.src, src_lse), tokens, ask.k, ask.fixed, ask.natural)
+    return pack_step(tokens, mx.isfinite(lse[:, 0]), parts)
 
 
 def pack_step(tokens: mx.array, finite: mx.array, parts: Extraction | None) -> PackedStep:
