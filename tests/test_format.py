@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from omlx_logprobs.logprobs.format import ChatLogprobFormatter, NonFiniteLogprob
+from omlx_logprobs.logprobs.format import ChatLogprobFormatter, EntriesText, NonFiniteLogprob
 from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.output.detokenizer import Vocabulary, token_display
@@ -120,3 +120,31 @@ def count(tid: int, in_prompt: bool) -> int:
     if b is None:
         return len(VOCAB.token_text[tid]) if in_prompt else 0
     return sum(1 for c in b if c < 0x80 or c >= 0xC0)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_entries_text_grown_in_spans_equals_one_formatting(k: int) -> None:
+    """A non-streamed body's entries formatted while the request runs (spans of any size as the
+    store grows) equal the whole list formatted at the end, for every end."""
+    full = random_store(np.random.default_rng(40 + k), 40, k)
+    fmt = ChatLogprobFormatter(VOCAB)
+    for cuts in ([], [1], [16, 32], [5, 6, 7, 39], [40]):
+        store = LogprobStore(k)
+        text = EntriesText(fmt, store)
+        for i in range(40):  # as the engine's records arrive, position by position
+            ids, lps = (a.tobytes() for a in full.top(i))
+            store.append(full.token_ids[i], full.logprobs[i], full.ranks[i], ids, lps)
+            if i + 1 in cuts:
+                text.extend()
+        assert text.json(0, 40) == fmt.entries(full, 0, 40)
+    assert text.json(3, 40) == fmt.entries(full, 3, 40)  # not from 0: formatted at the end
+
+
+def test_entries_text_with_a_nan_raises_at_the_end() -> None:
+    store = random_store(np.random.default_rng(9), 20, 2)
+    store.logprobs[4] = float("nan")
+    text = EntriesText(ChatLogprobFormatter(VOCAB), store)
+    text.extend()  # the arrival side never raises ...
+    assert text.failed
+    with pytest.raises(NonFiniteLogprob):
+        text.json(0, 20)  # ... the body's own formatting does, as without it

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine.process import EngineProcess, EngineSpec
+from omlx_logprobs.engine.process import PROGRESS_EVERY, EngineProcess, EngineSpec
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.models.loader import LoadedModel
@@ -111,6 +111,36 @@ def test_records_match_thread_engine_and_reference(
         if seq.prompt_store is not None:
             pwant = [ref_lp[i - 1, seq.prompt_ids[i]] for i in range(1, n)]
             np.testing.assert_allclose(seq.prompt_store.logprobs, pwant, atol=2e-4)
+
+
+def test_a_non_streamed_request_ships_its_records_early(
+    proc: EngineProcess, tiny: LoadedModel
+) -> None:
+    """With `on_progress`, a final-only request's records arrive every PROGRESS_EVERY tokens
+    (the consumer is not woken: one output, at the end), each arrival sees the records grown,
+    and they end equal to the thread engine's."""
+    params = SamplingParams(
+        max_tokens=40, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3
+    )
+    seq = Sequence("early", [1, 17, 250, 9], params)
+    seen: list[int] = []
+
+    async def main() -> list[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        handle = proc.add_request(seq, loop, True, lambda: seen.append(seq.num_output))
+        outs = [await handle.collector.get()]
+        while not outs[-1].finished:
+            outs.append(await handle.collector.get())
+        return outs
+
+    outs = asyncio.run(main())
+    assert len(outs) == 1 and (outs[0].first_token, outs[0].end_token) == (0, 40)
+    assert seen == sorted(seen) and len(seen) >= 2 and all(0 < n < 40 for n in seen)
+    assert seen[0] >= PROGRESS_EVERY
+    [(ref, _)] = run_engine(tiny, [(seq.prompt_ids, params)], CFG)
+    assert seq.output_ids == ref.output_ids
+    assert seq.store is not None and ref.store is not None
+    assert (seq.store.token_ids, seq.store.top_ids) == (ref.store.token_ids, ref.store.top_ids)
 
 
 def test_abort_reaches_the_child(proc: EngineProcess) -> None:

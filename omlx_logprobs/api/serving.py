@@ -21,7 +21,7 @@ from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.engine.engine import EngineClient, RequestHandle
 from omlx_logprobs.engine.sequence import Sequence
-from omlx_logprobs.logprobs.format import ChatLogprobFormatter
+from omlx_logprobs.logprobs.format import ChatLogprobFormatter, EntriesText
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.parsing.thinking import ThinkStart, think_start
@@ -209,7 +209,9 @@ class ChatServing:
             PromptLogprobFormatter(vocab, as_ids=True),
         )
 
-    def _start(self, req: ChatCompletionRequest) -> RequestHandle:
+    def _start(self, req: ChatCompletionRequest) -> tuple[RequestHandle, EntriesText | None]:
+        """Submit the request: its handle, and for a non-streamed one with top lists the text
+        of its entries, which grows while it runs (see EntriesText)."""
         served = self.served
         served.check_model(req.model)
         served.checks.check(req)
@@ -231,10 +233,15 @@ class ChatServing:
         )
         think = think_start(served.reasoning, served.model.tokenizer.decode(prompt[-8:]))
         seq = Sequence(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, think)
-        return served.engine.add_request(seq, asyncio.get_running_loop(), not req.stream)
+        text = None
+        if not req.stream and seq.store is not None and seq.store.k and think is ThinkStart.OFF:
+            text = EntriesText(self.formatters[req.return_tokens_as_token_ids], seq.store)
+        loop = asyncio.get_running_loop()
+        progress = text.extend if text is not None else None
+        return served.engine.add_request(seq, loop, not req.stream, progress), text
 
     async def complete(self, req: ChatCompletionRequest, raw: Request) -> dict[str, Any] | str:
-        handle = self._start(req)
+        handle, text = self._start(req)
         try:
             out = await wait_or_disconnect(handle, raw)
         finally:
@@ -242,7 +249,7 @@ class ChatServing:
                 self.served.engine.abort(handle.seq)
         _raise_if_failed(out)
         seq = handle.seq
-        lp = self._logprobs_json(req, seq, out)
+        lp = self._logprobs_json(req, seq, out, text)
         message = json.dumps(
             {"role": "assistant", **sections.message(out, seq.think)}, ensure_ascii=False
         )
@@ -264,21 +271,28 @@ class ChatServing:
             f'"usage":{json.dumps(_usage(out, seq.think))}{prompt_ids}}}'
         )
 
-    def _logprobs_json(self, req: ChatCompletionRequest, seq: Sequence, out: RequestOutput) -> str:
+    def _logprobs_json(
+        self,
+        req: ChatCompletionRequest,
+        seq: Sequence,
+        out: RequestOutput,
+        text: EntriesText | None = None,
+    ) -> str:
         """The entries of out's tokens; with the thinking parser on, reasoning tokens apart."""
         if seq.store is None:
             return "null"
         entries = self.formatters[req.return_tokens_as_token_ids].entries
         first, split, end = out.first_token, out.split_token, out.end_token
         if seq.think is ThinkStart.OFF:
-            return '{"content":' + entries(seq.store, first, end) + ',"refusal":null}'
+            body = text.json(first, end) if text is not None else entries(seq.store, first, end)
+            return '{"content":' + body + ',"refusal":null}'
         return (
             f'{{"content":{entries(seq.store, split, end)},'
             f'"reasoning_content":{entries(seq.store, first, split)},"refusal":null}}'
         )
 
     def stream(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
-        handle = self._start(req)  # errors raise here, before the 200 starts
+        handle, _ = self._start(req)  # errors raise here, before the 200 starts
         return self._events(req, handle)
 
     async def _events(

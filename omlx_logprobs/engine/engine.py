@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,19 +30,32 @@ SMALL_BATCH = 4
 IDLE_WAIT_S = 0.5  # an idle engine looks at its inbox at least this often
 
 
+Progress = Callable[[], None]
+
+
 @dataclass(frozen=True)
 class RequestHandle:
     """What the submitter keeps: the engine's record (read-only) and the output slot."""
 
     seq: Sequence
     collector: RequestOutputCollector
+    # Called when the record has grown without an output (a non-streamed request's entries
+    # arriving early from the engine's process: see EngineProcess); never in thread mode.
+    on_progress: Progress | None = None
 
 
 def new_handles(
-    seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool
+    seq: Sequence,
+    loop: asyncio.AbstractEventLoop,
+    final_only: bool,
+    on_progress: Progress | None = None,
 ) -> list[RequestHandle]:
-    """One handle per choice of `seq` (the leader and its forks), in order."""
-    return [RequestHandle(s, RequestOutputCollector(loop, final_only)) for s in seq.group]
+    """One handle per choice of `seq` (the leader and its forks), in order; `on_progress`
+    goes to the leader's."""
+    return [
+        RequestHandle(s, RequestOutputCollector(loop, final_only), on_progress if i == 0 else None)
+        for i, s in enumerate(seq.group)
+    ]
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,7 @@ class Submission:
     seq: Sequence  # the leader; its forks are seq.forks
     final_only: bool  # the consumers want the finished outputs alone (no streaming)
     collectors: tuple[RequestOutputCollector, ...] = ()  # one per choice, in the server's process
+    progress: bool = False  # final_only, yet the leader's entries go out every few steps
 
 
 class Outbox(Protocol):
@@ -99,13 +114,21 @@ class EngineClient(Protocol):
     def begin_shutdown(self, grace_s: float) -> None: ...
 
     def add_request(
-        self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
+        self,
+        seq: Sequence,
+        loop: asyncio.AbstractEventLoop,
+        final_only: bool = False,
+        on_progress: Progress | None = None,
     ) -> RequestHandle:
         """Submit one choice; its handle."""
-        return self.add_group(seq, loop, final_only)[0]
+        return self.add_group(seq, loop, final_only, on_progress)[0]
 
     def add_group(
-        self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
+        self,
+        seq: Sequence,
+        loop: asyncio.AbstractEventLoop,
+        final_only: bool = False,
+        on_progress: Progress | None = None,
     ) -> list[RequestHandle]: ...
 
     def abort(self, seq: Sequence) -> None: ...
@@ -172,10 +195,16 @@ class Engine(EngineClient):
         self._wake.set()
 
     def add_group(
-        self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
+        self,
+        seq: Sequence,
+        loop: asyncio.AbstractEventLoop,
+        final_only: bool = False,
+        on_progress: Progress | None = None,
     ) -> list[RequestHandle]:
         """Submit `seq` and its forks (made with `seq.fork`): one handle per choice, in order.
-        `final_only`: the consumers wait for the finished outputs alone (no streaming)."""
+        `final_only`: the consumers wait for the finished outputs alone (no streaming).
+        `on_progress` is not called here: the records live in this process, read them at the
+        end."""
         handles = new_handles(seq, loop, final_only)
         self.submit(Submission(seq, final_only, tuple(h.collector for h in handles)))
         return handles

@@ -28,6 +28,7 @@ from omlx_logprobs.engine.engine import (
     Engine,
     EngineClient,
     EngineStats,
+    Progress,
     RequestHandle,
     Submission,
     new_handles,
@@ -56,6 +57,7 @@ class EngineSpec:
 class AddRequest:
     seq: Sequence  # the leader, its forks with it
     final_only: bool
+    progress: bool = False  # final_only, but ship the leader's records every PROGRESS_EVERY
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class SeqUpdate:
     """One sequence's delta and what its record gained since the last update sent for it."""
 
     seq_id: int
-    out: RequestOutput
+    out: RequestOutput | None  # None: the record grew, nothing for the consumer yet
     output_from: int  # index of the first of `output_ids` in the sequence's output
     output_ids: bytes  # int32
     entries: StoreRows | None  # generated tokens' entries, from output_from
@@ -103,9 +105,15 @@ class StepOutputs:
 
 
 # ---- child ------------------------------------------------------------------------------------
+# Tokens between a progress update's records (a non-streamed request whose server formats its
+# entries as they arrive): a few messages per step at batch 64, not one per row.
+PROGRESS_EVERY = 16
+
+
 @dataclass
 class _Shipping:
     final_only: bool
+    progress: bool = False
     outputs: int = 0  # output ids (and entries) already sent
     prompt: int = 0  # prompt entries already sent
     held: RequestOutput | None = None  # a non-streamed request's deltas, merged until the end
@@ -122,7 +130,7 @@ class PipeOutbox:
 
     def register(self, sub: Submission) -> None:
         for seq in sub.seq.group:
-            self._state[seq.seq_id] = _Shipping(sub.final_only)
+            self._state[seq.seq_id] = _Shipping(sub.final_only, sub.progress and seq is sub.seq)
 
     def deliver(self, seq: Sequence, out: RequestOutput) -> None:
         st = self._state.get(seq.seq_id)
@@ -132,13 +140,15 @@ class PipeOutbox:
             out = st.held.merge(out)
         if st.final_only and not out.finished:
             st.held = out  # its consumer waits for the end: nothing to send before it
+            if st.progress and seq.num_output - st.outputs >= PROGRESS_EVERY:
+                self._updates.append(self._update(seq, st, None))  # ... but its records
             return
         st.held = None
         self._updates.append(self._update(seq, st, out))
         if out.finished:
             del self._state[seq.seq_id]
 
-    def _update(self, seq: Sequence, st: _Shipping, out: RequestOutput) -> SeqUpdate:
+    def _update(self, seq: Sequence, st: _Shipping, out: RequestOutput | None) -> SeqUpdate:
         start, st.outputs = st.outputs, seq.num_output
         prompt = None
         if seq.prompt_store is not None and len(seq.prompt_store) > st.prompt:
@@ -189,7 +199,7 @@ def _serve_inbox(engine: Engine, inbox: Connection) -> None:
         except (EOFError, OSError):  # the parent is gone
             return
         if isinstance(msg, AddRequest):
-            engine.submit(Submission(msg.seq, msg.final_only))
+            engine.submit(Submission(msg.seq, msg.final_only, progress=msg.progress))
         elif isinstance(msg, AbortRequest):
             engine.abort_id(msg.seq_id)
         elif isinstance(msg, BeginShutdown):
@@ -278,14 +288,19 @@ class EngineProcess(EngineClient):
 
     # ---- requests -----------------------------------------------------------------------------
     def add_group(
-        self, seq: Sequence, loop: asyncio.AbstractEventLoop, final_only: bool = False
+        self,
+        seq: Sequence,
+        loop: asyncio.AbstractEventLoop,
+        final_only: bool = False,
+        on_progress: Progress | None = None,
     ) -> list[RequestHandle]:
-        handles = new_handles(seq, loop, final_only)
+        handles = new_handles(seq, loop, final_only, on_progress)
+        progress = final_only and on_progress is not None
         with self._lock:
             gone = self._gone
             if gone is None:  # registered before it is sent: an output may come back at once
                 self._handles.update((h.seq.seq_id, h) for h in handles)
-                self._wire.outgoing.put(AddRequest(seq, final_only))
+                self._wire.outgoing.put(AddRequest(seq, final_only, progress))
         if gone is not None:
             for handle in handles:
                 _fail(handle, gone)
@@ -339,6 +354,10 @@ class EngineProcess(EngineClient):
                 seq.store.put(u.entries)
             if u.prompt is not None and seq.prompt_store is not None:
                 seq.prompt_store.put(u.prompt)
+            if out is None:  # records only: the request's server side may use them early
+                if handle.on_progress is not None:
+                    handle.on_progress()
+                continue
             if out.finished:
                 seq.finish(out.finish_reason or FinishReason.ERROR, out.error)
                 del self._handles[u.seq_id]

@@ -112,9 +112,14 @@ class ChatLogprobFormatter:
     def entries(self, store: LogprobStore, start: int, end: int) -> str:
         """The JSON array of entries for positions [start, end): one join of cached pieces
         (looked up in C) and logprob numbers, whatever the number of entries."""
-        k, n = store.k, end - start
-        if n <= 0:
+        if end <= start:
             return "[]"
+        return self.span(store, start, end, first=True) + _END[store.k == 0]
+
+    def span(self, store: LogprobStore, start: int, end: int, first: bool) -> str:
+        """Entries [start, end) without the list's closing: consecutive spans of one list
+        concatenate (the list's first span with `first`), then `close` ends it."""
+        k, n = store.k, end - start
         ids = np.frombuffer(store.token_ids[start:end], np.int32)[:, None]
         lps = np.frombuffer(store.logprobs[start:end], np.float32)[:, None]
         if k:  # slices are copies: no view of the store's arrays (see float_numbers)
@@ -123,8 +128,47 @@ class ChatLogprobFormatter:
             ids = np.concatenate([ids, top_ids.reshape(n, k)], axis=1)
             lps = np.concatenate([lps, top_lps.reshape(n, k)], axis=1)
         keys = (ids + self._place_keys(k)).ravel()
-        keys[0] -= (OWN - FIRST if k else BARE - BARE1) * SLOT
+        if first:
+            keys[0] -= (OWN - FIRST if k else BARE - BARE1) * SLOT
         parts: list[str] = [""] * (2 * len(keys))
         parts[0::2] = map(self._pieces.__getitem__, keys.tolist())
         parts[1::2] = float_numbers(lps.ravel())
-        return "".join(parts) + _END[k == 0]
+        return "".join(parts)
+
+    @staticmethod
+    def close(store: LogprobStore) -> str:
+        return _END[store.k == 0]
+
+
+class EntriesText:
+    """One request's chat `content` entries as text, formatted while it runs: a non-streamed
+    top-20 body of 128 tokens is ~170 KB, and when a batch finishes together the event loop
+    would build every body at once (a closed loop's next wave then waits on it). The engine
+    process ships such a request's entries every few steps (engine/process.py); `extend` runs
+    on arrival, `json` at the end formats only the tail."""
+
+    def __init__(self, fmt: ChatLogprobFormatter, store: LogprobStore) -> None:
+        self.fmt, self.store = fmt, store
+        self.parts: list[str] = []
+        self.upto = 0  # positions [0, upto) are in `parts`
+        self.failed = False  # a NaN arrived: the end's own formatting raises the error
+
+    def extend(self) -> None:
+        end = len(self.store)
+        if self.failed or end <= self.upto:
+            return
+        try:
+            self.parts.append(self.fmt.span(self.store, self.upto, end, first=self.upto == 0))
+        except NonFiniteLogprob:
+            self.failed = True
+            return
+        self.upto = end
+
+    def json(self, start: int, end: int) -> str:
+        """`fmt.entries(store, start, end)`, from the text made so far where it can."""
+        if self.failed or start != 0 or end < self.upto or end == 0:
+            return self.fmt.entries(self.store, start, end)
+        tail = ""
+        if end > self.upto:
+            tail = self.fmt.span(self.store, self.upto, end, first=self.upto == 0)
+        return "".join(self.parts) + tail + self.fmt.close(self.store)

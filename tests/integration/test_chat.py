@@ -68,8 +68,16 @@ def test_logprobs_equal_full_forward_pass(client: openai.OpenAI, embedded: Loade
 
 
 def test_stream_entries_equal_non_stream(client: openai.OpenAI) -> None:
-    kw = dict(max_tokens=40, temperature=0, logprobs=True, top_logprobs=3)
+    # 40 tokens: the non-streamed body is formatted as its entries arrive, 16 tokens at a time
+    kw = dict(
+        max_tokens=40,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     full = chat(client, QUESTIONS[3], **kw).choices[0]
+    assert len(full.logprobs.content) == 40
     chunks = list(
         chat(client, QUESTIONS[3], stream=True, stream_options={"include_usage": True}, **kw)
     )
