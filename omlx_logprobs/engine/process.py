@@ -356,7 +356,10 @@ class EngineProcess(EngineClient):
                 seq.prompt_store.put(u.prompt)
             if out is None:  # records only: the request's server side may use them early
                 if handle.on_progress is not None:
-                    handle.on_progress()
+                    try:
+                        handle.on_progress()
+                    except Exception:  # an optimisation only: the end does the work instead
+                        log.exception("progress hook failed for %s", seq.request_id)
                 continue
             if out.finished:
                 seq.finish(out.finish_reason or FinishReason.ERROR, out.error)
