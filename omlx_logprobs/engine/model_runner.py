@@ -31,13 +31,12 @@ from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs import kernel
 from omlx_logprobs.logprobs.extract import (
     BatchLogprobs,
-    EntryAsk,
     HostExtraction,
     PackedStep,
     device_step,
+    entries_asked,
     finite_rows,
 )
-from omlx_logprobs.types import SamplingParams
 
 __all__ = ["DeviceTime", "LaunchedStep", "ModelRunner", "PromptLogprobs", "StepResult"]
 
@@ -268,7 +267,7 @@ class ModelRunner:
             s.num_sampled += 1
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        ask = self._entries_asked(logits, dist, params)
+        ask = entries_asked(logits, dist, params)
         if self.host_logprobs:  # entries and the finiteness check run on the host, from the rows
             host = None
             if ask is not None:
@@ -281,21 +280,6 @@ class ModelRunner:
         packed = device_step(tokens, lse, ask, self.fused)
         self._queue(tokens, packed.array)
         return LaunchedStep(seqs, tokens, None, packed=packed)
-
-    @staticmethod
-    def _entries_asked(
-        logits: mx.array, dist: mx.array, params: list[SamplingParams]
-    ) -> EntryAsk | None:
-        """What the step's entries are taken from, when any row asks: the raw distribution (what
-        the processors left), or per row what was sampled from."""
-        if not any(p.logprobs for p in params):
-            return None
-        k = max(p.num_top for p in params if p.logprobs)
-        fixed, natural = _fixed_ids(params, k)
-        if not any(p.logprobs and p.processed for p in params):
-            return EntryAsk(logits, k, fixed, natural)
-        src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
-        return EntryAsk(src, k, fixed, natural, raw=False)
 
     @property
     def num_cached(self) -> int:
@@ -393,19 +377,3 @@ def _groups(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
             groups.append([c])
             open_[kind] = (groups[-1], n, n)
     return groups
-
-
-def _fixed_ids(params: list[SamplingParams], k: int) -> tuple[mx.array | None, bool]:
-    """[B, k] ids for rows with `logprob_token_ids` (padded with their first id, sliced off on
-    the host), and whether any row still needs its natural top list (marked -1)."""
-    if not any(p.logprob_token_ids for p in params):
-        return None, True
-    natural = any(p.logprobs and p.top_logprobs and not p.logprob_token_ids for p in params)
-    rows = []
-    for p in params:
-        ids = list(p.logprob_token_ids[:k])
-        if ids:
-            rows.append(ids + [ids[0]] * (k - len(ids)))
-        else:  # a row not asking for ids: -1 takes the natural list, 0 is an ignored filler
-            rows.append([-1 if natural else 0] * k)
-    return mx.array(rows, dtype=mx.int32), natural

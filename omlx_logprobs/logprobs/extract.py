@@ -6,12 +6,14 @@ the step is collected (`HostExtraction`). Generated and prompt tokens take the s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.logprobs import kernel
+from omlx_logprobs.types import SamplingParams
 
 
 def log_softmax(logits: mx.array, lse: mx.array | None = None) -> mx.array:
@@ -93,6 +95,37 @@ class EntryAsk:
     fixed: mx.array | None = None
     natural: bool = True  # some row wants its natural top list
     raw: bool = True  # src is the raw logits (their log-sum-exp serves it)
+
+
+def entries_asked(
+    logits: mx.array, dist: mx.array, params: Sequence[SamplingParams]
+) -> EntryAsk | None:
+    """What a decode step's entries are taken from, when any row asks: the raw distribution
+    (`logits`, what the processors left), or per row what was sampled from (`dist`)."""
+    if not any(p.logprobs for p in params):
+        return None
+    k = max(p.num_top for p in params if p.logprobs)
+    fixed, natural = _fixed_ids(params, k)
+    if not any(p.logprobs and p.processed for p in params):
+        return EntryAsk(logits, k, fixed, natural)
+    src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
+    return EntryAsk(src, k, fixed, natural, raw=False)
+
+
+def _fixed_ids(params: Sequence[SamplingParams], k: int) -> tuple[mx.array | None, bool]:
+    """[B, k] ids for rows with `logprob_token_ids` (padded with their first id, sliced off on
+    the host), and whether any row still needs its natural top list (marked -1)."""
+    if not any(p.logprob_token_ids for p in params):
+        return None, True
+    natural = any(p.logprobs and p.top_logprobs and not p.logprob_token_ids for p in params)
+    rows = []
+    for p in params:
+        ids = list(p.logprob_token_ids[:k])
+        if ids:
+            rows.append(ids + [ids[0]] * (k - len(ids)))
+        else:  # a row not asking for ids: -1 takes the natural list, 0 is an ignored filler
+            rows.append([-1 if natural else 0] * k)
+    return mx.array(rows, dtype=mx.int32), natural
 
 
 def device_step(tokens: mx.array, lse: mx.array, ask: EntryAsk | None, fused: bool) -> PackedStep:
