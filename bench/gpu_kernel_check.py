@@ -63,11 +63,11 @@ def run(m: LoadedModel, fused: bool) -> list[Sequence]:
 
 def reference(m: LoadedModel, ids: list[int]) -> np.ndarray:
     logits = np.array(m.model(mx.array([ids]))[0].astype(mx.float32), np.float64)
-    mx_ = logits.max(axis=-1, keepdims=True)
-    return (logits - mx_ - np.log(np.exp(logits - mx_).sum(-1, keepdims=True))).astype(np.float32)
+    top = logits.max(axis=-1, keepdims=True)
+    return (logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))).astype(np.float32)
 
 
-def compare(a: LogprobStore, b: LogprobStore, lps_of: np.ndarray | None) -> None:
+def compare(a: LogprobStore, b: LogprobStore) -> None:
     assert list(a.token_ids) == list(b.token_ids)
     assert a.logprobs.tobytes() == b.logprobs.tobytes(), "logprobs differ"
     assert list(a.ranks) == list(b.ranks), "ranks differ"
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     for s, t in zip(fused, ops):
         assert list(s.output_ids) == list(t.output_ids), f"{s.request_id}: tokens differ"
         if s.store is not None and t.store is not None:
-            compare(s.store, t.store, None)
+            compare(s.store, t.store)
         if s.params.logprobs and s.params.temperature == 0 and not s.params.logit_bias:
             out = list(s.output_ids)
             ref = reference(m, s.prompt_ids + out)[len(s.prompt_ids) - 1 : -1]

@@ -141,6 +141,11 @@ def test_a_non_streamed_request_ships_its_records_early(
     assert seq.output_ids == ref.output_ids
     assert seq.store is not None and ref.store is not None
     assert (seq.store.token_ids, seq.store.top_ids) == (ref.store.token_ids, ref.store.top_ids)
+    # ... and the shipped logprobs against a full forward pass
+    n = len(seq.prompt_ids)
+    ref_lp = reference_logprobs(tiny, seq.prompt_ids + list(seq.output_ids))
+    want = [ref_lp[n - 1 + i, t] for i, t in enumerate(seq.output_ids)]
+    np.testing.assert_allclose(seq.store.logprobs, want, atol=2e-4)
 
 
 def test_abort_reaches_the_child(proc: EngineProcess) -> None:

@@ -132,7 +132,7 @@ def device_step(tokens: mx.array, lse: mx.array, ask: EntryAsk | None, fused: bo
     """A step's packed outputs, lazy, on the device. `lse` [R, 1]: the raw logits' log-sum-exp
     (a row is finite when it is). `fused`: one CUDA kernel (logprobs/kernel.py); else MLX ops."""
     if ask is None:
-        if fused:
+        if fused:  # token and finiteness only: the kernel never reads its logits input
             return PackedStep(kernel.packed_step(lse, lse, lse, tokens, None), None)
         return pack_step(tokens, mx.isfinite(lse[:, 0]), None)
     src_lse = lse if ask.raw else mx.logsumexp(ask.src, axis=-1, keepdims=True)
