@@ -4,7 +4,8 @@ real model and a mixed batch, then the kernel's rows against a full forward pass
 
     python bench/gpu_kernel_check.py --model DIR
 
-Same tokens everywhere; the same logprobs and ranks bit for bit; the same top lists (ids may
+Half the prompts share a 30-token start (prefix caching on the device path). Same tokens
+everywhere; the same logprobs and ranks bit for bit; the same top lists (ids may
 differ only among equal logprobs); every greedy row's entries within 1e-3 of a float32
 log-softmax of one uncached forward pass (bfloat16 models round differently in a batch).
 """
@@ -51,9 +52,11 @@ def run(m: LoadedModel, fused: bool) -> list[Sequence]:
     engine = Engine(m.model, m.vocab, m.eos_token_ids, EngineConfig(max_num_seqs=64))
     engine.runner.fused = fused
     rng = np.random.default_rng(0)
+    system = rng.integers(100, len(m.vocab) - 100, 30).tolist()
     seqs = []
     for i, p in enumerate(params()):
         prompt = rng.integers(100, len(m.vocab) - 100, int(rng.integers(8, 40))).tolist()
+        prompt = system + prompt if i % 2 else prompt  # these start from a cached prefix
         seqs.append(Sequence(f"k{i}", prompt, p))
         engine.scheduler.add(seqs[-1])
     while engine.has_work():
@@ -96,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
             for i, tok in enumerate(out):
                 assert abs(s.store.logprobs[i] - ref[i, tok]) < 1e-3 * max(1, abs(ref[i, tok]))
             checked += 1
-    print(f"fused kernel == MLX ops on {len(fused)} requests; {checked} against a full forward")
+    cached = sum(s.cached_tokens > 0 for s in fused)
+    assert cached, "no prompt started from a cached prefix"
+    print(
+        f"fused kernel == MLX ops on {len(fused)} requests ({cached} from a cached prefix); "
+        f"{checked} against a full forward"
+    )
     return 0
 
 

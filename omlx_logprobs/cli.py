@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         " the CPU); the cache is also emptied once the server has been idle for about 0.5 s",
     )
     s.add_argument(
+        "--prefix-cache-mib",
+        type=int,
+        default=EngineConfig.prefix_cache_mib,
+        help="memory for the keys and values of prompt prefixes that requests share (a chat"
+        " template's system turn, one prompt sent many times), so that those prefill only what"
+        " follows; 0 turns prefix caching off (default: %(default)s)",
+    )
+    s.add_argument(
         "--reasoning-parser",
         choices=[m.value for m in ReasoningParser],
         default=ReasoningParser.AUTO.value,
@@ -158,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_model_len=args.max_model_len,
             logprobs_mode=args.logprobs_mode,
             cache_limit_mib=args.mlx_cache_limit_mib,
+            prefix_cache_mib=args.prefix_cache_mib,
             prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
         ),
         limits=Limits(

@@ -16,6 +16,8 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"  # the default of requests that name none
     # MLX's cache of freed buffers; None: 4 GiB on a GPU, MLX's own default on the CPU.
     cache_limit_mib: int | None = None
+    # Device memory for shared prompt prefixes' keys and values; 0 turns prefix caching off.
+    prefix_cache_mib: int = 256
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -32,6 +34,8 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 1")
         if self.cache_limit_mib is not None and self.cache_limit_mib < 0:
             raise ValueError("cache_limit_mib must be >= 0")
+        if self.prefix_cache_mib < 0:
+            raise ValueError("prefix_cache_mib must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     error: str | None = None
     reasoning_text: str = ""
     content_start: int = 0  # the request's reasoning tokens so far: those before it; 0: none
@@ -145,6 +146,7 @@ class RequestOutput:
             finished=later.finished,
             finish_reason=later.finish_reason,
             prompt_tokens=later.prompt_tokens,
+            cached_tokens=later.cached_tokens,
             completion_tokens=later.completion_tokens,
             error=later.error or self.error,
         )

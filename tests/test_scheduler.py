@@ -34,6 +34,21 @@ def test_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes() -> None:
     assert s.running == [short, long]
 
 
+def test_cached_prefixes_do_not_count_against_the_budget() -> None:
+    # Prompts of 10 tokens whose first 8 the runner holds: five fit a 10-token budget; a prompt
+    # that does not fit whole is chunked from its start and costs its full length.
+    held = {10: 8, 12: 0}
+    s = Scheduler(max_num_seqs=8, prefill_chunk=10, cached=lambda q: held[q.prompt_len])
+    seqs = [seq(10) for _ in range(6)] + [seq(12)]
+    for q in seqs:
+        s.add(q)
+    work = s.schedule()
+    assert [(c.start, c.end) for c in work.prefill] == [(0, 10)] * 5
+    s.update(work)
+    work = s.schedule()
+    assert [(c.seq, c.start, c.end) for c in work.prefill] == [(seqs[5], 0, 10), (seqs[6], 0, 8)]
+
+
 def test_short_prompts_share_a_step_in_arrival_order() -> None:
     s = Scheduler(max_num_seqs=3, prefill_chunk=100)
     seqs = [seq(n) for n in (4, 9, 2, 5)]

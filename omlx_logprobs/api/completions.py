@@ -252,12 +252,14 @@ def abort_unfinished(served: Served, choices: list[Choice]) -> None:
             served.engine.abort(c.handle.seq)
 
 
-def usage_of(choices: list[Choice], outs: list[RequestOutput]) -> dict[str, int]:
+def usage_of(choices: list[Choice], outs: list[RequestOutput]) -> dict[str, Any]:
     """Each prompt counted once however many choices it has; every generated token counted."""
-    prompt = sum(o.prompt_tokens for c, o in zip(choices, outs) if c.handle.seq.choice_index == 0)
+    firsts = [o for c, o in zip(choices, outs) if c.handle.seq.choice_index == 0]
+    prompt = sum(o.prompt_tokens for o in firsts)
     completion = sum(o.completion_tokens for o in outs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in firsts)},
     }

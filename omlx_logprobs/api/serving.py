@@ -343,6 +343,7 @@ def _usage(out: RequestOutput, think: ThinkStart = ThinkStart.OFF) -> dict[str, 
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
         "total_tokens": out.prompt_tokens + out.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
     }
     if think is not ThinkStart.OFF:  # the final output's content_start counts reasoning tokens
         usage["completion_tokens_details"] = {"reasoning_tokens": out.content_start}

@@ -8,6 +8,7 @@ step still runs on the device.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import mlx.core as mx
@@ -23,6 +24,23 @@ class BatchCache:
     def empty(cls, num_layers: int, pads: list[int]) -> BatchCache:
         """A cache for prompts that will be prefilled together, left-padded by `pads`."""
         return cls([BatchKVCache(pads) for _ in range(num_layers)], list(pads))
+
+    @classmethod
+    def seeded(cls, keys: list[mx.array], values: list[mx.array], pads: list[int]) -> BatchCache:
+        """A cache for left-padded prompts that all start with one prefix, whose per-layer keys
+        and values ([1, heads, P, dim]) fill the first P columns: row i's padding, then the
+        prefix's first P - pads[i] tokens. The prefill computes each row from column P on (a
+        padded row recomputes the prefix's last pads[i] tokens there)."""
+        n = keys[0].shape[2]
+        cols = mx.array([[max(c - p, 0) for c in range(n)] for p in pads])  # [B, P]
+        layers = []
+        for k, v in zip(keys, values):
+            c = BatchKVCache(pads)
+            # Padding columns get the prefix's first token: masked, but never NaN.
+            seeded = (mx.take(x[0], cols, axis=1).transpose(1, 0, 2, 3) for x in (k, v))
+            c.state = (*seeded, c.offset + n, c.left_padding, n)
+            layers.append(c)
+        return cls(layers, list(pads))
 
     @classmethod
     def of_one(cls, caches: list[Any]) -> BatchCache:
@@ -45,6 +63,13 @@ class BatchCache:
         for c, o in zip(self.layers, other.layers):
             c.extend(o)
         self.pads = mine + theirs
+
+    def select(self, keep: list[int]) -> BatchCache:
+        """These rows as a cache of their own; this one is left as it is (`filter` replaces
+        arrays, never writes into them, so shallow copies of the layers suffice)."""
+        out = BatchCache([copy.copy(c) for c in self.layers], list(self.pads))
+        out.filter(keep)
+        return out
 
     def filter(self, keep: list[int]) -> None:
         """Keep only these rows, and drop the padding columns every remaining row shares."""

@@ -163,8 +163,13 @@ class Engine(EngineClient):
         outbox: Outbox | None = None,
     ):
         self.cfg = cfg
-        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.prefill_chunk, cfg.prefill_delay_ms / 1e3)
-        self.runner = ModelRunner(model, len(vocab), cfg.cache_limit_mib)
+        self.runner = ModelRunner(model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib)
+        self.scheduler = Scheduler(
+            cfg.max_num_seqs,
+            cfg.prefill_chunk,
+            cfg.prefill_delay_ms / 1e3,
+            cached=self.runner.cached_len,
+        )
         self.processor = OutputProcessor(vocab, eos, self._deliver)
         self.outbox: Outbox = outbox or CollectorOutbox()
         self.inflight: LaunchedStep | None = None  # launched, not yet processed
@@ -257,7 +262,10 @@ class Engine(EngineClient):
         self._inflight_first = any(c.is_last for c in work.prefill)
         rows = len(launched.seqs) if launched is not None else 0
         prefill = sum(c.end - c.start for c in work.prefill)
-        self.stats.add(rows, prefill, t1 - t0, time.perf_counter() - t1, self.runner.take_time())
+        cached = sum(c.seq.cached_tokens for c in work.prefill)
+        self.stats.add(
+            rows, prefill, cached, t1 - t0, time.perf_counter() - t1, self.runner.take_time()
+        )
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None

@@ -17,6 +17,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx_logprobs.engine.batch_cache import BatchCache
+from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache
 from omlx_logprobs.engine.prompt_scoring import (
     PROMPT_BLOCK,
     PendingPrompts,
@@ -107,7 +108,13 @@ FORCE_GPU_PATH = False
 
 
 class ModelRunner:
-    def __init__(self, model: Any, vocab_size: int, cache_limit_mib: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        vocab_size: int,
+        cache_limit_mib: int | None = None,
+        prefix_cache_mib: int = 0,
+    ) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.rows: list[Sequence] = []  # the batch cache's rows
@@ -121,6 +128,10 @@ class ModelRunner:
         self.num_layers = len(probe)
         # Prompts batch together only with plain KV caches (left padding needs BatchKVCache).
         self.batch_prefill = all(type(c) is KVCache for c in probe)
+        # Shared prompt prefixes (plain KV caches only: a prefix's keys are placed per row).
+        self.prefixes: PrefixCache | None = None
+        if prefix_cache_mib > 0 and self.batch_prefill:
+            self.prefixes = PrefixCache(prefix_cache_mib << 20)
         family = type(model).__module__.rsplit(".", 1)[-1]
         self.split_head = family in _SPLIT_HEAD and hasattr(model, "model")
         # On the CPU backend logprobs and the finiteness check run in numpy at collect time
@@ -151,10 +162,11 @@ class ModelRunner:
         # Whole prompts prefill together in left-padded groups, scored ones in groups of their
         # own; partial chunks and prompts with forks take the one-prompt path.
         grouped = [c for c in work.prefill if self._groupable(c)]
+        prefixes = self._prefixes(grouped)
         prompt: list[PendingPrompts] = []
         prompt_only: list[Sequence] = []
-        for group in _groups(grouped):
-            logits, pending = self._prefill_group(group)
+        for group in _groups(grouped, prefixes):
+            logits, pending = self._prefill_group(group, prefixes.get(group[0].seq.seq_id))
             prompt += [pending] if pending is not None else []
             sampled = [i for i, c in enumerate(group) if c.seq.params.max_tokens > 0]
             prompt_only += [c.seq for c in group if c.seq.params.max_tokens == 0]
@@ -200,19 +212,28 @@ class ModelRunner:
             return self.model(ids, cache=cache)[:, -1, :]
         return self._head(self.model.model(ids, cache=cache)[:, -1:, :])[:, 0, :]
 
-    def _prefill_group(self, group: list[PrefillChunk]) -> tuple[mx.array, PendingPrompts | None]:
-        """Whole prompts in one left-padded forward: their last logits, and their prompt entries
-        when they are scored (a group is all scored or all plain, see `_groups`). Rows that will
-        generate wait in the group's cache for admission."""
-        width = max(c.end for c in group)
-        width += -width % self.prefill_align
+    def _prefill_group(
+        self, group: list[PrefillChunk], prefix: Prefix | None
+    ) -> tuple[mx.array, PendingPrompts | None]:
+        """Whole prompts in one left-padded forward, computed from after `prefix` (which they
+        all start with): their last logits, and their prompt entries when they are scored (a
+        group is all scored or all plain, see `_groups`). Rows that will generate wait in the
+        group's cache for admission."""
+        scored = group[0].seq.prompt_store is not None
+        start = len(prefix.tokens) if prefix is not None else 0
+        width = max(c.end for c in group) - start  # the columns the forward computes
+        width += -width % self.prefill_align + start
         pads = [width - c.end for c in group]
-        ids = mx.array([[0] * p + c.seq.prompt_ids for p, c in zip(pads, group)])
-        cache = BatchCache.empty(self.num_layers, pads)
+        ids = mx.array([([0] * p + c.seq.prompt_ids)[start:] for p, c in zip(pads, group)])
+        if prefix is None:
+            cache = BatchCache.empty(self.num_layers, pads)
+        else:
+            cache = BatchCache.seeded(prefix.keys, prefix.values, pads)
         for row, c in enumerate(group):
+            c.seq.cached_tokens = max(start - pads[row], 0)
             if c.seq.params.max_tokens > 0:
                 self.prefilled[c.seq.seq_id] = _Prefilled(cache, row)
-        if group[0].seq.prompt_store is None:
+        if not scored:
             return self._last_logits(ids, cache.layers), None
         h = self.model.model(ids, cache=cache.layers)
         # Every row's real positions but its last, rows in group order: one flat [N, H] block.
@@ -225,6 +246,38 @@ class ModelRunner:
             slices, lambda a, b: self._head(hidden[a:b]), self.prompt_block, self.host_logprobs
         )
         return self._head(h[:, -1, :]), pending
+
+    def _prefixes(self, chunks: list[PrefillChunk]) -> dict[int, Prefix]:
+        """By seq_id, the cached prefix each plain whole prompt starts from (made first where
+        neighbouring prompts share one). Scored prompts need every position's logits."""
+        plain = [c for c in chunks if c.seq.prompt_store is None]
+        if self.prefixes is None or not plain:
+            return {}
+        found = self.prefixes.assign([c.seq.prompt_ids for c in plain], self._make_prefix)
+        return {c.seq.seq_id: p for c, p in zip(plain, found) if p is not None}
+
+    def cached_len(self, seq: Sequence) -> int:
+        """How many of a whole prompt's tokens a kept prefix holds now (prefixes made in the
+        prompt's own step are not foreseen)."""
+        if self.prefixes is None or seq.prompt_store is not None or seq.forks:
+            return 0
+        return self.prefixes.held(seq.prompt_ids)
+
+    def _make_prefix(self, tokens: tuple[int, ...], base: Prefix | None) -> Prefix:
+        """`tokens`' keys and values: a one-row forward, from `base`'s when given."""
+        cache = make_prompt_cache(self.model)
+        done = 0
+        if base is not None:
+            done = len(base.tokens)
+            for c, k, v in zip(cache, base.keys, base.values):
+                c.state = (k, v, done)
+        self.model(mx.array([tokens[done:]]), cache=cache)  # lazy: the head is never run
+        # Copies: the cache's buffers are allocated in steps of 256 tokens.
+        kv = [c.keys_and_values() for c in cache]
+        keys = [mx.contiguous(k) for k, _ in kv]
+        values = [mx.contiguous(v) for _, v in kv]
+        self._queue(*keys, *values)
+        return Prefix(tokens, keys, values)
 
     def _prefill_chunk(self, chunk: PrefillChunk) -> tuple[mx.array | None, PendingPrompts | None]:
         """One chunk of one prompt in its own cache: the last chunk's last logits (else None),
@@ -325,7 +378,8 @@ class ModelRunner:
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Move prefilled sequences' caches into the batch, as its last rows, in this order.
-        Consecutive rows of one prefill group move with one filter and one extend."""
+        Consecutive rows of one prefill group move with one selection and one extend; a group
+        may come back later in the order (groups split prompts by kind)."""
         runs: list[tuple[BatchCache, list[int]]] = []
         for seq in seqs:
             p = self.prefilled.pop(seq.seq_id)
@@ -335,7 +389,7 @@ class ModelRunner:
                 runs.append((p.cache, [p.row]))
         for cache, rows in runs:
             if rows != list(range(len(cache))):
-                cache.filter(rows)
+                cache = cache.select(rows)
             if self.batch_cache is None:
                 self.batch_cache = cache
             else:
@@ -360,14 +414,19 @@ class ModelRunner:
         self.batch_cache.filter(keep)
 
 
-def _groups(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[list[PrefillChunk]]:
     """Split whole prompts into forward groups, in order: scored prompts apart from plain ones
-    and by `score_key`, and so that left padding never more than doubles a group's tokens."""
+    and by `score_key`, plain ones by the cached prefix they start from, and so that left
+    padding never more than doubles a group's tokens."""
     groups: list[list[PrefillChunk]] = []
     open_: dict[object, tuple[list[PrefillChunk], int, int]] = {}  # kind -> (group, width, total)
     for c in chunks:
         p = c.seq.params
-        kind = None if c.seq.prompt_store is None else score_key(p)
+        if c.seq.prompt_store is not None:
+            kind: object = score_key(p)
+        else:
+            prefix = prefixes.get(c.seq.seq_id)
+            kind = ("prefix", prefix.tokens if prefix is not None else None)
         n = c.end
         group, width, total = open_.get(kind, ([], 0, 0))
         if group and max(width, n) * (len(group) + 1) <= 2 * (total + n):

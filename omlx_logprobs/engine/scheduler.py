@@ -42,8 +42,11 @@ class Scheduler:
         prefill_chunk: int,
         prefill_delay_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        cached: Callable[[Sequence], int] = lambda seq: 0,
     ) -> None:
         self.max_num_seqs = max_num_seqs
+        # Prompt tokens a whole prompt would take from the runner's prefix cache, not compute.
+        self.cached = cached
         self.prefill_chunk = prefill_chunk
         self.prefill_delay_s = prefill_delay_s
         self.clock = clock
@@ -89,10 +92,13 @@ class Scheduler:
             rows = len(seq.group)
             if budget <= 0 or (rows > room and (self.running or out.prefill)):
                 break
-            end = min(seq.prompt_len, seq.num_prefilled + budget)
-            chunk = PrefillChunk(seq, seq.num_prefilled, end)
+            start = seq.num_prefilled
+            # The budget counts computed tokens: a whole prompt's cached prefix is free.
+            cost = seq.prompt_len - start - (self.cached(seq) if start == 0 else 0)
+            end = seq.prompt_len if cost <= budget else start + budget
+            chunk = PrefillChunk(seq, start, end)
             out.prefill.append(chunk)
-            budget -= end - seq.num_prefilled
+            budget -= min(cost, budget)
             room -= rows
             if not chunk.is_last:
                 break

@@ -45,6 +45,7 @@ class Sequence:
         self.prompt_store = prompt_store
         self.status = Status.WAITING
         self.num_prefilled = 0  # prompt tokens already in the KV cache
+        self.cached_tokens = 0  # of those, taken from the prefix cache instead of computed
         self.output_ids = array("i")
         self.num_sampled = 0  # tokens sampled on the device, some perhaps not yet processed
         self.store = LogprobStore(params.num_top) if params.logprobs else None

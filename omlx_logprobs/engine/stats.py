@@ -19,6 +19,7 @@ class StepStats:
     steps: int = 0
     rows: int = 0  # sequences sampled, over all steps
     prefill_tokens: int = 0
+    cached_tokens: int = 0  # of prefill_tokens: taken from the prefix cache
     launch_s: float = 0.0  # host time building and queueing steps
     complete_s: float = 0.0  # waiting for the device, then processing outputs
     queue_s: float = 0.0  # of launch_s: in async_eval (on a GPU the host launches kernels there)
@@ -26,11 +27,18 @@ class StepStats:
     _since: float = field(default_factory=time.perf_counter)
 
     def add(
-        self, rows: int, prefill_tokens: int, launch_s: float, complete_s: float, device: DeviceTime
+        self,
+        rows: int,
+        prefill_tokens: int,
+        cached_tokens: int,
+        launch_s: float,
+        complete_s: float,
+        device: DeviceTime,
     ) -> None:
         self.steps += 1
         self.rows += rows
         self.prefill_tokens += prefill_tokens
+        self.cached_tokens += cached_tokens
         self.launch_s += launch_s
         self.complete_s += complete_s
         self.queue_s += device.queue_s
@@ -43,17 +51,18 @@ class StepStats:
         if self.steps and log.isEnabledFor(logging.INFO):
             log.info(
                 "engine: %.1f steps/s, %.1f rows/step, %.0f tokens/s generated, %.0f prompt "
-                "tokens/s; per step %.2f ms launch (%.2f queueing), %.2f ms complete (%.2f "
-                "reading)",
+                "tokens/s (%.0f%% cached); per step %.2f ms launch (%.2f queueing), %.2f ms "
+                "complete (%.2f reading)",
                 self.steps / wall,
                 self.rows / self.steps,
                 self.rows / wall,
                 self.prefill_tokens / wall,
+                100 * self.cached_tokens / max(self.prefill_tokens, 1),
                 1e3 * self.launch_s / self.steps,
                 1e3 * self.queue_s / self.steps,
                 1e3 * self.complete_s / self.steps,
                 1e3 * self.read_s / self.steps,
             )
-        self.steps = self.rows = self.prefill_tokens = 0
+        self.steps = self.rows = self.prefill_tokens = self.cached_tokens = 0
         self.launch_s = self.complete_s = self.queue_s = self.read_s = 0.0
         self._since = time.perf_counter()

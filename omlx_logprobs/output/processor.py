@@ -120,6 +120,7 @@ class OutputProcessor:
             finished=done,
             finish_reason=seq.finish_reason,
             prompt_tokens=seq.prompt_len,
+            cached_tokens=seq.cached_tokens,
             completion_tokens=seq.num_output,
             error=seq.error,
             reasoning_text=delta.reasoning,

@@ -1,0 +1,151 @@
+"""Prefix caching: which prefixes are kept and found (no model), and an engine whose prompts
+start from kept prefixes against a full forward pass of the same model."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine import model_runner
+from omlx_logprobs.engine.prefix_cache import BLOCK, MIN_TOKENS, Prefix, PrefixCache
+from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.types import SamplingParams
+from tests.conftest import reference_logprobs, run_engine
+from tests.test_engine import check_against_reference, encode
+from tests.test_scoring import check_prompt_store
+
+
+class Maker:
+    """A stand-in for the model's forward: records what it was asked to make."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []  # (prefix length, length of the base it extends)
+
+    def __call__(self, tokens: tuple[int, ...], base: Prefix | None) -> Prefix:
+        self.calls.append((len(tokens), len(base.tokens) if base is not None else 0))
+        kv = [mx.zeros((1, 1, len(tokens), 4))]  # 16 bytes a token
+        return Prefix(tokens, kv, kv)
+
+
+TEMPLATE = list(range(1000, 1026))  # 26 shared tokens: 24 of them make a prefix
+
+
+def prompt(i: int, extra: int = 10) -> list[int]:
+    return TEMPLATE + [i] * extra
+
+
+def test_neighbours_sharing_a_prefix_make_it_once_and_all_use_it() -> None:
+    cache, make = PrefixCache(1 << 20), Maker()
+    found = cache.assign([prompt(1), prompt(2), prompt(3)], make)
+    assert make.calls == [(24, 0)]
+    assert [f.tokens if f else None for f in found] == [tuple(TEMPLATE[:24])] * 3
+
+
+def test_a_prompt_alone_makes_nothing_until_the_next_one_shares_its_start() -> None:
+    cache, make = PrefixCache(1 << 20), Maker()
+    assert cache.assign([prompt(1)], make) == [None] and make.calls == []
+    [found] = cache.assign([prompt(2)], make)
+    assert found is not None and len(found.tokens) == 24 and make.calls == [(24, 0)]
+    assert cache.assign([list(range(50))], make) == [None]  # nothing shared: nothing made
+    assert make.calls == [(24, 0)]
+
+
+def test_short_shared_starts_and_whole_prompts_are_not_cached() -> None:
+    cache, make = PrefixCache(1 << 20), Maker()
+    short = list(range(MIN_TOKENS - 1))
+    assert cache.assign([short + [1, 2], short + [3, 4]], make) == [None, None]
+    # The same prompt twice: the prefix stops before its last token, on a multiple of BLOCK.
+    same = list(range(41))
+    found = cache.assign([same, same], make)
+    assert make.calls == [(40, 0)] and all(f is not None and len(f.tokens) == 40 for f in found)
+    # A prompt exactly as long as a kept prefix cannot use it: its last token must be computed.
+    [found] = cache.assign([same[:40]], make)
+    assert found is not None and len(found.tokens) == 32 and make.calls[-1] == (32, 0)
+
+
+def test_a_longer_shared_prefix_extends_the_kept_one() -> None:
+    cache, make = PrefixCache(1 << 20), Maker()
+    cache.assign([prompt(1), prompt(2)], make)
+    longer = TEMPLATE + list(range(20))
+    found = cache.assign([longer + [7, 7], longer + [8, 8]], make)
+    assert make.calls == [(24, 0), (40, 24)]
+    assert all(f is not None and len(f.tokens) == 40 for f in found)
+    [other] = cache.assign([prompt(9)], make)  # still finds the shorter one
+    assert other is not None and len(other.tokens) == 24
+
+
+def test_least_recently_used_prefixes_go_first_when_the_budget_is_spent() -> None:
+    size = 24 * 16 * 2  # one 24-token prefix in bytes (keys and values)
+    cache, make = PrefixCache(2 * size), Maker()
+    starts = [list(range(k * 100, k * 100 + 30)) for k in range(3)]
+    cache.assign([starts[0] + [1], starts[0] + [2]], make)
+    cache.assign([starts[1] + [1], starts[1] + [2]], make)
+    cache.assign([starts[0] + [3]], make)  # a use: starts[0] is now the most recent
+    cache.assign([starts[2] + [1], starts[2] + [2]], make)  # evicts starts[1]
+    assert cache.nbytes == 2 * size
+    assert sorted(k[0] for k in cache.entries) == [0, 200]
+    assert all(len(k) % BLOCK == 0 for k in cache.entries)
+
+
+# ---- the engine --------------------------------------------------------------------------------
+
+
+def greedy(k: int = 3, n: int = 5) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=n, temperature=0, logprobs=True, top_logprobs=k, ignore_eos=True
+    )
+
+
+@pytest.mark.parametrize("align", [1, 32])
+def test_prompts_from_a_kept_prefix_match_a_full_forward(
+    tiny: LoadedModel, align: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Suffixes of 1 to 60 tokens: some rows' left padding is longer than the prefix, others
+    recompute its last tokens; `align` 32 is the GPU's rounding of group widths."""
+    monkeypatch.setattr(model_runner, "CPU_PREFILL_ALIGN", align)
+    system = encode(tiny, "You are a careful assistant. Answer in one short sentence. " * 2)
+    why = encode(tiny, "why " * 60)
+    # Each suffix starts with a token of its own: neighbours share exactly the system text.
+    prompts = [system + [1000 + i] + why[: (i * 11) % 60] for i in range(8)]
+    res = run_engine(tiny, [(p, greedy()) for p in prompts])
+    kept = len(system) - len(system) % BLOCK
+    for p, (seq, outs) in zip(prompts, res):
+        check_against_reference(tiny, p, seq, 3)
+        assert 0 <= seq.cached_tokens <= kept and outs[-1].cached_tokens == seq.cached_tokens
+    # The longest row has no padding unless widths are rounded up (then every row has some).
+    most = max(seq.cached_tokens for seq, _ in res)
+    assert most == kept if align == 1 else 0 < most < kept
+    off = run_engine(tiny, [(p, greedy()) for p in prompts], EngineConfig(prefix_cache_mib=0))
+    for (seq, _), (ref, _) in zip(res, off):
+        assert list(seq.output_ids) == list(ref.output_ids) and ref.cached_tokens == 0
+        np.testing.assert_allclose(seq.store.logprobs, ref.store.logprobs, atol=1e-4)
+
+
+def test_scored_prompts_skip_the_cache_and_mixed_groups_keep_their_rows(tiny: LoadedModel) -> None:
+    """Scored prompts (prompt_logprobs) need every position's logits, so they never start from a
+    prefix; interleaved with plain ones in one step, every row still gets its own cache."""
+    system = encode(tiny, "System prompt shared by every request in this test, verbatim. " * 2)
+    prompts = [system + encode(tiny, f"question {i} " * (1 + i)) for i in range(6)]
+    params = [
+        greedy()
+        if i % 2
+        else SamplingParams(
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            prompt_logprobs=1,
+            ignore_eos=True,
+        )
+        for i in range(6)
+    ]
+    res = run_engine(tiny, list(zip(prompts, params)))
+    for i, (p, (seq, _)) in enumerate(zip(prompts, res)):
+        check_against_reference(tiny, p, seq, params[i].top_logprobs)
+        if params[i].prompt_logprobs is not None:
+            assert seq.cached_tokens == 0
+            check_prompt_store(seq, reference_logprobs(tiny, p), 1)
+        else:
+            assert seq.cached_tokens > 0
