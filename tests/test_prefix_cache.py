@@ -52,6 +52,18 @@ def test_a_prompt_alone_makes_nothing_until_the_next_one_shares_its_start() -> N
     assert make.calls == [(24, 0)]
 
 
+def test_interleaved_templates_each_get_their_prefix() -> None:
+    # Two system turns alternating (also across steps): each prompt is compared with the last
+    # one that began like it, not with its neighbour in the list.
+    other = list(range(2000, 2026))
+    cache, make = PrefixCache(1 << 20), Maker()
+    found = cache.assign([prompt(1), other + [1], prompt(2), other + [2]], make)
+    assert make.calls == [(24, 0), (24, 0)]
+    assert [f.tokens[0] if f else None for f in found] == [1000, 2000, 1000, 2000]
+    [f] = cache.assign([other + [3]], make)
+    assert f is not None and f.tokens[0] == 2000 and len(make.calls) == 2
+
+
 def test_short_shared_starts_and_whole_prompts_are_not_cached() -> None:
     cache, make = PrefixCache(1 << 20), Maker()
     short = list(range(MIN_TOKENS - 1))

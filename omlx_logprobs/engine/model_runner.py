@@ -17,7 +17,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx_logprobs.engine.batch_cache import BatchCache
-from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache
+from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, make_prefix
 from omlx_logprobs.engine.prompt_scoring import (
     PROMPT_BLOCK,
     PendingPrompts,
@@ -264,20 +264,9 @@ class ModelRunner:
         return self.prefixes.held(seq.prompt_ids)
 
     def _make_prefix(self, tokens: tuple[int, ...], base: Prefix | None) -> Prefix:
-        """`tokens`' keys and values: a one-row forward, from `base`'s when given."""
-        cache = make_prompt_cache(self.model)
-        done = 0
-        if base is not None:
-            done = len(base.tokens)
-            for c, k, v in zip(cache, base.keys, base.values):
-                c.state = (k, v, done)
-        self.model(mx.array([tokens[done:]]), cache=cache)  # lazy: the head is never run
-        # Copies: the cache's buffers are allocated in steps of 256 tokens.
-        kv = [c.keys_and_values() for c in cache]
-        keys = [mx.contiguous(k) for k, _ in kv]
-        values = [mx.contiguous(v) for _, v in kv]
-        self._queue(*keys, *values)
-        return Prefix(tokens, keys, values)
+        made = make_prefix(self.model, tokens, base)
+        self._queue(*made.keys, *made.values)
+        return made
 
     def _prefill_chunk(self, chunk: PrefillChunk) -> tuple[mx.array | None, PendingPrompts | None]:
         """One chunk of one prompt in its own cache: the last chunk's last logits (else None),

@@ -1,10 +1,10 @@
 """Prompt prefixes whose keys and values stay on the device, so that prompts sharing one (a chat
 template's system turn, one prompt sent many times) prefill only what follows it.
 
-A prefix is kept only once two prompts have shared it (neighbours among the prompts of one
-step, or the last prompt seen and the next), and its length is a multiple of BLOCK, so prompts
-that share nothing beyond the template never fill the cache with prefixes no one will ask for
-again. Least recently used prefixes go first when the byte budget is spent.
+A prefix is kept only once two prompts have shared it (a prompt and the last one seen that began
+with the same MIN_TOKENS tokens), and its length is a multiple of BLOCK, so prompts that share
+nothing beyond the template never fill the cache with prefixes no one will ask for again. Least
+recently used prefixes go first when the byte budget is spent.
 """
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 BLOCK = 8  # prefix lengths are multiples of this
 MIN_TOKENS = 16  # shorter shared prefixes are not worth a forward of their own
+RECENT = 256  # prompt starts remembered, each with the last prompt that began with it
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,20 @@ class Prefix:
 Make = Callable[[tuple[int, ...], "Prefix | None"], "Prefix"]
 
 
+def make_prefix(model: Any, tokens: tuple[int, ...], base: Prefix | None) -> Prefix:
+    """`tokens`' keys and values (lazy): a one-row forward, from `base`'s when given."""
+    cache = make_prompt_cache(model)
+    done = 0
+    if base is not None:
+        done = len(base.tokens)
+        for c, k, v in zip(cache, base.keys, base.values):
+            c.state = (k, v, done)
+    model(mx.array([tokens[done:]]), cache=cache)  # lazy: the head is never evaluated
+    # Copies: the cache's buffers are allocated in steps of 256 tokens.
+    kv = [c.keys_and_values() for c in cache]
+    return Prefix(tokens, [mx.contiguous(k) for k, _ in kv], [mx.contiguous(v) for _, v in kv])
+
+
 def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
     """The length of a's and b's common prefix."""
     n = min(len(a), len(b))
@@ -49,25 +66,29 @@ class PrefixCache:
         self.entries: OrderedDict[tuple[int, ...], Prefix] = OrderedDict()  # oldest use first
         self.nbytes = 0
         self._lengths: dict[int, int] = {}  # entries per prefix length
-        self._last: Sequence[int] = ()  # the last prompt assigned
+        # First MIN_TOKENS tokens -> the last prompt assigned that began with them.
+        self._recent: OrderedDict[tuple[int, ...], Sequence[int]] = OrderedDict()
 
     def assign(self, prompts: list[Sequence[int]], make: Make) -> list[Prefix | None]:
-        """The longest kept prefix each prompt starts with, after making those that two
-        neighbouring prompts (in this order, the first after the last prompt seen) share beyond
-        the longest kept one. Every prompt keeps at least its last token to compute: the prefill
-        needs its logits."""
-        before = self._last
+        """The longest kept prefix each prompt starts with, after making those that a prompt
+        shares, beyond the longest kept one, with the last prompt (of this step or an earlier
+        one) that began the same way. Every prompt keeps at least its last token to compute: the
+        prefill needs its logits."""
         for p in prompts:
+            if len(p) <= MIN_TOKENS:
+                continue
+            head = tuple(p[:MIN_TOKENS])
+            before = self._recent.pop(head, None)
+            self._recent[head] = p
+            if len(self._recent) > RECENT:
+                self._recent.popitem(last=False)
+            if before is None:
+                continue
             seen = min(len(p) - 1, shared_len(p, before))
             want = seen - seen % BLOCK
-            before = p
-            if want < MIN_TOKENS:
-                continue
             have = self._longest(p, want)
             if have is None or len(have.tokens) < want:
                 self._add(make(tuple(p[:want]), have))
-        if prompts:
-            self._last = prompts[-1]
         return [self._longest(p, len(p) - 1) for p in prompts]
 
     def held(self, ids: Sequence[int]) -> int:
@@ -105,4 +126,5 @@ class PrefixCache:
     def clear(self) -> None:
         self.entries.clear()
         self._lengths.clear()
+        self._recent.clear()
         self.nbytes = 0
