@@ -41,6 +41,28 @@ def test_top_k_and_ranks_match_numpy(k: int, host: bool) -> None:
     assert out.logprobs.dtype == np.float32 and out.ranks.dtype == np.int32
 
 
+@pytest.mark.parametrize("k", [2, 5, 20])
+def test_host_top_k_from_vocabulary_slices_equals_a_full_sort(k: int) -> None:
+    """The host's top k looks only inside the k slices with the largest maxima: rows whose top
+    values crowd into one slice, spread one per slice, tie, or are mostly -inf."""
+    rng = np.random.default_rng(k)
+    v = 49152
+    x = (rng.standard_normal((5, v)) * 2).astype(np.float32)
+    x[0, 640 : 640 + 2 * k] += 20  # the whole top k in one slice
+    x[1, ::64] += 20  # one high value in every slice
+    x[2, :] = np.round(x[2, :])  # many exact ties
+    x[3, :] = -np.inf
+    x[3, rng.choice(v, k // 2 + 1, replace=False)] = rng.standard_normal(k // 2 + 1)
+    out = extract_logits(mx.array(x), mx.array(np.zeros(5, np.int64)), k, host=True)
+    mx.eval(*out.arrays())
+    got = out.to_host()
+    lp = host_log_softmax(x)
+    want = -np.sort(-lp, axis=-1)[:, :k]
+    np.testing.assert_array_equal(got.top_logprobs, want)  # the same values, best first
+    assert all(len(set(r)) == k for r in got.top_ids.tolist())
+    np.testing.assert_array_equal(np.take_along_axis(lp, got.top_ids.astype(np.int64), -1), want)
+
+
 @pytest.mark.parametrize("host", [False, True])
 def test_fixed_ids_keep_their_order(host: bool) -> None:
     rng = np.random.default_rng(1)
