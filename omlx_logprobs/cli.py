@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-chunk",
         type=int,
         default=None,
-        help="prompt tokens prefilled per step, in all (default: 2048 on a GPU, 512 on the CPU)",
+        help="prompt tokens computed per prefill step, in all (a kept prefix is free; default:"
+        " 2048 on a GPU, 1024 on the CPU)",
     )
     s.add_argument("--max-top-logprobs", type=int, default=20)
     s.add_argument(
@@ -150,10 +151,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     # On a GPU a prefill forward costs about as much host time as a decode step, so prompts
     # are gathered; on the CPU the step itself is far longer than any useful delay.
     # A GPU step of 2048 prompt tokens still takes milliseconds, and fewer, larger prefill
-    # steps cost less host time; on the CPU 512 tokens already take seconds.
+    # steps cost less host time. On the CPU 1024 tokens take seconds, but fewer, fuller
+    # prefill steps keep a closed loop's wave together: +19% tokens/s at c=64 against 512.
     cpu = mx.default_device() == mx.cpu
     gpu_delay = 0.0 if cpu else 20.0
-    chunk = (512 if cpu else 2048) if args.prefill_chunk is None else args.prefill_chunk
+    chunk = (1024 if cpu else 2048) if args.prefill_chunk is None else args.prefill_chunk
     return ServerConfig(
         model=args.model,
         served_model_name=args.served_model_name,
