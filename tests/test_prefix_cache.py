@@ -37,18 +37,20 @@ def prompt(i: int, extra: int = 10) -> list[int]:
 
 
 def test_neighbours_sharing_a_prefix_make_it_once_and_all_use_it() -> None:
-    cache, make = PrefixCache(1 << 20), Maker()
-    found = cache.assign([prompt(1), prompt(2), prompt(3)], make)
+    make = Maker()
+    cache = PrefixCache(1 << 20, make)
+    found = cache.assign([prompt(1), prompt(2), prompt(3)])
     assert make.calls == [(24, 0)]
     assert [f.tokens if f else None for f in found] == [tuple(TEMPLATE[:24])] * 3
 
 
 def test_a_prompt_alone_makes_nothing_until_the_next_one_shares_its_start() -> None:
-    cache, make = PrefixCache(1 << 20), Maker()
-    assert cache.assign([prompt(1)], make) == [None] and make.calls == []
-    [found] = cache.assign([prompt(2)], make)
+    make = Maker()
+    cache = PrefixCache(1 << 20, make)
+    assert cache.assign([prompt(1)]) == [None] and make.calls == []
+    [found] = cache.assign([prompt(2)])
     assert found is not None and len(found.tokens) == 24 and make.calls == [(24, 0)]
-    assert cache.assign([list(range(50))], make) == [None]  # nothing shared: nothing made
+    assert cache.assign([list(range(50))]) == [None]  # nothing shared: nothing made
     assert make.calls == [(24, 0)]
 
 
@@ -56,46 +58,50 @@ def test_interleaved_templates_each_get_their_prefix() -> None:
     # Two system turns alternating (also across steps): each prompt is compared with the last
     # one that began like it, not with its neighbour in the list.
     other = list(range(2000, 2026))
-    cache, make = PrefixCache(1 << 20), Maker()
-    found = cache.assign([prompt(1), other + [1], prompt(2), other + [2]], make)
+    make = Maker()
+    cache = PrefixCache(1 << 20, make)
+    found = cache.assign([prompt(1), other + [1], prompt(2), other + [2]])
     assert make.calls == [(24, 0), (24, 0)]
     assert [f.tokens[0] if f else None for f in found] == [1000, 2000, 1000, 2000]
-    [f] = cache.assign([other + [3]], make)
+    [f] = cache.assign([other + [3]])
     assert f is not None and f.tokens[0] == 2000 and len(make.calls) == 2
 
 
 def test_short_shared_starts_and_whole_prompts_are_not_cached() -> None:
-    cache, make = PrefixCache(1 << 20), Maker()
+    make = Maker()
+    cache = PrefixCache(1 << 20, make)
     short = list(range(MIN_TOKENS - 1))
-    assert cache.assign([short + [1, 2], short + [3, 4]], make) == [None, None]
+    assert cache.assign([short + [1, 2], short + [3, 4]]) == [None, None]
     # The same prompt twice: the prefix stops before its last token, on a multiple of BLOCK.
     same = list(range(41))
-    found = cache.assign([same, same], make)
+    found = cache.assign([same, same])
     assert make.calls == [(40, 0)] and all(f is not None and len(f.tokens) == 40 for f in found)
     # A prompt exactly as long as a kept prefix cannot use it: its last token must be computed.
-    [found] = cache.assign([same[:40]], make)
+    [found] = cache.assign([same[:40]])
     assert found is not None and len(found.tokens) == 32 and make.calls[-1] == (32, 0)
 
 
 def test_a_longer_shared_prefix_extends_the_kept_one() -> None:
-    cache, make = PrefixCache(1 << 20), Maker()
-    cache.assign([prompt(1), prompt(2)], make)
+    make = Maker()
+    cache = PrefixCache(1 << 20, make)
+    cache.assign([prompt(1), prompt(2)])
     longer = TEMPLATE + list(range(20))
-    found = cache.assign([longer + [7, 7], longer + [8, 8]], make)
+    found = cache.assign([longer + [7, 7], longer + [8, 8]])
     assert make.calls == [(24, 0), (40, 24)]
     assert all(f is not None and len(f.tokens) == 40 for f in found)
-    [other] = cache.assign([prompt(9)], make)  # still finds the shorter one
+    [other] = cache.assign([prompt(9)])  # still finds the shorter one
     assert other is not None and len(other.tokens) == 24
 
 
 def test_least_recently_used_prefixes_go_first_when_the_budget_is_spent() -> None:
     size = 24 * 16 * 2  # one 24-token prefix in bytes (keys and values)
-    cache, make = PrefixCache(2 * size), Maker()
+    make = Maker()
+    cache = PrefixCache(2 * size, make)
     starts = [list(range(k * 100, k * 100 + 30)) for k in range(3)]
-    cache.assign([starts[0] + [1], starts[0] + [2]], make)
-    cache.assign([starts[1] + [1], starts[1] + [2]], make)
-    cache.assign([starts[0] + [3]], make)  # a use: starts[0] is now the most recent
-    cache.assign([starts[2] + [1], starts[2] + [2]], make)  # evicts starts[1]
+    cache.assign([starts[0] + [1], starts[0] + [2]])
+    cache.assign([starts[1] + [1], starts[1] + [2]])
+    cache.assign([starts[0] + [3]])  # a use: starts[0] is now the most recent
+    cache.assign([starts[2] + [1], starts[2] + [2]])  # evicts starts[1]
     assert cache.nbytes == 2 * size
     assert sorted(k[0] for k in cache.entries) == [0, 200]
     assert all(len(k) % BLOCK == 0 for k in cache.entries)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -131,7 +132,7 @@ class ModelRunner:
         # Shared prompt prefixes (plain KV caches only: a prefix's keys are placed per row).
         self.prefixes: PrefixCache | None = None
         if prefix_cache_mib > 0 and self.batch_prefill:
-            self.prefixes = PrefixCache(prefix_cache_mib << 20)
+            self.prefixes = PrefixCache(prefix_cache_mib << 20, partial(make_prefix, model))
         family = type(model).__module__.rsplit(".", 1)[-1]
         self.split_head = family in _SPLIT_HEAD and hasattr(model, "model")
         # On the CPU backend logprobs and the finiteness check run in numpy at collect time
@@ -248,25 +249,25 @@ class ModelRunner:
         return self._head(h[:, -1, :]), pending
 
     def _prefixes(self, chunks: list[PrefillChunk]) -> dict[int, Prefix]:
-        """By seq_id, the cached prefix each plain whole prompt starts from (made first where
-        neighbouring prompts share one). Scored prompts need every position's logits."""
-        plain = [c for c in chunks if c.seq.prompt_store is None]
+        """By seq_id, the kept prefix each whole prompt that may use one starts from (made here
+        where two prompts that began alike share one; evaluated with the step)."""
+        plain = [c for c in chunks if self._uses_prefixes(c.seq)]
         if self.prefixes is None or not plain:
             return {}
-        found = self.prefixes.assign([c.seq.prompt_ids for c in plain], self._make_prefix)
+        found = self.prefixes.assign([c.seq.prompt_ids for c in plain])
         return {c.seq.seq_id: p for c, p in zip(plain, found) if p is not None}
 
     def cached_len(self, seq: Sequence) -> int:
         """How many of a whole prompt's tokens a kept prefix holds now (prefixes made in the
         prompt's own step are not foreseen)."""
-        if self.prefixes is None or seq.prompt_store is not None or seq.forks:
+        if self.prefixes is None or not self._uses_prefixes(seq):
             return 0
         return self.prefixes.held(seq.prompt_ids)
 
-    def _make_prefix(self, tokens: tuple[int, ...], base: Prefix | None) -> Prefix:
-        made = make_prefix(self.model, tokens, base)
-        self._queue(*made.keys, *made.values)
-        return made
+    @staticmethod
+    def _uses_prefixes(seq: Sequence) -> bool:
+        # Scored prompts need every position's logits; prompts with forks take the chunk path.
+        return seq.prompt_store is None and not seq.forks
 
     def _prefill_chunk(self, chunk: PrefillChunk) -> tuple[mx.array | None, PendingPrompts | None]:
         """One chunk of one prompt in its own cache: the last chunk's last logits (else None),

@@ -61,15 +61,16 @@ def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, make: Make) -> None:
         self.max_bytes = max_bytes
+        self.make = make
         self.entries: OrderedDict[tuple[int, ...], Prefix] = OrderedDict()  # oldest use first
         self.nbytes = 0
         self._lengths: dict[int, int] = {}  # entries per prefix length
         # First MIN_TOKENS tokens -> the last prompt assigned that began with them.
         self._recent: OrderedDict[tuple[int, ...], Sequence[int]] = OrderedDict()
 
-    def assign(self, prompts: list[Sequence[int]], make: Make) -> list[Prefix | None]:
+    def assign(self, prompts: list[Sequence[int]]) -> list[Prefix | None]:
         """The longest kept prefix each prompt starts with, after making those that a prompt
         shares, beyond the longest kept one, with the last prompt (of this step or an earlier
         one) that began the same way. Every prompt keeps at least its last token to compute: the
@@ -88,21 +89,24 @@ class PrefixCache:
             want = seen - seen % BLOCK
             have = self._longest(p, want)
             if have is None or len(have.tokens) < want:
-                self._add(make(tuple(p[:want]), have))
+                self._add(self.make(tuple(p[:want]), have))
         return [self._longest(p, len(p) - 1) for p in prompts]
 
     def held(self, ids: Sequence[int]) -> int:
         """The length of the longest kept prefix `ids` could start from (a look, not a use)."""
-        for n in sorted(self._lengths, reverse=True):
-            if n < len(ids) and tuple(ids[:n]) in self.entries:
-                return n
-        return 0
+        found = self._find(ids, len(ids) - 1)
+        return len(found.tokens) if found is not None else 0
 
     def _longest(self, ids: Sequence[int], limit: int) -> Prefix | None:
+        found = self._find(ids, limit)
+        if found is not None:
+            self.entries.move_to_end(found.tokens)
+        return found
+
+    def _find(self, ids: Sequence[int], limit: int) -> Prefix | None:
         # One lookup per kept length, longest first: lengths are few (multiples of BLOCK).
         for n in sorted(self._lengths, reverse=True):
             if n <= limit and (entry := self.entries.get(tuple(ids[:n]))) is not None:
-                self.entries.move_to_end(entry.tokens)
                 return entry
         return None
 
@@ -122,9 +126,3 @@ class PrefixCache:
         self._lengths[n] -= 1
         if not self._lengths[n]:
             del self._lengths[n]
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self._lengths.clear()
-        self._recent.clear()
-        self.nbytes = 0
