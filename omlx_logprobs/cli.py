@@ -48,38 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-num-seqs", type=int, default=64)
-    s.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=None,
-        help="prompt tokens computed per prefill step, in all (a kept prefix is free; default:"
-        " 2048 on a GPU, 1024 on the CPU)",
-    )
     s.add_argument("--max-top-logprobs", type=int, default=20)
-    s.add_argument(
-        "--prefill-delay-ms",
-        type=float,
-        default=None,
-        help="while a batch decodes, how long a new prompt may wait to prefill together with"
-        " others (default: 20 on a GPU, 0 on the CPU)",
-    )
-    s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument(
-        "--mlx-cache-limit-mib",
-        type=int,
-        default=None,
-        help="freed MLX buffers kept for reuse, in MiB (default: 4096 on a GPU, MLX's own on"
-        " the CPU); the cache is also emptied once the server has been idle for about 0.5 s",
-    )
-    s.add_argument(
-        "--prefix-cache-mib",
-        type=int,
-        default=EngineConfig.prefix_cache_mib,
-        help="memory for the keys and values of prompt prefixes that requests share (a chat"
-        " template's system turn, one prompt sent many times), so that those prefill only what"
-        " follows; 0 turns prefix caching off (default: %(default)s)",
-    )
+    _add_batching(s)
     s.add_argument(
         "--reasoning-parser",
         choices=[m.value for m in ReasoningParser],
@@ -104,6 +74,41 @@ def build_parser() -> argparse.ArgumentParser:
     _add_limits(s)
     _add_access(s)
     return p
+
+
+def _add_batching(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group("batching and memory")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prompt tokens computed per prefill step, in all (a kept prefix is free; default:"
+        " 2048 on a GPU, 1024 on the CPU)",
+    )
+    g.add_argument(
+        "--prefill-delay-ms",
+        type=float,
+        default=None,
+        help="while a batch decodes, how long a new prompt may wait to prefill together with"
+        " others (default: 20 on a GPU, 0 on the CPU)",
+    )
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument(
+        "--mlx-cache-limit-mib",
+        type=int,
+        default=None,
+        help="freed MLX buffers kept for reuse, in MiB (default: 4096 on a GPU, MLX's own on"
+        " the CPU); the cache is also emptied once the server has been idle for about 0.5 s",
+    )
+    g.add_argument(
+        "--prefix-cache-mib",
+        type=int,
+        default=EngineConfig.prefix_cache_mib,
+        help="memory for the keys and values of prompt prefixes that requests share (a chat"
+        " template's system turn, one prompt sent many times), so that those prefill only what"
+        " follows; 0 turns prefix caching off (default: %(default)s)",
+    )
 
 
 def _add_access(s: argparse.ArgumentParser) -> None:
