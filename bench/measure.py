@@ -101,12 +101,16 @@ class ServerBench:
         return res
 
     async def warmup(self, modes: tuple[str, ...]) -> float:
-        """A cold request, then a short-output wave at every concurrency in the most expensive
-        mode, so that batch shapes (kernels compiled per shape on a GPU) and the logprobs path
-        have run before anything is timed. Returns the cold request's latency."""
+        """A cold request, then one full-length request in every mode, then a short-output wave
+        at every concurrency in the most expensive mode, so that batch shapes (kernels compiled
+        per shape on a GPU), the cache lengths of a whole request and every mode's path have
+        run before anything is timed. Returns the cold request's latency."""
         log(f"warm-up {self.target.name}:")
         short = {"max_tokens": self.p.warmup_tokens}
         cold = await self.load(self.config(1, 1, "off", **short))
+        # GPU c=1, session 8: without these the first round ran 150-250 tok/s, later ones ~290.
+        for mode in modes:
+            await self.load(self.config(1, 1, mode))
         for c in sorted({c.concurrency for c in self.p.cells}):
             await self.load(self.config(c, c, modes[-1], **short))
         return cold.latency_mean_s

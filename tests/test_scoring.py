@@ -335,3 +335,36 @@ def test_large_extraction_blocks_give_the_same_entries(
         runs = run_engine(tiny, [(p, params) for p in prompts], EngineConfig(prefill_chunk=chunk))
         for (seq, _), prompt in zip(runs, prompts):
             check_prompt_store(seq, reference_logprobs(tiny, prompt), 2)
+
+
+def test_gpu_path_processes_steps_beside_the_next_launch(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the GPU's path a step is processed on a second thread while the next is launched:
+    steps of scored prompts alone (no sampled rows), chunked prompts, prompts with max_tokens 0
+    among generating ones and staggered ends give what the serial host path gives, and the
+    prompt entries still equal a full forward pass."""
+    long = encode(tiny, TEXT * 3)
+    base = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
+    requests = [
+        (long, replace(base, max_tokens=0, prompt_logprobs=3)),
+        (encode(tiny, TEXT), replace(base, max_tokens=6, top_logprobs=5)),
+        (long[:40], replace(base, max_tokens=2, prompt_logprobs=1)),
+        (encode(tiny, "a short one"), replace(base, max_tokens=9, top_logprobs=2)),
+        (long[:25], replace(base, max_tokens=0, prompt_logprobs=0)),
+    ]
+    cfg = EngineConfig(prefill_chunk=37)
+    host = run_engine(tiny, requests, cfg)
+    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, cfg)
+    assert engine._aside is not None  # the path under test processes on its second thread
+    engine._aside.shutdown()
+    device = run_engine(tiny, requests, cfg)
+    for (a, _), (b, outs_b), (prompt, p) in zip(host, device, requests):
+        assert outs_b[-1].finish_reason is FinishReason.LENGTH
+        assert list(a.output_ids) == list(b.output_ids) and len(b.output_ids) == p.max_tokens
+        if b.store is not None and p.max_tokens:
+            np.testing.assert_allclose(b.store.logprobs, a.store.logprobs, atol=1e-5)
+            assert list(b.store.top_ids) == list(a.store.top_ids)
+        if p.prompt_logprobs is not None:
+            check_prompt_store(b, reference_logprobs(tiny, prompt), p.prompt_logprobs)

@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -184,6 +185,10 @@ class Engine(EngineClient):
         self._busy = False  # stepped since the engine was last idle
         self._cached = False  # MLX may hold freed buffers from the last busy spell
         self._thread = threading.Thread(target=self._loop, name="omlx-engine", daemon=True)
+        # On a GPU the host bounds the step loop: a launched step is processed on a second
+        # thread while this one builds and queues the next (MLX launches kernels without the
+        # GIL). MLX's CPU backend computes the step inside the launch on both cores: no gain.
+        self._aside = None if self.runner.host_logprobs else ThreadPoolExecutor(1, "omlx-process")
 
     # ---- asyncio side -------------------------------------------------------------------------
     def start(self) -> None:
@@ -253,11 +258,13 @@ class Engine(EngineClient):
             self._wake_consumers()  # a first token goes out before the next launch's host work
         t0 = time.perf_counter()
         work = self.scheduler.schedule()
+        aside = self._process_aside()
         launched = self.runner.launch(work)
+        t1 = time.perf_counter()
+        finished = self._processed(aside)
         self._admit(work)
         self.scheduler.update(work)
-        t1 = time.perf_counter()
-        self._complete()
+        self._free(finished)
         self.inflight = launched
         self._inflight_first = any(c.is_last for c in work.prefill)
         rows = len(launched.seqs) if launched is not None else 0
@@ -270,15 +277,37 @@ class Engine(EngineClient):
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
 
-    def _complete(self) -> None:
-        """Process the step in flight: outputs, stops, and freeing what finished."""
+    def _process_aside(self) -> Future[list[Sequence]] | None:
+        """Start processing the step in flight on the second thread, when there is one."""
+        if self._aside is None or self.inflight is None:
+            return None
+        step, self.inflight = self.inflight, None
+        return self._aside.submit(self._process, step)
+
+    def _process(self, step: LaunchedStep) -> list[Sequence]:
+        """A launched step's outputs and stops; the sequences that finished. Safe beside the
+        next launch: it reads only arrays queued with the step (an MLX stream belongs to the
+        thread that made it); the launch writes no record it writes, and reads none but the
+        statuses of a prompt's choices (`joining`), which only a fault changes here and which
+        the admission after it reads again."""
+        return self.processor.process(self.runner.collect(step))
+
+    def _processed(self, aside: Future[list[Sequence]] | None = None) -> list[Sequence]:
+        """The step in flight, processed (waited for when `aside` runs it); what finished."""
+        if aside is not None:
+            return aside.result()
         if self.inflight is None:
-            return
-        result = self.runner.collect(self.inflight)
-        self.inflight = None
-        finished = self.processor.process(result)
+            return []
+        step, self.inflight = self.inflight, None
+        return self._process(step)
+
+    def _free(self, finished: list[Sequence]) -> None:
         self.runner.release(finished)
         self.scheduler.drop_finished()
+
+    def _complete(self) -> None:
+        """Process the step in flight: outputs, stops, and freeing what finished."""
+        self._free(self._processed())
 
     def _first_token_waits(self) -> bool:
         # A first token is latency a client sees; with a small batch, overlapping the next
@@ -322,6 +351,8 @@ class Engine(EngineClient):
             self._wake_consumers()
         self._fail_all("the server is shutting down")
         self._wake_consumers()
+        if self._aside is not None:
+            self._aside.shutdown(wait=False)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -347,7 +378,9 @@ class Engine(EngineClient):
         self.processor.emit(seq, seq.text.flush(), seq.num_output)
 
     def _wake_consumers(self) -> None:
+        t0 = time.perf_counter()
         self.outbox.flush(self)
+        self.stats.flush_s += time.perf_counter() - t0
 
     def _fail_all(self, message: str) -> None:
         waiting = [s for seq in self.scheduler.waiting for s in seq.group]

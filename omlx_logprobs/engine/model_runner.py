@@ -359,7 +359,8 @@ class ModelRunner:
         if step.packed is not None:
             tokens, finite, logprobs = step.packed.to_host()
         else:
-            tokens = np.array(step.tokens)
+            # A step of prompts alone has no tokens, and its empty array was never evaluated.
+            tokens = np.array(step.tokens) if step.seqs else np.zeros(0, np.int32)
             logprobs = step.logprobs.to_host() if step.logprobs is not None else None
             finite = None if step.rows is None else finite_rows(np.array(step.rows, copy=False))
         prompt = [x for p in step.prompt for x in p.to_host()]

@@ -24,6 +24,7 @@ class StepStats:
     complete_s: float = 0.0  # waiting for the device, then processing outputs
     queue_s: float = 0.0  # of launch_s: in async_eval (on a GPU the host launches kernels there)
     read_s: float = 0.0  # of complete_s: reading steps back (the wait for the device included)
+    flush_s: float = 0.0  # handing outputs over (to collectors, or to the server's process)
     _since: float = field(default_factory=time.perf_counter)
 
     def add(
@@ -52,7 +53,7 @@ class StepStats:
             log.info(
                 "engine: %.1f steps/s, %.1f rows/step, %.0f tokens/s generated, %.0f prompt "
                 "tokens/s (%.0f%% cached); per step %.2f ms launch (%.2f queueing), %.2f ms "
-                "complete (%.2f reading)",
+                "complete (%.2f reading), %.2f ms handing over",
                 self.steps / wall,
                 self.rows / self.steps,
                 self.rows / wall,
@@ -62,7 +63,8 @@ class StepStats:
                 1e3 * self.queue_s / self.steps,
                 1e3 * self.complete_s / self.steps,
                 1e3 * self.read_s / self.steps,
+                1e3 * self.flush_s / self.steps,
             )
         self.steps = self.rows = self.prefill_tokens = self.cached_tokens = 0
-        self.launch_s = self.complete_s = self.queue_s = self.read_s = 0.0
+        self.launch_s = self.complete_s = self.queue_s = self.read_s = self.flush_s = 0.0
         self._since = time.perf_counter()
