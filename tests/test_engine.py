@@ -8,6 +8,7 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -183,6 +184,41 @@ def test_gpu_path_refuses_a_non_finite_row(
     assert "non-finite" in (bad[0].error or "") and list(bad[0].output_ids) == [poison]
     assert good[1][-1].finish_reason is FinishReason.LENGTH and good[0].num_output == 5
     check_against_reference(tiny, prompt, good[0], 2)
+
+
+class FailingModel:
+    """The tiny model, except that its forward raises from the `fail_at`-th call on: a fault of
+    the launch itself (a kernel that cannot be built, memory gone)."""
+
+    def __init__(self, inner: Any, fail_at: int) -> None:
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        self.calls += 1
+        if self.calls >= self.fail_at:
+            raise RuntimeError("launch fault injected by the test")
+        return self.inner(inputs, cache=cache)
+
+
+def test_gpu_path_launch_failure_ends_every_request(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launch that raises while the step before it is processed on the second thread: every
+    request ends with the engine's error, none hangs, and the entries it had are complete."""
+    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    model = replace(tiny, model=FailingModel(tiny.model, fail_at=4))
+    params = SamplingParams(
+        max_tokens=20, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2
+    )
+    done = run_engine(model, [(encode(tiny, p), params) for p in PROMPTS])
+    for seq, outs in done:
+        assert outs[-1].finish_reason is FinishReason.ERROR
+        assert "launch fault injected" in (seq.error or "")
+        assert 0 < seq.num_output < 20 and seq.store is not None
+        assert len(seq.store) == seq.num_output
 
 
 def test_seeded_sampling_is_independent_of_batch(tiny: LoadedModel) -> None:

@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -259,7 +259,12 @@ class Engine(EngineClient):
         t0 = time.perf_counter()
         work = self.scheduler.schedule()
         aside = self._process_aside()
-        launched = self.runner.launch(work)
+        try:
+            launched = self.runner.launch(work)
+        except Exception:
+            if aside is not None:  # the processing beside it ends before the failure's cleanup
+                wait([aside])
+            raise
         t1 = time.perf_counter()
         finished = self._processed(aside)
         self._admit(work)
