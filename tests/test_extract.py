@@ -100,3 +100,23 @@ def test_a_given_log_sum_exp_gives_the_same_rows() -> None:
     x = mx.array(np.random.default_rng(2).standard_normal((4, 300)).astype(np.float32))
     lse = mx.logsumexp(x, axis=-1, keepdims=True)
     np.testing.assert_allclose(np.array(log_softmax(x, lse)), np.array(log_softmax(x)), atol=1e-6)
+
+
+def test_host_extractions_in_turn_keep_their_own_values() -> None:
+    """The host reuses one buffer per thread for its [R, V] temporaries: extractions of other
+    sizes, one after another, each equal numpy, and an earlier result is not overwritten."""
+    rng = np.random.default_rng(7)
+    results = []
+    for rows in (3, 9, 2):
+        x = (rng.standard_normal((rows, 4096)) * 3).astype(np.float32)
+        chosen = rng.integers(0, 4096, rows)
+        out = extract_logits(mx.array(x), mx.array(chosen), 4, host=True)
+        mx.eval(*out.arrays())
+        results.append((reference(x), chosen, out.to_host()))
+    for ref, chosen, got in results:
+        rows = np.arange(len(chosen))
+        np.testing.assert_allclose(got.logprobs, ref[rows, chosen], atol=1e-4)
+        assert got.ranks.tolist() == [int(np.sum(r >= r[c])) for r, c in zip(ref, chosen)]
+        want = np.argsort(-ref, axis=-1)[:, :4]
+        assert got.top_ids.tolist() == want.tolist()
+        np.testing.assert_allclose(got.top_logprobs, np.take_along_axis(ref, want, -1), atol=1e-4)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from transformers import AddedToken, AutoTokenizer
 
-from omlx_logprobs.engine.model_runner import StepResult
 from omlx_logprobs.engine.sequence import Sequence, Status
+from omlx_logprobs.engine.step import StepResult
 from omlx_logprobs.output.detokenizer import Vocabulary, build_vocabulary, token_display
 from omlx_logprobs.output.processor import OutputProcessor
 from omlx_logprobs.parsing.thinking import (

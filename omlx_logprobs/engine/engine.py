@@ -17,10 +17,11 @@ from typing import Any, Protocol
 
 from omlx_logprobs import heap
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine.model_runner import LaunchedStep, ModelRunner
+from omlx_logprobs.engine.model_runner import ModelRunner
 from omlx_logprobs.engine.scheduler import Scheduler, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.engine.stats import StepStats
+from omlx_logprobs.engine.step import LaunchedStep
 from omlx_logprobs.output.collector import RequestOutputCollector
 from omlx_logprobs.output.detokenizer import Vocabulary
 from omlx_logprobs.output.processor import OutputProcessor

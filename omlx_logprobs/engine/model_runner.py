@@ -9,7 +9,7 @@ decode inputs are the previous step's sampled tokens, read on the device.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -30,53 +30,17 @@ from omlx_logprobs.engine.prompt_scoring import (
 from omlx_logprobs.engine.sampler import apply_processors, sample, sampling_logits, step_key
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.engine.step import DeviceTime, LaunchedStep, StepResult
 from omlx_logprobs.logprobs import kernel
 from omlx_logprobs.logprobs.extract import (
-    BatchLogprobs,
     HostExtraction,
-    PackedStep,
     device_step,
     entries_asked,
     finite_rows,
+    release_scratch,
 )
 
 __all__ = ["DeviceTime", "LaunchedStep", "ModelRunner", "PromptLogprobs", "StepResult"]
-
-
-@dataclass
-class DeviceTime:
-    """Host seconds spent at the device boundary since the last `take_time`: queueing graphs
-    (on a GPU, `async_eval` launches every kernel from the host) and reading steps back
-    (waiting for the device, the copy out; on the CPU also the numpy extraction)."""
-
-    queue_s: float = 0.0
-    read_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class LaunchedStep:
-    """A step queued on the device; `collect` turns it into a StepResult."""
-
-    seqs: list[Sequence]
-    tokens: mx.array  # [B] sampled ids, lazy
-    logprobs: HostExtraction | None  # lazy (the CPU; on a GPU the entries are in `packed`)
-    prompt: list[PendingPrompts] = field(default_factory=list)  # scored prompt positions
-    prompt_only: list[Sequence] = field(default_factory=list)  # prefilled with max_tokens 0
-    packed: PackedStep | None = None  # a GPU: tokens, finiteness and entries in one array
-    rows: mx.array | None = None  # [B, V] logits, lazy: where the host checks finiteness (CPU)
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """One step's sampled tokens; row i belongs to seqs[i]."""
-
-    seqs: list[Sequence]
-    token_ids: np.ndarray  # [B] int
-    logprobs: BatchLogprobs | None  # None when no sequence in the step asked for logprobs
-    prompt: list[PromptLogprobs] = field(default_factory=list)
-    prompt_only: list[Sequence] = field(default_factory=list)
-    finite: np.ndarray | None = None  # [B] bool: False where the row's logits held NaN or +inf
-
 
 # Model families whose forward is `model.model` (hidden states) then a head: prefill can run the
 # head on the last position only, instead of computing logits for every prompt position.
@@ -331,8 +295,10 @@ class ModelRunner:
 
     @staticmethod
     def idle() -> None:
-        """Nothing is running: give MLX's cached buffers back (device memory on a GPU)."""
+        """Nothing is running: give MLX's cached buffers back (device memory on a GPU), and
+        the host extraction's buffer."""
         mx.clear_cache()
+        release_scratch()
 
     @staticmethod
     def active_memory() -> int:

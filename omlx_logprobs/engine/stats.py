@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from omlx_logprobs.engine.model_runner import DeviceTime
+from omlx_logprobs.engine.step import DeviceTime
 
 log = logging.getLogger("omlx_logprobs")
 

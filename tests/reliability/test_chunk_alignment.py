@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from omlx_logprobs.engine.model_runner import StepResult
 from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.engine.step import StepResult
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.output.processor import OutputProcessor
 from omlx_logprobs.parsing.thinking import ThinkStart

@@ -1,0 +1,50 @@
+"""A step's records at the runner's boundary: what `ModelRunner.launch` queued on the device,
+what `ModelRunner.collect` read back for the output processor, and the host time spent there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from omlx_logprobs.engine.prompt_scoring import PendingPrompts, PromptLogprobs
+from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.logprobs.extract import BatchLogprobs, HostExtraction, PackedStep
+
+__all__ = ["DeviceTime", "LaunchedStep", "PromptLogprobs", "StepResult"]
+
+
+@dataclass
+class DeviceTime:
+    """Host seconds spent at the device boundary since the last `take_time`: queueing graphs
+    (on a GPU, `async_eval` launches every kernel from the host) and reading steps back
+    (waiting for the device, the copy out; on the CPU also the numpy extraction)."""
+
+    queue_s: float = 0.0
+    read_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step queued on the device; `collect` turns it into a StepResult."""
+
+    seqs: list[Sequence]
+    tokens: mx.array  # [B] sampled ids, lazy
+    logprobs: HostExtraction | None  # lazy (the CPU; on a GPU the entries are in `packed`)
+    prompt: list[PendingPrompts] = field(default_factory=list)  # scored prompt positions
+    prompt_only: list[Sequence] = field(default_factory=list)  # prefilled with max_tokens 0
+    packed: PackedStep | None = None  # a GPU: tokens, finiteness and entries in one array
+    rows: mx.array | None = None  # [B, V] logits, lazy: where the host checks finiteness (CPU)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step's sampled tokens; row i belongs to seqs[i]."""
+
+    seqs: list[Sequence]
+    token_ids: np.ndarray  # [B] int
+    logprobs: BatchLogprobs | None  # None when no sequence in the step asked for logprobs
+    prompt: list[PromptLogprobs] = field(default_factory=list)
+    prompt_only: list[Sequence] = field(default_factory=list)
+    finite: np.ndarray | None = None  # [B] bool: False where the row's logits held NaN or +inf
