@@ -287,25 +287,26 @@ class Engine(EngineClient):
         """Start processing the step in flight on the second thread, when there is one."""
         if self._aside is None or self.inflight is None:
             return None
-        step, self.inflight = self.inflight, None
-        return self._aside.submit(self._process, step)
+        return self._aside.submit(self._process, self._take_inflight())
 
     def _process(self, step: LaunchedStep) -> list[Sequence]:
         """A launched step's outputs and stops; the sequences that finished. Safe beside the
-        next launch: it reads only arrays queued with the step (an MLX stream belongs to the
-        thread that made it); the launch writes no record it writes, and reads none but the
-        statuses of a prompt's choices (`joining`), which only a fault changes here and which
-        the admission after it reads again."""
+        next launch: it reads only arrays queued with its step (an MLX stream belongs to the
+        thread that made it), and the two write different fields of the records. The launch
+        reads one field this may change, a prompt's choices' statuses (`joining`: only
+        non-finite prompt logits end them here), which the admission re-reads after the wait."""
         return self.processor.process(self.runner.collect(step))
 
     def _processed(self, aside: Future[list[Sequence]] | None = None) -> list[Sequence]:
         """The step in flight, processed (waited for when `aside` runs it); what finished."""
         if aside is not None:
             return aside.result()
-        if self.inflight is None:
-            return []
+        return [] if self.inflight is None else self._process(self._take_inflight())
+
+    def _take_inflight(self) -> LaunchedStep:
         step, self.inflight = self.inflight, None
-        return self._process(step)
+        assert step is not None
+        return step
 
     def _free(self, finished: list[Sequence]) -> None:
         self.runner.release(finished)

@@ -22,7 +22,6 @@ from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, make_prefix
 from omlx_logprobs.engine.prompt_scoring import (
     PROMPT_BLOCK,
     PendingPrompts,
-    PromptLogprobs,
     chunk_slice,
     score,
     score_key,
@@ -40,7 +39,7 @@ from omlx_logprobs.logprobs.extract import (
     release_scratch,
 )
 
-__all__ = ["DeviceTime", "LaunchedStep", "ModelRunner", "PromptLogprobs", "StepResult"]
+__all__ = ["ModelRunner"]
 
 # Model families whose forward is `model.model` (hidden states) then a head: prefill can run the
 # head on the last position only, instead of computing logits for every prompt position.
@@ -156,7 +155,9 @@ class ModelRunner:
         if not seqs:
             if not prompt and not prompt_only:
                 return None
-            return LaunchedStep([], mx.zeros((0,), mx.int32), None, prompt, prompt_only)
+            tokens = mx.zeros((0,), mx.int32)
+            self._queue(tokens)  # collect reads only what was queued (see Engine._process)
+            return LaunchedStep([], tokens, None, prompt, prompt_only)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
         return replace(self._sample(logits, seqs), prompt=prompt, prompt_only=prompt_only)
 
@@ -325,8 +326,7 @@ class ModelRunner:
         if step.packed is not None:
             tokens, finite, logprobs = step.packed.to_host()
         else:
-            # A step of prompts alone has no tokens, and its empty array was never evaluated.
-            tokens = np.array(step.tokens) if step.seqs else np.zeros(0, np.int32)
+            tokens = np.array(step.tokens)
             logprobs = step.logprobs.to_host() if step.logprobs is not None else None
             finite = None if step.rows is None else finite_rows(np.array(step.rows, copy=False))
         prompt = [x for p in step.prompt for x in p.to_host()]
