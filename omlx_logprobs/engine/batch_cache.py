@@ -32,7 +32,7 @@ class BatchCache:
         prefix's first P - pads[i] tokens. The prefill computes each row from column P on (a
         padded row recomputes the prefix's last pads[i] tokens there)."""
         n = keys[0].shape[2]
-        cols = mx.array([[max(c - p, 0) for c in range(n)] for p in pads])  # [B, P]
+        cols = mx.maximum(mx.arange(n)[None, :] - mx.array(pads)[:, None], 0)  # [B, P]
         layers = []
         for k, v in zip(keys, values):
             c = BatchKVCache(pads)

@@ -21,9 +21,13 @@ class StepStats:
     prefill_tokens: int = 0
     cached_tokens: int = 0  # of prefill_tokens: taken from the prefix cache
     launch_s: float = 0.0  # host time building and queueing steps
-    complete_s: float = 0.0  # waiting for the device, then processing outputs
+    # Processing the last step's outputs (on a GPU: waiting for the thread that did), admitting
+    # and freeing rows.
+    complete_s: float = 0.0
     queue_s: float = 0.0  # of launch_s: in async_eval (on a GPU the host launches kernels there)
-    read_s: float = 0.0  # of complete_s: reading steps back (the wait for the device included)
+    # Reading steps back, the wait for the device included (part of complete_s on the CPU; on
+    # a GPU the second thread reads, beside the launch).
+    read_s: float = 0.0
     flush_s: float = 0.0  # handing outputs over (to collectors, or to the server's process)
     _since: float = field(default_factory=time.perf_counter)
 

@@ -12,7 +12,7 @@ from omlx_logprobs.engine.prompt_scoring import PendingPrompts, PromptLogprobs
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs.extract import BatchLogprobs, HostExtraction, PackedStep
 
-__all__ = ["DeviceTime", "LaunchedStep", "PromptLogprobs", "StepResult"]
+__all__ = ["DeviceTime", "LaunchedStep", "StepResult"]
 
 
 @dataclass

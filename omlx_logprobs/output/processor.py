@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from omlx_logprobs.engine.prompt_scoring import PromptLogprobs
 from omlx_logprobs.engine.sequence import Sequence, Status
-from omlx_logprobs.engine.step import PromptLogprobs, StepResult
+from omlx_logprobs.engine.step import StepResult
 from omlx_logprobs.output.detokenizer import Vocabulary
 from omlx_logprobs.output.sections import TextDelta
 from omlx_logprobs.types import FinishReason, RequestOutput
