@@ -20,6 +20,7 @@ from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.types import FinishReason, LogprobsMode, RequestOutput, SamplingParams
 from tests.conftest import reference_logprobs, run_engine
+from tests.test_engine import check_against_reference
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods."
 
@@ -366,5 +367,6 @@ def test_gpu_path_processes_steps_beside_the_next_launch(
         if b.store is not None and p.max_tokens:
             np.testing.assert_allclose(b.store.logprobs, a.store.logprobs, atol=1e-5)
             assert list(b.store.top_ids) == list(a.store.top_ids)
+            check_against_reference(tiny, prompt, b, p.top_logprobs)
         if p.prompt_logprobs is not None:
             check_prompt_store(b, reference_logprobs(tiny, prompt), p.prompt_logprobs)
