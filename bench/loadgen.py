@@ -73,6 +73,10 @@ class RequestRecord:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     error: str | None = None
+    # perf_counter (CLOCK_MONOTONIC) when the worker sent it, and when it had read and checked
+    # the response (the body arrived at sent_at + latency_s)
+    sent_at: float = 0.0
+    done_at: float = 0.0
 
 
 @dataclass
@@ -221,10 +225,13 @@ def _check_count(n: int, cfg: LoadConfig) -> str | None:
 Sender = Callable[[httpx.AsyncClient, LoadConfig, int], Awaitable[RequestRecord]]
 
 
-async def run_load(cfg: LoadConfig, send: Sender | None = None) -> LoadResult:
+async def run_load(
+    cfg: LoadConfig, send: Sender | None = None, ready: Callable[[], None] | None = None
+) -> LoadResult:
     """Run one closed-loop load and return its measurements. Requests that fail still count in
     the wall time but not in tokens; `errors` says how many. `send` makes and checks one
-    request (default: chat completions, streaming or not as `cfg` says)."""
+    request (default: chat completions, streaming or not as `cfg` says). `ready` is called once
+    every worker's client is built, just before the clock starts."""
     if min(cfg.processes, cfg.concurrency, cfg.requests) > 1:
         return await asyncio.to_thread(_run_processes, cfg, send)
     next_index = cfg.first_index
@@ -234,22 +241,33 @@ async def run_load(cfg: LoadConfig, send: Sender | None = None) -> LoadResult:
     # One connection per worker: the client-side pool must never be what limits concurrency.
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
+    # Built before the clock starts: with certificate checks on, each client loads the CA
+    # bundle (~30 ms), which staggered a wave's first requests by that much per worker.
+    plain = cfg.base_url.startswith("http://")
+    clients = [
+        httpx.AsyncClient(base_url=cfg.base_url, limits=limits, timeout=timeout, verify=not plain)
+        for _ in range(min(cfg.concurrency, cfg.requests))
+    ]
 
-    async def worker() -> None:
+    async def worker(c: httpx.AsyncClient) -> None:
         nonlocal next_index
-        async with httpx.AsyncClient(base_url=cfg.base_url, limits=limits, timeout=timeout) as c:
+        async with c:
             while next_index < end_index:
                 index = next_index
                 next_index += 1  # single-threaded event loop: no lock needed
                 t0 = time.perf_counter()
                 try:
-                    records.append(await send(c, cfg, index))
+                    rec = await send(c, cfg, index)
+                    records.append(replace(rec, sent_at=t0, done_at=time.perf_counter()))
                 except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
                     lat = time.perf_counter() - t0
-                    records.append(RequestRecord(lat, error=f"{type(e).__name__}: {e}"))
+                    err = f"{type(e).__name__}: {e}"
+                    records.append(RequestRecord(lat, error=err, sent_at=t0, done_at=t0 + lat))
 
+    if ready is not None:
+        ready()
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, cfg.requests))))
+    await asyncio.gather(*(worker(c) for c in clients))
     wall = time.perf_counter() - start
     return summarize(cfg, records, wall)
 
@@ -267,10 +285,14 @@ def _shares(cfg: LoadConfig) -> list[LoadConfig]:
 
 
 def _child(cfg: LoadConfig, send: Sender | None, start: Any, out: Any) -> None:
-    start.wait()  # every process is up before any request is sent
-    t0 = time.perf_counter()  # CLOCK_MONOTONIC: comparable between processes
-    res = asyncio.run(run_load(cfg, send))
-    out.put((t0, time.perf_counter(), res))
+    began: list[float] = []
+
+    def ready() -> None:  # every process has built its clients before any request is sent
+        start.wait()
+        began.append(time.perf_counter())  # CLOCK_MONOTONIC: comparable between processes
+
+    res = asyncio.run(run_load(cfg, send, ready))
+    out.put((began[0], time.perf_counter(), res))
 
 
 def _run_processes(cfg: LoadConfig, send: Sender | None) -> LoadResult:
@@ -356,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--processes", type=int, default=1, help="client processes")
+    p.add_argument("--records", help="write every request's record here, a JSON line each")
     a = p.parse_args(argv)
     cfg = LoadConfig(
         base_url=a.base_url,
@@ -373,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     res = asyncio.run(run_load(cfg))
     print(json.dumps(res.to_json(), indent=2))
+    if a.records:
+        with open(a.records, "a") as f:
+            f.writelines(json.dumps(asdict(r)) + "\n" for r in res.records)
     return 1 if res.errors else 0
 
 

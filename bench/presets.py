@@ -94,10 +94,13 @@ CPU = Preset(
 )
 
 # A random-weight 1.1B llama (hidden 2048, 16 layers, vocab 49,152, bfloat16), 128 new tokens per
-# request, three waves per run at c >= 8 and three rounds of every mode (single runs moved the
-# top20/off ratio by +-0.3). About 5 minutes for our part and 4 for mlx-lm's on an H100/H200 with
-# MLX's CUDA backend: run `--only omlx` and `--only mlx-lm,batchgen` as separate commands when a
-# command may run at most 10 minutes. `--only memory` adds the 2,000-request soak (~1 minute).
+# request, three waves per run at c >= 8; three rounds of every mode, four at c=32 and c=64
+# (single runs moved the top20/off ratio by +-0.3; the host's launch time still switches between
+# two speeds for a second or two at a time, session 10). 16 client processes: a 128-token top-20
+# body takes one Python process ~3-6 ms to parse, and 8 of them ending together in one process
+# spread the next wave's arrivals by that much more. About 6 minutes for `--only omlx,batchgen`
+# and 5 for `--only mlx-lm,memory` on an H200 with MLX's CUDA backend (one command may run at
+# most 10 minutes there).
 GPU = Preset(
     name="gpu",
     model=ModelSpec("random", size="1b", dtype="bfloat16"),
@@ -105,9 +108,9 @@ GPU = Preset(
     max_num_seqs=64,
     max_tokens=128,
     prompt_words=32,
-    cells=(CellSpec(1, 3, 3), CellSpec(8, 24, 3), CellSpec(32, 96, 3), CellSpec(64, 192, 3)),
+    cells=(CellSpec(1, 3, 3), CellSpec(8, 24, 3), CellSpec(32, 96, 4), CellSpec(64, 192, 4)),
     peer_goal=2.0,
-    client_processes=8,
+    client_processes=16,
     ttft_requests=10,
     score=ScoreSpec(concurrency=8, requests=192, prompt_words=400),
     memory=MemorySpec(2000, 200, concurrency=64, max_tokens=16, prompt_words=16),

@@ -24,12 +24,17 @@ API_KEY_ENV = "OMLX_LOGPROBS_API_KEY"  # a key in the environment stays out of `
 # shape every step, so graphs are built, used once and evicted. Launching kernels directly made
 # top-20 steps ~12% faster through HTTP at c=64 on an H200 with logprobs off unchanged
 # (docs/benchmarks.md, session 6). Whoever turns graphs back on gets 64 of them kept (session 4:
-# 400 held ~500 MiB of host memory). cuDNN attention plans (one per prefill shape, 256 kept) are
-# bounded to 32: it halved the RSS growth of the 2,000-request soak (session 5). MLX raises after
-# 2x capacity misses in total unless its thrashing check is off.
+# 400 held ~500 MiB of host memory). cuDNN attention builds a graph for every new prefill shape
+# (rows, width, cache length): 60-80 ms each on an H200, with all streams waiting, and a
+# server's prefill shapes rarely repeat; MLX's own attention is as fast at serving sizes and
+# costs ~15 ms on a new shape (session 10, bench/prefill_shapes.py). Its price: a prefill's
+# [rows, heads, width, cache] scores are materialized. Whoever turns cuDNN back on gets 32 plans
+# kept (session 5: it halved the RSS growth of the 2,000-request soak). MLX raises after 2x
+# capacity misses in total unless its thrashing check is off.
 MLX_ENVIRONMENT = {
     "MLX_USE_CUDA_GRAPHS": "0",
     "MLX_CUDA_GRAPH_CACHE_SIZE": "64",
+    "MLX_CUDA_USE_CUDNN_SDPA": "0",
     "MLX_CUDA_SDPA_CACHE_SIZE": "32",
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
 }

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from omlx_logprobs.engine.step import DeviceTime
 
 log = logging.getLogger("omlx_logprobs")
+# Diagnostics (OMLX_STEP_TRACE=1): a log line per step, "step-trace: END LAUNCH_MS COMPLETE_MS
+# ROWS PROMPT_TOKENS" (END on the monotonic clock), to line steps up with a load generator's
+# request times (bench/waves.py).
+TRACE = os.environ.get("OMLX_STEP_TRACE", "") not in ("", "0")
 
 
 @dataclass
@@ -48,7 +52,13 @@ class StepStats:
         self.complete_s += complete_s
         self.queue_s += device.queue_s
         self.read_s += device.read_s
-        if time.perf_counter() - self._since >= self.interval_s:
+        end = time.perf_counter()
+        if TRACE:
+            log.info(
+                "step-trace: %.6f %.3f %.3f %d %d",
+                end, 1e3 * launch_s, 1e3 * complete_s, rows, prefill_tokens,
+            )  # fmt: skip
+        if end - self._since >= self.interval_s:
             self.flush()
 
     def flush(self) -> None:
