@@ -8,8 +8,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from omlx_logprobs.engine.prompt_scoring import PromptSlice, score
+from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs import kernel
 from omlx_logprobs.logprobs.extract import EntryAsk, device_step
+from omlx_logprobs.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="needs MLX's CUDA backend")
 
@@ -121,3 +124,28 @@ def test_fixed_ids_longer_than_the_natural_cap() -> None:
     assert got[0, 4:29].tolist() == list(range(100, 125))
     np.testing.assert_array_equal(got[1, 4:24], want[1, 4:24])
     np.testing.assert_array_equal(got[1, 29:49], want[1, 24:44])
+
+
+@pytest.mark.parametrize(("k", "ids"), [(0, None), (1, None), (5, None), (3, [7, 2, 900])])
+def test_fused_prompt_blocks_equal_the_ops_path(k: int, ids: list[int] | None) -> None:
+    """Prompt scoring's fused blocks (one kernel a block, one packed read) give the entries
+    the MLX-ops extraction gives, over several blocks and a padded last one."""
+    rng = np.random.default_rng(k)
+    n, v = 700, 49152
+    logits = mx.array((rng.standard_normal((n, v)) * 4).astype(np.float32)).astype(mx.bfloat16)
+    params = SamplingParams(max_tokens=0, prompt_logprobs=k, logprob_token_ids=tuple(ids or ()))
+    seq = Sequence("r", list(range(n + 1)), params)
+    token_ids = rng.integers(0, v, n).astype(np.int32)
+    slices = [PromptSlice(seq, 1, token_ids[:300]), PromptSlice(seq, 301, token_ids[300:])]
+    got, want = (
+        score(slices, lambda a, b: logits[a:b], 256, fused=fused) for fused in (True, False)
+    )
+    assert got is not None and want is not None
+    mx.eval(got.arrays(), want.arrays())
+    for g, w in zip(got.to_host(), want.to_host(), strict=True):
+        assert g.first == w.first
+        np.testing.assert_array_equal(g.logprobs.logprobs, w.logprobs.logprobs)
+        np.testing.assert_array_equal(g.logprobs.ranks, w.logprobs.ranks)
+        np.testing.assert_array_equal(g.logprobs.top_logprobs, w.logprobs.top_logprobs)
+        if ids is not None:
+            np.testing.assert_array_equal(g.logprobs.top_ids, w.logprobs.top_ids)

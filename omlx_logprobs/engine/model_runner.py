@@ -209,7 +209,11 @@ class ModelRunner:
         hidden = h.reshape(-1, h.shape[-1])[mx.array(flat)]
         slices = [chunk_slice(c.seq, 0, c.end) for c in group]
         pending = score(
-            slices, lambda a, b: self._head(hidden[a:b]), self.prompt_block, self.host_logprobs
+            slices,
+            lambda a, b: self._head(hidden[a:b]),
+            self.prompt_block,
+            self.host_logprobs,
+            self.fused,
         )
         return self._head(h[:, -1, :]), pending
 
@@ -244,7 +248,9 @@ class ModelRunner:
         if seq.prompt_store is not None:  # every position's logits: the prompt is scored
             out = self.model(ids, cache=cache)[0]
             rows = chunk_slice(seq, chunk.start, out.shape[0])
-            scored = score([rows], lambda a, b: out[a:b], self.prompt_block, self.host_logprobs)
+            scored = score(
+                [rows], lambda a, b: out[a:b], self.prompt_block, self.host_logprobs, self.fused
+            )
             logits = out[-1:, :]
         elif chunk.is_last:
             logits = self._last_logits(ids, cache)

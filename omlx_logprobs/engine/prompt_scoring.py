@@ -14,10 +14,12 @@ import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.logprobs import kernel
 from omlx_logprobs.logprobs.extract import (
     BatchLogprobs,
     Extraction,
     HostExtraction,
+    PackedStep,
     extract_logits,
 )
 from omlx_logprobs.types import SamplingParams
@@ -48,12 +50,28 @@ class PromptSlice:
 
 
 @dataclass(frozen=True)
+class FusedBlocks:
+    """Blocks extracted by the CUDA kernel (logprobs/kernel.py), their packed rows concatenated:
+    the host reads one array for all of them (each read is a synchronous copy on CUDA)."""
+
+    packed: PackedStep
+
+    def arrays(self) -> list[mx.array]:
+        return [self.packed.array]
+
+    def to_host(self) -> BatchLogprobs:
+        entries = self.packed.to_host()[2]
+        assert entries is not None
+        return entries
+
+
+@dataclass(frozen=True)
 class PendingPrompts:
     """The entries of one or more slices, rows concatenated in slice order over the blocks,
     still lazy."""
 
     slices: list[PromptSlice]
-    blocks: list[Extraction | HostExtraction]
+    blocks: list[Extraction | HostExtraction | FusedBlocks]
 
     def arrays(self) -> list[mx.array]:
         return [x for b in self.blocks for x in b.arrays()]
@@ -96,11 +114,13 @@ def score(
     logits_of: Callable[[int, int], mx.array],
     max_block: int = PROMPT_BLOCK,
     host: bool = False,
+    fused: bool = False,
 ) -> PendingPrompts | None:
     """Entries for the slices' rows; `logits_of(a, b)` gives rows [a, b) of their logits, rows
     in slice order (past the last row it may return fewer rows, or filler). All slices share
     one `score_key`. Prompt entries are the model's own distribution: no processors, no
-    temperature. `host`: the extraction runs in numpy at collect time (see HostExtraction)."""
+    temperature. `host`: the extraction runs in numpy at collect time (see HostExtraction);
+    `fused`: one CUDA kernel a block and one host read for all (see FusedBlocks)."""
     slices = [s for s in slices if len(s.token_ids)]
     if not slices:
         return None
@@ -113,7 +133,8 @@ def score(
     # rows dropped on the host): prompt lengths then never make new kernel shapes (compiled per
     # shape on a GPU). In numpy padding would only be work: the last block stays short.
     chosen = mx.array(np.pad(ids, (0, -n % PROMPT_BLOCK)))
-    blocks, a = [], 0
+    blocks: list[Extraction | HostExtraction | FusedBlocks] = []
+    packed, a = [], 0
     # On the device, blocks are evaluated in order with the step, so about one block's
     # temporaries are alive at once; on the host, each block's logits wait for the collect.
     for size in block_sizes(n, max_block):
@@ -122,8 +143,16 @@ def score(
             rows = mx.pad(rows, [(0, size - rows.shape[0]), (0, 0)])
         r = rows.shape[0]
         fixed = None if wanted is None else mx.broadcast_to(wanted, (r, k))
-        blocks.append(extract_logits(rows, chosen[a : a + r], k, fixed, wanted is None, host))
+        if fused:  # the kernel's arithmetic is extract's (x - lse, float32)
+            x = rows.astype(mx.float32)
+            lse = mx.logsumexp(x, axis=-1, keepdims=True)
+            packed.append(kernel.packed_step(x, lse, lse, chosen[a : a + r], k, fixed))
+        else:
+            blocks.append(extract_logits(rows, chosen[a : a + r], k, fixed, wanted is None, host))
         a += size
+    if packed:
+        joined = packed[0] if len(packed) == 1 else mx.concatenate(packed, axis=0)
+        blocks.append(FusedBlocks(PackedStep(joined, k)))
     return PendingPrompts(slices, blocks)
 
 
