@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from cpu_halves import pin_halves, server_affinity
 from measure import ServerBench, Target, log, measure_memory, measure_server
 from presets import PRESETS, ModelSpec, Preset
 from report import machine_facts, write_section
@@ -149,7 +150,7 @@ def bare_part(p: Preset, m: Model, runner_cmd: str) -> PartResult:
         cmd = [sys.executable, str(BENCH / "bare.py"), "--preset", p.name]
         cmd += ["--model-dir", str(m.dir), "--out", str(out)]
         log(f"starting: {shown(cmd)}")
-        subprocess.run(cmd, cwd=REPO, check=True)
+        subprocess.run(cmd, cwd=REPO, check=True, preexec_fn=server_affinity())
         result = Results.load(out).parts[0]
     shown_cmd = shown(cmd[:-2])  # the temporary --out path means nothing to a reader
     return replace(
@@ -207,6 +208,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     state_help = "saved results that --only runs merge with (default bench/.cache/PRESET.json)"
     ap.add_argument("--state", type=Path, default=None, help=state_help)
     ap.add_argument("--fresh", action="store_true", help="with --only: forget saved parts")
+    pin_help = "servers and bare.py on one half of the cores, the load generator on the other"
+    ap.add_argument("--pin", action="store_true", help=pin_help)
     return ap.parse_args(argv)
 
 
@@ -219,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
     )
+    if a.pin:
+        servers, clients = pin_halves()
+        log(f"--pin: servers on CPUs {servers}, this runner and its load generator on {clients}")
     p = PRESETS[a.preset]
     parts = a.only.split(",") if a.only else list(p.parts)
     unknown = [x for x in parts if x not in PARTS]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from cpu_halves import server_affinity
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -131,7 +132,9 @@ def start_server(
     fd, name = tempfile.mkstemp(prefix="bench-server-", suffix=".log")
     log = os.fdopen(fd, "wb")
     # The server runs from the repo root so `-m omlx_logprobs` resolves to this checkout.
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    proc = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=server_affinity()
+    )
     log.close()
     server = Server(command, port, Path(name), proc)
     t0 = time.perf_counter()

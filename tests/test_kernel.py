@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from omlx_logprobs.engine.prompt_scoring import PromptSlice, score
+from omlx_logprobs.engine.prompt_scoring import PromptSlice, ScorePath, score
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs import kernel
 from omlx_logprobs.logprobs.extract import EntryAsk, device_step
@@ -138,7 +138,7 @@ def test_fused_prompt_blocks_equal_the_ops_path(k: int, ids: list[int] | None) -
     token_ids = rng.integers(0, v, n).astype(np.int32)
     slices = [PromptSlice(seq, 1, token_ids[:300]), PromptSlice(seq, 301, token_ids[300:])]
     got, want = (
-        score(slices, lambda a, b: logits[a:b], 256, fused=fused) for fused in (True, False)
+        score(slices, lambda a, b: logits[a:b], ScorePath(256, fused=f)) for f in (True, False)
     )
     assert got is not None and want is not None
     mx.eval(got.arrays(), want.arrays())

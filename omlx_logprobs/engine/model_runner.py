@@ -22,6 +22,7 @@ from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, make_prefix
 from omlx_logprobs.engine.prompt_scoring import (
     PROMPT_BLOCK,
     PendingPrompts,
+    ScorePath,
     chunk_slice,
     score,
     score_key,
@@ -104,7 +105,8 @@ class ModelRunner:
         self.host_logprobs = cpu
         # On MLX's CUDA backend the step's outputs come from one kernel (logprobs/kernel.py).
         self.fused = not cpu and kernel.available()
-        self.prompt_block = CPU_PROMPT_BLOCK if cpu else GPU_PROMPT_BLOCK
+        block = CPU_PROMPT_BLOCK if cpu else GPU_PROMPT_BLOCK
+        self.scoring = ScorePath(block, host=cpu, fused=self.fused)
         self.prefill_align = CPU_PREFILL_ALIGN if cpu else GPU_PREFILL_ALIGN
         if cache_limit_mib is None and not cpu:
             cache_limit_mib = GPU_CACHE_LIMIT_MIB
@@ -208,13 +210,7 @@ class ModelRunner:
             flat = np.pad(flat, (0, -len(flat) % PROMPT_BLOCK))
         hidden = h.reshape(-1, h.shape[-1])[mx.array(flat)]
         slices = [chunk_slice(c.seq, 0, c.end) for c in group]
-        pending = score(
-            slices,
-            lambda a, b: self._head(hidden[a:b]),
-            self.prompt_block,
-            self.host_logprobs,
-            self.fused,
-        )
+        pending = score(slices, lambda a, b: self._head(hidden[a:b]), self.scoring)
         return self._head(h[:, -1, :]), pending
 
     def _prefixes(self, chunks: list[PrefillChunk]) -> dict[int, Prefix]:
@@ -248,9 +244,7 @@ class ModelRunner:
         if seq.prompt_store is not None:  # every position's logits: the prompt is scored
             out = self.model(ids, cache=cache)[0]
             rows = chunk_slice(seq, chunk.start, out.shape[0])
-            scored = score(
-                [rows], lambda a, b: out[a:b], self.prompt_block, self.host_logprobs, self.fused
-            )
+            scored = score([rows], lambda a, b: out[a:b], self.scoring)
             logits = out[-1:, :]
         elif chunk.is_last:
             logits = self._last_logits(ids, cache)

@@ -50,6 +50,17 @@ class PromptSlice:
 
 
 @dataclass(frozen=True)
+class ScorePath:
+    """How a runner extracts prompt entries: at most `max_block` rows a block (a power-of-two
+    multiple of PROMPT_BLOCK); `host`: in numpy at collect time (see HostExtraction); `fused`:
+    one CUDA kernel a block and one host read for all of a step's blocks (see FusedBlocks)."""
+
+    max_block: int = PROMPT_BLOCK
+    host: bool = False
+    fused: bool = False
+
+
+@dataclass(frozen=True)
 class FusedBlocks:
     """Blocks extracted by the CUDA kernel (logprobs/kernel.py), their packed rows concatenated:
     the host reads one array for all of them (each read is a synchronous copy on CUDA)."""
@@ -112,15 +123,12 @@ def block_sizes(n: int, max_block: int = PROMPT_BLOCK) -> list[int]:
 def score(
     slices: list[PromptSlice],
     logits_of: Callable[[int, int], mx.array],
-    max_block: int = PROMPT_BLOCK,
-    host: bool = False,
-    fused: bool = False,
+    path: ScorePath = ScorePath(),
 ) -> PendingPrompts | None:
     """Entries for the slices' rows; `logits_of(a, b)` gives rows [a, b) of their logits, rows
     in slice order (past the last row it may return fewer rows, or filler). All slices share
     one `score_key`. Prompt entries are the model's own distribution: no processors, no
-    temperature. `host`: the extraction runs in numpy at collect time (see HostExtraction);
-    `fused`: one CUDA kernel a block and one host read for all (see FusedBlocks)."""
+    temperature."""
     slices = [s for s in slices if len(s.token_ids)]
     if not slices:
         return None
@@ -133,17 +141,18 @@ def score(
     # rows dropped on the host): prompt lengths then never make new kernel shapes (compiled per
     # shape on a GPU). In numpy padding would only be work: the last block stays short.
     chosen = mx.array(np.pad(ids, (0, -n % PROMPT_BLOCK)))
+    host = path.host
     blocks: list[Extraction | HostExtraction | FusedBlocks] = []
     packed, a = [], 0
     # On the device, blocks are evaluated in order with the step, so about one block's
     # temporaries are alive at once; on the host, each block's logits wait for the collect.
-    for size in block_sizes(n, max_block):
+    for size in block_sizes(n, path.max_block):
         rows = logits_of(a, a + size)  # may stop short at the end
         if rows.shape[0] < size and not host:
             rows = mx.pad(rows, [(0, size - rows.shape[0]), (0, 0)])
         r = rows.shape[0]
         fixed = None if wanted is None else mx.broadcast_to(wanted, (r, k))
-        if fused:  # the kernel's arithmetic is extract's (x - lse, float32)
+        if path.fused:  # the kernel's arithmetic is extract's (x - lse, float32)
             x = rows.astype(mx.float32)
             lse = mx.logsumexp(x, axis=-1, keepdims=True)
             packed.append(kernel.packed_step(x, lse, lse, chosen[a : a + r], k, fixed))
