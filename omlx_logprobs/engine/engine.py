@@ -255,7 +255,7 @@ class Engine(EngineClient):
     def step(self) -> None:
         """Launch this step, then process the previous one while the device runs this one."""
         if self.inflight is not None and (self._needs_history() or self._first_token_waits()):
-            self._complete()
+            self._free(self._processed())
             self._wake_consumers()  # a first token goes out before the next launch's host work
         t0 = time.perf_counter()
         work = self.scheduler.schedule()
@@ -309,12 +309,9 @@ class Engine(EngineClient):
         return step
 
     def _free(self, finished: list[Sequence]) -> None:
+        """Release what finished: its cache rows and its place in the scheduler."""
         self.runner.release(finished)
         self.scheduler.drop_finished()
-
-    def _complete(self) -> None:
-        """Process the step in flight: outputs, stops, and freeing what finished."""
-        self._free(self._processed())
 
     def _first_token_waits(self) -> bool:
         # A first token is latency a client sees; with a small batch, overlapping the next
