@@ -14,13 +14,12 @@ import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.engine.sequence import Sequence
-from omlx_logprobs.logprobs import kernel
 from omlx_logprobs.logprobs.extract import (
     BatchLogprobs,
-    Extraction,
+    EntryAsk,
     HostExtraction,
     PackedStep,
-    extract_logits,
+    device_step,
 )
 from omlx_logprobs.types import SamplingParams
 
@@ -52,8 +51,8 @@ class PromptSlice:
 @dataclass(frozen=True)
 class ScorePath:
     """How a runner extracts prompt entries: at most `max_block` rows a block (a power-of-two
-    multiple of PROMPT_BLOCK); `host`: in numpy at collect time (see HostExtraction); `fused`:
-    one CUDA kernel a block and one host read for all of a step's blocks (see FusedBlocks)."""
+    multiple of PROMPT_BLOCK); `host`: in numpy at collect time (see HostExtraction), else on
+    the device as a decode step's entries are (`device_step`; `fused`: its CUDA kernel)."""
 
     max_block: int = PROMPT_BLOCK
     host: bool = False
@@ -61,9 +60,9 @@ class ScorePath:
 
 
 @dataclass(frozen=True)
-class FusedBlocks:
-    """Blocks extracted by the CUDA kernel (logprobs/kernel.py), their packed rows concatenated:
-    the host reads one array for all of them (each read is a synchronous copy on CUDA)."""
+class PackedBlocks:
+    """Device blocks' packed rows (`device_step`'s layout), concatenated: the host reads one
+    array for all of them (on CUDA each read is an allocation and a synchronous copy)."""
 
     packed: PackedStep
 
@@ -82,7 +81,7 @@ class PendingPrompts:
     still lazy."""
 
     slices: list[PromptSlice]
-    blocks: list[Extraction | HostExtraction | FusedBlocks]
+    blocks: list[HostExtraction | PackedBlocks]
 
     def arrays(self) -> list[mx.array]:
         return [x for b in self.blocks for x in b.arrays()]
@@ -142,7 +141,7 @@ def score(
     # shape on a GPU). In numpy padding would only be work: the last block stays short.
     chosen = mx.array(np.pad(ids, (0, -n % PROMPT_BLOCK)))
     host = path.host
-    blocks: list[Extraction | HostExtraction | FusedBlocks] = []
+    blocks: list[HostExtraction | PackedBlocks] = []
     packed, a = [], 0
     # On the device, blocks are evaluated in order with the step, so about one block's
     # temporaries are alive at once; on the host, each block's logits wait for the collect.
@@ -152,16 +151,17 @@ def score(
             rows = mx.pad(rows, [(0, size - rows.shape[0]), (0, 0)])
         r = rows.shape[0]
         fixed = None if wanted is None else mx.broadcast_to(wanted, (r, k))
-        if path.fused:  # the kernel's arithmetic is extract's (x - lse, float32)
+        if host:
+            blocks.append(HostExtraction(rows, chosen[a : a + r], k, fixed, wanted is None))
+        else:
             x = rows.astype(mx.float32)
             lse = mx.logsumexp(x, axis=-1, keepdims=True)
-            packed.append(kernel.packed_step(x, lse, lse, chosen[a : a + r], k, fixed))
-        else:
-            blocks.append(extract_logits(rows, chosen[a : a + r], k, fixed, wanted is None, host))
+            ask = EntryAsk(x, k, fixed, natural=wanted is None)
+            packed.append(device_step(chosen[a : a + r], lse, ask, path.fused).array)
         a += size
     if packed:
         joined = packed[0] if len(packed) == 1 else mx.concatenate(packed, axis=0)
-        blocks.append(FusedBlocks(PackedStep(joined, k)))
+        blocks.append(PackedBlocks(PackedStep(joined, k)))
     return PendingPrompts(slices, blocks)
 
 
