@@ -129,7 +129,8 @@ def test_fixed_ids_longer_than_the_natural_cap() -> None:
 @pytest.mark.parametrize(("k", "ids"), [(0, None), (1, None), (5, None), (3, [7, 2, 900])])
 def test_fused_prompt_blocks_equal_the_ops_path(k: int, ids: list[int] | None) -> None:
     """Prompt scoring's fused blocks (one kernel a block, one packed read) give the entries
-    the MLX-ops extraction gives, over several blocks and a padded last one."""
+    the MLX-ops extraction gives, over several blocks and a padded last one, and both equal a
+    numpy float32 log-softmax of the same logits."""
     rng = np.random.default_rng(k)
     n, v = 700, 49152
     logits = mx.array((rng.standard_normal((n, v)) * 4).astype(np.float32)).astype(mx.bfloat16)
@@ -149,3 +150,12 @@ def test_fused_prompt_blocks_equal_the_ops_path(k: int, ids: list[int] | None) -
         np.testing.assert_array_equal(g.logprobs.top_logprobs, w.logprobs.top_logprobs)
         if ids is not None:
             np.testing.assert_array_equal(g.logprobs.top_ids, w.logprobs.top_ids)
+    x = np.array(logits.astype(mx.float32))
+    ref = x - lse32(x)  # independent of both paths; MLX's float32 sum of 49k exps: ~1e-4 off
+    pos = np.arange(n)
+    entries = [g.logprobs for g in got.to_host()]
+    own = np.concatenate([e.logprobs for e in entries])
+    np.testing.assert_allclose(own, ref[pos, token_ids], atol=5e-4)
+    tops = np.concatenate([e.top_logprobs for e in entries])
+    want_tops = ref[:, list(ids)] if ids else -np.sort(-ref, axis=-1)[:, :k]
+    np.testing.assert_allclose(tops, want_tops, atol=5e-4)
