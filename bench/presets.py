@@ -98,7 +98,8 @@ CPU = Preset(
 # (single runs moved the top20/off ratio by +-0.3; the host's launch time still switches between
 # two speeds for a second or two at a time, session 10). 16 client processes: a 128-token top-20
 # body takes one Python process ~3-6 ms to parse, and 8 of them ending together in one process
-# spread the next wave's arrivals by that much more. About 6 minutes for `--only omlx,batchgen`
+# spread the next wave's arrivals by that much more (8 against 16 at c=64 then measured within
+# the noise: docs/benchmarks.md, session 10). About 6 minutes for `--only omlx,batchgen`
 # and 5 for `--only mlx-lm,memory` on an H200 with MLX's CUDA backend (one command may run at
 # most 10 minutes there).
 GPU = Preset(
