@@ -30,8 +30,12 @@ API_KEY_ENV = "OMLX_LOGPROBS_API_KEY"  # a key in the environment stays out of `
 # costs ~15 ms on a new shape (session 10, bench/prefill_shapes.py). Its price: a prefill's
 # [rows, heads, width, cache] scores are materialized. Whoever turns cuDNN back on gets 32 plans
 # kept (session 5: it halved the RSS growth of the 2,000-request soak). MLX raises after 2x
-# capacity misses in total unless its thrashing check is off.
+# capacity misses in total unless its thrashing check is off. MLX runs float32 matmuls as TF32
+# by default where the hardware has it (CUDA, M5): a float32 model's logits then move ~1e-3 with
+# the batch's shape, so a request's logprobs would depend on its batch; full float32 keeps them
+# within float32 rounding of a lone forward (bfloat16 models compute the same either way).
 MLX_ENVIRONMENT = {
+    "MLX_ENABLE_TF32": "0",
     "MLX_USE_CUDA_GRAPHS": "0",
     "MLX_CUDA_GRAPH_CACHE_SIZE": "64",
     "MLX_CUDA_USE_CUDNN_SDPA": "0",

@@ -16,6 +16,7 @@ import pytest
 from mlx_lm.models import llama
 
 import omlx_logprobs  # noqa: F401  (loads OpenBLAS before mlx)
+from omlx_logprobs.cli import mlx_environment
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.sequence import Sequence
@@ -23,6 +24,9 @@ from omlx_logprobs.models.embedded import ensure_embedded_model
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.parsing.thinking import ThinkStart
 from omlx_logprobs.types import RequestOutput, SamplingParams
+
+# The server's MLX settings (full float32 matmuls among them) before the tests' first matmul.
+mlx_environment()
 
 TINY_CONFIG = {
     "model_type": "llama",
