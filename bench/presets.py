@@ -94,14 +94,17 @@ CPU = Preset(
 )
 
 # A random-weight 1.1B llama (hidden 2048, 16 layers, vocab 49,152, bfloat16), 128 new tokens per
-# request, three waves per run at c >= 8; three rounds of every mode, four at c=32 and c=64
-# (single runs moved the top20/off ratio by +-0.3; the host's launch time still switches between
-# two speeds for a second or two at a time, session 10). 16 client processes: a 128-token top-20
-# body takes one Python process ~3-6 ms to parse, and 8 of them ending together in one process
-# spread the next wave's arrivals by that much more (8 against 16 at c=64 then measured within
-# the noise: docs/benchmarks.md, session 10). About 6 minutes for `--only omlx,batchgen`
-# and 5 for `--only mlx-lm,memory` on an H200 with MLX's CUDA backend (one command may run at
-# most 10 minutes there).
+# request; three waves per run and three rounds of every mode at c=1 and c=8; at c=32 and c=64,
+# where the engine's launch is the host's bound, eight rounds of two-wave runs: each of the GPU
+# host's vCPUs switches on its own between two speeds for seconds at a time (a fixed Python loop
+# 0.95 or 1.5-1.9 ms, whatever our own load, session 11), so a run draws one speed or the other;
+# short runs keep the modes of a round in one phase, and more rounds average the draws (four
+# three-wave rounds moved top20/off over 0.87-1.17 in three runs). 16 client processes: a
+# 128-token top-20 body takes one Python process ~3-6 ms to parse, and 8 of them ending together
+# in one process spread the next wave's arrivals by that much more (8 against 16 at c=64 then
+# measured within the noise: docs/benchmarks.md, session 10). On an H200 with MLX's CUDA backend
+# (one command may run at most 10 minutes there), run `--only omlx,batchgen`, `--only mlx-lm`
+# and `--only memory` as separate commands.
 GPU = Preset(
     name="gpu",
     model=ModelSpec("random", size="1b", dtype="bfloat16"),
@@ -109,7 +112,7 @@ GPU = Preset(
     max_num_seqs=64,
     max_tokens=128,
     prompt_words=32,
-    cells=(CellSpec(1, 3, 3), CellSpec(8, 24, 3), CellSpec(32, 96, 4), CellSpec(64, 192, 4)),
+    cells=(CellSpec(1, 3, 3), CellSpec(8, 24, 3), CellSpec(32, 64, 8), CellSpec(64, 128, 8)),
     peer_goal=2.0,
     client_processes=16,
     ttft_requests=10,
