@@ -19,7 +19,6 @@ from omlx_logprobs.logprobs.extract import (
     Extraction,
     HostExtraction,
     extract,
-    extract_logits,
     log_softmax,
 )
 
@@ -67,7 +66,7 @@ def cases(x: mx.array, tok: mx.array, lp: mx.array, k: int) -> dict[str, Callabl
         "two-stage top k (256)": lambda: two_stage_top_k(lp, k, 256),
         "two-stage top k (2048)": lambda: two_stage_top_k(lp, k, 2048),
         f"extract k={k} (all)": lambda: extract(log_softmax(x), tok, k).arrays(),
-        f"extract k={k}, on the host": lambda: extract_logits(x, tok, k, host=True),
+        f"extract k={k}, on the host": lambda: HostExtraction(x, tok, k, None, True),
         "extract k=0 (all)": lambda: extract(log_softmax(x), tok, 0).arrays(),
     }
 

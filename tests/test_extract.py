@@ -1,6 +1,6 @@
-"""The one extraction function against numpy (float64): chosen logprob, rank, the natural top k,
-on the device and on the host (the CPU backend's path), fixed ids, the shared log-sum-exp, and
-rows the finiteness check must refuse."""
+"""The extraction against numpy (float64): chosen logprob, rank, the natural top k, on the device
+(a step's packed entries, as the runner takes them) and on the host (the CPU backend's path),
+fixed ids, the shared log-sum-exp, and rows the finiteness check must refuse."""
 
 from __future__ import annotations
 
@@ -8,12 +8,38 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from omlx_logprobs.logprobs import kernel
 from omlx_logprobs.logprobs.extract import (
-    extract_logits,
+    BatchLogprobs,
+    EntryAsk,
+    HostExtraction,
+    device_step,
     finite_rows,
     host_log_softmax,
     log_softmax,
 )
+
+
+def entries(
+    x: np.ndarray,
+    chosen: np.ndarray | list[int],
+    k: int,
+    fixed: mx.array | None = None,
+    natural: bool = True,
+    host: bool = False,
+) -> BatchLogprobs:
+    """The rows' entries by the runner's own path: numpy at collect time (`host`), or a device
+    step's packed entries (the CUDA kernel where there is one, else MLX ops)."""
+    logits, ids = mx.array(x), mx.array(chosen).astype(mx.int32)
+    if host:
+        ex = HostExtraction(logits, ids, k, fixed, natural)
+        mx.eval(*ex.arrays())
+        return ex.to_host()
+    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+    packed = device_step(ids, lse, EntryAsk(logits, k, fixed, natural), kernel.available())
+    out = packed.to_host()[2]
+    assert out is not None
+    return out
 
 
 def reference(x: np.ndarray) -> np.ndarray:
@@ -28,9 +54,7 @@ def test_top_k_and_ranks_match_numpy(k: int, host: bool) -> None:
     x = (rng.standard_normal((6, 4096)) * 3).astype(np.float32)  # distinct values: no ties
     chosen = rng.integers(0, 4096, 6)
     ref = reference(x)
-    out = extract_logits(mx.array(x), mx.array(chosen), k, host=host)
-    mx.eval(*out.arrays())
-    out = out.to_host()
+    out = entries(x, chosen, k, host=host)
     rows = np.arange(6)
     np.testing.assert_allclose(out.logprobs, ref[rows, chosen], atol=1e-4)
     assert out.ranks.tolist() == [int(np.sum(ref[i] >= ref[i, c])) for i, c in zip(rows, chosen)]
@@ -53,9 +77,7 @@ def test_host_top_k_from_vocabulary_slices_equals_a_full_sort(k: int) -> None:
     x[2, :] = np.round(x[2, :])  # many exact ties
     x[3, :] = -np.inf
     x[3, rng.choice(v, k // 2 + 1, replace=False)] = rng.standard_normal(k // 2 + 1)
-    out = extract_logits(mx.array(x), mx.array(np.zeros(5, np.int64)), k, host=True)
-    mx.eval(*out.arrays())
-    got = out.to_host()
+    got = entries(x, np.zeros(5, np.int64), k, host=True)
     lp = host_log_softmax(x)
     want = -np.sort(-lp, axis=-1)[:, :k]
     np.testing.assert_array_equal(got.top_logprobs, want)  # the same values, best first
@@ -68,7 +90,7 @@ def test_fixed_ids_keep_their_order(host: bool) -> None:
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, 512)).astype(np.float32)
     fixed = mx.broadcast_to(mx.array([7, 3, 500], mx.int32), (3, 3))
-    out = extract_logits(mx.array(x), mx.array([0, 1, 2]), 3, fixed, False, host).to_host()
+    out = entries(x, [0, 1, 2], 3, fixed, False, host)
     assert out.top_ids.tolist() == [[7, 3, 500]] * 3
     np.testing.assert_allclose(out.top_logprobs, reference(x)[:, [7, 3, 500]], atol=1e-4)
 
@@ -79,7 +101,7 @@ def test_fixed_ids_beside_natural_top_lists(host: bool) -> None:
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 256)).astype(np.float32)
     fixed = mx.array([[9, 4], [-1, -1]], mx.int32)
-    out = extract_logits(mx.array(x), mx.array([0, 1]), 2, fixed, True, host).to_host()
+    out = entries(x, [0, 1], 2, fixed, True, host)
     ref = reference(x)
     assert out.top_ids[0].tolist() == [9, 4]
     assert out.top_ids[1].tolist() == np.argsort(-ref[1])[:2].tolist()
@@ -110,9 +132,7 @@ def test_host_extractions_in_turn_keep_their_own_values() -> None:
     for rows in (3, 9, 2):
         x = (rng.standard_normal((rows, 4096)) * 3).astype(np.float32)
         chosen = rng.integers(0, 4096, rows)
-        out = extract_logits(mx.array(x), mx.array(chosen), 4, host=True)
-        mx.eval(*out.arrays())
-        results.append((reference(x), chosen, out.to_host()))
+        results.append((reference(x), chosen, entries(x, chosen, 4, host=True)))
     for ref, chosen, got in results:
         rows = np.arange(len(chosen))
         np.testing.assert_allclose(got.logprobs, ref[rows, chosen], atol=1e-4)

@@ -1,8 +1,8 @@
 """The one place logprobs are computed: a float32 log-softmax over the vocabulary, then, for the
 whole batch at once, the chosen token's logprob and rank and the top K (or the logprobs of fixed
-ids). On a GPU this stays on the device (`extract`); on MLX's CPU backend it runs in numpy when
-the step is collected (`HostExtraction`). Generated and prompt tokens take the same path
-(`extract_logits`)."""
+ids). On a GPU this stays on the device and comes back packed (`device_step`: the CUDA kernel, or
+`extract`'s MLX ops); on MLX's CPU backend it runs in numpy when the step is collected
+(`HostExtraction`). Generated and prompt tokens take the same two paths."""
 
 from __future__ import annotations
 
@@ -253,22 +253,6 @@ def _host_top(lp: np.ndarray, k: int) -> np.ndarray:
         idx = np.argpartition(lp, v - k, axis=-1)[:, -k:]
     order = np.argsort(-np.take_along_axis(lp, idx, axis=-1), axis=-1, kind="stable")
     return np.take_along_axis(idx, order, axis=-1)
-
-
-def extract_logits(
-    logits: mx.array,
-    chosen: mx.array,
-    k: int,
-    fixed: mx.array | None = None,
-    natural: bool = True,
-    host: bool = False,
-    lse: mx.array | None = None,
-) -> Extraction | HostExtraction:
-    """`extract` from logits: the log-softmax and extraction on the device, or, with `host`,
-    both in numpy when the step is collected (the CPU backend)."""
-    if host:
-        return HostExtraction(logits, chosen, k, fixed, natural)
-    return extract(log_softmax(logits, lse), chosen, k, fixed, natural)
 
 
 def extract(
