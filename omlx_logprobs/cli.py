@@ -20,26 +20,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omlx_logprobs")
 API_KEY_ENV = "OMLX_LOGPROBS_API_KEY"  # a key in the environment stays out of `ps` listings
-# MLX's CUDA backend records kernels into CUDA graphs, keyed by shape; a serving batch changes
-# shape every step, so graphs are built, used once and evicted. Launching kernels directly made
-# top-20 steps ~12% faster through HTTP at c=64 on an H200 with logprobs off unchanged
-# (docs/benchmarks.md, session 6). Whoever turns graphs back on gets 64 of them kept (session 4:
-# 400 held ~500 MiB of host memory). cuDNN attention builds a graph for every new prefill shape
-# (rows, width, cache length): 60-80 ms each on an H200, with all streams waiting, and a
-# server's prefill shapes rarely repeat; MLX's own attention is as fast at serving sizes and
-# costs ~15 ms on a new shape (session 10, bench/prefill_shapes.py). Its price: a prefill's
-# [rows, heads, width, cache] scores are materialized. Whoever turns cuDNN back on gets 32 plans
-# kept (session 5: it halved the RSS growth of the 2,000-request soak). MLX raises after 2x
-# capacity misses in total unless its thrashing check is off. MLX runs float32 matmuls as TF32
-# by default where the hardware has it (CUDA, M5): a float32 model's logits then move ~1e-3 with
-# the batch's shape, so a request's logprobs would depend on its batch; full float32 keeps them
-# within float32 rounding of a lone forward (bfloat16 models compute the same either way).
+# MLX settings the server applies unless the environment holds them (measured: docs/benchmarks.md).
 MLX_ENVIRONMENT = {
+    # Full float32 matmuls, not TF32 (CUDA, M5): with TF32 a float32 model's logprobs moved
+    # ~1e-3 with the shape of the batch they ran in (session 11).
     "MLX_ENABLE_TF32": "0",
+    # A serving batch changes shape every step: CUDA graphs were built, used once and evicted;
+    # direct launches ran top-20 steps ~12% faster (session 6). If turned back on: 64 kept.
     "MLX_USE_CUDA_GRAPHS": "0",
     "MLX_CUDA_GRAPH_CACHE_SIZE": "64",
+    # cuDNN attention built a graph per new prefill shape, 60-80 ms each with every stream
+    # waiting (session 10). If turned back on: 32 plans kept (bounded host memory, session 5).
     "MLX_CUDA_USE_CUDNN_SDPA": "0",
     "MLX_CUDA_SDPA_CACHE_SIZE": "32",
+    # With bounded caches MLX would raise after 2x capacity misses in total.
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
 }
 
