@@ -24,16 +24,22 @@ class Step:
     complete_ms: float
     rows: int
     prefill_tokens: int
+    queue_ms: float = 0.0  # of launch_ms: in async_eval
+    aside_ms: float = 0.0  # the last step's processing on the second thread
+    lag_ms: float = 0.0  # how long that ran past the launch's async_eval
 
 
 def read_steps(path: Path) -> list[Step]:
-    """The server log's step-trace lines."""
+    """The server log's step-trace lines (older logs lack the last three fields)."""
     steps = []
     for line in path.read_text().splitlines():
         if "step-trace: " not in line:
             continue
-        end, launch, complete, rows, prefill = line.split("step-trace: ", 1)[1].split()
-        steps.append(Step(float(end), float(launch), float(complete), int(rows), int(prefill)))
+        end, launch, complete, rows, prefill, *more = line.split("step-trace: ", 1)[1].split()
+        extra = [float(x) for x in more[:3]]
+        steps.append(
+            Step(float(end), float(launch), float(complete), int(rows), int(prefill), *extra)
+        )
     return sorted(steps, key=lambda s: s.end)
 
 
@@ -41,7 +47,7 @@ def quantiles(xs: list[float]) -> str:
     """p10/p50/p90 as text."""
     if len(xs) < 2:
         return "/".join([f"{xs[0] if xs else 0.0:.1f}"] * 3)
-    q = statistics.quantiles(xs, n=10)
+    q = statistics.quantiles(xs, n=10, method="inclusive")
     return f"{q[0]:.1f}/{statistics.median(xs):.1f}/{q[-1]:.1f}"
 
 
@@ -82,6 +88,20 @@ def summary(steps: list[Step], records: list[dict], gap_ms: float) -> str:
         f"decode launch p10/50/90 {quantiles([s.launch_ms for s in decode])} "
         f"complete {statistics.fmean([s.complete_ms for s in decode] or [0]):5.2f} ms  "
         f"client {outside / len(records) * 1e3:5.1f} ms/request"
+        f"{aside_summary(decode)}"
+    )
+
+
+def aside_summary(decode: list[Step]) -> str:
+    """Decode steps' async_eval time, the processing beside it, and how often (and by how
+    much) that processing outlasted the async_eval (the launch then waits for the GIL)."""
+    if not decode or not any(s.aside_ms for s in decode):
+        return ""
+    late = [s.lag_ms for s in decode if s.lag_ms > 0]
+    return (
+        f"  queue p10/50/90 {quantiles([s.queue_ms for s in decode])}  aside "
+        f"{quantiles([s.aside_ms for s in decode])}  ran past the queueing in "
+        f"{100 * len(late) / len(decode):3.0f}% of steps, by {quantiles(late or [0.0])} ms"
     )
 
 

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import omlx_logprobs
+from omlx_logprobs import heap
 from omlx_logprobs.config import Access, EngineConfig, Limits, ServerConfig
 from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled
 
@@ -224,7 +225,9 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
             "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
         )
     served = Served(engine, model, cfg.engine, reasoning=reasoning, limits=cfg.limits)
-    return run_server(create_app(served, cfg.access), engine.begin_shutdown, cfg, args.log_level)
+    app = create_app(served, cfg.access)
+    heap.freeze_startup_objects()
+    return run_server(app, engine.begin_shutdown, cfg, args.log_level)
 
 
 def start_engine(cfg: ServerConfig, log_level: str) -> tuple[LoadedModel, EngineClient]:

@@ -10,7 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from omlx_logprobs.logprobs.format import ChatLogprobFormatter, EntriesText, NonFiniteLogprob
+from omlx_logprobs.logprobs.format import (
+    ChatLogprobFormatter,
+    EntriesText,
+    NonFiniteLogprob,
+    float_numbers,
+)
 from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.output.detokenizer import Vocabulary, token_display
@@ -65,11 +70,29 @@ def test_chat_entries_match_entry_by_entry(as_ids: bool, k: int, n: int) -> None
         assert "Infinity" not in text and "NaN" not in text
 
 
-def test_chat_numbers_are_repr_of_the_widened_float32() -> None:
+def digits(number: str) -> str:
+    """A decimal's significant digits, whatever its notation."""
+    mantissa, _, exponent = number.lower().partition("e")
+    return mantissa.lstrip("-").replace(".", "").strip("0")
+
+
+def test_chat_numbers_are_the_widened_float32_in_its_shortest_digits() -> None:
+    """Each number reads back as exactly the float32 widened to double, with `repr`'s digits
+    (the exponent may be written 1e-5 where repr writes 1e-05)."""
     store = random_store(np.random.default_rng(3), 50, 4)
+    tiny = [-1.5e-6, -2.3e-5, -9.9e-5, -1e-4, 0.0, -1e-45, -123456.7]
+    for i, x in enumerate(tiny):
+        store.logprobs[i] = x
     text = ChatLogprobFormatter(VOCAB).entries(store, 0, 50)
-    for x in store.logprobs.tolist() + store.top_logprobs.tolist():
-        assert (repr(x) if np.isfinite(x) else "-9999.0") in text
+    own = store.logprobs.tolist()
+    assert [e["logprob"] for e in json.loads(text)] == [value(x) for x in own]
+    values = np.frombuffer(store.logprobs[:] + store.top_logprobs[:], np.float32)
+    for x, number in zip(values.tolist(), float_numbers(values), strict=True):
+        if np.isfinite(x):
+            assert float(number) == x and digits(number) == digits(repr(x))
+        else:
+            assert number == "-9999.0"
+    assert float_numbers(np.zeros(0, np.float32)) == []
 
 
 def test_nan_is_refused() -> None:

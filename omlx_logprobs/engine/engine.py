@@ -287,7 +287,18 @@ class Engine(EngineClient):
         """Start processing the step in flight on the second thread, when there is one."""
         if self._aside is None or self.inflight is None:
             return None
-        return self._aside.submit(self._process, self._take_inflight())
+        return self._aside.submit(self._process_timed, self._take_inflight())
+
+    def _process_timed(self, step: LaunchedStep) -> list[Sequence]:
+        """The second thread's work: the step's outputs, handed over at once (the pickling for
+        the server's process then runs while the launch has released the GIL, not after it)."""
+        t0 = time.perf_counter()
+        try:
+            finished = self._process(step)
+            self._wake_consumers()
+            return finished
+        finally:
+            self.stats.aside = (t0, time.perf_counter())
 
     def _process(self, step: LaunchedStep) -> list[Sequence]:
         """A launched step's outputs and stops; the sequences that finished. Safe beside the

@@ -312,7 +312,8 @@ class ModelRunner:
     def _queue(self, *arrays: Any) -> None:
         t0 = time.perf_counter()
         mx.async_eval(*arrays)
-        self.time.queue_s += time.perf_counter() - t0
+        self.time.queued_at = time.perf_counter()
+        self.time.queue_s += self.time.queued_at - t0
 
     def take_time(self) -> DeviceTime:
         """The device-boundary time since the last call."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from omlx_logprobs import heap
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import (
     Engine,
@@ -183,6 +184,7 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
         log.exception("the engine process could not start")
         outbox.send(Failed(f"{type(exc).__name__}: {exc}"))
         os._exit(1)
+    heap.freeze_startup_objects()
     outbox.send(Ready(len(model.vocab)))  # first: from here on the engine thread sends
     engine.start()
     _serve_inbox(engine, inbox)

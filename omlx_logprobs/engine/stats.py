@@ -3,6 +3,7 @@ a starved engine (host time near wall time) from a device-bound one."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -12,9 +13,25 @@ from omlx_logprobs.engine.step import DeviceTime
 
 log = logging.getLogger("omlx_logprobs")
 # Diagnostics (OMLX_STEP_TRACE=1): a log line per step, "step-trace: END LAUNCH_MS COMPLETE_MS
-# ROWS PROMPT_TOKENS" (END on the monotonic clock), to line steps up with a load generator's
-# request times (bench/waves.py).
+# ROWS PROMPT_TOKENS QUEUE_MS ASIDE_MS ASIDE_LAG_MS" (END on the monotonic clock), to line steps
+# up with a load generator's request times (bench/waves.py). ASIDE: the last step's processing
+# on the second thread (GPU); its LAG, how long it ran past the launch's last async_eval (the
+# launching thread then waits for the GIL).
 TRACE = os.environ.get("OMLX_STEP_TRACE", "") not in ("", "0")
+GC_TRACE_MS = 1.0  # with the trace on, Python's collections at least this long are logged too
+
+
+def _gc_timer(phase: str, info: dict[str, int], started: list[float] = [0.0]) -> None:  # noqa: B006
+    """gc.callbacks hook: "gc-trace: END GENERATION MS COLLECTED" on the step trace's clock."""
+    now = time.perf_counter()
+    if phase == "start":
+        started[0] = now
+    elif (ms := 1e3 * (now - started[0])) >= GC_TRACE_MS:
+        log.info("gc-trace: %.6f %d %.3f %d", now, info["generation"], ms, info["collected"])
+
+
+if TRACE:
+    gc.callbacks.append(_gc_timer)
 
 
 @dataclass
@@ -33,6 +50,7 @@ class StepStats:
     # a GPU the second thread reads, beside the launch).
     read_s: float = 0.0
     flush_s: float = 0.0  # handing outputs over (to collectors, or to the server's process)
+    aside: tuple[float, float] = (0.0, 0.0)  # the last processing on the second thread: start, end
     _since: float = field(default_factory=time.perf_counter)
 
     def add(
@@ -54,10 +72,14 @@ class StepStats:
         self.read_s += device.read_s
         end = time.perf_counter()
         if TRACE:
+            a0, a1 = self.aside
+            lag = a1 - device.queued_at if a1 and device.queued_at else 0.0
             log.info(
-                "step-trace: %.6f %.3f %.3f %d %d",
+                "step-trace: %.6f %.3f %.3f %d %d %.3f %.3f %.3f",
                 end, 1e3 * launch_s, 1e3 * complete_s, rows, prefill_tokens,
+                1e3 * device.queue_s, 1e3 * (a1 - a0), 1e3 * lag,
             )  # fmt: skip
+            self.aside = (0.0, 0.0)
         if end - self._since >= self.interval_s:
             self.flush()
 

@@ -23,6 +23,7 @@ class DeviceTime:
 
     queue_s: float = 0.0
     read_s: float = 0.0
+    queued_at: float = 0.0  # perf_counter when the last async_eval returned (step trace)
 
 
 @dataclass(frozen=True)

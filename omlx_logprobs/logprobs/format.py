@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
+from pydantic_core import to_json
 
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.output.detokenizer import Vocabulary
@@ -37,11 +38,16 @@ def num(x: float) -> str:
 
 
 def float_numbers(floats: np.ndarray) -> list[str]:
-    """JSON numbers for float32 logprobs: `repr` of each widened to double (-inf as -9999.0,
-    NaN refused). `floats` must not view a store's own array: that would block the engine
-    thread's appends to it ("cannot resize an array that is exporting buffers")."""
+    """JSON numbers for float32 logprobs widened to double: the shortest digits that read back
+    as the same double (-inf as -9999.0, NaN refused). `floats` must not view a store's own
+    array: that would block the engine thread's appends to it ("cannot resize an array that is
+    exporting buffers")."""
+    if not len(floats):
+        return []
     if np.isfinite(floats).all():
-        return list(map(float.__repr__, floats.tolist()))
+        # pydantic-core's JSON writer finds the same digits as `repr`, ~5x faster (a top-20 body
+        # holds ~2,700 numbers); only the exponent is written differently (1e-5, not 1e-05).
+        return to_json(floats.tolist()).decode()[1:-1].split(",")
     return [num(x) for x in floats.tolist()]
 
 

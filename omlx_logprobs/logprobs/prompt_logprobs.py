@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from omlx_logprobs.logprobs.format import num, token_string
+from omlx_logprobs.logprobs.format import Pieces, numbers, token_string
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.output.detokenizer import Vocabulary
 
@@ -15,11 +15,13 @@ class PromptLogprobFormatter:
     def __init__(self, vocab: Vocabulary, as_ids: bool = False) -> None:
         self.vocab = vocab
         self.as_ids = as_ids
+        # Per id, the text around an entry's logprob and rank: made once, then looked up.
+        self._head: Pieces[str] = Pieces(lambda tid: f'"{tid}":{{"logprob":')
+        self._tail: Pieces[str] = Pieces(self._decoded)
 
-    def _entry(self, tid: int, logprob: float, rank: int | None) -> str:
+    def _decoded(self, tid: int) -> str:
         text = json.dumps(token_string(self.vocab, tid, self.as_ids), ensure_ascii=False)
-        r = "null" if rank is None else str(rank)
-        return f'"{tid}":{{"logprob":{num(logprob)},"rank":{r},"decoded_token":{text}}}'
+        return f',"decoded_token":{text}}}'
 
     def json(self, store: LogprobStore, k: int, fixed: bool) -> str:
         """The list for every prompt position: the prompt token and `k` top entries (rank = place
@@ -27,14 +29,19 @@ class PromptLogprobFormatter:
         computed."""
         if fixed:
             k = store.k
+        s = store.k
+        head, tail = self._head, self._tail
+        tids, ranks = store.token_ids.tolist(), store.ranks.tolist()
+        lps = numbers(store.logprobs[:])  # a copy: see float_numbers
+        top_ids = store.top_ids.tolist() if k else []
+        top_lps = numbers(store.top_logprobs[:]) if k else []
+        top_ranks = [',"rank":null' if fixed else f',"rank":{j + 1}' for j in range(k)]
         parts = ["null"]
-        for i in range(len(store)):
-            tid = store.token_ids[i]
-            items = [self._entry(tid, store.logprobs[i], store.ranks[i])]
-            if k:
-                ids, lps = store.top(i)
-                for j, (t, v) in enumerate(zip(ids[:k], lps[:k])):
-                    if t != tid:
-                        items.append(self._entry(t, v, None if fixed else j + 1))
+        for i, tid in enumerate(tids):
+            items = [head[tid] + lps[i] + ',"rank":' + str(ranks[i]) + tail[tid]]
+            for j in range(k):
+                t = top_ids[i * s + j]
+                if t != tid:
+                    items.append(head[t] + top_lps[i * s + j] + top_ranks[j] + tail[t])
             parts.append("{" + ",".join(items) + "}")
         return "[" + ",".join(parts) + "]"

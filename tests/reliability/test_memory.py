@@ -135,6 +135,25 @@ def test_large_buffers_keep_their_own_mapping() -> None:
     assert int(out.stdout) >= 2 << 20  # glibc's own policy: 0, the block is in the heap
 
 
+FREEZE = """
+import gc
+from omlx_logprobs import heap
+from omlx_logprobs.api.app import create_app  # the server's modules: thousands of objects
+before = len(gc.get_objects())
+heap.freeze_startup_objects()
+print(before, len(gc.get_objects()), gc.get_freeze_count())
+"""
+
+
+def test_startup_objects_are_out_of_the_collectors_sight() -> None:
+    """After start-up both processes freeze what they hold: a full collection then walks only
+    what serving made (on the GPU host an unfrozen one paused the server ~300 ms). In a fresh
+    process, not to freeze this one."""
+    out = subprocess.run([sys.executable, "-c", FREEZE], capture_output=True, text=True, check=True)
+    before, after, frozen = map(int, out.stdout.split())
+    assert before > 10_000 and frozen >= before // 2 and after < before // 20
+
+
 @pytest.mark.parametrize("shape", ["chat", "legacy"])
 def test_formatting_entries_never_blocks_the_engine_appending(
     tiny_served: LoadedModel, monkeypatch: pytest.MonkeyPatch, shape: str
