@@ -21,12 +21,15 @@ TRACE = os.environ.get("OMLX_STEP_TRACE", "") not in ("", "0")
 GC_TRACE_MS = 1.0  # with the trace on, Python's collections at least this long are logged too
 
 
-def _gc_timer(phase: str, info: dict[str, int], started: list[float] = [0.0]) -> None:  # noqa: B006
+_gc_started = [0.0]  # when the collection in progress began
+
+
+def _gc_timer(phase: str, info: dict[str, int]) -> None:
     """gc.callbacks hook: "gc-trace: END GENERATION MS COLLECTED" on the step trace's clock."""
     now = time.perf_counter()
     if phase == "start":
-        started[0] = now
-    elif (ms := 1e3 * (now - started[0])) >= GC_TRACE_MS:
+        _gc_started[0] = now
+    elif (ms := 1e3 * (now - _gc_started[0])) >= GC_TRACE_MS:
         log.info("gc-trace: %.6f %d %.3f %d", now, info["generation"], ms, info["collected"])
 
 
