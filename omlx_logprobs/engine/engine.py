@@ -20,7 +20,7 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.model_runner import ModelRunner
 from omlx_logprobs.engine.scheduler import Scheduler, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence, Status
-from omlx_logprobs.engine.stats import StepStats
+from omlx_logprobs.engine.stats import EngineStats, StepStats
 from omlx_logprobs.engine.step import LaunchedStep
 from omlx_logprobs.output.collector import RequestOutputCollector
 from omlx_logprobs.output.detokenizer import Vocabulary
@@ -139,20 +139,6 @@ class EngineClient(Protocol):
 
     @property
     def alive(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for /health: what is queued, what holds KV memory, and how much MLX holds."""
-
-    waiting: int
-    running: int
-    cached_sequences: int  # batch cache rows plus prompts mid-prefill
-    step_in_flight: bool  # a launched step not yet processed (it holds its small arrays)
-    active_memory: int  # bytes in live MLX arrays, weights included
-    cache_memory: int  # bytes MLX keeps from freed arrays for reuse
-    aborted_waiting: int  # requests aborted (client gone) before their prompt was prefilled
-    aborted_running: int  # ... and while decoding
 
 
 class Engine(EngineClient):
@@ -293,12 +279,10 @@ class Engine(EngineClient):
         """The second thread's work: the step's outputs, handed over at once (the pickling for
         the server's process then runs while the launch has released the GIL, not after it)."""
         t0 = time.perf_counter()
-        try:
-            finished = self._process(step)
-            self._wake_consumers()
-            return finished
-        finally:
-            self.stats.aside = (t0, time.perf_counter())
+        finished = self._process(step)
+        self._wake_consumers()
+        self.stats.aside = (t0, time.perf_counter())
+        return finished
 
     def _process(self, step: LaunchedStep) -> list[Sequence]:
         """A launched step's outputs and stops; the sequences that finished. Safe beside the

@@ -28,13 +28,13 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import (
     Engine,
     EngineClient,
-    EngineStats,
     Progress,
     RequestHandle,
     Submission,
     new_handles,
 )
 from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.logprobs.store import StoreRows, append_from
 from omlx_logprobs.output.collector import RequestOutputCollector
 from omlx_logprobs.types import FinishReason, RequestOutput

@@ -1,5 +1,6 @@
-"""Step-loop counters, logged every few seconds like vLLM's periodic stats line: enough to tell
-a starved engine (host time near wall time) from a device-bound one."""
+"""The engine's /health snapshot, and step-loop counters logged every few seconds like vLLM's
+periodic stats line: enough to tell a starved engine (host time near wall time) from a
+device-bound one."""
 
 from __future__ import annotations
 
@@ -35,6 +36,20 @@ def _gc_timer(phase: str, info: dict[str, int]) -> None:
 
 if TRACE:
     gc.callbacks.append(_gc_timer)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /health: what is queued, what holds KV memory, and how much MLX holds."""
+
+    waiting: int
+    running: int
+    cached_sequences: int  # batch cache rows plus prompts mid-prefill
+    step_in_flight: bool  # a launched step not yet processed (it holds its small arrays)
+    active_memory: int  # bytes in live MLX arrays, weights included
+    cache_memory: int  # bytes MLX keeps from freed arrays for reuse
+    aborted_waiting: int  # requests aborted (client gone) before their prompt was prefilled
+    aborted_running: int  # ... and while decoding
 
 
 @dataclass
