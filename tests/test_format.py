@@ -72,7 +72,7 @@ def test_chat_entries_match_entry_by_entry(as_ids: bool, k: int, n: int) -> None
 
 def digits(number: str) -> str:
     """A decimal's significant digits, whatever its notation."""
-    mantissa, _, exponent = number.lower().partition("e")
+    mantissa = number.lower().partition("e")[0]
     return mantissa.lstrip("-").replace(".", "").strip("0")
 
 

@@ -143,8 +143,10 @@ def score(
     host = path.host
     blocks: list[HostExtraction | PackedBlocks] = []
     packed, a = [], 0
-    # On the device, blocks are evaluated in order with the step, so about one block's
-    # temporaries are alive at once; on the host, each block's logits wait for the collect.
+    # Blocks bound the temporaries: with the CUDA kernel a block adds only a float32 copy of its
+    # rows (none for float32 logits), the MLX ops add a block's log-softmax; on the host each
+    # block's logits wait for the collect. (CUDA holds a step's buffers until it completes:
+    # the spec's "Memory bound".)
     for size in block_sizes(n, path.max_block):
         rows = logits_of(a, a + size)  # may stop short at the end
         if rows.shape[0] < size and not host:
