@@ -116,13 +116,19 @@ class ServerBench:
         return cold.latency_mean_s
 
     async def cell(self, spec: CellSpec, modes: tuple[str, ...], shift: int) -> list[Throughput]:
-        """Every mode `rounds` times, in an order rotated by `shift` and reversed on odd rounds
-        (a b c d, d c b a, ...), so that no mode always runs first or last."""
-        order = list(modes[shift % len(modes) :] + modes[: shift % len(modes)])
+        """Every mode `rounds` times. In each round the first and last modes (off and the largest
+        top list: the pair a target compares) run back to back, their order alternating, so
+        that the host's slow and fast phases fall on both sides of a round's pair alike
+        (targets.py compares runs round by round); the modes between follow, rotated."""
+        pair = [modes[0], modes[-1]] if len(modes) > 1 else list(modes)
+        rest = [m for m in modes if m not in pair]
         runs: dict[str, list[LoadResult]] = {m: [] for m in modes}
         others: dict[str, float] = {m: 0.0 for m in modes}
         for r in range(spec.rounds):
-            for mode in order if r % 2 == 0 else order[::-1]:
+            k = r + shift
+            turn = k % len(rest) if rest else 0
+            order = (pair if k % 2 == 0 else pair[::-1]) + rest[turn:] + rest[:turn]
+            for mode in order:
                 cfg = self.config(spec.concurrency, spec.requests_per_run, mode)
                 runs[mode].append(await self.load(cfg))
                 others[mode] = max(others[mode], self.other_cpu)
@@ -141,6 +147,7 @@ class ServerBench:
                     res.errors,
                     others[mode],
                     res.error_samples,
+                    [run.tokens_per_s for run in runs[mode]],
                 )
             )
         return cells
@@ -198,6 +205,8 @@ class ServerBench:
 async def measure_server(b: ServerBench, part: PartResult, modes: tuple[str, ...]) -> None:
     await b.warmup(modes)
     for i, spec in enumerate(b.p.cells):
+        if b.target.name != "omlx" and b.p.peer_rounds:
+            spec = replace(spec, rounds=min(spec.rounds, b.p.peer_rounds))
         part.throughput += await b.cell(spec, modes, shift=i)
     if b.target.name == "omlx":
         part.ttft.append(await b.ttft())

@@ -29,6 +29,7 @@ class Throughput:
     errors: int = 0
     other_cpu: float = 0.0  # worst share of the machine other processes took during a run
     error_samples: list[str] = field(default_factory=list)
+    run_tokens_per_s: list[float] = field(default_factory=list)  # each run's, round by round
 
 
 @dataclass

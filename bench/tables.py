@@ -3,10 +3,12 @@ memory, the machine and the exact commands. `section` is what lands between the 
 
 from __future__ import annotations
 
+import statistics
+
 from presets import Preset
 from report import begin_marker, end_marker
 from results import PartResult, Results, Throughput
-from targets import Check
+from targets import Check, paired_ratios
 
 
 def _tps(t: Throughput | None) -> str:
@@ -52,8 +54,26 @@ def targets_table(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
+def rounds_table(res: Results) -> list[str]:
+    """Our modes against logprobs off round by round (each round's runs close in time); top0,
+    which adds almost nothing to a step, shows how far the host alone moves a ratio."""
+    lines = []
+    for c in res.concurrencies():
+        off = res.throughput("omlx", "off", c)
+        for mode in ("top0", "top20"):
+            on = res.throughput("omlx", mode, c)
+            ratios = paired_ratios(on, off) if on is not None and off is not None else []
+            if ratios:
+                each = " ".join(f"{r:.2f}" for r in ratios)
+                lines.append(f"| {c} | {mode} / off | {statistics.median(ratios):.2f} | {each} |")
+    if not lines:
+        return []
+    head = ["", "| concurrency | ratio | median | round by round |", "|---:|---|---:|---|"]
+    return head + lines
+
+
 def detail_tables(res: Results) -> list[str]:
-    out: list[str] = []
+    out: list[str] = rounds_table(res)
     scoring = [s for p in res.parts for s in p.scoring]
     if scoring:
         out += [
@@ -122,8 +142,11 @@ def section(res: Results, p: Preset, checks: list[Check]) -> str:
         f"Non-streaming chat completions, {p.max_tokens} new tokens per request (`ignore_eos`; "
         "mlx-lm's server, which has no `ignore_eos`, gets EOS banned with `logit_bias` -100), "
         f"prompts of about {p.prompt_words} random words, distinct per request, temperature 0. "
-        "Completion tokens/s over wall time, summed over a mode's runs; modes run one after the "
-        "other at each concurrency in an order that rotates between concurrencies. "
+        "Completion tokens/s over wall time, summed over a mode's runs. A cell runs in rounds: "
+        "in each, logprobs off and the largest top list run back to back (their order "
+        "alternating), then the other modes; with three rounds or more, a top20/off target is "
+        "the median of the rounds' ratios (listed after the targets), the pooled ratio is in "
+        "the table. "
         "BatchGenerator: bare mlx-lm in-process, chat-templated prompts in the same runs as "
         "ours (as many runs, as many requests each), completion batch = concurrency. Other "
         "CPU: the largest share of the machine that other processes took during a run of that "

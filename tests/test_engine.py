@@ -168,7 +168,7 @@ def test_gpu_path_refuses_a_non_finite_row(
 ) -> None:
     """On the GPU's path the finiteness flag travels in the packed array: a row whose logits
     turn NaN ends its request with an error, and its batch neighbour runs to its end."""
-    from tests.reliability.conftest import PoisonModel
+    from tests.faulty import PoisonModel
 
     monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
     poison = encode(tiny, "zebra")[-1]

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import mlx.core as mx
 import psutil
 import pytest
 import uvicorn
@@ -84,23 +83,6 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None) -> di
     assert isinstance(err["message"], str) and err["message"]
     assert err["param"] == param, err
     return dict(err)
-
-
-class PoisonModel:
-    """The tiny model, except that every row whose input holds `poison` gets NaN logits: a fault
-    inside one request, as a broken kernel or a bad weight would give."""
-
-    def __init__(self, inner: Any, poison: int) -> None:
-        self.inner = inner
-        self.poison = poison
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        out = self.inner(inputs, cache=cache)
-        bad = mx.any(inputs == self.poison, axis=1)[:, None, None]
-        return mx.where(bad, mx.array(float("nan"), dtype=out.dtype), out)
 
 
 class FaultyTokenizer:
