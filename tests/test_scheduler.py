@@ -139,3 +139,71 @@ def test_prompts_wait_for_company_while_a_batch_decodes() -> None:
     for q in many:
         s.add(q)
     assert [c.seq for c in s.schedule().prefill] == many
+
+
+def run_to_end(s: Scheduler, seqs: list[Sequence]) -> None:
+    """Prefill `seqs` in one step, then end them all in the next (a closed loop's wave)."""
+    for q in seqs:
+        if q not in s.waiting:
+            s.add(q)
+    work = s.schedule()
+    assert [c.seq for c in work.prefill] == seqs
+    s.update(work)
+    for q in seqs:
+        for member in q.group:
+            member.finish(FinishReason.LENGTH)
+    s.update(s.schedule())
+    assert not s.running
+
+
+def test_an_empty_batch_waits_for_the_clients_of_rows_that_just_ended() -> None:
+    """A closed loop's wave ends all at once; its clients come back within milliseconds. The
+    first to return waits for the others (up to the delay) instead of prefilling alone."""
+    now = [0.0]
+    s = Scheduler(max_num_seqs=8, prefill_chunk=100, prefill_delay_s=0.02, clock=lambda: now[0])
+    run_to_end(s, [seq(4) for _ in range(3)])
+    back = [seq(5) for _ in range(3)]
+    now[0] = 0.001
+    s.add(back[0])
+    assert not s.schedule().prefill and abs(s.hold_s() - 0.019) < 1e-9  # two more expected
+    now[0] = 0.004
+    s.add(back[1])
+    assert not s.schedule().prefill and abs(s.hold_s() - 0.016) < 1e-9
+    s.add(back[2])  # all three are back: go at once
+    assert s.hold_s() == 0.0
+    run_to_end(s, back)
+    # Clients that do not come back hold the next prompt no longer than the delay after the
+    # wave's end (0.004 here) or after its own arrival, whichever comes first.
+    now[0] = 0.010
+    lone = seq(6)
+    s.add(lone)
+    now[0] = 0.020
+    assert not s.schedule().prefill and abs(s.hold_s() - 0.004) < 1e-9
+    now[0] = 0.024
+    assert s.hold_s() == 0.0 and [c.seq for c in s.schedule().prefill] == [lone]
+
+
+def test_expected_clients_lapse_and_n_choices_count_once() -> None:
+    now = [0.0]
+    s = Scheduler(max_num_seqs=8, prefill_chunk=100, prefill_delay_s=0.02, clock=lambda: now[0])
+    leader = seq(4)
+    forks = [leader.fork(i) for i in (1, 2)]
+    run_to_end(s, [leader])  # one request of three choices: one client
+    assert len(s.returning) == 1 and all(f.status is Status.FINISHED for f in forks)
+    s.add(seq(5))
+    assert s.hold_s() == 0.0  # its one client is back
+    s2 = Scheduler(max_num_seqs=8, prefill_chunk=100, prefill_delay_s=0.02, clock=lambda: now[0])
+    run_to_end(s2, [seq(4), seq(4)])
+    now[0] = 0.05  # long after the wave: nobody is expected any more
+    fresh = seq(3)
+    s2.add(fresh)
+    assert [c.seq for c in s2.schedule().prefill] == [fresh]
+
+
+def test_without_a_delay_nobody_is_expected() -> None:
+    s = Scheduler(max_num_seqs=8, prefill_chunk=100)  # the CPU default
+    run_to_end(s, [seq(4), seq(4)])
+    assert not s.returning
+    nxt = seq(3)
+    s.add(nxt)
+    assert s.hold_s() == 0.0 and [c.seq for c in s.schedule().prefill] == [nxt]
