@@ -100,38 +100,6 @@ def test_batch_of_16_equals_each_alone(tiny: LoadedModel) -> None:
         check_against_reference(tiny, prompts[i], seq, 3)
 
 
-def test_a_closed_loops_next_wave_prefills_together(tiny: LoadedModel) -> None:
-    """With a prefill delay, the clients of a wave that just ended come back one by one; the
-    first waits for the rest instead of prefilling alone, and every answer is still exact."""
-    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, EngineConfig(prefill_delay_ms=500))
-    groups: list[int] = []
-    launch = engine.runner.launch
-    engine.runner.launch = lambda work: (groups.append(len(work.prefill)), launch(work))[1]
-    params = SamplingParams(
-        max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, ignore_eos=True
-    )
-    prompts = [encode(tiny, f"{PROMPTS[i]} again") for i in range(4)]
-
-    async def client(i: int) -> Sequence:
-        await _collect(engine, Sequence(f"a{i}", prompts[i], params))
-        await asyncio.sleep(0.005 * i)  # the wave's clients return spread out
-        seq = Sequence(f"b{i}", prompts[i], params)
-        await _collect(engine, seq)
-        return seq
-
-    async def main() -> list[Sequence]:
-        return await asyncio.gather(*(client(i) for i in range(4)))
-
-    engine.start()
-    try:
-        second = asyncio.run(main())
-    finally:
-        engine.shutdown()
-    assert [g for g in groups if g][-1] == 4  # the second wave: one prefill of all four
-    for seq, prompt in zip(second, prompts):
-        check_against_reference(tiny, prompt, seq, 2)
-
-
 @pytest.mark.parametrize("align", [1, 32])
 def test_prompts_prefilled_together_with_left_padding_equal_each_alone(
     tiny: LoadedModel, align: int, monkeypatch: pytest.MonkeyPatch

@@ -340,11 +340,6 @@ class Engine(EngineClient):
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
                 continue
-            hold = self.scheduler.hold_s() if self.inflight is None else 0.0
-            if hold > 0:  # prompts wait for the clients of rows that just ended; nothing runs
-                self._wake.wait(hold)
-                self._wake.clear()
-                continue
             self._busy = True
             try:
                 self.step()

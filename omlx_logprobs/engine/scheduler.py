@@ -54,36 +54,20 @@ class Scheduler:
         self.arrivals: dict[int, float] = {}  # seq_id -> when it was added
         self.running: list[Sequence] = []
         self.scored: list[Sequence] = []  # prefilled with max_tokens 0: done once processed
-        # When each row that finished lately ended, one entry a row: a client that waited for
-        # it is likely to send its next request (a closed loop, an RL or eval batch); an arrival
-        # takes one entry, and an entry older than the prefill delay lapses.
-        self.returning: deque[float] = deque()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
         self.arrivals[seq.seq_id] = self.clock()
-        if self.returning:
-            self.returning.popleft()
-
-    def _expecting(self) -> bool:
-        """Whether clients of rows that finished within the prefill delay have yet to return."""
-        now = self.clock()
-        while self.returning and now - self.returning[0] >= self.prefill_delay_s:
-            self.returning.popleft()
-        return bool(self.returning)
 
     def prefill_due(self) -> bool:
-        """Whether this step prefills. While a batch decodes, or while the batch is empty but
-        the clients of rows that just finished have yet to return, new prompts wait up to
+        """Whether this step prefills. While a batch decodes, new prompts wait up to
         `prefill_delay_s` for company: each prefill is a forward of its own, whose fixed cost
         (on a GPU, launching every layer's kernels) is worth paying for several prompts at once."""
         if not self.waiting:
             return False
         oldest = self.waiting[0]
-        if oldest.num_prefilled or self.prefill_delay_s <= 0:
+        if not self.running or oldest.num_prefilled or self.prefill_delay_s <= 0:
             return True
-        if not self.running and not self._expecting():
-            return True  # an idle batch and nobody expected: nothing to wait for
         if len(self.waiting) >= self.max_num_seqs - len(self.running):
             return True  # enough to fill the batch
         tokens = 0
@@ -95,15 +79,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.scored)
-
-    def hold_s(self) -> float:
-        """How long the engine may sleep: while prompts wait for company with nothing else to
-        run, until the oldest one's delay is up or the last expected client lapses (an arrival
-        wakes it sooner); else 0."""
-        if self.running or self.scored or not self.waiting or self.prefill_due():
-            return 0.0
-        since = min(self.arrivals.get(self.waiting[0].seq_id, 0.0), self.returning[-1])
-        return max(0.0, since + self.prefill_delay_s - self.clock())
 
     def schedule(self) -> SchedulerOutput:
         # Prefill waiting prompts, oldest first, up to `prefill_chunk` tokens in all and while the
@@ -146,10 +121,6 @@ class Scheduler:
         self.drop_finished()
 
     def drop_finished(self) -> None:
-        if self.prefill_delay_s > 0:
-            # One client a request: its first choice stands for it.
-            ended = sum(s.status is Status.FINISHED and s.choice_index == 0 for s in self.running)
-            self.returning.extend([self.clock()] * ended)
         self.running = [s for s in self.running if s.status is not Status.FINISHED]
         self.scored = [s for s in self.scored if s.status is not Status.FINISHED]
         if any(s.status is Status.FINISHED for s in self.waiting):  # a fault in prompt logits
