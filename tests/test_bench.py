@@ -1,0 +1,60 @@
+"""The benchmark's own verdicts (bench/ holds scripts, imported here from their folder): a cell's
+rounds run each target's pair back to back, and a top20/off target reads the median of the
+rounds' ratios, with the pooled ratio beside it."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # after every installed module
+
+from loadgen import LoadConfig, LoadResult, RequestRecord, summarize  # noqa: E402
+from measure import ServerBench, Target  # noqa: E402
+from presets import GPU, CellSpec  # noqa: E402
+from results import PartResult, Results, Throughput  # noqa: E402
+from targets import evaluate  # noqa: E402
+
+
+def test_a_round_runs_off_and_top20_back_to_back_in_alternating_order() -> None:
+    bench = ServerBench(GPU, SimpleNamespace(base_url="http://127.0.0.1:1/v1"), Target("omlx", "m"))
+    order: list[str] = []
+
+    async def load(cfg: LoadConfig, *_: Any, **__: Any) -> LoadResult:
+        mode = "off" if cfg.logprobs is None else f"top{cfg.logprobs}"
+        order.append(mode)
+        speed = 100.0 if mode == "off" else 90.0  # tokens per second of wall time
+        rec = RequestRecord(1.0, completion_tokens=cfg.max_tokens)
+        return summarize(cfg, [rec] * cfg.requests, cfg.requests * cfg.max_tokens / speed)
+
+    bench.load = load  # type: ignore[method-assign]
+    modes = ("off", "top0", "top5", "top20")
+    cells = asyncio.run(bench.cell(CellSpec(8, 8, 4), modes, shift=0))
+    rounds = [order[i : i + 4] for i in range(0, 16, 4)]
+    assert [r[:2] for r in rounds] == [["off", "top20"], ["top20", "off"]] * 2
+    assert all(sorted(r[2:]) == ["top0", "top5"] for r in rounds)
+    top20 = next(c for c in cells if c.mode == "top20")
+    assert top20.run_tokens_per_s == [90.0] * 4 and top20.runs == 4
+
+
+def throughput(mode: str, runs: list[float]) -> Throughput:
+    pooled = len(runs) / sum(1 / r for r in runs)  # equal tokens a run: the harmonic mean
+    return Throughput("omlx", mode, 32, 64 * len(runs), len(runs), pooled, None, 0, 0.0, [], runs)
+
+
+def test_the_top20_target_reads_the_median_of_paired_rounds() -> None:
+    # Round 2 ran off in a fast phase of the host: it sinks the pooled ratio, not the median.
+    off = throughput("off", [100.0, 100.0, 160.0, 100.0, 100.0])
+    top20 = throughput("top20", [97.0, 96.0, 98.0, 97.0, 95.0])
+    res = Results("gpu", "m", parts=[PartResult("omlx", "now", 1.0, "cmd")])
+    res.parts[0].throughput = [off, top20]
+    [check] = [c for c in evaluate(res, GPU) if c.name == "ours top20 / ours off, c=32"]
+    assert check.value == "0.96x" and check.met
+    assert check.note.startswith("median of 5 rounds' ratios (0.61-0.97); pooled 0.89x")
+    # Fewer than three rounds: the pooled ratio decides.
+    res.parts[0].throughput = [throughput("off", [100.0, 160.0]), throughput("top20", [97, 98])]
+    [check] = [c for c in evaluate(res, GPU) if c.name == "ours top20 / ours off, c=32"]
+    assert check.value == "0.79x" and check.met is False and not check.note
