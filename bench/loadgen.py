@@ -3,9 +3,11 @@
 `concurrency` workers, each with its own connection, send requests back to back until `requests`
 are done. Output length is pinned with `max_tokens` + `ignore_eos` so that tokens/s compares like
 with like, and every response is checked (status, token count, logprobs shape): a fast server
-that returns the wrong thing must not look good. `--processes N` splits the workers over N client
-processes: parsing a 128-token top-20 body (~170 KB of JSON) costs one Python process several
-ms, and when a closed-loop wave of 64 ends together the next wave would wait on the client.
+that returns the wrong thing must not look good. A non-streamed body is parsed and checked once
+the clock has stopped: a 128-token top-20 body (~230 KB of JSON) takes a Python process 4-8 ms
+to parse, which a closed loop would otherwise count as the server's time (the worker's next
+request waited on it). `--processes N` splits the workers over N client processes, each with
+its own event loop (a streamed run parses every chunk as it comes).
 
     .venv/bin/python bench/loadgen.py --base-url http://127.0.0.1:8000/v1 --concurrency 8 \
         --requests 32 --logprobs 20
@@ -73,10 +75,11 @@ class RequestRecord:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     error: str | None = None
-    # perf_counter (CLOCK_MONOTONIC) when the worker sent it, and when it had read and checked
-    # the response (the body arrived at sent_at + latency_s)
+    # perf_counter (CLOCK_MONOTONIC) when the worker sent it, and when it was done with the
+    # response (the body arrived at sent_at + latency_s)
     sent_at: float = 0.0
     done_at: float = 0.0
+    body: bytes | None = field(default=None, repr=False)  # unchecked until the clock stops
 
 
 @dataclass
@@ -173,15 +176,21 @@ async def _complete(client: httpx.AsyncClient, cfg: LoadConfig, index: int) -> R
     latency = time.perf_counter() - t0
     if r.status_code != 200:
         return RequestRecord(latency, error=f"HTTP {r.status_code}: {r.text[:200]}")
-    data = r.json()
-    usage = data.get("usage") or {}
-    n = int(usage.get("completion_tokens", 0))
-    rec = RequestRecord(
-        latency, completion_tokens=n, prompt_tokens=int(usage.get("prompt_tokens", 0))
-    )
-    lp = data["choices"][0].get("logprobs")
-    rec.error = _check_count(n, cfg) or check_logprobs((lp or {}).get("content"), cfg)
-    return rec
+    return RequestRecord(latency, body=r.content)
+
+
+def check_body(rec: RequestRecord, cfg: LoadConfig) -> None:
+    """Parse and check a non-streamed response's body (after the run): counts and error."""
+    body, rec.body = rec.body, None
+    try:
+        data = json.loads(body or b"")
+        usage = data.get("usage") or {}
+        rec.completion_tokens = n = int(usage.get("completion_tokens", 0))
+        rec.prompt_tokens = int(usage.get("prompt_tokens", 0))
+        lp = data["choices"][0].get("logprobs")
+        rec.error = _check_count(n, cfg) or check_logprobs((lp or {}).get("content"), cfg)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
 
 
 async def _stream(client: httpx.AsyncClient, cfg: LoadConfig, index: int) -> RequestRecord:
@@ -269,6 +278,9 @@ async def run_load(
     start = time.perf_counter()
     await asyncio.gather(*(worker(c) for c in clients))
     wall = time.perf_counter() - start
+    for rec in records:
+        if rec.body is not None:
+            check_body(rec, cfg)
     return summarize(cfg, records, wall)
 
 
@@ -292,7 +304,7 @@ def _child(cfg: LoadConfig, send: Sender | None, start: Any, out: Any) -> None:
         began.append(time.perf_counter())  # CLOCK_MONOTONIC: comparable between processes
 
     res = asyncio.run(run_load(cfg, send, ready))
-    out.put((began[0], time.perf_counter(), res))
+    out.put((began[0], began[0] + res.wall_s, res))  # the clock stopped before the checks
 
 
 def _run_processes(cfg: LoadConfig, send: Sender | None) -> LoadResult:
@@ -398,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(res.to_json(), indent=2))
     if a.records:
         with open(a.records, "a") as f:
-            f.writelines(json.dumps(asdict(r)) + "\n" for r in res.records)
+            f.writelines(json.dumps(asdict(r) | {"body": None}) + "\n" for r in res.records)
     return 1 if res.errors else 0
 
 

@@ -5,6 +5,7 @@ rounds' ratios, with the pooled ratio beside it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +13,7 @@ from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # after every installed module
 
-from loadgen import LoadConfig, LoadResult, RequestRecord, summarize  # noqa: E402
+from loadgen import LoadConfig, LoadResult, RequestRecord, check_body, summarize  # noqa: E402
 from measure import ServerBench, Target  # noqa: E402
 from presets import GPU, CellSpec  # noqa: E402
 from results import PartResult, Results, Throughput  # noqa: E402
@@ -58,3 +59,24 @@ def test_the_top20_target_reads_the_median_of_paired_rounds() -> None:
     res.parts[0].throughput = [throughput("off", [100.0, 160.0]), throughput("top20", [97, 98])]
     [check] = [c for c in evaluate(res, GPU) if c.name == "ours top20 / ours off, c=32"]
     assert check.value == "0.79x" and check.met is False and not check.note
+
+
+def test_a_body_is_checked_after_the_run_and_a_wrong_one_is_an_error() -> None:
+    """The load generator keeps a non-streamed body until its clock stops; the check then
+    reads its counts, and a top list of the wrong length is still an error."""
+    cfg = LoadConfig("http://127.0.0.1:1/v1", "m", max_tokens=2, logprobs=2)
+
+    def body(top: int) -> bytes:
+        entry = {"token": "a", "bytes": [97], "logprob": -0.5}
+        entries = [{**entry, "top_logprobs": [entry] * top}] * 2
+        choice = {"logprobs": {"content": entries}}
+        usage = {"completion_tokens": 2, "prompt_tokens": 7}
+        return json.dumps({"choices": [choice], "usage": usage}).encode()
+
+    good, bad, broken = (RequestRecord(0.1, body=b) for b in (body(2), body(1), b"{"))
+    for rec in (good, bad, broken):
+        check_body(rec, cfg)
+        assert rec.body is None
+    assert (good.error, good.completion_tokens, good.prompt_tokens) == (None, 2, 7)
+    assert bad.error == "entry 0: top_logprobs has 1 items, expected 2"
+    assert broken.error is not None and broken.error.startswith("JSONDecodeError")

@@ -141,13 +141,22 @@ class PipeOutbox:
             out = st.held.merge(out)
         if st.final_only and not out.finished:
             st.held = out  # its consumer waits for the end: nothing to send before it
-            if st.progress and seq.num_output - st.outputs >= PROGRESS_EVERY:
+            if st.progress and self._progress_due(seq, st):
                 self._updates.append(self._update(seq, st, None))  # ... but its records
             return
         st.held = None
         self._updates.append(self._update(seq, st, out))
         if out.finished:
             del self._state[seq.seq_id]
+
+    @staticmethod
+    def _progress_due(seq: Sequence, st: _Shipping) -> bool:
+        # Also one token before max_tokens: rows that end together (a closed loop's wave) then
+        # leave the server's event loop one position each to format, not up to PROGRESS_EVERY.
+        unsent = seq.num_output - st.outputs
+        return unsent >= PROGRESS_EVERY or (
+            unsent > 0 and seq.num_output == seq.params.max_tokens - 1
+        )
 
     def _update(self, seq: Sequence, st: _Shipping, out: RequestOutput | None) -> SeqUpdate:
         start, st.outputs = st.outputs, seq.num_output
