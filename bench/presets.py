@@ -100,16 +100,19 @@ CPU = Preset(
 # A random-weight 1.1B llama (hidden 2048, 16 layers, vocab 49,152, bfloat16), 128 new tokens per
 # request. At c=1 and c=8 many rounds of one-wave runs (one request a run at c=1: with three waves
 # a run and three rounds, c=1's top0/off read 0.86 in session 12, where top0 costs nothing). At
-# c=32 and c=64, where the engine's launch is the host's bound, eight rounds of two-wave runs:
+# c=32 and c=64, where the engine's launch is the host's bound, twelve rounds of two-wave runs:
 # each of the GPU host's vCPUs switches on its own between two speeds for seconds at a time (a
 # fixed Python loop 0.95 or 1.5-1.9 ms, whatever our own load, session 11), so a run draws one
 # speed or the other; short runs keep the modes of a round in one phase, and more rounds average
-# the draws (four three-wave rounds moved top20/off over 0.87-1.17 in three runs). 16 client
-# processes: a 128-token top-20 body takes one Python process ~3-6 ms to parse, and 8 of them
+# the draws (four three-wave rounds moved top20/off over 0.87-1.17 in three runs; with eight
+# two-wave rounds the rounds' ratios spanned 0.74-1.17, so their median's standard error was
+# ~0.045 and c=32 and c=64 read 0.94 and 0.98, then 0.97 and 0.92: sessions 13-14). 16 client
+# processes: a 128-token top-20 body took one Python process ~3-6 ms to parse, and 8 of them
 # ending together in one process spread the next wave's arrivals by that much more (8 against 16
-# at c=64 then measured within the noise: docs/benchmarks.md, session 10). On an H200 with MLX's
-# CUDA backend (one command may run at most 10 minutes there), run `--only omlx,batchgen`,
-# `--only mlx-lm` and `--only memory` as separate commands.
+# at c=64 then measured within the noise: docs/benchmarks.md, session 10); since session 14 the
+# bodies are parsed after the clock stops, and the processes share only their reading. On a
+# GPU host with MLX's CUDA backend (one command may run at most 10 minutes there), run
+# `--only omlx` and `--only batchgen,mlx-lm,memory` as separate commands.
 GPU = Preset(
     name="gpu",
     model=ModelSpec("random", size="1b", dtype="bfloat16"),
@@ -117,7 +120,7 @@ GPU = Preset(
     max_num_seqs=64,
     max_tokens=128,
     prompt_words=32,
-    cells=(CellSpec(1, 1, 12), CellSpec(8, 8, 8), CellSpec(32, 64, 8), CellSpec(64, 128, 8)),
+    cells=(CellSpec(1, 1, 12), CellSpec(8, 8, 8), CellSpec(32, 64, 12), CellSpec(64, 128, 12)),
     peer_goal=2.0,
     client_processes=16,
     peer_rounds=2,  # 8.5 of the preset's 17 minutes went to mlx-lm's server (session 12)

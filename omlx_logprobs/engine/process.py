@@ -151,12 +151,16 @@ class PipeOutbox:
 
     @staticmethod
     def _progress_due(seq: Sequence, st: _Shipping) -> bool:
-        # Also one token before max_tokens: rows that end together (a closed loop's wave) then
-        # leave the server's event loop one position each to format, not up to PROGRESS_EVERY.
-        unsent = seq.num_output - st.outputs
-        return unsent >= PROGRESS_EVERY or (
-            unsent > 0 and seq.num_output == seq.params.max_tokens - 1
-        )
+        """Every PROGRESS_EVERY tokens, at a phase set by the request's id: rows that started
+        together (a closed loop's wave) ship a few a step, not all in one step (at batch 64 that
+        was one ~180 KB message, over a pipe's 64 KB, and ~17 ms of the server's formatting at
+        once). Also one token before max_tokens: rows that end together then leave the server's
+        event loop one position each to format."""
+        if seq.num_output <= st.outputs:
+            return False
+        if seq.num_output == seq.params.max_tokens - 1:
+            return True
+        return (seq.num_output + seq.seq_id) % PROGRESS_EVERY == 0
 
     def _update(self, seq: Sequence, st: _Shipping, out: RequestOutput | None) -> SeqUpdate:
         start, st.outputs = st.outputs, seq.num_output
