@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(res.to_json(), indent=2))
     if a.records:
         with open(a.records, "a") as f:
-            f.writelines(json.dumps(asdict(r) | {"body": None}) + "\n" for r in res.records)
+            f.writelines(json.dumps(asdict(r)) + "\n" for r in res.records)  # bodies: checked
     return 1 if res.errors else 0
 
 

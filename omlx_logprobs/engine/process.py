@@ -106,9 +106,7 @@ class StepOutputs:
 
 
 # ---- child ------------------------------------------------------------------------------------
-# Tokens between a progress update's records (a non-streamed request whose server formats its
-# entries as they arrive): a few messages per step at batch 64, not one per row.
-PROGRESS_EVERY = 16
+PROGRESS_EVERY = 16  # tokens between the records of a request whose server formats them early
 
 
 @dataclass
@@ -151,11 +149,9 @@ class PipeOutbox:
 
     @staticmethod
     def _progress_due(seq: Sequence, st: _Shipping) -> bool:
-        """Every PROGRESS_EVERY tokens, at a phase set by the request's id: rows that started
-        together (a closed loop's wave) ship a few a step, not all in one step (at batch 64 that
-        was one ~180 KB message, over a pipe's 64 KB, and ~17 ms of the server's formatting at
-        once). Also one token before max_tokens: rows that end together then leave the server's
-        event loop one position each to format."""
+        """Every PROGRESS_EVERY tokens at a phase set by the id (a wave's rows ship a few a step,
+        not one >64 KB message at once), and one token before max_tokens (rows ending together
+        leave the server's event loop one position each to format)."""
         if seq.num_output <= st.outputs:
             return False
         if seq.num_output == seq.params.max_tokens - 1:
