@@ -3,6 +3,7 @@
 # logprobs mode (off, top 20), so that the host's speed phases fall on every side alike.
 # Usage: bash bench/gpu_ab.sh MODEL_DIR OLD_TREE "CONCURRENCIES" ROUNDS [SERVER FLAGS...]
 # OLD_TREE holds an older omlx_logprobs/ (e.g. `git archive REV omlx_logprobs | tar -x -C DIR`).
+# WAVES (default 2): requests a run, in waves of the concurrency.
 set -u
 model=$(realpath $1); old=$(realpath $2); cs=$3; rounds=$4; shift 4
 start() {  # tree port [flags]: `-m` imports from the working directory first
@@ -27,7 +28,7 @@ for r in $(seq $rounds); do
   ports="8201 8202"; [ $(( r % 2 )) = 0 ] && ports="8202 8201"
   for p in $ports; do
     modes="off 20"; [ $(( (r / 2) % 2 )) = 1 ] && modes="20 off"
-    for m in $modes; do line="$line | $([ $p = 8201 ] && echo old || echo new) $m $(load $p $m $(( c * 2 )))"; done
+    for m in $modes; do line="$line | $([ $p = 8201 ] && echo old || echo new) $m $(load $p $m $(( c * ${WAVES:-2} )))"; done
   done
   echo "$line"
 done
