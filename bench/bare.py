@@ -113,7 +113,7 @@ def run(p: Preset, model_dir: Path) -> PartResult:
         run_batchgen(m, warm, p.warmup_tokens)
     part = PartResult("batchgen", "", 0.0, "")
     for spec in p.cells:
-        part.throughput.append(throughput(m, p, spec))
+        part.throughput.append(throughput(m, p, spec.capped(p.peer_rounds)))
         t = part.throughput[-1]
         log(f"  batchgen c={t.concurrency:<3} {t.tokens_per_s:8.1f} tok/s ({t.requests} requests)")
     part.scoring.append(prefill(m, p))

@@ -127,7 +127,9 @@ class ServerBench:
         for r in range(spec.rounds):
             k = r + shift
             turn = k % len(rest) if rest else 0
-            order = (pair if k % 2 == 0 else pair[::-1]) + rest[turn:] + rest[:turn]
+            order = pair if k % 2 == 0 else pair[::-1]
+            if spec.full_rounds is None or r < spec.full_rounds:
+                order = order + rest[turn:] + rest[:turn]
             for mode in order:
                 cfg = self.config(spec.concurrency, spec.requests_per_run, mode)
                 runs[mode].append(await self.load(cfg))
@@ -205,8 +207,8 @@ class ServerBench:
 async def measure_server(b: ServerBench, part: PartResult, modes: tuple[str, ...]) -> None:
     await b.warmup(modes)
     for i, spec in enumerate(b.p.cells):
-        if b.target.name != "omlx" and b.p.peer_rounds:
-            spec = replace(spec, rounds=min(spec.rounds, b.p.peer_rounds))
+        if b.target.name != "omlx":
+            spec = spec.capped(b.p.peer_rounds)
         part.throughput += await b.cell(spec, modes, shift=i)
     if b.target.name == "omlx":
         part.ttft.append(await b.ttft())

@@ -144,11 +144,13 @@ def section(res: Results, p: Preset, checks: list[Check]) -> str:
         f"prompts of about {p.prompt_words} random words, distinct per request, temperature 0. "
         "Completion tokens/s over wall time, summed over a mode's runs. A cell runs in rounds: "
         "in each, logprobs off and the largest top list run back to back (their order "
-        "alternating), then the other modes; with three rounds or more, a top20/off target is "
+        "alternating), then the other modes (in a cell's first rounds only, where the preset "
+        "says so); with three rounds or more, a top20/off target is "
         "the median of the rounds' ratios (listed after the targets), the pooled ratio is in "
         "the table. "
         "BatchGenerator: bare mlx-lm in-process, chat-templated prompts in the same runs as "
-        "ours (as many runs, as many requests each), completion batch = concurrency. Other "
+        "ours (as many requests a run; as many runs as mlx-lm's server gets), completion "
+        "batch = concurrency. Other "
         "CPU: the largest share of the machine that other processes took during a run of that "
         "row (above ~10%, distrust the row).",
         "",

@@ -39,6 +39,15 @@ def test_a_round_runs_off_and_top20_back_to_back_in_alternating_order() -> None:
     assert all(sorted(r[2:]) == ["top0", "top5"] for r in rounds)
     top20 = next(c for c in cells if c.mode == "top20")
     assert top20.run_tokens_per_s == [90.0] * 4 and top20.runs == 4
+    # Later rounds may run the pair alone; a peer's cell is capped, full rounds with it.
+    order.clear()
+    cells = asyncio.run(bench.cell(CellSpec(8, 8, 4, full_rounds=2), modes, shift=0))
+    assert order[8:] == ["off", "top20", "top20", "off"]
+    assert sorted(order[:8]) == sorted(modes * 2)
+    runs = {c.mode: c.runs for c in cells}
+    assert runs == {"off": 4, "top0": 2, "top5": 2, "top20": 4}
+    assert CellSpec(8, 8, 4, full_rounds=3).capped(2) == CellSpec(8, 8, 2, full_rounds=2)
+    assert CellSpec(8, 8, 4).capped(None) == CellSpec(8, 8, 4)
 
 
 def throughput(mode: str, runs: list[float]) -> Throughput:
