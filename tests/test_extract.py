@@ -66,18 +66,21 @@ def test_top_k_and_ranks_match_numpy(k: int, host: bool) -> None:
 
 
 @pytest.mark.parametrize("k", [2, 5, 20])
-def test_host_top_k_from_vocabulary_slices_equals_a_full_sort(k: int) -> None:
-    """The host's top k looks only inside the k slices with the largest maxima: rows whose top
-    values crowd into one slice, spread one per slice, tie, or are mostly -inf."""
+def test_host_top_k_from_vocabulary_groups_equals_a_full_sort(k: int) -> None:
+    """The host's top k looks only inside the k groups (ids j, j + 768, j + 2 * 768, ...) with
+    the largest maxima: rows whose top values crowd into one group, spread one per group, tie,
+    are mostly -inf, or crowd into a run of neighbouring ids."""
     rng = np.random.default_rng(k)
     v = 49152
-    x = (rng.standard_normal((5, v)) * 2).astype(np.float32)
-    x[0, 640 : 640 + 2 * k] += 20  # the whole top k in one slice
-    x[1, ::64] += 20  # one high value in every slice
+    stride = v // 64
+    x = (rng.standard_normal((6, v)) * 2).astype(np.float32)
+    x[0, 640 + stride * np.arange(2 * k)] += 20  # the whole top k in one group
+    x[1, :stride] += 20  # one high value in every group
     x[2, :] = np.round(x[2, :])  # many exact ties
     x[3, :] = -np.inf
     x[3, rng.choice(v, k // 2 + 1, replace=False)] = rng.standard_normal(k // 2 + 1)
-    got = entries(x, np.zeros(5, np.int64), k, host=True)
+    x[5, 640 : 640 + 2 * k] += 20  # neighbours: one per group
+    got = entries(x, np.zeros(6, np.int64), k, host=True)
     lp = host_log_softmax(x)
     want = -np.sort(-lp, axis=-1)[:, :k]
     np.testing.assert_array_equal(got.top_logprobs, want)  # the same values, best first

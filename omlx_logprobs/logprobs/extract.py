@@ -231,10 +231,12 @@ def finite_rows(x: np.ndarray) -> np.ndarray:
     return np.isfinite(x.max(axis=-1))
 
 
-# Vocabulary slices for the host's top k: only the k slices with the largest maxima can hold a
-# row's top k (at most k-1 slices have a maximum above the k-th value), so the partition runs on
-# k * TOP_SLICE candidates instead of the whole row.
-TOP_SLICE = 64
+# Vocabulary groups for the host's top k: only the k groups with the largest maxima can hold a
+# row's top k (at most k-1 groups have a maximum above the k-th value), so the partition runs on
+# k * TOP_GROUP candidates instead of the whole row. Group j is ids j, j + V/TOP_GROUP, ...: the
+# groups' maxima are then an elementwise maximum of TOP_GROUP contiguous rows (0.5 ms for
+# [64, 49152] here, against 3.4 for maxima of contiguous groups, a reduction over a short axis).
+TOP_GROUP = 64
 
 
 def _host_top(lp: np.ndarray, k: int) -> np.ndarray:
@@ -242,10 +244,11 @@ def _host_top(lp: np.ndarray, k: int) -> np.ndarray:
     if k == 1:
         return np.argmax(lp, axis=-1)[:, None]
     rows, v = lp.shape
-    if v % TOP_SLICE == 0 and v // TOP_SLICE > 4 * k:
-        tops = lp.reshape(rows, -1, TOP_SLICE).max(axis=-1)  # [R, V / TOP_SLICE]
-        slices = np.argpartition(tops, tops.shape[1] - k, axis=-1)[:, -k:]
-        cols = (slices[:, :, None] * TOP_SLICE + np.arange(TOP_SLICE)).reshape(rows, -1)
+    if v % TOP_GROUP == 0 and v // TOP_GROUP > 4 * k:
+        stride = v // TOP_GROUP
+        tops = lp.reshape(rows, TOP_GROUP, stride).max(axis=1)  # [R, stride]
+        groups = np.argpartition(tops, stride - k, axis=-1)[:, -k:]
+        cols = (groups[:, :, None] + np.arange(TOP_GROUP) * stride).reshape(rows, -1)
         cand = np.take_along_axis(lp, cols, axis=-1)
         pick = np.argpartition(cand, cand.shape[1] - k, axis=-1)[:, -k:]
         idx = np.take_along_axis(cols, pick, axis=-1)
