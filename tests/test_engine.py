@@ -125,6 +125,41 @@ def test_prompts_prefilled_together_with_left_padding_equal_each_alone(
         check_against_reference(tiny, prompts[i], seq, 2)
 
 
+def test_cpu_kv_cache_grows_by_what_its_rows_may_write(tiny: LoadedModel) -> None:
+    """A prefill allocates its prompt and its max_tokens (not mlx-lm's 256 columns); rows that
+    join a running batch, right-aligned with less room left than they may write, make it grow
+    by what they need. Every row still matches the full forward pass."""
+    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, EngineConfig())
+    runner = engine.runner
+    assert runner.tight_cache
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, logprobs=True, top_logprobs=2, ignore_eos=True)
+        for n in (40, 33, 21, 3)
+    ]
+    prompts = [encode(tiny, "word " * n) for n in (2, 12, 3, 1)]
+    seqs = [Sequence(f"g{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    widths = []
+    engine.scheduler.add(seqs[0])
+    for step in range(80):
+        if step == 33:  # the first row has written ~36 of its 64 columns
+            for s in seqs[1:]:
+                engine.scheduler.add(s)
+        if not engine.has_work():
+            break
+        engine.step()
+        if runner.batch_cache is not None:
+            widths.append(runner.batch_cache.layers[0].keys.shape[2])
+    assert all(s.num_output == sp.max_tokens for s, sp in zip(seqs, params))
+    for s, p in zip(seqs, prompts):
+        check_against_reference(tiny, p, s, 2)
+    assert widths[0] == 16 + 48  # the first prompt (< 16 tokens) and its 40 tokens, aligned
+    # The joiners are right-aligned at ~36 in 64 columns, so the 33-token row runs out: one
+    # growth, by what the rows may still write then (aligned to 16), never by 256. (The first
+    # row's end trims the shared left padding before that.)
+    grown = [b - a for a, b in zip(widths, widths[1:]) if b > a]
+    assert len(grown) == 1 and 16 <= grown[0] <= 48
+
+
 def test_gpu_path_equals_host_path(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU's step path (entries extracted by MLX, one packed int32 array read a step), run
     on the CPU backend, against the CPU's numpy path: same tokens, same entries, for a batch

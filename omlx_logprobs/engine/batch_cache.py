@@ -14,6 +14,29 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+# mlx-lm's BatchKVCache allocates `step` (256) columns whenever it runs out: for short requests
+# most of them are never used, yet they are zeroed and copied at every join. On the CPU the
+# first decode step of a 32-row wave took ~560 ms instead of ~170 (docs/benchmarks.md, session
+# 16). On the CPU, caches here grow by what their rows may still write, rounded up, at most that
+# step. (A GPU keeps mlx-lm's step: its copies are cheap, and few distinct widths keep MLX's
+# per-shape state small, see GPU_PREFILL_ALIGN.)
+GROWTH_ALIGN = 16
+MAX_GROWTH = BatchKVCache.step
+
+
+def _aligned(n: int) -> int:
+    return max(-(-n // GROWTH_ALIGN) * GROWTH_ALIGN, GROWTH_ALIGN)
+
+
+def growth(need: int) -> int:
+    """Columns to add when the cache is full and its rows may still write `need` tokens."""
+    return min(_aligned(need), MAX_GROWTH)
+
+
+def prefill_columns(width: int, need: int) -> int:
+    """One allocation for a prefill of `width` columns and what its rows may still write."""
+    return _aligned(width) + growth(need)
+
 
 class BatchCache:
     def __init__(self, layers: list[Any], pads: list[int]) -> None:
@@ -54,6 +77,12 @@ class BatchCache:
 
     def __len__(self) -> int:
         return len(self.pads)
+
+    def reserve(self, cols: int) -> None:
+        """The next allocation, if one is needed, adds `cols` columns (an exact multiple: a
+        prefill of `cols` tokens or fewer allocates exactly `cols`)."""
+        for c in self.layers:
+            c.step = cols
 
     def extend(self, other: BatchCache) -> None:
         """Append other's rows below these (BatchKVCache.extend right-aligns both)."""
