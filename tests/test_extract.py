@@ -88,6 +88,39 @@ def test_host_top_k_from_vocabulary_groups_equals_a_full_sort(k: int) -> None:
     np.testing.assert_array_equal(np.take_along_axis(lp, got.top_ids.astype(np.int64), -1), want)
 
 
+@pytest.mark.parametrize("k", [0, 5, 20])
+def test_host_ranks_counted_in_reaching_groups_equal_a_full_count(k: int) -> None:
+    """The host counts a rank only inside the groups whose maximum reaches the chosen token's
+    logprob, and over the whole row when more than max(k, RANK_GROUPS) groups do: either way
+    count(lp >= lp[chosen]) over the materialized float32 row, ties made by rounding included."""
+    rng = np.random.default_rng(k)
+    v = 49152
+    x = np.full((6, v), -10.0, np.float32) + rng.standard_normal((6, v)).astype(np.float32)
+    chosen = np.zeros(6, np.int64)
+    x[0, 77] = 5.0
+    chosen[0] = 77  # the argmax: rank 1
+    chosen[1] = int(np.argsort(x[1])[v // 2])  # mid-row: every group reaches it
+    x[2, 0] = 20.0  # the log-sum-exp ~20: x - lse rounds at ~2e-6, so ids 5 and 800 tie
+    x[2, 5], x[2, 800] = np.float32(1e-3), np.float32(1e-3) - np.float32(1e-9)
+    chosen[2] = 800
+    x[3, [1, 2, 3]] = [3.0, 2.0, 1.5]  # three groups reach id 4
+    x[3, 4] = 1.0
+    chosen[3] = 4
+    x[4, 10 + 768 * np.arange(6)] = 4.0  # six ids in one group above the chosen
+    x[4, 11] = 3.0
+    chosen[4] = 11
+    x[5, np.arange(8) * 769] = 4.0  # eight groups above the chosen
+    x[5, 9] = 3.0
+    chosen[5] = 9
+    got = entries(x, chosen, k, host=True)
+    lp = host_log_softmax(x)
+    own = lp[np.arange(6), chosen]
+    assert lp[2, 5] == lp[2, 800] and x[2, 5] != x[2, 800]
+    assert got.ranks.tolist() == [int(np.sum(lp[i] >= own[i])) for i in range(6)]
+    assert got.ranks[:1].tolist() == [1] and got.ranks[2:].tolist() == [3, 4, 7, 9]
+    np.testing.assert_array_equal(got.logprobs, own)
+
+
 @pytest.mark.parametrize("host", [False, True])
 def test_fixed_ids_keep_their_order(host: bool) -> None:
     rng = np.random.default_rng(1)

@@ -174,20 +174,20 @@ class HostExtraction:
         return [self.logits, self.chosen] + ([self.fixed] if self.fixed is not None else [])
 
     def to_host(self) -> BatchLogprobs:
-        x = np.array(self.logits, copy=False)
-        lp = host_log_softmax(x, _scratch(x.shape))
-        chosen = np.array(self.chosen, copy=False).astype(np.int64)
-        own = np.take_along_axis(lp, chosen[:, None], axis=-1)
-        above = np.greater_equal(lp, own, out=_scratch(lp.shape, np.bool_))
-        ranks = np.asarray(np.sum(above, axis=-1, dtype=np.int32))
+        x = np.array(self.logits, copy=False).astype(np.float32, copy=False)
+        chosen = np.array(self.chosen, copy=False).astype(np.int64)[:, None]
         fixed = None if self.fixed is None else np.array(self.fixed, copy=False).astype(np.int64)
-        if self.k == 0 or (fixed is not None and not self.natural):
-            idx = np.zeros((len(lp), 0), np.int64) if fixed is None else fixed
+        k = 0 if fixed is not None and not self.natural else self.k
+        groups = _group_maxima(x, max(k, RANK_GROUPS))
+        if groups is None:
+            idx, lse, ranks = _full_row_entries(x, chosen, k)
         else:
-            idx = _host_top(lp, self.k)
-            if fixed is not None:
-                idx = np.where(fixed >= 0, fixed, idx)
-        vals = np.take_along_axis(lp, idx, axis=-1)
+            idx, lse, ranks = _grouped_entries(x, chosen, k, groups)
+        if fixed is not None:
+            idx = fixed if k == 0 else np.where(fixed >= 0, fixed, idx)
+        # x[id] - lse: bitwise the value a materialized log-softmax row would hold there
+        vals = np.take_along_axis(x, idx, axis=-1) - lse
+        own = np.take_along_axis(x, chosen, axis=-1) - lse
         return BatchLogprobs(own[:, 0], ranks, idx.astype(np.int32), vals)
 
 
@@ -239,23 +239,71 @@ def finite_rows(x: np.ndarray) -> np.ndarray:
 TOP_GROUP = 64
 
 
-def _host_top(lp: np.ndarray, k: int) -> np.ndarray:
-    """Ids of the top k, best first: a partition for the top k, then a sort of those k."""
-    if k == 1:
-        return np.argmax(lp, axis=-1)[:, None]
-    rows, v = lp.shape
-    if v % TOP_GROUP == 0 and v // TOP_GROUP > 4 * k:
-        stride = v // TOP_GROUP
-        tops = lp.reshape(rows, TOP_GROUP, stride).max(axis=1)  # [R, stride]
-        groups = np.argpartition(tops, stride - k, axis=-1)[:, -k:]
-        cols = (groups[:, :, None] + np.arange(TOP_GROUP) * stride).reshape(rows, -1)
-        cand = np.take_along_axis(lp, cols, axis=-1)
-        pick = np.argpartition(cand, cand.shape[1] - k, axis=-1)[:, -k:]
-        idx = np.take_along_axis(cols, pick, axis=-1)
-    else:
-        idx = np.argpartition(lp, v - k, axis=-1)[:, -k:]
+# A rank counts the row's values >= the chosen one; only groups whose maximum reaches it can
+# hold such values. Rows where no more than this many groups reach it (the sampled token is
+# near the top) are counted inside those groups; the others over their whole row.
+RANK_GROUPS = 4
+
+
+def _group_maxima(x: np.ndarray, k: int) -> np.ndarray | None:
+    """[R, V / TOP_GROUP] maxima of the strided groups, or None when the vocabulary is too small
+    or does not split evenly (then every pass runs over whole rows)."""
+    rows, v = x.shape
+    if v % TOP_GROUP or v // TOP_GROUP <= 4 * k:
+        return None
+    return x.reshape(rows, TOP_GROUP, v // TOP_GROUP).max(axis=1)
+
+
+def _lse(x: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """[R, 1] log-sum-exp from the rows' maxima, as `host_log_softmax` computes it."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        t = np.subtract(x, m, out=_scratch(x.shape))
+        np.exp(t, out=t)
+        return m + np.log(t.sum(axis=-1, keepdims=True))
+
+
+def _grouped_entries(
+    x: np.ndarray, chosen: np.ndarray, k: int, groups: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Top k ids (best first), log-sum-exp and ranks from the elements of each row's largest
+    groups, without writing the [R, V] logprobs. The ranks count fl(x - lse) >= own exactly as
+    over a materialized row: rounding is monotonic, so a group whose maximum falls short holds
+    nothing that counts."""
+    rows, stride = groups.shape
+    lse = _lse(x, groups.max(axis=-1, keepdims=True))
+    own = np.take_along_axis(x, chosen, axis=-1) - lse
+    c = max(k, RANK_GROUPS)
+    best = np.argpartition(groups, stride - c, axis=-1)[:, -c:]
+    cols = (best[:, :, None] + np.arange(TOP_GROUP) * stride).reshape(rows, -1)
+    cand = np.take_along_axis(x, cols, axis=-1)
+    with np.errstate(invalid="ignore"):
+        ranks = np.asarray(np.sum(cand - lse >= own, axis=-1, dtype=np.int32))
+        wide = np.sum(groups - lse >= own, axis=-1) > c
+        for r in np.flatnonzero(wide):
+            ranks[r] = np.count_nonzero(x[r] - lse[r] >= own[r])
+    if k == 0:
+        return np.zeros((rows, 0), np.int64), lse, ranks
+    pick = np.argpartition(cand, cand.shape[1] - k, axis=-1)[:, -k:]
+    idx = np.take_along_axis(cols, pick, axis=-1)
+    order = np.argsort(-np.take_along_axis(cand, pick, axis=-1), axis=-1, kind="stable")
+    return np.take_along_axis(idx, order, axis=-1), lse, ranks
+
+
+def _full_row_entries(
+    x: np.ndarray, chosen: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The same over whole rows: a small or unevenly split vocabulary."""
+    rows, v = x.shape
+    lse = _lse(x, x.max(axis=-1, keepdims=True))
+    with np.errstate(invalid="ignore"):
+        lp = np.subtract(x, lse, out=_scratch(x.shape))
+        own = np.take_along_axis(lp, chosen, axis=-1)
+        ranks = np.asarray(np.sum(lp >= own, axis=-1, dtype=np.int32))
+    if k == 0:
+        return np.zeros((rows, 0), np.int64), lse, ranks
+    idx = np.argpartition(lp, v - k, axis=-1)[:, -k:]
     order = np.argsort(-np.take_along_axis(lp, idx, axis=-1), axis=-1, kind="stable")
-    return np.take_along_axis(idx, order, axis=-1)
+    return np.take_along_axis(idx, order, axis=-1), lse, ranks
 
 
 def extract(
