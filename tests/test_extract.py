@@ -4,6 +4,8 @@ fixed ids, the shared log-sum-exp, and rows the finiteness check must refuse."""
 
 from __future__ import annotations
 
+import warnings
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,7 +17,6 @@ from omlx_logprobs.logprobs.extract import (
     HostExtraction,
     device_step,
     finite_rows,
-    host_log_softmax,
     log_softmax,
 )
 
@@ -40,6 +41,15 @@ def entries(
     out = packed.to_host()[2]
     assert out is not None
     return out
+
+
+def materialized(x: np.ndarray) -> np.ndarray:
+    """The float32 log-softmax row written out (max, exp, numpy's pairwise sum, log, subtract):
+    what the host path would hold if it wrote its rows, bit for bit."""
+    x = x.astype(np.float32)
+    m = x.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
 
 
 def reference(x: np.ndarray) -> np.ndarray:
@@ -81,7 +91,7 @@ def test_host_top_k_from_vocabulary_groups_equals_a_full_sort(k: int) -> None:
     x[3, rng.choice(v, k // 2 + 1, replace=False)] = rng.standard_normal(k // 2 + 1)
     x[5, 640 : 640 + 2 * k] += 20  # neighbours: one per group
     got = entries(x, np.zeros(6, np.int64), k, host=True)
-    lp = host_log_softmax(x)
+    lp = materialized(x)
     want = -np.sort(-lp, axis=-1)[:, :k]
     np.testing.assert_array_equal(got.top_logprobs, want)  # the same values, best first
     assert all(len(set(r)) == k for r in got.top_ids.tolist())
@@ -113,12 +123,13 @@ def test_host_ranks_counted_in_reaching_groups_equal_a_full_count(k: int) -> Non
     x[5, 9] = 3.0
     chosen[5] = 9
     got = entries(x, chosen, k, host=True)
-    lp = host_log_softmax(x)
+    lp = materialized(x)
     own = lp[np.arange(6), chosen]
     assert lp[2, 5] == lp[2, 800] and x[2, 5] != x[2, 800]
     assert got.ranks.tolist() == [int(np.sum(lp[i] >= own[i])) for i in range(6)]
     assert got.ranks[:1].tolist() == [1] and got.ranks[2:].tolist() == [3, 4, 7, 9]
     np.testing.assert_array_equal(got.logprobs, own)
+    np.testing.assert_allclose(got.logprobs, reference(x)[np.arange(6), chosen], atol=1e-5)
 
 
 @pytest.mark.parametrize("host", [False, True])
@@ -144,14 +155,20 @@ def test_fixed_ids_beside_natural_top_lists(host: bool) -> None:
     np.testing.assert_allclose(out.top_logprobs[0], ref[0, [9, 4]], atol=1e-4)
 
 
-def test_host_rows_with_nan_inf_or_only_minus_inf_are_not_finite() -> None:
-    x = np.zeros((4, 8), np.float32)
+@pytest.mark.parametrize("v", [8, 49152])  # whole rows; vocabulary groups
+def test_host_rows_with_nan_inf_or_only_minus_inf_are_not_finite(v: int) -> None:
+    x = np.zeros((4, v), np.float32)
     x[1, 3], x[2, 5], x[3] = np.nan, np.inf, -np.inf
     assert finite_rows(x).tolist() == [True, False, False, False]
-    lp = host_log_softmax(x)  # no warning, no exception: those rows are refused by the caller
-    np.testing.assert_allclose(lp[0], np.full(8, -np.log(8)), atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning, no exception: the caller refuses those rows
+        got = entries(x, np.zeros(4, np.int64), 4, host=True)
+    np.testing.assert_allclose(got.logprobs[0], -np.log(v), atol=1e-6)
     x[0, :4] = -np.inf  # -inf entries in a row that has finite ones are fine
-    assert finite_rows(x)[0] and np.isneginf(host_log_softmax(x)[0, :4]).all()
+    assert finite_rows(x)[0]
+    got = entries(x, np.zeros(4, np.int64), 4, host=True)
+    assert np.isneginf(got.logprobs[0]) and got.ranks[0] == v  # every entry is >= -inf
+    np.testing.assert_allclose(got.top_logprobs[0], np.full(4, -np.log(v - 4)), atol=1e-6)
 
 
 def test_a_given_log_sum_exp_gives_the_same_rows() -> None:

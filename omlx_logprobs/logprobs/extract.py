@@ -179,27 +179,20 @@ class HostExtraction:
         fixed = None if self.fixed is None else np.array(self.fixed, copy=False).astype(np.int64)
         k = 0 if fixed is not None and not self.natural else self.k
         groups = _group_maxima(x, max(k, RANK_GROUPS))
-        if groups is None:
-            idx, lse, ranks = _full_row_entries(x, chosen, k)
+        lse = _lse(x, (x if groups is None else groups).max(axis=-1, keepdims=True))
+        # x[id] - lse: bitwise the value a materialized log-softmax row holds there
+        own = np.take_along_axis(x, chosen, axis=-1) - lse
+        if groups is None:  # a small or unevenly split vocabulary: whole rows
+            with np.errstate(invalid="ignore"):
+                lp = np.subtract(x, lse, out=_scratch(x.shape))
+                ranks = np.asarray(np.sum(lp >= own, axis=-1, dtype=np.int32))
+            idx = _best_first(lp, k)
         else:
-            idx, lse, ranks = _grouped_entries(x, chosen, k, groups)
+            idx, ranks = _grouped_entries(x, lse, own, k, groups)
         if fixed is not None:
             idx = fixed if k == 0 else np.where(fixed >= 0, fixed, idx)
-        # x[id] - lse: bitwise the value a materialized log-softmax row would hold there
         vals = np.take_along_axis(x, idx, axis=-1) - lse
-        own = np.take_along_axis(x, chosen, axis=-1) - lse
         return BatchLogprobs(own[:, 0], ranks, idx.astype(np.int32), vals)
-
-
-def host_log_softmax(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Float32 log-softmax over the last axis in numpy, into `out` when given; a row holding
-    NaN or +inf, or only -inf, comes out NaN (such a row is refused, see `finite_rows`)."""
-    x = x.astype(np.float32, copy=False)
-    m = x.max(axis=-1, keepdims=True)
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        t = np.subtract(x, m, out=out)
-        np.exp(t, out=t)
-        return np.subtract(x, m + np.log(t.sum(axis=-1, keepdims=True)), out=t)  # t reused
 
 
 # Buffers per thread and dtype for the host's [R, V] temporaries, kept between steps: with glibc's
@@ -255,7 +248,8 @@ def _group_maxima(x: np.ndarray, k: int) -> np.ndarray | None:
 
 
 def _lse(x: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """[R, 1] log-sum-exp from the rows' maxima, as `host_log_softmax` computes it."""
+    """[R, 1] float32 log-sum-exp from the rows' maxima: NaN for a row holding NaN or +inf, or
+    only -inf (such a row is refused, see `finite_rows`)."""
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         t = np.subtract(x, m, out=_scratch(x.shape))
         np.exp(t, out=t)
@@ -263,15 +257,13 @@ def _lse(x: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 
 def _grouped_entries(
-    x: np.ndarray, chosen: np.ndarray, k: int, groups: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Top k ids (best first), log-sum-exp and ranks from the elements of each row's largest
-    groups, without writing the [R, V] logprobs. The ranks count fl(x - lse) >= own exactly as
-    over a materialized row: rounding is monotonic, so a group whose maximum falls short holds
-    nothing that counts."""
+    x: np.ndarray, lse: np.ndarray, own: np.ndarray, k: int, groups: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Top k ids (best first) and ranks from the elements of each row's largest groups, without
+    writing the [R, V] logprobs. The ranks count fl(x - lse) >= own exactly as over a
+    materialized row: rounding is monotonic, so a group whose maximum falls short holds nothing
+    that counts."""
     rows, stride = groups.shape
-    lse = _lse(x, groups.max(axis=-1, keepdims=True))
-    own = np.take_along_axis(x, chosen, axis=-1) - lse
     c = max(k, RANK_GROUPS)
     best = np.argpartition(groups, stride - c, axis=-1)[:, -c:]
     cols = (best[:, :, None] + np.arange(TOP_GROUP) * stride).reshape(rows, -1)
@@ -281,29 +273,18 @@ def _grouped_entries(
         wide = np.sum(groups - lse >= own, axis=-1) > c
         for r in np.flatnonzero(wide):
             ranks[r] = np.count_nonzero(x[r] - lse[r] >= own[r])
-    if k == 0:
-        return np.zeros((rows, 0), np.int64), lse, ranks
-    pick = np.argpartition(cand, cand.shape[1] - k, axis=-1)[:, -k:]
-    idx = np.take_along_axis(cols, pick, axis=-1)
-    order = np.argsort(-np.take_along_axis(cand, pick, axis=-1), axis=-1, kind="stable")
-    return np.take_along_axis(idx, order, axis=-1), lse, ranks
+    return _best_first(cand, k, cols), ranks
 
 
-def _full_row_entries(
-    x: np.ndarray, chosen: np.ndarray, k: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The same over whole rows: a small or unevenly split vocabulary."""
-    rows, v = x.shape
-    lse = _lse(x, x.max(axis=-1, keepdims=True))
-    with np.errstate(invalid="ignore"):
-        lp = np.subtract(x, lse, out=_scratch(x.shape))
-        own = np.take_along_axis(lp, chosen, axis=-1)
-        ranks = np.asarray(np.sum(lp >= own, axis=-1, dtype=np.int32))
+def _best_first(vals: np.ndarray, k: int, ids: np.ndarray | None = None) -> np.ndarray:
+    """[R, k] ids of each row's k largest values, best first: a partition, then a sort of those
+    k. `ids`: the vocabulary id of each column of `vals` (default: the column itself)."""
     if k == 0:
-        return np.zeros((rows, 0), np.int64), lse, ranks
-    idx = np.argpartition(lp, v - k, axis=-1)[:, -k:]
-    order = np.argsort(-np.take_along_axis(lp, idx, axis=-1), axis=-1, kind="stable")
-    return np.take_along_axis(idx, order, axis=-1), lse, ranks
+        return np.zeros((len(vals), 0), np.int64)
+    pick = np.argpartition(vals, vals.shape[1] - k, axis=-1)[:, -k:]
+    order = np.argsort(-np.take_along_axis(vals, pick, axis=-1), axis=-1, kind="stable")
+    pick = np.take_along_axis(pick, order, axis=-1)
+    return pick if ids is None else np.take_along_axis(ids, pick, axis=-1)
 
 
 def extract(
