@@ -28,16 +28,6 @@ def _aligned(n: int) -> int:
     return max(-(-n // GROWTH_ALIGN) * GROWTH_ALIGN, GROWTH_ALIGN)
 
 
-def growth(need: int) -> int:
-    """Columns to add when the cache is full and its rows may still write `need` tokens."""
-    return min(_aligned(need), MAX_GROWTH)
-
-
-def prefill_columns(width: int, need: int) -> int:
-    """One allocation for a prefill of `width` columns and what its rows may still write."""
-    return _aligned(width) + growth(need)
-
-
 class BatchCache:
     def __init__(self, layers: list[Any], pads: list[int]) -> None:
         self.layers = layers  # one BatchKVCache per layer, all with the same rows and width
@@ -78,9 +68,11 @@ class BatchCache:
     def __len__(self) -> int:
         return len(self.pads)
 
-    def reserve(self, cols: int) -> None:
-        """The next allocation, if one is needed, adds `cols` columns (an exact multiple: a
-        prefill of `cols` tokens or fewer allocates exactly `cols`)."""
+    def reserve(self, need: int, width: int = 0) -> None:
+        """Size the next allocation, if one is needed: room for `width` columns about to be
+        written (a prefill: then exactly one allocation) and for the `need` tokens a row may
+        write after them (at most mlx-lm's step)."""
+        cols = (_aligned(width) if width else 0) + min(_aligned(need), MAX_GROWTH)
         for c in self.layers:
             c.step = cols
 

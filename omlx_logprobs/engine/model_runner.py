@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from omlx_logprobs.engine.batch_cache import BatchCache, growth, prefill_columns
+from omlx_logprobs.engine.batch_cache import BatchCache
 from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, make_prefix
 from omlx_logprobs.engine.prompt_scoring import (
     PROMPT_BLOCK,
@@ -125,7 +125,7 @@ class ModelRunner:
             rows = mx.array([self.last_rows[s.seq_id] for s in self.rows])
             inputs = self.last_tokens[rows][:, None]
             if self.tight_cache:
-                self.batch_cache.reserve(growth(max(_to_write(s) for s in self.rows)))
+                self.batch_cache.reserve(max(s.to_write for s in self.rows))
             parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
             seqs += self.rows
         # Whole prompts prefill together in left-padded groups, scored ones in groups of their
@@ -201,7 +201,7 @@ class ModelRunner:
         else:
             cache = BatchCache.seeded(prefix.keys, prefix.values, pads)
         if self.tight_cache:
-            cache.reserve(prefill_columns(width - start, max(_to_write(c.seq) for c in group)))
+            cache.reserve(max(c.seq.to_write for c in group), width - start)
         for row, c in enumerate(group):
             c.seq.cached_tokens = max(start - pads[row], 0)
             if c.seq.params.max_tokens > 0:
@@ -375,11 +375,6 @@ class ModelRunner:
             return
         assert self.batch_cache is not None
         self.batch_cache.filter(keep)
-
-
-def _to_write(seq: Sequence) -> int:
-    """Tokens the sequence may still write into its cache: each sampled token but the last."""
-    return seq.params.max_tokens - seq.num_sampled
 
 
 def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[list[PrefillChunk]]:

@@ -90,6 +90,11 @@ class Sequence:
         return len(self.output_ids)
 
     @property
+    def to_write(self) -> int:
+        """Tokens it may still write into its KV cache: each sampled token but the last."""
+        return self.params.max_tokens - self.num_sampled
+
+    @property
     def prefill_done(self) -> bool:
         return self.num_prefilled >= self.prompt_len
 
