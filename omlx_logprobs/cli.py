@@ -16,7 +16,7 @@ from omlx_logprobs.config import Access, EngineConfig, Limits, ServerConfig
 from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled
 
 if TYPE_CHECKING:
-    from omlx_logprobs.engine.engine import EngineClient
+    from omlx_logprobs.engine.client import EngineClient
     from omlx_logprobs.models.loader import LoadedModel
 
 log = logging.getLogger("omlx_logprobs")
@@ -231,30 +231,33 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
 
 
 def start_engine(cfg: ServerConfig, log_level: str) -> tuple[LoadedModel, EngineClient]:
-    """The model's tokenizer and facts for the API, and the engine: a child process that loads
-    the weights (the server's process then loads none), or a thread of this one."""
+    """The model's tokenizer and facts for the API, and the engine's client: over a child
+    process that loads the weights (the server's process then loads none), or over a thread
+    of this one."""
+    from omlx_logprobs.engine.client import EngineClient, ThreadTransport
     from omlx_logprobs.engine.engine import Engine
-    from omlx_logprobs.engine.process import EngineProcess, EngineSpec
+    from omlx_logprobs.engine.process import EngineSpec, ProcessTransport
     from omlx_logprobs.models.loader import is_scripted, load_model, resolve_model_path
-    from omlx_logprobs.output.detokenizer import build_vocabulary
+    from omlx_logprobs.vocab import build_vocabulary
 
     if not cfg.engine_process:
         model = load_model(cfg.model, cfg.served_model_name, cfg.engine.max_model_len)
-        return model, Engine(model.model, model.vocab, model.eos_token_ids, cfg.engine)
+        engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg.engine)
+        return model, EngineClient(ThreadTransport(engine))
     # The model is resolved once, here (a GGUF converted before the child starts); the child
     # loads the weights from that directory while this process loads the tokenizer.
     source, name = cfg.model, cfg.served_model_name
     if not is_scripted(source):
         path, default_name = resolve_model_path(source)
         source, name = str(path), name or default_name
-    proc = EngineProcess(EngineSpec(source, name, cfg.engine, log_level))
+    proc = ProcessTransport(EngineSpec(source, name, cfg.engine, log_level))
     proc.spawn()
     model = load_model(source, name, cfg.engine.max_model_len, weights=False)
     proc.wait_ready()
     if proc.vocab_size != len(model.vocab):  # the weights' embedding size rules
         vocab = build_vocabulary(model.tokenizer, max(proc.vocab_size, len(model.tokenizer)))
         model = replace(model, vocab=vocab)
-    return replace(model, model=None), proc
+    return replace(model, model=None), EngineClient(proc)
 
 
 def mlx_environment() -> None:

@@ -1,10 +1,20 @@
-"""Typed records that cross module boundaries. No mlx here: the scheduler and API import these."""
+"""Typed records that cross module boundaries: what the API submits to the engine
+(`EngineRequest`), what the engine hands back (`RequestOutput`, whose logprob entries are one
+columnar `Entries` block), and the request facts both sides read. No mlx here: the scheduler and
+the API import these."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any
+
+import numpy as np
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+THINK_TAGS = (THINK_OPEN, THINK_CLOSE)
 
 
 class LogprobsMode(str, Enum):
@@ -14,10 +24,6 @@ class LogprobsMode(str, Enum):
     PROCESSED = "processed_logprobs"  # what was sampled from: scaled, truncated, renormalised
 
 
-MAX_N = 16  # choices per prompt
-MAX_LOGPROB_TOKEN_IDS = 128
-
-
 class FinishReason(str, Enum):
     STOP = "stop"
     LENGTH = "length"
@@ -25,9 +31,18 @@ class FinishReason(str, Enum):
     ERROR = "error"
 
 
+class ThinkStart(Enum):
+    """Where a request's output starts (parsing/thinking.py splits it)."""
+
+    OFF = "off"  # no parsing: every byte is content
+    DETECT = "detect"  # reasoning only if the output opens with <think>
+    INSIDE = "inside"  # the prompt opened <think>: the output starts inside reasoning
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """What one request asks of the sampler and of the logprob extractor."""
+    """What one request asks of the sampler and of the logprob extractor. The server's limits
+    (how many ids, how large a top list) are checked by the API before it builds one."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -63,8 +78,6 @@ class SamplingParams:
             raise ValueError("top_logprobs needs logprobs and must be >= 0")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError("prompt_logprobs must be >= 0")
-        if len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_LOGPROB_TOKEN_IDS} logprob_token_ids")
         if len(set(self.logprob_token_ids)) != len(self.logprob_token_ids):
             raise ValueError("logprob_token_ids must be distinct")
 
@@ -99,64 +112,119 @@ class SamplingParams:
             or self.repetition_penalty != 1
         )
 
-    def with_max_tokens(self, n: int) -> SamplingParams:
-        return replace(self, max_tokens=n)
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """One prompt as the API submits it: the engine makes `n` choices of it, prefilled once."""
 
-@dataclass
-class RequestOutput:
-    """A delta for one request: what was released since the last output the consumer took.
-
-    Token entries are addressed as the range [first_token, end_token) of the request's own flat
-    stores, so merging two deltas is a concatenation of text and a widening of the range.
-    Reasoning precedes content: entries before `content_start` (an absolute token index, clamped
-    to the range) are reasoning tokens, the rest content tokens.
-    """
-
-    request_id: str
-    text: str  # content
-    first_token: int
-    end_token: int
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
-    error: str | None = None
-    reasoning_text: str = ""
-    content_start: int = 0  # the request's reasoning tokens so far: those before it; 0: none
-
-    @property
-    def split_token(self) -> int:
-        """The first content token of this delta's range: [first, split) reasoning, [split, end)
-        content."""
-        return min(max(self.content_start, self.first_token), self.end_token)
-
-    def merge(self, later: RequestOutput) -> RequestOutput:
-        # Reasoning tokens come first: the count of reasoning tokens is this delta's unless all
-        # of its tokens were reasoning (then the later one knows at least as many).
-        split = self.content_start if self.split_token < self.end_token else later.content_start
-        return RequestOutput(
-            request_id=self.request_id,
-            text=self.text + later.text,
-            reasoning_text=self.reasoning_text + later.reasoning_text,
-            content_start=split,
-            first_token=self.first_token,
-            end_token=later.end_token,
-            finished=later.finished,
-            finish_reason=later.finish_reason,
-            prompt_tokens=later.prompt_tokens,
-            cached_tokens=later.cached_tokens,
-            completion_tokens=later.completion_tokens,
-            error=later.error or self.error,
-        )
+    request_id: str  # unique among the requests in flight; aborts name it
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int = 1
+    think: ThinkStart = ThinkStart.OFF
+    # Streamed: an output whenever tokens are released. Not streamed: one output per choice,
+    # at its end (nothing crosses to the API before it is needed).
+    stream: bool = False
 
 
 @dataclass(frozen=True)
-class ModelInfo:
-    """What the API needs to know about the loaded model."""
+class Entries:
+    """Logprob entries of consecutive positions, as columns: each position's own token, its
+    logprob and rank (count of logprobs >= its own: 1 for the argmax), and k alternatives (the
+    top k best first, or the logprobs of `logprob_token_ids` in the order asked). The same
+    record holds an extraction's lazy device arrays (`to_host` reads them) and host numpy
+    arrays (int32 ids and ranks, float32 logprobs)."""
 
-    name: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    token_ids: Any  # [n]
+    logprobs: Any  # [n]
+    ranks: Any  # [n]
+    top_ids: Any  # [n, k]
+    top_logprobs: Any  # [n, k]
+
+    def __len__(self) -> int:
+        return int(self.logprobs.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.top_ids.shape[1])
+
+    def arrays(self) -> list[Any]:
+        """What to evaluate (device arrays)."""
+        return [self.token_ids, self.logprobs, self.ranks, self.top_ids, self.top_logprobs]
+
+    def to_host(self) -> Entries:
+        """Numpy copies of the columns with their wire dtypes (no copy when they match)."""
+        return Entries(
+            np.array(self.token_ids, copy=False).astype(np.int32, copy=False),
+            np.array(self.logprobs, copy=False).astype(np.float32, copy=False),
+            np.array(self.ranks, copy=False).astype(np.int32, copy=False),
+            np.array(self.top_ids, copy=False).astype(np.int32, copy=False),
+            np.array(self.top_logprobs, copy=False).astype(np.float32, copy=False),
+        )
+
+    def rows(self, a: int, b: int) -> Entries:
+        return Entries(
+            self.token_ids[a:b],
+            self.logprobs[a:b],
+            self.ranks[a:b],
+            self.top_ids[a:b],
+            self.top_logprobs[a:b],
+        )
+
+    @staticmethod
+    def empty(k: int) -> Entries:
+        f, i = np.zeros(0, np.float32), np.zeros(0, np.int32)
+        return Entries(i, f, i, np.zeros((0, k), np.int32), np.zeros((0, k), np.float32))
+
+    @staticmethod
+    def concat(parts: list[Entries]) -> Entries:
+        if len(parts) == 1:
+            return parts[0]
+        return Entries(*(np.concatenate(cols) for cols in zip(*(p.arrays() for p in parts))))
+
+
+_NO_IDS = np.zeros(0, np.int32)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one choice of a request gained since its last output: the only record the engine
+    hands out. Its tokens' entries and text travel together (a token leaves with the text it
+    carries); reasoning precedes content, so the first `num_reasoning` tokens are reasoning.
+    The counts are the request's totals so far."""
+
+    request_id: str
+    index: int = 0  # the choice
+    token_ids: np.ndarray = field(default_factory=lambda: _NO_IDS)  # int32, new tokens
+    text: str = ""  # content
+    reasoning_text: str = ""
+    num_reasoning: int = 0
+    logprobs: Entries | None = None  # the new tokens' entries, when asked for
+    prompt_logprobs: Entries | None = None  # prompt positions 1.., in a choice's first output
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
+    reasoning_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """This output followed by a later one of the same choice (a consumer that lagged)."""
+        logprobs = self.logprobs
+        if logprobs is not None and later.logprobs is not None:
+            logprobs = Entries.concat([logprobs, later.logprobs])
+        return replace(
+            later,
+            token_ids=np.concatenate([self.token_ids, later.token_ids]),
+            text=self.text + later.text,
+            reasoning_text=self.reasoning_text + later.reasoning_text,
+            num_reasoning=self.num_reasoning + later.num_reasoning,
+            logprobs=logprobs if logprobs is not None else later.logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            error=later.error or self.error,
+        )

@@ -46,8 +46,9 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
     async def health() -> dict[str, Any] | JSONResponse:
         stats = asdict(served.engine.snapshot())
         body = {"status": "ok", "running": stats["waiting"] + stats["running"], "engine": stats}
-        if not served.engine.alive:  # the engine process exited: nothing can be served
-            return JSONResponse({**body, "status": "engine stopped"}, status_code=503)
+        state = served.engine.state
+        if state != "ok":  # the engine process is gone (restarting, or for good)
+            return JSONResponse({**body, "status": f"engine {state}"}, status_code=503)
         return body
 
     @app.get("/v1/models")

@@ -3,7 +3,6 @@ echo, the legacy logprobs shape and vLLM's scoring extensions; JSON and SSE bodi
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -17,26 +16,27 @@ from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.api.protocol import CompletionRequest
 from omlx_logprobs.api.serving import (
     Served,
-    check_prompt_logprobs,
     encode,
+    raise_if_failed,
     sampling_params,
-    wait_all_or_disconnect,
+    usage,
+    wait_or_disconnect,
 )
-from omlx_logprobs.engine.engine import RequestHandle
-from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.engine.client import RequestHandle, merged
 from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
-from omlx_logprobs.types import MAX_N, RequestOutput
+from omlx_logprobs.types import EngineRequest, RequestOutput
 
 MAX_PROMPTS = 256  # prompts in one request (lm-eval batches several)
 
 
 @dataclass
 class Choice:
-    """One returned choice: its engine handle and what its JSON needs besides the outputs."""
+    """One returned choice: which request and choice of it, and what its JSON needs besides
+    the outputs."""
 
-    index: int
-    handle: RequestHandle
+    index: int  # in the response: prompt * n + choice
+    prompt_ids: list[int]
     echo_text: str  # the prompt's text when echo is on, else ""
     cursor: LegacyCursor  # character offset of the next legacy logprobs position
     started: bool = False  # whether the first (echo-carrying) chunk went out
@@ -71,21 +71,6 @@ def parse_prompts(req: CompletionRequest, served: Served) -> list[list[int]]:
     return out
 
 
-def check_request(req: CompletionRequest, served: Served) -> None:
-    served.check_model(req.model)
-    served.checks.check(req)
-    if req.suffix:
-        raise APIError("suffix is not supported.", param="suffix")
-    if not 1 <= req.n <= MAX_N:
-        raise APIError(f"n must be between 1 and {MAX_N}.", param="n")
-    if req.best_of is not None and req.best_of != req.n:
-        raise APIError("best_of must equal n (no server-side ranking of choices).", "best_of")
-    cap = served.cfg.max_top_logprobs
-    if req.logprobs is not None and req.logprobs > cap:
-        raise APIError(f"logprobs must be at most {cap}", param="logprobs")
-    check_prompt_logprobs(req)
-
-
 class CompletionServing:
     def __init__(self, served: Served) -> None:
         self.served = served
@@ -93,116 +78,114 @@ class CompletionServing:
         self.legacy = (LegacyLogprobFormatter(vocab), LegacyLogprobFormatter(vocab, as_ids=True))
         self.prompt_fmt = (PromptLogprobFormatter(vocab), PromptLogprobFormatter(vocab, True))
 
-    def _start(self, req: CompletionRequest) -> list[Choice]:
-        """Validate everything first, then submit: choice index = prompt * n + choice."""
-        check_request(req, self.served)
-        prompts = parse_prompts(req, self.served)
+    def _start(self, req: CompletionRequest) -> tuple[str, list[RequestHandle], list[Choice]]:
+        """Validate everything first, then submit one request per prompt (its n choices from
+        one prefill); choice index = prompt * n + choice."""
+        served = self.served
+        served.check_model(req.model)
+        served.checks.check_completion(req)
+        cap = served.cfg.max_top_logprobs
+        if req.logprobs is not None and req.logprobs > cap:
+            raise APIError(f"logprobs must be at most {cap}", param="logprobs")
+        prompts = parse_prompts(req, served)
         # echo with logprobs needs the prompt's entries, with as many alternatives as logprobs
         wanted = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             wanted = max(wanted or 0, req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        leaders = []
-        for ids in prompts:
+        requests = []
+        for i, ids in enumerate(prompts):
             params = sampling_params(
-                req, self.served, len(ids), req.max_tokens, req.logprobs is not None,
+                req, served, len(ids), req.max_tokens, req.logprobs is not None,
                 req.logprobs or 0, wanted,
             )  # fmt: skip
-            leader = Sequence(rid, ids, params)
-            for j in range(1, req.n):
-                leader.fork(j)
-            leaders.append(leader)
-        loop = asyncio.get_running_loop()
+            requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.n, stream=req.stream))
         legacy = self.legacy[0]
-        choices: list[Choice] = []
-        for leader in leaders:
-            echo = legacy.prompt_text(leader.prompt_ids) if req.echo else ""
-            for handle in self.served.engine.add_group(leader, loop):
-                choices.append(Choice(len(choices), handle, echo, LegacyCursor()))
-        return choices
+        choices = [
+            Choice(i * req.n + j, r.prompt_ids,
+                   legacy.prompt_text(r.prompt_ids) if req.echo else "", LegacyCursor())
+            for i, r in enumerate(requests)
+            for j in range(req.n)
+        ]  # fmt: skip
+        return rid, [served.engine.submit(r) for r in requests], choices
 
-    def _logprobs(self, req: CompletionRequest, c: Choice, first: int, end: int) -> str:
-        seq = c.handle.seq
-        if seq.store is None:
+    def _logprobs(self, req: CompletionRequest, c: Choice, out: RequestOutput) -> str:
+        if out.logprobs is None:
             return "null"
         fixed = bool(req.logprob_token_ids)
-        k = seq.store.k if fixed else (req.logprobs or 0)
+        k = out.logprobs.k if fixed else (req.logprobs or 0)
         prompt = None
         if req.echo and not c.started:
-            assert seq.prompt_store is not None
-            prompt = (seq.prompt_ids, seq.prompt_store)
+            assert out.prompt_logprobs is not None
+            prompt = (c.prompt_ids, out.prompt_logprobs)
         fmt = self.legacy[req.return_tokens_as_token_ids]
-        return fmt.json(c.cursor, k, prompt, seq.store, (first, end), fixed)
+        return fmt.json(c.cursor, k, prompt, out.logprobs, fixed)
 
-    def _extras(self, req: CompletionRequest, c: Choice, first: int, end: int) -> str:
+    def _extras(self, req: CompletionRequest, c: Choice, out: RequestOutput) -> str:
         """vLLM's per-choice fields: prompt_logprobs, prompt_token_ids and token_ids."""
-        seq = c.handle.seq
-        out = ""
-        if req.prompt_logprobs is not None and seq.prompt_store is not None:
+        extra = ""
+        if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
             fmt = self.prompt_fmt[req.return_tokens_as_token_ids]
-            k = req.prompt_logprobs
-            out += (
-                f',"prompt_logprobs":{fmt.json(seq.prompt_store, k, bool(req.logprob_token_ids))}'
-            )
+            scored = fmt.json(out.prompt_logprobs, req.prompt_logprobs, bool(req.logprob_token_ids))
+            extra += f',"prompt_logprobs":{scored}'
         if req.return_token_ids:
             if not c.started:
-                out += f',"prompt_token_ids":{json.dumps(seq.prompt_ids)}'
-            out += f',"token_ids":{json.dumps(seq.output_ids[first:end].tolist())}'
-        return out
+                extra += f',"prompt_token_ids":{json.dumps(c.prompt_ids)}'
+            extra += f',"token_ids":{json.dumps(out.token_ids.tolist())}'
+        return extra
 
-    def _head(self, c: Choice, obj: str) -> str:
-        seq = c.handle.seq
+    def _head(self, rid: str) -> str:
         return (
-            f'{{"id":"{seq.request_id}","object":"{obj}","created":{int(time.time())},'
+            f'{{"id":"{rid}","object":"text_completion","created":{int(time.time())},'
             f'"model":{json.dumps(self.served.model.name)},'
         )
 
     async def complete(self, req: CompletionRequest, raw: Request) -> str:
-        choices = self._start(req)
+        rid, handles, choices = self._start(req)
         try:
-            outs = await wait_all_or_disconnect([c.handle for c in choices], raw)
+            outs = await wait_or_disconnect(handles, raw)
         finally:
-            abort_unfinished(self.served, choices)
-        for out in outs:
-            if out.error:
-                raise APIError(out.error, status=500, type_="server_error")
+            for h in handles:
+                h.abort()
+        raise_if_failed(outs)
         parts = []
         for c, out in zip(choices, outs):
             text = json.dumps(c.echo_text + out.text, ensure_ascii=False)
-            lp = self._logprobs(req, c, 0, out.end_token)
-            extras = self._extras(req, c, 0, out.end_token)
+            lp = self._logprobs(req, c, out)
+            extras = self._extras(req, c, out)
             finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
             parts.append(
                 f'{{"index":{c.index},"text":{text},"logprobs":{lp},'
                 f'"finish_reason":{finish}{extras}}}'
             )
-        usage = json.dumps(usage_of(choices, outs))
-        head = self._head(choices[0], "text_completion")
-        return f'{head}"choices":[{",".join(parts)}],"usage":{usage}}}'
+        return f'{self._head(rid)}"choices":[{",".join(parts)}],"usage":{json.dumps(usage(outs))}}}'
 
     def stream(self, req: CompletionRequest) -> AsyncIterator[str]:
-        choices = self._start(req)  # errors raise here, before the 200 starts
-        return self._events(req, choices)
+        rid, handles, choices = self._start(req)  # errors raise here, before the 200 starts
+        return self._events(req, rid, handles, choices)
 
-    async def _events(self, req: CompletionRequest, choices: list[Choice]) -> AsyncIterator[str]:
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        tail = ',"usage":null}' if usage else "}"
-        head = self._head(choices[0], "text_completion")
+    async def _events(
+        self, req: CompletionRequest, rid: str, handles: list[RequestHandle], choices: list[Choice]
+    ) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        tail = ',"usage":null}' if include_usage else "}"
+        head = self._head(rid)
         finals: dict[int, RequestOutput] = {}
         try:
-            async for i, out in merged([c.handle for c in choices]):
+            async for p, out in merged(handles):
+                i = p * req.n + out.index
                 c = choices[i]
                 if out.error:
                     finals[i] = out
                     err = error_body(out.error, "server_error", None, None)
                     yield f"data: {json.dumps(err)}\n\n"
                     continue
-                if out.text or out.end_token > out.first_token or not c.started:
+                if out.text or out.num_tokens or not c.started:
                     text = json.dumps(
                         (c.echo_text if not c.started else "") + out.text, ensure_ascii=False
                     )
-                    lp = self._logprobs(req, c, out.first_token, out.end_token)
-                    extras = self._extras(req, c, out.first_token, out.end_token)
+                    lp = self._logprobs(req, c, out)
+                    extras = self._extras(req, c, out)
                     c.started = True
                     choice = (
                         f'{{"index":{i},"text":{text},"logprobs":{lp},'
@@ -214,52 +197,10 @@ class CompletionServing:
                     fin = json.dumps(out.finish_reason.value if out.finish_reason else None)
                     choice = f'{{"index":{i},"text":"","logprobs":null,"finish_reason":{fin}}}'
                     yield f'data: {head}"choices":[{choice}]{tail}\n\n'
-            if usage:
-                outs = [finals[c.index] for c in choices]
-                body = json.dumps(usage_of(choices, outs))
+            if include_usage:
+                body = json.dumps(usage([finals[c.index] for c in choices]))
                 yield f'data: {head}"choices":[],"usage":{body}}}\n\n'
             yield "data: [DONE]\n\n"
         finally:
-            abort_unfinished(self.served, choices)
-
-
-async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several requests as they come: (position in `handles`, output)."""
-    queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-
-    async def pump(i: int, h: RequestHandle) -> None:
-        while True:
-            out = await h.collector.get()
-            queue.put_nowait((i, out))
-            if out.finished:
-                return
-
-    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
-    try:
-        left = len(handles)
-        while left:
-            i, out = await queue.get()
-            left -= out.finished
-            yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-def abort_unfinished(served: Served, choices: list[Choice]) -> None:
-    for c in choices:
-        if c.handle.seq.finish_reason is None:
-            served.engine.abort(c.handle.seq)
-
-
-def usage_of(choices: list[Choice], outs: list[RequestOutput]) -> dict[str, Any]:
-    """Each prompt counted once however many choices it has; every generated token counted."""
-    firsts = [o for c, o in zip(choices, outs) if c.handle.seq.choice_index == 0]
-    prompt = sum(o.prompt_tokens for o in firsts)
-    completion = sum(o.completion_tokens for o in outs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in firsts)},
-    }
+            for h in handles:
+                h.abort()

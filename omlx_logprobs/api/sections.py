@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omlx_logprobs.parsing.thinking import ThinkStart
-from omlx_logprobs.types import RequestOutput
+from omlx_logprobs.types import RequestOutput, ThinkStart
 
 
 def message(out: RequestOutput, think: ThinkStart) -> dict[str, Any]:
@@ -24,8 +23,8 @@ def delta(out: RequestOutput, think: ThinkStart) -> dict[str, Any]:
     if think is ThinkStart.OFF:
         return {"content": out.text}
     d: dict[str, Any] = {}
-    if out.reasoning_text or out.split_token > out.first_token:
+    if out.reasoning_text or out.num_reasoning:
         d["reasoning_content"] = out.reasoning_text
-    if out.text or out.end_token > out.split_token or not d:
+    if out.text or out.num_tokens > out.num_reasoning or not d:
         d["content"] = out.text
     return d

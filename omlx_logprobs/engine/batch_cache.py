@@ -56,11 +56,6 @@ class BatchCache:
         return cls(layers, list(pads))
 
     @classmethod
-    def of_one(cls, caches: list[Any]) -> BatchCache:
-        """One sequence's per-layer KVCache as a one-row batch."""
-        return cls([BatchKVCache.merge([c]) for c in caches], [0])
-
-    @classmethod
     def of_copies(cls, caches: list[Any], n: int) -> BatchCache:
         """One sequence's per-layer KVCache as n identical rows (the n choices of one prompt)."""
         return cls([BatchKVCache.merge([c] * n) for c in caches], [0] * n)

@@ -19,26 +19,13 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx_logprobs.engine.batch_cache import BatchCache
 from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, make_prefix
-from omlx_logprobs.engine.prompt_scoring import (
-    PROMPT_BLOCK,
-    PendingPrompts,
-    ScorePath,
-    chunk_slice,
-    score,
-    score_key,
-)
+from omlx_logprobs.engine.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
 from omlx_logprobs.engine.sampler import apply_processors, sample, sampling_logits, step_key
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.engine.step import DeviceTime, LaunchedStep, StepResult
-from omlx_logprobs.logprobs import kernel
-from omlx_logprobs.logprobs.extract import (
-    HostExtraction,
-    device_step,
-    entries_asked,
-    finite_rows,
-    release_scratch,
-)
+from omlx_logprobs.logprobs.extract import release_scratch
+from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor, choose_extractor
 
 __all__ = ["ModelRunner"]
 
@@ -58,17 +45,13 @@ class _Prefilled:
 # On a GPU, MLX keeps every freed buffer for reuse up to about the device's memory: with batch
 # and prompt sizes changing every step that grew to ~100 GB on an H200, and host RSS with it.
 GPU_CACHE_LIMIT_MIB = 4096
-# Scored prompt rows per extraction block at most: on a GPU fewer, larger kernels (the step is
-# host-bound there); on the CPU small blocks keep the float32 temporaries in cache.
-GPU_PROMPT_BLOCK = 512
-CPU_PROMPT_BLOCK = PROMPT_BLOCK
 # A left-padded prefill group's width is rounded up to this many tokens on a GPU: MLX's CUDA
 # backend keeps host state per kernel shape (CUDA graphs, cuDNN attention plans, in bounded
 # caches), which grew RSS with every new (rows, width) pair. On the CPU padding is real compute.
 GPU_PREFILL_ALIGN = 32
 CPU_PREFILL_ALIGN = 1
-# Tests set this to run the GPU's path (extraction on the device, one packed read a step) on
-# the CPU backend.
+# Tests set this to run the GPU's path (extraction on the device, one packed read a step, the
+# step processed beside the next launch) on the CPU backend.
 FORCE_GPU_PATH = False
 
 
@@ -99,14 +82,13 @@ class ModelRunner:
             self.prefixes = PrefixCache(prefix_cache_mib << 20, partial(make_prefix, model))
         family = type(model).__module__.rsplit(".", 1)[-1]
         self.split_head = family in _SPLIT_HEAD and hasattr(model, "model")
-        # On the CPU backend logprobs and the finiteness check run in numpy at collect time
-        # (see HostExtraction): MLX's CPU exp and partition are several times slower there.
         cpu = mx.default_device() == mx.cpu and not FORCE_GPU_PATH
-        self.host_logprobs = cpu
-        # On MLX's CUDA backend the step's outputs come from one kernel (logprobs/kernel.py).
-        self.fused = not cpu and kernel.available()
-        block = CPU_PROMPT_BLOCK if cpu else GPU_PROMPT_BLOCK
-        self.scoring = ScorePath(block, host=cpu, fused=self.fused)
+        # Where entries are computed: in numpy at collect time on the CPU backend, on the
+        # device elsewhere (logprobs/extractor.py); chosen once, here.
+        self.extractor: Extractor = choose_extractor(cpu)
+        # On a GPU the host bounds the step loop: the engine processes a step beside the next
+        # launch. MLX's CPU backend computes the step inside the launch on both cores: no gain.
+        self.overlaps = not cpu
         self.prefill_align = CPU_PREFILL_ALIGN if cpu else GPU_PREFILL_ALIGN
         self.tight_cache = cpu  # caches grow by what their rows may use (see batch_cache.py)
         if cache_limit_mib is None and not cpu:
@@ -160,9 +142,7 @@ class ModelRunner:
         if not seqs:
             if not prompt and not prompt_only:
                 return None
-            tokens = mx.zeros((0,), mx.int32)
-            self._queue(tokens)  # collect reads only what was queued (see Engine._process)
-            return LaunchedStep([], tokens, None, prompt, prompt_only)
+            return LaunchedStep([], None, prompt, prompt_only)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
         return replace(self._sample(logits, seqs), prompt=prompt, prompt_only=prompt_only)
 
@@ -211,11 +191,11 @@ class ModelRunner:
         h = self.model.model(ids, cache=cache.layers)
         # Every row's real positions but its last, rows in group order: one flat [N, H] block.
         flat = np.concatenate([r * width + np.arange(p, width - 1) for r, p in enumerate(pads)])
-        if not self.host_logprobs:  # whole blocks on the device: see prompt_scoring
+        if self.extractor.pads_blocks:  # whole blocks on the device: see prompt_scoring
             flat = np.pad(flat, (0, -len(flat) % PROMPT_BLOCK))
         hidden = h.reshape(-1, h.shape[-1])[mx.array(flat)]
         slices = [chunk_slice(c.seq, 0, c.end) for c in group]
-        pending = score(slices, lambda a, b: self._head(hidden[a:b]), self.scoring)
+        pending = score(slices, lambda a, b: self._head(hidden[a:b]), self.extractor)
         return self._head(h[:, -1, :]), pending
 
     def _prefixes(self, chunks: list[PrefillChunk]) -> dict[int, Prefix]:
@@ -249,7 +229,7 @@ class ModelRunner:
         if seq.prompt_store is not None:  # every position's logits: the prompt is scored
             out = self.model(ids, cache=cache)[0]
             rows = chunk_slice(seq, chunk.start, out.shape[0])
-            scored = score([rows], lambda a, b: out[a:b], self.scoring)
+            scored = score([rows], lambda a, b: out[a:b], self.extractor)
             logits = out[-1:, :]
         elif chunk.is_last:
             logits = self._last_logits(ids, cache)
@@ -280,19 +260,9 @@ class ModelRunner:
             s.num_sampled += 1
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        ask = entries_asked(logits, dist, params)
-        if self.host_logprobs:  # entries and the finiteness check run on the host, from the rows
-            host = None
-            if ask is not None:
-                host = HostExtraction(ask.src, tokens, ask.k, ask.fixed, ask.natural)
-            self._queue(tokens, logits, *(host.arrays() if host is not None else ()))
-            return LaunchedStep(seqs, tokens, host, rows=logits)
-        # One reduction per row, in the same evaluation: a NaN or +inf anywhere in a row (or a
-        # row of only -inf) makes its log-sum-exp non-finite and its token meaningless.
-        lse = mx.logsumexp(logits, axis=-1, keepdims=True)
-        packed = device_step(tokens, lse, ask, self.fused)
-        self._queue(tokens, packed.array)
-        return LaunchedStep(seqs, tokens, None, packed=packed)
+        pending = self.extractor.step(tokens, logits, dist, params)
+        self._queue(*pending.arrays())
+        return LaunchedStep(seqs, pending)
 
     @property
     def num_cached(self) -> int:
@@ -328,16 +298,13 @@ class ModelRunner:
     def collect(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step; one copy of its small arrays to the host."""
         t0 = time.perf_counter()
-        finite: np.ndarray | None
-        if step.packed is not None:
-            tokens, finite, logprobs = step.packed.to_host()
+        if step.sampled is not None:
+            tokens, finite, logprobs = step.sampled.to_host()
         else:
-            tokens = np.array(step.tokens)
-            logprobs = step.logprobs.to_host() if step.logprobs is not None else None
-            finite = None if step.rows is None else finite_rows(np.array(step.rows, copy=False))
+            tokens, finite, logprobs = np.zeros(0, np.int32), np.ones(0, bool), None
         prompt = [x for p in step.prompt for x in p.to_host()]
         self.time.read_s += time.perf_counter() - t0
-        return StepResult(step.seqs, tokens, logprobs, prompt, step.prompt_only, finite)
+        return StepResult(step.seqs, tokens, finite, logprobs, prompt, step.prompt_only)
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Move prefilled sequences' caches into the batch, as its last rows, in this order.

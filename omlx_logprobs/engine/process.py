@@ -1,17 +1,15 @@
 """The engine in a process of its own, so the server's event loop (HTTP, JSON) and the engine's
 step loop do not share one GIL.
 
-The child loads the model and runs the same `Engine`, with a `PipeOutbox`: after each step it
-sends one `StepOutputs` message, the requests' deltas together with what each request's record
-gained (token ids, logprob entries, prompt entries). The parent keeps its own copy of every
-`Sequence` it submitted, brings it up to date from those messages and hands each delta to the
-request's collector, so the API reads ids and entries from the parent's copy exactly as it reads
-them from the engine's own records when the engine runs in a thread.
+The child loads the model and runs the same `Engine`, whose sink sends each step's
+`RequestOutput`s (and the /health snapshot when it changed) over a pipe; requests go the other
+way as the `EngineRequest`s themselves. When the child dies, the requests it held fail with an
+error naming the cause, and the child is started again with a backoff; requests submitted
+meanwhile wait for it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import multiprocessing as mp
 import os
@@ -19,28 +17,22 @@ import queue
 import signal
 import sys
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from omlx_logprobs import heap
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine.engine import (
-    Engine,
-    EngineClient,
-    Progress,
-    RequestHandle,
-    Submission,
-    new_handles,
-)
-from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.engine.client import Deliver, Lost
+from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.stats import EngineStats
-from omlx_logprobs.logprobs.store import StoreRows, append_from
-from omlx_logprobs.output.collector import RequestOutputCollector
-from omlx_logprobs.types import FinishReason, RequestOutput
+from omlx_logprobs.types import EngineRequest, RequestOutput
 
 log = logging.getLogger("omlx_logprobs")
 NO_STATS = EngineStats(0, 0, 0, False, 0, 0, 0, 0)
+BACKOFF_S = (0.5, 30.0)  # the first restart's delay, doubled after each failure up to the second
+STABLE_S = 60.0  # a child that ran this long before it died restarts after the first delay
 
 
 @dataclass(frozen=True)
@@ -53,17 +45,10 @@ class EngineSpec:
     log_level: str = "info"
 
 
-# ---- messages, parent to child ----------------------------------------------------------------
+# ---- messages (a parent sends `EngineRequest`s as they are) --------------------------------------
 @dataclass(frozen=True)
-class AddRequest:
-    seq: Sequence  # the leader, its forks with it
-    final_only: bool
-    progress: bool = False  # final_only, but ship the leader's records every PROGRESS_EVERY
-
-
-@dataclass(frozen=True)
-class AbortRequest:
-    seq_id: int
+class Abort:
+    request_id: str
 
 
 @dataclass(frozen=True)
@@ -76,7 +61,6 @@ class Stop:
     pass
 
 
-# ---- messages, child to parent ----------------------------------------------------------------
 @dataclass(frozen=True)
 class Ready:
     vocab_size: int
@@ -88,90 +72,26 @@ class Failed:
 
 
 @dataclass(frozen=True)
-class SeqUpdate:
-    """One sequence's delta and what its record gained since the last update sent for it."""
-
-    seq_id: int
-    out: RequestOutput | None  # None: the record grew, nothing for the consumer yet
-    output_from: int  # index of the first of `output_ids` in the sequence's output
-    output_ids: bytes  # int32
-    entries: StoreRows | None  # generated tokens' entries, from output_from
-    prompt: StoreRows | None  # prompt entries
-
-
-@dataclass(frozen=True)
 class StepOutputs:
-    updates: list[SeqUpdate]
+    outputs: list[RequestOutput]
     stats: EngineStats
 
 
 # ---- child ------------------------------------------------------------------------------------
-PROGRESS_EVERY = 16  # tokens between the records of a request whose server formats them early
-
-
-@dataclass
-class _Shipping:
-    final_only: bool
-    progress: bool = False
-    outputs: int = 0  # output ids (and entries) already sent
-    prompt: int = 0  # prompt entries already sent
-    held: RequestOutput | None = None  # a non-streamed request's deltas, merged until the end
-
-
-class PipeOutbox:
-    """The child's outbox: deltas and record growth, one message per step."""
+class _PipeSink:
+    """The child engine's sink: one message a step, when it has outputs or new stats."""
 
     def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._state: dict[int, _Shipping] = {}
-        self._updates: list[SeqUpdate] = []
+        self.conn = conn
+        self.engine: Engine | None = None
         self._stats = NO_STATS
 
-    def register(self, sub: Submission) -> None:
-        for seq in sub.seq.group:
-            self._state[seq.seq_id] = _Shipping(sub.final_only, sub.progress and seq is sub.seq)
-
-    def deliver(self, seq: Sequence, out: RequestOutput) -> None:
-        st = self._state.get(seq.seq_id)
-        if st is None:
-            return
-        if st.held is not None:
-            out = st.held.merge(out)
-        if st.final_only and not out.finished:
-            st.held = out  # its consumer waits for the end: nothing to send before it
-            if st.progress and self._progress_due(seq, st):
-                self._updates.append(self._update(seq, st, None))  # ... but its records
-            return
-        st.held = None
-        self._updates.append(self._update(seq, st, out))
-        if out.finished:
-            del self._state[seq.seq_id]
-
-    @staticmethod
-    def _progress_due(seq: Sequence, st: _Shipping) -> bool:
-        """Every PROGRESS_EVERY tokens at a phase set by the id (a wave's rows ship a few a step,
-        not one >64 KB message at once), and one token before max_tokens (rows ending together
-        leave the server's event loop one position each to format)."""
-        if seq.num_output <= st.outputs:
-            return False
-        if seq.num_output == seq.params.max_tokens - 1:
-            return True
-        return (seq.num_output + seq.seq_id) % PROGRESS_EVERY == 0
-
-    def _update(self, seq: Sequence, st: _Shipping, out: RequestOutput | None) -> SeqUpdate:
-        start, st.outputs = st.outputs, seq.num_output
-        prompt = None
-        if seq.prompt_store is not None and len(seq.prompt_store) > st.prompt:
-            prompt = seq.prompt_store.rows(st.prompt)
-            st.prompt = len(seq.prompt_store)
-        entries = seq.store.rows(start) if seq.store is not None else None
-        return SeqUpdate(seq.seq_id, out, start, seq.output_ids[start:].tobytes(), entries, prompt)
-
-    def flush(self, engine: Engine) -> None:
-        stats = engine.snapshot()
-        if self._updates or stats != self._stats:
-            self._conn.send(StepOutputs(self._updates, stats))
-            self._updates, self._stats = [], stats
+    def __call__(self, outputs: list[RequestOutput]) -> None:
+        assert self.engine is not None
+        stats = self.engine.snapshot()
+        if outputs or stats != self._stats:
+            self.conn.send(StepOutputs(outputs, stats))
+            self._stats = stats
 
 
 def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
@@ -182,17 +102,17 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
     logging.basicConfig(
         level=spec.log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s"
     )
+    sink = _PipeSink(outbox)
     try:
         from omlx_logprobs.models.loader import load_model
 
         model = load_model(spec.model, spec.name, spec.engine.max_model_len)
-        engine = Engine(
-            model.model, model.vocab, model.eos_token_ids, spec.engine, PipeOutbox(outbox)
-        )
+        engine = Engine(model.model, model.vocab, model.eos_token_ids, spec.engine, sink)
     except Exception as exc:
         log.exception("the engine process could not start")
         outbox.send(Failed(f"{type(exc).__name__}: {exc}"))
         os._exit(1)
+    sink.engine = engine
     heap.freeze_startup_objects()
     outbox.send(Ready(len(model.vocab)))  # first: from here on the engine thread sends
     engine.start()
@@ -209,10 +129,10 @@ def _serve_inbox(engine: Engine, inbox: Connection) -> None:
             msg = inbox.recv()
         except (EOFError, OSError):  # the parent is gone
             return
-        if isinstance(msg, AddRequest):
-            engine.submit(Submission(msg.seq, msg.final_only, progress=msg.progress))
-        elif isinstance(msg, AbortRequest):
-            engine.abort_id(msg.seq_id)
+        if isinstance(msg, EngineRequest):
+            engine.submit(msg)
+        elif isinstance(msg, Abort):
+            engine.abort(msg.request_id)
         elif isinstance(msg, BeginShutdown):
             engine.begin_shutdown(msg.grace_s)
         elif isinstance(msg, Stop):
@@ -220,34 +140,55 @@ def _serve_inbox(engine: Engine, inbox: Connection) -> None:
 
 
 # ---- parent -----------------------------------------------------------------------------------
-@dataclass
-class _Wire:
-    """The parent's ends: sends go through one thread (a signal handler may send too), receipts
-    are read by another."""
-
-    send: Connection
-    recv: Connection
-    outgoing: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
-
-
-class EngineProcess(EngineClient):
-    """The server's handle on an engine in a child process: the calls `Engine` offers the API."""
+class _Child:
+    """One engine process and the parent's ends of its pipes."""
 
     def __init__(self, spec: EngineSpec) -> None:
         ctx = mp.get_context("spawn")  # never fork a process that may hold MLX or GPU state
-        child_in, parent_out = ctx.Pipe(duplex=False)
-        parent_in, child_out = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(
+        child_in, self.send = ctx.Pipe(duplex=False)
+        self.recv, child_out = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(
             target=child_main, args=(spec, child_in, child_out), name="omlx-engine", daemon=True
         )
-        self._child_ends = (child_in, child_out)
-        self._wire = _Wire(parent_out, parent_in)
-        self._handles: dict[int, RequestHandle] = {}
-        self._stats = NO_STATS
-        self._gone: str | None = None  # why the engine process is no longer there
-        self._lock = threading.Lock()  # a request is registered, or failed, never lost between
-        self._threads: list[threading.Thread] = []
+        self.proc.start()
+        child_in.close()
+        child_out.close()
+
+    def wait_ready(self) -> int:
+        """The child's vocabulary size once its model is loaded; RuntimeError if it fails."""
+        try:
+            msg = self.recv.recv()
+        except EOFError:
+            self.proc.join(5)
+            msg = Failed(self.cause())
+        if isinstance(msg, Failed):
+            raise RuntimeError(f"the engine process failed to start: {msg.message}")
+        assert isinstance(msg, Ready)
+        log.info("engine process %d ready", self.proc.pid)
+        return msg.vocab_size
+
+    def cause(self) -> str:
+        code = self.proc.exitcode
+        if code is not None and code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit status {code}"
+
+
+class ProcessTransport:
+    """The server's side of an engine in a child process (see the module's docstring)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
         self.vocab_size = 0
+        self._child: _Child | None = None
+        self._outgoing: queue.SimpleQueue[Any] = queue.SimpleQueue()  # one sending thread
+        self._lock = threading.Lock()
+        self._up = threading.Event()  # a child is ready: requests may be sent
+        self._stopping = threading.Event()
+        self._sent: dict[str, int] = {}  # requests the child holds: choices not yet finished
+        self._stats = NO_STATS
+        self._state = "stopped"
+        self._threads: list[threading.Thread] = []
 
     # ---- lifetime ------------------------------------------------------------------------------
     def launch(self) -> None:
@@ -257,143 +198,138 @@ class EngineProcess(EngineClient):
 
     def spawn(self) -> None:
         """Start the child, which loads the model; `wait_ready` waits for it."""
-        self._proc.start()
-        for end in self._child_ends:
-            end.close()
+        self._child = _Child(self.spec)
 
     def wait_ready(self) -> None:
-        try:
-            msg = self._wire.recv.recv()
-        except EOFError:
-            self._proc.join(5)
-            msg = Failed(f"exit status {self._proc.exitcode}")
-        if isinstance(msg, Failed):
-            raise RuntimeError(f"the engine process failed to start: {msg.message}")
-        assert isinstance(msg, Ready)
-        self.vocab_size = msg.vocab_size
-        log.info("engine process %d ready", self._proc.pid)
+        assert self._child is not None
+        self.vocab_size = self._child.wait_ready()
+        self._state = "ok"
+        self._up.set()
 
-    def start(self) -> None:
-        for target, name in ((self._send_loop, "omlx-send"), (self._recv_loop, "omlx-recv")):
-            thread = threading.Thread(target=target, name=name, daemon=True)
+    def start(self, deliver: Deliver, lost: Lost) -> None:
+        for thread in (
+            threading.Thread(target=self._send_loop, name="omlx-send", daemon=True),
+            threading.Thread(
+                target=self._watch, args=(deliver, lost), name="omlx-recv", daemon=True
+            ),
+        ):
             thread.start()
             self._threads.append(thread)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._wire.outgoing.put(Stop())
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            log.warning("the engine process did not stop in %.0f s; killing it", timeout)
-            self._proc.kill()
-            self._proc.join(5)
-        self._wire.outgoing.put(None)  # ends the sender
+        self._stopping.set()
+        self._outgoing.put(Stop())
+        child = self._child
+        if child is not None:
+            child.proc.join(timeout)
+            if child.proc.is_alive():
+                log.warning("the engine process did not stop in %.0f s; killing it", timeout)
+                child.proc.kill()
+                child.proc.join(5)
+        self._outgoing.put(None)  # ends the sender
         for thread in self._threads:
             thread.join(timeout)
 
     def begin_shutdown(self, grace_s: float) -> None:
-        self._wire.outgoing.put(BeginShutdown(grace_s))  # safe in a signal handler
+        self._outgoing.put(BeginShutdown(grace_s))  # safe in a signal handler
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid
+        return self._child.proc.pid if self._child is not None else None
+
+    @property
+    def state(self) -> str:
+        return self._state
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_group(
-        self,
-        seq: Sequence,
-        loop: asyncio.AbstractEventLoop,
-        final_only: bool = False,
-        on_progress: Progress | None = None,
-    ) -> list[RequestHandle]:
-        handles = new_handles(seq, loop, final_only, on_progress)
-        progress = final_only and on_progress is not None
-        with self._lock:
-            gone = self._gone
-            if gone is None:  # registered before it is sent: an output may come back at once
-                self._handles.update((h.seq.seq_id, h) for h in handles)
-                self._wire.outgoing.put(AddRequest(seq, final_only, progress))
-        if gone is not None:
-            for handle in handles:
-                _fail(handle, gone)
-        return handles
+    def submit(self, req: EngineRequest) -> None:
+        self._outgoing.put(req)
 
-    def abort(self, seq: Sequence) -> None:
-        self._wire.outgoing.put(AbortRequest(seq.seq_id))
+    def abort(self, request_id: str) -> None:
+        self._outgoing.put(Abort(request_id))
 
     def snapshot(self) -> EngineStats:
         return self._stats
 
-    @property
-    def alive(self) -> bool:
-        return self._gone is None
-
     # ---- threads ------------------------------------------------------------------------------
     def _send_loop(self) -> None:
-        while (msg := self._wire.outgoing.get()) is not None:
+        """Sends in order; while no child is up, requests wait here for the next one."""
+        while (msg := self._outgoing.get()) is not None:
+            child = None
+            while child is None:
+                if not self._up.wait(0.5):
+                    if self._stopping.is_set():
+                        return
+                    continue
+                with self._lock:  # the watcher clears `_up` under this lock when a child dies
+                    if not self._up.is_set():
+                        continue
+                    child = self._child
+                    if isinstance(msg, EngineRequest):  # before the send: a death fails it
+                        self._sent[msg.request_id] = msg.n
             try:
-                self._wire.send.send(msg)
-            except (OSError, ValueError):  # the child is gone; the receiver fails what is left
+                child.send.send(msg)
+            except (OSError, ValueError):  # the child is gone: the watcher fails what it held
+                pass
+
+    def _watch(self, deliver: Deliver, lost: Lost) -> None:
+        """Receive the child's outputs until it is gone; then fail what it held and start a
+        new child, unless the server is stopping."""
+        delay = BACKOFF_S[0]
+        while True:
+            child, began = self._child, time.monotonic()
+            assert child is not None
+            self._receive(child, deliver)
+            child.proc.join(5)
+            with self._lock:
+                self._up.clear()
+                self._state = "restarting"
+                held, self._sent = list(self._sent), {}
+            self._stats = NO_STATS
+            if self._stopping.is_set():
+                self._state = "stopped"
+                lost(held, "the server is shutting down")
+                return
+            if time.monotonic() - began > STABLE_S:
+                delay = BACKOFF_S[0]
+            why = f"the engine process stopped ({child.cause()})"
+            log.error(
+                "%s with %d requests unfinished; restarting it in %.1fs", why, len(held), delay
+            )
+            lost(held, why)
+            delay = self._restart(delay)
+            if delay < 0:
                 return
 
-    def _recv_loop(self) -> None:
+    def _receive(self, child: _Child, deliver: Deliver) -> None:
         while True:
             try:
-                msg = self._wire.recv.recv()
+                msg = child.recv.recv()
             except (EOFError, OSError):
-                break
-            if isinstance(msg, StepOutputs):
-                self._apply(msg)
-        self._proc.join(5)
-        gone = f"the engine process has stopped (exit status {self._proc.exitcode})"
-        with self._lock:
-            self._gone = gone
-            handles, self._handles = list(self._handles.values()), {}
-        if handles:
-            log.error("%s with %d requests unfinished", gone, len(handles))
-        for handle in handles:
-            _fail(handle, gone)
-
-    def _apply(self, msg: StepOutputs) -> None:
-        woken: list[RequestOutputCollector] = []
-        for u in msg.updates:
-            handle = self._handles.get(u.seq_id)
-            if handle is None:
+                return
+            if not isinstance(msg, StepOutputs):
                 continue
-            seq, out = handle.seq, u.out
-            append_from(seq.output_ids, u.output_from, u.output_ids)
-            if u.entries is not None and seq.store is not None:
-                seq.store.put(u.entries)
-            if u.prompt is not None and seq.prompt_store is not None:
-                seq.prompt_store.put(u.prompt)
-            if out is None:  # records only: the request's server side may use them early
-                if handle.on_progress is not None:
-                    try:
-                        handle.on_progress()
-                    except Exception:  # an optimisation only: the end does the work instead
-                        log.exception("progress hook failed for %s", seq.request_id)
+            with self._lock:
+                for out in msg.outputs:
+                    if out.finished and out.request_id in self._sent:
+                        self._sent[out.request_id] -= 1
+                        if not self._sent[out.request_id]:
+                            del self._sent[out.request_id]
+            self._stats = msg.stats
+            deliver(msg.outputs)
+
+    def _restart(self, delay: float) -> float:
+        """Start children until one is ready (waiting `delay`, doubled after each failure);
+        the next delay, or -1 when the server began stopping meanwhile."""
+        while not self._stopping.wait(delay):
+            delay = min(2 * delay, BACKOFF_S[1])
+            try:
+                self.spawn()
+                self.wait_ready()
+            except RuntimeError as exc:
+                log.error("%s; trying again in %.1f s", exc, delay)
                 continue
-            if out.finished:
-                seq.finish(out.finish_reason or FinishReason.ERROR, out.error)
-                del self._handles[u.seq_id]
-            if handle.collector.deposit(out):
-                woken.append(handle.collector)
-        RequestOutputCollector.wake_all(woken)
-        self._stats = msg.stats
-
-
-def _fail(handle: RequestHandle, message: str) -> None:
-    seq = handle.seq
-    seq.finish(FinishReason.ERROR, message)
-    n = seq.num_output
-    out = RequestOutput(
-        seq.request_id,
-        "",
-        n,
-        n,
-        finished=True,
-        finish_reason=FinishReason.ERROR,
-        prompt_tokens=seq.prompt_len,
-        completion_tokens=n,
-        error=message,
-    )
-    handle.collector.put(out)
+            log.info("the engine process is back (pid %s)", self.pid)
+            return delay
+        self._state = "stopped"
+        return -1

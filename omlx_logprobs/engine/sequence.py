@@ -1,4 +1,5 @@
-"""The engine's record of one request: prompt, progress, generated tokens and released text."""
+"""The engine's record of one choice of a request: prompt, progress, generated tokens, their
+entries and released text. Private to the engine: the API sees `RequestOutput`s only."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ from enum import Enum
 
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.output.sections import SectionedText
-from omlx_logprobs.parsing.thinking import ThinkStart
-from omlx_logprobs.types import FinishReason, SamplingParams
+from omlx_logprobs.types import EngineRequest, FinishReason, SamplingParams, ThinkStart
 
 _ids = itertools.count()
 
@@ -31,12 +31,14 @@ class Sequence:
         think: ThinkStart = ThinkStart.OFF,
         choice_index: int = 0,
         prompt_store: LogprobStore | None = None,
+        stream: bool = True,
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
         self.choice_index = choice_index  # seeds its own sampling: (seed, index, step)
+        self.stream = stream  # outputs as tokens are released; else one output, at the end
         # Choices 1..n-1 of the same prompt: prefilled once through this sequence, then forked.
         self.forks: list[Sequence] = []
         # Entries for prompt positions 1..len-1 (position 0 has none), shared by the forks.
@@ -53,8 +55,17 @@ class Sequence:
         self.text = SectionedText(params.stop, think)  # reasoning and content
         self.token_ends = array("q")  # cumulative UTF-8 byte end of each generated token
         self.released_tokens = 0  # tokens whose text (and entry) has gone to the consumer
+        self.prompt_released = False  # the prompt's entries went with an output
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
+
+    @classmethod
+    def of(cls, req: EngineRequest) -> Sequence:
+        """The request's first choice; choices 1..n-1 are its forks."""
+        seq = cls(req.request_id, req.prompt_ids, req.params, req.think, stream=req.stream)
+        for i in range(1, req.n):
+            seq.fork(i)
+        return seq
 
     def fork(self, index: int) -> Sequence:
         """Choice `index` of the same request: it shares the prompt, its cache and its entries."""
@@ -65,6 +76,7 @@ class Sequence:
             self.think,
             choice_index=index,
             prompt_store=self.prompt_store,
+            stream=self.stream,
         )
         self.forks.append(seq)
         return seq
@@ -93,14 +105,6 @@ class Sequence:
     def to_write(self) -> int:
         """Tokens it may still write into its KV cache: each sampled token but the last."""
         return self.params.max_tokens - self.num_sampled
-
-    @property
-    def prefill_done(self) -> bool:
-        return self.num_prefilled >= self.prompt_len
-
-    @property
-    def last_token(self) -> int:
-        return self.output_ids[-1]
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.status = Status.FINISHED

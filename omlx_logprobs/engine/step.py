@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import mlx.core as mx
 import numpy as np
 
-from omlx_logprobs.engine.prompt_scoring import PendingPrompts, PromptLogprobs
+from omlx_logprobs.engine.prompt_scoring import PendingPrompts, PromptSlice
 from omlx_logprobs.engine.sequence import Sequence
-from omlx_logprobs.logprobs.extract import BatchLogprobs, HostExtraction, PackedStep
+from omlx_logprobs.logprobs.extractor import PendingStep
+from omlx_logprobs.types import Entries
 
 __all__ = ["DeviceTime", "LaunchedStep", "StepResult"]
 
@@ -30,13 +30,10 @@ class DeviceTime:
 class LaunchedStep:
     """A step queued on the device; `collect` turns it into a StepResult."""
 
-    seqs: list[Sequence]
-    tokens: mx.array  # [B] sampled ids, lazy
-    logprobs: HostExtraction | None  # lazy (the CPU; on a GPU the entries are in `packed`)
+    seqs: list[Sequence]  # the sampled rows, in order
+    sampled: PendingStep | None  # None: the step sampled nothing (prompts only)
     prompt: list[PendingPrompts] = field(default_factory=list)  # scored prompt positions
     prompt_only: list[Sequence] = field(default_factory=list)  # prefilled with max_tokens 0
-    packed: PackedStep | None = None  # a GPU: tokens, finiteness and entries in one array
-    rows: mx.array | None = None  # [B, V] logits, lazy: where the host checks finiteness (CPU)
 
 
 @dataclass(frozen=True)
@@ -45,7 +42,7 @@ class StepResult:
 
     seqs: list[Sequence]
     token_ids: np.ndarray  # [B] int
-    logprobs: BatchLogprobs | None  # None when no sequence in the step asked for logprobs
-    prompt: list[PromptLogprobs] = field(default_factory=list)
+    finite: np.ndarray  # [B] bool: False where the row's logits held NaN or +inf
+    logprobs: Entries | None  # None when no sequence in the step asked for logprobs
+    prompt: list[tuple[PromptSlice, Entries]] = field(default_factory=list)
     prompt_only: list[Sequence] = field(default_factory=list)
-    finite: np.ndarray | None = None  # [B] bool: False where the row's logits held NaN or +inf

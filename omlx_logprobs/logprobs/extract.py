@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.logprobs import kernel
-from omlx_logprobs.types import SamplingParams
+from omlx_logprobs.types import Entries, SamplingParams
 
 
 def log_softmax(logits: mx.array, lse: mx.array | None = None) -> mx.array:
@@ -22,39 +22,6 @@ def log_softmax(logits: mx.array, lse: mx.array | None = None) -> mx.array:
     log-sum-exp [R, 1] when the caller already has it (one pass over the vocabulary fewer)."""
     x = logits.astype(mx.float32)
     return x - (mx.logsumexp(x, axis=-1, keepdims=True) if lse is None else lse)
-
-
-@dataclass(frozen=True)
-class BatchLogprobs:
-    """Host copies of one step's small arrays: row i belongs to the step's i-th sequence."""
-
-    logprobs: np.ndarray  # [B] float32, the chosen (sampled or prompt) token's logprob
-    ranks: np.ndarray  # [B] int32, count(logprobs >= sampled), 1 for the argmax
-    top_ids: np.ndarray  # [B, K] int32, best first, distinct ids (or the fixed ids, in order)
-    top_logprobs: np.ndarray  # [B, K] float32
-
-
-@dataclass(frozen=True)
-class Extraction:
-    """extract()'s lazy arrays; `to_host` copies them out."""
-
-    logprobs: mx.array  # [R]
-    ranks: mx.array  # [R]
-    top_ids: mx.array  # [R, K]
-    top_logprobs: mx.array  # [R, K]
-
-    def arrays(self) -> list[mx.array]:
-        """What to evaluate."""
-        return [self.logprobs, self.ranks, self.top_ids, self.top_logprobs]
-
-    def to_host(self) -> BatchLogprobs:
-        # The stores take raw 4-byte items: pin the dtypes (no copy when they already match).
-        return BatchLogprobs(
-            np.array(self.logprobs, copy=False).astype(np.float32, copy=False),
-            np.array(self.ranks, copy=False).astype(np.int32, copy=False),
-            np.array(self.top_ids, copy=False).astype(np.int32, copy=False),
-            np.array(self.top_logprobs, copy=False).astype(np.float32, copy=False),
-        )
 
 
 @dataclass(frozen=True)
@@ -67,7 +34,10 @@ class PackedStep:
     array: mx.array
     k: int | None  # None: no row of the step asked for logprobs
 
-    def to_host(self) -> tuple[np.ndarray, np.ndarray, BatchLogprobs | None]:
+    def arrays(self) -> list[mx.array]:
+        return [self.array]
+
+    def to_host(self) -> tuple[np.ndarray, np.ndarray, Entries | None]:
         """(token ids [B], finite [B] bool, the entries or None)."""
         a = np.array(self.array, copy=False)
         tokens, finite = a[:, 0].copy(), a[:, 1] != 0
@@ -77,7 +47,8 @@ class PackedStep:
         return (
             tokens,
             finite,
-            BatchLogprobs(
+            Entries(
+                tokens,
                 a[:, 2].view(np.float32).copy(),
                 a[:, 3].copy(),
                 np.ascontiguousarray(a[:, 4 : 4 + k]),
@@ -144,7 +115,7 @@ def device_step(tokens: mx.array, lse: mx.array, ask: EntryAsk | None, fused: bo
     return pack_step(tokens, mx.isfinite(lse[:, 0]), parts)
 
 
-def pack_step(tokens: mx.array, finite: mx.array, parts: Extraction | None) -> PackedStep:
+def pack_step(tokens: mx.array, finite: mx.array, parts: Entries | None) -> PackedStep:
     """`PackedStep` of a step's lazy arrays (tokens [R], finite [R] and its extraction)."""
     cols = [tokens.astype(mx.int32)[:, None], finite.astype(mx.int32)[:, None]]
     if parts is not None:
@@ -173,7 +144,7 @@ class HostExtraction:
     def arrays(self) -> list[mx.array]:
         return [self.logits, self.chosen] + ([self.fixed] if self.fixed is not None else [])
 
-    def to_host(self) -> BatchLogprobs:
+    def to_host(self) -> Entries:
         x = np.array(self.logits, copy=False).astype(np.float32, copy=False)
         chosen = np.array(self.chosen, copy=False).astype(np.int64)[:, None]
         fixed = None if self.fixed is None else np.array(self.fixed, copy=False).astype(np.int64)
@@ -192,7 +163,8 @@ class HostExtraction:
         if fixed is not None:
             idx = fixed if k == 0 else np.where(fixed >= 0, fixed, idx)
         vals = np.take_along_axis(x, idx, axis=-1) - lse
-        return BatchLogprobs(own[:, 0], ranks, idx.astype(np.int32), vals)
+        tokens = chosen[:, 0].astype(np.int32)
+        return Entries(tokens, own[:, 0], ranks, idx.astype(np.int32), vals)
 
 
 # Buffers per thread and dtype for the host's [R, V] temporaries, kept between steps: with glibc's
@@ -293,7 +265,7 @@ def extract(
     k: int,
     fixed: mx.array | None = None,
     natural: bool = True,
-) -> Extraction:
+) -> Entries:
     """Lazy on-device extraction; the caller evaluates it together with the sampled tokens.
 
     logprobs [R, V]; chosen [R]: the ids whose own logprob and rank each row reports (the sampled
@@ -305,10 +277,10 @@ def extract(
     ranks = mx.sum(logprobs >= own, axis=-1).astype(mx.int32)
     r = logprobs.shape[0]
     if k == 0:
-        return Extraction(own[:, 0], ranks, mx.zeros((r, 0), mx.int32), mx.zeros((r, 0)))
+        return Entries(chosen, own[:, 0], ranks, mx.zeros((r, 0), mx.int32), mx.zeros((r, 0)))
     if fixed is not None and not natural:
         idx = fixed.astype(mx.int32)
-        return Extraction(own[:, 0], ranks, idx, mx.take_along_axis(logprobs, idx, axis=-1))
+        return Entries(chosen, own[:, 0], ranks, idx, mx.take_along_axis(logprobs, idx, axis=-1))
     if k == 1:  # scoring's usual ask (lm-eval sends logprobs=1): one pass, no selection
         idx = mx.argmax(logprobs, axis=-1, keepdims=True).astype(mx.int32)
         vals = mx.take_along_axis(logprobs, idx, axis=-1)
@@ -321,4 +293,4 @@ def extract(
     if fixed is not None:
         idx = mx.where(fixed >= 0, fixed.astype(mx.int32), idx)
         vals = mx.take_along_axis(logprobs, idx, axis=-1)
-    return Extraction(own[:, 0], ranks, idx, vals)
+    return Entries(chosen, own[:, 0], ranks, idx, vals)

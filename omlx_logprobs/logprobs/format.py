@@ -1,6 +1,6 @@
 """Logprob entries in OpenAI's chat shape, written straight to JSON text.
 
-Entries are read from a request's flat store by position range. Each (place, id) pair has a
+Entries come as one columnar block (`types.Entries`). Each (place, id) pair has a
 cached piece of text: the end of the entry before it, then the entry's `"token"` and `"bytes"`
 up to its `"logprob":`. A body is one list, pieces and numbers interleaved by slice assignment,
 and one `join`: no Python code runs per entry.
@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import math
-from array import array
 from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
 from pydantic_core import to_json
 
-from omlx_logprobs.logprobs.store import LogprobStore
-from omlx_logprobs.output.detokenizer import Vocabulary
+from omlx_logprobs.types import Entries
+from omlx_logprobs.vocab import Vocabulary
 
 NEG_INF_LOGPROB = "-9999.0"  # OpenAI's own stand-in for a logprob of -inf
 SLOT = 1 << 32  # piece keys: place * SLOT + token id
@@ -39,9 +38,7 @@ def num(x: float) -> str:
 
 def float_numbers(floats: np.ndarray) -> list[str]:
     """JSON numbers for float32 logprobs widened to double: the shortest digits that read back
-    as the same double (-inf as -9999.0, NaN refused). `floats` must not view a store's own
-    array: that would block the engine thread's appends to it ("cannot resize an array that is
-    exporting buffers")."""
+    as the same double (-inf as -9999.0, NaN refused)."""
     if not len(floats):
         return []
     if np.isfinite(floats).all():
@@ -49,11 +46,6 @@ def float_numbers(floats: np.ndarray) -> list[str]:
         # holds ~2,700 numbers); only the exponent is written differently (1e-5, not 1e-05).
         return to_json(floats.tolist()).decode()[1:-1].split(",")
     return [num(x) for x in floats.tolist()]
-
-
-def numbers(values: array) -> list[str]:
-    """`float_numbers` of a copy (a slice) of a store's float32 array."""
-    return float_numbers(np.frombuffer(values, np.float32))
 
 
 def token_string(vocab: Vocabulary, tid: int, as_ids: bool = False) -> str:
@@ -115,66 +107,18 @@ class ChatLogprobFormatter:
             keys = self._places[k] = np.array(places, np.int64) * SLOT
         return keys
 
-    def entries(self, store: LogprobStore, start: int, end: int) -> str:
-        """The JSON array of entries for positions [start, end): one join of cached pieces
-        (looked up in C) and logprob numbers, whatever the number of entries."""
-        if end <= start:
+    def entries(self, e: Entries | None) -> str:
+        """The JSON array of these entries: one join of cached pieces (looked up in C) and
+        logprob numbers, whatever the number of entries."""
+        if e is None or not len(e):
             return "[]"
-        return self.span(store, start, end, first=True) + _END[store.k == 0]
-
-    def span(self, store: LogprobStore, start: int, end: int, first: bool) -> str:
-        """Entries [start, end) without the list's closing: consecutive spans of one list
-        concatenate (the list's first span with `first`), then `close` ends it."""
-        k, n = store.k, end - start
-        ids = np.frombuffer(store.token_ids[start:end], np.int32)[:, None]
-        lps = np.frombuffer(store.logprobs[start:end], np.float32)[:, None]
-        if k:  # slices are copies: no view of the store's arrays (see float_numbers)
-            top_ids = np.frombuffer(store.top_ids[start * k : end * k], np.int32)
-            top_lps = np.frombuffer(store.top_logprobs[start * k : end * k], np.float32)
-            ids = np.concatenate([ids, top_ids.reshape(n, k)], axis=1)
-            lps = np.concatenate([lps, top_lps.reshape(n, k)], axis=1)
-        keys = (ids + self._place_keys(k)).ravel()
-        if first:
-            keys[0] -= (OWN - FIRST if k else BARE - BARE1) * SLOT
+        k, ids, lps = e.k, e.token_ids[:, None], e.logprobs[:, None]
+        if k:
+            ids = np.concatenate([ids, e.top_ids], axis=1)
+            lps = np.concatenate([lps, e.top_logprobs], axis=1)
+        keys = (ids.astype(np.int64) + self._place_keys(k)).ravel()
+        keys[0] -= (OWN - FIRST if k else BARE - BARE1) * SLOT
         parts: list[str] = [""] * (2 * len(keys))
         parts[0::2] = map(self._pieces.__getitem__, keys.tolist())
         parts[1::2] = float_numbers(lps.ravel())
-        return "".join(parts)
-
-    @staticmethod
-    def close(store: LogprobStore) -> str:
-        return _END[store.k == 0]
-
-
-class EntriesText:
-    """One request's chat `content` entries as text, formatted while it runs: a non-streamed
-    top-20 body of 128 tokens is ~170 KB, and when a batch finishes together the event loop
-    would build every body at once (a closed loop's next wave then waits on it). The engine
-    process ships such a request's entries every few steps (engine/process.py); `extend` runs
-    on arrival, `json` at the end formats only the tail."""
-
-    def __init__(self, fmt: ChatLogprobFormatter, store: LogprobStore) -> None:
-        self.fmt, self.store = fmt, store
-        self.parts: list[str] = []
-        self.upto = 0  # positions [0, upto) are in `parts`
-        self.failed = False  # a NaN arrived: the end's own formatting raises the error
-
-    def extend(self) -> None:
-        end = len(self.store)
-        if self.failed or end <= self.upto:
-            return
-        try:
-            self.parts.append(self.fmt.span(self.store, self.upto, end, first=self.upto == 0))
-        except NonFiniteLogprob:
-            self.failed = True
-            return
-        self.upto = end
-
-    def json(self, start: int, end: int) -> str:
-        """`fmt.entries(store, start, end)`, from the text made so far where it can."""
-        if self.failed or start != 0 or end < self.upto or end == 0:
-            return self.fmt.entries(self.store, start, end)
-        tail = ""
-        if end > self.upto:
-            tail = self.fmt.span(self.store, self.upto, end, first=self.upto == 0)
-        return "".join(self.parts) + tail + self.fmt.close(self.store)
+        return "".join(parts) + _END[k == 0]

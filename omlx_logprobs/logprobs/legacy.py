@@ -1,7 +1,7 @@
 """Logprobs in the legacy Completions shape: parallel lists `tokens`, `token_logprobs`,
 `top_logprobs` (string-keyed dicts) and `text_offset` (character offsets into the returned text).
 
-Positions come from two flat stores: the prompt's (for `echo`) and the generated tokens'. A
+Positions come from two entry blocks: the prompt's (for `echo`) and the generated tokens'. A
 `LegacyCursor` carries the character offset from one streamed chunk to the next.
 """
 
@@ -11,9 +11,9 @@ import json
 from dataclasses import dataclass
 from itertools import accumulate
 
-from omlx_logprobs.logprobs.format import Pieces, numbers, token_string
-from omlx_logprobs.logprobs.store import LogprobStore
-from omlx_logprobs.output.detokenizer import Vocabulary
+from omlx_logprobs.logprobs.format import Pieces, float_numbers, token_string
+from omlx_logprobs.types import Entries
+from omlx_logprobs.vocab import Vocabulary
 
 
 @dataclass
@@ -101,25 +101,25 @@ class LegacyLogprobFormatter:
         self,
         cursor: LegacyCursor,
         k: int,
-        prompt: tuple[list[int], LogprobStore] | None,
-        store: LogprobStore,
-        span: tuple[int, int],
+        prompt: tuple[list[int], Entries] | None,
+        entries: Entries,
         fixed: bool = False,
     ) -> str:
-        """Echoed prompt positions (when `prompt` is given), then generated positions [span).
-        `fixed`: the top lists are `logprob_token_ids` in the order asked, not best first.
-        Whole ranges are converted at once: a scored prompt has hundreds of positions."""
+        """Echoed prompt positions (when `prompt` is given: its ids and the entries of positions
+        1..), then the generated positions of `entries`. `fixed`: the top lists are
+        `logprob_token_ids` in the order asked, not best first. Whole ranges are converted at
+        once: a scored prompt has hundreds of positions."""
         tokens: list[int] = []
         lps: list[str] = ["null"] if prompt is not None else []
         tops: list[str] = ["null"] if prompt is not None else []
         in_prompt = 0
         if prompt is not None:
-            ids, pstore = prompt
+            ids, scored = prompt
             tokens += ids
             in_prompt = len(ids)
-            self._extend(lps, tops, pstore, (0, len(ids) - 1), k, fixed)
-        tokens += store.token_ids[span[0] : span[1]].tolist()
-        self._extend(lps, tops, store, span, k, fixed)
+            self._extend(lps, tops, scored, k, fixed)
+        tokens += entries.token_ids.tolist()
+        self._extend(lps, tops, entries, k, fixed)
         gen, prompt_chars = self._counts
         counts = [*map(prompt_chars.__getitem__, tokens[:in_prompt]),
                   *map(gen.__getitem__, tokens[in_prompt:])]  # fmt: skip
@@ -131,22 +131,11 @@ class LegacyLogprobFormatter:
             + ",".join(tops) + '],"text_offset":[' + ",".join(map(str, offsets)) + "]}"
         )  # fmt: skip
 
-    def _extend(
-        self,
-        lps: list[str],
-        tops: list[str],
-        store: LogprobStore,
-        span: tuple[int, int],
-        k: int,
-        fixed: bool,
-    ) -> None:
-        """Append positions [start, end) of a store: their logprobs and their dicts."""
-        start, end = span
-        own = store.token_ids[start:end].tolist()
-        values = numbers(store.logprobs[start:end])
-        s = store.k
+    def _extend(self, lps: list[str], tops: list[str], e: Entries, k: int, fixed: bool) -> None:
+        """Append the positions of `e`: their logprobs and their dicts."""
+        values = float_numbers(e.logprobs)
         lps += values
         tops += self._dicts(
-            own, values, store.top_ids[start * s : end * s].tolist(),
-            numbers(store.top_logprobs[start * s : end * s]), min(k, s), fixed,
+            e.token_ids.tolist(), values, e.top_ids.ravel().tolist(),
+            float_numbers(e.top_logprobs.ravel()), min(k, e.k), fixed,
         )  # fmt: skip

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from omlx_logprobs.logprobs.format import Pieces, numbers, token_string
-from omlx_logprobs.logprobs.store import LogprobStore
-from omlx_logprobs.output.detokenizer import Vocabulary
+from omlx_logprobs.logprobs.format import Pieces, float_numbers, token_string
+from omlx_logprobs.types import Entries
+from omlx_logprobs.vocab import Vocabulary
 
 
 class PromptLogprobFormatter:
@@ -23,18 +23,18 @@ class PromptLogprobFormatter:
         text = json.dumps(token_string(self.vocab, tid, self.as_ids), ensure_ascii=False)
         return f',"decoded_token":{text}}}'
 
-    def json(self, store: LogprobStore, k: int, fixed: bool) -> str:
+    def json(self, e: Entries, k: int, fixed: bool) -> str:
         """The list for every prompt position: the prompt token and `k` top entries (rank = place
         in the list). With `fixed` ids, all of them, rank null: only the prompt token's rank is
         computed."""
         if fixed:
-            k = store.k
-        s = store.k
+            k = e.k
+        s = e.k
         head, tail = self._head, self._tail
-        tids, ranks = store.token_ids.tolist(), store.ranks.tolist()
-        lps = numbers(store.logprobs[:])  # a copy: see float_numbers
-        top_ids = store.top_ids.tolist() if k else []
-        top_lps = numbers(store.top_logprobs[:]) if k else []
+        tids, ranks = e.token_ids.tolist(), e.ranks.tolist()
+        lps = float_numbers(e.logprobs)
+        top_ids = e.top_ids.ravel().tolist() if k else []
+        top_lps = float_numbers(e.top_logprobs.ravel()) if k else []
         top_ranks = [',"rank":null' if fixed else f',"rank":{j + 1}' for j in range(k)]
         parts = ["null"]
         for i, tid in enumerate(tids):

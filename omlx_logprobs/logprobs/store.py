@@ -1,34 +1,14 @@
-"""Flat per-request logprob storage: parallel typed arrays, a constant number of Python objects
-however many tokens a request generates."""
+"""One request's entries while the engine produces them: parallel typed arrays that grow by a
+position a step (a constant number of Python objects however many tokens a request generates),
+read out as `Entries` blocks when tokens are released."""
 
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class StoreRows:
-    """Positions [start, end of the store) as raw native-order bytes: what crosses from the
-    engine's process to the server's (engine/process.py)."""
-
-    start: int
-    token_ids: bytes
-    logprobs: bytes
-    ranks: bytes
-    top_ids: bytes
-    top_logprobs: bytes
-
-
-def append_from(arr: array, start: int, data: bytes) -> None:
-    """Append the items of `data`, which begin at index `start` of the sender's copy, that
-    `arr` does not have yet (a resend of items already here adds nothing)."""
-    have = len(arr) - start
-    if have < 0:
-        raise ValueError(f"items from {start} cannot follow {len(arr)}")
-    arr.frombytes(data[have * arr.itemsize :])
+from omlx_logprobs.types import Entries
 
 
 class LogprobStore:
@@ -58,45 +38,25 @@ class LogprobStore:
             self.top_ids.frombytes(top_ids)
             self.top_logprobs.frombytes(top_lps)
 
-    def extend(
-        self,
-        tokens: np.ndarray,
-        logprobs: np.ndarray,
-        ranks: np.ndarray,
-        top_ids: np.ndarray,
-        top_lps: np.ndarray,
-    ) -> None:
-        """Append R positions at once (a prompt chunk): [R] arrays and [R, >=k] top lists."""
-        self.token_ids.frombytes(tokens.astype(np.int32).tobytes())
-        self.logprobs.frombytes(logprobs.astype(np.float32).tobytes())
-        self.ranks.frombytes(ranks.astype(np.int32).tobytes())
+    def extend(self, rows: Entries) -> None:
+        """Append host entries (a prompt chunk); their top lists may be wider than k."""
+        self.token_ids.frombytes(rows.token_ids.astype(np.int32).tobytes())
+        self.logprobs.frombytes(rows.logprobs.astype(np.float32).tobytes())
+        self.ranks.frombytes(rows.ranks.astype(np.int32).tobytes())
         if self.k:
-            self.top_ids.frombytes(np.ascontiguousarray(top_ids[:, : self.k], np.int32).tobytes())
+            k = self.k
+            self.top_ids.frombytes(np.ascontiguousarray(rows.top_ids[:, :k], np.int32).tobytes())
             self.top_logprobs.frombytes(
-                np.ascontiguousarray(top_lps[:, : self.k], np.float32).tobytes()
+                np.ascontiguousarray(rows.top_logprobs[:, :k], np.float32).tobytes()
             )
 
-    def rows(self, start: int) -> StoreRows:
-        """Every position from `start` on, for another process's copy of this store."""
-        a = start * self.k
-        return StoreRows(
-            start,
-            self.token_ids[start:].tobytes(),
-            self.logprobs[start:].tobytes(),
-            self.ranks[start:].tobytes(),
-            self.top_ids[a:].tobytes(),
-            self.top_logprobs[a:].tobytes(),
+    def block(self, start: int, end: int) -> Entries:
+        """Positions [start, end) as numpy copies (never views: the arrays keep growing)."""
+        k, n = self.k, end - start
+        return Entries(
+            np.frombuffer(self.token_ids[start:end], np.int32),
+            np.frombuffer(self.logprobs[start:end], np.float32),
+            np.frombuffer(self.ranks[start:end], np.int32),
+            np.frombuffer(self.top_ids[start * k : end * k], np.int32).reshape(n, k),
+            np.frombuffer(self.top_logprobs[start * k : end * k], np.float32).reshape(n, k),
         )
-
-    def put(self, rows: StoreRows) -> None:
-        """Append the positions of `rows` this copy lacks (positions it has are skipped)."""
-        append_from(self.token_ids, rows.start, rows.token_ids)
-        append_from(self.logprobs, rows.start, rows.logprobs)
-        append_from(self.ranks, rows.start, rows.ranks)
-        append_from(self.top_ids, rows.start * self.k, rows.top_ids)
-        append_from(self.top_logprobs, rows.start * self.k, rows.top_logprobs)
-
-    def top(self, i: int) -> tuple[array, array]:
-        """The top list of position i: (ids, logprobs), best first."""
-        a, b = i * self.k, (i + 1) * self.k
-        return self.top_ids[a:b], self.top_logprobs[a:b]

@@ -16,7 +16,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.utils import load as mlx_lm_load  # noqa: E402
 from mlx_lm.utils import load_tokenizer  # noqa: E402
 
-from omlx_logprobs.output.detokenizer import Vocabulary, build_vocabulary  # noqa: E402
+from omlx_logprobs.vocab import Vocabulary, build_vocabulary  # noqa: E402
 
 log = logging.getLogger("omlx_logprobs")
 

@@ -23,8 +23,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from transformers import AddedToken, AutoTokenizer
 
-from omlx_logprobs.output.detokenizer import _byte_level_decoder, build_vocabulary
 from omlx_logprobs.parsing.thinking import THINK_TAGS
+from omlx_logprobs.vocab import _byte_level_decoder, build_vocabulary
 
 FORMAT = "omlx-logprobs/scripted-1"
 ALT_STRIDE = 997

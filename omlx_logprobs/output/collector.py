@@ -1,7 +1,8 @@
-"""One slot per request between the engine thread and the asyncio consumer.
+"""One slot per choice of a request, between the thread that delivers the engine's outputs and
+the asyncio consumer.
 
-When the consumer lags, a new output is merged into the one still waiting (text concatenated,
-token range widened), so a slow client never stalls the engine and nothing is lost.
+When the consumer lags, a new output is merged into the one still waiting (tokens, entries and
+text concatenated), so a slow client never stalls the engine and nothing is lost.
 """
 
 from __future__ import annotations
@@ -14,26 +15,25 @@ from omlx_logprobs.types import RequestOutput
 
 
 class RequestOutputCollector:
-    def __init__(self, loop: asyncio.AbstractEventLoop, final_only: bool = False) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        # A consumer that wants only the finished output (a non-streamed response) is woken
-        # once, at the end, not after every step.
-        self.final_only = final_only
         self._lock = threading.Lock()
         self._pending: RequestOutput | None = None
         self._ready = asyncio.Event()
+        self.finished = False  # the consumer has taken the choice's last output
 
     def put(self, out: RequestOutput) -> None:
-        """Engine thread: deposit or merge, then wake the consumer."""
+        """Delivering thread: deposit or merge, then wake the consumer."""
         if self.deposit(out):
             self._loop.call_soon_threadsafe(self._ready.set)
 
     def deposit(self, out: RequestOutput) -> bool:
-        """Engine thread: deposit or merge; True when the consumer needs a wake-up (`wake_all`)."""
+        """Delivering thread: deposit or merge; True when the consumer needs a wake-up
+        (`wake_all`)."""
         with self._lock:
             first = self._pending is None
             self._pending = out if self._pending is None else self._pending.merge(out)
-        return out.finished if self.final_only else first
+        return first
 
     @staticmethod
     def wake_all(collectors: Iterable[RequestOutputCollector]) -> None:
@@ -52,7 +52,15 @@ class RequestOutputCollector:
                 out, self._pending = self._pending, None
                 self._ready.clear()
             if out is not None:
+                self.finished = out.finished
                 return out
+
+    async def final(self) -> RequestOutput:
+        """Event loop: every output until the choice finishes, merged."""
+        out = await self.get()
+        while not out.finished:
+            out = out.merge(await self.get())
+        return out
 
 
 def _set_all(events: list[asyncio.Event]) -> None:

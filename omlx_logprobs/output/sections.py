@@ -11,24 +11,13 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass
 
 from omlx_logprobs.output.detokenizer import IncrementalText, ends_inside_character
-from omlx_logprobs.parsing.thinking import Split, ThinkingParser, ThinkStart
+from omlx_logprobs.parsing.thinking import Sections, Split, ThinkingParser
+from omlx_logprobs.types import ThinkStart
 
-
-@dataclass(frozen=True)
-class TextDelta:
-    """Text released by one step: reasoning first, then content."""
-
-    reasoning: str = ""
-    content: str = ""
-
-    def __add__(self, later: TextDelta) -> TextDelta:
-        return TextDelta(self.reasoning + later.reasoning, self.content + later.content)
-
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content)
+TextDelta = Sections[str]  # text released by one step
+NO_TEXT: TextDelta = Sections("", "")
 
 
 class SectionedText:
@@ -79,7 +68,7 @@ class SectionedText:
         while end > first and split and token_ends[end - 1] in split:
             end -= 1
         if end == first:
-            return first, TextDelta()
+            return first, NO_TEXT
         upto = token_ends[end - 1]
         while split and split[0] <= upto:
             split.pop(0)
@@ -106,13 +95,13 @@ class SectionedText:
         """The settled text of both sections before raw offset `upto` (all when None)."""
         p = self.parser
         if self._plain:
-            return TextDelta(content=self.content.take(upto))
+            return Sections("", self.content.take(upto))
         r = c = ""
         if p.reasoning_from is not None:
             r = self.reasoning.take(None if upto is None else upto - p.reasoning_from)
         if p.content_from is not None and (upto is None or upto > p.content_from):
             c = self.content.take(None if upto is None else upto - p.content_from)
-        return TextDelta(r, c)
+        return Sections(r, c)
 
     def reasoning_tokens(self, token_ends: array) -> int:
         """How many of the tokens so far are reasoning (their first byte lies before content)."""

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
-THINK_TAGS = (THINK_OPEN, THINK_CLOSE)
+from omlx_logprobs.types import THINK_CLOSE, THINK_OPEN, THINK_TAGS, ThinkStart
+
+__all__ = ["THINK_TAGS", "ReasoningParser", "Sections", "ThinkStart", "ThinkingParser"]
 _OPEN = THINK_OPEN.encode()
 _CLOSE = THINK_CLOSE.encode()
 
@@ -28,26 +28,29 @@ class ReasoningParser(str, Enum):
     NONE = "none"
 
 
-class ThinkStart(Enum):
-    """Where a request's output starts."""
-
-    OFF = "off"  # no parsing: every byte is content
-    DETECT = "detect"  # reasoning only if the output opens with <think>
-    INSIDE = "inside"  # the prompt opened <think>: the output starts inside reasoning
-
-
 class _State(Enum):
     START = "start"  # nothing decided: the output may still open with <think>
     REASONING = "reasoning"
     CONTENT = "content"
 
 
-@dataclass(frozen=True)
-class Split:
-    """Settled bytes of one feed: reasoning first, then content (tags removed)."""
+T = TypeVar("T", str, bytes)
 
-    reasoning: bytes = b""
-    content: bytes = b""
+
+@dataclass(frozen=True)
+class Sections(Generic[T]):
+    """A piece of output in its two sections, reasoning first, then content: the parser's
+    settled bytes of one feed (tags removed), or the text a step releases."""
+
+    reasoning: T
+    content: T
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content)
+
+
+Split = Sections[bytes]
+NOTHING: Split = Sections(b"", b"")
 
 
 class ThinkingParser:
@@ -86,24 +89,24 @@ class ThinkingParser:
                 data = data[len(_OPEN) :]
             elif _OPEN.startswith(data):
                 self._held = data
-                return Split()
+                return NOTHING
             else:
                 self._state = _State.CONTENT
                 self.content_from = base
-                return Split(content=data)
+                return Sections(b"", data)
         if self._state is _State.REASONING:
             return self._reasoning(data, base)
-        return Split(content=data)
+        return Sections(b"", data)
 
     def _reasoning(self, data: bytes, base: int) -> Split:
         at = data.find(_CLOSE)
         if at >= 0:
             self._state = _State.CONTENT
             self.content_from = base + at + len(_CLOSE)
-            return Split(reasoning=data[:at], content=data[at + len(_CLOSE) :])
+            return Sections(data[:at], data[at + len(_CLOSE) :])
         keep = _partial_suffix(data, _CLOSE)
         self._held = data[len(data) - keep :] if keep else b""
-        return Split(reasoning=data[: len(data) - keep])
+        return Sections(data[: len(data) - keep], b"")
 
     def flush(self) -> Split:
         """At the end: held bytes are text of the section they are in (an unclosed <think>
@@ -112,10 +115,10 @@ class ThinkingParser:
         if self._state is _State.START:
             self._state = _State.CONTENT
             self.content_from = self.fed - len(data)
-            return Split(content=data)
+            return Sections(b"", data)
         if self._state is _State.REASONING:
-            return Split(reasoning=data)
-        return Split(content=data)
+            return Sections(data, b"")
+        return Sections(b"", data)
 
 
 def _partial_suffix(data: bytes, tag: bytes) -> int:

@@ -1,8 +1,10 @@
-"""Every size and range check a request meets before it reaches the engine, in one place.
+"""Every check a request meets before it reaches the engine, in one place: pydantic checks the
+fields' types and ranges (api/protocol.py), this module everything else.
 
-Fields are found by name on whatever request model a route parses, so a new endpoint whose model
-has `n`, `stop` or `logprob_token_ids` is checked without new code here. Each breach is an
-`APIError` naming the offending `param`.
+Sizes and ranges are found by field name on whatever request model a route parses, so a new
+endpoint whose model has `n`, `stop` or `logprob_token_ids` is checked without new code here;
+`check_chat` and `check_completion` hold what is particular to each endpoint. Each breach is
+an `APIError` naming the offending `param`. The limits themselves live in `config.Limits`.
 """
 
 from __future__ import annotations
@@ -62,6 +64,26 @@ class RequestLimits:
         self.bounds = bounds
 
     # ---- before tokenizing ------------------------------------------------------------------
+    def check_chat(self, req: Any) -> None:
+        """A chat request, before its template is rendered."""
+        self.check(req)
+        if req.top_logprobs and not req.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if req.n != 1:
+            raise APIError("Only n=1 is supported on chat completions.", param="n")
+        _no_streamed_prompt_logprobs(req)
+
+    def check_completion(self, req: Any) -> None:
+        """A completions request, before its prompts are read."""
+        self.check(req)
+        if req.suffix:
+            raise APIError("suffix is not supported.", param="suffix")
+        if req.n < 1:
+            raise APIError("n must be at least 1.", param="n")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError("best_of must equal n (no server-side ranking of choices).", "best_of")
+        _no_streamed_prompt_logprobs(req)
+
     def check(self, req: BaseModel) -> None:
         """Every check that needs no tokenizer, on any request model."""
         bad = first_unencodable(req, "")
@@ -149,6 +171,43 @@ class RequestLimits:
                 code="context_length_exceeded",
             )
         return room
+
+    # ---- values the engine takes --------------------------------------------------------------
+    def logit_bias(self, raw: dict[str, float]) -> tuple[tuple[int, float], ...]:
+        out = []
+        for key, value in raw.items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise APIError(
+                    f"logit_bias: key {key!r} is not a token id", param="logit_bias"
+                ) from None
+            if not 0 <= tid < self.bounds.vocab_size:
+                raise APIError(
+                    f"logit_bias: {tid} is not a token id of this model", param="logit_bias"
+                )
+            if not -100 <= value <= 100:
+                raise APIError("logit_bias values must be in [-100, 100]", param="logit_bias")
+            out.append((tid, float(value)))
+        return tuple(out)
+
+    def logprob_token_ids(self, ids: list[int] | None, any_logprobs: bool) -> tuple[int, ...]:
+        """The ids to report in place of a top list (their count and range: `check`)."""
+        if ids is None:
+            return ()
+        param = "logprob_token_ids"
+        if not any_logprobs:
+            raise APIError("logprob_token_ids needs logprobs or prompt_logprobs", param=param)
+        if not ids:
+            raise APIError("logprob_token_ids must not be empty", param=param)
+        if len(set(ids)) != len(ids):
+            raise APIError("logprob_token_ids must be distinct", param=param)
+        return tuple(ids)
+
+
+def _no_streamed_prompt_logprobs(req: Any) -> None:
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError("prompt_logprobs is not available with streaming", param="prompt_logprobs")
 
 
 def _at_most(value: int, most: int, param: str, what: str = "") -> None:

@@ -1,53 +1,56 @@
 """The one loop over step outputs: record tokens and logprob entries, release text, check stops,
-and hand each request its delta."""
+and make each request's `RequestOutput`."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import numpy as np
 
-from omlx_logprobs.engine.prompt_scoring import PromptLogprobs
+from omlx_logprobs.engine.prompt_scoring import PromptSlice
 from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.engine.step import StepResult
-from omlx_logprobs.output.detokenizer import Vocabulary
-from omlx_logprobs.output.sections import TextDelta
-from omlx_logprobs.types import FinishReason, RequestOutput
+from omlx_logprobs.output.sections import NO_TEXT, TextDelta
+from omlx_logprobs.types import Entries, FinishReason, RequestOutput
+from omlx_logprobs.vocab import Vocabulary
 
-Sink = Callable[[Sequence, RequestOutput], None]
 log = logging.getLogger("omlx_logprobs")
 
 
 class OutputProcessor:
-    def __init__(self, vocab: Vocabulary, eos_token_ids: tuple[int, ...], sink: Sink) -> None:
+    def __init__(self, vocab: Vocabulary, eos_token_ids: tuple[int, ...]) -> None:
         self.vocab = vocab
         self.eos = frozenset(eos_token_ids)
-        self.sink = sink
+        self._outputs: list[RequestOutput] = []  # made since the last `take`
+
+    def take(self) -> list[RequestOutput]:
+        """The outputs made since the last call, in order."""
+        outputs, self._outputs = self._outputs, []
+        return outputs
 
     def process(self, result: StepResult) -> list[Sequence]:
         """Apply one step; return the sequences that finished in it."""
         finished: list[Sequence] = []
-        for chunk in result.prompt:
-            finished += self._record_prompt(chunk)
+        for rows, entries in result.prompt:
+            finished += self._record_prompt(rows, entries)
         for seq in result.prompt_only:  # max_tokens 0: the prompt was all there was to do
             if seq.status is not Status.FINISHED:
                 seq.finish(FinishReason.LENGTH)
-                self.emit(seq, TextDelta(), 0)
+                self.emit(seq, NO_TEXT, 0)
             finished.append(seq)
         lp = result.logprobs
         # Whole-batch conversions once: per-row numpy indexing costs more than the row's work.
         tokens = result.token_ids.tolist()
-        finite = result.finite.tolist() if result.finite is not None else None
+        finite = result.finite.tolist()
         if lp is not None:
             chosen, ranks = lp.logprobs.tolist(), lp.ranks.tolist()
-            k = lp.top_ids.shape[1]
+            k = lp.k
             top_ids, top_lps = lp.top_ids.tobytes(), lp.top_logprobs.tobytes()
         for i, seq in enumerate(result.seqs):
             if seq.status is Status.FINISHED:
                 continue  # finished (or aborted) while this step ran: its row is surplus
             try:
-                if finite is not None and not finite[i]:
+                if not finite[i]:
                     self.fail(seq, "the model produced non-finite logits")
                 else:
                     token = tokens[i]
@@ -66,19 +69,24 @@ class OutputProcessor:
     def fail(self, seq: Sequence, message: str) -> None:
         """End a request with an error; nothing more of its output is released."""
         seq.finish(FinishReason.ERROR, message)
-        self.emit(seq, TextDelta(), seq.released_tokens)
+        self.emit(seq, NO_TEXT, seq.released_tokens)
 
-    def _record_prompt(self, chunk: PromptLogprobs) -> list[Sequence]:
+    def end(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:
+        """End a request from outside a step (abort, shutdown): all its text goes out."""
+        seq.finish(reason, error)
+        self.emit(seq, seq.text.flush(), seq.num_output)
+
+    def _record_prompt(self, rows: PromptSlice, entries: Entries) -> list[Sequence]:
         """Append a chunk's prompt entries; a NaN ends every choice of the prompt."""
-        seq, lp = chunk.seq, chunk.logprobs
-        assert seq.prompt_store is not None and len(seq.prompt_store) == chunk.first - 1
-        seq.prompt_store.extend(chunk.token_ids, lp.logprobs, lp.ranks, lp.top_ids, lp.top_logprobs)
-        if not np.isnan(lp.logprobs).any():
+        seq = rows.seq
+        assert seq.prompt_store is not None and len(seq.prompt_store) == rows.first - 1
+        seq.prompt_store.extend(entries)
+        if not np.isnan(entries.logprobs).any():
             return []
         ended = [s for s in seq.group if s.status is not Status.FINISHED]
         for s in ended:
             s.finish(FinishReason.ERROR, "the model produced non-finite logits")
-            self.emit(s, TextDelta(), 0)
+            self.emit(s, NO_TEXT, 0)
         return ended
 
     def _advance(self, seq: Sequence, token: int) -> None:
@@ -94,7 +102,7 @@ class OutputProcessor:
         if seq.status is Status.FINISHED:
             # At the end every entry goes out (stop token included) with all the text left.
             self.emit(seq, seq.text.flush(), seq.num_output)
-        else:
+        elif seq.stream:  # a request that is not streamed gets its text at the end
             end, delta = seq.text.release(seq.token_ends, seq.released_tokens)
             self.emit(seq, delta, end)
 
@@ -109,23 +117,32 @@ class OutputProcessor:
         return None
 
     def emit(self, seq: Sequence, delta: TextDelta, end: int) -> None:
-        """Send the sequence's delta: its text and the entries up to `end` not sent before."""
+        """The sequence's output: its text and the tokens up to `end` not sent before."""
         done = seq.status is Status.FINISHED
-        if not delta and end == seq.released_tokens and not done:
+        first = seq.released_tokens
+        if not done and not delta and end == first:
             return
+        reasoning = seq.text.reasoning_tokens(seq.token_ends)
+        prompt = None
+        if seq.prompt_store is not None and not seq.prompt_released:
+            prompt = seq.prompt_store.block(0, len(seq.prompt_store))
+            seq.prompt_released = True
         out = RequestOutput(
             request_id=seq.request_id,
+            index=seq.choice_index,
+            token_ids=np.frombuffer(seq.output_ids[first:end], np.int32),
             text=delta.content,
-            first_token=seq.released_tokens,
-            end_token=end,
+            reasoning_text=delta.reasoning,
+            num_reasoning=min(max(reasoning - first, 0), end - first),
+            logprobs=seq.store.block(first, end) if seq.store is not None else None,
+            prompt_logprobs=prompt,
             finished=done,
             finish_reason=seq.finish_reason,
-            prompt_tokens=seq.prompt_len,
-            cached_tokens=seq.cached_tokens,
-            completion_tokens=seq.num_output,
             error=seq.error,
-            reasoning_text=delta.reasoning,
-            content_start=seq.text.reasoning_tokens(seq.token_ends),
+            prompt_tokens=seq.prompt_len,
+            completion_tokens=seq.num_output,
+            cached_tokens=seq.cached_tokens,
+            reasoning_tokens=reasoning,
         )
         seq.released_tokens = end
-        self.sink(seq, out)
+        self._outputs.append(out)

@@ -1,0 +1,193 @@
+"""The API's one handle on the engine: submit an `EngineRequest`, read its `RequestOutput`s from
+one collector per choice, abort it. Two transports move the outputs into the collectors: the
+engine as a thread of this process (`ThreadTransport`), or in a child process of its own
+(engine/process.py); nothing above this module can tell which."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from omlx_logprobs.engine.engine import Engine
+from omlx_logprobs.engine.stats import EngineStats
+from omlx_logprobs.output.collector import RequestOutputCollector
+from omlx_logprobs.types import EngineRequest, FinishReason, RequestOutput
+
+Deliver = Callable[[list[RequestOutput]], None]
+Lost = Callable[[list[str], str], None]  # requests that can no longer finish, and why
+
+
+class Transport(Protocol):
+    def start(self, deliver: Deliver, lost: Lost) -> None: ...
+
+    def submit(self, req: EngineRequest) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Safe in a signal handler."""
+
+    def shutdown(self, timeout: float) -> None: ...
+
+    def snapshot(self) -> EngineStats: ...
+
+    @property
+    def state(self) -> str:
+        """ "ok", "restarting" (new requests wait) or "stopped"."""
+        ...
+
+
+class ThreadTransport:
+    """The engine as a thread of the server's process: its sink fills the collectors."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def start(self, deliver: Deliver, lost: Lost) -> None:
+        self.engine.sink = deliver
+        self.engine.start()
+
+    def submit(self, req: EngineRequest) -> None:
+        self.engine.submit(req)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        self.engine.begin_shutdown(grace_s)
+
+    def shutdown(self, timeout: float) -> None:
+        self.engine.shutdown(timeout)
+
+    def snapshot(self) -> EngineStats:
+        return self.engine.snapshot()
+
+    @property
+    def state(self) -> str:
+        return "ok" if self.engine.alive else "stopped"
+
+
+@dataclass
+class RequestHandle:
+    """One submitted request: a collector per choice, in choice order."""
+
+    request_id: str
+    choices: list[RequestOutputCollector]
+    client: EngineClient
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    async def final(self) -> list[RequestOutput]:
+        """Each choice's outputs, merged, once all have finished."""
+        return list(await asyncio.gather(*[c.final() for c in self.choices]))
+
+    def abort(self) -> None:
+        """Abort what is unfinished (the consumer is gone)."""
+        if not self.finished:
+            self.client.abort(self.request_id)
+
+
+class EngineClient:
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self._lock = threading.Lock()
+        self._slots: dict[str, list[RequestOutputCollector]] = {}
+        self._left: dict[str, int] = {}  # choices not yet finished
+
+    def start(self) -> None:
+        self.transport.start(self._deliver, self._lost)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.transport.shutdown(timeout)
+        with self._lock:
+            left = list(self._slots)
+        self._lost(left, "the server is shutting down")  # requests that never reached it
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        self.transport.begin_shutdown(grace_s)
+
+    def submit(self, req: EngineRequest) -> RequestHandle:
+        """On the event loop: the request goes to the engine; its handle."""
+        loop = asyncio.get_running_loop()
+        slots = [RequestOutputCollector(loop) for _ in range(req.n)]
+        with self._lock:  # registered before it is sent: an output may come back at once
+            self._slots[req.request_id] = slots
+            self._left[req.request_id] = req.n
+        self.transport.submit(req)
+        return RequestHandle(req.request_id, slots, self)
+
+    def abort(self, request_id: str) -> None:
+        self.transport.abort(request_id)
+
+    def snapshot(self) -> EngineStats:
+        return self.transport.snapshot()
+
+    @property
+    def state(self) -> str:
+        return self.transport.state
+
+    @property
+    def alive(self) -> bool:
+        return self.state == "ok"
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """The transport's thread: each output into its choice's collector; consumers woken
+        together, with one cross-thread call per event loop."""
+        woken = []
+        with self._lock:
+            for out in outputs:
+                slots = self._slots.get(out.request_id)
+                if slots is None:
+                    continue
+                if slots[out.index].deposit(out):
+                    woken.append(slots[out.index])
+                if out.finished:
+                    self._left[out.request_id] -= 1
+                    if not self._left[out.request_id]:
+                        del self._slots[out.request_id], self._left[out.request_id]
+        RequestOutputCollector.wake_all(woken)
+
+    def _lost(self, request_ids: list[str], message: str) -> None:
+        """End requests that can no longer finish with an error naming why."""
+        with self._lock:
+            lost = [(rid, self._slots.pop(rid, [])) for rid in request_ids]
+            for rid, _ in lost:
+                self._left.pop(rid, None)
+        for rid, slots in lost:
+            for i, slot in enumerate(slots):
+                slot.put(
+                    RequestOutput(
+                        rid, i, finished=True, finish_reason=FinishReason.ERROR, error=message
+                    )
+                )
+
+
+async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of every choice of several requests as they come: (position of the handle
+    in `handles`, output); the output's `index` names the choice."""
+    queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+    async def pump(i: int, slot: RequestOutputCollector) -> None:
+        while True:
+            out = await slot.get()
+            queue.put_nowait((i, out))
+            if out.finished:
+                return
+
+    tasks = [
+        asyncio.ensure_future(pump(i, slot)) for i, h in enumerate(handles) for slot in h.choices
+    ]
+    try:
+        left = len(tasks)
+        while left:
+            i, out = await queue.get()
+            left -= out.finished
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
