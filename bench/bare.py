@@ -46,7 +46,7 @@ def chat_ids(m: LoadedModel, text: str) -> list[int]:
 def throughput(m: LoadedModel, p: Preset, spec: CellSpec) -> Throughput:
     """As our server is measured: `rounds` runs of `requests_per_run` each, tokens over the sum
     of their wall times. Each run has its ramp and its tail, where the batch is not full; one
-    run of all the requests (session 4 and before) had one tail for all of them."""
+    run of all the requests would have one tail for all of them."""
     n, per_run = spec.requests_per_run * spec.rounds, spec.requests_per_run
     seed = BARE_SEED + spec.concurrency
     prompts = [chat_ids(m, make_prompt(i, p.prompt_words, seed)) for i in range(n)]

@@ -108,7 +108,7 @@ class ServerBench:
         log(f"warm-up {self.target.name}:")
         short = {"max_tokens": self.p.warmup_tokens}
         cold = await self.load(self.config(1, 1, "off", **short))
-        # GPU c=1, session 8: without these the first round ran 150-250 tok/s, later ones ~290.
+        # GPU (H200) c=1: without these the first round ran 150-250 tok/s, later ones ~290.
         for mode in modes:
             await self.load(self.config(1, 1, mode))
         for c in sorted({c.concurrency for c in self.p.cells}):

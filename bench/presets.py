@@ -87,16 +87,12 @@ class Preset:
 # `make bench` on the 2-core CPU box, where prefill runs at ~150 tokens/s and decode at batch 64
 # takes ~0.7 s a step: 32 new tokens per request, single-wave runs, no top0 run (no target reads
 # it) and 16-word prompts (prefill of every wave is most of a run here), so that the whole preset
-# stays under its 15 minutes on a quiet box: with 32-word prompts it took 15.6 (session 3: ~8.5
-# for our server, ~5 for mlx-lm's, ~2 bare). c=8 and c=32 get two runs per mode of their wave
-# (sessions 5 and 7: single runs there moved top20/off across 0.95 between runs; 11 minutes with
-# c=8 single); c=1 six rounds of one request (two rounds of two read 0.85 and 0.93 in session 13,
-# top5 as low: the server's code was that of presets that read 1.00); c=64 two (one run read
-# 0.98 in session 13 and 0.90 in session 14; six alternating runs of each build that day gave
-# 0.81-1.01 for the new code and 0.91-0.95 for the old). Since session 15 c=8, c=32 and c=64
-# run four rounds of off and top 20, the first two with top 5 as well (mlx-lm's server and bare
-# mlx-lm two): two-round presets read c=32 at 0.97, 0.947 and 0.91 while six alternating rounds
-# on one server read 0.96-1.10, pooled 1.02 (a run's ratio moves ~5% on this box).
+# stays under its 15 minutes on a quiet box (with 32-word prompts it took 15.6). c=1 runs six
+# rounds of one request: two rounds of two read 0.85 and 0.93 for code that read 1.00 in other
+# runs. c=8, c=32 and c=64 run four rounds of off and top 20, the first two with top 5 as well
+# (mlx-lm's server and bare mlx-lm two): presets of two rounds read c=32 at 0.97, 0.947 and 0.91
+# while six alternating rounds on one server read 0.96-1.10, pooled 1.02 (a run's ratio moves ~5%
+# on this box, so a median of four places a cell to about +-0.03).
 CPU = Preset(
     name="cpu",
     model=ModelSpec("embedded"),
@@ -120,20 +116,18 @@ CPU = Preset(
 
 # A random-weight 1.1B llama (hidden 2048, 16 layers, vocab 49,152, bfloat16), 128 new tokens per
 # request. At c=1 and c=8 many rounds of one-wave runs (one request a run at c=1: with three waves
-# a run and three rounds, c=1's top0/off read 0.86 in session 12, where top0 costs nothing). At
-# c=32 and c=64, where the engine's launch is the host's bound, twelve rounds of two-wave runs:
-# each of the GPU host's vCPUs switches on its own between two speeds for seconds at a time (a
-# fixed Python loop 0.95 or 1.5-1.9 ms, whatever our own load, session 11), so a run draws one
+# a run and three rounds, c=1's top0/off read 0.86 on an H200, where top0 costs nothing). At c=32
+# and c=64, where the engine's launch is the host's bound, twelve rounds of two-wave runs: each of
+# the GPU host's vCPUs switches on its own between two speeds for seconds at a time (a fixed
+# Python loop 0.95 or 1.5-1.9 ms on the H200 host, whatever our own load), so a run draws one
 # speed or the other; short runs keep the modes of a round in one phase, and more rounds average
-# the draws (four three-wave rounds moved top20/off over 0.87-1.17 in three runs; with eight
-# two-wave rounds the rounds' ratios spanned 0.74-1.17, so their median's standard error was
-# ~0.045 and c=32 and c=64 read 0.94 and 0.98, then 0.97 and 0.92: sessions 13-14). 16 client
-# processes: a 128-token top-20 body took one Python process ~3-6 ms to parse, and 8 of them
-# ending together in one process spread the next wave's arrivals by that much more (8 against 16
-# at c=64 then measured within the noise: docs/benchmarks.md, session 10); since session 14 the
-# bodies are parsed after the clock stops, and the processes share only their reading. On a
-# GPU host with MLX's CUDA backend (one command may run at most 10 minutes there), run
-# `--only omlx` and `--only batchgen,mlx-lm,memory` as separate commands.
+# the draws (with eight two-wave rounds on an H100 the rounds' ratios spanned 0.74-1.17, so their
+# median's standard error was ~0.045). 16 client processes: a 128-token top-20 body takes a
+# Python process ~3-6 ms to parse, and 64 of them ending together in one process paced the loop
+# (8 processes against 1 on an H200: off 7.6-7.8k tok/s against 3.7-5.0k); bodies are parsed
+# after the clock stops, and the processes share only their reading. On a GPU host with MLX's
+# CUDA backend (one command may run at most 10 minutes there), run `--only omlx` and
+# `--only batchgen,mlx-lm,memory` as separate commands.
 GPU = Preset(
     name="gpu",
     model=ModelSpec("random", size="1b", dtype="bfloat16"),
@@ -144,9 +138,9 @@ GPU = Preset(
     cells=(CellSpec(1, 1, 12), CellSpec(8, 8, 8), CellSpec(32, 64, 12), CellSpec(64, 128, 12)),
     peer_goal=2.0,
     client_processes=16,
-    peer_rounds=2,  # 8.5 of the preset's 17 minutes went to mlx-lm's server (session 12)
+    peer_rounds=2,  # with as many rounds as ours, mlx-lm's server took 8.5 of 17 minutes
     ttft_requests=10,
-    # 576 prompts a run: 192 took ~1 s here (two runs a side moved the ratio 0.78-0.97).
+    # 576 prompts a run: 192 took ~1 s on an H200 (two runs a side moved the ratio 0.78-0.97).
     score=ScoreSpec(concurrency=8, requests=576, prompt_words=400),
     memory=MemorySpec(2000, 200, concurrency=64, max_tokens=16, prompt_words=16),
 )

@@ -1,7 +1,8 @@
 # ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)
 """Our server, in-process, with cProfile on both of its threads (the event loop and the engine).
 
-    python bench/profile_server.py serve --model DIR --port 8101   # then load it; Ctrl-C prints
+    python bench/experiments/profile_server.py serve --model DIR --port 8101
+    # then load it; Ctrl-C prints the profiles
 
 Same arguments as `omlx-logprobs serve`; on exit it prints where each thread spent its time.
 """

@@ -1,6 +1,6 @@
 """Does our server's resident memory grow with requests, or with distinct kernel shapes?
 
-    python bench/rss_shapes.py MODEL_DIR [REQUESTS_PER_PHASE [SERVER FLAGS...]]
+    python bench/experiments/rss_shapes.py MODEL_DIR [REQUESTS_PER_PHASE [SERVER FLAGS...]]
 
 Starts the server, then sends phases of closed-loop top-20 completions (concurrency 64, 16 new
 tokens) whose prompts are token-id lists: `fixed` phases repeat one prompt length (the same
@@ -16,9 +16,12 @@ import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
-from server import tree_rss_mib
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: server
+from server import tree_rss_mib  # noqa: E402
 
 PORT = 8109
 

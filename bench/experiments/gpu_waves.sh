@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where a closed-loop run's time goes on a GPU host (bench/waves.py): one server with the step
 # trace on, runs of WAVES waves in the given logprobs modes, each run's request records beside
-# the server's log in OUT_DIR. Usage: bash bench/gpu_waves.sh MODEL_DIR CONCURRENCY WAVES "off 20 off 20"
+# the server's log in OUT_DIR. Usage: bash bench/experiments/gpu_waves.sh MODEL_DIR CONCURRENCY WAVES "off 20 off 20"
 # OUT_DIR [SERVER FLAGS...]; LOADGEN_FLAGS adds load generator flags ("--processes 8").
 # PIN=1 runs the server and the load generator on disjoint halves of the physical cores.
 set -u

@@ -3,8 +3,9 @@
 left-padded group forward as the model runner makes it (BatchCache, array mask), timed on its
 first call and again, host and device included (each call evaluated and waited for).
 
-    python bench/prefill_shapes.py --model DIR --shapes 27x96 33x96 64x96 27x96
-    MLX_CUDA_USE_CUDNN_SDPA=0 python bench/prefill_shapes.py ...   # MLX's unfused attention
+    python bench/experiments/prefill_shapes.py --model DIR --shapes 27x96 33x96 64x96 27x96
+    # MLX's unfused attention instead of cuDNN's:
+    MLX_CUDA_USE_CUDNN_SDPA=0 python bench/experiments/prefill_shapes.py ...
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 (`async_eval`, no wait), then, after the device is done, the copy of the small results to numpy.
 Device time is excluded (extract_bench.py measures that). Medians over many repetitions.
 
-python bench/extract_host.py --batch 64 --vocab 49152 --k 20
+python bench/experiments/extract_host.py --batch 64 --vocab 49152 --k 20
 """
 
 from __future__ import annotations

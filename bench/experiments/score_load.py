@@ -1,15 +1,18 @@
 """Prompt scoring against plain prefill on a running server, alternating, in one run.
 
-python bench/score_load.py BASE_URL MODEL CONCURRENCY REQUESTS PROMPT_WORDS
+python bench/experiments/score_load.py BASE_URL MODEL CONCURRENCY REQUESTS PROMPT_WORDS
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 
-import scoring
-from loadgen import LoadConfig, run_load
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: loadgen, scoring
+
+import scoring  # noqa: E402
+from loadgen import LoadConfig, run_load  # noqa: E402
 
 
 async def main(base: str, model: str, c: int, n: int, words: int) -> None:

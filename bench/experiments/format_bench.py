@@ -2,7 +2,7 @@
 """Host time of the logprobs JSON formatters (median ms), on the embedded model's vocabulary
 and random stores: the work the event loop does per response body or streamed chunk.
 
-python bench/format_bench.py --reps 200
+python bench/experiments/format_bench.py --reps 200
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 import omlx_logprobs  # noqa: F401
-from omlx_logprobs.logprobs.format import ChatLogprobFormatter, EntriesText
+from omlx_logprobs.logprobs.format import ChatLogprobFormatter
 from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
 from omlx_logprobs.logprobs.store import LogprobStore
@@ -66,15 +66,6 @@ def cases(vocab_size: int, rng: np.random.Generator) -> dict[str, list[Callable[
         s = random_store(rng, n, k, vocab_size)
         return (lambda: chat.entries(s, 64, 65)) if stream else (lambda: chat.entries(s, 0, n))
 
-    def early_case(n: int, k: int) -> Callable[[], object]:
-        """A non-streamed body whose entries were formatted as they arrived (16 at a time, as
-        the engine process ships them): what is left for the event loop at the end."""
-        s = random_store(rng, n, k, vocab_size)
-        text = EntriesText(chat, s)
-        text.upto, text.parts = (n - 1) // 16 * 16, []  # the last 16 arrive with the end
-        text.parts.append(chat.span(s, 0, text.upto, first=True))
-        return lambda: text.json(0, n)
-
     def echo_case(n: int, k: int) -> Callable[[], object]:
         p, g = random_store(rng, n - 1, k, vocab_size), random_store(rng, 1, k, vocab_size)
         ids = rng.integers(0, vocab_size, n).tolist()
@@ -90,7 +81,6 @@ def cases(vocab_size: int, rng: np.random.Generator) -> dict[str, list[Callable[
 
     for k in (20, 5, 0):
         out[f"chat 128 x top {k}"] = each(lambda k=k: chat_case(128, k))  # type: ignore[misc]
-    out["chat 128 x top 20, early"] = each(lambda: early_case(128, 20))
     out["chat stream chunk 1 x top 20"] = each(lambda: chat_case(128, 20, stream=True))
     out["legacy echo 400 x k=1"] = each(lambda: echo_case(400, 1))
     out["legacy 128 generated x k=5"] = each(lambda: legacy_case(128, 5))

@@ -1,7 +1,7 @@
 # ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)
 """Where a scored prompt's time goes, piece by piece, on whatever device MLX uses here.
 
-    python bench/score_micro.py MODEL_DIR [TOKENS]
+    python bench/experiments/score_micro.py MODEL_DIR [TOKENS]
 
 Medians of a few runs, each piece with its own sync: the forward with the head on the last
 position, with the head everywhere, the float32 log-softmax, and the extraction with K = 1.

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The engine's own accounting per logprobs mode: one server, long closed-loop runs (10 waves, so
 # each mode fills whole 10 s stats windows), the engine's stats line after each run.
-# Usage: bash bench/gpu_modes.sh MODEL_DIR CONCURRENCY "off 20 off 20" [SERVER FLAGS...]
+# Usage: bash bench/experiments/gpu_modes.sh MODEL_DIR CONCURRENCY "off 20 off 20" [SERVER FLAGS...]
 # LOADGEN_FLAGS adds load generator flags (LOADGEN_FLAGS=--stream). Pass "--processes 16" to
 # measure as the GPU preset does: one client process parsing every top-20 body paces the loop
-# (c=32 on an H100, session 13: top20/off 0.86 with one, 0.945 with 16).
+# (c=32 on an H100: top20/off 0.86 with one client process, 0.945 with 16).
 set -u
 model=$1; c=$2; modes=$3; shift 3
 OMLX_STATS_INTERVAL_S=${OMLX_STATS_INTERVAL_S:-3} python3 -m omlx_logprobs.cli serve --model $model --port 8107 --max-num-seqs 64 --log-level info "$@" > /tmp/modes.log 2>&1 &

@@ -3,7 +3,7 @@
 # loop at one concurrency, logprobs off and top 20 alternating (3 runs each, 128 new tokens). A set
 # may hold environment settings ("OMLX_SWITCH_INTERVAL=0.001 --prefill-chunk 512"), and may start
 # with @DIR to run the package copy in DIR (an older commit's, from `git archive HEAD~1 omlx_logprobs`).
-# Usage: bash bench/gpu_sweep.sh MODEL_DIR CONCURRENCY "FLAGS A" "@old FLAGS A" ...
+# Usage: bash bench/experiments/gpu_sweep.sh MODEL_DIR CONCURRENCY "FLAGS A" "@old FLAGS A" ...
 # LOADGEN_FLAGS adds load generator flags (LOADGEN_FLAGS="--processes 8").
 set -u
 model=$1; c=$2; shift 2
