@@ -21,17 +21,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omlx_logprobs")
 API_KEY_ENV = "OMLX_LOGPROBS_API_KEY"  # a key in the environment stays out of `ps` listings
-# MLX settings the server applies unless the environment holds them (measured: docs/benchmarks.md).
+# MLX settings the server applies unless the environment holds them (measured: docs/benchmarks.md,
+# "Decisions that shape the code").
 MLX_ENVIRONMENT = {
     # Full float32 matmuls, not TF32 (CUDA, M5): with TF32 a float32 model's logprobs moved
-    # ~1e-3 with the shape of the batch they ran in (session 11).
+    # ~1e-3 with the shape of the batch they ran in.
     "MLX_ENABLE_TF32": "0",
     # A serving batch changes shape every step: CUDA graphs were built, used once and evicted;
-    # direct launches ran top-20 steps ~12% faster (session 6). If turned back on: 64 kept.
+    # direct launches ran top-20 steps ~12% faster. If turned back on: 64 kept.
     "MLX_USE_CUDA_GRAPHS": "0",
     "MLX_CUDA_GRAPH_CACHE_SIZE": "64",
     # cuDNN attention built a graph per new prefill shape, 60-80 ms each with every stream
-    # waiting (session 10). If turned back on: 32 plans kept (bounded host memory, session 5).
+    # waiting. If turned back on: 32 plans kept (bounded host memory).
     "MLX_CUDA_USE_CUDNN_SDPA": "0",
     "MLX_CUDA_SDPA_CACHE_SIZE": "32",
     # With bounded caches MLX would raise after 2x capacity misses in total.

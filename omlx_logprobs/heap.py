@@ -65,6 +65,6 @@ def freeze_startup_objects() -> None:
     """Once a process has loaded what it keeps (modules, tokenizer, model), move every object
     alive out of the cyclic collector's sight: its full collections then scan only what serving
     made. Without it the server's took ~300 ms on the GPU host, a pause in which no response went
-    out and the engine blocked on the full pipe (docs/benchmarks.md, session 12)."""
+    out and the engine blocked on the full pipe (docs/benchmarks.md, "Decisions")."""
     gc.collect()
     gc.freeze()
