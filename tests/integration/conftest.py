@@ -2,68 +2,20 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from omlx_logprobs.models.loader import LoadedModel, load_model
-
-MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def launch(*args: str) -> Iterator[str]:
-    """`omlx-logprobs serve ARGS` on a free loopback port; yields its base URL."""
-    port = free_port()
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"omlx-server-{port}.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--port", str(port), *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early; see {log.name}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start in 120 s")
-    try:
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+from tests.helpers.server import server_process
 
 
 @pytest.fixture(scope="session")
 def server(embedded_dir: Path) -> Iterator[str]:
-    with launch("--max-num-seqs", "32", "--log-level", "warning") as base:
-        yield base
+    with server_process(["--max-num-seqs", "32", "--log-level", "warning"]) as s:
+        yield s.base
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from omlx_logprobs.models.loader import LoadedModel
-from tests.conftest import reference_logprobs
-from tests.integration.conftest import MODEL_NAME
+from tests.helpers.engine import reference_logprobs
+from tests.helpers.server import MODEL_NAME, chat
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -20,12 +20,6 @@ QUESTIONS = [
     "List three prime numbers.",
     "Translate 'good morning' into Japanese.",
 ]
-
-
-def chat(client: openai.OpenAI, q: str, **kw: Any) -> Any:
-    return client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": q}], **kw
-    )
 
 
 def entries_as_tuples(content: list[Any]) -> list[tuple[str, float, tuple[int, ...] | None, list]]:

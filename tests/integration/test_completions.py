@@ -11,18 +11,14 @@ import openai
 import pytest
 
 from omlx_logprobs.models.loader import LoadedModel
-from tests.conftest import reference_logprobs
-from tests.integration.conftest import MODEL_NAME
+from tests.helpers.engine import encode, reference_logprobs
+from tests.helpers.server import MODEL_NAME
 
 CONTEXT = "Question: What is the capital of France?\nAnswer:"
 
 
 def complete(client: openai.OpenAI, prompt: Any, **kw: Any) -> Any:
     return client.completions.create(model=MODEL_NAME, prompt=prompt, **kw)
-
-
-def encode(model: LoadedModel, text: str) -> list[int]:
-    return list(model.tokenizer.encode(text))
 
 
 def lm_eval_loglikelihood(lp: Any, ctxlen: int) -> tuple[float, bool]:
@@ -39,8 +35,8 @@ def lm_eval_loglikelihood(lp: Any, ctxlen: int) -> tuple[float, bool]:
 def test_lm_eval_loglikelihood_request(
     client: openai.OpenAI, embedded: LoadedModel, continuation: str
 ) -> None:
-    ctx = encode(embedded, CONTEXT)
-    cont = encode(embedded, CONTEXT + continuation)[len(ctx) :]
+    ctx = encode(embedded, CONTEXT, add_special_tokens=True)
+    cont = encode(embedded, CONTEXT + continuation, add_special_tokens=True)[len(ctx) :]
     ids = ctx + cont
     r = complete(client, ids, echo=True, logprobs=1, max_tokens=1, temperature=0, seed=1234)
     lp = r.choices[0].logprobs
@@ -63,7 +59,7 @@ def test_string_prompt_scores_like_its_token_ids(
     client: openai.OpenAI, embedded: LoadedModel
 ) -> None:
     text = CONTEXT + " Paris"
-    ids = encode(embedded, text)
+    ids = encode(embedded, text, add_special_tokens=True)
     kw = dict(echo=True, logprobs=1, max_tokens=1, temperature=0)
     by_text = complete(client, text, **kw).choices[0]
     by_ids = complete(client, ids, **kw).choices[0]
@@ -75,7 +71,7 @@ def test_string_prompt_scores_like_its_token_ids(
 def test_older_lm_eval_request_with_max_tokens_zero(
     client: openai.OpenAI, embedded: LoadedModel
 ) -> None:
-    ids = encode(embedded, CONTEXT + " Paris")
+    ids = encode(embedded, CONTEXT + " Paris", add_special_tokens=True)
     r = complete(client, [ids], echo=True, logprobs=10, max_tokens=0, temperature=0)
     choice = r.choices[0]
     lp = choice.logprobs
@@ -98,7 +94,7 @@ def test_prompt_forms_and_indices(client: openai.OpenAI, embedded: LoadedModel) 
     kw = dict(max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     many = complete(client, prompts, **kw)
     assert [c.index for c in many.choices] == [0, 1, 2]
-    ids = [encode(embedded, p) for p in prompts]
+    ids = [encode(embedded, p, add_special_tokens=True) for p in prompts]
     by_ids = complete(client, ids, **kw)
     for p, a, b in zip(prompts, many.choices, by_ids.choices):
         alone = complete(client, p, **kw).choices[0]

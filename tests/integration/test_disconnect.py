@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 
-from tests.integration.conftest import MODEL_NAME
+from tests.helpers.server import MODEL_NAME, wait_idle
 
 LONG = {
     "model": MODEL_NAME,
@@ -18,17 +16,6 @@ LONG = {
 }
 
 
-def wait_idle(server: str, seconds: float = 20) -> int:
-    deadline = time.time() + seconds
-    running = -1
-    while time.time() < deadline:
-        running = httpx.get(server + "/health").json()["running"]
-        if running == 0:
-            return 0
-        time.sleep(0.1)
-    return running
-
-
 def test_stream_disconnect_aborts(server: str) -> None:
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", server + "/v1/chat/completions", json={**LONG, "stream": True}) as r:
@@ -37,7 +24,8 @@ def test_stream_disconnect_aborts(server: str) -> None:
             got = [next(lines) for _ in range(6)]
             assert any(line.startswith("data:") for line in got)
             assert httpx.get(server + "/health").json()["running"] >= 1
-    assert wait_idle(server) == 0
+    idle = wait_idle(server, 20)  # /health's "running" is the engine's waiting + running
+    assert idle["waiting"] + idle["running"] == 0
 
 
 def test_non_stream_disconnect_aborts(server: str) -> None:
@@ -45,7 +33,8 @@ def test_non_stream_disconnect_aborts(server: str) -> None:
         httpx.post(server + "/v1/chat/completions", json=LONG, timeout=1.0)
     except httpx.TimeoutException:
         pass
-    assert wait_idle(server) == 0
+    idle = wait_idle(server, 20)  # /health's "running" is the engine's waiting + running
+    assert idle["waiting"] + idle["running"] == 0
     # and the server still serves
     r = httpx.post(server + "/v1/chat/completions", json={**LONG, "max_tokens": 3}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -13,16 +13,10 @@ import openai
 import pytest
 
 from omlx_logprobs.models.loader import LoadedModel
-from tests.conftest import reference_logprobs
-from tests.integration.conftest import MODEL_NAME
+from tests.helpers.engine import reference_logprobs
+from tests.helpers.server import MODEL_NAME, chat
 
 QUESTION = "Write a short poem about autumn leaves."
-
-
-def chat(client: openai.OpenAI, q: str, **kw: Any) -> Any:
-    return client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": q}], **kw
-    )
 
 
 def check_prompt_logprobs(entries: list, prompt: list[int], ref: np.ndarray, k: int) -> None:

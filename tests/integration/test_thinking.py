@@ -15,9 +15,8 @@ import openai
 import pytest
 
 from omlx_logprobs.models.loader import LoadedModel
-from tests.integration.conftest import launch
-from tests.scripted import CASES, check_entries
-from tests.test_scripted import case_ids
+from tests.helpers.scripted import CASES, case_ids, check_entries
+from tests.helpers.server import server_process
 
 MODEL = "scripted-thinker"
 OPEN = {"enable_thinking": True}  # the scripted template then ends the prompt with "<think>\n"
@@ -26,8 +25,8 @@ OPEN = {"enable_thinking": True}  # the scripted template then ends the prompt w
 @pytest.fixture(scope="module")
 def thinker(scripted_path: Path) -> Iterator[str]:
     args = ["--model", str(scripted_path), "--max-num-seqs", "32", "--prefill-chunk", "16"]
-    with launch(*args, "--log-level", "warning") as base:
-        yield base
+    with server_process([*args, "--log-level", "warning"]) as s:
+        yield s.base
 
 
 @pytest.fixture(scope="module")
@@ -271,8 +270,8 @@ def test_length_inside_reasoning(client: openai.OpenAI, stream: bool) -> None:
 def test_parser_none_leaves_everything_in_content(
     scripted_path: Path, scripted: LoadedModel
 ) -> None:
-    with launch("--model", str(scripted_path), "--reasoning-parser", "none") as base:
-        c = openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=120)
+    with server_process(["--model", str(scripted_path), "--reasoning-parser", "none"]) as s:
+        c = openai.OpenAI(base_url=s.base + "/v1", api_key="-", max_retries=0, timeout=120)
         r = c.chat.completions.create(**request("special", 2))
     msg, lp = r.choices[0].message, r.choices[0].logprobs
     case = CASES["special"]

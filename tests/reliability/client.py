@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from tests.reliability.conftest import TINY_NAME
+from tests.helpers.server import TINY_NAME
 
 
 @dataclass(frozen=True)

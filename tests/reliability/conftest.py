@@ -1,155 +1,16 @@
-"""Real uvicorn servers on loopback for the reliability tests, each with its own engine, limits and
-access settings, and (for fault injection) wrappers around the tiny model and its tokenizer."""
+"""The reliability tests' model: the tiny model under its served name. Their servers (a process, or
+`create_app` under uvicorn in a thread), /health polling and the fault wrappers: tests/helpers/."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
+from dataclasses import replace
 
-import httpx
-import psutil
 import pytest
-import uvicorn
 
-from omlx_logprobs.api.app import create_app
-from omlx_logprobs.api.serving import Served
-from omlx_logprobs.config import Access, EngineConfig, Limits
-from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel
-from tests.integration.conftest import free_port
-
-TINY_NAME = "tiny"
-
-
-@contextmanager
-def thread_server(
-    model: LoadedModel,
-    cfg: EngineConfig | None = None,
-    limits: Limits | None = None,
-    access: Access | None = None,
-) -> Iterator[tuple[str, Engine]]:
-    """`create_app` under a real uvicorn server in a thread; yields (base URL, engine)."""
-    cfg = cfg or EngineConfig(max_num_seqs=64, prefill_chunk=64)
-    engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg)
-    app = create_app(Served(engine, model, cfg, limits=limits or Limits()), access)
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        if time.time() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", engine
-    finally:
-        server.should_exit = True
-        thread.join(30)
+from tests.helpers.server import TINY_NAME
 
 
 @pytest.fixture(scope="session")
 def tiny_served(tiny: LoadedModel) -> LoadedModel:
     return replace(tiny, name=TINY_NAME)
-
-
-def wait_idle(base: str, seconds: float = 30.0) -> dict[str, Any]:
-    """/health's engine block once nothing is queued, running, holding a cache row or still in
-    flight (a step launched before the last abort holds its arrays until it is processed)."""
-    deadline = time.time() + seconds
-    stats: dict[str, Any] = {}
-    while time.time() < deadline:
-        stats = httpx.get(base + "/health", timeout=10).json()["engine"]
-        idle = stats["waiting"] == stats["running"] == stats["cached_sequences"] == 0
-        if idle and not stats["step_in_flight"]:
-            return stats
-        time.sleep(0.05)
-    return stats
-
-
-def assert_openai_error(r: httpx.Response, status: int, param: str | None) -> dict[str, Any]:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    assert err["param"] == param, err
-    return dict(err)
-
-
-class FaultyTokenizer:
-    """The real tokenizer, except that it raises on text holding `marker`."""
-
-    def __init__(self, inner: Any, marker: str) -> None:
-        self.inner = inner
-        self.marker = marker
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def encode(self, text: str, **kw: Any) -> list[int]:
-        if self.marker in text:
-            raise RuntimeError("tokenizer fault injected by the test")
-        return list(self.inner.encode(text, **kw))
-
-
-class FaultyBytes(tuple):  # type: ignore[type-arg]
-    """A vocabulary byte table that raises when one token id is looked up: a detokenizer fault
-    inside the engine thread, hit only by the request that generates that token."""
-
-    poison: int = -1
-
-    def __getitem__(self, i: Any) -> Any:
-        if i == self.poison:
-            raise KeyError(f"detokenizer fault injected by the test at token {i}")
-        return super().__getitem__(i)
-
-
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen[bytes]
-    base: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def rss(self) -> int:
-        return int(psutil.Process(self.proc.pid).memory_info().rss)
-
-
-@contextmanager
-def server_process(args: list[str], tmp: Path, start_s: float = 180) -> Iterator[ServerProcess]:
-    """`omlx-logprobs serve ARGS` as a real process on a free loopback port."""
-    port = free_port()
-    log_path = tmp / f"server-{port}.log"
-    with open(log_path, "wb") as log:
-        cmd = [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--port", str(port), *args]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
-    try:
-        deadline = time.time() + start_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{server.log()[-3000:]}")
-            try:
-                if httpx.get(server.base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.2)
-        yield server
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)

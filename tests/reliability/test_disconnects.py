@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers.server import ServerProcess, server_process, wait_idle
 from tests.reliability.client import ChatResult, chat, chat_body
-from tests.reliability.conftest import ServerProcess, server_process, wait_idle
 
 DISCONNECTS = 200
 AT_ONCE = 20

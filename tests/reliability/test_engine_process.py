@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.helpers.server import assert_openai_error, server_process
 from tests.reliability.client import chat_body
-from tests.reliability.conftest import assert_openai_error, server_process
 
 
 def engine_child(pid: int) -> int:

@@ -13,9 +13,9 @@ import pytest
 
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.models.loader import LoadedModel
-from tests.faulty import PoisonModel
+from tests.helpers.faults import FaultyBytes, FaultyTokenizer, PoisonModel
+from tests.helpers.server import thread_server, wait_idle
 from tests.reliability.client import ChatResult, chat, chat_body
-from tests.reliability.conftest import FaultyBytes, FaultyTokenizer, thread_server, wait_idle
 
 MARKER = "TOKENIZER-FAULT"
 NEIGHBOURS = [f"Neighbour {i}: tell me about the number {i}." for i in range(8)]

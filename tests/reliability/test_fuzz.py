@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.models.loader import LoadedModel
-from tests.reliability.conftest import TINY_NAME, thread_server, wait_idle
+from tests.helpers.server import TINY_NAME, thread_server, wait_idle
 from tests.reliability.schema import Route, from_schema, json_values, minimal_body, routes
 from tests.reliability.test_limits import EXTRA_MINIMAL
 

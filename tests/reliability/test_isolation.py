@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from omlx_logprobs.models.loader import LoadedModel
+from tests.helpers.server import thread_server, wait_idle
 from tests.reliability.client import chat_body
-from tests.reliability.conftest import thread_server, wait_idle
 from tests.reliability.test_faults import one_by_one, together
 
 N = 64

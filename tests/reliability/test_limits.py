@@ -12,7 +12,7 @@ import pytest
 
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.models.loader import LoadedModel
-from tests.reliability.conftest import TINY_NAME, assert_openai_error, thread_server, wait_idle
+from tests.helpers.server import TINY_NAME, assert_openai_error, thread_server, wait_idle
 from tests.reliability.schema import Route, accepts_type, minimal_body, routes
 
 LIMITS = Limits(

@@ -23,8 +23,8 @@ from omlx_logprobs.logprobs.format import ChatLogprobFormatter
 from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.models.loader import LoadedModel
+from tests.helpers.server import TINY_NAME, thread_server, wait_idle
 from tests.reliability.client import chat, chat_body
-from tests.reliability.conftest import TINY_NAME, thread_server, wait_idle
 
 ROUND = 16  # requests per round, all in flight together
 

@@ -14,7 +14,7 @@ import pytest
 from omlx_logprobs.cli import build_parser, config_from_args
 from omlx_logprobs.config import Access, ServerConfig
 from omlx_logprobs.models.loader import LoadedModel
-from tests.reliability.conftest import TINY_NAME, assert_openai_error, thread_server
+from tests.helpers.server import TINY_NAME, assert_openai_error, thread_server
 
 KEY = "sk-test-0123456789abcdef"
 CHAT = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

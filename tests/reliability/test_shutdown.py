@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers.server import server_process
 from tests.reliability.client import ChatResult, chat, chat_body
-from tests.reliability.conftest import server_process
 
 GRACE_S = 3
 

@@ -17,9 +17,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.integration.conftest import MODEL_NAME
+from tests.helpers.server import MODEL_NAME, ServerProcess, server_process, wait_idle
 from tests.reliability.client import ChatResult, chat, chat_body
-from tests.reliability.conftest import ServerProcess, server_process, wait_idle
 
 STREAMS = 64
 

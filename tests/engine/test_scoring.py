@@ -19,33 +19,16 @@ from omlx_logprobs.engine.prompt_scoring import block_sizes
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.types import FinishReason, LogprobsMode, RequestOutput, SamplingParams
-from tests.conftest import TINY_CONFIG, reference_logprobs, run_engine
-from tests.test_engine import check_against_reference
+from tests.helpers.engine import (
+    TINY_CONFIG,
+    check_against_reference,
+    check_prompt_store,
+    encode,
+    reference_logprobs,
+    run_engine,
+)
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods."
-
-
-def encode(model: LoadedModel, text: str) -> list[int]:
-    return list(model.tokenizer.encode(text, add_special_tokens=False))
-
-
-def check_prompt_store(seq: Sequence, ref: np.ndarray, k: int) -> None:
-    """Prompt position i (1..len-1) against row i-1 of a full forward pass."""
-    store, prompt = seq.prompt_store, seq.prompt_ids
-    assert store is not None and len(store) == len(prompt) - 1
-    for i in range(1, len(prompt)):
-        row, tok = ref[i - 1], prompt[i]
-        assert store.token_ids[i - 1] == tok
-        assert abs(store.logprobs[i - 1] - row[tok]) < 1e-4
-        # Rank up to near-ties: the batched forward and the reference differ by float rounding,
-        # and over hundreds of positions some token sits within 1e-5 of another.
-        lo, hi = np.sum(row > row[tok] + 1e-5), np.sum(row >= row[tok] - 1e-5)
-        assert lo <= store.ranks[i - 1] <= hi
-        if k:
-            ids, lps = store.top(i - 1)
-            want = np.sort(row)[::-1][:k]
-            np.testing.assert_allclose(np.array(lps), want, atol=1e-4)
-            np.testing.assert_allclose(row[np.array(ids)], np.array(lps), atol=1e-4)
 
 
 def test_prompt_logprobs_equal_full_forward_at_every_position(tiny: LoadedModel) -> None:

@@ -19,7 +19,7 @@ from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.types import FinishReason, RequestOutput, SamplingParams
-from tests.conftest import reference_logprobs, run_engine
+from tests.helpers.engine import reference_logprobs, run_engine
 
 CFG = EngineConfig(max_num_seqs=16, prefill_chunk=64)
 

@@ -11,11 +11,11 @@ import pytest
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.models.scripted import ScriptedSpec, script_ids
+from omlx_logprobs.models.scripted import ScriptedSpec
 from omlx_logprobs.parsing.thinking import ThinkStart, think_start
 from omlx_logprobs.types import FinishReason, RequestOutput, SamplingParams
-from tests.conftest import run_engine
-from tests.scripted import CASES, check_entries
+from tests.helpers.engine import run_engine
+from tests.helpers.scripted import CASES, case_ids, check_entries
 
 
 def prompt(model: LoadedModel, name: str, pad: int, **kw: Any) -> list[int]:
@@ -24,18 +24,6 @@ def prompt(model: LoadedModel, name: str, pad: int, **kw: Any) -> list[int]:
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False, **kw
     )
     return list(model.tokenizer.encode(rendered, add_special_tokens=False))
-
-
-def case_ids(model: LoadedModel, name: str) -> tuple[list[int], int]:
-    """(the case's script ids then the stop token, how many of them are reasoning)."""
-    case = CASES[name]
-    ids, n_reasoning = [], 0
-    for section, seg in case.segments:
-        more = script_ids([seg], model.tokenizer)
-        ids += more
-        n_reasoning += len(more) if section == "r" else 0
-    eos = model.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return ids + [eos], n_reasoning + int(case.stop_token_in_reasoning)
 
 
 def test_description_is_read(scripted: LoadedModel, scripted_path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # after every installed module
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # after every installed module
 
 from loadgen import LoadConfig, LoadResult, RequestRecord, check_body, summarize  # noqa: E402
 from measure import ServerBench, Target  # noqa: E402

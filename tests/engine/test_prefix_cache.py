@@ -12,9 +12,13 @@ from omlx_logprobs.engine import model_runner
 from omlx_logprobs.engine.prefix_cache import BLOCK, MIN_TOKENS, Prefix, PrefixCache
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.types import SamplingParams
-from tests.conftest import reference_logprobs, run_engine
-from tests.test_engine import check_against_reference, encode
-from tests.test_scoring import check_prompt_store
+from tests.helpers.engine import (
+    check_against_reference,
+    check_prompt_store,
+    encode,
+    reference_logprobs,
+    run_engine,
+)
 
 
 class Maker:

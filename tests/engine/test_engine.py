@@ -8,7 +8,6 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -20,7 +19,14 @@ from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.types import FinishReason, LogprobsMode, SamplingParams
-from tests.conftest import _collect, reference_logprobs, run_engine
+from tests.helpers.engine import (
+    check_against_reference,
+    collect_outputs,
+    encode,
+    reference_logprobs,
+    run_engine,
+)
+from tests.helpers.faults import FailingModel, PoisonModel
 
 PROMPTS = [
     "Hello, how are you today?",
@@ -28,31 +34,6 @@ PROMPTS = [
     "1 2 3 4 5",
     "Écrire en français, 日本語 and emoji 😀",
 ]
-
-
-def encode(model: LoadedModel, text: str) -> list[int]:
-    return list(model.tokenizer.encode(text, add_special_tokens=False))
-
-
-def check_against_reference(model: LoadedModel, prompt: list[int], seq, k: int) -> None:
-    out = list(seq.output_ids)
-    ref = reference_logprobs(model, prompt + out)[len(prompt) - 1 : -1]
-    store = seq.store
-    assert len(store) == len(out)
-    for i, tok in enumerate(out):
-        row = ref[i]
-        assert store.token_ids[i] == tok
-        assert abs(store.logprobs[i] - row[tok]) < 1e-4
-        assert store.ranks[i] == int(np.sum(row >= row[tok]))
-        if k:
-            ids, lps = store.top(i)
-            want = np.argsort(-row, kind="stable")[:k]
-            np.testing.assert_allclose(np.array(lps), row[want], atol=1e-4)
-            assert list(lps) == sorted(lps, reverse=True)
-            assert len(set(ids)) == k
-            # ids equal the reference's top k up to ties within float noise
-            for got, exp in zip(ids, want):
-                assert got == exp or abs(row[got] - row[exp]) < 1e-4
 
 
 @pytest.mark.parametrize("k", [0, 5, 20])
@@ -203,8 +184,6 @@ def test_gpu_path_refuses_a_non_finite_row(
 ) -> None:
     """On the GPU's path the finiteness flag travels in the packed array: a row whose logits
     turn NaN ends its request with an error, and its batch neighbour runs to its end."""
-    from tests.faulty import PoisonModel
-
     monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
     poison = encode(tiny, "zebra")[-1]
     model = replace(tiny, model=PoisonModel(tiny.model, poison))
@@ -219,23 +198,6 @@ def test_gpu_path_refuses_a_non_finite_row(
     assert "non-finite" in (bad[0].error or "") and list(bad[0].output_ids) == [poison]
     assert good[1][-1].finish_reason is FinishReason.LENGTH and good[0].num_output == 5
     check_against_reference(tiny, prompt, good[0], 2)
-
-
-class FailingModel:
-    """The tiny model, except that its forward raises from the `fail_at`-th call on: a fault of
-    the launch itself (a kernel that cannot be built, memory gone)."""
-
-    def __init__(self, inner: Any, fail_at: int) -> None:
-        self.inner, self.fail_at, self.calls = inner, fail_at, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        self.calls += 1
-        if self.calls >= self.fail_at:
-            raise RuntimeError("launch fault injected by the test")
-        return self.inner(inputs, cache=cache)
 
 
 def test_gpu_path_launch_failure_ends_every_request(
@@ -387,7 +349,7 @@ def test_mlx_cache_is_limited_and_emptied_when_idle(tiny: LoadedModel) -> None:
         seqs = [Sequence(f"r{i}", [1, 2, 3 + i], params) for i in range(4)]
 
         async def run() -> None:
-            await asyncio.gather(*(_collect(engine, s) for s in seqs))
+            await asyncio.gather(*(collect_outputs(engine, s) for s in seqs))
 
         asyncio.run(run())
         deadline = time.monotonic() + 10

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from omlx_logprobs.models.scripted import ALT_STRIDE, FORMAT
+from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.models.scripted import ALT_STRIDE, FORMAT, script_ids
 from omlx_logprobs.output.detokenizer import Vocabulary
 
 CHOSEN_LOGIT = 9.0
@@ -119,6 +120,18 @@ CASES: dict[str, Case] = {
         " out",
     ),
 }
+
+
+def case_ids(model: LoadedModel, name: str) -> tuple[list[int], int]:
+    """(the case's script ids then the stop token, how many of them are reasoning)."""
+    case = CASES[name]
+    ids, n_reasoning = [], 0
+    for section, seg in case.segments:
+        more = script_ids([seg], model.tokenizer)
+        ids += more
+        n_reasoning += len(more) if section == "r" else 0
+    eos = model.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return ids + [eos], n_reasoning + int(case.stop_token_in_reasoning)
 
 
 def write_description(path: Path, **overrides: Any) -> Path:

@@ -1,0 +1,148 @@
+"""Real servers on loopback and what the tests ask them: `omlx-logprobs serve` as a process, or
+`create_app` under uvicorn in a thread (for models wrapped in-process: faults, other settings),
+/health until the engine is idle, one chat request through the `openai` client, and the
+OpenAI-shaped error check."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import psutil
+import uvicorn
+
+from omlx_logprobs.api.app import create_app
+from omlx_logprobs.api.serving import Served
+from omlx_logprobs.config import Access, EngineConfig, Limits
+from omlx_logprobs.engine.engine import Engine
+from omlx_logprobs.models.loader import LoadedModel
+
+if TYPE_CHECKING:
+    import openai
+
+MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded model, as served
+TINY_NAME = "tiny"  # the tiny model, as the reliability servers serve it
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[bytes]
+    base: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def rss(self) -> int:
+        return int(psutil.Process(self.proc.pid).memory_info().rss)
+
+
+@contextmanager
+def server_process(
+    args: list[str], log_dir: Path | None = None, start_s: float = 180
+) -> Iterator[ServerProcess]:
+    """`omlx-logprobs serve ARGS` as a real process on a free loopback port, its output in
+    LOG_DIR (default: the temporary directory); stopped with SIGTERM (SIGKILL after 15 s)."""
+    port = free_port()
+    log_path = Path(log_dir or tempfile.gettempdir()) / f"omlx-server-{port}.log"
+    with open(log_path, "wb") as log:
+        cmd = [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--port", str(port), *args]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        deadline = time.time() + start_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{server.log()[-3000:]}")
+            try:
+                if httpx.get(server.base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"server did not start in {start_s:g} s; see {log_path}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+
+
+@contextmanager
+def thread_server(
+    model: LoadedModel,
+    cfg: EngineConfig | None = None,
+    limits: Limits | None = None,
+    access: Access | None = None,
+) -> Iterator[tuple[str, Engine]]:
+    """`create_app` under a real uvicorn server in a thread; yields (base URL, engine)."""
+    cfg = cfg or EngineConfig(max_num_seqs=64, prefill_chunk=64)
+    engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg)
+    app = create_app(Served(engine, model, cfg, limits=limits or Limits()), access)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def wait_idle(base: str, seconds: float = 30.0) -> dict[str, Any]:
+    """/health's engine block once nothing is queued, running, holding a cache row or still in
+    flight (a step launched before the last abort holds its arrays until it is processed)."""
+    deadline = time.time() + seconds
+    stats: dict[str, Any] = {}
+    while time.time() < deadline:
+        stats = httpx.get(base + "/health", timeout=10).json()["engine"]
+        idle = stats["waiting"] == stats["running"] == stats["cached_sequences"] == 0
+        if idle and not stats["step_in_flight"]:
+            return stats
+        time.sleep(0.05)
+    return stats
+
+
+def chat(client: openai.OpenAI, q: str, **kw: Any) -> Any:
+    """One user message to the embedded model through the `openai` client."""
+    return client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": q}], **kw
+    )
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["param"] == param, err
+    return dict(err)
