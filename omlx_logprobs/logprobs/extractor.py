@@ -145,11 +145,11 @@ class _PackedBlocks:
 
 class DeviceExtractor:
     pads_blocks = True
-    max_block = DEVICE_PROMPT_BLOCK
 
-    def __init__(self, fused: bool) -> None:
+    def __init__(self, fused: bool, max_block: int = DEVICE_PROMPT_BLOCK) -> None:
         self.fused = fused  # one CUDA kernel (logprobs/kernel.py); else MLX's ops
         self.name = "kernel" if fused else "ops"
+        self.max_block = max_block
 
     def step(
         self, tokens: mx.array, logits: mx.array, dist: mx.array, params: Sequence[SamplingParams]

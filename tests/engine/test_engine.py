@@ -18,9 +18,10 @@ from omlx_logprobs.engine import model_runner
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from omlx_logprobs.types import FinishReason, LogprobsMode, SamplingParams
+from omlx_logprobs.types import EngineRequest, FinishReason, LogprobsMode, SamplingParams
 from tests.helpers.engine import (
     check_against_reference,
+    client_of,
     collect_outputs,
     encode,
     reference_logprobs,
@@ -231,10 +232,9 @@ def test_stream_deltas_concatenate_to_text_and_entries(tiny: LoadedModel) -> Non
     prompt = encode(tiny, PROMPTS[3])
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, logprobs=True, ignore_eos=True)
     [(seq, outs)] = run_engine(tiny, [(prompt, params)])
-    assert outs[0].first_token == 0
-    for a, b in zip(outs, outs[1:]):
-        assert a.end_token == b.first_token
-    assert outs[-1].end_token == seq.num_output == 40
+    # Each output carries its own tokens and their entries: together, every token once.
+    assert sum(o.num_tokens for o in outs) == seq.num_output == 40
+    assert all(o.logprobs is not None and len(o.logprobs) == o.num_tokens for o in outs)
     text = "".join(o.text for o in outs)
     data = b"".join(tiny.vocab.token_bytes[t] or b"" for t in seq.output_ids)
     assert text == data.decode("utf-8", errors="replace")
@@ -268,7 +268,7 @@ def test_eos_finishes_with_stop_and_keeps_its_entry(tiny: LoadedModel) -> None:
     params = SamplingParams(max_tokens=5, temperature=0, logit_bias=((2, 100.0),), logprobs=True)
     [(seq, outs)] = run_engine(tiny, [(prompt, params)])
     assert list(seq.output_ids) == [2]
-    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].end_token == 1
+    assert outs[-1].finish_reason is FinishReason.STOP and sum(o.num_tokens for o in outs) == 1
     assert "".join(o.text for o in outs) == ""
 
 
@@ -343,13 +343,13 @@ def test_mlx_cache_is_limited_and_emptied_when_idle(tiny: LoadedModel) -> None:
     when asked, and whatever is cached goes back once the engine is idle."""
     before = mx.set_cache_limit(1 << 40)
     engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, EngineConfig(cache_limit_mib=64))
-    engine.start()
+    client = client_of(engine)
     try:
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
-        seqs = [Sequence(f"r{i}", [1, 2, 3 + i], params) for i in range(4)]
+        reqs = [EngineRequest(f"r{i}", [1, 2, 3 + i], params, stream=True) for i in range(4)]
 
         async def run() -> None:
-            await asyncio.gather(*(collect_outputs(engine, s) for s in seqs))
+            await asyncio.gather(*(collect_outputs(client, r) for r in reqs))
 
         asyncio.run(run())
         deadline = time.monotonic() + 10
@@ -358,7 +358,7 @@ def test_mlx_cache_is_limited_and_emptied_when_idle(tiny: LoadedModel) -> None:
         assert engine.snapshot().cache_memory == 0
         assert mx.set_cache_limit(1 << 40) == 64 << 20
     finally:
-        engine.shutdown()
+        client.shutdown()
         mx.set_cache_limit(before)
     with pytest.raises(ValueError, match="cache_limit_mib"):
         EngineConfig(cache_limit_mib=-1)

@@ -8,10 +8,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from omlx_logprobs.engine.prompt_scoring import PromptSlice, ScorePath, score
+from omlx_logprobs.engine.prompt_scoring import PromptSlice, score
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs import kernel
 from omlx_logprobs.logprobs.extract import EntryAsk, device_step
+from omlx_logprobs.logprobs.extractor import DeviceExtractor
 from omlx_logprobs.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="needs MLX's CUDA backend")
@@ -139,21 +140,21 @@ def test_fused_prompt_blocks_equal_the_ops_path(k: int, ids: list[int] | None) -
     token_ids = rng.integers(0, v, n).astype(np.int32)
     slices = [PromptSlice(seq, 1, token_ids[:300]), PromptSlice(seq, 301, token_ids[300:])]
     got, want = (
-        score(slices, lambda a, b: logits[a:b], ScorePath(256, fused=f)) for f in (True, False)
+        score(slices, lambda a, b: logits[a:b], DeviceExtractor(f, 256)) for f in (True, False)
     )
     assert got is not None and want is not None
     mx.eval(got.arrays(), want.arrays())
-    for g, w in zip(got.to_host(), want.to_host(), strict=True):
-        assert g.first == w.first
-        np.testing.assert_array_equal(g.logprobs.logprobs, w.logprobs.logprobs)
-        np.testing.assert_array_equal(g.logprobs.ranks, w.logprobs.ranks)
-        np.testing.assert_array_equal(g.logprobs.top_logprobs, w.logprobs.top_logprobs)
+    for (gs, g), (ws, w) in zip(got.to_host(), want.to_host(), strict=True):
+        assert gs.first == ws.first
+        np.testing.assert_array_equal(g.logprobs, w.logprobs)
+        np.testing.assert_array_equal(g.ranks, w.ranks)
+        np.testing.assert_array_equal(g.top_logprobs, w.top_logprobs)
         if ids is not None:
-            np.testing.assert_array_equal(g.logprobs.top_ids, w.logprobs.top_ids)
+            np.testing.assert_array_equal(g.top_ids, w.top_ids)
     x = np.array(logits.astype(mx.float32))
     ref = x - lse32(x)  # independent of both paths; MLX's float32 sum of 49k exps: ~1e-4 off
     pos = np.arange(n)
-    entries = [g.logprobs for g in got.to_host()]
+    entries = [e for _, e in got.to_host()]
     own = np.concatenate([e.logprobs for e in entries])
     np.testing.assert_allclose(own, ref[pos, token_ids], atol=5e-4)
     tops = np.concatenate([e.top_logprobs for e in entries])

@@ -16,13 +16,22 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine import model_runner
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.prompt_scoring import block_sizes
-from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.logprobs.extractor import HostExtractor
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.types import FinishReason, LogprobsMode, RequestOutput, SamplingParams
+from omlx_logprobs.types import (
+    EngineRequest,
+    FinishReason,
+    LogprobsMode,
+    RequestOutput,
+    SamplingParams,
+)
 from tests.helpers.engine import (
     TINY_CONFIG,
+    Record,
     check_against_reference,
     check_prompt_store,
+    client_of,
+    collect_outputs,
     encode,
     reference_logprobs,
     run_engine,
@@ -195,29 +204,16 @@ class CountingModel:
 
 def run_group(
     model: Any, tiny: LoadedModel, prompt: list[int], params: SamplingParams, n: int
-) -> list[tuple[Sequence, list[RequestOutput]]]:
+) -> list[tuple[Record, list[RequestOutput]]]:
+    """One request with n choices (one prefill); each choice's record and outputs."""
     engine = Engine(model, tiny.vocab, tiny.eos_token_ids, EngineConfig(prefill_chunk=16))
-    engine.start()
-    leader = Sequence("g", list(prompt), params)
-    for i in range(1, n):
-        leader.fork(i)
-
-    async def main() -> list[list[RequestOutput]]:
-        handles = engine.add_group(leader, asyncio.get_running_loop())
-
-        async def collect(h: Any) -> list[RequestOutput]:
-            outs = [await h.collector.get()]
-            while not outs[-1].finished:
-                outs.append(await h.collector.get())
-            return outs
-
-        return await asyncio.gather(*[collect(h) for h in handles])
-
+    client = client_of(engine)
+    req = EngineRequest("g", list(prompt), params, n, stream=True)
     try:
-        outs = asyncio.run(main())
+        outs = asyncio.run(collect_outputs(client, req))
     finally:
-        engine.shutdown()
-    return list(zip(leader.group, outs))
+        client.shutdown()
+    return [(Record(req, o), o) for o in outs]
 
 
 def test_n_choices_share_one_prefill_and_differ_by_seed(tiny: LoadedModel) -> None:
@@ -234,7 +230,9 @@ def test_n_choices_share_one_prefill_and_differ_by_seed(tiny: LoadedModel) -> No
     again = run_group(tiny.model, tiny, prompt, params, 4)
     assert [list(s.output_ids) for s, _ in again] == choices  # (seed, index, step) repeats
     for seq, outs in first:
-        assert seq.prompt_store is first[0][0].prompt_store  # one set of prompt entries
+        # one set of prompt entries, in each choice's first output
+        assert seq.prompt_store is not None and first[0][0].prompt_store is not None
+        assert np.array_equal(seq.prompt_store.logprobs, first[0][0].prompt_store.logprobs)
         assert outs[-1].finish_reason is FinishReason.LENGTH
         out = list(seq.output_ids)
         ref = reference_logprobs(tiny, prompt + out)[len(prompt) - 1 : -1]
@@ -313,7 +311,7 @@ def test_large_extraction_blocks_give_the_same_entries(
     """The GPU's larger blocks (up to 512 rows, several lengths in one prompt) and aligned group
     widths, run here on the CPU: whole prompts in one group and chunked prompts, against their
     own forward passes."""
-    monkeypatch.setattr(model_runner, "CPU_PROMPT_BLOCK", block)
+    monkeypatch.setattr(HostExtractor, "max_block", block)
     monkeypatch.setattr(model_runner, "CPU_PREFILL_ALIGN", 32 if block > 128 else 1)
     prompts = [encode(tiny, TEXT * 30), encode(tiny, TEXT * 9), encode(tiny, TEXT * 14)]
     params = SamplingParams(max_tokens=0, temperature=0, prompt_logprobs=2, logprobs=True)
@@ -343,8 +341,8 @@ def test_gpu_path_processes_steps_beside_the_next_launch(
     host = run_engine(tiny, requests, cfg)
     monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
     engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, cfg)
-    assert engine._aside is not None  # the path under test processes on its second thread
-    engine._aside.shutdown()
+    assert engine.runner.overlaps  # the path under test processes on its second thread
+    engine.overlap.shutdown()
     device = run_engine(tiny, requests, cfg)
     for (a, _), (b, outs_b), (prompt, p) in zip(host, device, requests):
         assert outs_b[-1].finish_reason is FinishReason.LENGTH

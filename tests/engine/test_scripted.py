@@ -52,7 +52,7 @@ def test_every_case_at_once_follows_its_script(scripted: LoadedModel, k: int, ch
         assert seq.output_ids.tolist() == ids, name
         assert seq.finish_reason is FinishReason.STOP
         check_sections(outs, name, n_reasoning)
-        entries = json.loads(fmt.entries(seq.store, 0, len(ids)))
+        entries = json.loads(fmt.entries(seq.store.entries.rows(0, len(ids))))
         check_entries(entries, ids, 0, scripted.vocab, k)
 
 
@@ -60,9 +60,11 @@ def check_sections(outs: list[RequestOutput], name: str, n_reasoning: int) -> No
     case = CASES[name]
     assert "".join(o.reasoning_text for o in outs) == case.reasoning
     assert "".join(o.text for o in outs) == case.content
-    assert [i for o in outs for i in range(o.first_token, o.split_token)] == list(
-        range(n_reasoning)
-    )
+    pos, reasoning = 0, []  # each output's first num_reasoning tokens are reasoning
+    for o in outs:
+        reasoning += range(pos, pos + o.num_reasoning)
+        pos += o.num_tokens
+    assert reasoning == list(range(n_reasoning))
 
 
 def test_thinking_opened_by_the_template(scripted: LoadedModel) -> None:
@@ -77,5 +79,9 @@ def test_thinking_opened_by_the_template(scripted: LoadedModel) -> None:
     assert "".join(o.text for o in outs) == " out"
     fmt = ChatLogprobFormatter(scripted.vocab)
     check_entries(
-        json.loads(fmt.entries(seq.store, 0, len(ids) - 2)), ids[2:], 2, scripted.vocab, 3
+        json.loads(fmt.entries(seq.store.entries.rows(0, len(ids) - 2))),
+        ids[2:],
+        2,
+        scripted.vocab,
+        3,
     )

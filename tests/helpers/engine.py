@@ -4,17 +4,18 @@ log-softmax), running requests through a fresh engine, and the checks against th
 from __future__ import annotations
 
 import asyncio
+import functools
+from array import array
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.client import EngineClient, ThreadTransport
 from omlx_logprobs.engine.engine import Engine
-from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.parsing.thinking import ThinkStart
-from omlx_logprobs.types import RequestOutput, SamplingParams
+from omlx_logprobs.types import EngineRequest, Entries, RequestOutput, SamplingParams, ThinkStart
 
 TINY_CONFIG = {
     "model_type": "llama",
@@ -45,12 +46,57 @@ def reference_logprobs(model: LoadedModel, ids: list[int]) -> np.ndarray:
     return (logits - lse).astype(np.float32)
 
 
-async def collect_outputs(engine: Engine, seq: Sequence) -> list[RequestOutput]:
-    handle = engine.add_request(seq, asyncio.get_running_loop())
-    outs = [await handle.collector.get()]
-    while not outs[-1].finished:
-        outs.append(await handle.collector.get())
-    return outs
+class StoreView:
+    """A block of entries read the way the engine's store was: flat columns and `top(i)`."""
+
+    def __init__(self, e: Entries) -> None:
+        self.entries = e
+        self.k = e.k
+        self.token_ids, self.logprobs, self.ranks = e.token_ids, e.logprobs, e.ranks
+        self.top_ids, self.top_logprobs = e.top_ids.ravel(), e.top_logprobs.ravel()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def top(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.entries.top_ids[i], self.entries.top_logprobs[i]
+
+
+class Record:
+    """One choice of a request rebuilt from its outputs alone, as a client sees it: the ids,
+    entries and finish the engine's own record held."""
+
+    def __init__(self, req: EngineRequest, outputs: list[RequestOutput]) -> None:
+        self.request_id, self.prompt_ids, self.params = req.request_id, req.prompt_ids, req.params
+        self.outputs = outputs
+        merged = functools.reduce(RequestOutput.merge, outputs)
+        self.output_ids = array("i", merged.token_ids.tolist())
+        self.num_output = len(merged.token_ids)
+        self.store = StoreView(merged.logprobs) if merged.logprobs is not None else None
+        prompt = merged.prompt_logprobs
+        self.prompt_store = StoreView(prompt) if prompt is not None else None
+        self.finish_reason, self.error = merged.finish_reason, merged.error
+        self.cached_tokens = merged.cached_tokens
+
+
+def client_of(engine: Engine) -> EngineClient:
+    """The engine as the API reaches it: a client over a thread of this process, started."""
+    client = EngineClient(ThreadTransport(engine))
+    client.start()
+    return client
+
+
+async def collect_outputs(client: EngineClient, req: EngineRequest) -> list[list[RequestOutput]]:
+    """Every output of each choice of `req`, in order, until each finishes."""
+    handle = client.submit(req)
+
+    async def choice(slot: Any) -> list[RequestOutput]:
+        outs = [await slot.get()]
+        while not outs[-1].finished:
+            outs.append(await slot.get())
+        return outs
+
+    return list(await asyncio.gather(*[choice(c) for c in handle.choices]))
 
 
 def run_engine(
@@ -58,29 +104,33 @@ def run_engine(
     requests: list[tuple[list[int], SamplingParams]],
     cfg: EngineConfig | None = None,
     thinks: list[ThinkStart] | None = None,
-) -> list[tuple[Sequence, list[RequestOutput]]]:
-    """Submit all requests at once to a fresh engine; return each one's record and outputs."""
+) -> list[tuple[Record, list[RequestOutput]]]:
+    """Submit all requests at once (streamed) to a fresh engine; each one's record, rebuilt
+    from its outputs, and the outputs."""
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg or EngineConfig())
-    engine.start()
+    client = client_of(engine)
     thinks = thinks or [ThinkStart.OFF] * len(requests)
-    seqs = [
-        Sequence(f"r{i}", list(p), sp, t) for i, ((p, sp), t) in enumerate(zip(requests, thinks))
+    reqs = [
+        EngineRequest(f"r{i}", list(p), sp, think=t, stream=True)
+        for i, ((p, sp), t) in enumerate(zip(requests, thinks))
     ]
 
-    async def main() -> list[list[RequestOutput]]:
-        return await asyncio.gather(*[collect_outputs(engine, s) for s in seqs])
+    async def main() -> list[list[list[RequestOutput]]]:
+        return await asyncio.gather(*[collect_outputs(client, r) for r in reqs])
 
     try:
         outs = asyncio.run(main())
     finally:
-        engine.shutdown()
-    return list(zip(seqs, outs))
+        client.shutdown()
+    return [(Record(r, o[0]), o[0]) for r, o in zip(reqs, outs)]
 
 
 def check_against_reference(model: LoadedModel, prompt: list[int], seq: Any, k: int) -> None:
     out = list(seq.output_ids)
     ref = reference_logprobs(model, prompt + out)[len(prompt) - 1 : -1]
     store = seq.store
+    if not isinstance(store, StoreView):  # the engine's own record (a test that steps it)
+        store = StoreView(store.block(0, len(store)))
     assert len(store) == len(out)
     for i, tok in enumerate(out):
         row = ref[i]
@@ -98,7 +148,7 @@ def check_against_reference(model: LoadedModel, prompt: list[int], seq: Any, k: 
                 assert got == exp or abs(row[got] - row[exp]) < 1e-4
 
 
-def check_prompt_store(seq: Sequence, ref: np.ndarray, k: int) -> None:
+def check_prompt_store(seq: Record, ref: np.ndarray, k: int) -> None:
     """Prompt position i (1..len-1) against row i-1 of a full forward pass."""
     store, prompt = seq.prompt_store, seq.prompt_ids
     assert store is not None and len(store) == len(prompt) - 1

@@ -17,7 +17,7 @@ import numpy as np
 
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.models.scripted import ALT_STRIDE, FORMAT, script_ids
-from omlx_logprobs.output.detokenizer import Vocabulary
+from omlx_logprobs.vocab import Vocabulary
 
 CHOSEN_LOGIT = 9.0
 CHOSEN_SLOPE = 0.0625  # so that every step's distribution differs

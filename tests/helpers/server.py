@@ -24,6 +24,7 @@ import uvicorn
 from omlx_logprobs.api.app import create_app
 from omlx_logprobs.api.serving import Served
 from omlx_logprobs.config import Access, EngineConfig, Limits
+from omlx_logprobs.engine.client import EngineClient, ThreadTransport
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel
 
@@ -99,7 +100,8 @@ def thread_server(
     """`create_app` under a real uvicorn server in a thread; yields (base URL, engine)."""
     cfg = cfg or EngineConfig(max_num_seqs=64, prefill_chunk=64)
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg)
-    app = create_app(Served(engine, model, cfg, limits=limits or Limits()), access)
+    client = EngineClient(ThreadTransport(engine))
+    app = create_app(Served(client, model, cfg, limits=limits or Limits()), access)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")

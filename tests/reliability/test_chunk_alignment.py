@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from omlx_logprobs.engine.processor import OutputProcessor
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.engine.step import StepResult
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.output.processor import OutputProcessor
 from omlx_logprobs.parsing.thinking import ThinkStart
 from omlx_logprobs.types import RequestOutput, SamplingParams
 
@@ -37,14 +37,15 @@ def run(
     tiny: LoadedModel, tokens: list[int], stop: tuple[str, ...] = (), think: bool = False
 ) -> Run:
     r = Run(tokens)
-    proc = OutputProcessor(tiny.vocab, tiny.eos_token_ids, lambda s, o: r.outs.append(o))
+    proc = OutputProcessor(tiny.vocab, tiny.eos_token_ids)
     params = SamplingParams(max_tokens=len(tokens), stop=stop)
     r.seq = Sequence("r", [1, 2, 3], params, ThinkStart.DETECT if think else ThinkStart.OFF)
     for t in tokens:
         if r.seq.status.name == "FINISHED":
             break
-        proc.process(StepResult([r.seq], np.array([t]), None))
-        r.released.append(r.outs[-1].end_token if r.outs else 0)
+        proc.process(StepResult([r.seq], np.array([t]), np.array([True]), None))
+        r.outs += proc.take()
+        r.released.append(sum(o.num_tokens for o in r.outs))
     return r
 
 
@@ -69,9 +70,9 @@ def check_aligned(tiny: LoadedModel, r: Run, think: bool, stop: tuple[str, ...] 
     pieces = [tiny.vocab.token_bytes[t] or b"" for t in ids]
     reasoning = content = ""
     position = 0
-    for o in r.outs:
-        assert o.first_token == position and o.end_token >= position  # each entry once, in order
-        position = o.end_token
+    for o in r.outs:  # each output's tokens follow the last one's: each entry once, in order
+        first, position = position, position + o.num_tokens
+        assert o.logprobs is None or len(o.logprobs) == o.num_tokens
         reasoning += o.reasoning_text
         content += o.text
         raw = b"".join(pieces[:position])
@@ -79,10 +80,10 @@ def check_aligned(tiny: LoadedModel, r: Run, think: bool, stop: tuple[str, ...] 
         assert (reasoning, content) == (want_r, want_c), (raw, o)
         # A token is reasoning when its first byte falls before the content (tags included).
         starts = np.cumsum([0] + [len(p) for p in pieces[:position]])[:-1]
-        for i in range(o.first_token, o.end_token):
+        for i in range(first, position):
             if pieces[i]:
                 is_reasoning = content_from is None or starts[i] < content_from
-                assert (i < o.split_token) == is_reasoning, (i, o)
+                assert (i < first + o.num_reasoning) == is_reasoning, (i, o)
     assert r.outs[-1].finished and position == len(ids)
 
 
@@ -122,7 +123,7 @@ def test_a_stop_string_held_mid_token_waits_whole_token(tiny: LoadedModel) -> No
     # It is one: the text stops before it, the tokens that completed it keep their entries.
     r = run(tiny, tokens, stop=("lo wor",))
     check_aligned(tiny, r, think=False, stop=("lo wor",))
-    assert [(o.text, o.end_token, o.finished) for o in r.outs] == [(" hel", 2, True)]
+    assert [(o.text, o.num_tokens, o.finished) for o in r.outs] == [(" hel", 2, True)]
 
 
 @pytest.mark.parametrize("think", [False, True])
@@ -153,7 +154,9 @@ def test_tags_inside_chunks(tiny: LoadedModel) -> None:
     # "<think>" settles at ">", "a" at once; " <" may begin "</think>": it waits whole and goes
     # with "><", a reasoning token whose "<" is the answer's first character.
     assert r.released == [0, 0, 3, 4, 4, 4, 4, 8, 9, 10, 11]
-    assert [(o.reasoning_text, o.text, o.split_token) for o in r.outs] == [
+    firsts = np.cumsum([0] + [o.num_tokens for o in r.outs])[:-1]  # each output's first token
+    splits = [int(f) + o.num_reasoning for f, o in zip(firsts, r.outs)]  # its first content one
+    assert [(o.reasoning_text, o.text, s) for o, s in zip(r.outs, splits)] == [
         ("", "", 3),
         ("a", "", 4),
         (" ", "<", 8),

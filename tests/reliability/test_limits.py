@@ -193,3 +193,22 @@ def test_overload_gets_429_with_retry_after(limited: str) -> None:
     wait_idle(limited)
     r = httpx.post(url, json={**long, "stream": False, "max_tokens": 4}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_raised_limits_are_the_only_bound(tiny_served: LoadedModel) -> None:
+    """`--max-n` and `--max-logprob-token-ids` above their defaults (16, 128) are what the
+    server takes: no constant elsewhere refuses a value within them."""
+    raised = Limits(max_n=24, max_logprob_token_ids=160)
+    with thread_server(tiny_served, CFG, raised) as (base, _):
+        body = {"model": TINY_NAME, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+        r = httpx.post(base + "/v1/completions", json={**body, "n": 24}, timeout=120)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 24
+        ids = list(range(100, 260))
+        scored = {**body, "logprobs": 1, "logprob_token_ids": ids}
+        r = httpx.post(base + "/v1/completions", json=scored, timeout=120)
+        assert r.status_code == 200, r.text
+        [top] = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+        assert len(top) >= 1
+        over = httpx.post(base + "/v1/completions", json={**body, "n": 25}, timeout=30)
+        assert_openai_error(over, 400, "n")
+        wait_idle(base)

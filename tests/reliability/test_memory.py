@@ -158,13 +158,15 @@ def test_startup_objects_are_out_of_the_collectors_sight() -> None:
 def test_formatting_entries_never_blocks_the_engine_appending(
     tiny_served: LoadedModel, monkeypatch: pytest.MonkeyPatch, shape: str
 ) -> None:
-    """The event loop formats a store's entries while the engine thread appends to it. A numpy
-    view of the store's own arrays made the append fail ("cannot resize an array that is
-    exporting buffers") and ended the request with an error, once in a few thousand under load.
-    Here the append happens exactly inside the finiteness check, where the view lived."""
+    """The event loop formats an output's entries while the engine thread appends to the store
+    they came from. A numpy view of the store's own arrays made the append fail ("cannot resize
+    an array that is exporting buffers") and ended the request with an error, once in a few
+    thousand under load; an output's block is a copy. Here the append happens exactly inside
+    the formatting's finiteness check."""
     store = LogprobStore(2)
     row = np.array([3, 4], np.int32).tobytes(), np.array([-0.5, -1.5], np.float32).tobytes()
     store.append(3, -0.5, 1, *row)
+    block = store.block(0, 1)
     real_isfinite = np.isfinite
 
     def appending(x: Any) -> Any:
@@ -173,8 +175,8 @@ def test_formatting_entries_never_blocks_the_engine_appending(
 
     monkeypatch.setattr(np, "isfinite", appending)
     if shape == "chat":
-        text = ChatLogprobFormatter(tiny_served.vocab).entries(store, 0, 1)
+        text = ChatLogprobFormatter(tiny_served.vocab).entries(block)
     else:
         fmt = LegacyLogprobFormatter(tiny_served.vocab)
-        text = fmt.json(LegacyCursor(), 2, None, store, (0, 1))
+        text = fmt.json(LegacyCursor(), 2, None, block)
     assert len(store) > 1 and text.count("-0.5") == 2, text

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.output.detokenizer import IncrementalText, token_display
+from omlx_logprobs.output.detokenizer import IncrementalText
+from omlx_logprobs.vocab import token_display
 
 
 def feed_all(pieces: list[bytes], stops: tuple[str, ...] = ()) -> tuple[list[str], IncrementalText]:

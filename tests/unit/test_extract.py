@@ -12,13 +12,13 @@ import pytest
 
 from omlx_logprobs.logprobs import kernel
 from omlx_logprobs.logprobs.extract import (
-    BatchLogprobs,
     EntryAsk,
     HostExtraction,
     device_step,
     finite_rows,
     log_softmax,
 )
+from omlx_logprobs.types import Entries
 
 
 def entries(
@@ -28,7 +28,7 @@ def entries(
     fixed: mx.array | None = None,
     natural: bool = True,
     host: bool = False,
-) -> BatchLogprobs:
+) -> Entries:
     """The rows' entries by the runner's own path: numpy at collect time (`host`), or a device
     step's packed entries (the CUDA kernel where there is one, else MLX ops)."""
     logits, ids = mx.array(x), mx.array(chosen).astype(mx.int32)

@@ -1,5 +1,5 @@
 """The chat and legacy logprob JSON against a straightforward construction, entry by entry, from
-the same store: -inf, special tokens (bytes null), a partial UTF-8 character, JSON escapes and
+the same entries: -inf, special tokens (bytes null), a partial UTF-8 character, JSON escapes and
 '%' in token text, token ids as strings, and fixed `logprob_token_ids` lists."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import pytest
 
 from omlx_logprobs.logprobs.format import (
     ChatLogprobFormatter,
-    EntriesText,
     NonFiniteLogprob,
     float_numbers,
 )
 from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
-from omlx_logprobs.logprobs.store import LogprobStore
-from omlx_logprobs.output.detokenizer import Vocabulary, token_display
+from omlx_logprobs.types import Entries
+from omlx_logprobs.vocab import Vocabulary, token_display
+from tests.helpers.engine import StoreView
 
 PIECES: list[bytes | None] = [
     None, b"true", b" true", b"true", "é".encode(), b"\xe6\x97", b"\xa5", b'"%s\\', b"\n%", b"x",
@@ -26,7 +26,7 @@ PIECES: list[bytes | None] = [
 VOCAB = Vocabulary(tuple(PIECES), tuple(token_display(b, "<|end|>") for b in PIECES))
 
 
-def random_store(rng: np.random.Generator, n: int, k: int, fixed: bool = False) -> LogprobStore:
+def random_store(rng: np.random.Generator, n: int, k: int, fixed: bool = False) -> StoreView:
     ids = np.stack([rng.permutation(len(PIECES))[:k] for _ in range(n)])
     if fixed:  # logprob_token_ids: the same ids in the order asked, values in any order
         ids = np.repeat(rng.permutation(len(PIECES))[None, :k], n, axis=0)
@@ -34,9 +34,9 @@ def random_store(rng: np.random.Generator, n: int, k: int, fixed: bool = False) 
     lps[rng.random((n, k + 1)) < 0.15] = -np.inf
     if not fixed:
         lps[:, 1:] = -np.sort(-lps[:, 1:], axis=1)
-    store = LogprobStore(k)
-    store.extend(rng.integers(0, len(PIECES), n), lps[:, 0], rng.integers(1, 9, n), ids, lps[:, 1:])
-    return store
+    tokens, ranks = rng.integers(0, len(PIECES), n), rng.integers(1, 9, n)
+    e = Entries(tokens, lps[:, 0], ranks, ids.reshape(n, k), lps[:, 1:].copy())
+    return StoreView(e.to_host())
 
 
 def value(x: float) -> float:
@@ -65,7 +65,7 @@ def test_chat_entries_match_entry_by_entry(as_ids: bool, k: int, n: int) -> None
             top_ids, top_lps = store.top(i)
             entry["top_logprobs"] = [chat_entry(t, v, as_ids) for t, v in zip(top_ids, top_lps)]
             expected.append(entry)
-        text = fmt.entries(store, start, end)
+        text = fmt.entries(store.entries.rows(start, end))
         assert json.loads(text) == expected
         assert "Infinity" not in text and "NaN" not in text
 
@@ -83,10 +83,10 @@ def test_chat_numbers_are_the_widened_float32_in_its_shortest_digits() -> None:
     tiny = [-1.5e-6, -2.3e-5, -9.9e-5, -1e-4, 0.0, -1e-45, -123456.7]
     for i, x in enumerate(tiny):
         store.logprobs[i] = x
-    text = ChatLogprobFormatter(VOCAB).entries(store, 0, 50)
+    text = ChatLogprobFormatter(VOCAB).entries(store.entries)
     own = store.logprobs.tolist()
     assert [e["logprob"] for e in json.loads(text)] == [value(x) for x in own]
-    values = np.frombuffer(store.logprobs[:] + store.top_logprobs[:], np.float32)
+    values = np.concatenate([store.logprobs, store.top_logprobs])
     for x, number in zip(values.tolist(), float_numbers(values), strict=True):
         if np.isfinite(x):
             assert float(number) == x and digits(number) == digits(repr(x))
@@ -99,9 +99,9 @@ def test_nan_is_refused() -> None:
     store = random_store(np.random.default_rng(4), 3, 2)
     store.top_logprobs[4] = float("nan")
     with pytest.raises(NonFiniteLogprob):
-        ChatLogprobFormatter(VOCAB).entries(store, 0, 3)
+        ChatLogprobFormatter(VOCAB).entries(store.entries)
     with pytest.raises(NonFiniteLogprob):
-        LegacyLogprobFormatter(VOCAB).json(LegacyCursor(), 2, None, store, (0, 3))
+        LegacyLogprobFormatter(VOCAB).json(LegacyCursor(), 2, None, store.entries)
 
 
 def legacy_dict(own: int, own_lp: float, ids: Any, lps: Any, fixed: bool, as_ids: bool) -> dict:
@@ -122,7 +122,8 @@ def test_legacy_matches_entry_by_entry(as_ids: bool, k: int, fixed: bool) -> Non
     prompt_ids = [0, *pstore.token_ids.tolist()]  # entry i scores prompt token i + 1
     fmt = LegacyLogprobFormatter(VOCAB, as_ids)
     cursor = LegacyCursor(5)
-    out = json.loads(fmt.json(cursor, k, (prompt_ids, pstore), store, (3, 20), fixed))
+    prompt = (prompt_ids, pstore.entries)
+    out = json.loads(fmt.json(cursor, k, prompt, store.entries.rows(3, 20), fixed))
     positions = [(pstore, i, True) for i in range(30)] + [(store, i, False) for i in range(3, 20)]
     tokens = [prompt_ids[0]] + [s.token_ids[i] for s, i, _ in positions]
     assert out["tokens"] == [token(t, as_ids) for t in tokens]
@@ -143,31 +144,3 @@ def count(tid: int, in_prompt: bool) -> int:
     if b is None:
         return len(VOCAB.token_text[tid]) if in_prompt else 0
     return sum(1 for c in b if c < 0x80 or c >= 0xC0)
-
-
-@pytest.mark.parametrize("k", [0, 3])
-def test_entries_text_grown_in_spans_equals_one_formatting(k: int) -> None:
-    """A non-streamed body's entries formatted while the request runs (spans of any size as the
-    store grows) equal the whole list formatted at the end, for every end."""
-    full = random_store(np.random.default_rng(40 + k), 40, k)
-    fmt = ChatLogprobFormatter(VOCAB)
-    for cuts in ([], [1], [16, 32], [5, 6, 7, 39], [40]):
-        store = LogprobStore(k)
-        text = EntriesText(fmt, store)
-        for i in range(40):  # as the engine's records arrive, position by position
-            ids, lps = (a.tobytes() for a in full.top(i))
-            store.append(full.token_ids[i], full.logprobs[i], full.ranks[i], ids, lps)
-            if i + 1 in cuts:
-                text.extend()
-        assert text.json(0, 40) == fmt.entries(full, 0, 40)
-    assert text.json(3, 40) == fmt.entries(full, 3, 40)  # not from 0: formatted at the end
-
-
-def test_entries_text_with_a_nan_raises_at_the_end() -> None:
-    store = random_store(np.random.default_rng(9), 20, 2)
-    store.logprobs[4] = float("nan")
-    text = EntriesText(ChatLogprobFormatter(VOCAB), store)
-    text.extend()  # the arrival side never raises ...
-    assert text.failed
-    with pytest.raises(NonFiniteLogprob):
-        text.json(0, 20)  # ... the body's own formatting does, as without it

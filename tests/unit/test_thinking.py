@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from transformers import AddedToken, AutoTokenizer
 
+from omlx_logprobs.engine.processor import OutputProcessor
 from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.engine.step import StepResult
-from omlx_logprobs.output.detokenizer import Vocabulary, build_vocabulary, token_display
-from omlx_logprobs.output.processor import OutputProcessor
 from omlx_logprobs.parsing.thinking import (
     ReasoningParser,
     ThinkStart,
@@ -23,6 +22,7 @@ from omlx_logprobs.parsing.thinking import (
     think_start,
 )
 from omlx_logprobs.types import FinishReason, RequestOutput, SamplingParams
+from omlx_logprobs.vocab import Vocabulary, build_vocabulary, token_display
 
 DETECT, INSIDE, OFF = ThinkStart.DETECT, ThinkStart.INSIDE, ThinkStart.OFF
 
@@ -34,13 +34,23 @@ def run(
     vocab = Vocabulary(tuple(pieces), tuple(token_display(p, "<|im_end|>") for p in pieces))
     eos = tuple(i for i, p in enumerate(pieces) if p is None)
     outs: list[RequestOutput] = []
-    proc = OutputProcessor(vocab, eos, lambda _s, o: outs.append(o))
+    proc = OutputProcessor(vocab, eos)
     seq = Sequence("r", [0], SamplingParams(max_tokens=max(len(pieces), 1), stop=stops), start)
     for i in range(len(pieces)):
         if seq.status is Status.FINISHED:
             break
-        proc.process(StepResult([seq], np.array([i]), None))
+        proc.process(StepResult([seq], np.array([i]), np.array([True]), None))
+        outs += proc.take()
     return seq, outs
+
+
+def spans(outs: list[RequestOutput]) -> list[tuple[int, int, int]]:
+    """Each output's tokens as positions of the whole output: (first, first content, end)."""
+    out, first = [], 0
+    for o in outs:
+        out.append((first, first + o.num_reasoning, first + o.num_tokens))
+        first += o.num_tokens
+    return out
 
 
 def layout(raw: bytes, start: ThinkStart) -> tuple[int | None, int, int]:
@@ -64,24 +74,23 @@ def check(pieces: list[bytes | None], start: ThinkStart) -> list[RequestOutput]:
     assert "".join(o.reasoning_text for o in outs) == reasoning.decode(errors="replace")
     assert "".join(o.text for o in outs) == content.decode(errors="replace")
     # Every entry once, in order, reasoning before content.
-    assert outs[0].first_token == 0 and outs[-1].end_token == len(pieces)
-    assert all(a.end_token == b.first_token for a, b in zip(outs, outs[1:]))
+    assert sum(o.num_tokens for o in outs) == len(pieces)
     starts = [0] + list(np.cumsum([len(p or b"") for p in pieces]))[:-1]
     want_reasoning = [i for i, s in enumerate(starts) if s < c0]
-    got_reasoning = [i for o in outs for i in range(o.first_token, o.split_token)]
-    got_content = [i for o in outs for i in range(o.split_token, o.end_token)]
+    got_reasoning = [i for f, r, _ in spans(outs) for i in range(f, r)]
+    got_content = [i for _, r, e in spans(outs) for i in range(r, e)]
     assert got_reasoning == want_reasoning
     assert got_reasoning + got_content == list(range(len(pieces)))
     merged = functools.reduce(RequestOutput.merge, outs)
-    assert merged.split_token == len(want_reasoning)
+    assert merged.num_reasoning == len(want_reasoning)
     assert (merged.reasoning_text, merged.text) == (
         reasoning.decode(errors="replace"),
         content.decode(errors="replace"),
     )
-    for a, b in zip(outs, outs[1:]):
+    for (a, b), (sa, sb) in zip(zip(outs, outs[1:]), zip(spans(outs), spans(outs)[1:])):
         m = a.merge(b)
-        assert list(range(m.first_token, m.split_token)) == [
-            i for o in (a, b) for i in range(o.first_token, o.split_token)
+        assert list(range(sa[0], sa[0] + m.num_reasoning)) == [
+            i for f, r, _ in (sa, sb) for i in range(f, r)
         ]
     if _valid(reasoning) and _valid(content):
         assert "\ufffd" not in "".join(o.reasoning_text + o.text for o in outs)
@@ -101,7 +110,7 @@ def _check_alignment(
     pieces: list[bytes | None], outs: list[RequestOutput], r0: int | None, c0: int, r_len: int
 ) -> None:
     """A token whose last byte is text goes out in the chunk that releases that byte."""
-    released_in = {i: k for k, o in enumerate(outs) for i in range(o.first_token, o.end_token)}
+    released_in = {i: k for k, (f, _, e) in enumerate(spans(outs)) for i in range(f, e)}
     r_cum = np.cumsum([len(o.reasoning_text.encode()) for o in outs])
     c_cum = np.cumsum([len(o.text.encode()) for o in outs])
     end = 0
@@ -158,8 +167,8 @@ def test_one_byte_per_token_and_no_stop_token(text: str) -> None:
 def test_tags_as_single_tokens_and_a_token_straddling_the_end_tag() -> None:
     pieces = [b"<think>", b"ok", b"</think>\n\nThe", b" end", None]
     outs = check(pieces, DETECT)
-    straddle = next(o for o in outs if o.first_token <= 2 < o.end_token)
-    assert straddle.split_token > 2  # a reasoning entry ...
+    straddle_at, straddle = next((sp, o) for sp, o in zip(spans(outs), outs) if sp[0] <= 2 < sp[2])
+    assert straddle_at[1] > 2  # a reasoning entry ...
     assert straddle.text == "\n\nThe"  # ... released with the answer text it carries
     check([b"<think>ok</think>Hi", None], DETECT)
     check([b"<th", b"ink>ok</", b"think", b">Hi"], DETECT)
@@ -167,15 +176,15 @@ def test_tags_as_single_tokens_and_a_token_straddling_the_end_tag() -> None:
 
 def test_the_stop_token_falls_where_the_output_stands() -> None:
     after_close = check([b"<think>", b"r", b"</think>", None], DETECT)
-    assert after_close[-1].split_token == 3  # the stop token is content (empty answer)
+    assert spans(after_close)[-1][1] == 3  # the stop token is content (empty answer)
     unclosed = check([b"<think>", b"r", None], DETECT)
-    assert unclosed[-1].split_token == 3 and unclosed[-1].finish_reason is FinishReason.STOP
-    assert check([None], DETECT)[-1].split_token == 0
+    assert spans(unclosed)[-1][1] == 3 and unclosed[-1].finish_reason is FinishReason.STOP
+    assert spans(check([None], DETECT))[-1][1] == 0
 
 
 def test_a_lone_lt_in_reasoning_is_released_with_its_token_once_settled() -> None:
     seq, outs = run([b"<think>", b"x <", b" y", b"</think>", b"a<b", None], DETECT)
-    texts = [(o.reasoning_text, o.text, o.first_token, o.end_token) for o in outs]
+    texts = [(o.reasoning_text, o.text, f, e) for o, (f, _, e) in zip(outs, spans(outs))]
     # "x <" holds "<" (maybe "</think>"), so the whole token, "x " included, waits for " y"
     # which settles it: text leaves only at token boundaries.
     assert texts[:3] == [("", "", 0, 1), ("x < y", "", 1, 3), ("", "", 3, 4)]
@@ -187,8 +196,8 @@ def test_stop_strings_apply_to_content_only() -> None:
     seq, outs = run(pieces, DETECT, stops=("STOP",))
     assert "".join(o.reasoning_text for o in outs) == "a STOP b"
     assert "".join(o.text for o in outs) == "c "
-    assert seq.finish_reason is FinishReason.STOP and outs[-1].end_token == 5
-    assert outs[-1].split_token == 3
+    assert seq.finish_reason is FinishReason.STOP and spans(outs)[-1][2] == 5
+    assert spans(outs)[-1][1] == 3
 
 
 def test_start_from_the_prompt_and_the_mode() -> None:
