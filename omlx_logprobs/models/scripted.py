@@ -1,5 +1,7 @@
 """Scripted models: an MLX module that, through the real engine, writes a chosen token sequence
-with chosen distributions, so every logprob in a response is known in closed form.
+with chosen distributions, so every logprob in a response is known in closed form. The server
+serves one with `--model description.json` (models/loader.py): the integration tests run a real
+server on it, which is why it lives in the package and not in tests/.
 
 A JSON description (docs/specs/thinking.md, "Scripted models") names the scripts, the tokenizer's
 extra tokens and the logits. At generation step t of script s, the scripted token c = s[t] (the
@@ -238,10 +240,6 @@ class ScriptedModel(nn.Module):
         )
         rest = mx.full((b, t, v), self._s.rest_logit, mx.float32)
         return mx.put_along_axis(rest, idx, vals, axis=-1)
-
-
-def is_description(path: Path) -> bool:
-    return path.is_file() and path.suffix == ".json"
 
 
 def load_scripted(path: Path) -> tuple[ScriptedModel, Any, Script, ScriptedSpec]:
