@@ -186,7 +186,7 @@ class Entries:
 _NO_IDS = np.zeros(0, np.int32)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made for every streamed row every step
 class RequestOutput:
     """What one choice of a request gained since its last output: the only record the engine
     hands out. Its tokens' entries and text travel together (a token leaves with the text it
