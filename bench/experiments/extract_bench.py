@@ -15,17 +15,13 @@ from collections.abc import Callable
 import omlx_logprobs  # noqa: F401
 import mlx.core as mx
 
-from omlx_logprobs.logprobs.extract import (
-    Extraction,
-    HostExtraction,
-    extract,
-    log_softmax,
-)
+from omlx_logprobs.logprobs.extract import HostExtraction, extract, log_softmax
+from omlx_logprobs.types import Entries
 
 
 def run(fn: Callable[[], object]) -> None:
     out = fn()
-    if isinstance(out, (Extraction, HostExtraction)):  # the host part is the copy out
+    if isinstance(out, (Entries, HostExtraction)):  # the host part is the copy out
         out.to_host()
     else:
         mx.eval(out)

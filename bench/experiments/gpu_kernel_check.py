@@ -22,6 +22,7 @@ import numpy as np
 
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import Engine
+from omlx_logprobs.logprobs.extractor import DeviceExtractor
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.models.loader import LoadedModel, load_model
@@ -50,7 +51,7 @@ def params() -> list[SamplingParams]:
 
 def run(m: LoadedModel, fused: bool) -> list[Sequence]:
     engine = Engine(m.model, m.vocab, m.eos_token_ids, EngineConfig(max_num_seqs=64))
-    engine.runner.fused = fused
+    engine.runner.extractor = DeviceExtractor(fused)
     rng = np.random.default_rng(0)
     system = rng.integers(100, len(m.vocab) - 100, 30).tolist()
     seqs = []
