@@ -26,6 +26,10 @@ start() {  # tree port [flags]: `-m` imports from the working directory first
 start "$old" 8201 "$@"; start "$PWD" 8202 "$@"
 for p in 8201 8202; do
   for _ in $(seq 240); do curl -sf http://127.0.0.1:$p/health >/dev/null && break; sleep 1; done
+  if ! curl -sf http://127.0.0.1:$p/health >/dev/null; then  # no server: no rounds to run
+    echo "the server on port $p did not start:"; tail -n 20 /tmp/ab_$p.log; kill %1 %2 2>/dev/null
+    exit 1
+  fi
 done
 load() {  # port mode requests -> tok/s
   $py bench/loadgen.py --base-url http://127.0.0.1:$1/v1 --model "$(basename $model)" \
