@@ -261,7 +261,7 @@ class ModelRunner:
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
         pending = self.extractor.step(tokens, logits, dist, params)
-        self._queue(*pending.arrays())
+        self._queue(tokens, *pending.arrays())  # the next step reads these ids on the device
         return LaunchedStep(seqs, pending)
 
     @property
