@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -17,13 +17,14 @@ from omlx_logprobs.api.protocol import CompletionRequest
 from omlx_logprobs.api.serving import (
     Served,
     encode,
+    output_every,
     raise_if_failed,
     sampling_params,
     usage,
     wait_or_disconnect,
 )
 from omlx_logprobs.engine.client import RequestHandle, merged
-from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
+from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter, Lists
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
 from omlx_logprobs.types import EngineRequest, RequestOutput
 
@@ -40,6 +41,8 @@ class Choice:
     echo_text: str  # the prompt's text when echo is on, else ""
     cursor: LegacyCursor  # character offset of the next legacy logprobs position
     started: bool = False  # whether the first (echo-carrying) chunk went out
+    # a non-streamed choice's logprobs lists, formatted output by output as they come
+    parts: list[Lists] = field(default_factory=list)
 
 
 def parse_prompts(req: CompletionRequest, served: Served) -> list[list[int]]:
@@ -99,7 +102,8 @@ class CompletionServing:
                 req, served, len(ids), req.max_tokens, req.logprobs is not None,
                 req.logprobs or 0, wanted,
             )  # fmt: skip
-            requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.n, stream=req.stream))
+            every = output_every(req.stream, params)
+            requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.n, output_every=every))
         legacy = self.legacy[0]
         choices = [
             Choice(i * req.n + j, r.prompt_ids,
@@ -109,17 +113,19 @@ class CompletionServing:
         ]  # fmt: skip
         return rid, [served.engine.submit(r) for r in requests], choices
 
-    def _logprobs(self, req: CompletionRequest, c: Choice, out: RequestOutput) -> str:
-        if out.logprobs is None:
-            return "null"
+    def _lists(self, req: CompletionRequest, c: Choice, out: RequestOutput) -> Lists:
+        """The legacy logprobs lists of out's positions (after the echoed prompt's, in the
+        choice's first output); the character offsets go on from the choice's cursor."""
+        assert out.logprobs is not None
         fixed = bool(req.logprob_token_ids)
         k = out.logprobs.k if fixed else (req.logprobs or 0)
         prompt = None
         if req.echo and not c.started:
             assert out.prompt_logprobs is not None
             prompt = (c.prompt_ids, out.prompt_logprobs)
-        fmt = self.legacy[req.return_tokens_as_token_ids]
-        return fmt.json(c.cursor, k, prompt, out.logprobs, fixed)
+        return self.legacy[req.return_tokens_as_token_ids].lists(
+            c.cursor, k, prompt, out.logprobs, fixed
+        )
 
     def _extras(self, req: CompletionRequest, c: Choice, out: RequestOutput) -> str:
         """vLLM's per-choice fields: prompt_logprobs, prompt_token_ids and token_ids."""
@@ -142,8 +148,15 @@ class CompletionServing:
 
     async def complete(self, req: CompletionRequest, raw: Request) -> str:
         rid, handles, choices = self._start(req)
+
+        def each(p: int, out: RequestOutput) -> None:  # formatted as they come
+            c = choices[p * req.n + out.index]
+            if out.logprobs is not None:
+                c.parts.append(self._lists(req, c, out))
+            c.started = True
+
         try:
-            outs = await wait_or_disconnect(handles, raw)
+            outs = await wait_or_disconnect(handles, raw, each)
         finally:
             for h in handles:
                 h.abort()
@@ -151,7 +164,8 @@ class CompletionServing:
         parts = []
         for c, out in zip(choices, outs):
             text = json.dumps(c.echo_text + out.text, ensure_ascii=False)
-            lp = self._logprobs(req, c, out)
+            lp = LegacyLogprobFormatter.join(c.parts) if c.parts else "null"
+            c.started = False  # the extras' prompt fields: once, in this body
             extras = self._extras(req, c, out)
             finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
             parts.append(
@@ -184,7 +198,9 @@ class CompletionServing:
                     text = json.dumps(
                         (c.echo_text if not c.started else "") + out.text, ensure_ascii=False
                     )
-                    lp = self._logprobs(req, c, out)
+                    lp = "null"
+                    if out.logprobs is not None:
+                        lp = LegacyLogprobFormatter.join([self._lists(req, c, out)])
                     extras = self._extras(req, c, out)
                     c.started = True
                     choice = (

@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -126,16 +126,42 @@ def encode(model: LoadedModel, text: str, param: str, special: bool = False) -> 
         raise APIError(f"The text could not be tokenized: {e}", param=param) from None
 
 
-async def wait_or_disconnect(handles: list[RequestHandle], raw: Request) -> list[RequestOutput]:
+# A non-streamed request with logprobs gets an output about every this many tokens, whose
+# entries the API formats at once: a wave of requests that end together then does not leave
+# every body's formatting (~0.5 ms for 128 top-20 positions) to the moment the wave ends.
+EARLY_EVERY = 16
+Each = Callable[[int, RequestOutput], None]  # (position of the handle, an output of it)
+
+
+def output_every(stream: bool, params: SamplingParams) -> int:
+    """How often a request's choices hand out outputs (EngineRequest.output_every)."""
+    if stream:
+        return 1
+    return EARLY_EVERY if params.logprobs else 0
+
+
+def splice(arrays: list[str]) -> str:
+    """JSON arrays of consecutive outputs' entries as one array."""
+    items = [a[1:-1] for a in arrays if a != "[]"]
+    return "[" + ",".join(items) + "]"
+
+
+async def wait_or_disconnect(
+    handles: list[RequestHandle], raw: Request, each: Each | None = None
+) -> list[RequestOutput]:
     """Every choice's merged outputs once all have finished, in order; ConnectionAbortedError if
-    the client goes away first (the caller aborts what is unfinished)."""
+    the client goes away first (the caller aborts what is unfinished). `each` sees every output
+    as it comes."""
 
     async def disconnected() -> None:
         while (await raw.receive())["type"] != "http.disconnect":
             pass
 
+    def each_of(i: int) -> Callable[[RequestOutput], None] | None:
+        return None if each is None else lambda out: each(i, out)
+
     async def collect_all() -> list[RequestOutput]:
-        finals = await asyncio.gather(*[h.final() for h in handles])
+        finals = await asyncio.gather(*[h.final(each_of(i)) for i, h in enumerate(handles)])
         return [out for outs in finals for out in outs]
 
     task = asyncio.ensure_future(collect_all())
@@ -202,20 +228,29 @@ class ChatServing:
             req.prompt_logprobs,
         )
         think = think_start(served.reasoning, served.model.tokenizer.decode(prompt[-8:]))
-        ereq = EngineRequest(
-            f"chatcmpl-{uuid.uuid4().hex}", prompt, params, think=think, stream=req.stream
-        )
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        every = output_every(req.stream, params)
+        ereq = EngineRequest(rid, prompt, params, think=think, output_every=every)
         return ereq, served.engine.submit(ereq)
 
     async def complete(self, req: ChatCompletionRequest, raw: Request) -> str:
         ereq, handle = self._start(req)
+        think = ereq.think
+        parts: list[tuple[str, str]] = []  # each output's entries, formatted as they come
+
+        def each(_: int, out: RequestOutput) -> None:
+            if out.logprobs is not None:
+                parts.append(self._entries_json(req, out, think))
+
         try:
-            [out] = await wait_or_disconnect([handle], raw)
+            [out] = await wait_or_disconnect([handle], raw, each)
         finally:
             handle.abort()
         raise_if_failed([out])
-        think = ereq.think
-        lp = self._logprobs_json(req, out, think)
+        lp = "null"
+        if parts:
+            content, reasoning = zip(*parts)
+            lp = self._logprobs_json((splice(list(content)), splice(list(reasoning))), think)
         message = json.dumps(
             {"role": "assistant", **sections.message(out, think)}, ensure_ascii=False
         )
@@ -240,21 +275,27 @@ class ChatServing:
             f'"usage":{json.dumps(body)}{extra}}}'
         )
 
-    def _logprobs_json(
+    def _entries_json(
         self, req: ChatCompletionRequest, out: RequestOutput, think: ThinkStart
-    ) -> str:
-        """The entries of out's tokens; with the thinking parser on, reasoning tokens apart."""
+    ) -> tuple[str, str]:
+        """The JSON arrays of out's content and reasoning tokens' entries (reasoning first)."""
         e = out.logprobs
-        if e is None:
-            return "null"
+        assert e is not None
         entries = self.formatters[req.return_tokens_as_token_ids].entries
         if think is ThinkStart.OFF:
-            return '{"content":' + entries(e) + ',"refusal":null}'
+            return entries(e), "[]"
         r = out.num_reasoning
-        return (
-            f'{{"content":{entries(e.rows(r, len(e)))},'
-            f'"reasoning_content":{entries(e.rows(0, r))},"refusal":null}}'
-        )
+        return entries(e.rows(r, len(e))), entries(e.rows(0, r))
+
+    @staticmethod
+    def _logprobs_json(arrays: tuple[str, str] | None, think: ThinkStart) -> str:
+        """A choice's `logprobs` object from its content and reasoning entry arrays."""
+        if arrays is None:
+            return "null"
+        content, reasoning = arrays
+        if think is ThinkStart.OFF:
+            return '{"content":' + content + ',"refusal":null}'
+        return f'{{"content":{content},"reasoning_content":{reasoning},"refusal":null}}'
 
     def stream(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
         ereq, handle = self._start(req)  # errors raise here, before the 200 starts
@@ -285,7 +326,10 @@ class ChatServing:
             while True:
                 out = await slot.get()
                 if out.text or out.reasoning_text or out.num_tokens:
-                    lp = self._logprobs_json(req, out, think)
+                    arrays = None
+                    if out.logprobs is not None:
+                        arrays = self._entries_json(req, out, think)
+                    lp = self._logprobs_json(arrays, think)
                     extra = f',"token_ids":{json.dumps(out.token_ids.tolist())}' if ids else ""
                     yield chunk(sections.delta(out, think), lp, None, extra)
                 if out.finished:

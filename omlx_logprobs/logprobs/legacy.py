@@ -15,6 +15,8 @@ from omlx_logprobs.logprobs.format import Pieces, float_numbers, token_string
 from omlx_logprobs.types import Entries
 from omlx_logprobs.vocab import Vocabulary
 
+Lists = tuple[str, str, str, str]  # tokens, token_logprobs, top_logprobs, text_offset items
+
 
 @dataclass
 class LegacyCursor:
@@ -107,8 +109,29 @@ class LegacyLogprobFormatter:
     ) -> str:
         """Echoed prompt positions (when `prompt` is given: its ids and the entries of positions
         1..), then the generated positions of `entries`. `fixed`: the top lists are
-        `logprob_token_ids` in the order asked, not best first. Whole ranges are converted at
-        once: a scored prompt has hundreds of positions."""
+        `logprob_token_ids` in the order asked, not best first."""
+        return self.join([self.lists(cursor, k, prompt, entries, fixed)])
+
+    @staticmethod
+    def join(parts: list[Lists]) -> str:
+        """The logprobs object of consecutive positions' `lists`."""
+        tokens, lps, tops, offsets = (",".join(p for p in col if p) for col in zip(*parts))
+        return (
+            '{"tokens":[' + tokens + '],"token_logprobs":[' + lps + '],"top_logprobs":['
+            + tops + '],"text_offset":[' + offsets + "]}"
+        )  # fmt: skip
+
+    def lists(
+        self,
+        cursor: LegacyCursor,
+        k: int,
+        prompt: tuple[list[int], Entries] | None,
+        entries: Entries,
+        fixed: bool = False,
+    ) -> Lists:
+        """`json`'s four lists' items, each comma-joined: positions formatted as they come join
+        into one object. Whole ranges are converted at once: a scored prompt has hundreds of
+        positions."""
         tokens: list[int] = []
         lps: list[str] = ["null"] if prompt is not None else []
         tops: list[str] = ["null"] if prompt is not None else []
@@ -126,10 +149,7 @@ class LegacyLogprobFormatter:
         offsets = list(accumulate(counts, initial=cursor.offset))
         cursor.offset = offsets.pop()
         keys = ",".join(map(self._keys.__getitem__, tokens))
-        return (
-            '{"tokens":[' + keys + '],"token_logprobs":[' + ",".join(lps) + '],"top_logprobs":['
-            + ",".join(tops) + '],"text_offset":[' + ",".join(map(str, offsets)) + "]}"
-        )  # fmt: skip
+        return keys, ",".join(lps), ",".join(tops), ",".join(map(str, offsets))
 
     def _extend(self, lps: list[str], tops: list[str], e: Entries, k: int, fixed: bool) -> None:
         """Append the positions of `e`: their logprobs and their dicts."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from omlx_logprobs.types import RequestOutput
 
@@ -55,11 +55,17 @@ class RequestOutputCollector:
                 self.finished = out.finished
                 return out
 
-    async def final(self) -> RequestOutput:
-        """Event loop: every output until the choice finishes, merged."""
+    async def final(self, each: Callable[[RequestOutput], None] | None = None) -> RequestOutput:
+        """Event loop: every output until the choice finishes, merged; `each` sees every
+        output as it comes (to format its entries while the request runs)."""
         out = await self.get()
+        if each is not None:
+            each(out)
         while not out.finished:
-            out = out.merge(await self.get())
+            later = await self.get()
+            if each is not None:
+                each(later)
+            out = out.merge(later)
         return out
 
 
