@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any
 
 from omlx_logprobs.logprobs.format import Pieces, float_numbers, token_string
 from omlx_logprobs.types import Entries
@@ -99,18 +100,9 @@ class LegacyLogprobFormatter:
             out.append("{" + ",".join([f"{x}:{y}" for x, y in seen.items()]) + "}")
         return out
 
-    def json(
-        self,
-        cursor: LegacyCursor,
-        k: int,
-        prompt: tuple[list[int], Entries] | None,
-        entries: Entries,
-        fixed: bool = False,
-    ) -> str:
-        """Echoed prompt positions (when `prompt` is given: its ids and the entries of positions
-        1..), then the generated positions of `entries`. `fixed`: the top lists are
-        `logprob_token_ids` in the order asked, not best first."""
-        return self.join([self.lists(cursor, k, prompt, entries, fixed)])
+    def json(self, *args: Any, **kw: Any) -> str:
+        """The logprobs object of one range of positions: `lists(...)`, joined."""
+        return self.join([self.lists(*args, **kw)])
 
     @staticmethod
     def join(parts: list[Lists]) -> str:
@@ -129,9 +121,11 @@ class LegacyLogprobFormatter:
         entries: Entries,
         fixed: bool = False,
     ) -> Lists:
-        """`json`'s four lists' items, each comma-joined: positions formatted as they come join
-        into one object. Whole ranges are converted at once: a scored prompt has hundreds of
-        positions."""
+        """The four lists' items, each comma-joined, for echoed prompt positions (when `prompt`
+        is given: its ids and the entries of positions 1..), then the generated positions of
+        `entries`; lists of consecutive ranges `join` into one object. `fixed`: the top lists
+        are `logprob_token_ids` in the order asked, not best first. Whole ranges are converted
+        at once: a scored prompt has hundreds of positions."""
         tokens: list[int] = []
         lps: list[str] = ["null"] if prompt is not None else []
         tops: list[str] = ["null"] if prompt is not None else []
