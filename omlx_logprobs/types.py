@@ -172,6 +172,12 @@ class Entries:
             self.top_logprobs[a:b],
         )
 
+    def __reduce__(self) -> tuple[Any, tuple[int, int, bytes]]:
+        """Host entries cross between processes as one buffer (five numpy pickles cost ~3x)."""
+        cols = zip(self.arrays(), _WIRE)
+        data = b"".join(np.ascontiguousarray(a, t).tobytes() for a, t in cols)
+        return _entries_from, (len(self), self.k, data)
+
     @staticmethod
     def empty(k: int) -> Entries:
         f, i = np.zeros(0, np.float32), np.zeros(0, np.int32)
@@ -182,6 +188,19 @@ class Entries:
         if len(parts) == 1:
             return parts[0]
         return Entries(*(np.concatenate(cols) for cols in zip(*(p.arrays() for p in parts))))
+
+
+_WIRE = (np.int32, np.float32, np.int32, np.int32, np.float32)  # the columns' host dtypes
+
+
+def _entries_from(n: int, k: int, data: bytes) -> Entries:
+    sizes = (n, n, n, n * k, n * k)
+    cols, at = [], 0
+    for size, dtype in zip(sizes, _WIRE):
+        cols.append(np.frombuffer(data, dtype, size, at))
+        at += 4 * size
+    ids, lps, ranks, top_ids, top_lps = cols
+    return Entries(ids, lps, ranks, top_ids.reshape(n, k), top_lps.reshape(n, k))
 
 
 _NO_IDS = np.zeros(0, np.int32)

@@ -57,14 +57,16 @@ class RequestOutputCollector:
 
     async def final(self, each: Callable[[RequestOutput], None] | None = None) -> RequestOutput:
         """Event loop: every output until the choice finishes, merged; `each` sees every
-        output as it comes (to format its entries while the request runs)."""
+        output as it comes (it takes their entries: the merged output holds none)."""
         out = await self.get()
         if each is not None:
             each(out)
+            out.logprobs = None
         while not out.finished:
             later = await self.get()
             if each is not None:
                 each(later)
+                later.logprobs = None
             out = out.merge(later)
         return out
 
