@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -17,7 +17,6 @@ from omlx_logprobs.api.protocol import CompletionRequest
 from omlx_logprobs.api.serving import (
     Served,
     encode,
-    output_every,
     raise_if_failed,
     sampling_params,
     usage,
@@ -41,8 +40,6 @@ class Choice:
     echo_text: str  # the prompt's text when echo is on, else ""
     cursor: LegacyCursor  # character offset of the next legacy logprobs position
     started: bool = False  # whether the first (echo-carrying) chunk went out
-    # a non-streamed choice's logprobs lists, formatted output by output as they come
-    parts: list[Lists] = field(default_factory=list)
 
 
 def parse_prompts(req: CompletionRequest, served: Served) -> list[list[int]]:
@@ -102,7 +99,9 @@ class CompletionServing:
                 req, served, len(ids), req.max_tokens, req.logprobs is not None,
                 req.logprobs or 0, wanted,
             )  # fmt: skip
-            every = output_every(req.stream, params)
+            every = int(
+                req.stream
+            )  # streamed: outputs as tokens are released; else one, at the end
             requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.n, output_every=every))
         legacy = self.legacy[0]
         choices = [
@@ -148,15 +147,8 @@ class CompletionServing:
 
     async def complete(self, req: CompletionRequest, raw: Request) -> str:
         rid, handles, choices = self._start(req)
-
-        def each(p: int, out: RequestOutput) -> None:  # formatted as they come
-            c = choices[p * req.n + out.index]
-            if out.logprobs is not None:
-                c.parts.append(self._lists(req, c, out))
-            c.started = True
-
         try:
-            outs = await wait_or_disconnect(handles, raw, each)
+            outs = await wait_or_disconnect(handles, raw)
         finally:
             for h in handles:
                 h.abort()
@@ -164,8 +156,9 @@ class CompletionServing:
         parts = []
         for c, out in zip(choices, outs):
             text = json.dumps(c.echo_text + out.text, ensure_ascii=False)
-            lp = LegacyLogprobFormatter.join(c.parts) if c.parts else "null"
-            c.started = False  # the extras' prompt fields: once, in this body
+            lp = "null"
+            if out.logprobs is not None:
+                lp = LegacyLogprobFormatter.join([self._lists(req, c, out)])
             extras = self._extras(req, c, out)
             finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
             parts.append(

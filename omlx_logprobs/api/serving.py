@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -126,42 +126,16 @@ def encode(model: LoadedModel, text: str, param: str, special: bool = False) -> 
         raise APIError(f"The text could not be tokenized: {e}", param=param) from None
 
 
-# A non-streamed request with logprobs gets an output about every this many tokens, whose
-# entries the API formats at once: a wave of requests that end together then does not leave
-# every body's formatting (~0.5 ms for 128 top-20 positions) to the moment the wave ends.
-EARLY_EVERY = 16
-Each = Callable[[int, RequestOutput], None]  # (position of the handle, an output of it)
-
-
-def output_every(stream: bool, params: SamplingParams) -> int:
-    """How often a request's choices hand out outputs (EngineRequest.output_every)."""
-    if stream:
-        return 1
-    return EARLY_EVERY if params.logprobs else 0
-
-
-def splice(arrays: list[str]) -> str:
-    """JSON arrays of consecutive outputs' entries as one array."""
-    items = [a[1:-1] for a in arrays if a != "[]"]
-    return "[" + ",".join(items) + "]"
-
-
-async def wait_or_disconnect(
-    handles: list[RequestHandle], raw: Request, each: Each | None = None
-) -> list[RequestOutput]:
+async def wait_or_disconnect(handles: list[RequestHandle], raw: Request) -> list[RequestOutput]:
     """Every choice's merged outputs once all have finished, in order; ConnectionAbortedError if
-    the client goes away first (the caller aborts what is unfinished). `each` sees every output
-    as it comes."""
+    the client goes away first (the caller aborts what is unfinished)."""
 
     async def disconnected() -> None:
         while (await raw.receive())["type"] != "http.disconnect":
             pass
 
-    def each_of(i: int) -> Callable[[RequestOutput], None] | None:
-        return None if each is None else lambda out: each(i, out)
-
     async def collect_all() -> list[RequestOutput]:
-        finals = await asyncio.gather(*[h.final(each_of(i)) for i, h in enumerate(handles)])
+        finals = await asyncio.gather(*[h.final() for h in handles])
         return [out for outs in finals for out in outs]
 
     task = asyncio.ensure_future(collect_all())
@@ -229,28 +203,20 @@ class ChatServing:
         )
         think = think_start(served.reasoning, served.model.tokenizer.decode(prompt[-8:]))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        every = output_every(req.stream, params)
-        ereq = EngineRequest(rid, prompt, params, think=think, output_every=every)
+        # Streamed: an output whenever tokens are released; else one, at the end.
+        ereq = EngineRequest(rid, prompt, params, think=think, output_every=int(req.stream))
         return ereq, served.engine.submit(ereq)
 
     async def complete(self, req: ChatCompletionRequest, raw: Request) -> str:
         ereq, handle = self._start(req)
         think = ereq.think
-        parts: list[tuple[str, str]] = []  # each output's entries, formatted as they come
-
-        def each(_: int, out: RequestOutput) -> None:
-            if out.logprobs is not None:
-                parts.append(self._entries_json(req, out, think))
-
         try:
-            [out] = await wait_or_disconnect([handle], raw, each)
+            [out] = await wait_or_disconnect([handle], raw)
         finally:
             handle.abort()
         raise_if_failed([out])
-        lp = "null"
-        if parts:
-            content, reasoning = zip(*parts)
-            lp = self._logprobs_json((splice(list(content)), splice(list(reasoning))), think)
+        arrays = self._entries_json(req, out, think) if out.logprobs is not None else None
+        lp = self._logprobs_json(arrays, think)
         message = json.dumps(
             {"role": "assistant", **sections.message(out, think)}, ensure_ascii=False
         )

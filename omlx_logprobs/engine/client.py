@@ -82,12 +82,9 @@ class RequestHandle:
     def finished(self) -> bool:
         return all(c.finished for c in self.choices)
 
-    async def final(
-        self, each: Callable[[RequestOutput], None] | None = None
-    ) -> list[RequestOutput]:
-        """Each choice's outputs, merged, once all have finished; `each` sees every output as
-        it comes (its `index` names the choice)."""
-        return list(await asyncio.gather(*[c.final(each) for c in self.choices]))
+    async def final(self) -> list[RequestOutput]:
+        """Each choice's outputs, merged, once all have finished."""
+        return list(await asyncio.gather(*[c.final() for c in self.choices]))
 
     def abort(self) -> None:
         """Abort what is unfinished (the consumer is gone)."""

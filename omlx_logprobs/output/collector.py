@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from omlx_logprobs.types import RequestOutput
 
@@ -55,19 +55,11 @@ class RequestOutputCollector:
                 self.finished = out.finished
                 return out
 
-    async def final(self, each: Callable[[RequestOutput], None] | None = None) -> RequestOutput:
-        """Event loop: every output until the choice finishes, merged; `each` sees every
-        output as it comes (it takes their entries: the merged output holds none)."""
+    async def final(self) -> RequestOutput:
+        """Event loop: every output until the choice finishes, merged."""
         out = await self.get()
-        if each is not None:
-            each(out)
-            out.logprobs = None
         while not out.finished:
-            later = await self.get()
-            if each is not None:
-                each(later)
-                later.logprobs = None
-            out = out.merge(later)
+            out = out.merge(await self.get())
         return out
 
 
