@@ -130,7 +130,8 @@ class Engine:
         t0 = time.perf_counter()
         finished = self.processor.process(self.runner.collect(step))
         self.flush()
-        self.stats.aside = (t0, time.perf_counter())
+        if self.runner.overlaps:  # the step trace's ASIDE columns: the second thread's work
+            self.stats.aside = (t0, time.perf_counter())
         return finished
 
     def _free(self, finished: list[Sequence], work: SchedulerOutput | None = None) -> None:
@@ -217,13 +218,9 @@ class Engine:
         t0 = time.perf_counter()
         outputs = self.processor.take()
         for out in outputs:
-            seq = self._live.get(out.request_id)
-            if (
-                out.finished
-                and seq is not None
-                and all(s.status is Status.FINISHED for s in seq.group)
-            ):
-                del self._live[out.request_id]
+            if out.finished and (seq := self._live.get(out.request_id)) is not None:
+                if all(s.status is Status.FINISHED for s in seq.group):
+                    del self._live[out.request_id]
         self.sink(outputs)
         self.stats.flush_s += time.perf_counter() - t0
 
