@@ -122,10 +122,9 @@ class EngineRequest:
     params: SamplingParams
     n: int = 1
     think: ThinkStart = ThinkStart.OFF
-    # Tokens between a choice's outputs: 1 streams (an output whenever tokens are released);
-    # N > 1 gathers about N an output (a non-streamed body formats its entries as they come,
-    # not all at its end); 0 gives one output, at the end.
-    output_every: int = 0
+    # Streamed: an output whenever tokens are released. Not streamed: one output per choice, at
+    # its end (nothing crosses to the API before it is needed).
+    stream: bool = False
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from omlx_logprobs.api.serving import (
     wait_or_disconnect,
 )
 from omlx_logprobs.engine.client import RequestHandle, merged
-from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter, Lists
+from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
 from omlx_logprobs.types import EngineRequest, RequestOutput
 
@@ -99,10 +99,7 @@ class CompletionServing:
                 req, served, len(ids), req.max_tokens, req.logprobs is not None,
                 req.logprobs or 0, wanted,
             )  # fmt: skip
-            every = int(
-                req.stream
-            )  # streamed: outputs as tokens are released; else one, at the end
-            requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.n, output_every=every))
+            requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.n, stream=req.stream))
         legacy = self.legacy[0]
         choices = [
             Choice(i * req.n + j, r.prompt_ids,
@@ -112,19 +109,19 @@ class CompletionServing:
         ]  # fmt: skip
         return rid, [served.engine.submit(r) for r in requests], choices
 
-    def _lists(self, req: CompletionRequest, c: Choice, out: RequestOutput) -> Lists:
-        """The legacy logprobs lists of out's positions (after the echoed prompt's, in the
-        choice's first output); the character offsets go on from the choice's cursor."""
-        assert out.logprobs is not None
+    def _logprobs(self, req: CompletionRequest, c: Choice, out: RequestOutput) -> str:
+        """The legacy logprobs of out's positions (after the echoed prompt's, in the choice's
+        first output); the character offsets go on from the choice's cursor."""
+        if out.logprobs is None:
+            return "null"
         fixed = bool(req.logprob_token_ids)
         k = out.logprobs.k if fixed else (req.logprobs or 0)
         prompt = None
         if req.echo and not c.started:
             assert out.prompt_logprobs is not None
             prompt = (c.prompt_ids, out.prompt_logprobs)
-        return self.legacy[req.return_tokens_as_token_ids].lists(
-            c.cursor, k, prompt, out.logprobs, fixed
-        )
+        fmt = self.legacy[req.return_tokens_as_token_ids]
+        return fmt.json(c.cursor, k, prompt, out.logprobs, fixed)
 
     def _extras(self, req: CompletionRequest, c: Choice, out: RequestOutput) -> str:
         """vLLM's per-choice fields: prompt_logprobs, prompt_token_ids and token_ids."""
@@ -156,9 +153,7 @@ class CompletionServing:
         parts = []
         for c, out in zip(choices, outs):
             text = json.dumps(c.echo_text + out.text, ensure_ascii=False)
-            lp = "null"
-            if out.logprobs is not None:
-                lp = LegacyLogprobFormatter.join([self._lists(req, c, out)])
+            lp = self._logprobs(req, c, out)
             extras = self._extras(req, c, out)
             finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
             parts.append(
@@ -191,9 +186,7 @@ class CompletionServing:
                     text = json.dumps(
                         (c.echo_text if not c.started else "") + out.text, ensure_ascii=False
                     )
-                    lp = "null"
-                    if out.logprobs is not None:
-                        lp = LegacyLogprobFormatter.join([self._lists(req, c, out)])
+                    lp = self._logprobs(req, c, out)
                     extras = self._extras(req, c, out)
                     c.started = True
                     choice = (

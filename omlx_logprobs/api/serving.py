@@ -203,8 +203,7 @@ class ChatServing:
         )
         think = think_start(served.reasoning, served.model.tokenizer.decode(prompt[-8:]))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        # Streamed: an output whenever tokens are released; else one, at the end.
-        ereq = EngineRequest(rid, prompt, params, think=think, output_every=int(req.stream))
+        ereq = EngineRequest(rid, prompt, params, think=think, stream=req.stream)
         return ereq, served.engine.submit(ereq)
 
     async def complete(self, req: ChatCompletionRequest, raw: Request) -> str:
@@ -215,8 +214,7 @@ class ChatServing:
         finally:
             handle.abort()
         raise_if_failed([out])
-        arrays = self._entries_json(req, out, think) if out.logprobs is not None else None
-        lp = self._logprobs_json(arrays, think)
+        lp = self._logprobs_json(req, out, think)
         message = json.dumps(
             {"role": "assistant", **sections.message(out, think)}, ensure_ascii=False
         )
@@ -241,27 +239,22 @@ class ChatServing:
             f'"usage":{json.dumps(body)}{extra}}}'
         )
 
-    def _entries_json(
+    def _logprobs_json(
         self, req: ChatCompletionRequest, out: RequestOutput, think: ThinkStart
-    ) -> tuple[str, str]:
-        """The JSON arrays of out's content and reasoning tokens' entries (reasoning first)."""
+    ) -> str:
+        """The entries of out's tokens; with the thinking parser on, reasoning tokens apart
+        (reasoning comes first)."""
         e = out.logprobs
-        assert e is not None
+        if e is None:
+            return "null"
         entries = self.formatters[req.return_tokens_as_token_ids].entries
         if think is ThinkStart.OFF:
-            return entries(e), "[]"
+            return '{"content":' + entries(e) + ',"refusal":null}'
         r = out.num_reasoning
-        return entries(e.rows(r, len(e))), entries(e.rows(0, r))
-
-    @staticmethod
-    def _logprobs_json(arrays: tuple[str, str] | None, think: ThinkStart) -> str:
-        """A choice's `logprobs` object from its content and reasoning entry arrays."""
-        if arrays is None:
-            return "null"
-        content, reasoning = arrays
-        if think is ThinkStart.OFF:
-            return '{"content":' + content + ',"refusal":null}'
-        return f'{{"content":{content},"reasoning_content":{reasoning},"refusal":null}}'
+        return (
+            f'{{"content":{entries(e.rows(r, len(e)))},'
+            f'"reasoning_content":{entries(e.rows(0, r))},"refusal":null}}'
+        )
 
     def stream(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
         ereq, handle = self._start(req)  # errors raise here, before the 200 starts
@@ -292,10 +285,7 @@ class ChatServing:
             while True:
                 out = await slot.get()
                 if out.text or out.reasoning_text or out.num_tokens:
-                    arrays = None
-                    if out.logprobs is not None:
-                        arrays = self._entries_json(req, out, think)
-                    lp = self._logprobs_json(arrays, think)
+                    lp = self._logprobs_json(req, out, think)
                     extra = f',"token_ids":{json.dumps(out.token_ids.tolist())}' if ids else ""
                     yield chunk(sections.delta(out, think), lp, None, extra)
                 if out.finished:

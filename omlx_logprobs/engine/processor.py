@@ -74,7 +74,7 @@ class OutputProcessor:
     def end(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:
         """End a request from outside a step (abort, shutdown): all its text goes out."""
         seq.finish(reason, error)
-        self.emit(seq, seq.held + seq.text.flush(), seq.num_output)
+        self.emit(seq, seq.text.flush(), seq.num_output)
 
     def _record_prompt(self, rows: PromptSlice, entries: Entries) -> list[Sequence]:
         """Append a chunk's prompt entries; a NaN ends every choice of the prompt."""
@@ -101,14 +101,10 @@ class OutputProcessor:
                 seq.finish(reason)
         if seq.status is Status.FINISHED:
             # At the end every entry goes out (stop token included) with all the text left.
-            self.emit(seq, seq.held + seq.text.flush(), seq.num_output)
-        elif seq.output_every:  # (else one output, at the end)
+            self.emit(seq, seq.text.flush(), seq.num_output)
+        elif seq.stream:  # a request that is not streamed gets its text at the end
             end, delta = seq.text.release(seq.token_ends, seq.released_tokens)
-            if end < seq.next_output:  # gathering: the text waits with its tokens
-                seq.held += delta
-                return
-            self.emit(seq, seq.held + delta, end)
-            seq.held, seq.next_output = NO_TEXT, end + seq.output_every
+            self.emit(seq, delta, end)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

@@ -8,7 +8,7 @@ from array import array
 from enum import Enum
 
 from omlx_logprobs.logprobs.store import LogprobStore
-from omlx_logprobs.output.sections import NO_TEXT, SectionedText
+from omlx_logprobs.output.sections import SectionedText
 from omlx_logprobs.types import EngineRequest, FinishReason, SamplingParams, ThinkStart
 
 _ids = itertools.count()
@@ -31,18 +31,14 @@ class Sequence:
         think: ThinkStart = ThinkStart.OFF,
         choice_index: int = 0,
         prompt_store: LogprobStore | None = None,
-        output_every: int = 1,
+        stream: bool = True,
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
         self.choice_index = choice_index  # seeds its own sampling: (seed, index, step)
-        self.output_every = output_every  # see EngineRequest
-        # Gathering outputs: the first comes after 1..N tokens (rows that started together do
-        # not all send theirs in one step), each later one N tokens after the last.
-        self.next_output = output_every - self.seq_id % output_every if output_every else 0
-        self.held = NO_TEXT  # text released but not yet sent (gathered with its tokens)
+        self.stream = stream  # outputs as tokens are released; else one output, at the end
         # Choices 1..n-1 of the same prompt: prefilled once through this sequence, then forked.
         self.forks: list[Sequence] = []
         # Entries for prompt positions 1..len-1 (position 0 has none), shared by the forks.
@@ -66,9 +62,7 @@ class Sequence:
     @classmethod
     def of(cls, req: EngineRequest) -> Sequence:
         """The request's first choice; choices 1..n-1 are its forks."""
-        seq = cls(
-            req.request_id, req.prompt_ids, req.params, req.think, output_every=req.output_every
-        )
+        seq = cls(req.request_id, req.prompt_ids, req.params, req.think, stream=req.stream)
         for i in range(1, req.n):
             seq.fork(i)
         return seq
@@ -82,7 +76,7 @@ class Sequence:
             self.think,
             choice_index=index,
             prompt_store=self.prompt_store,
-            output_every=self.output_every,
+            stream=self.stream,
         )
         self.forks.append(seq)
         return seq

@@ -10,13 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
 
 from omlx_logprobs.logprobs.format import Pieces, float_numbers, token_string
 from omlx_logprobs.types import Entries
 from omlx_logprobs.vocab import Vocabulary
-
-Lists = tuple[str, str, str, str]  # tokens, token_logprobs, top_logprobs, text_offset items
 
 
 @dataclass
@@ -100,32 +97,18 @@ class LegacyLogprobFormatter:
             out.append("{" + ",".join([f"{x}:{y}" for x, y in seen.items()]) + "}")
         return out
 
-    def json(self, *args: Any, **kw: Any) -> str:
-        """The logprobs object of one range of positions: `lists(...)`, joined."""
-        return self.join([self.lists(*args, **kw)])
-
-    @staticmethod
-    def join(parts: list[Lists]) -> str:
-        """The logprobs object of consecutive positions' `lists`."""
-        tokens, lps, tops, offsets = (",".join(p for p in col if p) for col in zip(*parts))
-        return (
-            '{"tokens":[' + tokens + '],"token_logprobs":[' + lps + '],"top_logprobs":['
-            + tops + '],"text_offset":[' + offsets + "]}"
-        )  # fmt: skip
-
-    def lists(
+    def json(
         self,
         cursor: LegacyCursor,
         k: int,
         prompt: tuple[list[int], Entries] | None,
         entries: Entries,
         fixed: bool = False,
-    ) -> Lists:
-        """The four lists' items, each comma-joined, for echoed prompt positions (when `prompt`
-        is given: its ids and the entries of positions 1..), then the generated positions of
-        `entries`; lists of consecutive ranges `join` into one object. `fixed`: the top lists
-        are `logprob_token_ids` in the order asked, not best first. Whole ranges are converted
-        at once: a scored prompt has hundreds of positions."""
+    ) -> str:
+        """Echoed prompt positions (when `prompt` is given: its ids and the entries of positions
+        1..), then the generated positions of `entries`. `fixed`: the top lists are
+        `logprob_token_ids` in the order asked, not best first. Whole ranges are converted at
+        once: a scored prompt has hundreds of positions."""
         tokens: list[int] = []
         lps: list[str] = ["null"] if prompt is not None else []
         tops: list[str] = ["null"] if prompt is not None else []
@@ -143,7 +126,10 @@ class LegacyLogprobFormatter:
         offsets = list(accumulate(counts, initial=cursor.offset))
         cursor.offset = offsets.pop()
         keys = ",".join(map(self._keys.__getitem__, tokens))
-        return keys, ",".join(lps), ",".join(tops), ",".join(map(str, offsets))
+        return (
+            '{"tokens":[' + keys + '],"token_logprobs":[' + ",".join(lps) + '],"top_logprobs":['
+            + ",".join(tops) + '],"text_offset":[' + ",".join(map(str, offsets)) + "]}"
+        )  # fmt: skip
 
     def _extend(self, lps: list[str], tops: list[str], e: Entries, k: int, fixed: bool) -> None:
         """Append the positions of `e`: their logprobs and their dicts."""

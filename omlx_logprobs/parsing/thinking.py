@@ -48,9 +48,6 @@ class Sections(Generic[T]):
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content)
 
-    def __add__(self, later: Sections[T]) -> Sections[T]:
-        return Sections(self.reasoning + later.reasoning, self.content + later.content)
-
 
 Split = Sections[bytes]
 NOTHING: Split = Sections(b"", b"")

@@ -347,7 +347,7 @@ def test_mlx_cache_is_limited_and_emptied_when_idle(tiny: LoadedModel) -> None:
     client = client_of(engine)
     try:
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
-        reqs = [EngineRequest(f"r{i}", [1, 2, 3 + i], params, output_every=1) for i in range(4)]
+        reqs = [EngineRequest(f"r{i}", [1, 2, 3 + i], params, stream=True) for i in range(4)]
 
         async def run() -> None:
             await asyncio.gather(*(collect_outputs(client, r) for r in reqs))

@@ -208,7 +208,7 @@ def run_group(
     """One request with n choices (one prefill); each choice's record and outputs."""
     engine = Engine(model, tiny.vocab, tiny.eos_token_ids, EngineConfig(prefill_chunk=16))
     client = client_of(engine)
-    req = EngineRequest("g", list(prompt), params, n, output_every=1)
+    req = EngineRequest("g", list(prompt), params, n, stream=True)
     try:
         outs = asyncio.run(collect_outputs(client, req))
     finally:

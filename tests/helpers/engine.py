@@ -111,7 +111,7 @@ def run_engine(
     client = client_of(engine)
     thinks = thinks or [ThinkStart.OFF] * len(requests)
     reqs = [
-        EngineRequest(f"r{i}", list(p), sp, think=t, output_every=1)
+        EngineRequest(f"r{i}", list(p), sp, think=t, stream=True)
         for i, ((p, sp), t) in enumerate(zip(requests, thinks))
     ]
 
