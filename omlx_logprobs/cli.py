@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import omlx_logprobs
 from omlx_logprobs import heap
-from omlx_logprobs.config import Access, EngineConfig, Limits, ServerConfig
+from omlx_logprobs.config import LOGPROBS_MODES, Access, EngineConfig, Limits, ServerConfig
 from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--logprobs-mode",
-        choices=["raw_logprobs", "processed_logprobs"],
+        choices=list(LOGPROBS_MODES),
         default="raw_logprobs",
         help="what logprobs describe when a request names no logprobs_mode",
     )

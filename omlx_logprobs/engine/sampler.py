@@ -1,10 +1,13 @@
-"""Batched sampling on the device: logit processors, then greedy or temperature sampling with
-top-k, top-p and min-p, one pass for the whole batch whatever mix of settings it holds."""
+"""Batched sampling on the device, in vLLM's order: token masks (allowed ids, bad words,
+min_tokens), logit bias, penalties (the logit processors), then greedy or temperature sampling
+with min-p, top-k and top-p, one pass for the whole batch whatever mix of settings it holds."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 
@@ -13,10 +16,92 @@ from omlx_logprobs.types import SamplingParams
 History = tuple[Seq[int], Seq[int]]  # (prompt ids, output ids)
 
 
+@dataclass(frozen=True)
+class MaskState:
+    """What a row's token mask depends on at this step: how many tokens it has sampled, the
+    output ids the host holds, and whether one more sampled token is still on the device (the
+    previous step, not yet processed: it is `prev[row]`)."""
+
+    sampled: int
+    output: Seq[int]
+    in_flight: bool
+
+
+def token_mask(
+    logits: mx.array,
+    params: Seq[SamplingParams],
+    states: Seq[MaskState],
+    stop_ids: tuple[int, ...],
+    prev: mx.array | None,
+) -> mx.array:
+    """The logits with every token a row may not sample at this step set to -inf: outside its
+    `allowed_token_ids`; EOS (`stop_ids`) and its `stop_token_ids` while it has sampled fewer
+    than `min_tokens`; the last token of a bad word whose other tokens end its output. A bad
+    word whose last prefix token is still on the device is decided there (`prev` [B], the
+    previous step's sampled ids by row): no host sync. Rows that ask for nothing cost nothing;
+    a per-row mask of this shape is where a grammar's allowed set goes too."""
+    if not any(p.masks for p in params):
+        return logits
+    v = logits.shape[-1]
+    if any(p.allowed_token_ids for p in params):
+        rows = [_allowed_row(p.allowed_token_ids, v) if p.allowed_token_ids else _all(v)
+                for p in params]  # fmt: skip
+        logits = mx.where(mx.stack(rows), logits, -mx.inf)
+    bans: list[tuple[int, int, int]] = []  # (row, token, -1 outright or the id prev must be)
+    for i, (p, st) in enumerate(zip(params, states)):
+        if st.sampled < p.min_tokens:
+            bans += [(i, t, -1) for t in dict.fromkeys((*stop_ids, *p.stop_token_ids))]
+        for word in p.bad_words_ids:
+            cond = _bad_word_condition(word, st)
+            if cond is not None:
+                bans.append((i, word[-1], cond))
+    if not bans:
+        return logits
+    rs, cs, need = (list(c) for c in zip(*bans))
+    banned = mx.full((len(rs),), -mx.inf, dtype=mx.float32)
+    if prev is not None and any(n >= 0 for n in need):
+        want = mx.array(need, dtype=mx.int32)
+        hit = (want < 0) | (prev[mx.array(rs)].astype(mx.int32) == want)
+        banned = mx.where(hit, banned, 0.0)
+    return logits.at[mx.array(rs), mx.array(cs)].add(banned)
+
+
+def _bad_word_condition(word: Seq[int], st: MaskState) -> int | None:
+    """Whether `word`'s last token is banned for this row now (vLLM: its other tokens are the
+    output's last ones): None: not banned; -1: banned; an id: banned if the token still on the
+    device is that id (the rest of the prefix matched on the host)."""
+    prefix = list(word[:-1])
+    if len(prefix) > st.sampled:
+        return None
+    if not prefix:
+        return -1
+    if not st.in_flight:
+        return -1 if list(st.output[len(st.output) - len(prefix) :]) == prefix else None
+    known = prefix[:-1]
+    if known and list(st.output[len(st.output) - len(known) :]) != known:
+        return None
+    return prefix[-1]
+
+
+@lru_cache(maxsize=64)
+def _allowed_row(ids: tuple[int, ...], v: int) -> mx.array:
+    """[V] bool, True at the ids (kept on the device while requests with them come and go)."""
+    row = mx.zeros((v,), dtype=mx.int32).at[mx.array(ids)].add(1) > 0
+    mx.eval(row)  # once per set: a cached lazy array could outlive the thread that made it
+    return row
+
+
+@lru_cache(maxsize=4)
+def _all(v: int) -> mx.array:
+    row = mx.ones((v,), dtype=mx.bool_)
+    mx.eval(row)
+    return row
+
+
 def apply_processors(
     logits: mx.array, params: Seq[SamplingParams], histories: Seq[History]
 ) -> mx.array:
-    """Logit bias and penalties, row by row for the rows that ask for them (they are rare).
+    """Logit bias, then penalties, row by row for the rows that ask for them (they are rare).
     repetition_penalty looks at prompt and output; presence and frequency at the output only."""
     if not any(p.penalizes for p in params):
         return logits
@@ -29,6 +114,9 @@ def apply_processors(
 
 def _process_row(row: mx.array, p: SamplingParams, history: History) -> mx.array:
     prompt, output = history
+    if p.logit_bias:
+        ids = mx.array([t for t, _ in p.logit_bias])
+        row = row.at[ids].add(mx.array([b for _, b in p.logit_bias], dtype=mx.float32))
     if p.repetition_penalty != 1 and (prompt or output):
         ids = mx.array(sorted(set(prompt) | set(output)))
         vals = row[ids]
@@ -39,9 +127,6 @@ def _process_row(row: mx.array, p: SamplingParams, history: History) -> mx.array
         ids = mx.array(list(counts.keys()))
         n = mx.array(list(counts.values()), dtype=mx.float32)
         row = row.at[ids].add(-p.frequency_penalty * n - p.presence_penalty)
-    if p.logit_bias:
-        ids = mx.array([t for t, _ in p.logit_bias])
-        row = row.at[ids].add(mx.array([b for _, b in p.logit_bias], dtype=mx.float32))
     return row
 
 
@@ -66,7 +151,7 @@ def _truncation_mask(scaled: mx.array, params: Seq[SamplingParams]) -> mx.array:
 def sampling_logits(logits: mx.array, params: Seq[SamplingParams]) -> mx.array:
     """The logits a row is sampled from: divided by its temperature, top-k, top-p and min-p
     masked to -inf. Their log-softmax is the `processed_logprobs` distribution. Greedy rows keep
-    their logits (temperature 1, no truncation): at temperature 0, processed equals raw."""
+    their (processed) logits: temperature 1, no truncation, as in vLLM."""
     if all(p.greedy for p in params):
         return logits
     temps = mx.array([1.0 if p.greedy else p.temperature for p in params], dtype=mx.float32)
