@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         " then hold separate GILs) or in a thread of the server's process",
     )
     s.add_argument("--log-level", default="info")
+    s.add_argument(
+        "--ignore-unknown-fields",
+        action="store_true",
+        help="accept request fields this server does not know (clients that send vendor"
+        " extras): a warning in the log and an X-Ignored-Fields response header name them;"
+        " without it such a request is a 400 naming the field, as OpenAI answers",
+    )
     _add_limits(s)
     _add_access(s)
     return p
@@ -226,7 +233,14 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
         log.warning(
             "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
         )
-    served = Served(engine, model, cfg.engine, reasoning=reasoning, limits=cfg.limits)
+    served = Served(
+        engine,
+        model,
+        cfg.engine,
+        reasoning=reasoning,
+        limits=cfg.limits,
+        ignore_unknown_fields=args.ignore_unknown_fields,
+    )
     app = create_app(served, cfg.access)
     heap.freeze_startup_objects()
     return run_server(app, engine.begin_shutdown, cfg, args.log_level)

@@ -54,6 +54,7 @@ class Limits:
     max_stop_chars: int = 512  # characters per stop string (each costs a scan per token)
     max_stop_token_ids: int = 128
     max_logprob_token_ids: int = 128
+    max_bad_words: int = 128  # bad_words per request (each a scan of its row's output per step)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -4,7 +4,9 @@ JSON and SSE bodies of chat completions."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,12 +16,13 @@ from typing import Any
 
 from fastapi import Request
 
+import omlx_logprobs
 from omlx_logprobs.api import sections
 from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
-from omlx_logprobs.api.validation import RequestLimits, model_bounds
+from omlx_logprobs.api.validation import RequestLimits, check_unknown, model_bounds
 from omlx_logprobs.config import EngineConfig, Limits
-from omlx_logprobs.engine.client import EngineClient, RequestHandle
+from omlx_logprobs.engine.client import EngineClient, RequestHandle, merged
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
 from omlx_logprobs.models.loader import LoadedModel
@@ -32,6 +35,9 @@ from omlx_logprobs.types import (
     ThinkStart,
 )
 
+log = logging.getLogger("omlx_logprobs")
+IGNORED_HEADER = "X-Ignored-Fields"  # with --ignore-unknown-fields: what a request sent in vain
+
 
 @dataclass(frozen=True)
 class Served:
@@ -42,10 +48,27 @@ class Served:
     cfg: EngineConfig
     reasoning: bool = False  # the thinking parser is on (--reasoning-parser)
     limits: Limits = field(default_factory=Limits)
+    ignore_unknown_fields: bool = False  # --ignore-unknown-fields: warn instead of a 400
 
     @cached_property
     def checks(self) -> RequestLimits:
         return RequestLimits(self.limits, model_bounds(self.model, self.cfg.max_top_logprobs))
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """`system_fingerprint`: changes when what answers does (this server's version, the
+        model, the engine's settings), as OpenAI's does with its backend."""
+        facts = f"{omlx_logprobs.__version__}|{self.model.name}|{self.model.path}|{self.cfg}"
+        return "fp_" + hashlib.sha256(facts.encode()).hexdigest()[:12]
+
+    def fields_headers(self, req: SamplingFields) -> dict[str, str]:
+        """A 400 for the first field the request's model does not declare; with
+        --ignore-unknown-fields a warning and the response header naming them all."""
+        ignored = check_unknown(req, self.ignore_unknown_fields)
+        if not ignored:
+            return {}
+        log.warning("ignored unknown request fields: %s", ", ".join(ignored))
+        return {IGNORED_HEADER: ", ".join(ignored)}
 
     def check_model(self, name: str) -> None:
         if name != self.model.name:
@@ -79,8 +102,14 @@ def sampling_params(
         raise APIError(f"prompt_logprobs must be at most {cap}", param="prompt_logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     any_logprobs = logprobs or prompt_logprobs is not None
+    limit = max_tokens if max_tokens is not None else room
+    if req.min_tokens > limit:
+        raise APIError(
+            f"min_tokens ({req.min_tokens}) must be at most {tokens_param} ({limit})",
+            param="min_tokens",
+        )
     return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else room,
+        max_tokens=limit,
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=min(max(req.top_k, 0), checks.bounds.vocab_size),
@@ -98,16 +127,42 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         logprob_token_ids=checks.logprob_token_ids(req.logprob_token_ids, any_logprobs),
         logprobs_mode=LogprobsMode(req.logprobs_mode or served.cfg.logprobs_mode),
+        min_tokens=req.min_tokens,
+        allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
+        bad_words_ids=checks.bad_words_ids(
+            req.bad_words, lambda w: encode(served.model, w, "bad_words")
+        ),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
     )
+
+
+def reply_role(req: ChatCompletionRequest) -> str:
+    """The role of the message generated (vLLM): a new assistant turn, or, without a
+    generation prompt, more of the last message."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
+def echo_text(req: ChatCompletionRequest) -> str:
+    """Chat `echo` (vLLM): the last message's text, when it is of the reply's role."""
+    last = req.messages[-1]
+    return last.text() if req.echo and last.role == reply_role(req) else ""
 
 
 def chat_prompt(
     req: ChatCompletionRequest, model: LoadedModel, checks: RequestLimits | None = None
 ) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:  # a template variable, as vLLM passes it
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
     try:
         text = model.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **(req.chat_template_kwargs or {})
+            messages, add_generation_prompt=req.add_generation_prompt, tokenize=False, **kwargs
         )
     except Exception as e:  # a template error is the request's fault
         raise APIError(
@@ -115,7 +170,8 @@ def chat_prompt(
         ) from None
     if checks is not None:
         checks.check_text(text, "messages")
-    return encode(model, text, "messages")
+    ids = encode(model, text, "messages", special=req.add_special_tokens)
+    return checks.truncated(ids, req.truncate_prompt_tokens) if checks is not None else ids
 
 
 def encode(model: LoadedModel, text: str, param: str, special: bool = False) -> list[int]:
@@ -153,21 +209,25 @@ async def wait_or_disconnect(handles: list[RequestHandle], raw: Request) -> list
 def usage(outs: list[RequestOutput], reasoning: bool = False) -> dict[str, Any]:
     """The `usage` object of a response: each prompt counted once however many choices it has
     (its first choice's count), every generated token counted; with the thinking parser on,
-    the reasoning tokens among them."""
+    the reasoning tokens among them (else 0)."""
     firsts = [o for o in outs if o.index == 0]
     prompt = sum(o.prompt_tokens for o in firsts)
     completion = sum(o.completion_tokens for o in outs)
-    body: dict[str, Any] = {
+    return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in firsts)},
+        "prompt_tokens_details": {
+            "cached_tokens": sum(o.cached_tokens for o in firsts),
+            "audio_tokens": 0,
+        },
+        "completion_tokens_details": {  # OpenAI's keys, always present
+            "reasoning_tokens": sum(o.reasoning_tokens for o in outs) if reasoning else 0,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
     }
-    if reasoning:
-        body["completion_tokens_details"] = {
-            "reasoning_tokens": sum(o.reasoning_tokens for o in outs)
-        }
-    return body
 
 
 def raise_if_failed(outs: list[RequestOutput]) -> None:
@@ -199,43 +259,64 @@ class ChatServing:
             max_tokens,
             req.logprobs,
             req.top_logprobs or 0,
-            req.prompt_logprobs,
+            self._prompt_logprobs(req),
         )
         think = think_start(served.reasoning, served.model.tokenizer.decode(prompt[-8:]))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        ereq = EngineRequest(rid, prompt, params, think=think, stream=req.stream)
+        ereq = EngineRequest(rid, prompt, params, req.n, think=think, stream=req.stream)
         return ereq, served.engine.submit(ereq)
+
+    @staticmethod
+    def _prompt_logprobs(req: ChatCompletionRequest) -> int | None:
+        """vLLM: chat `echo` scores the prompt too (top_logprobs alternatives), unless streamed
+        (a stream has no place for them)."""
+        if req.prompt_logprobs is None and req.echo and not req.stream:
+            return req.top_logprobs or 0
+        return req.prompt_logprobs
+
+    def _head(self, ereq: EngineRequest, kind: str) -> str:
+        served = self.served
+        return (
+            f'{{"id":"{ereq.request_id}","object":"{kind}","created":{int(time.time())},'
+            f'"model":{json.dumps(served.model.name)},'
+            f'"system_fingerprint":"{served.fingerprint}",'
+        )
 
     async def complete(self, req: ChatCompletionRequest, raw: Request) -> str:
         ereq, handle = self._start(req)
         think = ereq.think
         try:
-            [out] = await wait_or_disconnect([handle], raw)
+            outs = await wait_or_disconnect([handle], raw)
         finally:
             handle.abort()
-        raise_if_failed([out])
-        lp = self._logprobs_json(req, out, think)
-        message = json.dumps(
-            {"role": "assistant", **sections.message(out, think)}, ensure_ascii=False
-        )
-        finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
-        ids = ""
-        if req.return_token_ids:
-            ids = f',"token_ids":{json.dumps(out.token_ids.tolist())}'
-        choice = f'{{"index":0,"message":{message},"logprobs":{lp},"finish_reason":{finish}{ids}}}'
+        raise_if_failed(outs)
+        role, echo = reply_role(req), echo_text(req)
+        choices = []
+        for out in outs:
+            lp = self._logprobs_json(req, out, think)
+            body = sections.message(out, think)
+            if echo:
+                body["content"] = echo + body["content"]
+            message = json.dumps({"role": role, **body}, ensure_ascii=False)
+            finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
+            ids = ""
+            if req.return_token_ids:
+                ids = f',"token_ids":{json.dumps(out.token_ids.tolist())}'
+            choices.append(
+                f'{{"index":{out.index},"message":{message},"logprobs":{lp},'
+                f'"finish_reason":{finish}{ids}}}'
+            )
         extra = ""
         if req.return_token_ids:
             extra = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}'
-        if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+        scored = outs[0].prompt_logprobs
+        if ereq.params.prompt_logprobs is not None and scored is not None:
             fmt = self.prompt_formatters[req.return_tokens_as_token_ids]
-            entries = fmt.json(
-                out.prompt_logprobs, req.prompt_logprobs, bool(req.logprob_token_ids)
-            )
+            entries = fmt.json(scored, ereq.params.prompt_logprobs, bool(req.logprob_token_ids))
             extra += f',"prompt_logprobs":{entries}'
-        body = usage([out], think is not ThinkStart.OFF)
+        body = usage(outs, think is not ThinkStart.OFF)
         return (
-            f'{{"id":"{ereq.request_id}","object":"chat.completion","created":{int(time.time())},'
-            f'"model":{json.dumps(self.served.model.name)},"choices":[{choice}],'
+            f'{self._head(ereq, "chat.completion")}"choices":[{",".join(choices)}],'
             f'"usage":{json.dumps(body)}{extra}}}'
         )
 
@@ -263,40 +344,49 @@ class ChatServing:
     async def _events(
         self, req: ChatCompletionRequest, ereq: EngineRequest, handle: RequestHandle
     ) -> AsyncIterator[str]:
-        head = (
-            f'{{"id":"{ereq.request_id}","object":"chat.completion.chunk",'
-            f'"created":{int(time.time())},"model":{json.dumps(self.served.model.name)},'
-        )
+        head = self._head(ereq, "chat.completion.chunk")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         tail = ',"usage":null}' if include_usage else "}"
         think = ereq.think
 
-        def chunk(delta: dict[str, Any], logprobs: str, finish: str | None, extra: str = "") -> str:
+        def chunk(
+            i: int, delta: dict[str, Any], logprobs: str, finish: str | None, extra: str = ""
+        ) -> str:
             d = json.dumps(delta, ensure_ascii=False)
             fin = json.dumps(finish)
-            choice = f'{{"index":0,"delta":{d},"logprobs":{logprobs},"finish_reason":{fin}{extra}}}'
+            choice = (
+                f'{{"index":{i},"delta":{d},"logprobs":{logprobs},"finish_reason":{fin}{extra}}}'
+            )
             return f'data: {head}"choices":[{choice}]{tail}\n\n'
 
         ids = req.return_token_ids
+        role, echo = reply_role(req), echo_text(req)
+        finals: dict[int, RequestOutput] = {}
         try:
             first = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}' if ids else ""
-            yield chunk({"role": "assistant", "content": ""}, "null", None, first)
-            [slot] = handle.choices
-            while True:
-                out = await slot.get()
+            for i in range(ereq.n):
+                yield chunk(i, {"role": role, "content": ""}, "null", None, first)
+            if echo:  # vLLM: the echoed text in a chunk of its own, before the generated text
+                for i in range(ereq.n):
+                    yield chunk(i, {"content": echo}, "null", None)
+            async for _, out in merged([handle]):
+                i = out.index
+                if out.error:
+                    finals[i] = out
+                    err = error_body(out.error, "server_error", None, None)
+                    yield f"data: {json.dumps(err)}\n\n"
+                    continue
                 if out.text or out.reasoning_text or out.num_tokens:
                     lp = self._logprobs_json(req, out, think)
                     extra = f',"token_ids":{json.dumps(out.token_ids.tolist())}' if ids else ""
-                    yield chunk(sections.delta(out, think), lp, None, extra)
+                    yield chunk(i, sections.delta(out, think), lp, None, extra)
                 if out.finished:
-                    break
-            if out.error:
-                err = error_body(out.error, "server_error", None, None)
-                yield f"data: {json.dumps(err)}\n\n"
-            else:
-                yield chunk({}, "null", out.finish_reason.value if out.finish_reason else None)
+                    finals[i] = out
+                    reason = out.finish_reason.value if out.finish_reason else None
+                    yield chunk(i, {}, "null", reason)
             if include_usage:
-                body = json.dumps(usage([out], think is not ThinkStart.OFF))
+                done = [finals[i] for i in sorted(finals)]
+                body = json.dumps(usage(done, think is not ThinkStart.OFF))
                 yield f'data: {head}"choices":[],"usage":{body}}}\n\n'
             yield "data: [DONE]\n\n"
         finally:

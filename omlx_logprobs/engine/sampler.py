@@ -180,9 +180,10 @@ def sample(
 
 
 def step_key(seed: int | None, step: int, index: int = 0) -> mx.array | None:
-    """A seeded request's key for choice `index`'s n-th token: a function of (seed, index, n)
-    alone, so the same request samples the same tokens whatever else shares its batch, and the
-    choices of one request differ from each other."""
+    """A seeded request's key for choice `index`'s n-th token: a function of (seed + index, n)
+    alone, so the same request samples the same tokens whatever else shares its batch, the
+    choices of one request differ from each other, and choice i samples exactly what a single
+    request with seed + i does (vLLM's rule for n > 1)."""
     if seed is None:
         return None
-    return mx.random.key((seed * 1_000_003 + step + (index << 40)) % (1 << 63))
+    return mx.random.key(((seed + index) * 1_000_003 + step) % (1 << 63))

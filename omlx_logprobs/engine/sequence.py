@@ -52,7 +52,7 @@ class Sequence:
         self.num_sampled = 0  # tokens sampled on the device, some perhaps not yet processed
         self.store = LogprobStore(params.num_top) if params.logprobs else None
         self.think = think
-        self.text = SectionedText(params.stop, think)  # reasoning and content
+        self.text = SectionedText(params.stop, think, params.include_stop_str_in_output)
         self.token_ends = array("q")  # cumulative UTF-8 byte end of each generated token
         self.released_tokens = 0  # tokens whose text (and entry) has gone to the consumer
         self.prompt_released = False  # the prompt's entries went with an output

@@ -23,10 +23,15 @@ NO_TEXT: TextDelta = Sections("", "")
 class SectionedText:
     __slots__ = ("parser", "reasoning", "content", "_plain", "_reasoning_done", "_tail", "_split")
 
-    def __init__(self, stops: tuple[str, ...] = (), start: ThinkStart = ThinkStart.OFF) -> None:
+    def __init__(
+        self,
+        stops: tuple[str, ...] = (),
+        start: ThinkStart = ThinkStart.OFF,
+        include_stop: bool = False,
+    ) -> None:
         self.parser = ThinkingParser(start)
         self.reasoning = IncrementalText()
-        self.content = IncrementalText(stops)
+        self.content = IncrementalText(stops, include_stop)
         self._plain = start is ThinkStart.OFF  # the common case: every byte is content
         self._reasoning_done = self._plain
         self._tail = b""  # the last raw bytes fed, enough to tell whether a character is open
