@@ -281,8 +281,13 @@ class ModelRunner:
             return logits
         states, prev_rows = [], []
         for s in seqs:
-            in_flight = s.num_sampled > s.num_output and s.seq_id in self.last_rows
-            states.append(MaskState(s.num_sampled, s.output_ids, in_flight))
+            # On a GPU the step in flight may be processed (its token appended) meanwhile:
+            # one read of the length, and only the tail the bad words need, before it.
+            n = len(s.output_ids)
+            longest = max((len(w) for w in s.params.bad_words_ids), default=1)
+            tail = s.output_ids[max(n - longest, 0) : n].tolist()
+            in_flight = s.num_sampled > n and s.seq_id in self.last_rows
+            states.append(MaskState(s.num_sampled, tail, in_flight))
             prev_rows.append(self.last_rows[s.seq_id] if in_flight else 0)
         prev = None
         if self.last_tokens is not None and any(st.in_flight for st in states):

@@ -19,8 +19,9 @@ History = tuple[Seq[int], Seq[int]]  # (prompt ids, output ids)
 @dataclass(frozen=True)
 class MaskState:
     """What a row's token mask depends on at this step: how many tokens it has sampled, the
-    output ids the host holds, and whether one more sampled token is still on the device (the
-    previous step, not yet processed: it is `prev[row]`)."""
+    last output ids the host holds (at least a bad word's length, where there are that many),
+    and whether one more sampled token is still on the device (the previous step, not yet
+    processed: it is `prev[row]`)."""
 
     sampled: int
     output: Seq[int]
