@@ -364,8 +364,8 @@ class ChatServing:
         finals: dict[int, RequestOutput] = {}
         try:
             first = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}' if ids else ""
-            for i in range(ereq.n):
-                yield chunk(i, {"role": role, "content": ""}, "null", None, first)
+            for i in range(ereq.n):  # prompt_token_ids once, with the first chunk (vLLM)
+                yield chunk(i, {"role": role, "content": ""}, "null", None, first if i == 0 else "")
             if echo:  # vLLM: the echoed text in a chunk of its own, before the generated text
                 for i in range(ereq.n):
                     yield chunk(i, {"content": echo}, "null", None)

@@ -264,9 +264,7 @@ def test_min_tokens_outlasts_eos(client: openai.OpenAI, embedded: LoadedModel) -
     short = chat(client, "Say hi.", max_tokens=60, temperature=0)
     n = short.usage.completion_tokens
     assert short.choices[0].finish_reason == "stop" and n < 40
-    longer = chat(
-        client, "Say hi.", max_tokens=60, temperature=0, extra_body={"min_tokens": n + 5}
-    )
+    longer = chat(client, "Say hi.", max_tokens=60, temperature=0, extra_body={"min_tokens": n + 5})
     assert longer.usage.completion_tokens >= n + 5
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, "hi", max_tokens=3, extra_body={"min_tokens": 4})
