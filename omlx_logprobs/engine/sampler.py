@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
+import numpy as np
 
 from omlx_logprobs.types import SamplingParams
 
@@ -86,17 +87,16 @@ def _bad_word_condition(word: Seq[int], st: MaskState) -> int | None:
 
 @lru_cache(maxsize=64)
 def _allowed_row(ids: tuple[int, ...], v: int) -> mx.array:
-    """[V] bool, True at the ids (kept on the device while requests with them come and go)."""
-    row = mx.zeros((v,), dtype=mx.int32).at[mx.array(ids)].add(1) > 0
-    mx.eval(row)  # once per set: a cached lazy array could outlive the thread that made it
-    return row
+    """[V] bool, True at the ids: made from host memory (no graph to evaluate, so no wait on
+    the step in flight), kept while requests with the same set come and go."""
+    row = np.zeros(v, dtype=bool)
+    row[list(ids)] = True
+    return mx.array(row)
 
 
 @lru_cache(maxsize=4)
 def _all(v: int) -> mx.array:
-    row = mx.ones((v,), dtype=mx.bool_)
-    mx.eval(row)
-    return row
+    return mx.array(np.ones(v, dtype=bool))
 
 
 def apply_processors(
