@@ -6,7 +6,10 @@ reads the CPU time (user + system) of each server's API process and of its engin
 /proc around every run:
 
     python3 bench/experiments/cpu_cost.py --servers old=8201:PID new=8202:PID --model NAME \\
-        --concurrency 64 --requests 256 --rounds 4 --modes off,20 --processes 16
+        --concurrency 64 --requests 256 --rounds 4 --modes off,20,20:columnar --processes 16
+
+A mode is `off` or a top list size, with `:FORMAT` for a `logprobs_format`; `--parse-in-loop`
+parses every body before the worker's next request, as a user's script does.
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ def processes(pid: int) -> tuple[psutil.Process, list[psutil.Process]]:
 
 
 def run_load(port: int, a: argparse.Namespace, mode: str) -> dict:
+    top, _, fmt = mode.partition(":")
     cmd = [
         sys.executable, "bench/loadgen.py", "--base-url", f"http://127.0.0.1:{port}/v1",
         "--model", a.model, "--concurrency", str(a.concurrency), "--requests", str(a.requests),
-        "--max-tokens", str(a.max_tokens), "--logprobs", mode, "--prompt-words", "32",
-        "--processes", str(a.processes),
-    ]  # fmt: skip
+        "--max-tokens", str(a.max_tokens), "--logprobs", top, "--prompt-words", "32",
+        "--processes", str(a.processes), "--logprobs-format", fmt or "openai",
+    ] + (["--parse-in-loop"] if a.parse_in_loop else [])  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out)
 
@@ -51,6 +55,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--modes", default="off,20")
     ap.add_argument("--processes", type=int, default=16)
+    ap.add_argument("--parse-in-loop", action="store_true")
     a = ap.parse_args()
     servers = []
     for spec in a.servers:
@@ -73,14 +78,15 @@ def main() -> int:
                 eng_ms = 1e6 * (after[1] - before[1]) / tokens
                 rows.setdefault((name, mode), []).append((res["tokens_per_s"], api_ms, eng_ms))
                 print(
-                    f"round {r} {name:>4} {mode:>3}: {res['tokens_per_s']:8.0f} tok/s  API "
-                    f"{api_ms:6.1f} us/token  engine {eng_ms:6.1f} us/token  errors {res['errors']}",
+                    f"round {r} {name:>4} {mode:>11}: {res['tokens_per_s']:8.0f} tok/s  "
+                    f"API {api_ms:6.1f} us/token  engine {eng_ms:6.1f} us/token  "
+                    f"errors {res['errors']}",
                     flush=True,
                 )
     print("medians: tok/s, API CPU us/token, engine CPU us/token")
     for (name, mode), xs in sorted(rows.items()):
         med = [statistics.median(c) for c in zip(*xs)]
-        print(f"  {name:>4} {mode:>3}: {med[0]:8.0f}  {med[1]:6.1f}  {med[2]:6.1f}")
+        print(f"  {name:>4} {mode:>11}: {med[0]:8.0f}  {med[1]:6.1f}  {med[2]:6.1f}")
     return 0
 
 
