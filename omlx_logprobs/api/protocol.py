@@ -100,6 +100,9 @@ class SamplingFields(_Open):
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
+    # The compact logprobs form (logprobs/columnar.py): arrays per choice instead of an object
+    # per entry, in JSON or as base64 buffers.
+    logprobs_format: Literal["openai", "columnar", "base64"] = "openai"
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -23,12 +23,14 @@ from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
 from omlx_logprobs.api.validation import RequestLimits, check_unknown, model_bounds
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.engine.client import EngineClient, RequestHandle, merged
+from omlx_logprobs.logprobs.columnar import encode_block
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.parsing.thinking import think_start
 from omlx_logprobs.types import (
     EngineRequest,
+    Entries,
     LogprobsMode,
     RequestOutput,
     SamplingParams,
@@ -236,6 +238,22 @@ def raise_if_failed(outs: list[RequestOutput]) -> None:
             raise APIError(out.error, status=500, type_="server_error")
 
 
+def prompt_logprobs_json(
+    req: SamplingFields,
+    e: Entries,
+    fmts: tuple[PromptLogprobFormatter, ...],
+    asked: int | None = None,
+) -> str:
+    """vLLM's `prompt_logprobs` (a list with null for the first position), or in the compact
+    form one block of the positions after the first. `asked`: the alternatives wanted, when
+    not the field's (chat echo asks for them)."""
+    fixed = bool(req.logprob_token_ids)
+    k = e.k if fixed else ((req.prompt_logprobs if asked is None else asked) or 0)
+    if req.logprobs_format != "openai":
+        return encode_block(e, k, req.logprobs_format)
+    return fmts[req.return_tokens_as_token_ids].json(e, k, fixed)
+
+
 class ChatServing:
     def __init__(self, served: Served) -> None:
         self.served = served
@@ -310,9 +328,9 @@ class ChatServing:
         if req.return_token_ids:
             extra = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}'
         scored = outs[0].prompt_logprobs
-        if ereq.params.prompt_logprobs is not None and scored is not None:
-            fmt = self.prompt_formatters[req.return_tokens_as_token_ids]
-            entries = fmt.json(scored, ereq.params.prompt_logprobs, bool(req.logprob_token_ids))
+        asked = ereq.params.prompt_logprobs
+        if asked is not None and scored is not None:
+            entries = prompt_logprobs_json(req, scored, self.prompt_formatters, asked)
             extra += f',"prompt_logprobs":{entries}'
         body = usage(outs, think is not ThinkStart.OFF)
         return (
@@ -328,12 +346,19 @@ class ChatServing:
         e = out.logprobs
         if e is None:
             return "null"
-        entries = self.formatters[req.return_tokens_as_token_ids].entries
+        head = "{"
+        entries: Callable[[Entries], str] = self.formatters[req.return_tokens_as_token_ids].entries
+        if (encoding := req.logprobs_format) != "openai":
+            head = f'{{"format":"{encoding}",'
+
+            def entries(rows: Entries) -> str:
+                return encode_block(rows, e.k, encoding)
+
         if think is ThinkStart.OFF:
-            return '{"content":' + entries(e) + ',"refusal":null}'
+            return head + '"content":' + entries(e) + ',"refusal":null}'
         r = out.num_reasoning
         return (
-            f'{{"content":{entries(e.rows(r, len(e)))},'
+            f'{head}"content":{entries(e.rows(r, len(e)))},'
             f'"reasoning_content":{entries(e.rows(0, r))},"refusal":null}}'
         )
 
