@@ -90,6 +90,7 @@ class SamplingFields(_Open):
     # Refused unless they ask for nothing (validation.UNSUPPORTED says why).
     priority: int = 0
     use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search's
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -123,6 +124,8 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     store: bool | None = None
@@ -139,6 +142,8 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: Literal["low", "medium", "high"] | None = None
     chat_template: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM; false (leave reasoning out) is refused
 
 
 class CompletionRequest(SamplingFields):

@@ -66,6 +66,9 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("guided_grammar", _set, "guided decoding", soon=True),
     # What this server does not do.
     Unsupported("use_beam_search", _set, "beam search"),
+    Unsupported("length_penalty", lambda v: v != 1, "beam search (length_penalty)"),
+    Unsupported("include_reasoning", lambda v: v is False, "leaving reasoning out"),
+    Unsupported("moderation", _set, "moderation"),
     Unsupported("priority", lambda v: v != 0, "priority scheduling"),
     Unsupported("logits_processors", _set, "custom logits processors"),
     Unsupported("cache_salt", _set, "salted prefix caching"),
