@@ -51,6 +51,12 @@ def test_unknown_field_is_a_400_naming_it(client: openai.OpenAI, endpoint: str) 
     assert err["param"] == "top_logprob" and err["type"] == "invalid_request_error"
 
 
+def test_unknown_field_in_a_stream_is_a_400_before_it_starts(server: str) -> None:
+    body = {"model": MODEL_NAME, "messages": user("hi"), "stream": True, "max_token": 5}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_token"
+
+
 @pytest.mark.parametrize(
     "kw, param",
     [
