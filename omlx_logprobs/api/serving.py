@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 from fastapi import Request
@@ -32,6 +32,7 @@ from omlx_logprobs.types import (
     RequestOutput,
     SamplingParams,
     ThinkStart,
+    WeightVersion,
 )
 
 
@@ -172,6 +173,13 @@ def usage(outs: list[RequestOutput], reasoning: bool = False) -> dict[str, Any]:
     return body
 
 
+@lru_cache(maxsize=64)
+def weight_version_json(version: WeightVersion) -> str:
+    """`"weight_version":{...}`, the fragment every body and chunk carries: which weights made
+    it (one version for a whole response: the engine swaps weights only while nothing runs)."""
+    return f',"weight_version":{json.dumps(version.json())}'
+
+
 def raise_if_failed(outs: list[RequestOutput]) -> None:
     for out in outs:
         if out.error:
@@ -247,7 +255,7 @@ class ChatServing:
         return (
             f'{{"id":"{ereq.request_id}","object":"chat.completion","created":{int(time.time())},'
             f'"model":{json.dumps(self.served.model.name)},"choices":[{choice}],'
-            f'"usage":{json.dumps(body)}{extra}}}'
+            f'"usage":{json.dumps(body)}{extra}{weight_version_json(out.weight_version)}}}'
         )
 
     def _logprobs_json(
@@ -288,6 +296,7 @@ class ChatServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         tail = ',"usage":null}' if include_usage else "}"
         think = ereq.think
+        [slot] = handle.choices
 
         def chunk(delta: dict[str, Any], logprobs: str, finish: str | None, extra: str = "") -> str:
             d = json.dumps(delta, ensure_ascii=False)
@@ -298,16 +307,17 @@ class ChatServing:
         ids = req.return_token_ids
         try:
             first = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}' if ids else ""
+            out = await slot.get()  # the role chunk names the weights: it waits for them
+            tail = weight_version_json(out.weight_version) + tail
             yield chunk({"role": "assistant", "content": ""}, "null", None, first)
-            [slot] = handle.choices
             while True:
-                out = await slot.get()
                 if out.text or out.reasoning_text or out.num_tokens:
                     lp = self._logprobs_json(req, out, think)
                     extra = f',"token_ids":{json.dumps(out.token_ids.tolist())}' if ids else ""
                     yield chunk(sections.delta(out, think), lp, None, extra)
                 if out.finished:
                     break
+                out = await slot.get()
             if out.error:
                 err = error_body(out.error, "server_error", None, None)
                 yield f"data: {json.dumps(err)}\n\n"
@@ -315,7 +325,8 @@ class ChatServing:
                 yield chunk({}, "null", out.finish_reason.value if out.finish_reason else None)
             if include_usage:
                 body = json.dumps(usage([out], think is not ThinkStart.OFF))
-                yield f'data: {head}"choices":[],"usage":{body}}}\n\n'
+                w = weight_version_json(out.weight_version)
+                yield f'data: {head}"choices":[],"usage":{body}{w}}}\n\n'
             yield "data: [DONE]\n\n"
         finally:
             handle.abort()
