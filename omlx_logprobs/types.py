@@ -158,6 +158,39 @@ class EngineRequest:
 
 
 @dataclass(frozen=True)
+class WeightVersion:
+    """Which weights produced an output: a counter (0: the weights loaded at start, +1 at each
+    update) and the tag the caller gave the update, if any."""
+
+    counter: int = 0
+    tag: str | None = None
+
+    def json(self) -> dict[str, Any]:
+        return {"counter": self.counter, "tag": self.tag}
+
+
+INITIAL_WEIGHTS = WeightVersion()
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """New weights for the served model, from a directory or a safetensors file of the same
+    architecture. Requests in flight finish on the old weights first, or are aborted."""
+
+    path: str
+    abort_in_flight: bool = False
+    tag: str | None = None
+
+
+@dataclass(frozen=True)
+class WeightUpdateResult:
+    version: WeightVersion
+    error: str | None = None  # the weights were not loaded: why (the old ones stay)
+    aborted: int = 0  # requests aborted for it
+    seconds: float = 0.0  # from the request to the new weights in place
+
+
+@dataclass(frozen=True)
 class Entries:
     """Logprob entries of consecutive positions, as columns: each position's own token, its
     logprob and rank (count of logprobs >= its own: 1 for the argmax), and k alternatives (the
@@ -257,6 +290,7 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     reasoning_tokens: int = 0
+    weight_version: WeightVersion = INITIAL_WEIGHTS
 
     @property
     def num_tokens(self) -> int:

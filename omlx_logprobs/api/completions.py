@@ -22,6 +22,7 @@ from omlx_logprobs.api.serving import (
     sampling_params,
     usage,
     wait_or_disconnect,
+    weight_version_json,
 )
 from omlx_logprobs.engine.client import RequestHandle, merged
 from omlx_logprobs.logprobs.columnar import Encoding, encode_block
@@ -174,7 +175,9 @@ class CompletionServing:
                 f'{{"index":{c.index},"text":{text},"logprobs":{lp},'
                 f'"finish_reason":{finish}{extras}}}'
             )
-        return f'{self._head(rid)}"choices":[{",".join(parts)}],"usage":{json.dumps(usage(outs))}}}'
+        w = weight_version_json(outs[0].weight_version)
+        body = f'"choices":[{",".join(parts)}],"usage":{json.dumps(usage(outs))}{w}}}'
+        return self._head(rid) + body
 
     def stream(self, req: CompletionRequest) -> AsyncIterator[str]:
         rid, handles, choices = self._start(req)  # errors raise here, before the 200 starts
@@ -187,8 +190,12 @@ class CompletionServing:
         tail = ',"usage":null}' if include_usage else "}"
         head = self._head(rid)
         finals: dict[int, RequestOutput] = {}
+        w = ""
         try:
             async for p, out in merged(handles):
+                if not w:  # one version for the response (see weight_version_json)
+                    w = weight_version_json(out.weight_version)
+                    tail = w + tail
                 i = p * req.n + out.index
                 c = choices[i]
                 if out.error:
@@ -215,7 +222,7 @@ class CompletionServing:
                     yield f'data: {head}"choices":[{choice}]{tail}\n\n'
             if include_usage:
                 body = json.dumps(usage([finals[c.index] for c in choices]))
-                yield f'data: {head}"choices":[],"usage":{body}}}\n\n'
+                yield f'data: {head}"choices":[],"usage":{body}{w}}}\n\n'
             yield "data: [DONE]\n\n"
         finally:
             for h in handles:

@@ -171,6 +171,19 @@ class DetokenizeRequest(_Model):
     tokens: list[int]
 
 
+class UpdateWeightsRequest(_Model):
+    """SGLang's `/update_weights_from_disk` body, with `abort_in_flight` (SGLang:
+    `abort_all_requests`) and `weight_version` as the caller's tag for the new weights."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_path: str = Field(min_length=1)
+    abort_in_flight: bool = False
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    load_format: str | None = None
+
+
 class ErrorDetail(BaseModel):
     """What every rejection says (OpenAI's shape); all four keys are always present."""
 

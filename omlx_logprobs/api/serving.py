@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 from fastapi import Request
@@ -35,6 +35,7 @@ from omlx_logprobs.types import (
     RequestOutput,
     SamplingParams,
     ThinkStart,
+    WeightVersion,
 )
 
 log = logging.getLogger("omlx_logprobs")
@@ -232,6 +233,13 @@ def usage(outs: list[RequestOutput], reasoning: bool = False) -> dict[str, Any]:
     }
 
 
+@lru_cache(maxsize=64)
+def weight_version_json(version: WeightVersion) -> str:
+    """`"weight_version":{...}`, the fragment every body and chunk carries: which weights made
+    it (one version for a whole response: the engine swaps weights only while nothing runs)."""
+    return f',"weight_version":{json.dumps(version.json())}'
+
+
 def raise_if_failed(outs: list[RequestOutput]) -> None:
     for out in outs:
         if out.error:
@@ -335,7 +343,7 @@ class ChatServing:
         body = usage(outs, think is not ThinkStart.OFF)
         return (
             f'{self._head(ereq, "chat.completion")}"choices":[{",".join(choices)}],'
-            f'"usage":{json.dumps(body)}{extra}}}'
+            f'"usage":{json.dumps(body)}{extra}{weight_version_json(outs[0].weight_version)}}}'
         )
 
     def _logprobs_json(
@@ -389,12 +397,15 @@ class ChatServing:
         finals: dict[int, RequestOutput] = {}
         try:
             first = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}' if ids else ""
+            stream = merged([handle])
+            _, head_out = await anext(stream)  # the role chunks name the weights: they wait
+            tail = weight_version_json(head_out.weight_version) + tail
             for i in range(ereq.n):  # prompt_token_ids once, with the first chunk (vLLM)
                 yield chunk(i, {"role": role, "content": ""}, "null", None, first if i == 0 else "")
             if echo:  # vLLM: the echoed text in a chunk of its own, before the generated text
                 for i in range(ereq.n):
                     yield chunk(i, {"content": echo}, "null", None)
-            async for _, out in merged([handle]):
+            async for out in _starting_with(head_out, stream):
                 i = out.index
                 if out.error:
                     finals[i] = out
@@ -412,7 +423,17 @@ class ChatServing:
             if include_usage:
                 done = [finals[i] for i in sorted(finals)]
                 body = json.dumps(usage(done, think is not ThinkStart.OFF))
-                yield f'data: {head}"choices":[],"usage":{body}}}\n\n'
+                w = weight_version_json(done[0].weight_version)
+                yield f'data: {head}"choices":[],"usage":{body}{w}}}\n\n'
             yield "data: [DONE]\n\n"
         finally:
             handle.abort()
+
+
+async def _starting_with(
+    first: RequestOutput, rest: AsyncIterator[tuple[int, RequestOutput]]
+) -> AsyncIterator[RequestOutput]:
+    """`first`, then the outputs `merged` still has."""
+    yield first
+    async for _, out in rest:
+        yield out

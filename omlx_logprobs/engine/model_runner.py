@@ -31,6 +31,7 @@ from omlx_logprobs.engine.sampler import (
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.engine.step import DeviceTime, LaunchedStep, StepResult
+from omlx_logprobs.engine.weights import load_into
 from omlx_logprobs.logprobs.extract import release_scratch
 from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor, choose_extractor
 
@@ -293,6 +294,14 @@ class ModelRunner:
         if self.last_tokens is not None and any(st.in_flight for st in states):
             prev = self.last_tokens[mx.array(prev_rows)]
         return token_mask(logits, [s.params for s in seqs], states, self.stop_ids, prev)
+
+    def load_weights(self, path: str) -> None:
+        """New weights in place (engine/weights.py), with nothing running; the kept prefixes go:
+        their keys and values came from the old weights. WeightsError leaves the old ones."""
+        assert not self.rows and not self.chunk_caches and not self.prefilled
+        load_into(self.model, path)
+        if self.prefixes is not None:
+            self.prefixes.clear()
 
     @property
     def num_cached(self) -> int:

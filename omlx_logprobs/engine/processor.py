@@ -11,7 +11,13 @@ from omlx_logprobs.engine.prompt_scoring import PromptSlice
 from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.engine.step import StepResult
 from omlx_logprobs.output.sections import NO_TEXT, TextDelta
-from omlx_logprobs.types import Entries, FinishReason, RequestOutput, SamplingParams
+from omlx_logprobs.types import (
+    INITIAL_WEIGHTS,
+    Entries,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+)
 from omlx_logprobs.vocab import Vocabulary
 
 log = logging.getLogger("omlx_logprobs")
@@ -22,6 +28,7 @@ class OutputProcessor:
         self.vocab = vocab
         self.eos = frozenset(eos_token_ids)
         self._outputs: list[RequestOutput] = []  # made since the last `take`
+        self.weights = INITIAL_WEIGHTS  # the engine's; changes only while nothing runs
 
     def take(self) -> list[RequestOutput]:
         """The outputs made since the last call, in order."""
@@ -153,6 +160,7 @@ class OutputProcessor:
             completion_tokens=seq.num_output,
             cached_tokens=seq.cached_tokens,
             reasoning_tokens=reasoning,
+            weight_version=self.weights,
         )
         seq.released_tokens = end
         self._outputs.append(out)

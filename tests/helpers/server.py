@@ -148,3 +148,16 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None) -> di
     assert isinstance(err["message"], str) and err["message"]
     assert err["param"] == param, err
     return dict(err)
+
+
+def engine_child(pid: int) -> int:
+    """The server's engine process (its multiprocessing spawn child, not the resource tracker)."""
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+            cmd = (status.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"\nPPid:\t{pid}\n" in text and b"spawn_main" in cmd:
+            return int(status.parent.name)
+    raise AssertionError(f"no engine process under {pid}")
