@@ -258,7 +258,9 @@ def start_engine(cfg: ServerConfig, log_level: str) -> tuple[LoadedModel, Engine
 
     if not cfg.engine_process:
         model = load_model(cfg.model, cfg.served_model_name, cfg.engine.max_model_len)
-        engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg.engine)
+        engine = Engine(
+            model.model, model.vocab, model.eos_token_ids, cfg.engine, tokenizer=model.tokenizer
+        )
         return model, EngineClient(ThreadTransport(engine))
     # The model is resolved once, here (a GGUF converted before the child starts); the child
     # loads the weights from that directory while this process loads the tokenizer.

@@ -53,6 +53,29 @@ class ThinkStart(Enum):
     INSIDE = "inside"  # the prompt opened <think>: the output starts inside reasoning
 
 
+class ConstraintKind(str, Enum):
+    """What a constrained request's output must match (parsing/grammar.py compiles each)."""
+
+    JSON_SCHEMA = "json"  # a JSON Schema (response_format json_schema, structured_outputs json)
+    JSON_OBJECT = "json_object"  # any JSON object (response_format json_object)
+    REGEX = "regex"
+    CHOICE = "choice"  # one of a list of strings, exactly
+    GRAMMAR = "grammar"  # a Lark grammar (GBNF is converted)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A request's output grammar as the API accepted it: `source` is the schema (JSON text),
+    the regex, the choices (a JSON list) or the grammar; `strict` false lets a schema's keywords
+    that cannot be enforced pass (ignored) instead of failing; `whitespace` is the JSON
+    whitespace pattern ("" for none, None for any run of JSON whitespace)."""
+
+    kind: ConstraintKind
+    source: str
+    strict: bool = True
+    whitespace: str | None = None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asks of the sampler and of the logprob extractor. The server's limits
@@ -83,6 +106,9 @@ class SamplingParams:
     # Text: the matched stop string stays in the output; special tokens' text is output text.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Constrained decoding: every sampled token keeps the output a prefix of the grammar's
+    # language; EOS only once it is complete (a token mask with the others).
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -122,7 +148,9 @@ class SamplingParams:
     @property
     def masks(self) -> bool:
         """Whether some tokens may be forbidden at a step (a row of the sampler's token mask)."""
-        return bool(self.min_tokens or self.allowed_token_ids or self.bad_words_ids)
+        return bool(
+            self.min_tokens or self.allowed_token_ids or self.bad_words_ids or self.constraint
+        )
 
     @property
     def num_top(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 from omlx_logprobs import heap
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.grammar import GrammarError, Grammars
 from omlx_logprobs.engine.model_runner import ModelRunner
 from omlx_logprobs.engine.overlap import Overlap
 from omlx_logprobs.engine.processor import OutputProcessor
@@ -58,8 +59,11 @@ class Engine:
         cfg: EngineConfig,
         sink: Sink | None = None,
         weights: WeightVersion = INITIAL_WEIGHTS,
+        tokenizer: Any = None,
     ):
         self.cfg = cfg
+        # Constrained decoding's matchers need the Hugging Face tokenizer (engine/grammar.py).
+        self.grammars = Grammars(tokenizer, len(vocab), tuple(eos))
         self.runner = ModelRunner(
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
         )
@@ -202,8 +206,9 @@ class Engine:
         return self._inflight_first and len(self.scheduler.running) <= SMALL_BATCH
 
     def _needs_history(self) -> bool:
-        # Penalties read every earlier token, so the step in flight must be processed first.
-        return any(s.params.penalizes for s in self.scheduler.running)
+        # Penalties read every earlier token, and a grammar's next mask follows from the last
+        # token, so the step in flight must be processed first.
+        return any(s.params.penalizes or s.grammar is not None for s in self.scheduler.running)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -244,6 +249,8 @@ class Engine:
             if kind == "add":
                 leader = Sequence.of(item)
                 self._live[item.request_id] = leader
+                if not self._constrain(leader):
+                    continue
                 if self._updates:  # it starts on the weights asked for
                     self._held.append(leader)
                 else:
@@ -257,6 +264,21 @@ class Engine:
                     if s.status is not Status.FINISHED:
                         self._aborted[s.status] += 1
                         self._end(s, FinishReason.ABORT, None)
+
+    def _constrain(self, leader: Sequence) -> bool:
+        """Give each choice of a constrained request its grammar matcher; a grammar that cannot
+        be built (the API checked it: this is rare) ends the request with an error."""
+        c = leader.params.constraint
+        if c is None:
+            return True
+        try:
+            for s in leader.group:
+                s.grammar = self.grammars.matcher(c)
+        except GrammarError as exc:
+            for s in leader.group:
+                self.processor.fail(s, f"the output grammar cannot be built: {exc}")
+            return False
+        return True
 
     def _abort_in_flight(self) -> int:
         """End every request that arrived before the update (its finish reason: abort); how

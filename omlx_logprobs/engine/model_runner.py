@@ -18,6 +18,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx_logprobs.engine.batch_cache import BatchCache
+from omlx_logprobs.engine.grammar import bitmask
 from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, make_prefix
 from omlx_logprobs.engine.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
 from omlx_logprobs.engine.sampler import (
@@ -293,7 +294,10 @@ class ModelRunner:
         prev = None
         if self.last_tokens is not None and any(st.in_flight for st in states):
             prev = self.last_tokens[mx.array(prev_rows)]
-        return token_mask(logits, [s.params for s in seqs], states, self.stop_ids, prev)
+        # Constrained rows were processed before this launch (Engine._needs_history).
+        assert not any(s.grammar is not None and st.in_flight for s, st in zip(seqs, states))
+        bits = bitmask([s.grammar for s in seqs], self.vocab_size)
+        return token_mask(logits, [s.params for s in seqs], states, self.stop_ids, prev, bits)
 
     def load_weights(self, path: str) -> None:
         """New weights in place (engine/weights.py), with nothing running; the kept prefixes go:

@@ -142,7 +142,13 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
 
             load_into(model.model, spec.weights_path)
         engine = Engine(
-            model.model, model.vocab, model.eos_token_ids, spec.engine, sink, spec.weights
+            model.model,
+            model.vocab,
+            model.eos_token_ids,
+            spec.engine,
+            sink,
+            spec.weights,
+            tokenizer=model.tokenizer,
         )
     except Exception as exc:
         log.exception("the engine process could not start")

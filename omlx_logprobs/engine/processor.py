@@ -98,10 +98,16 @@ class OutputProcessor:
 
     def _advance(self, seq: Sequence, token: int) -> None:
         p = seq.params
+        done = False  # the grammar is complete and EOS was sampled (the only token it allowed)
+        if (g := seq.grammar) is not None:
+            if not g.consume_token(token):  # the mask allowed it: a bug if this happens
+                raise RuntimeError(f"token {token} is outside the grammar: {g.get_error()}")
+            done = g.is_stopped() and (token in self.eos or not self.eos)
         data = self.vocab.token_bytes[token] if token < len(self.vocab) else None
         if data is None and not p.skip_special_tokens and token < len(self.vocab):
             data = self.vocab.token_text[token].encode()  # a special token's literal text
-        if self._stop_token(p, token) and not p.include_stop_str_in_output:
+        stops = self._stop_token(p, token) or (done and token in self.eos)
+        if stops and not p.include_stop_str_in_output:
             data = None  # as vLLM: the token that stops a request adds no text unless asked
         before = seq.token_ends[-1] if seq.token_ends else 0
         seq.token_ends.append(before + len(data or b""))
@@ -110,7 +116,7 @@ class OutputProcessor:
         if data:
             seq.text.feed(data)
         if seq.status is not Status.FINISHED:
-            reason = self._finish_reason(seq, token)
+            reason = FinishReason.STOP if done else self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish(reason)
         if seq.status is Status.FINISHED:

@@ -35,16 +35,22 @@ def token_mask(
     states: Seq[MaskState],
     stop_ids: tuple[int, ...],
     prev: mx.array | None,
+    grammar: np.ndarray | None = None,
 ) -> mx.array:
     """The logits with every token a row may not sample at this step set to -inf: outside its
+    grammar's next tokens (`grammar`: a [B, ceil(V/32)] int32 bitmask made on the host from
+    each constrained row's state, engine/grammar.py, unpacked on the device); outside its
     `allowed_token_ids`; EOS (`stop_ids`) and its `stop_token_ids` while it has sampled fewer
     than `min_tokens`; the last token of a bad word whose other tokens end its output. A bad
     word whose last prefix token is still on the device is decided there (`prev` [B], the
     previous step's sampled ids by row): no host sync. Rows that ask for nothing cost nothing;
-    a per-row mask of this shape is where a grammar's allowed set goes too."""
+    the grammar's bitmask crosses to the device from host memory (no wait on the step in
+    flight)."""
     if not any(p.masks for p in params):
         return logits
     v = logits.shape[-1]
+    if grammar is not None:
+        logits = mx.where(_unpack(grammar, v), logits, -mx.inf)
     if any(p.allowed_token_ids for p in params):
         rows = [_allowed_row(p.allowed_token_ids, v) if p.allowed_token_ids else _all(v)
                 for p in params]  # fmt: skip
@@ -83,6 +89,22 @@ def _bad_word_condition(word: Seq[int], st: MaskState) -> int | None:
     if known and list(st.output[len(st.output) - len(known) :]) != known:
         return None
     return prefix[-1]
+
+
+def _unpack(words: np.ndarray, v: int) -> mx.array:
+    """[B, V] bool from [B, W] int32 words, token t at bit t % 32 of word t // 32 (llguidance's
+    layout); tokens past the words' 32 * W bits are not allowed."""
+    w = -(-v // 32)
+    if words.shape[1] < w:
+        words = np.pad(words, ((0, 0), (0, w - words.shape[1])))
+    cols, shifts = _bit_index(v)
+    return (mx.right_shift(mx.array(words[:, :w])[:, cols], shifts) & 1).astype(mx.bool_)
+
+
+@lru_cache(maxsize=4)
+def _bit_index(v: int) -> tuple[mx.array, mx.array]:
+    t = np.arange(v, dtype=np.int32)
+    return mx.array(t >> 5), mx.array(t & 31)
 
 
 @lru_cache(maxsize=64)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from array import array
 from enum import Enum
+from typing import Any
 
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.output.sections import SectionedText
@@ -58,6 +59,9 @@ class Sequence:
         self.prompt_released = False  # the prompt's entries went with an output
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
+        # Its llguidance matcher when the output is constrained (engine/grammar.py): advanced by
+        # the output processor, read for the next step's token mask.
+        self.grammar: Any = None
 
     @classmethod
     def of(cls, req: EngineRequest) -> Sequence:

@@ -107,7 +107,13 @@ def run_engine(
 ) -> list[tuple[Record, list[RequestOutput]]]:
     """Submit all requests at once (streamed) to a fresh engine; each one's record, rebuilt
     from its outputs, and the outputs."""
-    engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg or EngineConfig())
+    engine = Engine(
+        model.model,
+        model.vocab,
+        model.eos_token_ids,
+        cfg or EngineConfig(),
+        tokenizer=model.tokenizer,
+    )
     client = client_of(engine)
     thinks = thinks or [ThinkStart.OFF] * len(requests)
     reqs = [

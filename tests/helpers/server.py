@@ -99,7 +99,7 @@ def thread_server(
 ) -> Iterator[tuple[str, Engine]]:
     """`create_app` under a real uvicorn server in a thread; yields (base URL, engine)."""
     cfg = cfg or EngineConfig(max_num_seqs=64, prefill_chunk=64)
-    engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg)
+    engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg, tokenizer=model.tokenizer)
     client = EngineClient(ThreadTransport(engine))
     app = create_app(Served(client, model, cfg, limits=limits or Limits()), access)
     port = free_port()

@@ -1,0 +1,70 @@
+"""A request's `Constraint` as an llguidance grammar (docs/specs/structured.md): JSON Schema,
+any JSON object, a regex, a list of choices or a Lark grammar (GBNF converted). Pure: no
+tokenizer here; the engine builds one matcher per row from the text this returns, and the API
+checks it first so that a bad schema is a 400, never a failed request."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
+
+from omlx_logprobs.types import Constraint, ConstraintKind
+
+__all__ = ["GrammarError", "grammar_text", "check"]
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be compiled; the message says why (llguidance's words)."""
+
+
+def _json_options(c: Constraint) -> dict[str, Any]:
+    opts: dict[str, Any] = {"lenient": not c.strict}
+    if c.whitespace == "":
+        opts["whitespace_flexible"] = False
+    elif c.whitespace is not None:
+        opts["whitespace_pattern"] = c.whitespace
+    return opts
+
+
+@lru_cache(maxsize=256)
+def grammar_text(c: Constraint) -> str:
+    """llguidance's grammar for the constraint (not yet checked: see `check`). Cached: RL and
+    agent loops send the same schema with every request."""
+    M = llguidance.LLMatcher
+    if c.kind is ConstraintKind.JSON_SCHEMA or c.kind is ConstraintKind.JSON_OBJECT:
+        schema = (
+            json.loads(c.source) if c.kind is ConstraintKind.JSON_SCHEMA else {"type": "object"}
+        )
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError("a JSON schema is an object (or a boolean)")
+        try:  # the request's own x-guidance (if any) wins over the options it implies
+            return M.grammar_from_json_schema(schema, defaults=_json_options(c))
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(str(exc)) from exc
+    if c.kind is ConstraintKind.REGEX:
+        return M.grammar_from_regex(c.source)
+    if c.kind is ConstraintKind.CHOICE:
+        choices = json.loads(c.source)
+        # JSON string literals are Lark's string syntax too: quotes and escapes survive.
+        return M.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choices)
+        )
+    try:
+        return M.grammar_from_lark(any_to_lark(c.source))
+    except Exception as exc:  # the GBNF converter's own parse errors
+        raise GrammarError(f"cannot read the grammar: {exc}") from exc
+
+
+@lru_cache(maxsize=256)
+def check(c: Constraint) -> str:
+    """The grammar text, or GrammarError with llguidance's message (a bad regex, an unknown
+    rule, a schema keyword it cannot enforce under `strict`)."""
+    text = grammar_text(c)
+    error = llguidance.LLMatcher.validate_grammar(text)
+    if error:
+        raise GrammarError(error.strip())
+    return text
