@@ -137,6 +137,7 @@ def sampling_params(
         ),
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
+        constraint=checks.constraint(req),
     )
 
 

@@ -41,8 +41,8 @@ def test_unknown_fields_are_named() -> None:
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"response_format": {"type": "json"}}, "response_format"),
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
         ({"store": True}, "store"),
         ({"service_tier": "flex"}, "service_tier"),
         ({"modalities": ["text", "audio"]}, "modalities"),
@@ -71,6 +71,8 @@ def test_fields_that_cannot_be_honoured_are_refused(body: dict[str, Any], param:
         {"service_tier": "auto", "metadata": {"k": "v"}, "user": "u", "verbosity": "medium"},
         {"continue_final_message": True, "add_generation_prompt": False},
         {"allowed_token_ids": [1, 99], "bad_words": ["x"], "truncate_prompt_tokens": -1},
+        {"response_format": {"type": "json_object"}},
+        {"structured_outputs": {"regex": "a+"}},
     ],
 )
 def test_fields_with_their_meaning_pass(body: dict[str, Any]) -> None:

@@ -1,0 +1,167 @@
+"""Constrained decoding in the engine, on the tiny seeded random model (unconstrained it writes
+garbage, so valid output is the grammar's doing): every sampled token is re-checked by a fresh
+llguidance matcher of the same grammar, the text parses and validates (pydantic), and the
+logprobs equal a float32 log-softmax of an independent forward pass, masked by that matcher's
+allowed set for `processed_logprobs` and unmasked for `raw_logprobs`."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Literal
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy as lln
+import numpy as np
+import pydantic
+import pytest
+
+from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.parsing.grammar import check
+from omlx_logprobs.types import Constraint, ConstraintKind, FinishReason, LogprobsMode, SamplingParams
+from tests.helpers.engine import encode, reference_logprobs, run_engine
+
+
+Tag = Annotated[str, pydantic.StringConstraints(max_length=6)]
+
+
+class Pet(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    name: str = pydantic.Field(max_length=10)
+    kind: Literal["cat", "dog", "fish"]
+    age: int = pydantic.Field(ge=0, le=99)
+    tags: list[Tag] = pydantic.Field(max_length=2)
+
+
+# The random model would fill flexible whitespace forever: compact JSON (disable_any_whitespace).
+PET = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(Pet.model_json_schema()), whitespace="")
+
+
+def allowed_sets(model: LoadedModel, c: Constraint, out: list[int]) -> list[np.ndarray]:
+    """Before each output token, the ids a fresh matcher of the grammar allows ([V] bool);
+    asserts that each token was one of them."""
+    tok = llguidance.hf.from_tokenizer(
+        model.tokenizer, n_vocab=len(model.vocab), eos_token=list(model.eos_token_ids)
+    )
+    m = llguidance.LLMatcher(tok, check(c))
+    bits = lln.allocate_token_bitmask(1, len(model.vocab))
+    sets = []
+    for t in out:
+        lln.fill_next_token_bitmask(m, bits, 0)
+        row = np.unpackbits(bits.view(np.uint8), bitorder="little")[: len(model.vocab)]
+        sets.append(row.astype(bool))
+        assert row[t], f"token {t} sampled outside the grammar"
+        assert m.consume_token(t)
+    return sets
+
+
+def masked_log_softmax(lp: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    x = np.where(allowed, lp.astype(np.float64), -np.inf)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+@pytest.mark.parametrize("mode", [LogprobsMode.PROCESSED, LogprobsMode.RAW])
+def test_json_schema_tokens_text_and_logprobs(tiny: LoadedModel, mode: LogprobsMode) -> None:
+    prompt = encode(tiny, "Describe a pet as JSON:")
+    reqs = [
+        (
+            prompt,
+            SamplingParams(
+                max_tokens=160, temperature=1.0, seed=s, constraint=PET, logprobs=True,
+                top_logprobs=5, logprobs_mode=mode,
+            ),
+        )  # fmt: skip
+        for s in range(4)
+    ]
+    reqs.append((prompt, SamplingParams(max_tokens=20, temperature=1.0, seed=9)))  # free row
+    results = run_engine(tiny, reqs)
+    done = 0
+    for rec, outs in results[:4]:
+        out = list(rec.output_ids)
+        sets = allowed_sets(tiny, PET, out)
+        text = "".join(o.text for o in outs)
+        assert rec.error is None
+        if rec.finish_reason is FinishReason.STOP:  # complete: EOS, then valid JSON
+            done += 1
+            assert out[-1] in tiny.eos_token_ids
+            Pet.model_validate_json(text)
+        else:
+            assert rec.finish_reason is FinishReason.LENGTH and len(out) == 160
+        ref = reference_logprobs(tiny, prompt + out)[len(prompt) - 1 : -1]
+        assert rec.store is not None
+        for i, t in enumerate(out):
+            want = masked_log_softmax(ref[i], sets[i]) if mode.processed else ref[i]
+            assert abs(rec.store.logprobs[i] - want[t]) < 1e-4
+            ids, lps = rec.store.top(i)
+            finite = np.isfinite(want[ids])
+            assert np.allclose(lps[finite], want[ids][finite], atol=1e-4)
+            if mode.processed:  # the top list never goes outside the grammar while it can
+                assert finite.sum() == min(5, sets[i].sum())
+    assert done >= 2  # most finish within the budget
+    free, _ = results[4]
+    alone, _ = run_engine(tiny, [reqs[4]])[0]
+    assert list(free.output_ids) == list(alone.output_ids)  # unconstrained rows untouched
+
+
+@pytest.mark.parametrize(
+    "kind, source, ok",
+    [
+        (ConstraintKind.REGEX, r"[0-9]{3}-[a-z]{2,4}", lambda s: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", s)),
+        (ConstraintKind.CHOICE, json.dumps(["yes", "no way", 'say "hi"']), lambda s: s in ("yes", "no way", 'say "hi"')),
+        (ConstraintKind.GRAMMAR, 'start: "(" num ("+" num)* ")"\nnum: /[1-9][0-9]?/', lambda s: re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", s)),
+        (ConstraintKind.GRAMMAR, 'root ::= "a" ("b" | "c")+ "d"', lambda s: re.fullmatch(r"a[bc]+d", s)),
+        (ConstraintKind.JSON_OBJECT, "{}", lambda s: isinstance(json.loads(s), dict)),
+    ],
+)  # fmt: skip
+def test_regex_choice_lark_gbnf_and_json_object(
+    tiny: LoadedModel, kind: ConstraintKind, source: str, ok: object
+) -> None:
+    c = Constraint(kind, source, whitespace="")
+    prompt = encode(tiny, "Answer:")
+    reqs = [
+        (prompt, SamplingParams(max_tokens=60, temperature=t, seed=s, constraint=c))
+        for t, s in ((0.0, None), (1.0, 1), (1.0, 2), (0.8, 3))
+    ]
+    finished = 0
+    for rec, outs in run_engine(tiny, reqs):
+        out = list(rec.output_ids)
+        allowed_sets(tiny, c, out)
+        if rec.finish_reason is FinishReason.STOP:
+            finished += 1
+            assert out[-1] in tiny.eos_token_ids
+            assert ok("".join(o.text for o in outs))  # type: ignore[operator]
+    assert finished >= (1 if kind is ConstraintKind.JSON_OBJECT else 3)
+
+
+def test_constrained_rows_mixed_with_masks_and_penalties(tiny: LoadedModel) -> None:
+    """A grammar beside logit bias and repetition penalty in one row, and beside rows with
+    allowed_token_ids and bad words: each row keeps its own rules."""
+    c = Constraint(ConstraintKind.REGEX, "(ab|cd)+x")
+    prompt = encode(tiny, "Go")
+    ab = encode(tiny, "ab")
+    reqs = [
+        (prompt, SamplingParams(max_tokens=30, temperature=1.0, seed=1, constraint=c,
+                                logit_bias=((ab[0], 5.0),), repetition_penalty=1.3)),
+        (prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=2,
+                                allowed_token_ids=tuple(ab))),
+        (prompt, SamplingParams(max_tokens=30, temperature=0.0, constraint=c)),
+    ]  # fmt: skip
+    results = run_engine(tiny, reqs, EngineConfig(max_num_seqs=8))
+    for i in (0, 2):
+        rec, outs = results[i]
+        allowed_sets(tiny, c, list(rec.output_ids))
+        if rec.finish_reason is FinishReason.STOP:
+            assert re.fullmatch("(ab|cd)+x", "".join(o.text for o in outs))
+    assert set(results[1][0].output_ids) <= set(ab)
+
+
+def test_a_complete_grammar_ends_the_row_even_with_ignore_eos(tiny: LoadedModel) -> None:
+    c = Constraint(ConstraintKind.CHOICE, json.dumps(["done"]))
+    sp = SamplingParams(max_tokens=20, temperature=1.0, seed=0, constraint=c, ignore_eos=True)
+    rec, outs = run_engine(tiny, [(encode(tiny, "x"), sp)])[0]
+    assert rec.finish_reason is FinishReason.STOP
+    assert "".join(o.text for o in outs) == "done"
+    assert rec.output_ids[-1] in tiny.eos_token_ids
