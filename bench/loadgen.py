@@ -69,6 +69,9 @@ class LoadConfig:
     # script does (the default parses after the clock stops: the server's time alone).
     parse_in_loop: bool = False
     logprobs_format: str = "openai"  # or the compact "columnar" / "base64" (decoded to numpy)
+    # Every request constrained by JSON_SCHEMA (response_format json_schema, strict): a schema
+    # no answer can complete within max_tokens, so output lengths stay pinned.
+    json_schema: bool = False
     first_index: int = 0  # the first request's index (prompts are a function of it)
 
 
@@ -132,6 +135,23 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+# At least 64 short strings: more tokens than any max_tokens the presets use.
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "notes": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 40},
+            "minItems": 64,
+            "maxItems": 64,
+        },
+    },
+    "required": ["title", "notes"],
+    "additionalProperties": False,
+}
+
+
 def request_body(cfg: LoadConfig, index: int) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": cfg.model,
@@ -150,6 +170,11 @@ def request_body(cfg: LoadConfig, index: int) -> dict[str, Any]:
             body["logprobs_format"] = cfg.logprobs_format
     if cfg.ban_token_ids:
         body["logit_bias"] = {str(t): -100 for t in cfg.ban_token_ids}
+    if cfg.json_schema:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "notes", "schema": JSON_SCHEMA, "strict": True},
+        }
     return body
 
 
@@ -408,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--records", help="write every request's record here, a JSON line each")
     p.add_argument("--parse-in-loop", action="store_true", help="parse each body before the next")
     p.add_argument("--logprobs-format", default="openai", choices=["openai", "columnar", "base64"])
+    p.add_argument("--json-schema", action="store_true", help="a JSON schema on every request")
     a = p.parse_args(argv)
     cfg = LoadConfig(
         base_url=a.base_url,
@@ -424,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         processes=a.processes,
         parse_in_loop=a.parse_in_loop,
         logprobs_format=a.logprobs_format,
+        json_schema=a.json_schema,
     )
     res = asyncio.run(run_load(cfg))
     print(json.dumps(res.to_json(), indent=2))
