@@ -18,6 +18,7 @@ import pydantic
 import pytest
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine import model_runner
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.parsing.grammar import check
 from omlx_logprobs.types import (
@@ -68,8 +69,19 @@ def masked_log_softmax(lp: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.exp(x - m).sum()))
 
 
+@pytest.fixture(params=[False, True], ids=["host", "gpu-path"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both paths: numpy extraction with steps processed after the launch, and the device's
+    packed step with steps processed on a second thread beside the next launch (where a
+    constrained row's step must be processed before it)."""
+    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", request.param)
+    return bool(request.param)
+
+
 @pytest.mark.parametrize("mode", [LogprobsMode.PROCESSED, LogprobsMode.RAW])
-def test_json_schema_tokens_text_and_logprobs(tiny: LoadedModel, mode: LogprobsMode) -> None:
+def test_json_schema_tokens_text_and_logprobs(
+    tiny: LoadedModel, mode: LogprobsMode, path: bool
+) -> None:
     prompt = encode(tiny, "Describe a pet as JSON:")
     reqs = [
         (
