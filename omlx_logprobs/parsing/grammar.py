@@ -14,7 +14,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from omlx_logprobs.types import Constraint, ConstraintKind
 
-__all__ = ["GrammarError", "grammar_text", "check"]
+__all__ = ["GrammarError", "grammar_text", "check", "hermes_tool_calls"]
 
 
 class GrammarError(ValueError):
@@ -68,3 +68,45 @@ def check(c: Constraint) -> str:
     if error:
         raise GrammarError(error.strip())
     return text
+
+
+def hermes_tool_calls(
+    tools: list[dict[str, Any]],
+    name: str | None = None,
+    parallel: bool = True,
+    whitespace: str | None = None,
+) -> str:
+    """A Lark grammar (a `ConstraintKind.GRAMMAR` source) of Hermes/Qwen tool calls, what
+    `tool_choice` `required` (`name` None: any of `tools`) or a named function forces: one call,
+    or with `parallel` several separated by a newline, each
+    `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` whose arguments follow the
+    function's `parameters` schema. `tools` are OpenAI's `{"type": "function", "function":
+    {...}}` entries; `whitespace` as in `Constraint` (inside the JSON)."""
+    calls = []
+    for t in tools:
+        f = t.get("function", t)
+        if name is not None and f.get("name") != name:
+            continue
+        calls.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": f["name"]},
+                    "arguments": f.get("parameters") or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    if not calls:
+        raise GrammarError(f"no tool named {name!r}" if name else "no tools")
+    # Not strict: a parameters keyword llguidance cannot enforce is ignored, as OpenAI does
+    # for functions without `strict`.
+    c = Constraint(ConstraintKind.JSON_SCHEMA, "{}", strict=False, whitespace=whitespace)
+    schema = {"anyOf": calls, "x-guidance": _json_options(c)}
+    more = ' ("\\n" call)*' if parallel else ""
+    return (
+        f"start: call{more}\n"
+        'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
+        f"body: %json {json.dumps(schema)}\n"
+    )

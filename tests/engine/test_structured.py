@@ -20,7 +20,7 @@ import pytest
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine import model_runner
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.parsing.grammar import check
+from omlx_logprobs.parsing.grammar import check, hermes_tool_calls
 from omlx_logprobs.types import (
     Constraint,
     ConstraintKind,
@@ -192,3 +192,63 @@ def test_a_complete_grammar_ends_the_row_even_with_ignore_eos(tiny: LoadedModel)
     assert rec.finish_reason is FinishReason.STOP
     assert "".join(o.text for o in outs) == "done"
     assert rec.output_ids[-1] in tiny.eos_token_ids
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 8}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["a"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+@pytest.mark.parametrize("name", [None, "add"])
+def test_forced_hermes_tool_calls(tiny: LoadedModel, name: str | None) -> None:
+    """tool_choice `required` (any tool) or named: the output is one or more Hermes calls whose
+    name is a tool's (the named one) and whose arguments follow its parameters."""
+    c = Constraint(ConstraintKind.GRAMMAR, hermes_tool_calls(TOOLS, name, True, whitespace=""))
+    prompt = encode(tiny, "Call a tool:")
+    reqs = [
+        (prompt, SamplingParams(max_tokens=120, temperature=1.0, seed=s, constraint=c))
+        for s in range(4)
+    ]
+    finished = 0
+    for rec, outs in run_engine(tiny, reqs):
+        allowed_sets(tiny, c, list(rec.output_ids))
+        if rec.finish_reason is not FinishReason.STOP:
+            continue
+        finished += 1
+        text = "".join(o.text for o in outs)
+        bodies = re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.S)
+        assert bodies and text == "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in bodies)
+        for b in bodies:
+            call = json.loads(b)
+            assert set(call) == {"name", "arguments"}
+            if name is not None:
+                assert call["name"] == name
+            if call["name"] == "add":
+                assert set(call["arguments"]) == {"a"} and 0 <= call["arguments"]["a"] <= 99
+            else:
+                assert call["name"] == "get_weather" and set(call["arguments"]) == {"city"}
+                assert len(call["arguments"]["city"]) <= 8
+    assert finished >= 2
