@@ -19,6 +19,7 @@ import pytest
 
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine import model_runner
+from omlx_logprobs.engine.grammar import PARALLEL_ROWS, Grammars, bitmask
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.parsing.grammar import check, hermes_tool_calls
 from omlx_logprobs.types import (
@@ -252,3 +253,28 @@ def test_forced_hermes_tool_calls(tiny: LoadedModel, name: str | None) -> None:
                 assert call["name"] == "get_weather" and set(call["arguments"]) == {"city"}
                 assert len(call["arguments"]["city"]) <= 8
     assert finished >= 2
+
+
+def test_parallel_mask_fill_equals_the_serial_one(tiny: LoadedModel) -> None:
+    """From PARALLEL_ROWS constrained rows llguidance's thread pool fills the bitmask: the same
+    bits as one matcher at a time (a finished row's: EOS), rows without a grammar all allowed."""
+    grammars = Grammars(tiny.tokenizer, len(tiny.vocab), tiny.eos_token_ids)
+    answer = encode(tiny, '{"name":"Rex","kind":"dog","age":3,"tags":["a"]}')
+    rows: list[object] = []
+    for i in range(PARALLEL_ROWS + 3):
+        m = grammars.matcher(PET)
+        assert m.consume_tokens(answer[: i % len(answer)])
+        rows.append(m if i % 4 else None)
+    done = grammars.matcher(PET)
+    assert done.consume_tokens(answer + [tiny.eos_token_ids[0]]) and done.is_stopped()
+    rows.append(done)
+    par = bitmask(rows, len(tiny.vocab))
+    assert par is not None
+    for i, m in enumerate(rows):
+        if m is None:
+            assert (par[i] == -1).all()
+            continue
+        one = lln.allocate_token_bitmask(1, len(tiny.vocab))
+        lln.fill_next_token_bitmask(m, one, 0)
+        assert (par[i] == one[0]).all()
+    assert bitmask([None, None], len(tiny.vocab)) is None
