@@ -20,7 +20,12 @@ import omlx_logprobs
 from omlx_logprobs.api import sections
 from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
-from omlx_logprobs.api.validation import RequestLimits, check_unknown, model_bounds
+from omlx_logprobs.api.validation import (
+    RequestLimits,
+    check_unknown,
+    constraint_field,
+    model_bounds,
+)
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.engine.client import EngineClient, RequestHandle, merged
 from omlx_logprobs.logprobs.columnar import encode_block
@@ -289,6 +294,14 @@ class ChatServing:
             self._prompt_logprobs(req),
         )
         think = think_start(served.reasoning, served.model.tokenizer.decode(prompt[-8:]))
+        if params.constraint is not None and think is ThinkStart.INSIDE:
+            # The grammar applies from the first generated token: here that is reasoning.
+            raise APIError(
+                "Constrained output cannot follow reasoning yet: the prompt opens <think>, so"
+                " the constrained text would be the reasoning. Turn thinking off (for example"
+                ' chat_template_kwargs {"enable_thinking": false}).',
+                param=constraint_field(req),
+            )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         ereq = EngineRequest(rid, prompt, params, req.n, think=think, stream=req.stream)
         return ereq, served.engine.submit(ereq)

@@ -362,6 +362,12 @@ class RequestLimits:
         return tuple(ids)
 
 
+def constraint_field(req: Any) -> str | None:
+    """The request field that set its constraint (None: none did)."""
+    found = [c for c in _constraints(req) if c is not None]
+    return found[0][0].split(".")[0] if found else None
+
+
 # vLLM's `structured_outputs` keys: one kind of constraint, and options of the JSON ones.
 _SO_KINDS = {
     "json": ConstraintKind.JSON_SCHEMA,

@@ -294,3 +294,14 @@ def test_a_model_without_think_markers_keeps_the_plain_shape(server: str) -> Non
     choice = httpx.post(server + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
     assert set(choice["message"]) == {"role", "content"}
     assert set(choice["logprobs"]) == {"content", "refusal"}
+
+
+def test_constrained_output_after_an_opened_think_is_refused(client: openai.OpenAI) -> None:
+    """The grammar would apply to the reasoning: a 400 naming the constraint's field."""
+    with pytest.raises(openai.BadRequestError) as e:
+        kw = {"response_format": {"type": "json_object"}}
+        client.chat.completions.create(
+            **request("opened", 0, extra_body={"chat_template_kwargs": OPEN}, **kw)
+        )
+    assert e.value.body["param"] == "response_format"
+    assert "reasoning" in e.value.body["message"]
