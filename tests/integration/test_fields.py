@@ -57,11 +57,14 @@ def test_unknown_field_in_a_stream_is_a_400_before_it_starts(server: str) -> Non
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_token"
 
 
+NOT_A_SCHEMA = {"type": "json_schema", "json_schema": {"schema": 3}}
+
+
 @pytest.mark.parametrize(
     "kw, param",
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format"),
+        ({"response_format": NOT_A_SCHEMA}, "response_format"),
         ({"store": True}, "store"),
         ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs"),
         ({"extra_body": {"stream_options": {"include_usage": True, "x": 1}}}, "stream_options.x"),
