@@ -15,7 +15,14 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.client import EngineClient, ThreadTransport
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.types import EngineRequest, Entries, RequestOutput, SamplingParams, ThinkStart
+from omlx_logprobs.types import (
+    EngineRequest,
+    Entries,
+    RequestOutput,
+    SamplingParams,
+    ThinkStart,
+    ToolParsing,
+)
 
 TINY_CONFIG = {
     "model_type": "llama",
@@ -104,15 +111,17 @@ def run_engine(
     requests: list[tuple[list[int], SamplingParams]],
     cfg: EngineConfig | None = None,
     thinks: list[ThinkStart] | None = None,
+    tools: list[ToolParsing | None] | None = None,
 ) -> list[tuple[Record, list[RequestOutput]]]:
     """Submit all requests at once (streamed) to a fresh engine; each one's record, rebuilt
     from its outputs, and the outputs."""
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg or EngineConfig())
     client = client_of(engine)
     thinks = thinks or [ThinkStart.OFF] * len(requests)
+    tools = tools or [None] * len(requests)
     reqs = [
-        EngineRequest(f"r{i}", list(p), sp, think=t, stream=True)
-        for i, ((p, sp), t) in enumerate(zip(requests, thinks))
+        EngineRequest(f"r{i}", list(p), sp, think=t, stream=True, tools=tp)
+        for i, ((p, sp), t, tp) in enumerate(zip(requests, thinks, tools))
     ]
 
     async def main() -> list[list[list[RequestOutput]]]:
