@@ -264,6 +264,17 @@ def test_a_conversation_with_calls_and_results(
     del body["tools"]
     again = client.chat.completions.create(**body)
     assert again.model_dump()["prompt_token_ids"] == want
+    # both at once: a 400, as any template keyword that shadows a parameter
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": history,
+            "tools": TOOLS,
+            "chat_template_kwargs": {"tools": TOOLS},
+        },
+    )
+    assert_openai_error(r, 400, "chat_template_kwargs")
     # and /tokenize renders the same
     tok = httpx.post(base + "/tokenize", json={"messages": history, "tools": TOOLS}).json()
     assert tok["tokens"] == want
@@ -290,6 +301,18 @@ def test_tool_choice(client: openai.OpenAI, base: str, tooled: LoadedModel) -> N
     )
     r = httpx.post(url, json={**body, "tools": [{"type": "function", "function": {}}]})
     assert_openai_error(r, 400, "tools[0].function.name")
+
+
+def test_a_stop_string_and_max_tokens_inside_a_call(client: openai.OpenAI) -> None:
+    # cut before its closing tag: still a call
+    got = from_response(client.chat.completions.create(**request("weather", stop=["\n</tool"])))
+    assert [c["function"]["name"] for c in got.calls] == ["get_weather"]
+    assert got.finish == "tool_calls" and got.content == "Let me check."
+    # cut inside its JSON: content, as written
+    got = from_response(client.chat.completions.create(**request("weather", max_tokens=8)))
+    assert got.calls == [] and got.finish == "length"
+    assert got.content is not None and got.content.startswith("Let me check.<tool_call>\n{")
+    assert ids_of(got.entries["content"]) == got.token_ids and got.entries["tool_calls"] == []
 
 
 def test_parallel_calls_off_ends_at_the_first_call(client: openai.OpenAI) -> None:
