@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import omlx_logprobs
 from omlx_logprobs import heap
 from omlx_logprobs.config import Access, EngineConfig, Limits, ServerConfig
-from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled
+from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled, reasoning_tags
 from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format
 
 if TYPE_CHECKING:
@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[m.value for m in ToolCallFormat],
         default=ToolCallFormat.AUTO.value,
         help="the format of the model's tool calls: auto (from the chat template), hermes"
-        " (<tool_call> JSON, Qwen), qwen3_coder (<tool_call> XML), llama3_json, mistral, or none",
+        " (<tool_call> JSON, Qwen), qwen3_coder (<tool_call> XML), llama3_json, mistral, harmony"
+        " (gpt-oss), or none",
     )
     s.add_argument(
         "--logprobs-mode",
@@ -242,6 +243,7 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
         cfg.engine,
         reasoning=reasoning,
         tool_format=tool_format.value,
+        reasoning_tags=reasoning_tags(model.tokenizer),
         limits=cfg.limits,
     )
     app = create_app(served, cfg.access)

@@ -15,9 +15,21 @@ import numpy as np
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 THINK_TAGS = (THINK_OPEN, THINK_CLOSE)
-# Tool-call markers that tokenizers may mark special: output text all the same (the tool-call
+# gpt-oss's harmony messages: `<|start|>ROLE<|channel|>CHANNEL ...<|message|>TEXT<|end|>`; a
+# call ends with `<|call|>`, the answer with `<|return|>`.
+HARMONY_TAGS = (
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|constrain|>",
+    "<|end|>",
+    "<|call|>",
+    "<|return|>",
+)
+HARMONY_REASONING = ("<|channel|>analysis<|message|>", "<|end|>")  # its reasoning's tags
+# Tool-call and harmony markers that tokenizers mark special: output text all the same (the
 # parsers read them), so their tokens keep their bytes.
-TOOL_TAGS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>")
+TOOL_TAGS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", *HARMONY_TAGS)
 
 
 class LogprobsMode(str, Enum):
@@ -128,11 +140,14 @@ class ToolCall:
 class ToolParsing:
     """How a request's content is searched for tool calls (parsing/tools/): the format, the
     request's `tools` (their parameter schemas type the arguments of XML formats) and whether
-    generation ends after the first call (`parallel_tool_calls: false`)."""
+    generation ends after the first call (`parallel_tool_calls: false`). Harmony models parse
+    every request, tools or not: their answer too is a message with a header."""
 
     parser: str  # a parsing.tools.ToolCallFormat value
     tools: tuple[dict[str, Any], ...] = ()
     parallel: bool = True
+    # False: messages are parsed (harmony's headers) but a call stays text (tool_choice none)
+    calls: bool = True
 
 
 @dataclass(frozen=True)
@@ -148,6 +163,7 @@ class EngineRequest:
     # its end (nothing crosses to the API before it is needed).
     stream: bool = False
     tools: ToolParsing | None = None  # None: content is not searched for tool calls
+    reasoning_tags: tuple[str, str] = THINK_TAGS  # what opens and closes reasoning
 
 
 @dataclass(frozen=True)

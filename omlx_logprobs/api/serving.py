@@ -25,6 +25,7 @@ from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.parsing.thinking import think_start
 from omlx_logprobs.types import (
+    THINK_TAGS,
     EngineRequest,
     LogprobsMode,
     RequestOutput,
@@ -42,6 +43,7 @@ class Served:
     cfg: EngineConfig
     reasoning: bool = False  # the thinking parser is on (--reasoning-parser)
     tool_format: str = "none"  # the tool-call format parsed (--tool-call-parser, resolved)
+    reasoning_tags: tuple[str, str] = THINK_TAGS  # <think> </think>, or harmony's analysis
     limits: Limits = field(default_factory=Limits)
 
     @cached_property
@@ -207,9 +209,18 @@ class ChatServing:
             req.top_logprobs or 0,
             req.prompt_logprobs,
         )
-        think = think_start(served.reasoning, served.model.tokenizer.decode(prompt[-8:]))
+        tail = served.model.tokenizer.decode(prompt[-8:])
+        think = think_start(served.reasoning, tail, served.reasoning_tags[0])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        ereq = EngineRequest(rid, prompt, params, think=think, stream=req.stream, tools=parsing)
+        ereq = EngineRequest(
+            rid,
+            prompt,
+            params,
+            think=think,
+            stream=req.stream,
+            tools=parsing,
+            reasoning_tags=served.reasoning_tags,
+        )
         return ereq, served.engine.submit(ereq)
 
     async def complete(self, req: ChatCompletionRequest, raw: Request) -> str:

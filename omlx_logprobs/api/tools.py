@@ -58,12 +58,15 @@ def tool_parsing(req: ChatCompletionRequest, fmt: str) -> ToolParsing | None:
     cannot be honoured: a forced call (`required`, a named function) needs constrained
     decoding, and `auto` needs a format the server can parse."""
     choice = req.tool_choice
+    harmony = fmt == ToolCallFormat.HARMONY.value
     if not req.tools:
         if choice not in (None, "none", "auto"):
             raise APIError("tool_choice needs tools", param="tool_choice")
-        return None
+        # A harmony answer is a message with a header too: parsed, with no calls.
+        return ToolParsing(fmt, calls=False) if harmony else None
     if choice == "none":
-        return None  # the template still sees the tools, as OpenAI's model does
+        # the template still sees the tools, as OpenAI's model does
+        return ToolParsing(fmt, calls=False) if harmony else None
     if choice == "required" or not isinstance(choice, (str, type(None))):
         if not isinstance(choice, str):
             names = {t.function.name for t in req.tools}

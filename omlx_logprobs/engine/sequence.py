@@ -11,6 +11,7 @@ from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.output.sections import SectionedText
 from omlx_logprobs.parsing.tools import make_parser
 from omlx_logprobs.types import (
+    THINK_TAGS,
     EngineRequest,
     FinishReason,
     SamplingParams,
@@ -40,6 +41,7 @@ class Sequence:
         prompt_store: LogprobStore | None = None,
         stream: bool = True,
         tools: ToolParsing | None = None,
+        reasoning_tags: tuple[str, str] = THINK_TAGS,
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id
@@ -61,10 +63,11 @@ class Sequence:
         self.store = LogprobStore(params.num_top) if params.logprobs else None
         self.think = think
         self.tools = tools
+        self.reasoning_tags = reasoning_tags
         # reasoning, content and tool calls
         parser = make_parser(tools) if tools is not None else None
         single = tools is not None and not tools.parallel
-        self.text = SectionedText(params.stop, think, parser, single)
+        self.text = SectionedText(params.stop, think, parser, single, reasoning_tags)
         self.token_ends = array("q")  # cumulative UTF-8 byte end of each generated token
         self.released_tokens = 0  # tokens whose text (and entry) has gone to the consumer
         self.prompt_released = False  # the prompt's entries went with an output
@@ -81,6 +84,7 @@ class Sequence:
             req.think,
             stream=req.stream,
             tools=req.tools,
+            reasoning_tags=req.reasoning_tags,
         )
         for i in range(1, req.n):
             seq.fork(i)
@@ -97,6 +101,7 @@ class Sequence:
             prompt_store=self.prompt_store,
             stream=self.stream,
             tools=self.tools,
+            reasoning_tags=self.reasoning_tags,
         )
         self.forks.append(seq)
         return seq

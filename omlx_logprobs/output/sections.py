@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from omlx_logprobs.output.detokenizer import IncrementalText, ends_inside_character, visible
 from omlx_logprobs.parsing.thinking import Split, ThinkingParser
 from omlx_logprobs.parsing.tools import Kind, Piece, ToolCallParser
-from omlx_logprobs.types import ThinkStart, ToolCall
+from omlx_logprobs.types import THINK_TAGS, ThinkStart, ToolCall
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,9 @@ class SectionedText:
         start: ThinkStart = ThinkStart.OFF,
         tools: ToolCallParser | None = None,
         single_call: bool = False,
+        tags: tuple[str, str] = THINK_TAGS,
     ) -> None:
-        self.parser = ThinkingParser(start)
+        self.parser = ThinkingParser(start, tags)
         self.reasoning = IncrementalText()
         self.content: IncrementalText | CallText = (
             IncrementalText(stops) if tools is None else CallText(stops, tools)

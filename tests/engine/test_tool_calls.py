@@ -13,6 +13,8 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.types import (
+    HARMONY_REASONING,
+    THINK_TAGS,
     FinishReason,
     RequestOutput,
     SamplingParams,
@@ -47,12 +49,14 @@ def test_every_case_at_once(tooled: LoadedModel, k: int, chunk: int) -> None:
     prompts = [prompt(tooled, n, i % 5) for i, n in enumerate(names)]
     params = SamplingParams(max_tokens=96, temperature=0, logprobs=True, top_logprobs=k)
     tools = [ToolParsing(CASES[n].fmt, tuple(TOOLS)) for n in names]
+    tags = [HARMONY_REASONING if CASES[n].fmt == "harmony" else THINK_TAGS for n in names]
     got = run_engine(
         tooled,
         [(p, params) for p in prompts],
         EngineConfig(prefill_chunk=chunk),
         [ThinkStart.DETECT] * len(names),
         tools,
+        tags,
     )
     fmt = ChatLogprobFormatter(tooled.vocab)
     for name, (seq, outs) in zip(names, got):
@@ -86,6 +90,6 @@ def test_one_call_when_parallel_calls_are_off(tooled: LoadedModel) -> None:
 
 
 def test_tool_markers_are_text(tooled: LoadedModel) -> None:
-    for tag in ("<tool_call>", "[TOOL_CALLS]", "[ARGS]"):
+    for tag in ("<tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|channel|>", "<|call|>"):
         tid = tooled.tokenizer.convert_tokens_to_ids(tag)
         assert tooled.vocab.token_bytes[tid] == tag.encode()

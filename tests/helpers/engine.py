@@ -16,6 +16,7 @@ from omlx_logprobs.engine.client import EngineClient, ThreadTransport
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.types import (
+    THINK_TAGS,
     EngineRequest,
     Entries,
     RequestOutput,
@@ -112,6 +113,7 @@ def run_engine(
     cfg: EngineConfig | None = None,
     thinks: list[ThinkStart] | None = None,
     tools: list[ToolParsing | None] | None = None,
+    tags: list[tuple[str, str]] | None = None,
 ) -> list[tuple[Record, list[RequestOutput]]]:
     """Submit all requests at once (streamed) to a fresh engine; each one's record, rebuilt
     from its outputs, and the outputs."""
@@ -119,9 +121,10 @@ def run_engine(
     client = client_of(engine)
     thinks = thinks or [ThinkStart.OFF] * len(requests)
     tools = tools or [None] * len(requests)
+    tags = tags or [THINK_TAGS] * len(requests)
     reqs = [
-        EngineRequest(f"r{i}", list(p), sp, think=t, stream=True, tools=tp)
-        for i, ((p, sp), t, tp) in enumerate(zip(requests, thinks, tools))
+        EngineRequest(f"r{i}", list(p), sp, think=t, stream=True, tools=tp, reasoning_tags=tg)
+        for i, ((p, sp), t, tp, tg) in enumerate(zip(requests, thinks, tools, tags))
     ]
 
     async def main() -> list[list[list[RequestOutput]]]:

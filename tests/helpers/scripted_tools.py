@@ -12,12 +12,31 @@ from typing import Any
 
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.models.scripted import script_ids
+from omlx_logprobs.types import HARMONY_TAGS
 from tests.helpers.scripted import THINK, write_description
 
 OPEN = {"tokens": ["<tool_call>"]}
 CLOSE = {"tokens": ["</tool_call>"]}
 END = {"tokens": ["</think>"]}
-ADDED = ["</think>\n\nThe", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]"]
+ADDED = [
+    "</think>\n\nThe",
+    "<tool_call>",
+    "</tool_call>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    *HARMONY_TAGS,
+]
+
+
+def harmony(*parts: str) -> list[dict[str, Any]]:
+    """Harmony text: its markers one token each, the text between tokenized."""
+    out: list[dict[str, Any]] = []
+    for part in parts:
+        out.append({"tokens": [part]} if part in HARMONY_TAGS else {"text": part})
+    return out
+
+
+ANALYSIS = harmony("<|channel|>", "analysis", "<|message|>", "Paris, so x < y.", "<|end|>")
 
 
 def body(name: str, args: dict[str, Any], key: str = "arguments") -> str:
@@ -159,6 +178,48 @@ CASES: dict[str, ToolCase] = {
         ],
         "Checking.",
         [("get_weather", {"city": "Rome", "days": 2})],
+    ),
+    # gpt-oss's harmony: reasoning is the analysis message, the answer and calls are messages
+    "final": ToolCase(
+        "harmony",
+        [("r", seg) for seg in ANALYSIS]
+        + [
+            ("c", seg)
+            for seg in harmony(
+                "<|start|>",
+                "assistant",
+                "<|channel|>",
+                "final",
+                "<|message|>",
+                "Four.",
+                "<|return|>",
+            )
+        ],
+        "Four.",
+        reasoning="Paris, so x < y.",
+    ),
+    "call": ToolCase(
+        "harmony",
+        [("r", seg) for seg in ANALYSIS]
+        + [("c", seg) for seg in harmony("<|channel|>", "commentary", "<|message|>", "On it.")]
+        + [("c", seg) for seg in harmony("<|end|>")]
+        + [
+            ("t", seg)
+            for seg in harmony(
+                "<|start|>",
+                "assistant",
+                "<|channel|>",
+                "commentary to=functions.get_weather ",
+                "<|constrain|>",
+                "json",
+                "<|message|>",
+                json.dumps(WEATHER[1]),
+                "<|call|>",
+            )
+        ],
+        "On it.",
+        [WEATHER],
+        reasoning="Paris, so x < y.",
     ),
 }
 HERMES = [n for n, c in CASES.items() if c.fmt == "hermes"]

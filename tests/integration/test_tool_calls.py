@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled
 from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format
+from omlx_logprobs.types import HARMONY_REASONING
 from tests.helpers.scripted import expected
 from tests.helpers.scripted_tools import CASES, HERMES, TOOLS, case_ids, write_tools_description
 from tests.helpers.server import assert_openai_error, server_process, thread_server
@@ -347,3 +348,27 @@ def test_the_serve_command_with_a_named_parser(tmp_path: Path) -> None:
             else:
                 got = from_response(c.chat.completions.create(**request("two")))
             check(got, "two", model, stream)
+
+
+def test_harmony(tooled: LoadedModel) -> None:
+    """gpt-oss's messages: the analysis message is reasoning, the final message content, a
+    message to functions.NAME a call; headers and end markers are in no text, their tokens'
+    entries where they fall."""
+    with thread_server(
+        tooled, reasoning=True, tool_format="harmony", reasoning_tags=HARMONY_REASONING
+    ) as (url, _):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+        for stream in (False, True):
+            for name, tools in (("final", False), ("call", True)):
+                body = request(name)
+                if not tools:
+                    del body["tools"]
+                if stream:
+                    got = from_chunks(list(c.chat.completions.create(stream=True, **body)))
+                else:
+                    got = from_response(c.chat.completions.create(**body))
+                check(got, name, tooled, stream)
+        # tool_choice none: the call's message stays text, its headers too
+        r = c.chat.completions.create(**request("call", tool_choice="none"))
+        msg = r.choices[0].message
+        assert msg.tool_calls is None and msg.content.startswith("On it.<|start|>assistant")

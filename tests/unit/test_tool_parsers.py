@@ -158,6 +158,32 @@ CASES = [
     ),
     ("mistral", "[TOOL_CALLS]add[ARGS]oops", "[TOOL_CALLS]add[ARGS]oops", []),
     ("mistral", "[TOOLS] are [TOOL_CALL", "[TOOLS] are [TOOL_CALL", []),
+    (
+        "harmony",
+        "<|start|>assistant<|channel|>final<|message|>It is 4 < 5.<|return|>",
+        "It is 4 < 5.",
+        [],
+    ),
+    (
+        "harmony",
+        "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary"
+        ' to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>',
+        "Checking.",
+        [call("get_weather", city="Oslo")],
+    ),
+    (  # the recipient in the role's part of the header; a call cut before <|call|>
+        "harmony",
+        '<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{"a": 1}',
+        "",
+        [call("f", a=1)],
+    ),
+    (
+        "harmony",
+        "<|start|>assistant<|channel|>commentary to=functions.f<|message|>{oops}<|call|>",
+        "<|start|>assistant<|channel|>commentary to=functions.f<|message|>{oops}<|call|>",
+        [],
+    ),
+    ("harmony", "no header <|sta", "no header <|sta", []),
 ]
 
 
@@ -206,6 +232,12 @@ def test_llama3_waits_only_while_the_output_may_open_a_call() -> None:
     assert p.feed('"name": "f"}') == [Piece(Kind.CONTENT, '"name": "f"}')]
 
 
+def test_harmony_without_calls_keeps_a_call_as_text() -> None:
+    text = "<|start|>assistant<|channel|>commentary to=functions.f<|message|>{}<|call|>"
+    p = make_parser(ToolParsing("harmony", calls=False))
+    assert summary(p.feed(text) + p.flush()) == (text, [], "")
+
+
 def test_the_format_is_read_off_the_template() -> None:
     def tok(template: Any) -> Any:
         return SimpleNamespace(chat_template=template)
@@ -217,5 +249,7 @@ def test_the_format_is_read_off_the_template() -> None:
     assert detect_format(tok({"default": "x", "tool_use": "<tool_call>"})) is (
         ToolCallFormat.HERMES
     )
+    harmony = "<|start|>assistant<|channel|>final<|message|>"
+    assert detect_format(tok(harmony)) is ToolCallFormat.HARMONY
     assert detect_format(tok("{{ messages }}")) is ToolCallFormat.NONE
     assert detect_format(tok(None)) is ToolCallFormat.NONE

@@ -8,6 +8,7 @@ from enum import Enum
 from typing import Any
 
 from omlx_logprobs.parsing.tools.formats import Hermes, Llama3Json, Mistral, Qwen3Coder
+from omlx_logprobs.parsing.tools.harmony import Harmony
 from omlx_logprobs.parsing.tools.parser import Kind, Piece, ToolCallParser
 from omlx_logprobs.types import ToolParsing
 
@@ -30,6 +31,7 @@ class ToolCallFormat(str, Enum):
     QWEN3_CODER = "qwen3_coder"
     LLAMA3_JSON = "llama3_json"
     MISTRAL = "mistral"
+    HARMONY = "harmony"
     NONE = "none"
 
 
@@ -42,6 +44,8 @@ _PARSERS: dict[str, type[ToolCallParser]] = {
 
 
 def make_parser(spec: ToolParsing) -> ToolCallParser:
+    if spec.parser == ToolCallFormat.HARMONY.value:
+        return Harmony(spec.tools, calls=spec.calls)
     return _PARSERS[spec.parser](spec.tools)
 
 
@@ -56,6 +60,8 @@ def detect_format(tokenizer: Any) -> ToolCallFormat:
     """The format the chat template teaches the model, from what it writes; NONE when the
     template shows no tool calls."""
     t = _template_text(tokenizer)
+    if "<|channel|>" in t and "<|message|>" in t:
+        return ToolCallFormat.HARMONY
     if "<tool_call>" in t:
         return ToolCallFormat.QWEN3_CODER if "<function=" in t else ToolCallFormat.HERMES
     if "[TOOL_CALLS]" in t:
