@@ -15,17 +15,10 @@ import numpy as np
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 THINK_TAGS = (THINK_OPEN, THINK_CLOSE)
-# gpt-oss's harmony messages: `<|start|>ROLE<|channel|>CHANNEL ...<|message|>TEXT<|end|>`; a
-# call ends with `<|call|>`, the answer with `<|return|>`.
-HARMONY_TAGS = (
-    "<|start|>",
-    "<|channel|>",
-    "<|message|>",
-    "<|constrain|>",
-    "<|end|>",
-    "<|call|>",
-    "<|return|>",
-)
+# gpt-oss's harmony messages: `<|start|>ROLE<|channel|>CHANNEL ...<|message|>TEXT<|end|>`. A
+# call ends with `<|call|>`, the answer with `<|return|>`: those end the generation and stay
+# control tokens (no bytes, as other end-of-turn tokens).
+HARMONY_TAGS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>")
 HARMONY_REASONING = ("<|channel|>analysis<|message|>", "<|end|>")  # its reasoning's tags
 # Tool-call and harmony markers that tokenizers mark special: output text all the same (the
 # parsers read them), so their tokens keep their bytes.

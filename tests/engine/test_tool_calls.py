@@ -90,6 +90,6 @@ def test_one_call_when_parallel_calls_are_off(tooled: LoadedModel) -> None:
 
 
 def test_tool_markers_are_text(tooled: LoadedModel) -> None:
-    for tag in ("<tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|channel|>", "<|call|>"):
+    for tag in ("<tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|channel|>", "<|end|>"):
         tid = tooled.tokenizer.convert_tokens_to_ids(tag)
         assert tooled.vocab.token_bytes[tid] == tag.encode()

@@ -15,6 +15,8 @@ from omlx_logprobs.models.scripted import script_ids
 from omlx_logprobs.types import HARMONY_TAGS
 from tests.helpers.scripted import THINK, write_description
 
+HARMONY = (*HARMONY_TAGS, "<|call|>", "<|return|>")  # added here as text, each one token
+
 OPEN = {"tokens": ["<tool_call>"]}
 CLOSE = {"tokens": ["</tool_call>"]}
 END = {"tokens": ["</think>"]}
@@ -24,7 +26,7 @@ ADDED = [
     "</tool_call>",
     "[TOOL_CALLS]",
     "[ARGS]",
-    *HARMONY_TAGS,
+    *HARMONY,
 ]
 
 
@@ -32,7 +34,7 @@ def harmony(*parts: str) -> list[dict[str, Any]]:
     """Harmony text: its markers one token each, the text between tokenized."""
     out: list[dict[str, Any]] = []
     for part in parts:
-        out.append({"tokens": [part]} if part in HARMONY_TAGS else {"text": part})
+        out.append({"tokens": [part]} if part in HARMONY else {"text": part})
     return out
 
 
