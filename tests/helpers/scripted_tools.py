@@ -181,7 +181,8 @@ CASES: dict[str, ToolCase] = {
         "Checking.",
         [("get_weather", {"city": "Rome", "days": 2})],
     ),
-    # gpt-oss's harmony: reasoning is the analysis message, the answer and calls are messages
+    # gpt-oss's harmony: reasoning is the analysis message, the answer and calls are messages;
+    # the end-of-turn token stands for <|return|> and <|call|> (control tokens, no bytes)
     "final": ToolCase(
         "harmony",
         [("r", seg) for seg in ANALYSIS]
@@ -194,7 +195,6 @@ CASES: dict[str, ToolCase] = {
                 "final",
                 "<|message|>",
                 "Four.",
-                "<|return|>",
             )
         ],
         "Four.",
@@ -216,7 +216,6 @@ CASES: dict[str, ToolCase] = {
                 "json",
                 "<|message|>",
                 json.dumps(WEATHER[1]),
-                "<|call|>",
             )
         ],
         "On it.",
