@@ -10,7 +10,7 @@ import string
 from typing import Any
 
 from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.protocol import ChatCompletionRequest, ChatMessage, Tool
+from omlx_logprobs.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 from omlx_logprobs.parsing.tools import ToolCallFormat
 from omlx_logprobs.types import ToolCall, ToolParsing
 
@@ -67,14 +67,13 @@ def tool_parsing(req: ChatCompletionRequest, fmt: str) -> ToolParsing | None:
     if choice == "none":
         # the template still sees the tools, as OpenAI's model does
         return ToolParsing(fmt, calls=False) if harmony else None
-    if choice == "required" or not isinstance(choice, (str, type(None))):
-        if not isinstance(choice, str):
-            names = {t.function.name for t in req.tools}
-            if choice.function.name not in names:
-                raise APIError(
-                    f"tool_choice names `{choice.function.name}`, which is not in tools",
-                    param="tool_choice",
-                )
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in {t.function.name for t in req.tools}:
+            raise APIError(
+                f"tool_choice names `{name}`, which is not in tools", param="tool_choice"
+            )
+    if choice == "required" or isinstance(choice, NamedToolChoice):
         raise APIError(
             "tool_choice `required` or a named function is not supported yet: forcing a call"
             " needs constrained decoding; use `auto`",
