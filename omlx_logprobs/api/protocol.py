@@ -66,12 +66,17 @@ class NamedToolChoice(_Model):
 
 
 def _template_tools(data: Any) -> Any:
-    """`tools` given inside chat_template_kwargs are the request's tools (when the request has
-    none of its own): rendered by the template and parsed from the output alike."""
+    """`tools` given inside chat_template_kwargs (a list) are the request's tools when it has
+    none of its own: rendered by the template and parsed from the output alike. Anything else
+    there stays, for the template keywords' check to refuse."""
     if not isinstance(data, dict):
         return data
     kwargs = data.get("chat_template_kwargs")
-    if isinstance(kwargs, dict) and "tools" in kwargs and data.get("tools") is None:
+    if (
+        isinstance(kwargs, dict)
+        and isinstance(kwargs.get("tools"), list)
+        and data.get("tools") is None
+    ):
         data = {**data, "tools": kwargs["tools"]}
         data["chat_template_kwargs"] = {k: v for k, v in kwargs.items() if k != "tools"}
     return data
