@@ -179,10 +179,13 @@ class SectionedText:
         and their text: text leaves only at token boundaries, with the token that carries it."""
         end = bisect_right(token_ends, self.settled_bytes, first)
         c, start = self.content, self.parser.content_from
-        if isinstance(c, CallText) and end > first and start is not None:
-            # A call leaves with the token that ends it: tokens ending inside it wait for that one.
-            inside = c.call_around(token_ends[end - 1] - start)
-            if inside is not None:
+        if isinstance(c, CallText) and start is not None:
+            # A call leaves with the token that ends it: tokens ending inside it wait for that one
+            # (which may itself end inside the next call).
+            while end > first:
+                inside = c.call_around(token_ends[end - 1] - start)
+                if inside is None:
+                    break
                 end = bisect_right(token_ends, start + inside, first, end)
         split = self._split
         while end > first and split and token_ends[end - 1] in split:

@@ -101,7 +101,16 @@ def test_every_tokenization_in_two_and_byte_by_byte(fmt: str, text: str) -> None
     check(fmt, [raw, b""])  # a token without bytes at the end (the end-of-turn token)
 
 
-@settings(max_examples=80, deadline=None)
+def test_a_token_that_ends_one_call_and_starts_the_next() -> None:
+    """The first call's closing token runs into the second call: the first call, and the token
+    before, wait until the second call's text is complete."""
+    fmt, text = TEXTS[1]
+    raw = text.encode()
+    a = raw.index(b"<tool_call>", 1)
+    check(fmt, [b"", b"<", raw[1 : a + 1], raw[a + 1 :]])
+
+
+@settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_any_tokenization(data: st.DataObject) -> None:
     fmt, text = data.draw(st.sampled_from(TEXTS))

@@ -14,9 +14,8 @@ piece at its byte offsets and tell which tokens it came from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from omlx_logprobs.types import ToolCall
 
@@ -27,8 +26,7 @@ class Kind(Enum):
     FRAMING = "framing"  # separators between and after calls: neither content nor call
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):  # a tuple: one is made for nearly every token
     kind: Kind
     text: str  # the content text it covers, exactly as fed
     calls: tuple[ToolCall, ...] = ()
@@ -52,6 +50,8 @@ class ToolCallParser:
 
     def __init__(self, tools: tuple[dict[str, Any], ...] = ()) -> None:
         self.tools = tools
+        # Text without any start's first character can neither hold nor begin a start.
+        self._firsts = {s[0] for s in self.starts}
         self._buf = ""  # text fed and not yet settled
         self._state = _State.SCAN if self.anywhere else _State.LEAD
         self.calls = 0  # well-formed calls so far
@@ -69,6 +69,13 @@ class ToolCallParser:
 
     # ---- the frame --------------------------------------------------------------------------
     def feed(self, text: str) -> list[Piece]:
+        if (
+            self._state is _State.SCAN
+            and not self._buf
+            and self.anywhere
+            and not any(c in text for c in self._firsts)
+        ):
+            return [Piece(Kind.CONTENT, text)] if text else []  # the common case: plain text
         self._buf += text
         out: list[Piece] = []
         while self._step(out):
