@@ -17,15 +17,17 @@ from omlx_logprobs.api.protocol import CompletionRequest
 from omlx_logprobs.api.serving import (
     Served,
     encode,
+    prompt_logprobs_json,
     raise_if_failed,
     sampling_params,
     usage,
     wait_or_disconnect,
 )
 from omlx_logprobs.engine.client import RequestHandle, merged
+from omlx_logprobs.logprobs.columnar import Encoding, encode_block
 from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
-from omlx_logprobs.types import EngineRequest, RequestOutput
+from omlx_logprobs.types import EngineRequest, Entries, RequestOutput
 
 MAX_PROMPTS = 256  # prompts in one request (lm-eval batches several)
 
@@ -69,6 +71,16 @@ def parse_prompts(req: CompletionRequest, served: Served) -> list[list[int]]:
             raise APIError(f"prompt[{i}] holds an id that is not a token of this model", "prompt")
         out.append(list(ids))
     return out
+
+
+def columnar_json(
+    encoding: Encoding, k: int, prompt: tuple[list[int], Entries] | None, generated: Entries
+) -> str:
+    """The compact form of a choice's legacy logprobs: the echoed prompt's positions after its
+    first (whose token has no logprob) as one block, the generated tokens' as another."""
+    echo = encode_block(prompt[1], k, encoding) if prompt is not None else "null"
+    block = encode_block(generated, k, encoding)
+    return f'{{"format":"{encoding}","prompt":{echo},"completion":{block}}}'
 
 
 class CompletionServing:
@@ -120,6 +132,8 @@ class CompletionServing:
         if req.echo and not c.started:
             assert out.prompt_logprobs is not None
             prompt = (c.prompt_ids, out.prompt_logprobs)
+        if req.logprobs_format != "openai":
+            return columnar_json(req.logprobs_format, k, prompt, out.logprobs)
         fmt = self.legacy[req.return_tokens_as_token_ids]
         return fmt.json(c.cursor, k, prompt, out.logprobs, fixed)
 
@@ -127,8 +141,7 @@ class CompletionServing:
         """vLLM's per-choice fields: prompt_logprobs, prompt_token_ids and token_ids."""
         extra = ""
         if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            fmt = self.prompt_fmt[req.return_tokens_as_token_ids]
-            scored = fmt.json(out.prompt_logprobs, req.prompt_logprobs, bool(req.logprob_token_ids))
+            scored = prompt_logprobs_json(req, out.prompt_logprobs, self.prompt_fmt)
             extra += f',"prompt_logprobs":{scored}'
         if req.return_token_ids:
             if not c.started:

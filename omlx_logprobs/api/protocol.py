@@ -112,6 +112,9 @@ class SamplingFields(_Model):
     logprob_token_ids: list[int] | None = None
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
     return_tokens_as_token_ids: bool = False
+    # The compact logprobs form (logprobs/columnar.py): arrays per choice instead of an object
+    # per entry, in JSON or as base64 buffers.
+    logprobs_format: Literal["openai", "columnar", "base64"] = "openai"
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -20,6 +20,7 @@ from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
 from omlx_logprobs.api.validation import RequestLimits, model_bounds
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.engine.client import EngineClient, RequestHandle
+from omlx_logprobs.logprobs.columnar import encode_block
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
 from omlx_logprobs.models.loader import LoadedModel
@@ -27,6 +28,7 @@ from omlx_logprobs.parsing.thinking import think_start
 from omlx_logprobs.types import (
     THINK_TAGS,
     EngineRequest,
+    Entries,
     LogprobsMode,
     RequestOutput,
     SamplingParams,
@@ -183,6 +185,18 @@ def raise_if_failed(outs: list[RequestOutput]) -> None:
             raise APIError(out.error, status=500, type_="server_error")
 
 
+def prompt_logprobs_json(
+    req: SamplingFields, e: Entries, fmts: tuple[PromptLogprobFormatter, ...]
+) -> str:
+    """vLLM's `prompt_logprobs` (a list with null for the first position), or in the compact
+    form one block of the positions after the first."""
+    fixed = bool(req.logprob_token_ids)
+    k = e.k if fixed else (req.prompt_logprobs or 0)
+    if req.logprobs_format != "openai":
+        return encode_block(e, k, req.logprobs_format)
+    return fmts[req.return_tokens_as_token_ids].json(e, k, fixed)
+
+
 class ChatServing:
     def __init__(self, served: Served) -> None:
         self.served = served
@@ -246,11 +260,8 @@ class ChatServing:
         if req.return_token_ids:
             extra = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}'
         if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            fmt = self.prompt_formatters[req.return_tokens_as_token_ids]
-            entries = fmt.json(
-                out.prompt_logprobs, req.prompt_logprobs, bool(req.logprob_token_ids)
-            )
-            extra += f',"prompt_logprobs":{entries}'
+            scored = prompt_logprobs_json(req, out.prompt_logprobs, self.prompt_formatters)
+            extra += f',"prompt_logprobs":{scored}'
         body = usage([out], think is not ThinkStart.OFF)
         return (
             f'{{"id":"{ereq.request_id}","object":"chat.completion","created":{int(time.time())},'
@@ -267,11 +278,18 @@ class ChatServing:
         e = out.logprobs
         if e is None:
             return "null"
-        entries = self.formatters[req.return_tokens_as_token_ids].entries
+        head = "{"
+        entries: Callable[[Entries], str] = self.formatters[req.return_tokens_as_token_ids].entries
+        if (encoding := req.logprobs_format) != "openai":
+            head = f'{{"format":"{encoding}",'
+
+            def entries(rows: Entries) -> str:
+                return encode_block(rows, e.k, encoding)
+
         if ereq.think is ThinkStart.OFF and ereq.tools is None:
-            return '{"content":' + entries(e) + ',"refusal":null}'
+            return head + '"content":' + entries(e) + ',"refusal":null}'
         r, t = out.num_reasoning, len(e) - out.num_tool
-        body = f'{{"content":{entries(e.rows(r, t))},'
+        body = f'{head}"content":{entries(e.rows(r, t))},'
         if ereq.think is not ThinkStart.OFF:
             body += f'"reasoning_content":{entries(e.rows(0, r))},'
         if ereq.tools is not None:
