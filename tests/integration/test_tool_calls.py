@@ -372,3 +372,14 @@ def test_harmony(tooled: LoadedModel) -> None:
         r = c.chat.completions.create(**request("call", tool_choice="none"))
         msg = r.choices[0].message
         assert msg.tool_calls is None and msg.content.startswith("On it.<|start|>assistant")
+
+
+def test_the_compact_form_has_a_tool_calls_block(client: openai.OpenAI, tooled: LoadedModel):
+    one = from_response(client.chat.completions.create(**request("think")))
+    body = request("think", extra_body={"logprobs_format": "columnar"})
+    lp = client.chat.completions.create(**body).model_dump(warnings=False)["choices"][0]["logprobs"]
+    assert lp["format"] == "columnar"
+    blocks = [lp[k] for k in ("reasoning_content", "content", "tool_calls")]
+    assert sum((b["token_ids"] for b in blocks), []) == one.token_ids
+    every = sum((one.entries[k] for k in one.entries), [])
+    assert sum((b["logprobs"] for b in blocks), []) == [e["logprob"] for e in every]
