@@ -178,18 +178,22 @@ class SectionedText:
         """Tokens `first..end` whose every byte is settled and whose end is a character boundary,
         and their text: text leaves only at token boundaries, with the token that carries it."""
         end = bisect_right(token_ends, self.settled_bytes, first)
-        c, start = self.content, self.parser.content_from
-        if isinstance(c, CallText) and start is not None:
-            # A call leaves with the token that ends it: tokens ending inside it wait for that one
-            # (which may itself end inside the next call).
-            while end > first:
-                inside = c.call_around(token_ends[end - 1] - start)
-                if inside is None:
-                    break
-                end = bisect_right(token_ends, start + inside, first, end)
         split = self._split
-        while end > first and split and token_ends[end - 1] in split:
-            end -= 1
+        c, start = self.content, self.parser.content_from
+        while end > first:
+            last = token_ends[end - 1]
+            if split and last in split:  # ends inside a character
+                end -= 1
+            elif (
+                isinstance(c, CallText)
+                and start is not None
+                and (inside := c.call_around(last - start)) is not None
+            ):
+                # A call leaves with the token that ends it: tokens ending inside it wait for
+                # that one (which may itself end inside the next call).
+                end = bisect_right(token_ends, start + inside, first, end)
+            else:
+                break
         if end == first:
             return first, NO_TEXT
         upto = token_ends[end - 1]
