@@ -96,12 +96,15 @@ def thread_server(
     cfg: EngineConfig | None = None,
     limits: Limits | None = None,
     access: Access | None = None,
+    reasoning: bool = False,
 ) -> Iterator[tuple[str, Engine]]:
-    """`create_app` under a real uvicorn server in a thread; yields (base URL, engine)."""
+    """`create_app` under a real uvicorn server in a thread; yields (base URL, engine).
+    `reasoning`: the thinking parser on (what `--reasoning-parser` turns on)."""
     cfg = cfg or EngineConfig(max_num_seqs=64, prefill_chunk=64)
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg)
     client = EngineClient(ThreadTransport(engine))
-    app = create_app(Served(client, model, cfg, limits=limits or Limits()), access)
+    served = Served(client, model, cfg, reasoning=reasoning, limits=limits or Limits())
+    app = create_app(served, access)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")

@@ -142,20 +142,25 @@ const pct = (lp) => {
   return p.toExponential(1);
 };
 
-// A token element. entry: {token, logprob, bytes, top: [{token, logprob, bytes, rank?}],
-// rank?, bytesFromText?}; x: its shade.
-function tokenElement(entry, x) {
+// A token element. entry: {token, logprob, bytes, top: [{token, logprob, bytes, rank?}], rank?,
+// k?, bytesFromText?}; x: its shade; decoder: the section's streaming UTF-8 decoder, so that a
+// character split over tokens appears whole in the token that completes it (the tokens before
+// it show an empty box) and the elements' text is exactly the answer's text.
+function tokenElement(entry, x, decoder) {
   const el = document.createElement("span");
   el.className = "tok";
-  const text = shown(entry);
-  if (entry.bytes === null && entry.special !== false) el.classList.add("special");
-  if (/^\s+$/.test(text) || text === "") {
-    el.classList.add("ws");
-    el.append(document.createTextNode(visible(text) || "∅"));
-    if (text.includes("\n")) el.append(document.createTextNode("\n".repeat(count(text, "\n"))));
+  let text;
+  if (entry.bytes === null) {
+    text = entry.token;
+    el.classList.add("special");
+  } else if (decoder && !entry.bytesFromText) {
+    text = decoder.decode(new Uint8Array(entry.bytes), { stream: true });
   } else {
-    el.textContent = text;
+    text = entry.token;
   }
+  el.textContent = text;
+  if (text === "") el.classList.add("partial");
+  else if (/^\s+$/.test(text)) el.classList.add(text.includes("\n") ? "nl" : "ws");
   if (entry.logprob !== null) {
     el.dataset.logprob = String(entry.logprob);
     el.style.backgroundColor = heat(x);
@@ -167,18 +172,14 @@ function tokenElement(entry, x) {
   return el;
 }
 
-function count(s, c) {
-  return s.split(c).length - 1;
-}
-
-// Rank from the top list when the API does not give it: 1 + the alternatives above it; unknown
-// (beyond the list) when the list is full and does not hold it.
+// Rank from the top list when the API does not give it (chat and legacy entries): the place in
+// the list, best first, when the token is among the first k; beyond them it is unknown.
 function rankOf(entry) {
   if (entry.rank !== undefined) return String(entry.rank);
   if (!entry.top.length) return "–";
-  const holds = entry.top.some((t) => t.token === entry.token && t.logprob === entry.logprob);
-  if (!holds) return "> " + entry.top.length;
-  return String(1 + entry.top.filter((t) => t.logprob > entry.logprob).length);
+  const k = entry.k ?? entry.top.length;
+  const i = entry.top.findIndex((t) => t.token === entry.token && t.logprob === entry.logprob);
+  return i >= 0 && i < k ? String(i + 1) : "> " + k;
 }
 
 function hex(bytes) {
@@ -217,30 +218,31 @@ function card(el) {
     const list = document.createElement("ol");
     list.className = "top";
     let own = false;
-    for (const t of e.top) {
+    const k = e.k ?? e.top.length;
+    e.top.forEach((t, i) => {
       const mine = t.token === e.token && t.logprob === e.logprob;
       own = own || mine;
-      list.append(topRow(t, mine));
-    }
+      const rank = t.rank !== undefined ? String(t.rank) : i < k ? String(i + 1) : "";
+      list.append(topRow(t, rank, mine));
+    });
     tip.append(list);
     if (!own && e.logprob !== null) {
-      tip.append(div("muted", `The chosen token is not among the top ${e.top.length}.`));
+      tip.append(div("muted note", `The chosen token is not among the top ${k}.`));
     }
   }
   tip.hidden = false;
   place(tip, el);
 }
 
-function topRow(t, mine) {
+function topRow(t, rank, mine) {
   const li = document.createElement("li");
   if (mine) li.className = "mine";
   const bar = span("bar");
   const fill = span("fill");
   fill.style.width = (100 * Math.exp(t.logprob)).toFixed(2) + "%";
-  fill.style.backgroundColor = heat(1 - Math.exp(t.logprob)).replace("transparent", "hsla(52,95%,55%,.35)");
   bar.append(fill);
   li.append(
-    span("rank", t.rank !== undefined ? String(t.rank) : ""),
+    span("rank", rank),
     span("chip small", visible(shown(t)) || "∅"),
     bar,
     span("p", pct(t.logprob)),
@@ -395,6 +397,7 @@ class Output {
       box.append(div("section-title", SECTIONS[name]));
       if (name === "tool_calls") box.append(div("calls"));
       box.append(div("tokens"));
+      box.decoder = new TextDecoder("utf-8");
       // reasoning first, then the answer, then tool calls, whatever order they come in
       const order = Object.keys(SECTIONS);
       const after = [...this.root.children].find(
@@ -406,11 +409,12 @@ class Output {
   }
 
   add(name, entries) {
-    const tokens = this.section(name).querySelector(".tokens");
+    const box = this.section(name);
+    const tokens = box.querySelector(".tokens");
     const frag = document.createDocumentFragment();
     for (const e of entries) {
       e.section = SECTIONS[name];
-      frag.append(tokenElement(e, 1 - Math.exp(e.logprob)));
+      frag.append(tokenElement(e, 1 - Math.exp(e.logprob), box.decoder));
       this.logprobs.push(e.logprob);
     }
     tokens.append(frag);
@@ -433,8 +437,9 @@ class Output {
   }
 }
 
-function chatEntries(list) {
+function chatEntries(list, k) {
   return (list || []).map((e) => ({
+    k,
     token: e.token,
     logprob: e.logprob,
     bytes: e.bytes,
@@ -442,9 +447,10 @@ function chatEntries(list) {
   }));
 }
 
-function legacyEntries(lp) {
+function legacyEntries(lp, k) {
   if (!lp) return [];
   return lp.tokens.map((token, i) => ({
+    k,
     token,
     logprob: lp.token_logprobs[i],
     bytes: [...utf8.encode(token)],
@@ -457,15 +463,15 @@ function legacyEntries(lp) {
 }
 
 // One chunk (streamed) or one response (not): the first choice's tokens into their sections.
-function render(out, choice, chat) {
+function render(out, choice, chat, k) {
   if (!choice) return;
   if (!chat) {
-    out.add("text", legacyEntries(choice.logprobs));
+    out.add("text", legacyEntries(choice.logprobs, k));
     return;
   }
   const lp = choice.logprobs || {};
   for (const name of ["reasoning_content", "content", "tool_calls"]) {
-    if (Array.isArray(lp[name]) && lp[name].length) out.add(name, chatEntries(lp[name]));
+    if (Array.isArray(lp[name]) && lp[name].length) out.add(name, chatEntries(lp[name], k));
   }
   const calls = (choice.delta || choice.message || {}).tool_calls;
   if (calls && calls.length) out.toolCalls(calls);
@@ -560,6 +566,7 @@ async function generate() {
     return;
   }
   const chat = req.endpoint === "/v1/chat/completions";
+  const k = chat ? req.body.top_logprobs : req.body.logprobs;
   hideCard();
   $("gen-error").hidden = true;
   $("gen-stats").replaceChildren();
@@ -578,14 +585,14 @@ async function generate() {
       for await (const chunk of events(r)) {
         if (chunk.error) throw new Error(chunk.error.message || "stream error");
         assembler.add(chunk);
-        render(out, (chunk.choices || [])[0], chat);
+        render(out, (chunk.choices || [])[0], chat, k);
         stats(out, started, chunk.usage);
       }
       state.generation.response = assembler.response;
     } else {
       const body = await r.json();
       state.generation.response = body;
-      render(out, body.choices[0], chat);
+      render(out, body.choices[0], chat, k);
       stats(out, started, body.usage);
     }
     if (!out.logprobs.length) output.append(div("empty", "The model returned no tokens."));
@@ -822,7 +829,9 @@ async function init() {
   for (const t of document.querySelectorAll(".tab")) {
     t.addEventListener("click", () => setView(t.dataset.view));
   }
-  setView(location.hash === "#score" ? "score" : "generate");
+  const fromHash = () => setView(location.hash === "#score" ? "score" : "generate");
+  window.addEventListener("hashchange", fromHash);
+  fromHash();
   for (const r of document.querySelectorAll('input[name="mode"]')) {
     r.addEventListener("change", setMode);
   }
