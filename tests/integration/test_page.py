@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import codecs
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
+from omlx_logprobs.config import Access
+from omlx_logprobs.models.loader import LoadedModel
 from tests.helpers.browser import (
     chromium,
     console_errors,
@@ -22,8 +26,6 @@ from tests.helpers.browser import (
     screenshot,
     wait_for,
 )
-from omlx_logprobs.config import Access
-from omlx_logprobs.models.loader import LoadedModel
 from tests.helpers.server import MODEL_NAME, thread_server
 
 KEY = "page-test-key"
@@ -138,6 +140,34 @@ def streamed_chat(client: openai.OpenAI, **body: Any) -> list[dict[str, Any]]:
             if c.logprobs and c.logprobs.content:
                 entries += [e.model_dump() for e in c.logprobs.content]
     return entries
+
+
+def test_page_assets_open_api_closed(keyed: str) -> None:
+    """Without the key: the page, its assets and the API reference load; the API does not."""
+    for path in (
+        "/",
+        "/static/page.js",
+        "/static/page.css",
+        "/page/config",
+        "/docs",
+        "/docs/assets/swagger-ui-bundle.js",
+        "/docs/LICENSE",
+        "/openapi.json",
+    ):
+        assert httpx.get(keyed + path).status_code == 200, path
+    assert httpx.get(keyed + "/page/config").json() == {"api_key_required": True}
+    assert "Apache License" in httpx.get(keyed + "/docs/LICENSE").text
+    assert httpx.get(keyed + "/v1/models").status_code == 401
+    # an open prefix leads only to its own files (%2e: httpx would resolve a literal "..")
+    for path in ("/static/%2e%2e/v1/models", "/docs/assets/%2e%2e/%2e%2e/v1/models"):
+        assert httpx.get(keyed + path).status_code == 404, path
+    r = httpx.post(keyed + "/v1/completions", json={"model": "scripted-thinker", "prompt": "x"})
+    assert r.status_code == 401
+    spec = httpx.get(keyed + "/openapi.json").json()
+    assert spec["components"]["securitySchemes"]["apiKey"] == {"type": "http", "scheme": "bearer"}
+    # nothing on the pages points off the server (the browser test checks what is requested)
+    for path in ("/", "/docs"):
+        assert not re.search(r"(src|href)=[\"']?(https?:)?//", httpx.get(keyed + path).text), path
 
 
 def test_page_and_docs_load_offline(browser: Any, server: str) -> None:

@@ -237,7 +237,7 @@ function card(el) {
 function topRow(t, rank, mine) {
   const li = document.createElement("li");
   if (mine) li.className = "mine";
-  const bar = span("bar");
+  const bar = span("meter");
   const fill = span("fill");
   fill.style.width = (100 * Math.exp(t.logprob)).toFixed(2) + "%";
   bar.append(fill);
@@ -455,7 +455,6 @@ function legacyEntries(lp, k) {
     logprob: lp.token_logprobs[i],
     bytes: [...utf8.encode(token)],
     bytesFromText: true,
-    special: false,
     top: Object.entries(lp.top_logprobs[i] || {})
       .map(([t, v]) => ({ token: t, logprob: v, bytes: [...utf8.encode(t)] }))
       .sort((a, b) => b.logprob - a.logprob),
@@ -634,7 +633,7 @@ function scoredEntries(choice) {
   const plp = choice.prompt_logprobs || [];
   return lp.tokens.map((token, i) => {
     const e = { token, logprob: lp.token_logprobs[i], bytes: [...utf8.encode(token)],
-      bytesFromText: true, special: false, top: [], id: ids[i] };
+      bytesFromText: true, top: [], id: ids[i] };
     const pos = plp[i];
     if (pos) {
       const own = pos[String(ids[i])];
