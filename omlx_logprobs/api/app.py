@@ -37,7 +37,13 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
 
     access = access or Access()
     # /docs is served by install_openapi from installed assets; FastAPI's own pages use a CDN
-    app = FastAPI(title="omlx_logprobs", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="omlx_logprobs",
+        description="OpenAI-compatible completions with exact logprobs. [The logprobs page](/)",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
     install_error_handlers(app)
     install_openapi(app, access.api_key is not None)
     install_guard(app, access, served.limits, served.cfg.max_num_seqs)

@@ -1,35 +1,39 @@
 """The OpenAPI document as the server behaves: a rejected request is a 400 in OpenAI's error
 shape (`api/errors.py`), so FastAPI's generated 422 `HTTPValidationError` is replaced by it.
-Swagger UI at /docs loads its assets from the `swagger-ui-bundle-v2` package, never a CDN."""
+Swagger UI at /docs: our page (api/static/docs.html) with the assets of the
+`swagger-ui-bundle-v2` package, read once at start-up, never a CDN."""
 
 from __future__ import annotations
 
 import importlib.metadata
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi import FastAPI, Response
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, PlainTextResponse
-from fastapi.staticfiles import StaticFiles
+from fastapi.responses import PlainTextResponse
 
+from omlx_logprobs.api.page import STATIC, Assets
 from omlx_logprobs.api.protocol import ErrorResponse
 
 _REF = "#/components/schemas/{model}"
 _FASTAPI_VALIDATION = ("HTTPValidationError", "ValidationError")
 _SWAGGER_DIST = "swagger-ui-bundle-v2"
-OPEN_PATHS = frozenset({"/docs", "/docs/LICENSE", "/openapi.json"})
+# Reachable without the API key: Swagger UI holds no data; the document itself (/openapi.json)
+# and every call Swagger UI makes carry the key (docs.js adds the one the page keeps).
+OPEN_PATHS = frozenset({"/docs", "/docs/LICENSE"})
 OPEN_PREFIXES = ("/docs/assets/",)
 
 
 def install_openapi(app: FastAPI, api_key_required: bool = False) -> None:
     """Serve the corrected document at /openapi.json (built once, on first request) and Swagger
-    UI at /docs; with an API key, the document declares bearer authentication, so Swagger UI
-    offers to send it."""
+    UI at /docs; with an API key, the document declares bearer authentication."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            spec = get_openapi(
+                title=app.title, version=app.version, description=app.description,
+                routes=app.routes,
+            )  # fmt: skip
             spec = with_openai_errors(spec)
             app.openapi_schema = with_bearer(spec) if api_key_required else spec
         return app.openapi_schema
@@ -39,25 +43,23 @@ def install_openapi(app: FastAPI, api_key_required: bool = False) -> None:
 
 
 def _install_docs(app: FastAPI) -> None:
-    import swagger_ui_bundle  # the assets of Swagger UI 5 (OpenAPI 3.1), Apache-2.0
+    import swagger_ui_bundle  # Swagger UI 5 (OpenAPI 3.1), Apache-2.0
 
-    app.mount("/docs/assets", StaticFiles(directory=swagger_ui_bundle.swagger_ui_path))
+    swagger = Assets(swagger_ui_bundle.swagger_ui_path, ["swagger-ui-bundle.js", "swagger-ui.css"])
+    page = Assets(STATIC, ["docs.html"])
+    licence = _swagger_licence()
 
     @app.get("/docs", include_in_schema=False)
-    async def docs() -> HTMLResponse:
-        return get_swagger_ui_html(
-            openapi_url="/openapi.json",
-            title=f"{app.title}: API",
-            swagger_js_url="/docs/assets/swagger-ui-bundle.js",
-            swagger_css_url="/docs/assets/swagger-ui.css",
-            swagger_favicon_url="/static/favicon.svg",
-            # null: no badge that sends the document to the online validator
-            swagger_ui_parameters={"validatorUrl": None},
-        )
+    async def docs() -> Response:
+        return page.response("docs.html")
+
+    @app.get("/docs/assets/{name}", include_in_schema=False)
+    async def assets(name: str) -> Response:
+        return swagger.response(name)
 
     @app.get("/docs/LICENSE", include_in_schema=False)
-    async def licence() -> PlainTextResponse:
-        return PlainTextResponse(_swagger_licence())
+    async def licence_text() -> PlainTextResponse:
+        return PlainTextResponse(licence)
 
 
 def _swagger_licence() -> str:

@@ -7,8 +7,12 @@ asked once. Screenshots go to tests/artifacts/. Skipped where no Chromium is ins
 from __future__ import annotations
 
 import codecs
+import json
 import math
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +30,7 @@ from tests.helpers.browser import (
     screenshot,
     wait_for,
 )
-from tests.helpers.server import MODEL_NAME, thread_server
+from tests.helpers.server import MODEL_NAME, assert_openai_error, thread_server
 
 KEY = "page-test-key"
 TOL = 1e-4  # the page's request and the API's run in different batches
@@ -143,27 +147,25 @@ def streamed_chat(client: openai.OpenAI, **body: Any) -> list[dict[str, Any]]:
 
 
 def test_page_assets_open_api_closed(keyed: str) -> None:
-    """Without the key: the page, its assets and the API reference load; the API does not."""
-    for path in (
-        "/",
-        "/static/page.js",
-        "/static/page.css",
-        "/page/config",
-        "/docs",
-        "/docs/assets/swagger-ui-bundle.js",
-        "/docs/LICENSE",
-        "/openapi.json",
-    ):
-        assert httpx.get(keyed + path).status_code == 200, path
+    """Without the key: the page, its assets and Swagger UI load; the API and its document do
+    not. Files come from memory: a name that is not one of them is a 404, whatever it holds."""
+    for path in ("/", "/static/page.js", "/static/page.css", "/static/favicon.svg", "/docs",
+                 "/docs/assets/swagger-ui-bundle.js", "/docs/assets/swagger-ui.css"):  # fmt: skip
+        r = httpx.get(keyed + path)
+        assert r.status_code == 200 and r.headers["cache-control"] == "no-cache", path
+    js = httpx.get(keyed + "/static/page.js").headers["content-type"]
+    assert js.startswith("text/javascript")
     assert httpx.get(keyed + "/page/config").json() == {"api_key_required": True}
     assert "Apache License" in httpx.get(keyed + "/docs/LICENSE").text
-    assert httpx.get(keyed + "/v1/models").status_code == 401
-    # an open prefix leads only to its own files (%2e: httpx would resolve a literal "..")
-    for path in ("/static/%2e%2e/v1/models", "/docs/assets/%2e%2e/%2e%2e/v1/models"):
-        assert httpx.get(keyed + path).status_code == 404, path
+    for path in ("/v1/models", "/openapi.json", "/tokenizer_info"):
+        assert httpx.get(keyed + path).status_code == 401, path
     r = httpx.post(keyed + "/v1/completions", json={"model": "scripted-thinker", "prompt": "x"})
     assert r.status_code == 401
-    spec = httpx.get(keyed + "/openapi.json").json()
+    # %2e: httpx itself would resolve a literal ".."
+    for path in ("/static/%2e%2e/v1/models", "/static/nothing.js", "/docs/assets/index.html",
+                 "/docs/assets/%2e%2e%2fpage.py", "/static/%2e%2e%2fpage.py"):  # fmt: skip
+        assert_openai_error(httpx.get(keyed + path), 404, None)
+    spec = httpx.get(keyed + "/openapi.json", headers={"authorization": f"Bearer {KEY}"}).json()
     assert spec["components"]["securitySchemes"]["apiKey"] == {"type": "http", "scheme": "bearer"}
     # nothing on the pages points off the server (the browser test checks what is requested)
     for path in ("/", "/docs"):
@@ -211,6 +213,14 @@ def test_streamed_chat_renders_each_token_with_its_logprob(
         assert g["token"] == w["token"] and g["text"] == text
         assert abs(float(g["logprob"]) - w["logprob"]) < TOL
 
+    # what Export JSON writes: the stream assembled into one response
+    exported = browser.execute_script("return state.generation.response")
+    assert exported["object"] == "chat.completion"
+    entries = exported["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [w["token"] for w in want]
+    assert [e["logprob"] for e in entries] == [float(g["logprob"]) for g in got]
+    assert exported["choices"][0]["message"]["content"] == "".join(texts(want))
+
     # the card of the least likely token: its top 5, best first, the chosen one marked
     i = min(range(len(want)), key=lambda j: want[j]["logprob"])
     tip = hover(browser, css(browser, "#gen-output .tok")[i])
@@ -249,6 +259,19 @@ def test_raw_completion_not_streamed(browser: Any, server: str, client: openai.O
     for g, w in zip(got, lp.token_logprobs):
         assert abs(float(g["logprob"]) - w) < TOL
     assert by_id(browser, "gen-export").is_enabled()
+
+    # the request as code: both snippets, run, give the same tokens and logprobs
+    for kind in ("python", "curl"):
+        css(browser, f"#view-generate [data-code={kind}]")[0].click()
+        code = by_id(browser, "code-text").text
+        by_id(browser, "code-close").click()
+        cmd = [sys.executable, "-c", code] if kind == "python" else ["bash", "-c", code]
+        if kind == "curl" and shutil.which("curl") is None:
+            continue
+        ran = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+        snippet = json.loads(ran.stdout)["choices"][0]["logprobs"]
+        assert snippet["tokens"] == lp.tokens
+        assert snippet["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=TOL)
 
 
 def test_scoring_totals_match_the_api(browser: Any, server: str, client: openai.OpenAI) -> None:
@@ -339,4 +362,7 @@ def test_api_key_asked_once_and_reasoning_apart(browser: Any, keyed: str) -> Non
     browser.refresh()  # the key is kept: no second question
     wait_for(lambda: browser.execute_script("return document.body.dataset.ready === 'true'"))
     assert by_id(browser, "key-dialog").get_attribute("open") is None
+    # Swagger UI sends the kept key for the document (which needs it)
+    browser.get(keyed + "/docs")
+    wait_for(lambda: css(browser, ".swagger-ui .opblock"), 30, "Swagger UI's operations")
     assert_clean(browser, keyed)
