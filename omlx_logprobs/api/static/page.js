@@ -129,9 +129,9 @@ function visible(text) {
 function heat(x) {
   x = Math.max(0, Math.min(1, x));
   if (x < 0.02) return "transparent";
-  const hue = 52 - 50 * x;
-  const alpha = 0.16 + 0.66 * Math.pow(x, 0.8);
-  return `hsla(${hue.toFixed(1)}, 95%, 55%, ${alpha.toFixed(3)})`;
+  const hue = 50 - 46 * x;
+  const alpha = 0.14 + 0.6 * Math.pow(x, 0.85);
+  return `hsla(${hue.toFixed(1)}, 92%, 57%, ${alpha.toFixed(3)})`;
 }
 
 const fmt = (x, d = 4) => (x === null || x === undefined || Number.isNaN(x) ? "–" : x.toFixed(d));
