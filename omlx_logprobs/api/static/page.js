@@ -256,9 +256,10 @@ function place(tip, el) {
   const r = el.getBoundingClientRect();
   const w = tip.offsetWidth;
   const h = tip.offsetHeight;
-  let left = Math.min(window.innerWidth - w - 8, Math.max(8, r.left));
+  const view = document.documentElement; // the viewport less its scroll bars
+  const left = Math.max(8, Math.min(view.clientWidth - w - 8, r.left));
   let top = r.bottom + 6;
-  if (top + h > window.innerHeight - 8 && r.top - h - 6 > 8) top = r.top - h - 6;
+  if (top + h > view.clientHeight - 8 && r.top - h - 6 > 8) top = r.top - h - 6;
   tip.style.left = left + window.scrollX + "px";
   tip.style.top = top + window.scrollY + "px";
 }
@@ -871,6 +872,7 @@ async function init() {
   const config = await (await fetch("/page/config")).json();
   state.keyRequired = config.api_key_required;
   $("key-button").hidden = !state.keyRequired;
+  $("spec-link").hidden = state.keyRequired; // the document needs the key: /docs sends it
   if (state.keyRequired && !apiKey()) {
     askKey("");
     return;
