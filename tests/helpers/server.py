@@ -101,7 +101,8 @@ def thread_server(
     tool_format: str = "none",
     reasoning_tags: tuple[str, str] = THINK_TAGS,
 ) -> Iterator[tuple[str, Engine]]:
-    """`create_app` under a real uvicorn server in a thread; yields (base URL, engine)."""
+    """`create_app` under a real uvicorn server in a thread; yields (base URL, engine).
+    `reasoning`: the thinking parser on (what `--reasoning-parser` turns on)."""
     cfg = cfg or EngineConfig(max_num_seqs=64, prefill_chunk=64)
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg)
     client = EngineClient(ThreadTransport(engine))
