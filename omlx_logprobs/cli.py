@@ -8,17 +8,22 @@ import os
 import signal
 import sys
 from dataclasses import replace
+from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import omlx_logprobs
 from omlx_logprobs import heap
-from omlx_logprobs.config import Access, EngineConfig, Limits, ServerConfig
+from omlx_logprobs.config import Access, EngineConfig, Limits, PoolConfig, ServerConfig
 from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled, reasoning_tags
 from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format
 
 if TYPE_CHECKING:
+    from omlx_logprobs.api.pool import ModelSlot
+    from omlx_logprobs.api.serving import Served
     from omlx_logprobs.engine.client import EngineClient
     from omlx_logprobs.models.loader import LoadedModel
+    from omlx_logprobs.types import WeightVersion
 
 log = logging.getLogger("omlx_logprobs")
 API_KEY_ENV = "OMLX_LOGPROBS_API_KEY"  # a key in the environment stays out of `ps` listings
@@ -47,15 +52,24 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument(
         "--model",
+        action="append",
         default=None,
         help="mlx-lm model directory, .gguf file or scripted model description (.json);"
-        " default: the embedded SmolLM2-135M-Instruct",
+        " default: the embedded SmolLM2-135M-Instruct. Give it again to serve several models"
+        " (a request picks one by `model`); the first is the default of routes that name none",
     )
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        help="the name the model is served under (default: its directory's or file's name);"
+        " given once per --model, in the same order",
+    )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-top-logprobs", type=int, default=20)
     _add_batching(s)
+    _add_pool(s)
     s.add_argument(
         "--reasoning-parser",
         choices=[m.value for m in ReasoningParser],
@@ -125,6 +139,33 @@ def _add_batching(s: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_pool(s: argparse.ArgumentParser) -> None:
+    d = PoolConfig()
+    g = s.add_argument_group("several models (--model given more than once)")
+    g.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=d.max_loaded,
+        help="models loaded at once; a request for another unloads the least recently used idle"
+        " one first (default: no limit)",
+    )
+    g.add_argument(
+        "--max-model-memory-mib",
+        type=int,
+        default=d.memory_mib,
+        help="memory the loaded models' weights may take together, in MiB, estimated from the"
+        " weight files (16-bit weights count double on the CPU, which computes in float32) plus"
+        " 10%%; models are unloaded as with --max-loaded-models (default: no budget)",
+    )
+    g.add_argument(
+        "--model-load-timeout-s",
+        type=float,
+        default=d.load_timeout_s,
+        help="how long a request for an unloaded model waits for a busy one to go idle so that"
+        " it can be unloaded, before a 503 with Retry-After (default: %(default)s)",
+    )
+
+
 def _add_access(s: argparse.ArgumentParser) -> None:
     sec = s.add_argument_group("access")
     sec.add_argument(
@@ -175,9 +216,18 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     cpu = mx.default_device() == mx.cpu
     gpu_delay = 0.0 if cpu else 20.0
     chunk = (1024 if cpu else 2048) if args.prefill_chunk is None else args.prefill_chunk
+    models: list[str | None] = list(args.model or [None])
+    names: list[str | None] = list(args.served_model_name or [])
+    if len(names) > len(models):
+        raise ValueError("--served-model-name is given more often than --model")
+    names += [None] * (len(models) - len(names))
     return ServerConfig(
-        model=args.model,
-        served_model_name=args.served_model_name,
+        model=models[0],
+        served_model_name=names[0],
+        other_models=tuple(zip(models[1:], names[1:])),
+        pool=PoolConfig(
+            args.max_loaded_models, args.max_model_memory_mib, args.model_load_timeout_s
+        ),
         host=args.host,
         port=args.port,
         engine=EngineConfig(
@@ -211,13 +261,60 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
     from omlx_logprobs.api.app import create_app
+    from omlx_logprobs.api.pool import ModelPool
     from omlx_logprobs.api.server import run_server
-    from omlx_logprobs.api.serving import Served
 
     log.info("BLAS: %s", omlx_logprobs.BLAS)
     log.info("heap: %s", omlx_logprobs.HEAP)
     log.info("MLX: %s", ", ".join(f"{k}={os.environ.get(k)}" for k in MLX_ENVIRONMENT))
-    model, engine = start_engine(cfg, args.log_level)
+    # The GIL's switch interval in the server's process (Python's 5 ms unless set): with the
+    # engine as a thread here, a shorter one hands the engine the GIL sooner after a device
+    # wait; 0.5 ms was tried on a GPU host and made no difference worth keeping.
+    sys.setswitchinterval(float(os.environ.get("OMLX_SWITCH_INTERVAL", "0.005")))
+    try:
+        pool = ModelPool(
+            model_slots(cfg), partial(load_served, cfg, args), cfg.pool, cfg.limits, cfg.engine
+        )
+    except ValueError as e:  # two models under one name, a model larger than the budget
+        raise SystemExit(f"omlx-logprobs serve: error: {e}") from None
+    pool.load_at_start()
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.access.api_key is None:
+        log.warning(
+            "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
+        )
+    app = create_app(pool, cfg.access)
+    heap.freeze_startup_objects()
+    return run_server(app, pool.begin_shutdown, cfg, args.log_level)
+
+
+def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
+    """Every --model resolved (a GGUF converted once) and named, with its memory estimate."""
+    import mlx.core as mx
+
+    from omlx_logprobs.api.pool import ModelSlot, weight_mib
+    from omlx_logprobs.models.loader import is_scripted, resolve_model_path
+    from omlx_logprobs.models.scripted import ScriptedSpec
+
+    float32 = mx.default_device() == mx.cpu  # models/loader.py: float32 on the CPU
+    slots = []
+    for source, name in cfg.models:
+        if is_scripted(source):
+            path = Path(source).expanduser()
+            name = name or ScriptedSpec.read(path).name
+        else:
+            path, default_name = resolve_model_path(source)
+            source, name = str(path), name or default_name
+        slots.append(ModelSlot(name, source, weight_mib(path, float32)))
+    return slots
+
+
+def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) -> Served:
+    """A model's engine (not yet started) and what the routes need of it."""
+    from omlx_logprobs.api.serving import Served
+
+    model, engine = start_engine(
+        cfg, args.log_level, (slot.source, slot.name), slot.weights_path, slot.weights
+    )
     log.info(
         "model %s from %s (vocab %d, context %d)",
         model.name,
@@ -225,19 +322,11 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
         len(model.vocab),
         model.max_model_len,
     )
-    # The GIL's switch interval in the server's process (Python's 5 ms unless set): with the
-    # engine as a thread here, a shorter one hands the engine the GIL sooner after a device
-    # wait; 0.5 ms was tried on a GPU host and made no difference worth keeping.
-    sys.setswitchinterval(float(os.environ.get("OMLX_SWITCH_INTERVAL", "0.005")))
     reasoning = parser_enabled(ReasoningParser(args.reasoning_parser), model.tokenizer)
     log.info("reasoning parser: %s", "on" if reasoning else "off")
     tool_format = resolve_format(ToolCallFormat(args.tool_call_parser), model.tokenizer)
     log.info("tool-call parser: %s", tool_format.value)
-    if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.access.api_key is None:
-        log.warning(
-            "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
-        )
-    served = Served(
+    return Served(
         engine,
         model,
         cfg.engine,
@@ -246,32 +335,43 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
         reasoning_tags=reasoning_tags(model.tokenizer),
         limits=cfg.limits,
     )
-    app = create_app(served, cfg.access)
-    heap.freeze_startup_objects()
-    return run_server(app, engine.begin_shutdown, cfg, args.log_level)
 
 
-def start_engine(cfg: ServerConfig, log_level: str) -> tuple[LoadedModel, EngineClient]:
+def start_engine(
+    cfg: ServerConfig,
+    log_level: str,
+    which: tuple[str | None, str | None] | None = None,
+    weights_path: str | None = None,
+    weights: WeightVersion | None = None,
+) -> tuple[LoadedModel, EngineClient]:
     """The model's tokenizer and facts for the API, and the engine's client: over a child
     process that loads the weights (the server's process then loads none), or over a thread
-    of this one."""
+    of this one. `which`: (source, served name), default the first --model; `weights_path`
+    and `weights`: weights loaded in place before, which a reload serves under their
+    version."""
     from omlx_logprobs.engine.client import EngineClient, ThreadTransport
     from omlx_logprobs.engine.engine import Engine
     from omlx_logprobs.engine.process import EngineSpec, ProcessTransport
     from omlx_logprobs.models.loader import is_scripted, load_model, resolve_model_path
+    from omlx_logprobs.types import INITIAL_WEIGHTS
     from omlx_logprobs.vocab import build_vocabulary
 
+    source, name = which or (cfg.model, cfg.served_model_name)
+    version = weights or INITIAL_WEIGHTS
     if not cfg.engine_process:
-        model = load_model(cfg.model, cfg.served_model_name, cfg.engine.max_model_len)
-        engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg.engine)
+        model = load_model(source, name, cfg.engine.max_model_len)
+        if weights_path is not None:
+            from omlx_logprobs.engine.weights import load_into
+
+            load_into(model.model, weights_path)
+        engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg.engine, weights=version)
         return model, EngineClient(ThreadTransport(engine))
     # The model is resolved once, here (a GGUF converted before the child starts); the child
     # loads the weights from that directory while this process loads the tokenizer.
-    source, name = cfg.model, cfg.served_model_name
     if not is_scripted(source):
         path, default_name = resolve_model_path(source)
         source, name = str(path), name or default_name
-    proc = ProcessTransport(EngineSpec(source, name, cfg.engine, log_level))
+    proc = ProcessTransport(EngineSpec(source, name, cfg.engine, log_level, weights_path, version))
     proc.spawn()
     model = load_model(source, name, cfg.engine.max_model_len, weights=False)
     proc.wait_ready()
