@@ -291,7 +291,8 @@ def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
     """Every --model resolved (a GGUF converted once) and named, with its memory estimate."""
     import mlx.core as mx
 
-    from omlx_logprobs.api.pool import ModelSlot, weight_mib
+    from omlx_logprobs.api.pool import ModelSlot
+    from omlx_logprobs.models.footprint import weight_mib
     from omlx_logprobs.models.loader import is_scripted, resolve_model_path
     from omlx_logprobs.models.scripted import ScriptedSpec
 

@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
-import math
-import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from omlx_logprobs.api.completions import CompletionServing
@@ -31,12 +27,8 @@ from omlx_logprobs.config import EngineConfig, Limits, PoolConfig
 from omlx_logprobs.types import INITIAL_WEIGHTS, WeightVersion
 
 log = logging.getLogger("omlx_logprobs")
-# The estimate of a model's memory is its weights as they will sit in memory, plus this share
-# for what grows beside them (the batch's keys and values, activations, the process itself).
-MARGIN = 1.1
 POLL_S = 0.05  # how often a request waiting for a busy model to go idle looks again
 RETRY_AFTER_S = 5  # the 503's Retry-After: a busy model's requests take seconds to finish
-_SMALL_FLOATS = {"F16": 2, "BF16": 2}  # widened to float32 where the model runs in float32
 
 
 class Unavailable(APIError):
@@ -49,38 +41,13 @@ class Unavailable(APIError):
         self.retry_after_s = retry_after_s
 
 
-def weight_mib(path: Path, float32: bool) -> int:
-    """The estimated memory of a model's weights in MiB, MARGIN included: the tensors' sizes from
-    the safetensors headers (16-bit floats at 4 bytes each when `float32`: on the CPU the model
-    runs in float32), any other file (a scripted description) at its size on disk."""
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    total = 0
-    for f in files:
-        total += _tensor_bytes(f, float32) if f.suffix == ".safetensors" else f.stat().st_size
-    return max(1, math.ceil(total * MARGIN / 2**20))
-
-
-def _tensor_bytes(path: Path, float32: bool) -> int:
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header: dict[str, Any] = json.loads(f.read(size))
-    total = 0
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = t["data_offsets"]
-        width = _SMALL_FLOATS.get(t["dtype"]) if float32 else None
-        total += (end - start) // width * 4 if width else end - start
-    return total
-
-
 @dataclass(eq=False)
 class ModelSlot:
     """One served name: what loads it, and while loaded its `Served` and serving objects."""
 
     name: str
     source: str | None  # what the loader loads: a resolved directory or a scripted description
-    need_mib: int = 0  # estimated memory (weight_mib)
+    need_mib: int = 0  # estimated memory (models/footprint.py)
     state: str = "unloaded"  # "loading", "loaded", "unloading"
     served: Served | None = None
     chat: ChatServing | None = None
