@@ -30,9 +30,9 @@ from omlx_logprobs.types import WeightUpdate
 log = logging.getLogger("omlx_logprobs")
 
 
-def create_app(models: Served | ModelPool, access: Access | None = None) -> FastAPI:
+def create_app(served: Served | ModelPool, access: Access | None = None) -> FastAPI:
     """The app over one model (a `Served`) or several (a `ModelPool`, api/pool.py)."""
-    pool = models if isinstance(models, ModelPool) else ModelPool.single(models)
+    pool = served if isinstance(served, ModelPool) else ModelPool.single(served)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -16,6 +16,7 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -102,6 +103,7 @@ class ModelPool:
         self.limits = limits or Limits()
         self.engine = engine or EngineConfig()
         self.closing = False
+        self._threads: ThreadPoolExecutor | None = None  # loads and unloads, made on first use
         budget = self.cfg.memory_mib
         for s in slots:
             if budget is not None and s.need_mib > budget:
@@ -144,6 +146,8 @@ class ModelPool:
         for slot in self.slots.values():
             if slot.served is not None:
                 slot.served.engine.shutdown()
+        if self._threads is not None:  # a load in progress stops its own engine (_start)
+            self._threads.shutdown(wait=True, cancel_futures=True)
 
     # ---- routing -------------------------------------------------------------------------------
     def slot(self, name: str | None) -> ModelSlot:
@@ -254,10 +258,7 @@ class ModelPool:
             unloading = [s.change for s in self.slots.values() if s.state == "unloading"]
             await asyncio.gather(*[t for t in unloading if t is not None], return_exceptions=True)
             began = time.monotonic()
-            served = await asyncio.to_thread(self._start, slot)
-            if self.closing:
-                await asyncio.to_thread(served.engine.shutdown)
-                raise RuntimeError("the server is shutting down")
+            served = await self._in_thread(self._start, slot)
         except BaseException:
             slot.state, slot.change = "unloaded", None
             raise
@@ -275,14 +276,22 @@ class ModelPool:
         assert self.load is not None
         served = self.load(slot)
         served.engine.start()
+        if self.closing:  # the app is gone or going: nobody would stop this engine
+            served.engine.shutdown()
+            raise RuntimeError("the server is shutting down")
         return served
 
     async def _unload(self, slot: ModelSlot, served: Served) -> None:
         try:
-            await asyncio.to_thread(_stop, served)
+            await self._in_thread(_stop, served)
         finally:
             slot.state, slot.change = "unloaded", None
         log.info("model %s unloaded (idle, least recently used)", slot.name)
+
+    async def _in_thread(self, fn: Callable[[Any], Any], arg: Any) -> Any:
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(4, thread_name_prefix="omlx-load")
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, arg)
 
     # ---- reports -------------------------------------------------------------------------------
     def health(self) -> tuple[dict[str, Any], int]:
