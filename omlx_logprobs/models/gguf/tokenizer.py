@@ -136,7 +136,8 @@ def build_tokenizer(md: Metadata) -> tuple[Any, bool]:
         bos_id = tokens.index(bos)
         steps.append(
             processors.TemplateProcessing(
-                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                single=f"{bos}:0 $A:0",
+                pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
                 special_tokens=[(bos, bos_id)],
             )  # fmt: skip
         )
