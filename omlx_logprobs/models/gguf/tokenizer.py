@@ -97,7 +97,7 @@ def _sentencepiece(md: Metadata, tokens: list[str], types: list[int]) -> Any:
     model = models.BPE(vocab, merges, unk_token=unk, byte_fallback=True, fuse_unk=True)
     tok = Tokenizer(model)
     space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
-    steps = [normalizers.Replace(" ", "▁")]
+    steps: list[Any] = [normalizers.Replace(" ", "▁")]
     if space_prefix:
         steps.insert(0, normalizers.Prepend("▁"))
     tok.normalizer = normalizers.Sequence(steps)
@@ -131,7 +131,7 @@ def build_tokenizer(md: Metadata) -> tuple[Any, bool]:
         )
     add_bos = bool(md.get("tokenizer.ggml.add_bos_token", add_bos_default))
     bos = _special(md, tokens, "bos")
-    steps = [processors.ByteLevel(trim_offsets=False)] if offsets else []
+    steps: list[Any] = [processors.ByteLevel(trim_offsets=False)] if offsets else []
     if add_bos and bos is not None:
         bos_id = tokens.index(bos)
         steps.append(
