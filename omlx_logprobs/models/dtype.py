@@ -83,6 +83,9 @@ def _dequantize_if_it_fits(net: nn.Module, quantized: list[Any]) -> str:
         )
         return ", quantized layers kept (too large to dequantize)"
     dequantize_model(net)
+    # mxfp4's scales are 8-bit exponents (left as they are by the cast above), so its weights
+    # dequantize to MLX's default float type: widen them (exactly) to float32 too.
+    net.set_dtype(mx.float32)
     return (
         f", {len(quantized)} quantized layers dequantized to float32 at load"
         f" (+{need / 2**30:.2f} GiB; the logprobs are the quantized model's)"
