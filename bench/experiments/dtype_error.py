@@ -3,7 +3,7 @@
 
 Tokens are sampled (temperature 1, seeded) from the float32 model after a few chat prompts; then
 every dtype scores the same sequences with one full forward each (teacher forcing), its logits
-taken to the server's float32 log-softmax (logprobs/extract.py), and each sampled token's
+taken to a float32 log-softmax as the server's CPU extraction takes it, and each sampled token's
 logprob is compared with the float32 model's (log-softmax in float64). "bfloat16 + float32
 head": the body in bfloat16, its last hidden state widened to float32 and multiplied by the
 float32 head.
@@ -22,7 +22,6 @@ import omlx_logprobs  # noqa: F401
 import mlx.core as mx
 import numpy as np
 
-from omlx_logprobs.logprobs.extract import log_softmax
 from omlx_logprobs.models.loader import load_model
 
 PROMPTS = [
@@ -44,8 +43,11 @@ def log_softmax64(logits: mx.array) -> np.ndarray:
 
 
 def log_softmax32(logits: mx.array) -> np.ndarray:
-    """The server's own: float32, whatever the model's dtype."""
-    return np.array(log_softmax(logits))
+    """As the server takes it on the CPU (HostExtraction): float32 numpy, whatever the model's
+    dtype (max, exp, pairwise sum, log)."""
+    x = np.array(logits.astype(mx.float32))
+    m = x.max(-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
 
 
 def sample(net, ids: list[int], n: int, seed: int) -> list[int]:
@@ -112,7 +114,7 @@ def main() -> None:
     print("| activations | sampled tokens | mean abs error (nats) | max abs error (nats) |")
     print("|---|---|---|---|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['tokens']} | {r['mean']:.4f} | {r['max']:.4f} |")
+        print(f"| {r['dtype']} | {r['tokens']} | {r['mean']:.2g} | {r['max']:.2g} |")
 
 
 if __name__ == "__main__":
