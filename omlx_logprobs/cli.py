@@ -54,9 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         action="append",
         default=None,
-        help="mlx-lm model directory, .gguf file or scripted model description (.json);"
-        " default: the embedded SmolLM2-135M-Instruct. Give it again to serve several models"
-        " (a request picks one by `model`); the first is the default of routes that name none",
+        help="mlx-lm model directory, .gguf file, Hugging Face name (org/name: from the local"
+        " Hugging Face cache, else downloaded) or scripted model description (.json); default:"
+        " the embedded SmolLM2-135M-Instruct. Give it again to serve several models (a request"
+        " picks one by `model`); the first is the default of routes that name none",
     )
     s.add_argument(
         "--served-model-name",
@@ -64,6 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the name the model is served under (default: its directory's or file's name);"
         " given once per --model, in the same order",
+    )
+    s.add_argument(
+        "--offline",
+        action="store_true",
+        help="never download: a Hugging Face name must be in the local cache (as HF_HUB_OFFLINE=1)",
+    )
+    s.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="the activations' dtype: auto is float32 on the CPU (a quantized model dequantized"
+        " to float32 once at load when it fits) and the stored dtype on a GPU; float32 on a GPU"
+        " is the exact mode; the log-softmax is float32 always",
     )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
@@ -154,8 +168,8 @@ def _add_pool(s: argparse.ArgumentParser) -> None:
         type=int,
         default=d.memory_mib,
         help="memory the loaded models' weights may take together, in MiB, estimated from the"
-        " weight files (16-bit weights count double on the CPU, which computes in float32) plus"
-        " 10%%; models are unloaded as with --max-loaded-models (default: no budget)",
+        " weight files at the dtype they are cast to (--dtype; float32 on the CPU) plus 10%%;"
+        " models are unloaded as with --max-loaded-models (default: no budget)",
     )
     g.add_argument(
         "--model-load-timeout-s",
@@ -224,6 +238,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         model=models[0],
         served_model_name=names[0],
+        offline=args.offline,
         other_models=tuple(zip(models[1:], names[1:])),
         pool=PoolConfig(
             args.max_loaded_models, args.max_model_memory_mib, args.model_load_timeout_s
@@ -238,6 +253,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             logprobs_mode=args.logprobs_mode,
             cache_limit_mib=args.mlx_cache_limit_mib,
             prefix_cache_mib=args.prefix_cache_mib,
+            dtype=args.dtype,
             prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
         ),
         limits=Limits(
@@ -296,16 +312,20 @@ def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
     from omlx_logprobs.models.loader import is_scripted, resolve_model_path
     from omlx_logprobs.models.scripted import ScriptedSpec
 
-    float32 = mx.default_device() == mx.cpu  # models/loader.py: float32 on the CPU
+    # What the loader casts the weights to (models/dtype.py): auto is float32 on the CPU, with
+    # quantized weights dequantized when they fit, and the stored dtype on a GPU.
+    cpu, dtype = mx.default_device() == mx.cpu, cfg.engine.dtype
+    float_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4 if cpu else None)
     slots = []
     for source, name in cfg.models:
         if is_scripted(source):
             path = Path(source).expanduser()
             name = name or ScriptedSpec.read(path).name
         else:
-            path, default_name = resolve_model_path(source)
+            path, default_name = resolve_model_path(source, cfg.offline)
             source, name = str(path), name or default_name
-        slots.append(ModelSlot(name, source, weight_mib(path, float32)))
+        need = weight_mib(path, float_bytes, dequantize=cpu and dtype == "auto")
+        slots.append(ModelSlot(name, source, need))
     return slots
 
 
@@ -360,7 +380,9 @@ def start_engine(
     source, name = which or (cfg.model, cfg.served_model_name)
     version = weights or INITIAL_WEIGHTS
     if not cfg.engine_process:
-        model = load_model(source, name, cfg.engine.max_model_len)
+        model = load_model(
+            source, name, cfg.engine.max_model_len, dtype=cfg.engine.dtype, offline=cfg.offline
+        )
         if weights_path is not None:
             from omlx_logprobs.engine.weights import load_into
 
@@ -370,7 +392,7 @@ def start_engine(
     # The model is resolved once, here (a GGUF converted before the child starts); the child
     # loads the weights from that directory while this process loads the tokenizer.
     if not is_scripted(source):
-        path, default_name = resolve_model_path(source)
+        path, default_name = resolve_model_path(source, cfg.offline)
         source, name = str(path), name or default_name
     proc = ProcessTransport(EngineSpec(source, name, cfg.engine, log_level, weights_path, version))
     proc.spawn()
@@ -407,6 +429,9 @@ def main(argv: list[str] | None = None) -> None:
             code = 130 if signal.SIGINT in serve(cfg, args) else 0
         except KeyboardInterrupt:
             code = 130
+        except FileNotFoundError as e:  # a --model that is not there, or not downloadable
+            log.error("%s", e)
+            code = 2
         # Everything is stopped and joined by now. Skip interpreter teardown: destroying MLX's
         # native stream threads at exit aborts the process ("terminate called without an
         # active exception", status -6) after async evaluation was used.

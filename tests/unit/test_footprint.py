@@ -1,6 +1,6 @@
 """The memory estimate of `--max-model-memory-mib` (models/footprint.py), from real safetensors
-files: tensor sizes from the header, 16-bit floats counted at float32's width where the model
-will run in float32, quantized weights as they are."""
+files: tensor sizes from the header, floats counted at the width the model will run in, packed
+quantized weights as stored or, where the CPU dequantizes them, as float32."""
 
 from __future__ import annotations
 
@@ -21,8 +21,12 @@ def test_estimate_from_headers(tmp_path: Path) -> None:
         {"v": mx.zeros((mib,), mx.bfloat16), "q": mx.zeros((mib // 4,), mx.uint32)},
     )
     (tmp_path / "config.json").write_text("{}")  # not weights: not counted
-    assert weight_mib(tmp_path, float32=False) == math.ceil(11 * MARGIN)
-    assert weight_mib(tmp_path, float32=True) == math.ceil(21 * MARGIN)
+    assert weight_mib(tmp_path) == math.ceil(11 * MARGIN)  # as stored
+    assert weight_mib(tmp_path, float_bytes=4) == math.ceil(21 * MARGIN)
+    assert weight_mib(tmp_path, float_bytes=2, dequantize=True) == math.ceil(11 * MARGIN)
+    # 4-bit quantized: each packed word holds 8 weights, 32 bytes once dequantized to float32
+    (tmp_path / "config.json").write_text('{"quantization": {"group_size": 64, "bits": 4}}')
+    assert weight_mib(tmp_path, float_bytes=4, dequantize=True) == math.ceil(28 * MARGIN)
     scripted = tmp_path / "s.json"
     scripted.write_text("{}")
-    assert weight_mib(scripted, float32=True) == 1
+    assert weight_mib(scripted, float_bytes=4) == 1
