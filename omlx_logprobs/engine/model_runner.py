@@ -8,6 +8,7 @@ decode inputs are the previous step's sampled tokens, read on the device.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -17,7 +18,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from omlx_logprobs.engine.batch_cache import BatchCache
+from omlx_logprobs.engine.batch_cache import BatchCache, check_batchable, kinds, leaves
+from omlx_logprobs.engine.head import split_forward
 from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, make_prefix
 from omlx_logprobs.engine.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
 from omlx_logprobs.engine.sampler import apply_processors, sample, sampling_logits, step_key
@@ -29,9 +31,7 @@ from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor, choose_ext
 
 __all__ = ["ModelRunner"]
 
-# Model families whose forward is `model.model` (hidden states) then a head: prefill can run the
-# head on the last position only, instead of computing logits for every prompt position.
-_SPLIT_HEAD = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+log = logging.getLogger("omlx_logprobs")
 
 
 @dataclass(frozen=True)
@@ -72,16 +72,34 @@ class ModelRunner:
         self.chunk_caches: dict[int, list[Any]] = {}  # long prompts between their chunks
         self.prefilled: dict[int, _Prefilled] = {}  # prompts done, not yet in the batch
         self.time = DeviceTime()
-        probe = make_prompt_cache(model)
-        self.num_layers = len(probe)
-        # Prompts batch together only with plain KV caches (left padding needs BatchKVCache).
-        self.batch_prefill = all(type(c) is KVCache for c in probe)
-        # Shared prompt prefixes (plain KV caches only: a prefix's keys are placed per row).
+        # The model's own caches, one per layer: each batch cache is made of their batch forms
+        # (batch_cache.py); a model with a cache mlx-lm cannot batch is refused here.
+        self.templates = make_prompt_cache(model)
+        check_batchable(self.templates)
+        # Whole prompts prefill together, left-padded: every batch form takes left padding.
+        self.batch_prefill = True
+        # Shared prompt prefixes: plain KV caches only. A prefix's keys are placed per row at
+        # its own padding; a sliding window's or a state's prefix cannot be cut to that length.
         self.prefixes: PrefixCache | None = None
-        if prefix_cache_mib > 0 and self.batch_prefill:
+        plain = all(type(c) is KVCache for c in leaves(self.templates))
+        if prefix_cache_mib > 0 and plain:
             self.prefixes = PrefixCache(prefix_cache_mib << 20, partial(make_prefix, model))
-        family = type(model).__module__.rsplit(".", 1)[-1]
-        self.split_head = family in _SPLIT_HEAD and hasattr(model, "model")
+        elif prefix_cache_mib > 0:
+            log.info(
+                "prefix cache off for this model: its caches (%s) cannot start from a kept "
+                "prefix cut at each row's padding; every prompt prefills in full",
+                ", ".join(kinds(self.templates)),
+            )
+        # Body and head apart (engine/head.py), where the model has them: the head then runs on
+        # the positions needed only. Else every forward computes every position's logits.
+        self.split = split_forward(model)
+        self.split_head = self.split is not None
+        if not self.split_head:
+            log.info(
+                "no body/head split found for %s: prefill computes logits at every position, "
+                "and scored prompts prefill one at a time",
+                type(model).__module__,
+            )
         cpu = mx.default_device() == mx.cpu and not FORCE_GPU_PATH
         # Where entries are computed: in numpy at collect time on the CPU backend, on the
         # device elsewhere (logprobs/extractor.py); chosen once, here.
@@ -154,14 +172,14 @@ class ModelRunner:
         return c.seq.prompt_store is None or self.split_head
 
     def _head(self, h: mx.array) -> mx.array:
-        m = self.model
-        return (m.lm_head if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear)(h)
+        assert self.split is not None
+        return self.split.head(h)
 
     def _last_logits(self, ids: mx.array, cache: list[Any]) -> mx.array:
         """[B, V] logits of the last position only."""
-        if not self.split_head:
+        if self.split is None:
             return self.model(ids, cache=cache)[:, -1, :]
-        return self._head(self.model.model(ids, cache=cache)[:, -1:, :])[:, 0, :]
+        return self._head(self.split.body(ids, cache=cache)[:, -1:, :])[:, 0, :]
 
     def _prefill_group(
         self, group: list[PrefillChunk], prefix: Prefix | None
@@ -177,7 +195,7 @@ class ModelRunner:
         pads = [width - c.end for c in group]
         ids = mx.array([([0] * p + c.seq.prompt_ids)[start:] for p, c in zip(pads, group)])
         if prefix is None:
-            cache = BatchCache.empty(self.num_layers, pads)
+            cache = BatchCache.for_prompts(self.templates, pads)
         else:
             cache = BatchCache.seeded(prefix.keys, prefix.values, pads)
         if self.tight_cache:
@@ -187,8 +205,12 @@ class ModelRunner:
             if c.seq.params.max_tokens > 0:
                 self.prefilled[c.seq.seq_id] = _Prefilled(cache, row)
         if not scored:
-            return self._last_logits(ids, cache.layers), None
-        h = self.model.model(ids, cache=cache.layers)
+            logits = self._last_logits(ids, cache.layers)
+            cache.finish_prefill()
+            return logits, None
+        assert self.split is not None
+        h = self.split.body(ids, cache=cache.layers)
+        cache.finish_prefill()
         # Every row's real positions but its last, rows in group order: one flat [N, H] block.
         flat = np.concatenate([r * width + np.arange(p, width - 1) for r, p in enumerate(pads)])
         if self.extractor.pads_blocks:  # whole blocks on the device: see prompt_scoring
