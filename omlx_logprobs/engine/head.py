@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 Fn = Callable[[mx.array], mx.array]
 PROBE = [[1, 2, 3, 5, 8]]
@@ -59,18 +58,18 @@ def _posts(model: Any) -> list[Fn]:
     return out
 
 
-def split_forward(model: Any) -> SplitForward | None:
-    """The model's body and head, checked against its own forward; None where no candidate
-    gives the same logits."""
+def split_forward(model: Any, make_cache: Callable[[], list[Any]]) -> SplitForward | None:
+    """The model's body and head, checked against its own forward on a fresh cache from
+    `make_cache` (the batch's kind); None where no candidate gives the same logits."""
     ids = mx.array(PROBE)
     try:
-        want = model(ids, cache=make_prompt_cache(model))
+        want = model(ids, cache=make_cache())
         mx.eval(want)
     except Exception:  # noqa: BLE001  (a model that cannot run the probe: no split)
         return None
     for body in _bodies(model):
         try:
-            hidden = body(ids, cache=make_prompt_cache(model))
+            hidden = body(ids, cache=make_cache())
             mx.eval(hidden)
         except Exception:  # noqa: BLE001
             continue

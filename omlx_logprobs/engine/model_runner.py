@@ -92,7 +92,7 @@ class ModelRunner:
             )
         # Body and head apart (engine/head.py), where the model has them: the head then runs on
         # the positions needed only. Else every forward computes every position's logits.
-        self.split = split_forward(model)
+        self.split = split_forward(model, self._one_row)
         self.split_head = self.split is not None
         if not self.split_head:
             log.info(
@@ -113,6 +113,10 @@ class ModelRunner:
             cache_limit_mib = GPU_CACHE_LIMIT_MIB
         if cache_limit_mib is not None:
             mx.set_cache_limit(cache_limit_mib << 20)
+
+    def _one_row(self) -> list[Any]:
+        """A fresh batch cache of one row (the probes' cache: a prefill's kind)."""
+        return BatchCache.for_prompts(self.templates, [0]).layers
 
     def launch(self, work: SchedulerOutput) -> LaunchedStep | None:
         """Queue one step on the device and return at once."""

@@ -49,7 +49,6 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "query_pre_attn_scalar": 8,
         "sliding_window": WINDOW,
         "sliding_window_pattern": 2,
-        "final_logit_softcapping": 30.0,
     },
     "gpt_oss": {
         **_ATTN,
@@ -149,6 +148,33 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "mamba_n_groups": 1,
         "mamba_conv_bias": True,
     },
+    "falcon_h1": {
+        **_ATTN,
+        "num_hidden_layers": 2,
+        "mamba_d_conv": 4,
+        "mamba_d_head": 8,
+        "mamba_d_ssm": 32,
+        "mamba_d_state": 8,
+        "mamba_n_heads": 4,
+        "mamba_chunk_size": 16,
+        "embedding_multiplier": 2.0,
+        "lm_head_multiplier": 0.5,
+    },
+    "nemotron_h": {
+        **_ATTN,
+        "attention_bias": False,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 8,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 8,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hybrid_override_pattern": ["M", "*", "-"],
+    },
 }
 
 
@@ -174,6 +200,6 @@ def build_family(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 12
     # leaves the argmax, and ranks and top lists carry information.
     for name, w in weights.items():
         if w.ndim == 2 and w.shape[0] == VOCAB:
-            weights[name] = mx.random.normal(w.shape) * (0.9 / w.shape[1] ** 0.5) * 4
+            weights[name] = mx.random.normal(w.shape) * 0.15
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     return out
