@@ -104,19 +104,27 @@ class BatchCache:
         return cls([batch_form(t, pads) for t in templates], list(pads))
 
     @classmethod
-    def seeded(cls, keys: list[mx.array], values: list[mx.array], pads: list[int]) -> BatchCache:
+    def seeded(
+        cls, templates: list[Any], keys: list[mx.array], values: list[mx.array], pads: list[int]
+    ) -> BatchCache:
         """A cache for left-padded prompts that all start with one prefix, whose per-layer keys
-        and values ([1, heads, P, dim]) fill the first P columns: row i's padding, then the
-        prefix's first P - pads[i] tokens. The prefill computes each row from column P on (a
-        padded row recomputes the prefix's last pads[i] tokens there). Plain KV layers only."""
+        and values ([1, heads, P, dim], every token's) fill the first P columns: row i's
+        padding, then the prefix's first P - pads[i] tokens. The prefill computes each row from
+        column P on (a padded row recomputes the prefix's last pads[i] tokens there). Plain KV
+        and sliding-window layers only (`templates`, the model's caches, say which): a sliding
+        window's rows are then what a prefill of the P columns at once leaves, all P kept."""
         n = keys[0].shape[2]
         cols = mx.maximum(mx.arange(n)[None, :] - mx.array(pads)[:, None], 0)  # [B, P]
         layers = []
-        for k, v in zip(keys, values):
-            c = BatchKVCache(pads)
+        for t, k, v in zip(templates, keys, values):
             # Padding columns get the prefix's first token: masked, but never NaN.
-            seeded = (mx.take(x[0], cols, axis=1).transpose(1, 0, 2, 3) for x in (k, v))
-            c.state = (*seeded, c.offset + n, c.left_padding, n)
+            sk, sv = (mx.take(x[0], cols, axis=1).transpose(1, 0, 2, 3) for x in (k, v))
+            if type(t) is RotatingKVCache:
+                c = BatchRotatingKVCache(t.max_size, pads)
+                c.state = (sk, sv, c.offset + n, c.left_padding, t.max_size, n, n, False)
+            else:
+                c = BatchKVCache(pads)
+                c.state = (sk, sv, c.offset + n, c.left_padding, n)
             layers.append(c)
         return cls(layers, list(pads))
 

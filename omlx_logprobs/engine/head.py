@@ -18,7 +18,6 @@ from typing import Any
 import mlx.core as mx
 
 Fn = Callable[[mx.array], mx.array]
-PROBE = [[1, 2, 3, 5, 8]]
 
 
 @dataclass(frozen=True)
@@ -58,20 +57,16 @@ def _posts(model: Any) -> list[Fn]:
     return out
 
 
-def split_forward(model: Any, make_cache: Callable[[], list[Any]]) -> SplitForward | None:
-    """The model's body and head, checked against its own forward on a fresh cache from
-    `make_cache` (the batch's kind); None where no candidate gives the same logits."""
-    ids = mx.array(PROBE)
-    try:
-        want = model(ids, cache=make_cache())
-        mx.eval(want)
-    except Exception:  # noqa: BLE001  (a model that cannot run the probe: no split)
-        return None
+def split_forward(
+    model: Any, ids: mx.array, want: mx.array, make_cache: Callable[[], list[Any]]
+) -> SplitForward | None:
+    """The model's body and head: the first candidate whose logits on `ids` (with a fresh cache
+    from `make_cache`) equal `want`, the model's own forward on them; None where none does."""
     for body in _bodies(model):
         try:
             hidden = body(ids, cache=make_cache())
             mx.eval(hidden)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001  (not a body after all: the next candidate)
             continue
         for head in _heads(model, body):
             for post in _posts(model):

@@ -16,11 +16,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_logprobs.engine.batch_cache import BatchCache, check_batchable, kinds, leaves
-from omlx_logprobs.engine.head import split_forward
-from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, make_prefix
+from omlx_logprobs.engine.batch_cache import BatchCache, kinds
+from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, keeps_prefixes, make_prefix
+from omlx_logprobs.engine.probe import probe
 from omlx_logprobs.engine.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
 from omlx_logprobs.engine.sampler import apply_processors, sample, sampling_logits, step_key
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
@@ -75,24 +75,21 @@ class ModelRunner:
         # The model's own caches, one per layer: each batch cache is made of their batch forms
         # (batch_cache.py); a model with a cache mlx-lm cannot batch is refused here.
         self.templates = make_prompt_cache(model)
-        check_batchable(self.templates)
-        # Whole prompts prefill together, left-padded: every batch form takes left padding.
-        self.batch_prefill = True
-        # Shared prompt prefixes: plain KV caches only. A prefix's keys are placed per row at
-        # its own padding; a sliding window's or a state's prefix cannot be cut to that length.
+        self.split = probe(model, self.templates)  # the body/head split, if any (head.py)
+        # Shared prompt prefixes: plain KV and sliding-window caches only. A prefix's keys are
+        # placed per row at its own padding; a recurrent state cannot be cut to that length.
         self.prefixes: PrefixCache | None = None
-        plain = all(type(c) is KVCache for c in leaves(self.templates))
-        if prefix_cache_mib > 0 and plain:
+        if prefix_cache_mib > 0 and keeps_prefixes(self.templates):
             self.prefixes = PrefixCache(prefix_cache_mib << 20, partial(make_prefix, model))
         elif prefix_cache_mib > 0:
             log.info(
-                "prefix cache off for this model: its caches (%s) cannot start from a kept "
-                "prefix cut at each row's padding; every prompt prefills in full",
+                "prefix cache off for this model: its caches (%s) hold a recurrent state, which "
+                "a kept prefix cannot be cut from at each row's padding; every prompt prefills "
+                "in full",
                 ", ".join(kinds(self.templates)),
             )
         # Body and head apart (engine/head.py), where the model has them: the head then runs on
         # the positions needed only. Else every forward computes every position's logits.
-        self.split = split_forward(model, self._one_row)
         self.split_head = self.split is not None
         if not self.split_head:
             log.info(
@@ -113,10 +110,6 @@ class ModelRunner:
             cache_limit_mib = GPU_CACHE_LIMIT_MIB
         if cache_limit_mib is not None:
             mx.set_cache_limit(cache_limit_mib << 20)
-
-    def _one_row(self) -> list[Any]:
-        """A fresh batch cache of one row (the probes' cache: a prefill's kind)."""
-        return BatchCache.for_prompts(self.templates, [0]).layers
 
     def launch(self, work: SchedulerOutput) -> LaunchedStep | None:
         """Queue one step on the device and return at once."""
@@ -169,9 +162,9 @@ class ModelRunner:
         return replace(self._sample(logits, seqs), prompt=prompt, prompt_only=prompt_only)
 
     def _groupable(self, c: PrefillChunk) -> bool:
-        """A whole prompt with one choice, on a model whose caches can be left-padded; a scored
-        one also needs the head apart from the body (to run it on its positions block by block)."""
-        if not (c.start == 0 and c.is_last and not c.seq.forks and self.batch_prefill):
+        """A whole prompt with one choice (every batch form takes left padding); a scored one
+        also needs the head apart from the body (to run it on its positions block by block)."""
+        if not (c.start == 0 and c.is_last and not c.seq.forks):
             return False
         return c.seq.prompt_store is None or self.split_head
 
@@ -201,7 +194,7 @@ class ModelRunner:
         if prefix is None:
             cache = BatchCache.for_prompts(self.templates, pads)
         else:
-            cache = BatchCache.seeded(prefix.keys, prefix.values, pads)
+            cache = BatchCache.seeded(self.templates, prefix.keys, prefix.values, pads)
         if self.tight_cache:
             cache.reserve(max(c.seq.to_write for c in group), width - start)
         for row, c in enumerate(group):

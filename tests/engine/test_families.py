@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine import model_runner
+from omlx_logprobs.engine import probe
+from omlx_logprobs.engine.batch_cache import UnbatchableCache
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel, load_model
@@ -28,8 +29,12 @@ from tests.helpers.engine import (
 )
 from tests.helpers.families import FAMILIES, WINDOW, build_family
 
-# Families whose every layer is a plain KV cache: the only ones that keep prompt prefixes.
-PLAIN_KV = {"llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "gpt2"}
+# Families whose every layer is a plain KV or sliding-window cache: the ones that keep prompt
+# prefixes (the others hold a recurrent state).
+KEEPS_PREFIXES = {
+    *("llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "gpt2"),
+    *("gemma3_text", "gpt_oss", "ministral3"),
+}
 CHUNK = 16  # prefill chunk: the longest prompts take two or three steps
 
 _built: dict[str, LoadedModel] = {}
@@ -152,23 +157,25 @@ def test_a_request_alone_equals_it_inside_a_batch(family: tuple[str, LoadedModel
 def test_a_prefix_cache_hit_equals_a_miss(
     family: tuple[str, LoadedModel], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Prompts sharing a 24-token start: families of plain KV caches start the later ones from
-    a kept prefix, with the same numbers as without; the others say at start-up that they keep
-    none, and compute every prompt in full."""
+    """Prompts sharing a 24-token start (three windows), two of them 40 tokens: families of KV
+    and sliding-window caches start the later ones from a kept prefix (the 40-token one made
+    from the 24-token one), with the same numbers as without; the others say at start-up that
+    they keep none, and compute every prompt in full."""
     name, model = family
-    system = prompt(10, 24)
+    system, more = prompt(10, 24), prompt(11, 16)
+    starts = [system, system, system + more, system + more]
     reqs = [
-        Req(f"p{i}", system + prompt(20 + i, 3 + 4 * i), replace(GREEDY, top_logprobs=3), at=i)
-        for i in range(3)
+        Req(f"p{i}", s + prompt(20 + i, 2 + 3 * i), replace(GREEDY, top_logprobs=3), at=i)
+        for i, s in enumerate(starts)
     ]
     with caplog.at_level(logging.INFO, logger="omlx_logprobs"):
         engine, on = serve(model, reqs, EngineConfig(prefill_chunk=64))
     _, off = serve(model, reqs, EngineConfig(prefill_chunk=64, prefix_cache_mib=0))
     cached = [on[r.rid][0].cached_tokens for r in reqs]
-    if name in PLAIN_KV:
-        assert engine.runner.prefixes is not None and max(cached) >= 16
+    if name in KEEPS_PREFIXES:
+        assert engine.runner.prefixes is not None and cached == [0, 24, 24, 40]
     else:
-        assert engine.runner.prefixes is None and cached == [0, 0, 0]
+        assert engine.runner.prefixes is None and cached == [0, 0, 0, 0]
         assert "prefix cache off for this model" in caplog.text
     for r in reqs:
         a, b = on[r.rid][0], off[r.rid][0]
@@ -186,7 +193,7 @@ def test_without_a_body_head_split_the_generic_forward_serves(
 ) -> None:
     """A model whose head is not found apart from its body: every forward computes every
     position's logits, scored prompts prefill one at a time, and the numbers are the same."""
-    monkeypatch.setattr(model_runner, "split_forward", lambda model, make_cache: None)
+    monkeypatch.setattr(probe, "split_forward", lambda *args: None)
     model = _built.get(name) or load_model(str(build_family(name, tmp_path / name, tokenizer_dir)))
     engine, got = serve(model, MIXED[:3])
     assert not engine.runner.split_head
@@ -194,3 +201,11 @@ def test_without_a_body_head_split_the_generic_forward_serves(
         for seq in got[r.rid]:
             check_choice(model, seq)
     check_prompt(model, got["scored"][0])
+
+
+def test_a_family_that_cannot_run_a_batch_is_refused_at_start_up(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    model = load_model(str(build_family("gemma2", tmp_path / "gemma2", tokenizer_dir)))
+    with pytest.raises(UnbatchableCache, match="the gemma2 model cannot run a left-padded batch"):
+        Engine(model.model, model.vocab, model.eos_token_ids, EngineConfig())
