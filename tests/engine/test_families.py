@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine import probe
+from omlx_logprobs.engine import model_runner, probe
 from omlx_logprobs.engine.batch_cache import UnbatchableCache
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.sequence import Sequence
@@ -40,15 +40,19 @@ CHUNK = 16  # prefill chunk: the longest prompts take two or three steps
 _built: dict[str, LoadedModel] = {}
 
 
+def built(name: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> LoadedModel:
+    """The family's tiny model, built once a session."""
+    if name not in _built:
+        path = build_family(name, tmp_path_factory.mktemp(name), tokenizer_dir)
+        _built[name] = load_model(str(path))
+    return _built[name]
+
+
 @pytest.fixture(params=list(FAMILIES))
 def family(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 ) -> tuple[str, LoadedModel]:
-    name = request.param
-    if name not in _built:
-        path = build_family(name, tmp_path_factory.mktemp(name), tokenizer_dir)
-        _built[name] = load_model(str(path))
-    return name, _built[name]
+    return request.param, built(request.param, tmp_path_factory, tokenizer_dir)
 
 
 def prompt(i: int, n: int) -> list[int]:
@@ -187,20 +191,53 @@ def test_a_prefix_cache_hit_equals_a_miss(
 @pytest.mark.parametrize("name", ["gemma3_text", "qwen3_next"])
 def test_without_a_body_head_split_the_generic_forward_serves(
     name: str,
-    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
     tokenizer_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A model whose head is not found apart from its body: every forward computes every
     position's logits, scored prompts prefill one at a time, and the numbers are the same."""
     monkeypatch.setattr(probe, "split_forward", lambda *args: None)
-    model = _built.get(name) or load_model(str(build_family(name, tmp_path / name, tokenizer_dir)))
+    model = built(name, tmp_path_factory, tokenizer_dir)
     engine, got = serve(model, MIXED[:3])
     assert not engine.runner.split_head
     for r in MIXED[:3]:
         for seq in got[r.rid]:
             check_choice(model, seq)
     check_prompt(model, got["scored"][0])
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "mamba2", "qwen3_next", "falcon_h1"])
+def test_the_gpu_path_with_padding_wider_than_the_windows(
+    name: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    tokenizer_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The GPU's step path on the CPU backend: group widths rounded up to 32 (left padding of up
+    to 31 columns, past every window and before every state), mlx-lm's cache growth, entries
+    extracted on the device, steps processed beside the next launch; prefixes seeded under that
+    padding where the family keeps them."""
+    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    model = built(name, tmp_path_factory, tokenizer_dir)
+    engine, got = serve(model, MIXED)
+    assert engine.runner.prefill_align == 32 and not engine.runner.tight_cache
+    for r in MIXED:
+        for seq in got[r.rid]:
+            check_choice(model, seq)
+    check_prompt(model, got["scored"][0])
+    system = prompt(10, 24)
+    reqs = [
+        Req(f"p{i}", system + prompt(20 + i, 2 + 13 * i), replace(GREEDY, top_logprobs=3), at=i)
+        for i in range(3)
+    ]
+    engine, on = serve(model, reqs, EngineConfig(prefill_chunk=64))
+    for r in reqs:
+        check_choice(model, on[r.rid][0])
+    # Rows whose padding is shorter than the prefix start from it (a suffix of 15 tokens
+    # rounded up to 32 columns: 17 of padding, 7 tokens of the prefix taken).
+    if name in KEEPS_PREFIXES:
+        assert max(on[r.rid][0].cached_tokens for r in reqs) > 0
 
 
 def test_a_family_that_cannot_run_a_batch_is_refused_at_start_up(
