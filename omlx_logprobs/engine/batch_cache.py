@@ -38,7 +38,8 @@ MAX_GROWTH = BatchKVCache.step
 
 
 class UnbatchableCache(ValueError):
-    """A model whose cache mlx-lm has no batch class for (a decode batch needs one)."""
+    """A model that cannot be served in a batch: a cache mlx-lm has no batch class for, or a
+    forward whose left-padded batch differs from its rows alone (engine/probe.py)."""
 
 
 def _aligned(n: int) -> int:
