@@ -141,8 +141,11 @@ def check_against_reference(
         row = ref[i]
         assert store.token_ids[i] == tok
         assert abs(store.logprobs[i] - row[tok]) < 1e-4
-        lo, hi = np.sum(row > row[tok] + tie) + 1, np.sum(row >= row[tok] - tie)
-        assert lo <= store.ranks[i] <= hi
+        if tie:
+            lo, hi = np.sum(row > row[tok] + tie) + 1, np.sum(row >= row[tok] - tie)
+            assert lo <= store.ranks[i] <= hi
+        else:
+            assert store.ranks[i] == int(np.sum(row >= row[tok]))
         if k:
             ids, lps = store.top(i)
             want = np.argsort(-row, kind="stable")[:k]
