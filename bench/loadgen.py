@@ -65,6 +65,10 @@ class LoadConfig:
     # know `ignore_eos` (mlx-lm), by making EOS unreachable at temperature 0.
     ban_token_ids: tuple[int, ...] = ()
     processes: int = 1  # client processes sharing the workers and requests, one event loop each
+    # Parse and check each body inside the worker's loop, before its next request, as a user's
+    # script does (the default parses after the clock stops: the server's time alone).
+    parse_in_loop: bool = False
+    logprobs_format: str = "openai"  # or the compact "columnar" / "base64" (decoded to numpy)
     first_index: int = 0  # the first request's index (prompts are a function of it)
 
 
@@ -142,15 +146,24 @@ def request_body(cfg: LoadConfig, index: int) -> dict[str, Any]:
     if cfg.logprobs is not None:
         body["logprobs"] = True
         body["top_logprobs"] = cfg.logprobs
+        if cfg.logprobs_format != "openai":
+            body["logprobs_format"] = cfg.logprobs_format
     if cfg.ban_token_ids:
         body["logit_bias"] = {str(t): -100 for t in cfg.ban_token_ids}
     return body
 
 
-def check_logprobs(content: list[Any] | None, cfg: LoadConfig) -> str | None:
+def check_logprobs(content: list[Any] | dict[str, Any] | None, cfg: LoadConfig) -> str | None:
     """None when the logprobs match the request, else why not."""
     if cfg.logprobs is None:
         return None if not content else "logprobs returned but not asked for"
+    if isinstance(content, dict):  # the compact form, decoded as its users do
+        from omlx_logprobs.logprobs.columnar import decode_block
+
+        block = decode_block(content)
+        if len(block) != cfg.max_tokens or block.top_ids.shape[1] != cfg.logprobs:
+            return f"compact logprobs of shape {block.top_ids.shape}, expected k={cfg.logprobs}"
+        return None
     if content is None or len(content) != cfg.max_tokens:
         n = None if content is None else len(content)
         return f"logprobs.content has {n} entries, expected {cfg.max_tokens}"
@@ -267,6 +280,8 @@ async def run_load(
                 t0 = time.perf_counter()
                 try:
                     rec = await send(c, cfg, index)
+                    if cfg.parse_in_loop and rec.body is not None:
+                        check_body(rec, cfg)
                     records.append(replace(rec, sent_at=t0, done_at=time.perf_counter()))
                 except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
                     lat = time.perf_counter() - t0
@@ -391,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--processes", type=int, default=1, help="client processes")
     p.add_argument("--records", help="write every request's record here, a JSON line each")
+    p.add_argument("--parse-in-loop", action="store_true", help="parse each body before the next")
+    p.add_argument("--logprobs-format", default="openai", choices=["openai", "columnar", "base64"])
     a = p.parse_args(argv)
     cfg = LoadConfig(
         base_url=a.base_url,
@@ -405,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=a.seed,
         timeout_s=a.timeout,
         processes=a.processes,
+        parse_in_loop=a.parse_in_loop,
+        logprobs_format=a.logprobs_format,
     )
     res = asyncio.run(run_load(cfg))
     print(json.dumps(res.to_json(), indent=2))

@@ -113,20 +113,18 @@ def detail_tables(res: Results) -> list[str]:
 def _commands(parts: list[PartResult]) -> list[str]:
     out = ["Commands (each part's runner command, then the server or subprocess it started):", ""]
     for p in parts:
-        out += [f"- `{p.part}`, finished {p.finished}, {p.seconds / 60:.1f} min:", "", "  ```"]
-        out += [f"  {p.runner_cmd}"] + ([f"  {p.server_cmd}"] if p.server_cmd else []) + ["  ```"]
-        extra = []
+        facts = [f"finished {p.finished}, {p.seconds / 60:.1f} min"]
         if p.startup_s is not None:
-            extra.append(f"server ready in {p.startup_s:.1f} s")
+            facts.append(f"server ready in {p.startup_s:.1f} s")
         if p.blas:
-            extra.append(f"BLAS: {p.blas}")
+            facts.append(f"BLAS: {p.blas}")
         if p.server_cores is not None:
-            extra.append(f"server used {p.server_cores:.2f} cores while measured")
-        extra.append(f"{len(p.problems)} server log problem lines")
-        out += ["", "  " + "; ".join(extra) + "."]
+            facts.append(f"server used {p.server_cores:.2f} cores while measured")
+        facts.append(f"{len(p.problems)} server log problem lines")
+        out += [f"- `{p.part}`: " + "; ".join(facts) + ".", "  ```", f"  {p.runner_cmd}"]
+        out += ([f"  {p.server_cmd}"] if p.server_cmd else []) + ["  ```"]
         out += [f"  {n}" for n in p.notes]
-        out += [""]
-    return out
+    return out + [""]
 
 
 def section(res: Results, p: Preset, checks: list[Check]) -> str:

@@ -4,6 +4,7 @@
 # the server's log in OUT_DIR. Usage: bash bench/experiments/gpu_waves.sh MODEL_DIR CONCURRENCY WAVES "off 20 off 20"
 # OUT_DIR [SERVER FLAGS...]; LOADGEN_FLAGS adds load generator flags ("--processes 8").
 # PIN=1 runs the server and the load generator on disjoint halves of the physical cores.
+# TREE=DIR serves the omlx_logprobs/ of another tree (an older build, from `git archive`).
 set -u
 model=$1; c=$2; waves=$3; modes=$4; out=$5; shift 5
 mkdir -p $out; rm -f $out/run*.jsonl
@@ -12,8 +13,9 @@ if [ -n "${PIN:-}" ]; then
   read server_cpus client_cpus < <(python3 bench/cpu_halves.py)
   echo "server on CPUs $server_cpus, load generator on $client_cpus"
 fi
-OMLX_STEP_TRACE=1 ${server_cpus:+taskset -c $server_cpus} python3 -m omlx_logprobs.cli serve --model $model --port 8109 \
-  --max-num-seqs 64 --log-level info "$@" > $out/server.log 2>&1 &
+model=$(realpath $model); out=$(realpath $out)
+(cd ${TREE:-.} && OMLX_STEP_TRACE=1 exec ${server_cpus:+taskset -c $server_cpus} python3 -m omlx_logprobs.cli serve \
+  --model $model --port 8109 --max-num-seqs 64 --log-level info "$@") > $out/server.log 2>&1 &
 pid=$!
 for _ in $(seq 180); do curl -sf http://127.0.0.1:8109/health >/dev/null && break; kill -0 $pid || exit 1; sleep 1; done
 load() {  # logprobs requests [records file]
@@ -29,4 +31,4 @@ for lp in $modes; do
   i=$((i + 1)); echo "run $i lp=$lp $(load $lp $(( c * waves )) $out/run$(printf %02d $i)_$lp.jsonl)"
 done
 sleep 1; kill $pid; wait $pid 2>/dev/null
-python3 bench/waves.py $out/server.log $out/run*.jsonl
+python3 bench/waves.py --concurrency $c $out/server.log $out/run*.jsonl

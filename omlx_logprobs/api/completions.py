@@ -17,15 +17,18 @@ from omlx_logprobs.api.protocol import CompletionRequest
 from omlx_logprobs.api.serving import (
     Served,
     encode,
+    prompt_logprobs_json,
     raise_if_failed,
     sampling_params,
     usage,
     wait_or_disconnect,
+    weight_version_json,
 )
 from omlx_logprobs.engine.client import RequestHandle, merged
+from omlx_logprobs.logprobs.columnar import Encoding, encode_block
 from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
-from omlx_logprobs.types import EngineRequest, RequestOutput
+from omlx_logprobs.types import EngineRequest, Entries, RequestOutput
 
 MAX_PROMPTS = 256  # prompts in one request (lm-eval batches several)
 
@@ -69,6 +72,16 @@ def parse_prompts(req: CompletionRequest, served: Served) -> list[list[int]]:
             raise APIError(f"prompt[{i}] holds an id that is not a token of this model", "prompt")
         out.append(list(ids))
     return out
+
+
+def columnar_json(
+    encoding: Encoding, k: int, prompt: tuple[list[int], Entries] | None, generated: Entries
+) -> str:
+    """The compact form of a choice's legacy logprobs: the echoed prompt's positions after its
+    first (whose token has no logprob) as one block, the generated tokens' as another."""
+    echo = encode_block(prompt[1], k, encoding) if prompt is not None else "null"
+    block = encode_block(generated, k, encoding)
+    return f'{{"format":"{encoding}","prompt":{echo},"completion":{block}}}'
 
 
 class CompletionServing:
@@ -120,6 +133,8 @@ class CompletionServing:
         if req.echo and not c.started:
             assert out.prompt_logprobs is not None
             prompt = (c.prompt_ids, out.prompt_logprobs)
+        if req.logprobs_format != "openai":
+            return columnar_json(req.logprobs_format, k, prompt, out.logprobs)
         fmt = self.legacy[req.return_tokens_as_token_ids]
         return fmt.json(c.cursor, k, prompt, out.logprobs, fixed)
 
@@ -127,8 +142,7 @@ class CompletionServing:
         """vLLM's per-choice fields: prompt_logprobs, prompt_token_ids and token_ids."""
         extra = ""
         if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            fmt = self.prompt_fmt[req.return_tokens_as_token_ids]
-            scored = fmt.json(out.prompt_logprobs, req.prompt_logprobs, bool(req.logprob_token_ids))
+            scored = prompt_logprobs_json(req, out.prompt_logprobs, self.prompt_fmt)
             extra += f',"prompt_logprobs":{scored}'
         if req.return_token_ids:
             if not c.started:
@@ -160,7 +174,9 @@ class CompletionServing:
                 f'{{"index":{c.index},"text":{text},"logprobs":{lp},'
                 f'"finish_reason":{finish}{extras}}}'
             )
-        return f'{self._head(rid)}"choices":[{",".join(parts)}],"usage":{json.dumps(usage(outs))}}}'
+        w = weight_version_json(outs[0].weight_version)
+        body = f'"choices":[{",".join(parts)}],"usage":{json.dumps(usage(outs))}{w}}}'
+        return self._head(rid) + body
 
     def stream(self, req: CompletionRequest) -> AsyncIterator[str]:
         rid, handles, choices = self._start(req)  # errors raise here, before the 200 starts
@@ -173,8 +189,12 @@ class CompletionServing:
         tail = ',"usage":null}' if include_usage else "}"
         head = self._head(rid)
         finals: dict[int, RequestOutput] = {}
+        w = ""
         try:
             async for p, out in merged(handles):
+                if not w:  # one version for the response (see weight_version_json)
+                    w = weight_version_json(out.weight_version)
+                    tail = w + tail
                 i = p * req.n + out.index
                 c = choices[i]
                 if out.error:
@@ -201,7 +221,7 @@ class CompletionServing:
                     yield f'data: {head}"choices":[{choice}]{tail}\n\n'
             if include_usage:
                 body = json.dumps(usage([finals[c.index] for c in choices]))
-                yield f'data: {head}"choices":[],"usage":{body}}}\n\n'
+                yield f'data: {head}"choices":[],"usage":{body}{w}}}\n\n'
             yield "data: [DONE]\n\n"
         finally:
             for h in handles:

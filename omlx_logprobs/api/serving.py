@@ -7,29 +7,33 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 from fastapi import Request
 
-from omlx_logprobs.api import sections
+from omlx_logprobs.api import sections, tools
 from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
 from omlx_logprobs.api.validation import RequestLimits, model_bounds
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.engine.client import EngineClient, RequestHandle
+from omlx_logprobs.logprobs.columnar import encode_block
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.parsing.thinking import think_start
 from omlx_logprobs.types import (
+    THINK_TAGS,
     EngineRequest,
+    Entries,
     LogprobsMode,
     RequestOutput,
     SamplingParams,
     ThinkStart,
+    WeightVersion,
 )
 
 
@@ -41,6 +45,8 @@ class Served:
     model: LoadedModel
     cfg: EngineConfig
     reasoning: bool = False  # the thinking parser is on (--reasoning-parser)
+    tool_format: str = "none"  # the tool-call format parsed (--tool-call-parser, resolved)
+    reasoning_tags: tuple[str, str] = THINK_TAGS  # <think> </think>, or harmony's analysis
     limits: Limits = field(default_factory=Limits)
 
     @cached_property
@@ -104,10 +110,14 @@ def sampling_params(
 def chat_prompt(
     req: ChatCompletionRequest, model: LoadedModel, checks: RequestLimits | None = None
 ) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = tools.template_messages(req.messages)
     try:
         text = model.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **(req.chat_template_kwargs or {})
+            messages,
+            tools=tools.template_tools(req.tools),
+            add_generation_prompt=True,
+            tokenize=False,
+            **(req.chat_template_kwargs or {}),
         )
     except Exception as e:  # a template error is the request's fault
         raise APIError(
@@ -170,10 +180,29 @@ def usage(outs: list[RequestOutput], reasoning: bool = False) -> dict[str, Any]:
     return body
 
 
+@lru_cache(maxsize=64)
+def weight_version_json(version: WeightVersion) -> str:
+    """`"weight_version":{...}`, the fragment every body and chunk carries: which weights made
+    it (one version for a whole response: the engine swaps weights only while nothing runs)."""
+    return f',"weight_version":{json.dumps(version.json())}'
+
+
 def raise_if_failed(outs: list[RequestOutput]) -> None:
     for out in outs:
         if out.error:
             raise APIError(out.error, status=500, type_="server_error")
+
+
+def prompt_logprobs_json(
+    req: SamplingFields, e: Entries, fmts: tuple[PromptLogprobFormatter, ...]
+) -> str:
+    """vLLM's `prompt_logprobs` (a list with null for the first position), or in the compact
+    form one block of the positions after the first."""
+    fixed = bool(req.logprob_token_ids)
+    k = e.k if fixed else (req.prompt_logprobs or 0)
+    if req.logprobs_format != "openai":
+        return encode_block(e, k, req.logprobs_format)
+    return fmts[req.return_tokens_as_token_ids].json(e, k, fixed)
 
 
 class ChatServing:
@@ -190,6 +219,7 @@ class ChatServing:
         served = self.served
         served.check_model(req.model)
         served.checks.check_chat(req)
+        parsing = tools.tool_parsing(req, served.tool_format)
         prompt = chat_prompt(req, served.model, served.checks)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = sampling_params(
@@ -201,9 +231,18 @@ class ChatServing:
             req.top_logprobs or 0,
             req.prompt_logprobs,
         )
-        think = think_start(served.reasoning, served.model.tokenizer.decode(prompt[-8:]))
+        tail = served.model.tokenizer.decode(prompt[-8:])
+        think = think_start(served.reasoning, tail, served.reasoning_tags[0])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        ereq = EngineRequest(rid, prompt, params, think=think, stream=req.stream)
+        ereq = EngineRequest(
+            rid,
+            prompt,
+            params,
+            think=think,
+            stream=req.stream,
+            tools=parsing,
+            reasoning_tags=served.reasoning_tags,
+        )
         return ereq, served.engine.submit(ereq)
 
     async def complete(self, req: ChatCompletionRequest, raw: Request) -> str:
@@ -214,11 +253,13 @@ class ChatServing:
         finally:
             handle.abort()
         raise_if_failed([out])
-        lp = self._logprobs_json(req, out, think)
+        lp = self._logprobs_json(req, out, ereq)
+        calls = tools.CallIds(ereq.tools.parser if ereq.tools else None).message(out.tool_calls)
         message = json.dumps(
-            {"role": "assistant", **sections.message(out, think)}, ensure_ascii=False
+            {"role": "assistant", **sections.message(out, think, calls)}, ensure_ascii=False
         )
-        finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
+        reason = out.finish_reason.value if out.finish_reason else None
+        finish = json.dumps(tools.finish_reason(reason, bool(calls)))
         ids = ""
         if req.return_token_ids:
             ids = f',"token_ids":{json.dumps(out.token_ids.tolist())}'
@@ -227,34 +268,41 @@ class ChatServing:
         if req.return_token_ids:
             extra = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}'
         if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            fmt = self.prompt_formatters[req.return_tokens_as_token_ids]
-            entries = fmt.json(
-                out.prompt_logprobs, req.prompt_logprobs, bool(req.logprob_token_ids)
-            )
-            extra += f',"prompt_logprobs":{entries}'
+            scored = prompt_logprobs_json(req, out.prompt_logprobs, self.prompt_formatters)
+            extra += f',"prompt_logprobs":{scored}'
         body = usage([out], think is not ThinkStart.OFF)
         return (
             f'{{"id":"{ereq.request_id}","object":"chat.completion","created":{int(time.time())},'
             f'"model":{json.dumps(self.served.model.name)},"choices":[{choice}],'
-            f'"usage":{json.dumps(body)}{extra}}}'
+            f'"usage":{json.dumps(body)}{extra}{weight_version_json(out.weight_version)}}}'
         )
 
     def _logprobs_json(
-        self, req: ChatCompletionRequest, out: RequestOutput, think: ThinkStart
+        self, req: ChatCompletionRequest, out: RequestOutput, ereq: EngineRequest
     ) -> str:
         """The entries of out's tokens; with the thinking parser on, reasoning tokens apart
-        (reasoning comes first)."""
+        (reasoning comes first); with tool calls parsed, the calls' tokens apart (they come
+        last)."""
         e = out.logprobs
         if e is None:
             return "null"
-        entries = self.formatters[req.return_tokens_as_token_ids].entries
-        if think is ThinkStart.OFF:
-            return '{"content":' + entries(e) + ',"refusal":null}'
-        r = out.num_reasoning
-        return (
-            f'{{"content":{entries(e.rows(r, len(e)))},'
-            f'"reasoning_content":{entries(e.rows(0, r))},"refusal":null}}'
-        )
+        head = "{"
+        entries: Callable[[Entries], str] = self.formatters[req.return_tokens_as_token_ids].entries
+        if (encoding := req.logprobs_format) != "openai":
+            head = f'{{"format":"{encoding}",'
+
+            def entries(rows: Entries) -> str:
+                return encode_block(rows, e.k, encoding)
+
+        if ereq.think is ThinkStart.OFF and ereq.tools is None:
+            return head + '"content":' + entries(e) + ',"refusal":null}'
+        r, t = out.num_reasoning, len(e) - out.num_tool
+        body = f'{head}"content":{entries(e.rows(r, t))},'
+        if ereq.think is not ThinkStart.OFF:
+            body += f'"reasoning_content":{entries(e.rows(0, r))},'
+        if ereq.tools is not None:
+            body += f'"tool_calls":{entries(e.rows(t, len(e)))},'
+        return body + '"refusal":null}'
 
     def stream(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
         ereq, handle = self._start(req)  # errors raise here, before the 200 starts
@@ -270,6 +318,7 @@ class ChatServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         tail = ',"usage":null}' if include_usage else "}"
         think = ereq.think
+        [slot] = handle.choices
 
         def chunk(delta: dict[str, Any], logprobs: str, finish: str | None, extra: str = "") -> str:
             d = json.dumps(delta, ensure_ascii=False)
@@ -278,26 +327,31 @@ class ChatServing:
             return f'data: {head}"choices":[{choice}]{tail}\n\n'
 
         ids = req.return_token_ids
+        numbering = tools.CallIds(ereq.tools.parser if ereq.tools else None)
         try:
             first = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}' if ids else ""
+            out = await slot.get()  # the role chunk names the weights: it waits for them
+            tail = weight_version_json(out.weight_version) + tail
             yield chunk({"role": "assistant", "content": ""}, "null", None, first)
-            [slot] = handle.choices
             while True:
-                out = await slot.get()
-                if out.text or out.reasoning_text or out.num_tokens:
-                    lp = self._logprobs_json(req, out, think)
+                if out.text or out.reasoning_text or out.num_tokens or out.tool_calls:
+                    lp = self._logprobs_json(req, out, ereq)
                     extra = f',"token_ids":{json.dumps(out.token_ids.tolist())}' if ids else ""
-                    yield chunk(sections.delta(out, think), lp, None, extra)
+                    calls = numbering.delta(out.tool_calls)
+                    yield chunk(sections.delta(out, think, calls), lp, None, extra)
                 if out.finished:
                     break
+                out = await slot.get()
             if out.error:
                 err = error_body(out.error, "server_error", None, None)
                 yield f"data: {json.dumps(err)}\n\n"
             else:
-                yield chunk({}, "null", out.finish_reason.value if out.finish_reason else None)
+                reason = out.finish_reason.value if out.finish_reason else None
+                yield chunk({}, "null", tools.finish_reason(reason, numbering.count > 0))
             if include_usage:
                 body = json.dumps(usage([out], think is not ThinkStart.OFF))
-                yield f'data: {head}"choices":[],"usage":{body}}}\n\n'
+                w = weight_version_json(out.weight_version)
+                yield f'data: {head}"choices":[],"usage":{body}{w}}}\n\n'
             yield "data: [DONE]\n\n"
         finally:
             handle.abort()

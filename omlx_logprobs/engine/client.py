@@ -8,13 +8,20 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.output.collector import RequestOutputCollector
-from omlx_logprobs.types import EngineRequest, FinishReason, RequestOutput
+from omlx_logprobs.types import (
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    WeightUpdate,
+    WeightUpdateResult,
+)
 
 Deliver = Callable[[list[RequestOutput]], None]
 Lost = Callable[[list[str], str], None]  # requests that can no longer finish, and why
@@ -33,6 +40,8 @@ class Transport(Protocol):
     def shutdown(self, timeout: float) -> None: ...
 
     def snapshot(self) -> EngineStats: ...
+
+    def update_weights(self, update: WeightUpdate) -> Future[WeightUpdateResult]: ...
 
     @property
     def state(self) -> str:
@@ -64,6 +73,9 @@ class ThreadTransport:
 
     def snapshot(self) -> EngineStats:
         return self.engine.snapshot()
+
+    def update_weights(self, update: WeightUpdate) -> Future[WeightUpdateResult]:
+        return self.engine.update_weights(update)
 
     @property
     def state(self) -> str:
@@ -126,6 +138,10 @@ class EngineClient:
 
     def snapshot(self) -> EngineStats:
         return self.transport.snapshot()
+
+    async def update_weights(self, update: WeightUpdate) -> WeightUpdateResult:
+        """New weights, once the requests in flight have finished or been aborted."""
+        return await asyncio.wrap_future(self.transport.update_weights(update))
 
     @property
     def state(self) -> str:

@@ -9,6 +9,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from omlx_logprobs import heap
@@ -20,7 +22,16 @@ from omlx_logprobs.engine.scheduler import Scheduler, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.engine.stats import EngineStats, StepStats
 from omlx_logprobs.engine.step import LaunchedStep
-from omlx_logprobs.types import EngineRequest, FinishReason, RequestOutput
+from omlx_logprobs.engine.weights import WeightsError
+from omlx_logprobs.types import (
+    INITIAL_WEIGHTS,
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    WeightUpdate,
+    WeightUpdateResult,
+    WeightVersion,
+)
 from omlx_logprobs.vocab import Vocabulary
 
 log = logging.getLogger("omlx_logprobs")
@@ -28,6 +39,14 @@ SMALL_BATCH = 4
 IDLE_WAIT_S = 0.5  # an idle engine looks at its inbox at least this often
 
 Sink = Callable[[list[RequestOutput]], None]
+
+
+@dataclass
+class _PendingUpdate:
+    update: WeightUpdate
+    done: Future[WeightUpdateResult]
+    asked: float  # monotonic time of the request
+    aborted: int = 0  # requests it aborted
 
 
 class Engine:
@@ -38,6 +57,7 @@ class Engine:
         eos: tuple[int, ...],
         cfg: EngineConfig,
         sink: Sink | None = None,
+        weights: WeightVersion = INITIAL_WEIGHTS,
     ):
         self.cfg = cfg
         self.runner = ModelRunner(model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib)
@@ -48,6 +68,11 @@ class Engine:
             cached=self.runner.cached_len,
         )
         self.processor = OutputProcessor(vocab, eos)
+        self.processor.weights = weights
+        # Weight updates asked for, oldest first, and the requests that arrived after one was:
+        # they start on the new weights (engine/weights.py; docs/specs/rl.md).
+        self._updates: list[_PendingUpdate] = []
+        self._held: list[Sequence] = []
         # Called once a step (and once an idle wait) with the outputs made since the last call,
         # perhaps none; on a GPU from the thread that processed the step.
         self.sink: Sink = sink or (lambda outputs: None)
@@ -87,6 +112,18 @@ class Engine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def update_weights(self, update: WeightUpdate) -> Future[WeightUpdateResult]:
+        """New weights once the requests in flight have finished (or been aborted, as the update
+        asks); the future's result says which version serves from then on."""
+        done: Future[WeightUpdateResult] = Future()
+        self._inbox.put(("weights", _PendingUpdate(update, done, time.monotonic())))
+        self._wake.set()
+        return done
+
+    @property
+    def weights(self) -> WeightVersion:
+        return self.processor.weights
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() or not self._stop.is_set()
@@ -101,6 +138,8 @@ class Engine:
             cache_memory=self.runner.cache_memory(),
             aborted_waiting=self._aborted[Status.WAITING],
             aborted_running=self._aborted[Status.RUNNING],
+            weights=self.processor.weights,
+            updating=bool(self._updates),
         )
 
     # ---- engine thread ------------------------------------------------------------------------
@@ -167,6 +206,8 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
+            if self._updates and not self.has_work():
+                self._swap_weights()
             if self._closing_at is not None and time.monotonic() >= self._closing_at:
                 self._fail_all("the server is shutting down")
             self.flush()
@@ -201,12 +242,59 @@ class Engine:
             if kind == "add":
                 leader = Sequence.of(item)
                 self._live[item.request_id] = leader
-                self.scheduler.add(leader)
+                if self._updates:  # it starts on the weights asked for
+                    self._held.append(leader)
+                else:
+                    self.scheduler.add(leader)
+            elif kind == "weights":
+                self._updates.append(item)
+                if item.update.abort_in_flight:
+                    item.aborted = self._abort_in_flight()
             elif (seq := self._live.get(item)) is not None:
                 for s in seq.group:
                     if s.status is not Status.FINISHED:
                         self._aborted[s.status] += 1
                         self._end(s, FinishReason.ABORT, None)
+
+    def _abort_in_flight(self) -> int:
+        """End every request that arrived before the update (its finish reason: abort); how
+        many."""
+        held = {id(s) for s in self._held}
+        ended = 0
+        for leader in list(self._live.values()):
+            if id(leader) in held:
+                continue
+            ended += 1
+            for s in leader.group:
+                if s.status is not Status.FINISHED:
+                    self._aborted[s.status] += 1
+                    self._end(s, FinishReason.ABORT, None)
+        return ended
+
+    def _swap_weights(self) -> None:
+        """Nothing runs: load the asked weights in order (a failed one leaves the weights before
+        it), answer each, then start the requests that waited for them."""
+        for pending in self._updates:
+            update, done, before = pending.update, pending.done, self.processor.weights
+            try:
+                self.runner.load_weights(update.path)
+            except WeightsError as exc:
+                log.warning("weights from %s not loaded: %s", update.path, exc)
+                done.set_result(WeightUpdateResult(before, str(exc)))
+                continue
+            except Exception as exc:  # the model may be half written: say so, keep serving
+                log.exception("loading weights from %s failed", update.path)
+                done.set_result(WeightUpdateResult(before, f"loading the weights failed: {exc}"))
+                continue
+            now = WeightVersion(before.counter + 1, update.tag)
+            self.processor.weights = now
+            took = time.monotonic() - pending.asked
+            log.info("weights version %d from %s in %.2f s", now.counter, update.path, took)
+            done.set_result(WeightUpdateResult(now, None, pending.aborted, took))
+        self._updates = []
+        for leader in self._held:
+            self.scheduler.add(leader)
+        self._held = []
 
     def _end(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:
         self.processor.end(seq, reason, error)
@@ -225,7 +313,8 @@ class Engine:
         self.stats.flush_s += time.perf_counter() - t0
 
     def _fail_all(self, message: str) -> None:
-        waiting = [s for seq in self.scheduler.waiting for s in seq.group]
+        waiting = [s for seq in [*self.scheduler.waiting, *self._held] for s in seq.group]
+        self._held = []
         for seq in waiting + self.scheduler.running + self.scheduler.scored:
             if seq.status is not Status.FINISHED:
                 self._end(seq, FinishReason.ERROR, message)

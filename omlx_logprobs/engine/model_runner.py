@@ -26,6 +26,7 @@ from omlx_logprobs.engine.sampler import apply_processors, sample, sampling_logi
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.engine.step import DeviceTime, LaunchedStep, StepResult
+from omlx_logprobs.engine.weights import load_into
 from omlx_logprobs.logprobs.extract import release_scratch
 from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor, choose_extractor
 
@@ -282,6 +283,14 @@ class ModelRunner:
         pending = self.extractor.step(tokens, logits, dist, params)
         self._queue(tokens, *pending.arrays())  # the next step reads these ids on the device
         return LaunchedStep(seqs, pending)
+
+    def load_weights(self, path: str) -> None:
+        """New weights in place (engine/weights.py), with nothing running; the kept prefixes go:
+        their keys and values came from the old weights. WeightsError leaves the old ones."""
+        assert not self.rows and not self.chunk_caches and not self.prefilled
+        load_into(self.model, path)
+        if self.prefixes is not None:
+            self.prefixes.clear()
 
     @property
     def num_cached(self) -> int:

@@ -115,6 +115,13 @@ class PrefixCache:
                 self._add(self.make(tuple(p[:want]), have))
         return [self._longest(p, len(p) - 1) for p in prompts]
 
+    def clear(self) -> None:
+        """Forget every kept prefix (their keys and values belong to weights now replaced)."""
+        self.entries.clear()
+        self._lengths.clear()
+        self._recent.clear()
+        self.nbytes = 0
+
     def held(self, ids: Sequence[int]) -> int:
         """The length of the longest kept prefix `ids` could start from (a look, not a use)."""
         found = self._find(ids, len(ids) - 1)

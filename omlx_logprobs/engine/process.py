@@ -18,7 +18,9 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -27,7 +29,14 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.client import Deliver, Lost
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.stats import EngineStats
-from omlx_logprobs.types import EngineRequest, RequestOutput
+from omlx_logprobs.types import (
+    INITIAL_WEIGHTS,
+    EngineRequest,
+    RequestOutput,
+    WeightUpdate,
+    WeightUpdateResult,
+    WeightVersion,
+)
 
 log = logging.getLogger("omlx_logprobs")
 NO_STATS = EngineStats(0, 0, 0, False, 0, 0, 0, 0)
@@ -43,6 +52,10 @@ class EngineSpec:
     name: str | None
     engine: EngineConfig
     log_level: str = "info"
+    # The last weights loaded in place (POST /update_weights_from_disk): a restarted child
+    # serves them, under the same version, not the ones --model names.
+    weights_path: str | None = None
+    weights: WeightVersion = INITIAL_WEIGHTS
 
 
 # ---- messages (a parent sends `EngineRequest`s as they are) --------------------------------------
@@ -59,6 +72,18 @@ class BeginShutdown:
 @dataclass(frozen=True)
 class Stop:
     pass
+
+
+@dataclass(frozen=True)
+class UpdateWeights:
+    uid: int
+    update: WeightUpdate
+
+
+@dataclass(frozen=True)
+class WeightsUpdated:
+    uid: int
+    result: WeightUpdateResult
 
 
 @dataclass(frozen=True)
@@ -85,13 +110,18 @@ class _PipeSink:
         self.conn = conn
         self.engine: Engine | None = None
         self._stats = NO_STATS
+        self._lock = threading.Lock()  # replies may come from the inbox thread
 
     def __call__(self, outputs: list[RequestOutput]) -> None:
         assert self.engine is not None
         stats = self.engine.snapshot()
         if outputs or stats != self._stats:
-            self.conn.send(StepOutputs(outputs, stats))
+            self.reply(StepOutputs(outputs, stats))
             self._stats = stats
+
+    def reply(self, msg: Any) -> None:
+        with self._lock:
+            self.conn.send(msg)
 
 
 def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
@@ -106,8 +136,16 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
     try:
         from omlx_logprobs.models.loader import load_model
 
-        model = load_model(spec.model, spec.name, spec.engine.max_model_len)
-        engine = Engine(model.model, model.vocab, model.eos_token_ids, spec.engine, sink)
+        model = load_model(
+            spec.model, spec.name, spec.engine.max_model_len, dtype=spec.engine.dtype
+        )
+        if spec.weights_path is not None:
+            from omlx_logprobs.engine.weights import load_into
+
+            load_into(model.model, spec.weights_path)
+        engine = Engine(
+            model.model, model.vocab, model.eos_token_ids, spec.engine, sink, spec.weights
+        )
     except Exception as exc:
         log.exception("the engine process could not start")
         outbox.send(Failed(f"{type(exc).__name__}: {exc}"))
@@ -116,14 +154,18 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
     heap.freeze_startup_objects()
     outbox.send(Ready(len(model.vocab)))  # first: from here on the engine thread sends
     engine.start()
-    _serve_inbox(engine, inbox)
+    _serve_inbox(engine, inbox, sink)
     engine.shutdown()
     logging.shutdown()
     sys.stderr.flush()
     os._exit(0)
 
 
-def _serve_inbox(engine: Engine, inbox: Connection) -> None:
+def _answer(sink: _PipeSink, uid: int, done: Future[WeightUpdateResult]) -> None:
+    sink.reply(WeightsUpdated(uid, done.result()))
+
+
+def _serve_inbox(engine: Engine, inbox: Connection, sink: _PipeSink) -> None:
     while True:
         try:
             msg = inbox.recv()
@@ -135,6 +177,8 @@ def _serve_inbox(engine: Engine, inbox: Connection) -> None:
             engine.abort(msg.request_id)
         elif isinstance(msg, BeginShutdown):
             engine.begin_shutdown(msg.grace_s)
+        elif isinstance(msg, UpdateWeights):
+            engine.update_weights(msg.update).add_done_callback(partial(_answer, sink, msg.uid))
         elif isinstance(msg, Stop):
             return
 
@@ -189,6 +233,8 @@ class ProcessTransport:
         self._stats = NO_STATS
         self._state = "stopped"
         self._threads: list[threading.Thread] = []
+        self._updates: dict[int, tuple[WeightUpdate, Future[WeightUpdateResult]]] = {}
+        self._next_update = 0
 
     # ---- lifetime ------------------------------------------------------------------------------
     def launch(self) -> None:
@@ -251,6 +297,15 @@ class ProcessTransport:
     def snapshot(self) -> EngineStats:
         return self._stats
 
+    def update_weights(self, update: WeightUpdate) -> Future[WeightUpdateResult]:
+        done: Future[WeightUpdateResult] = Future()
+        with self._lock:
+            self._next_update += 1
+            uid = self._next_update
+            self._updates[uid] = (update, done)
+        self._outgoing.put(UpdateWeights(uid, update))
+        return done
+
     # ---- threads ------------------------------------------------------------------------------
     def _send_loop(self) -> None:
         """Sends in order; while no child is up, requests wait here for the next one."""
@@ -289,6 +344,7 @@ class ProcessTransport:
             if self._stopping.is_set():
                 self._state = "stopped"
                 lost(held, "the server is shutting down")
+                self._fail_updates("the server is shutting down")
                 return
             if time.monotonic() - began > STABLE_S:
                 delay = BACKOFF_S[0]
@@ -297,6 +353,7 @@ class ProcessTransport:
                 "%s with %d requests unfinished; restarting it in %.1fs", why, len(held), delay
             )
             lost(held, why)
+            self._fail_updates(why)
             delay = self._restart(delay)
             if delay < 0:
                 return
@@ -307,6 +364,8 @@ class ProcessTransport:
                 msg = child.recv.recv()
             except (EOFError, OSError):
                 return
+            if isinstance(msg, WeightsUpdated):
+                self._updated(msg)
             if not isinstance(msg, StepOutputs):
                 continue
             with self._lock:
@@ -317,6 +376,20 @@ class ProcessTransport:
                             del self._sent[out.request_id]
             self._stats = msg.stats
             deliver(msg.outputs)
+
+    def _updated(self, msg: WeightsUpdated) -> None:
+        """An update answered: a restarted child must serve the same weights."""
+        with self._lock:
+            update, done = self._updates.pop(msg.uid)
+        if msg.result.error is None:
+            self.spec = replace(self.spec, weights_path=update.path, weights=msg.result.version)
+        done.set_result(msg.result)
+
+    def _fail_updates(self, why: str) -> None:
+        with self._lock:
+            pending, self._updates = list(self._updates.values()), {}
+        for _, done in pending:
+            done.set_result(WeightUpdateResult(self.spec.weights, why))
 
     def _restart(self, delay: float) -> float:
         """Start children until one is ready (waiting `delay`, doubled after each failure);

@@ -11,7 +11,7 @@ from omlx_logprobs.engine.prompt_scoring import PromptSlice
 from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.engine.step import StepResult
 from omlx_logprobs.output.sections import NO_TEXT, TextDelta
-from omlx_logprobs.types import Entries, FinishReason, RequestOutput
+from omlx_logprobs.types import INITIAL_WEIGHTS, Entries, FinishReason, RequestOutput
 from omlx_logprobs.vocab import Vocabulary
 
 log = logging.getLogger("omlx_logprobs")
@@ -22,6 +22,7 @@ class OutputProcessor:
         self.vocab = vocab
         self.eos = frozenset(eos_token_ids)
         self._outputs: list[RequestOutput] = []  # made since the last `take`
+        self.weights = INITIAL_WEIGHTS  # the engine's; changes only while nothing runs
 
     def take(self) -> list[RequestOutput]:
         """The outputs made since the last call, in order."""
@@ -123,6 +124,8 @@ class OutputProcessor:
         if not done and not delta and end == first:
             return
         reasoning = seq.text.reasoning_tokens(seq.token_ends)
+        tool_start = seq.text.tool_start(seq.token_ends)
+        tool_start = seq.num_output if tool_start is None else tool_start
         prompt = None
         if seq.prompt_store is not None and not seq.prompt_released:
             prompt = seq.prompt_store.block(0, len(seq.prompt_store))
@@ -134,6 +137,8 @@ class OutputProcessor:
             text=delta.content,
             reasoning_text=delta.reasoning,
             num_reasoning=min(max(reasoning - first, 0), end - first),
+            tool_calls=delta.calls,
+            num_tool=max(end - max(first, tool_start), 0),
             logprobs=seq.store.block(first, end) if seq.store is not None else None,
             prompt_logprobs=prompt,
             finished=done,
@@ -143,6 +148,8 @@ class OutputProcessor:
             completion_tokens=seq.num_output,
             cached_tokens=seq.cached_tokens,
             reasoning_tokens=reasoning,
+            tool_tokens=seq.num_output - tool_start,
+            weight_version=self.weights,
         )
         seq.released_tokens = end
         self._outputs.append(out)

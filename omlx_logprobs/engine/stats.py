@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from omlx_logprobs.engine.step import DeviceTime
+from omlx_logprobs.types import INITIAL_WEIGHTS, WeightVersion
 
 log = logging.getLogger("omlx_logprobs")
 # Diagnostics (OMLX_STEP_TRACE=1): a log line per step, "step-trace: END LAUNCH_MS COMPLETE_MS
@@ -50,6 +51,8 @@ class EngineStats:
     cache_memory: int  # bytes MLX keeps from freed arrays for reuse
     aborted_waiting: int  # requests aborted (client gone) before their prompt was prefilled
     aborted_running: int  # ... and while decoding
+    weights: WeightVersion = INITIAL_WEIGHTS  # the weights serving now
+    updating: bool = False  # a weight update waits for the requests in flight
 
 
 @dataclass

@@ -12,21 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers.server import assert_openai_error, server_process
+from tests.helpers.server import assert_openai_error, engine_child, server_process
 from tests.reliability.client import chat_body
-
-
-def engine_child(pid: int) -> int:
-    """The server's engine process (its multiprocessing spawn child, not the resource tracker)."""
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            text = status.read_text()
-            cmd = (status.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"\nPPid:\t{pid}\n" in text and b"spawn_main" in cmd:
-            return int(status.parent.name)
-    raise AssertionError(f"no engine process under {pid}")
 
 
 def test_a_dead_engine_fails_requests_clearly(tiny_dir: Path, tmp_path: Path) -> None:

@@ -1,0 +1,113 @@
+"""The compact logprobs form (`"logprobs_format": "columnar"` or `"base64"`): a block of entries
+as five parallel arrays instead of an object per entry and per alternative, and its decoder.
+
+A block, in JSON (`columnar`):
+
+    {"token_ids": [int], "logprobs": [float], "ranks": [int],
+     "top_ids": [[int] * k], "top_logprobs": [[float] * k]}
+
+or with each array as base64 of its little-endian int32 / float32 bytes (`base64`), beside
+`"n"` (positions) and `"k"` (alternatives per position), the top arrays row-major.
+
+The numbers are the OpenAI shape's own: float32 logprobs (JSON writes them widened to double,
+in the shortest digits that read back the same), a logprob of -inf as -9999.0 in both encodings.
+A client reads it back into numpy with `decode_block`.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from pydantic_core import to_json
+
+from omlx_logprobs.logprobs.format import NEG_INF_LOGPROB, NonFiniteLogprob
+from omlx_logprobs.types import Entries
+
+Encoding = Literal["columnar", "base64"]
+_NEG_INF = np.float32(float(NEG_INF_LOGPROB))
+
+
+def _json(a: np.ndarray) -> str:
+    """An array (of any rank) as JSON: pydantic-core writes float32 values widened to double in
+    the shortest digits that read back the same, as the OpenAI shape's `float_numbers` does."""
+    return to_json(a.tolist()).decode()
+
+
+def _b64(a: np.ndarray, dtype: str) -> str:
+    return '"' + base64.b64encode(np.ascontiguousarray(a, dtype).tobytes()).decode() + '"'
+
+
+def _wire_logprobs(a: np.ndarray) -> np.ndarray:
+    """float32 logprobs as the OpenAI shape writes them: -inf as -9999.0, NaN refused."""
+    a = np.asarray(a, np.float32)
+    if np.isfinite(a).all():
+        return a
+    if np.isnan(a).any():
+        raise NonFiniteLogprob("non-finite logprob nan")
+    return np.where(np.isneginf(a), _NEG_INF, a)
+
+
+def encode_block(e: Entries | None, k: int, encoding: Encoding) -> str:
+    """The JSON object of these entries with their first `k` alternatives (an empty block for
+    None)."""
+    if e is None:
+        e = Entries.empty(k)
+    top_ids = np.asarray(e.top_ids)[:, :k]
+    top_lps = _wire_logprobs(np.asarray(e.top_logprobs)[:, :k])
+    lps = _wire_logprobs(e.logprobs)
+    if encoding == "base64":
+        return (
+            f'{{"n":{len(e)},"k":{top_ids.shape[1]},"token_ids":{_b64(e.token_ids, "<i4")},'
+            f'"logprobs":{_b64(lps, "<f4")},"ranks":{_b64(e.ranks, "<i4")},'
+            f'"top_ids":{_b64(top_ids, "<i4")},"top_logprobs":{_b64(top_lps, "<f4")}}}'
+        )
+    return (
+        f'{{"token_ids":{_json(np.asarray(e.token_ids))},"logprobs":{_json(lps)},'
+        f'"ranks":{_json(np.asarray(e.ranks))},"top_ids":{_json(top_ids)},'
+        f'"top_logprobs":{_json(top_lps)}}}'
+    )
+
+
+@dataclass(frozen=True)
+class Block:
+    """A decoded block: ids and ranks int32, logprobs float32 (the server's own values)."""
+
+    token_ids: np.ndarray  # [n]
+    logprobs: np.ndarray  # [n]
+    ranks: np.ndarray  # [n]
+    top_ids: np.ndarray  # [n, k]
+    top_logprobs: np.ndarray  # [n, k]
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def decode_block(obj: dict[str, Any]) -> Block:
+    """A block of either encoding (a dict as `json.loads` or the openai client returns it) as
+    numpy arrays."""
+    if "n" in obj:  # base64
+        n, k = int(obj["n"]), int(obj["k"])
+
+        def col(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+            raw = base64.b64decode(obj[name])
+            return np.frombuffer(raw, dtype).astype(dtype[1:]).reshape(shape)
+
+        return Block(
+            col("token_ids", "<i4", (n,)),
+            col("logprobs", "<f4", (n,)),
+            col("ranks", "<i4", (n,)),
+            col("top_ids", "<i4", (n, k)),
+            col("top_logprobs", "<f4", (n, k)),
+        )
+    n = len(obj["token_ids"])
+    k = len(obj["top_ids"][0]) if n else 0
+    return Block(
+        np.asarray(obj["token_ids"], np.int32),
+        np.asarray(obj["logprobs"], np.float64).astype(np.float32),
+        np.asarray(obj["ranks"], np.int32),
+        np.asarray(obj["top_ids"], np.int32).reshape(n, k),
+        np.asarray(obj["top_logprobs"], np.float64).astype(np.float32).reshape(n, k),
+    )
