@@ -73,6 +73,8 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
 
     @app.post("/update_weights_from_disk")
     async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
+        if req.model is not None:
+            served.check_model(req.model)
         if not req.flush_cache:  # kept keys and values of the old weights: wrong numbers
             raise APIError(
                 "flush_cache must be true: the prefix cache always goes with the old weights",

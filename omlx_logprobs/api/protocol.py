@@ -163,6 +163,7 @@ class UpdateWeightsRequest(_Model):
     `abort_all_requests`) and `weight_version` as the caller's tag for the new weights."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model: str | None = None  # the served model whose weights change (its name)
     model_path: str = Field(min_length=1)
     abort_in_flight: bool = False
     abort_all_requests: bool = False
