@@ -48,8 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--model",
         default=None,
-        help="mlx-lm model directory, .gguf file or scripted model description (.json);"
-        " default: the embedded SmolLM2-135M-Instruct",
+        help="mlx-lm model directory, .gguf file, Hugging Face name (org/name: from the local"
+        " Hugging Face cache, else downloaded) or scripted model description (.json); default:"
+        " the embedded SmolLM2-135M-Instruct",
+    )
+    s.add_argument(
+        "--offline",
+        action="store_true",
+        help="never download: a Hugging Face name must be in the local cache (as HF_HUB_OFFLINE=1)",
+    )
+    s.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="the activations' dtype: auto is float32 on the CPU (a quantized model dequantized"
+        " to float32 once at load when it fits) and the stored dtype on a GPU; float32 on a GPU"
+        " is the exact mode; the log-softmax is float32 always",
     )
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -185,6 +199,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         model=args.model,
         served_model_name=args.served_model_name,
+        offline=args.offline,
         host=args.host,
         port=args.port,
         engine=EngineConfig(
@@ -195,6 +210,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             logprobs_mode=args.logprobs_mode,
             cache_limit_mib=args.mlx_cache_limit_mib,
             prefix_cache_mib=args.prefix_cache_mib,
+            dtype=args.dtype,
             prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
         ),
         limits=Limits(
@@ -270,14 +286,20 @@ def start_engine(cfg: ServerConfig, log_level: str) -> tuple[LoadedModel, Engine
     from omlx_logprobs.vocab import build_vocabulary
 
     if not cfg.engine_process:
-        model = load_model(cfg.model, cfg.served_model_name, cfg.engine.max_model_len)
+        model = load_model(
+            cfg.model,
+            cfg.served_model_name,
+            cfg.engine.max_model_len,
+            dtype=cfg.engine.dtype,
+            offline=cfg.offline,
+        )
         engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg.engine)
         return model, EngineClient(ThreadTransport(engine))
     # The model is resolved once, here (a GGUF converted before the child starts); the child
     # loads the weights from that directory while this process loads the tokenizer.
     source, name = cfg.model, cfg.served_model_name
     if not is_scripted(source):
-        path, default_name = resolve_model_path(source)
+        path, default_name = resolve_model_path(source, cfg.offline)
         source, name = str(path), name or default_name
     proc = ProcessTransport(EngineSpec(source, name, cfg.engine, log_level))
     proc.spawn()
@@ -314,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
             code = 130 if signal.SIGINT in serve(cfg, args) else 0
         except KeyboardInterrupt:
             code = 130
+        except FileNotFoundError as e:  # a --model that is not there, or not downloadable
+            log.error("%s", e)
+            code = 2
         # Everything is stopped and joined by now. Skip interpreter teardown: destroying MLX's
         # native stream threads at exit aborts the process ("terminate called without an
         # active exception", status -6) after async evaluation was used.

@@ -21,6 +21,9 @@ class EngineConfig:
     cache_limit_mib: int | None = None
     # Device memory for shared prompt prefixes' keys and values; 0 turns prefix caching off.
     prefix_cache_mib: int = 256
+    # The activations' dtype: auto (float32 on the CPU, the stored dtype on a GPU), float32,
+    # bfloat16 or float16; the log-softmax is float32 whatever this is.
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -39,6 +42,8 @@ class EngineConfig:
             raise ValueError("cache_limit_mib must be >= 0")
         if self.prefix_cache_mib < 0:
             raise ValueError("prefix_cache_mib must be >= 0")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be auto, float32, bfloat16 or float16")
 
 
 @dataclass(frozen=True)
@@ -77,8 +82,10 @@ class Access:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str | None = None  # an mlx-lm directory or a GGUF file; None: the embedded default
+    # An mlx-lm directory, a GGUF file or a Hugging Face name; None: the embedded default.
+    model: str | None = None
     served_model_name: str | None = None
+    offline: bool = False  # a Hugging Face name must be in the local cache: no download
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
     engine: EngineConfig = EngineConfig()
