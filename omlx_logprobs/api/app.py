@@ -121,11 +121,14 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
 
 
 async def _respond(serving: Any, req: Any, raw: Request) -> Response:
-    """SSE for a streamed request, else one JSON body; 499 when the client left first."""
+    """SSE for a streamed request, else one JSON body; 499 when the client left first. Unknown
+    fields: a 400, or (--ignore-unknown-fields) a header naming them."""
+    headers = serving.served.fields_headers(req)
     if req.stream:
-        return StreamingResponse(serving.stream(req), media_type="text/event-stream")
+        events = serving.stream(req)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     try:
         body = await serving.complete(req, raw)
     except ConnectionAbortedError:
         return Response(status_code=499)
-    return Response(body, media_type="application/json")
+    return Response(body, media_type="application/json", headers=headers)
