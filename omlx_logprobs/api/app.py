@@ -73,6 +73,8 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
 
     @app.post("/update_weights_from_disk")
     async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
+        if req.model is not None:
+            served.check_model(req.model)
         if not req.flush_cache:  # kept keys and values of the old weights: wrong numbers
             raise APIError(
                 "flush_cache must be true: the prefix cache always goes with the old weights",
@@ -119,11 +121,14 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
 
 
 async def _respond(serving: Any, req: Any, raw: Request) -> Response:
-    """SSE for a streamed request, else one JSON body; 499 when the client left first."""
+    """SSE for a streamed request, else one JSON body; 499 when the client left first. Unknown
+    fields: a 400, or (--ignore-unknown-fields) a header naming them."""
+    headers = serving.served.fields_headers(req)
     if req.stream:
-        return StreamingResponse(serving.stream(req), media_type="text/event-stream")
+        events = serving.stream(req)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     try:
         body = await serving.complete(req, raw)
     except ConnectionAbortedError:
         return Response(status_code=499)
-    return Response(body, media_type="application/json")
+    return Response(body, media_type="application/json", headers=headers)

@@ -22,7 +22,14 @@ from omlx_logprobs.engine.batch_cache import BatchCache, kinds
 from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, keeps_prefixes, make_prefix
 from omlx_logprobs.engine.probe import probe
 from omlx_logprobs.engine.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
-from omlx_logprobs.engine.sampler import apply_processors, sample, sampling_logits, step_key
+from omlx_logprobs.engine.sampler import (
+    MaskState,
+    apply_processors,
+    sample,
+    sampling_logits,
+    step_key,
+    token_mask,
+)
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.engine.step import DeviceTime, LaunchedStep, StepResult
@@ -63,9 +70,11 @@ class ModelRunner:
         vocab_size: int,
         cache_limit_mib: int | None = None,
         prefix_cache_mib: int = 0,
+        stop_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
+        self.stop_ids = stop_ids  # EOS ids: what min_tokens holds back besides stop_token_ids
         self.rows: list[Sequence] = []  # the batch cache's rows
         self.batch_cache: BatchCache | None = None
         self.last_tokens: mx.array | None = None  # the last launched step's sampled ids
@@ -272,7 +281,8 @@ class ModelRunner:
         histories = [
             (s.prompt_ids, s.output_ids.tolist()) if s.params.penalizes else ((), ()) for s in seqs
         ]
-        logits = logits.astype(mx.float32)
+        raw = logits.astype(mx.float32)  # the model's own: raw logprobs and finiteness
+        logits = self._mask(raw, seqs)
         logits = apply_processors(logits, params, histories)
         dist = sampling_logits(logits, params)
         tokens = sample(logits, dist, params, keys)
@@ -280,9 +290,29 @@ class ModelRunner:
             s.num_sampled += 1
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        pending = self.extractor.step(tokens, logits, dist, params)
+        pending = self.extractor.step(tokens, raw, dist, params)
         self._queue(tokens, *pending.arrays())  # the next step reads these ids on the device
         return LaunchedStep(seqs, pending)
+
+    def _mask(self, logits: mx.array, seqs: list[Sequence]) -> mx.array:
+        """The rows' token masks (engine/sampler.py). A row whose last sampled token was not
+        processed yet reads it from the last step's ids, on the device."""
+        if not any(s.params.masks for s in seqs):
+            return logits
+        states, prev_rows = [], []
+        for s in seqs:
+            # On a GPU the step in flight may be processed (its token appended) meanwhile:
+            # one read of the length, and only the tail the bad words need, before it.
+            n = len(s.output_ids)
+            longest = max((len(w) for w in s.params.bad_words_ids), default=1)
+            tail = s.output_ids[max(n - longest, 0) : n].tolist()
+            in_flight = s.num_sampled > n and s.seq_id in self.last_rows
+            states.append(MaskState(s.num_sampled, tail, in_flight))
+            prev_rows.append(self.last_rows[s.seq_id] if in_flight else 0)
+        prev = None
+        if self.last_tokens is not None and any(st.in_flight for st in states):
+            prev = self.last_tokens[mx.array(prev_rows)]
+        return token_mask(logits, [s.params for s in seqs], states, self.stop_ids, prev)
 
     def load_weights(self, path: str) -> None:
         """New weights in place (engine/weights.py), with nothing running; the kept prefixes go:
