@@ -116,17 +116,27 @@ class BatchCache:
         window's rows are then what a prefill of the P columns at once leaves, all P kept."""
         n = keys[0].shape[2]
         cols = mx.maximum(mx.arange(n)[None, :] - mx.array(pads)[:, None], 0)  # [B, P]
-        layers = []
+        layers: list[Any] = []
         for t, k, v in zip(templates, keys, values):
             # Padding columns get the prefix's first token: masked, but never NaN.
             sk, sv = (mx.take(x[0], cols, axis=1).transpose(1, 0, 2, 3) for x in (k, v))
             if type(t) is RotatingKVCache:
-                c = BatchRotatingKVCache(t.max_size, pads)
-                c.state = (sk, sv, c.offset + n, c.left_padding, t.max_size, n, n, False)
+                rotating = BatchRotatingKVCache(t.max_size, pads)
+                rotating.state = (
+                    sk,
+                    sv,
+                    rotating.offset + n,
+                    rotating.left_padding,
+                    t.max_size,
+                    n,
+                    n,
+                    False,
+                )
+                layers.append(rotating)
             else:
-                c = BatchKVCache(pads)
-                c.state = (sk, sv, c.offset + n, c.left_padding, n)
-            layers.append(c)
+                plain = BatchKVCache(pads)
+                plain.state = (sk, sv, plain.offset + n, plain.left_padding, n)
+                layers.append(plain)
         return cls(layers, list(pads))
 
     @classmethod

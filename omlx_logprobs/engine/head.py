@@ -72,5 +72,11 @@ def split_forward(
             for post in _posts(model):
                 got = post(head(hidden))
                 if got.shape == want.shape and mx.allclose(got, want, rtol=1e-5, atol=1e-5):
-                    return SplitForward(body, lambda h, head=head, post=post: post(head(h)))
+                    return SplitForward(body, _composed(head, post))
     return None
+
+
+def _composed(
+    head: Callable[[mx.array], mx.array], post: Callable[[mx.array], mx.array]
+) -> Callable[[mx.array], mx.array]:
+    return lambda h: post(head(h))

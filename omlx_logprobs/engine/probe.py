@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from omlx_logprobs.engine.batch_cache import BatchCache, UnbatchableCache, check_batchable
 from omlx_logprobs.engine.head import SplitForward, split_forward
@@ -78,8 +79,9 @@ def probe(model: Any, templates: list[Any]) -> SplitForward | None:
         mx.eval(got, ref)
     except Exception as exc:  # noqa: BLE001
         raise _refuse(model, str(exc)) from exc
-    diff = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max().item()
-    scale = 1 + mx.abs(ref.astype(mx.float32)).max().item()
+    got32, ref32 = np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32))
+    diff = float(np.abs(got32 - ref32).max())
+    scale = 1 + float(np.abs(ref32).max())
     if not diff <= TOLERANCE.get(want.dtype, LOW_PRECISION) * scale:
         raise _refuse(model, f"its batched logits differ from each row's alone by {diff:.3g}")
     return split
