@@ -77,10 +77,11 @@ def chat_prompt(tokenizer: Any, question: str) -> list[int]:
 def rollouts(
     base: str, name: str, prompts: list[list[int]], a: argparse.Namespace, step: int
 ) -> dict[str, Any]:
-    """`n` sampled completions per prompt: ids, processed logprobs, the weights' version."""
+    """`n` sampled completions per prompt: ids, processed logprobs, the weights' version. Choice
+    i samples with seed + i (vLLM's rule): a step's seeds start past the last step's."""
     body = {
         "model": name, "prompt": prompts, "n": a.n, "max_tokens": a.max_tokens,
-        "temperature": a.temperature, "seed": 1000 + step, "logprobs": 0,
+        "temperature": a.temperature, "seed": 1000 + step * a.n, "logprobs": 0,
         "logprobs_mode": "processed_logprobs", "return_token_ids": True,
     }  # fmt: skip
     r = httpx.post(base + "/v1/completions", json=body, timeout=600)

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING
 
 import omlx_logprobs
 from omlx_logprobs import heap
-from omlx_logprobs.config import Access, EngineConfig, Limits, PoolConfig, ServerConfig
+from omlx_logprobs.config import (
+    LOGPROBS_MODES,
+    Access,
+    EngineConfig,
+    Limits,
+    PoolConfig,
+    ServerConfig,
+)
 from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled, reasoning_tags
 from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format
 
@@ -101,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--logprobs-mode",
-        choices=["raw_logprobs", "processed_logprobs"],
+        choices=list(LOGPROBS_MODES),
         default="raw_logprobs",
         help="what logprobs describe when a request names no logprobs_mode",
     )
@@ -113,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         " then hold separate GILs) or in a thread of the server's process",
     )
     s.add_argument("--log-level", default="info")
+    s.add_argument(
+        "--ignore-unknown-fields",
+        action="store_true",
+        help="accept request fields this server does not know (clients that send vendor"
+        " extras): a warning in the log and an X-Ignored-Fields response header name them;"
+        " without it such a request is a 400 naming the field, as OpenAI answers",
+    )
     _add_limits(s)
     _add_access(s)
     return p
@@ -355,6 +369,7 @@ def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) ->
         tool_format=tool_format.value,
         reasoning_tags=reasoning_tags(model.tokenizer),
         limits=cfg.limits,
+        ignore_unknown_fields=args.ignore_unknown_fields,
     )
 
 

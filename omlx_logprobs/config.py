@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# vLLM's names (types.LogprobsMode says what each reports).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -31,8 +34,8 @@ class EngineConfig:
             raise ValueError("prefill_delay_ms must be in [0, 10000]")
         if not 0 <= self.max_top_logprobs <= 20:
             raise ValueError("max_top_logprobs must be in [0, 20]")
-        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
-            raise ValueError("logprobs_mode must be raw_logprobs or processed_logprobs")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
         if self.cache_limit_mib is not None and self.cache_limit_mib < 0:
@@ -56,6 +59,7 @@ class Limits:
     max_stop_chars: int = 512  # characters per stop string (each costs a scan per token)
     max_stop_token_ids: int = 128
     max_logprob_token_ids: int = 128
+    max_bad_words: int = 128  # bad_words per request (each a scan of its row's output per step)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

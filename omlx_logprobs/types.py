@@ -26,10 +26,24 @@ TOOL_TAGS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", *HARMONY_T
 
 
 class LogprobsMode(str, Enum):
-    """Which distribution logprobs describe (vLLM's names)."""
+    """What generated tokens' entries hold (vLLM's four names and meanings). Raw: the model's
+    own logits, before every mask, logit bias, penalty and temperature. Processed: what was
+    sampled from (masks, bias, penalties, temperature, min-p, top-k and top-p applied). The
+    `_logits` modes report the values themselves, the `_logprobs` ones their log-softmax."""
 
-    RAW = "raw_logprobs"  # after logit processors, before temperature and truncation
-    PROCESSED = "processed_logprobs"  # what was sampled from: scaled, truncated, renormalised
+    RAW = "raw_logprobs"
+    RAW_LOGITS = "raw_logits"
+    PROCESSED = "processed_logprobs"
+    PROCESSED_LOGITS = "processed_logits"
+
+    @property
+    def processed(self) -> bool:
+        return self in (LogprobsMode.PROCESSED, LogprobsMode.PROCESSED_LOGITS)
+
+    @property
+    def logits(self) -> bool:
+        """Entries are the values themselves, not normalised."""
+        return self in (LogprobsMode.RAW_LOGITS, LogprobsMode.PROCESSED_LOGITS)
 
 
 class FinishReason(str, Enum):
@@ -70,6 +84,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: off; k: each prompt token's entry and a top k
     logprob_token_ids: tuple[int, ...] = ()  # reported in place of the natural top list
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
+    # vLLM's generation controls. Token masks, applied before logit bias and penalties:
+    min_tokens: int = 0  # until this many tokens, EOS and stop_token_ids cannot be sampled
+    allowed_token_ids: tuple[int, ...] = ()  # empty: every token may be sampled
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # a word's last token, after its others
+    # Text: the matched stop string stays in the output; special tokens' text is output text.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -88,6 +109,10 @@ class SamplingParams:
             raise ValueError("prompt_logprobs must be >= 0")
         if len(set(self.logprob_token_ids)) != len(self.logprob_token_ids):
             raise ValueError("logprob_token_ids must be distinct")
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+        if any(not w for w in self.bad_words_ids):
+            raise ValueError("a bad word has at least one token")
 
     @property
     def greedy(self) -> bool:
@@ -100,7 +125,12 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        return self.logprobs_mode is LogprobsMode.PROCESSED
+        return self.logprobs_mode.processed
+
+    @property
+    def masks(self) -> bool:
+        """Whether some tokens may be forbidden at a step (a row of the sampler's token mask)."""
+        return bool(self.min_tokens or self.allowed_token_ids or self.bad_words_ids)
 
     @property
     def num_top(self) -> int:

@@ -69,6 +69,7 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
 
     @app.post("/update_weights_from_disk")
     async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
+        pool.slot(req.model)  # an unknown name is a 404 before anything else
         if not req.flush_cache:  # kept keys and values of the old weights: wrong numbers
             raise APIError(
                 "flush_cache must be true: the prefix cache always goes with the old weights",
@@ -115,13 +116,16 @@ async def _respond(
     pool: ModelPool, req: ChatCompletionRequest | CompletionRequest, raw: Request
 ) -> Response:
     """The request's model (loaded first if need be), then SSE for a streamed request, else one
-    JSON body; 499 when the client left first."""
+    JSON body; 499 when the client left first. Unknown fields: a 400, or
+    (--ignore-unknown-fields) a header naming them."""
     async with pool.use(req.model) as slot:
         serving: Any = slot.chat if isinstance(req, ChatCompletionRequest) else slot.completions
+        headers = serving.served.fields_headers(req)
         if req.stream:  # submitted by now: the engine counts it as in flight until it ends
-            return StreamingResponse(serving.stream(req), media_type="text/event-stream")
+            events = serving.stream(req)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
             body = await serving.complete(req, raw)
         except ConnectionAbortedError:
             return Response(status_code=499)
-    return Response(body, media_type="application/json")
+    return Response(body, media_type="application/json", headers=headers)

@@ -63,14 +63,14 @@ def parse_prompts(req: CompletionRequest, served: Served) -> list[list[int]]:
     for i, x in enumerate(prompts):
         if isinstance(x, str):
             served.checks.check_text(x, "prompt")
-            ids = encode(served.model, x, "prompt", special=True)
+            ids = encode(served.model, x, "prompt", special=req.add_special_tokens)
         else:
             ids = list(x)
         if not ids:
             raise APIError(f"prompt[{i}] has no tokens", param="prompt")
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(f"prompt[{i}] holds an id that is not a token of this model", "prompt")
-        out.append(list(ids))
+        out.append(served.checks.truncated(list(ids), req.truncate_prompt_tokens))
     return out
 
 
@@ -154,6 +154,7 @@ class CompletionServing:
         return (
             f'{{"id":"{rid}","object":"text_completion","created":{int(time.time())},'
             f'"model":{json.dumps(self.served.model.name)},'
+            f'"system_fingerprint":"{self.served.fingerprint}",'
         )
 
     async def complete(self, req: CompletionRequest, raw: Request) -> str:

@@ -1,5 +1,11 @@
-"""Request models for the OpenAI-compatible API. Unknown fields are ignored, as vLLM does;
-NaN and Infinity are rejected wherever a number is expected."""
+"""Request models for the OpenAI-compatible API. Chat and completions bodies keep the fields they
+do not declare (`model_extra`) so that the server can name them: an unknown field is a 400, as
+OpenAI answers, unless the server runs with `--ignore-unknown-fields` (api/validation.py). NaN
+and Infinity are rejected wherever a number is expected.
+
+Declared are OpenAI's fields and vLLM's that clients send; a few are declared only to be refused
+with a reason (features this server does not have), never ignored: see `validation.UNSUPPORTED`.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class _Open(BaseModel):
+    """A body whose undeclared fields are kept, to be named in the 400 (or the header)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class TextPart(_Model):
@@ -82,12 +94,18 @@ def _template_tools(data: Any) -> Any:
     return data
 
 
-class StreamOptions(_Model):
+class StreamOptions(_Open):
     include_usage: bool = False
+    # OpenAI pads streamed chunks with random text against length side channels; this server
+    # adds no padding whatever the value (the chunks' content is the same).
+    include_obfuscation: bool | None = None
 
 
-class SamplingFields(_Model):
-    """Fields shared by chat and (later) text completions."""
+LogprobsModeName = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+
+
+class SamplingFields(_Open):
+    """Fields shared by chat and text completions."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -106,12 +124,36 @@ class SamplingFields(_Model):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id: no effect on the answer
     # vLLM's scoring and RL extensions, on both endpoints
     prompt_logprobs: int | None = Field(None, ge=0)
     logprob_token_ids: list[int] | None = None
-    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
+    logprobs_mode: LogprobsModeName | None = None
     return_tokens_as_token_ids: bool = False
+    # vLLM's generation controls
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # vLLM's slow detokenizer puts spaces around special tokens' text; its fast one (and this
+    # server: text is the tokens' own bytes) does not for byte-level BPE: accepted, no effect.
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # Refused unless they ask for nothing (validation.UNSUPPORTED says why).
+    priority: int = 0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search's
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None
+    logits_processors: list[Any] | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
     # The compact logprobs form (logprobs/columnar.py): arrays per choice instead of an object
     # per entry, in JSON or as base64 buffers.
     logprobs_format: Literal["openai", "columnar", "base64"] = "openai"
@@ -127,6 +169,34 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Continuation (vLLM's names): a trailing assistant message is continued, not answered.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False  # the reply starts with the last message's text when it is the reply's role
+    add_special_tokens: bool = False  # BOS and the like on top of what the template writes
+    documents: list[dict[str, Any]] | None = None  # for templates with retrieval (vLLM)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # OpenAI fields with no effect on the answer here: ids, metadata, a speed hint.
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    store: bool | None = None
+    # The legacy function calling, refused (tools and tool_choice replace it).
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    # Refused unless they ask for nothing.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    chat_template: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM; false (leave reasoning out) is refused
 
     _tools_in_kwargs = model_validator(mode="before")(_template_tools)
 
@@ -139,6 +209,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
     return_token_ids: bool = False  # vLLM: choices[].prompt_token_ids and choices[].token_ids
+    add_special_tokens: bool = True  # vLLM: BOS and the like when a prompt is text
 
 
 class TokenizeRequest(_Model):
@@ -163,7 +234,7 @@ class UpdateWeightsRequest(_Model):
     `abort_all_requests`) and `weight_version` as the caller's tag for the new weights."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    model: str | None = None  # which served model (default: the first)
+    model: str | None = None  # the served model whose weights change (default: the first)
     model_path: str = Field(min_length=1)
     abort_in_flight: bool = False
     abort_all_requests: bool = False

@@ -4,7 +4,9 @@ JSON and SSE bodies of chat completions."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -14,12 +16,13 @@ from typing import Any
 
 from fastapi import Request
 
+import omlx_logprobs
 from omlx_logprobs.api import sections, tools
 from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
-from omlx_logprobs.api.validation import RequestLimits, model_bounds
+from omlx_logprobs.api.validation import RequestLimits, check_unknown, model_bounds
 from omlx_logprobs.config import EngineConfig, Limits
-from omlx_logprobs.engine.client import EngineClient, RequestHandle
+from omlx_logprobs.engine.client import EngineClient, RequestHandle, merged
 from omlx_logprobs.logprobs.columnar import encode_block
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
@@ -36,6 +39,9 @@ from omlx_logprobs.types import (
     WeightVersion,
 )
 
+log = logging.getLogger("omlx_logprobs")
+IGNORED_HEADER = "X-Ignored-Fields"  # with --ignore-unknown-fields: what a request sent in vain
+
 
 @dataclass(frozen=True)
 class Served:
@@ -48,10 +54,27 @@ class Served:
     tool_format: str = "none"  # the tool-call format parsed (--tool-call-parser, resolved)
     reasoning_tags: tuple[str, str] = THINK_TAGS  # <think> </think>, or harmony's analysis
     limits: Limits = field(default_factory=Limits)
+    ignore_unknown_fields: bool = False  # --ignore-unknown-fields: warn instead of a 400
 
     @cached_property
     def checks(self) -> RequestLimits:
         return RequestLimits(self.limits, model_bounds(self.model, self.cfg.max_top_logprobs))
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """`system_fingerprint`: changes when what answers does (this server's version, the
+        model, the engine's settings), as OpenAI's does with its backend."""
+        facts = f"{omlx_logprobs.__version__}|{self.model.name}|{self.model.path}|{self.cfg}"
+        return "fp_" + hashlib.sha256(facts.encode()).hexdigest()[:12]
+
+    def fields_headers(self, req: SamplingFields) -> dict[str, str]:
+        """A 400 for the first field the request's model does not declare; with
+        --ignore-unknown-fields a warning and the response header naming them all."""
+        ignored = check_unknown(req, self.ignore_unknown_fields)
+        if not ignored:
+            return {}
+        log.warning("ignored unknown request fields: %s", ", ".join(ignored))
+        return {IGNORED_HEADER: ", ".join(ignored)}
 
     def check_model(self, name: str) -> None:
         if name != self.model.name:
@@ -85,8 +108,14 @@ def sampling_params(
         raise APIError(f"prompt_logprobs must be at most {cap}", param="prompt_logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     any_logprobs = logprobs or prompt_logprobs is not None
+    limit = max_tokens if max_tokens is not None else room
+    if req.min_tokens > limit:
+        raise APIError(
+            f"min_tokens ({req.min_tokens}) must be at most {tokens_param} ({limit})",
+            param="min_tokens",
+        )
     return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else room,
+        max_tokens=limit,
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=min(max(req.top_k, 0), checks.bounds.vocab_size),
@@ -104,20 +133,46 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         logprob_token_ids=checks.logprob_token_ids(req.logprob_token_ids, any_logprobs),
         logprobs_mode=LogprobsMode(req.logprobs_mode or served.cfg.logprobs_mode),
+        min_tokens=req.min_tokens,
+        allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
+        bad_words_ids=checks.bad_words_ids(
+            req.bad_words, lambda w: encode(served.model, w, "bad_words")
+        ),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
     )
+
+
+def reply_role(req: ChatCompletionRequest) -> str:
+    """The role of the message generated (vLLM): a new assistant turn, or, without a
+    generation prompt, more of the last message."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
+def echo_text(req: ChatCompletionRequest) -> str:
+    """Chat `echo` (vLLM): the last message's text, when it is of the reply's role."""
+    last = req.messages[-1]
+    return last.text() if req.echo and last.role == reply_role(req) else ""
 
 
 def chat_prompt(
     req: ChatCompletionRequest, model: LoadedModel, checks: RequestLimits | None = None
 ) -> list[int]:
     messages = tools.template_messages(req.messages)
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:  # a template variable, as vLLM passes it
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
     try:
         text = model.tokenizer.apply_chat_template(
             messages,
             tools=tools.template_tools(req.tools),
-            add_generation_prompt=True,
+            add_generation_prompt=req.add_generation_prompt,
             tokenize=False,
-            **(req.chat_template_kwargs or {}),
+            **kwargs,
         )
     except Exception as e:  # a template error is the request's fault
         raise APIError(
@@ -125,7 +180,8 @@ def chat_prompt(
         ) from None
     if checks is not None:
         checks.check_text(text, "messages")
-    return encode(model, text, "messages")
+    ids = encode(model, text, "messages", special=req.add_special_tokens)
+    return checks.truncated(ids, req.truncate_prompt_tokens) if checks is not None else ids
 
 
 def encode(model: LoadedModel, text: str, param: str, special: bool = False) -> list[int]:
@@ -163,21 +219,25 @@ async def wait_or_disconnect(handles: list[RequestHandle], raw: Request) -> list
 def usage(outs: list[RequestOutput], reasoning: bool = False) -> dict[str, Any]:
     """The `usage` object of a response: each prompt counted once however many choices it has
     (its first choice's count), every generated token counted; with the thinking parser on,
-    the reasoning tokens among them."""
+    the reasoning tokens among them (else 0)."""
     firsts = [o for o in outs if o.index == 0]
     prompt = sum(o.prompt_tokens for o in firsts)
     completion = sum(o.completion_tokens for o in outs)
-    body: dict[str, Any] = {
+    return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in firsts)},
+        "prompt_tokens_details": {
+            "cached_tokens": sum(o.cached_tokens for o in firsts),
+            "audio_tokens": 0,
+        },
+        "completion_tokens_details": {  # OpenAI's keys, always present
+            "reasoning_tokens": sum(o.reasoning_tokens for o in outs) if reasoning else 0,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
     }
-    if reasoning:
-        body["completion_tokens_details"] = {
-            "reasoning_tokens": sum(o.reasoning_tokens for o in outs)
-        }
-    return body
 
 
 @lru_cache(maxsize=64)
@@ -194,12 +254,16 @@ def raise_if_failed(outs: list[RequestOutput]) -> None:
 
 
 def prompt_logprobs_json(
-    req: SamplingFields, e: Entries, fmts: tuple[PromptLogprobFormatter, ...]
+    req: SamplingFields,
+    e: Entries,
+    fmts: tuple[PromptLogprobFormatter, ...],
+    asked: int | None = None,
 ) -> str:
     """vLLM's `prompt_logprobs` (a list with null for the first position), or in the compact
-    form one block of the positions after the first."""
+    form one block of the positions after the first. `asked`: the alternatives wanted, when
+    not the field's (chat echo asks for them)."""
     fixed = bool(req.logprob_token_ids)
-    k = e.k if fixed else (req.prompt_logprobs or 0)
+    k = e.k if fixed else ((req.prompt_logprobs if asked is None else asked) or 0)
     if req.logprobs_format != "openai":
         return encode_block(e, k, req.logprobs_format)
     return fmts[req.return_tokens_as_token_ids].json(e, k, fixed)
@@ -229,7 +293,7 @@ class ChatServing:
             max_tokens,
             req.logprobs,
             req.top_logprobs or 0,
-            req.prompt_logprobs,
+            self._prompt_logprobs(req),
         )
         tail = served.model.tokenizer.decode(prompt[-8:])
         think = think_start(served.reasoning, tail, served.reasoning_tags[0])
@@ -238,6 +302,7 @@ class ChatServing:
             rid,
             prompt,
             params,
+            req.n,
             think=think,
             stream=req.stream,
             tools=parsing,
@@ -245,36 +310,61 @@ class ChatServing:
         )
         return ereq, served.engine.submit(ereq)
 
+    @staticmethod
+    def _prompt_logprobs(req: ChatCompletionRequest) -> int | None:
+        """vLLM: chat `echo` scores the prompt too (top_logprobs alternatives), unless streamed
+        (a stream has no place for them)."""
+        if req.prompt_logprobs is None and req.echo and not req.stream:
+            return req.top_logprobs or 0
+        return req.prompt_logprobs
+
+    def _head(self, ereq: EngineRequest, kind: str) -> str:
+        served = self.served
+        return (
+            f'{{"id":"{ereq.request_id}","object":"{kind}","created":{int(time.time())},'
+            f'"model":{json.dumps(served.model.name)},'
+            f'"system_fingerprint":"{served.fingerprint}",'
+        )
+
     async def complete(self, req: ChatCompletionRequest, raw: Request) -> str:
         ereq, handle = self._start(req)
         think = ereq.think
         try:
-            [out] = await wait_or_disconnect([handle], raw)
+            outs = await wait_or_disconnect([handle], raw)
         finally:
             handle.abort()
-        raise_if_failed([out])
-        lp = self._logprobs_json(req, out, ereq)
-        calls = tools.CallIds(ereq.tools.parser if ereq.tools else None).message(out.tool_calls)
-        message = json.dumps(
-            {"role": "assistant", **sections.message(out, think, calls)}, ensure_ascii=False
-        )
-        reason = out.finish_reason.value if out.finish_reason else None
-        finish = json.dumps(tools.finish_reason(reason, bool(calls)))
-        ids = ""
-        if req.return_token_ids:
-            ids = f',"token_ids":{json.dumps(out.token_ids.tolist())}'
-        choice = f'{{"index":0,"message":{message},"logprobs":{lp},"finish_reason":{finish}{ids}}}'
+        raise_if_failed(outs)
+        role, echo = reply_role(req), echo_text(req)
+        parser = ereq.tools.parser if ereq.tools else None
+        choices = []
+        for out in outs:
+            lp = self._logprobs_json(req, out, ereq)
+            calls = tools.CallIds(parser).message(out.tool_calls)
+            body = sections.message(out, think, calls)
+            if echo:
+                body["content"] = echo + (body.get("content") or "")
+            message = json.dumps({"role": role, **body}, ensure_ascii=False)
+            reason = out.finish_reason.value if out.finish_reason else None
+            finish = json.dumps(tools.finish_reason(reason, bool(calls)))
+            ids = ""
+            if req.return_token_ids:
+                ids = f',"token_ids":{json.dumps(out.token_ids.tolist())}'
+            choices.append(
+                f'{{"index":{out.index},"message":{message},"logprobs":{lp},'
+                f'"finish_reason":{finish}{ids}}}'
+            )
         extra = ""
         if req.return_token_ids:
             extra = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}'
-        if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            scored = prompt_logprobs_json(req, out.prompt_logprobs, self.prompt_formatters)
-            extra += f',"prompt_logprobs":{scored}'
-        body = usage([out], think is not ThinkStart.OFF)
+        scored = outs[0].prompt_logprobs
+        asked = ereq.params.prompt_logprobs
+        if asked is not None and scored is not None:
+            entries = prompt_logprobs_json(req, scored, self.prompt_formatters, asked)
+            extra += f',"prompt_logprobs":{entries}'
+        body = usage(outs, think is not ThinkStart.OFF)
         return (
-            f'{{"id":"{ereq.request_id}","object":"chat.completion","created":{int(time.time())},'
-            f'"model":{json.dumps(self.served.model.name)},"choices":[{choice}],'
-            f'"usage":{json.dumps(body)}{extra}{weight_version_json(out.weight_version)}}}'
+            f'{self._head(ereq, "chat.completion")}"choices":[{",".join(choices)}],'
+            f'"usage":{json.dumps(body)}{extra}{weight_version_json(outs[0].weight_version)}}}'
         )
 
     def _logprobs_json(
@@ -311,47 +401,67 @@ class ChatServing:
     async def _events(
         self, req: ChatCompletionRequest, ereq: EngineRequest, handle: RequestHandle
     ) -> AsyncIterator[str]:
-        head = (
-            f'{{"id":"{ereq.request_id}","object":"chat.completion.chunk",'
-            f'"created":{int(time.time())},"model":{json.dumps(self.served.model.name)},'
-        )
+        head = self._head(ereq, "chat.completion.chunk")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         tail = ',"usage":null}' if include_usage else "}"
         think = ereq.think
-        [slot] = handle.choices
 
-        def chunk(delta: dict[str, Any], logprobs: str, finish: str | None, extra: str = "") -> str:
+        def chunk(
+            i: int, delta: dict[str, Any], logprobs: str, finish: str | None, extra: str = ""
+        ) -> str:
             d = json.dumps(delta, ensure_ascii=False)
             fin = json.dumps(finish)
-            choice = f'{{"index":0,"delta":{d},"logprobs":{logprobs},"finish_reason":{fin}{extra}}}'
+            choice = (
+                f'{{"index":{i},"delta":{d},"logprobs":{logprobs},"finish_reason":{fin}{extra}}}'
+            )
             return f'data: {head}"choices":[{choice}]{tail}\n\n'
 
         ids = req.return_token_ids
-        numbering = tools.CallIds(ereq.tools.parser if ereq.tools else None)
+        role, echo = reply_role(req), echo_text(req)
+        finals: dict[int, RequestOutput] = {}
+        parser = ereq.tools.parser if ereq.tools else None
+        numbering = [tools.CallIds(parser) for _ in range(ereq.n)]  # call ids per choice
         try:
             first = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}' if ids else ""
-            out = await slot.get()  # the role chunk names the weights: it waits for them
-            tail = weight_version_json(out.weight_version) + tail
-            yield chunk({"role": "assistant", "content": ""}, "null", None, first)
-            while True:
+            stream = merged([handle])
+            _, head_out = await anext(stream)  # the role chunks name the weights: they wait
+            tail = weight_version_json(head_out.weight_version) + tail
+            for i in range(ereq.n):  # prompt_token_ids once, with the first chunk (vLLM)
+                yield chunk(i, {"role": role, "content": ""}, "null", None, first if i == 0 else "")
+            if echo:  # vLLM: the echoed text in a chunk of its own, before the generated text
+                for i in range(ereq.n):
+                    yield chunk(i, {"content": echo}, "null", None)
+            async for out in _starting_with(head_out, stream):
+                i = out.index
+                if out.error:
+                    finals[i] = out
+                    err = error_body(out.error, "server_error", None, None)
+                    yield f"data: {json.dumps(err)}\n\n"
+                    continue
                 if out.text or out.reasoning_text or out.num_tokens or out.tool_calls:
                     lp = self._logprobs_json(req, out, ereq)
                     extra = f',"token_ids":{json.dumps(out.token_ids.tolist())}' if ids else ""
-                    calls = numbering.delta(out.tool_calls)
-                    yield chunk(sections.delta(out, think, calls), lp, None, extra)
+                    calls = numbering[i].delta(out.tool_calls)
+                    yield chunk(i, sections.delta(out, think, calls), lp, None, extra)
                 if out.finished:
-                    break
-                out = await slot.get()
-            if out.error:
-                err = error_body(out.error, "server_error", None, None)
-                yield f"data: {json.dumps(err)}\n\n"
-            else:
-                reason = out.finish_reason.value if out.finish_reason else None
-                yield chunk({}, "null", tools.finish_reason(reason, numbering.count > 0))
+                    finals[i] = out
+                    reason = out.finish_reason.value if out.finish_reason else None
+                    called = numbering[i].count > 0
+                    yield chunk(i, {}, "null", tools.finish_reason(reason, called))
             if include_usage:
-                body = json.dumps(usage([out], think is not ThinkStart.OFF))
-                w = weight_version_json(out.weight_version)
+                done = [finals[i] for i in sorted(finals)]
+                body = json.dumps(usage(done, think is not ThinkStart.OFF))
+                w = weight_version_json(done[0].weight_version)
                 yield f'data: {head}"choices":[],"usage":{body}{w}}}\n\n'
             yield "data: [DONE]\n\n"
         finally:
             handle.abort()
+
+
+async def _starting_with(
+    first: RequestOutput, rest: AsyncIterator[tuple[int, RequestOutput]]
+) -> AsyncIterator[RequestOutput]:
+    """`first`, then the outputs `merged` still has."""
+    yield first
+    async for _, out in rest:
+        yield out

@@ -10,7 +10,7 @@ an `APIError` naming the offending `param`. The limits themselves live in `confi
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,88 @@ TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 MIN_REPETITION_PENALTY = 0.01
 # What the template renderer itself passes to Jinja besides apply_chat_template's parameters.
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A declared field this server cannot honour: refused whenever `asks` holds for its value
+    (the value that asks for nothing passes: `store: false`, `tools: []`), never ignored."""
+
+    field: str
+    asks: Callable[[Any], bool]
+    why: str
+    soon: bool = False  # being built: "not supported yet"
+
+
+def _set(v: Any) -> bool:
+    return v is not None and v is not False and v != [] and v != {}
+
+
+UNSUPPORTED: tuple[Unsupported, ...] = (
+    # Constrained decoding is being built; until then a request that needs it is refused
+    # rather than answered with free text.
+    Unsupported(
+        "response_format",
+        lambda v: v is not None and v.get("type") != "text",
+        "response_format other than text (JSON mode, JSON schema)",
+        soon=True,
+    ),
+    Unsupported("structured_outputs", _set, "structured outputs", soon=True),
+    Unsupported("guided_json", _set, "guided decoding", soon=True),
+    Unsupported("guided_regex", _set, "guided decoding", soon=True),
+    Unsupported("guided_choice", _set, "guided decoding", soon=True),
+    Unsupported("guided_grammar", _set, "guided decoding", soon=True),
+    # What this server does not do.
+    Unsupported("functions", _set, "legacy function calling (send tools)"),
+    Unsupported(
+        "function_call",
+        lambda v: v not in (None, "none", "auto"),
+        "legacy function calling (send tool_choice)",
+    ),  # fmt: skip
+    Unsupported("use_beam_search", _set, "beam search"),
+    Unsupported("length_penalty", lambda v: v != 1, "beam search (length_penalty)"),
+    Unsupported("include_reasoning", lambda v: v is False, "leaving reasoning out"),
+    Unsupported("moderation", _set, "moderation"),
+    Unsupported("priority", lambda v: v != 0, "priority scheduling"),
+    Unsupported("logits_processors", _set, "custom logits processors"),
+    Unsupported("cache_salt", _set, "salted prefix caching"),
+    Unsupported("kv_transfer_params", _set, "KV transfer"),
+    Unsupported("vllm_xargs", _set, "vllm_xargs"),
+    Unsupported("modalities", lambda v: v is not None and set(v) != {"text"}, "non-text output"),
+    Unsupported("audio", _set, "audio output"),
+    Unsupported("web_search_options", _set, "web search"),
+    Unsupported("verbosity", lambda v: v not in (None, "medium"), "verbosity"),
+    Unsupported("store", _set, "stored completions (store: true)"),
+    Unsupported(
+        "service_tier", lambda v: v not in (None, "auto", "default"), "service tiers but default"
+    ),
+    Unsupported("chat_template", _set, "a chat template sent with the request"),
+    Unsupported("mm_processor_kwargs", _set, "multimodal input"),
+)
+
+
+def unknown_fields(req: BaseModel) -> list[str]:
+    """The fields a body sent that its model does not declare, as paths (`stream_options.x`);
+    message contents are not looked into (their extra keys are the template's)."""
+    found = [str(k) for k in (req.model_extra or {})]
+    opts = getattr(req, "stream_options", None)
+    if isinstance(opts, BaseModel):
+        found += [f"stream_options.{k}" for k in (opts.model_extra or {})]
+    return found
+
+
+def check_unknown(req: BaseModel, ignore: bool) -> list[str]:
+    """A 400 naming the first unknown field (OpenAI's "Unrecognized request argument"), or,
+    with `ignore`, the list of them for the log and the response header."""
+    found = unknown_fields(req)
+    if found and not ignore:
+        name = found[0]
+        raise APIError(
+            f"Unrecognized request argument supplied: {name}",
+            param=name or '""',
+            code="unknown_parameter",
+        )
+    return found
 
 
 @dataclass(frozen=True)
@@ -69,8 +151,13 @@ class RequestLimits:
         self.check(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if req.n != 1:
-            raise APIError("Only n=1 is supported on chat completions.", param="n")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to true"
+                " (add_generation_prompt defaults to true: send false to continue the final"
+                " message).",
+                param="continue_final_message",
+            )
         _no_streamed_prompt_logprobs(req)
 
     def check_completion(self, req: Any) -> None:
@@ -90,6 +177,12 @@ class RequestLimits:
         if bad is not None:
             raise APIError(f"{bad}: text must be valid Unicode (a lone surrogate)", param=bad)
         lim, get = self.limits, req.__dict__.get
+        for u in UNSUPPORTED:
+            if u.field in req.__dict__ and u.asks(get(u.field)):
+                when = "not supported yet" if u.soon else "not supported by this server"
+                raise APIError(
+                    f"{u.field}: {u.why} is {when}.", param=u.field, code="unsupported_parameter"
+                )
         n = get("n")
         if n is not None:
             _at_most(n, lim.max_n, "n")
@@ -115,6 +208,25 @@ class RequestLimits:
                 _at_most(len(s), lim.max_stop_chars, f"stop[{i}]", "characters")
         self._token_ids(get("stop_token_ids"), lim.max_stop_token_ids, "stop_token_ids")
         self._token_ids(get("logprob_token_ids"), lim.max_logprob_token_ids, "logprob_token_ids")
+        allowed = get("allowed_token_ids")
+        if allowed is not None:
+            if not allowed:
+                raise APIError("allowed_token_ids must not be empty", param="allowed_token_ids")
+            self._token_ids(allowed, self.bounds.vocab_size, "allowed_token_ids")
+        words = get("bad_words")
+        if words:
+            _at_most(len(words), lim.max_bad_words, "bad_words", "words")
+            for i, w in enumerate(words):
+                if not w.strip():
+                    raise APIError(f"bad_words[{i}] must not be empty", param="bad_words")
+                _at_most(len(w), lim.max_stop_chars, f"bad_words[{i}]", "characters")
+        truncate = get("truncate_prompt_tokens")
+        if truncate is not None and (truncate == 0 or truncate > self.bounds.max_model_len):
+            raise APIError(
+                f"truncate_prompt_tokens must be -1 (the context, {self.bounds.max_model_len})"
+                f" or from 1 to {self.bounds.max_model_len}, got {truncate}",
+                param="truncate_prompt_tokens",
+            )
         self._template_kwargs(get("chat_template_kwargs"))
 
     def _token_ids(self, ids: Iterable[int] | None, most: int, param: str) -> None:
@@ -190,6 +302,31 @@ class RequestLimits:
                 raise APIError("logit_bias values must be in [-100, 100]", param="logit_bias")
             out.append((tid, float(value)))
         return tuple(out)
+
+    def bad_words_ids(
+        self, words: list[str] | None, encode: Callable[[str], list[int]]
+    ) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, vLLM's way: the word without leading spaces, and again
+        after one space when that starts with another token and has as many tokens (the word
+        inside text, for tokenizers that fold the space into the next token)."""
+        out: list[tuple[int, ...]] = []
+        for i, word in enumerate(words or []):
+            plain = encode(word.lstrip())
+            if not plain:
+                raise APIError(f"bad_words[{i}] has no tokens", param="bad_words")
+            out.append(tuple(plain))
+            spaced = encode(" " + word.lstrip())
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(tuple(spaced))
+        self.check_token_ids((t for w in out for t in w), "bad_words")
+        return tuple(dict.fromkeys(out))
+
+    def truncated(self, ids: list[int], truncate: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context's)."""
+        if truncate is None:
+            return ids
+        keep = self.bounds.max_model_len if truncate == -1 else truncate
+        return ids[-keep:] if len(ids) > keep else ids
 
     def logprob_token_ids(self, ids: list[int] | None, any_logprobs: bool) -> tuple[int, ...]:
         """The ids to report in place of a top list (their count and range: `check`)."""

@@ -60,7 +60,9 @@ class Engine:
         weights: WeightVersion = INITIAL_WEIGHTS,
     ):
         self.cfg = cfg
-        self.runner = ModelRunner(model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib)
+        self.runner = ModelRunner(
+            model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
+        )
         self.scheduler = Scheduler(
             cfg.max_num_seqs,
             cfg.prefill_chunk,

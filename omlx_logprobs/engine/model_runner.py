@@ -8,6 +8,7 @@ decode inputs are the previous step's sampled tokens, read on the device.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -15,12 +16,20 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_logprobs.engine.batch_cache import BatchCache
-from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, make_prefix
+from omlx_logprobs.engine.batch_cache import BatchCache, kinds
+from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, keeps_prefixes, make_prefix
+from omlx_logprobs.engine.probe import probe
 from omlx_logprobs.engine.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
-from omlx_logprobs.engine.sampler import apply_processors, sample, sampling_logits, step_key
+from omlx_logprobs.engine.sampler import (
+    MaskState,
+    apply_processors,
+    sample,
+    sampling_logits,
+    step_key,
+    token_mask,
+)
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.engine.step import DeviceTime, LaunchedStep, StepResult
@@ -30,9 +39,7 @@ from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor, choose_ext
 
 __all__ = ["ModelRunner"]
 
-# Model families whose forward is `model.model` (hidden states) then a head: prefill can run the
-# head on the last position only, instead of computing logits for every prompt position.
-_SPLIT_HEAD = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+log = logging.getLogger("omlx_logprobs")
 
 
 @dataclass(frozen=True)
@@ -63,9 +70,11 @@ class ModelRunner:
         vocab_size: int,
         cache_limit_mib: int | None = None,
         prefix_cache_mib: int = 0,
+        stop_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
+        self.stop_ids = stop_ids  # EOS ids: what min_tokens holds back besides stop_token_ids
         self.rows: list[Sequence] = []  # the batch cache's rows
         self.batch_cache: BatchCache | None = None
         self.last_tokens: mx.array | None = None  # the last launched step's sampled ids
@@ -73,16 +82,31 @@ class ModelRunner:
         self.chunk_caches: dict[int, list[Any]] = {}  # long prompts between their chunks
         self.prefilled: dict[int, _Prefilled] = {}  # prompts done, not yet in the batch
         self.time = DeviceTime()
-        probe = make_prompt_cache(model)
-        self.num_layers = len(probe)
-        # Prompts batch together only with plain KV caches (left padding needs BatchKVCache).
-        self.batch_prefill = all(type(c) is KVCache for c in probe)
-        # Shared prompt prefixes (plain KV caches only: a prefix's keys are placed per row).
+        # The model's own caches, one per layer: each batch cache is made of their batch forms
+        # (batch_cache.py); a model with a cache mlx-lm cannot batch is refused here.
+        self.templates = make_prompt_cache(model)
+        self.split = probe(model, self.templates)  # the body/head split, if any (head.py)
+        # Shared prompt prefixes: plain KV and sliding-window caches only. A prefix's keys are
+        # placed per row at its own padding; a recurrent state cannot be cut to that length.
         self.prefixes: PrefixCache | None = None
-        if prefix_cache_mib > 0 and self.batch_prefill:
+        if prefix_cache_mib > 0 and keeps_prefixes(self.templates):
             self.prefixes = PrefixCache(prefix_cache_mib << 20, partial(make_prefix, model))
-        family = type(model).__module__.rsplit(".", 1)[-1]
-        self.split_head = family in _SPLIT_HEAD and hasattr(model, "model")
+        elif prefix_cache_mib > 0:
+            log.info(
+                "prefix cache off for this model: its caches (%s) hold a recurrent state, which "
+                "a kept prefix cannot be cut from at each row's padding; every prompt prefills "
+                "in full",
+                ", ".join(kinds(self.templates)),
+            )
+        # Body and head apart (engine/head.py), where the model has them: the head then runs on
+        # the positions needed only. Else every forward computes every position's logits.
+        self.split_head = self.split is not None
+        if not self.split_head:
+            log.info(
+                "no body/head split found for %s: prefill computes logits at every position, "
+                "and scored prompts prefill one at a time",
+                type(model).__module__,
+            )
         cpu = mx.default_device() == mx.cpu and not FORCE_GPU_PATH
         # Where entries are computed: in numpy at collect time on the CPU backend, on the
         # device elsewhere (logprobs/extractor.py); chosen once, here.
@@ -148,21 +172,21 @@ class ModelRunner:
         return replace(self._sample(logits, seqs), prompt=prompt, prompt_only=prompt_only)
 
     def _groupable(self, c: PrefillChunk) -> bool:
-        """A whole prompt with one choice, on a model whose caches can be left-padded; a scored
-        one also needs the head apart from the body (to run it on its positions block by block)."""
-        if not (c.start == 0 and c.is_last and not c.seq.forks and self.batch_prefill):
+        """A whole prompt with one choice (every batch form takes left padding); a scored one
+        also needs the head apart from the body (to run it on its positions block by block)."""
+        if not (c.start == 0 and c.is_last and not c.seq.forks):
             return False
         return c.seq.prompt_store is None or self.split_head
 
     def _head(self, h: mx.array) -> mx.array:
-        m = self.model
-        return (m.lm_head if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear)(h)
+        assert self.split is not None
+        return self.split.head(h)
 
     def _last_logits(self, ids: mx.array, cache: list[Any]) -> mx.array:
         """[B, V] logits of the last position only."""
-        if not self.split_head:
+        if self.split is None:
             return self.model(ids, cache=cache)[:, -1, :]
-        return self._head(self.model.model(ids, cache=cache)[:, -1:, :])[:, 0, :]
+        return self._head(self.split.body(ids, cache=cache)[:, -1:, :])[:, 0, :]
 
     def _prefill_group(
         self, group: list[PrefillChunk], prefix: Prefix | None
@@ -178,9 +202,9 @@ class ModelRunner:
         pads = [width - c.end for c in group]
         ids = mx.array([([0] * p + c.seq.prompt_ids)[start:] for p, c in zip(pads, group)])
         if prefix is None:
-            cache = BatchCache.empty(self.num_layers, pads)
+            cache = BatchCache.for_prompts(self.templates, pads)
         else:
-            cache = BatchCache.seeded(prefix.keys, prefix.values, pads)
+            cache = BatchCache.seeded(self.templates, prefix.keys, prefix.values, pads)
         if self.tight_cache:
             cache.reserve(max(c.seq.to_write for c in group), width - start)
         for row, c in enumerate(group):
@@ -188,8 +212,12 @@ class ModelRunner:
             if c.seq.params.max_tokens > 0:
                 self.prefilled[c.seq.seq_id] = _Prefilled(cache, row)
         if not scored:
-            return self._last_logits(ids, cache.layers), None
-        h = self.model.model(ids, cache=cache.layers)
+            logits = self._last_logits(ids, cache.layers)
+            cache.finish_prefill()
+            return logits, None
+        assert self.split is not None
+        h = self.split.body(ids, cache=cache.layers)
+        cache.finish_prefill()
         # Every row's real positions but its last, rows in group order: one flat [N, H] block.
         flat = np.concatenate([r * width + np.arange(p, width - 1) for r, p in enumerate(pads)])
         if self.extractor.pads_blocks:  # whole blocks on the device: see prompt_scoring
@@ -253,7 +281,8 @@ class ModelRunner:
         histories = [
             (s.prompt_ids, s.output_ids.tolist()) if s.params.penalizes else ((), ()) for s in seqs
         ]
-        logits = logits.astype(mx.float32)
+        raw = logits.astype(mx.float32)  # the model's own: raw logprobs and finiteness
+        logits = self._mask(raw, seqs)
         logits = apply_processors(logits, params, histories)
         dist = sampling_logits(logits, params)
         tokens = sample(logits, dist, params, keys)
@@ -261,9 +290,29 @@ class ModelRunner:
             s.num_sampled += 1
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        pending = self.extractor.step(tokens, logits, dist, params)
+        pending = self.extractor.step(tokens, raw, dist, params)
         self._queue(tokens, *pending.arrays())  # the next step reads these ids on the device
         return LaunchedStep(seqs, pending)
+
+    def _mask(self, logits: mx.array, seqs: list[Sequence]) -> mx.array:
+        """The rows' token masks (engine/sampler.py). A row whose last sampled token was not
+        processed yet reads it from the last step's ids, on the device."""
+        if not any(s.params.masks for s in seqs):
+            return logits
+        states, prev_rows = [], []
+        for s in seqs:
+            # On a GPU the step in flight may be processed (its token appended) meanwhile:
+            # one read of the length, and only the tail the bad words need, before it.
+            n = len(s.output_ids)
+            longest = max((len(w) for w in s.params.bad_words_ids), default=1)
+            tail = s.output_ids[max(n - longest, 0) : n].tolist()
+            in_flight = s.num_sampled > n and s.seq_id in self.last_rows
+            states.append(MaskState(s.num_sampled, tail, in_flight))
+            prev_rows.append(self.last_rows[s.seq_id] if in_flight else 0)
+        prev = None
+        if self.last_tokens is not None and any(st.in_flight for st in states):
+            prev = self.last_tokens[mx.array(prev_rows)]
+        return token_mask(logits, [s.params for s in seqs], states, self.stop_ids, prev)
 
     def load_weights(self, path: str) -> None:
         """New weights in place (engine/weights.py), with nothing running; the kept prefixes go:

@@ -11,7 +11,13 @@ from omlx_logprobs.engine.prompt_scoring import PromptSlice
 from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.engine.step import StepResult
 from omlx_logprobs.output.sections import NO_TEXT, TextDelta
-from omlx_logprobs.types import INITIAL_WEIGHTS, Entries, FinishReason, RequestOutput
+from omlx_logprobs.types import (
+    INITIAL_WEIGHTS,
+    Entries,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+)
 from omlx_logprobs.vocab import Vocabulary
 
 log = logging.getLogger("omlx_logprobs")
@@ -91,9 +97,16 @@ class OutputProcessor:
         return ended
 
     def _advance(self, seq: Sequence, token: int) -> None:
+        p = seq.params
         data = self.vocab.token_bytes[token] if token < len(self.vocab) else None
+        if data is None and not p.skip_special_tokens and token < len(self.vocab):
+            data = self.vocab.token_text[token].encode()  # a special token's literal text
+        if self._stop_token(p, token) and not p.include_stop_str_in_output:
+            data = None  # as vLLM: the token that stops a request adds no text unless asked
         before = seq.token_ends[-1] if seq.token_ends else 0
         seq.token_ends.append(before + len(data or b""))
+        if p.min_tokens:  # vLLM: no stop string before the output has more than min_tokens
+            seq.text.arm_stops(seq.num_output > p.min_tokens)
         if data:
             seq.text.feed(data)
         if seq.status is not Status.FINISHED:
@@ -107,11 +120,14 @@ class OutputProcessor:
             end, delta = seq.text.release(seq.token_ends, seq.released_tokens)
             self.emit(seq, delta, end)
 
+    def _stop_token(self, p: SamplingParams, token: int) -> bool:
+        return (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids
+
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
         if seq.text.stopped:
             return FinishReason.STOP
-        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+        if self._stop_token(p, token):
             return FinishReason.STOP
         if seq.num_output >= p.max_tokens:
             return FinishReason.LENGTH

@@ -1,22 +1,108 @@
-"""Batched sampling on the device: logit processors, then greedy or temperature sampling with
-top-k, top-p and min-p, one pass for the whole batch whatever mix of settings it holds."""
+"""Batched sampling on the device, in vLLM's order: token masks (allowed ids, bad words,
+min_tokens), logit bias, penalties (the logit processors), then greedy or temperature sampling
+with min-p, top-k and top-p, one pass for the whole batch whatever mix of settings it holds."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
+import numpy as np
 
 from omlx_logprobs.types import SamplingParams
 
 History = tuple[Seq[int], Seq[int]]  # (prompt ids, output ids)
 
 
+@dataclass(frozen=True)
+class MaskState:
+    """What a row's token mask depends on at this step: how many tokens it has sampled, the
+    last output ids the host holds (at least a bad word's length, where there are that many),
+    and whether one more sampled token is still on the device (the previous step, not yet
+    processed: it is `prev[row]`)."""
+
+    sampled: int
+    output: Seq[int]
+    in_flight: bool
+
+
+def token_mask(
+    logits: mx.array,
+    params: Seq[SamplingParams],
+    states: Seq[MaskState],
+    stop_ids: tuple[int, ...],
+    prev: mx.array | None,
+) -> mx.array:
+    """The logits with every token a row may not sample at this step set to -inf: outside its
+    `allowed_token_ids`; EOS (`stop_ids`) and its `stop_token_ids` while it has sampled fewer
+    than `min_tokens`; the last token of a bad word whose other tokens end its output. A bad
+    word whose last prefix token is still on the device is decided there (`prev` [B], the
+    previous step's sampled ids by row): no host sync. Rows that ask for nothing cost nothing;
+    a per-row mask of this shape is where a grammar's allowed set goes too."""
+    if not any(p.masks for p in params):
+        return logits
+    v = logits.shape[-1]
+    if any(p.allowed_token_ids for p in params):
+        rows = [_allowed_row(p.allowed_token_ids, v) if p.allowed_token_ids else _all(v)
+                for p in params]  # fmt: skip
+        logits = mx.where(mx.stack(rows), logits, -mx.inf)
+    bans: list[tuple[int, int, int]] = []  # (row, token, -1 outright or the id prev must be)
+    for i, (p, st) in enumerate(zip(params, states)):
+        if st.sampled < p.min_tokens:
+            bans += [(i, t, -1) for t in dict.fromkeys((*stop_ids, *p.stop_token_ids))]
+        for word in p.bad_words_ids:
+            cond = _bad_word_condition(word, st)
+            if cond is not None:
+                bans.append((i, word[-1], cond))
+    if not bans:
+        return logits
+    rs, cs, need = (list(c) for c in zip(*bans))
+    banned = mx.full((len(rs),), -mx.inf, dtype=mx.float32)
+    if prev is not None and any(n >= 0 for n in need):
+        want = mx.array(need, dtype=mx.int32)
+        hit = (want < 0) | (prev[mx.array(rs)].astype(mx.int32) == want)
+        banned = mx.where(hit, banned, 0.0)
+    return logits.at[mx.array(rs), mx.array(cs)].add(banned)
+
+
+def _bad_word_condition(word: Seq[int], st: MaskState) -> int | None:
+    """Whether `word`'s last token is banned for this row now (vLLM: its other tokens are the
+    output's last ones): None: not banned; -1: banned; an id: banned if the token still on the
+    device is that id (the rest of the prefix matched on the host)."""
+    prefix = list(word[:-1])
+    if len(prefix) > st.sampled:
+        return None
+    if not prefix:
+        return -1
+    if not st.in_flight:
+        return -1 if list(st.output[len(st.output) - len(prefix) :]) == prefix else None
+    known = prefix[:-1]
+    if known and list(st.output[len(st.output) - len(known) :]) != known:
+        return None
+    return prefix[-1]
+
+
+@lru_cache(maxsize=64)
+def _allowed_row(ids: tuple[int, ...], v: int) -> mx.array:
+    """[V] bool, True at the ids: made from host memory (no graph to evaluate, so no wait on
+    the step in flight), kept while requests with the same set come and go."""
+    row = np.zeros(v, dtype=bool)
+    row[list(ids)] = True
+    return mx.array(row)
+
+
+@lru_cache(maxsize=4)
+def _all(v: int) -> mx.array:
+    return mx.array(np.ones(v, dtype=bool))
+
+
 def apply_processors(
     logits: mx.array, params: Seq[SamplingParams], histories: Seq[History]
 ) -> mx.array:
-    """Logit bias and penalties, row by row for the rows that ask for them (they are rare).
+    """Logit bias, then penalties, row by row for the rows that ask for them (they are rare).
     repetition_penalty looks at prompt and output; presence and frequency at the output only."""
     if not any(p.penalizes for p in params):
         return logits
@@ -29,6 +115,9 @@ def apply_processors(
 
 def _process_row(row: mx.array, p: SamplingParams, history: History) -> mx.array:
     prompt, output = history
+    if p.logit_bias:
+        ids = mx.array([t for t, _ in p.logit_bias])
+        row = row.at[ids].add(mx.array([b for _, b in p.logit_bias], dtype=mx.float32))
     if p.repetition_penalty != 1 and (prompt or output):
         ids = mx.array(sorted(set(prompt) | set(output)))
         vals = row[ids]
@@ -39,9 +128,6 @@ def _process_row(row: mx.array, p: SamplingParams, history: History) -> mx.array
         ids = mx.array(list(counts.keys()))
         n = mx.array(list(counts.values()), dtype=mx.float32)
         row = row.at[ids].add(-p.frequency_penalty * n - p.presence_penalty)
-    if p.logit_bias:
-        ids = mx.array([t for t, _ in p.logit_bias])
-        row = row.at[ids].add(mx.array([b for _, b in p.logit_bias], dtype=mx.float32))
     return row
 
 
@@ -66,7 +152,7 @@ def _truncation_mask(scaled: mx.array, params: Seq[SamplingParams]) -> mx.array:
 def sampling_logits(logits: mx.array, params: Seq[SamplingParams]) -> mx.array:
     """The logits a row is sampled from: divided by its temperature, top-k, top-p and min-p
     masked to -inf. Their log-softmax is the `processed_logprobs` distribution. Greedy rows keep
-    their logits (temperature 1, no truncation): at temperature 0, processed equals raw."""
+    their (processed) logits: temperature 1, no truncation, as in vLLM."""
     if all(p.greedy for p in params):
         return logits
     temps = mx.array([1.0 if p.greedy else p.temperature for p in params], dtype=mx.float32)
@@ -95,9 +181,10 @@ def sample(
 
 
 def step_key(seed: int | None, step: int, index: int = 0) -> mx.array | None:
-    """A seeded request's key for choice `index`'s n-th token: a function of (seed, index, n)
-    alone, so the same request samples the same tokens whatever else shares its batch, and the
-    choices of one request differ from each other."""
+    """A seeded request's key for choice `index`'s n-th token: a function of (seed + index, n)
+    alone, so the same request samples the same tokens whatever else shares its batch, the
+    choices of one request differ from each other, and choice i samples exactly what a single
+    request with seed + i does (vLLM's rule for n > 1)."""
     if seed is None:
         return None
-    return mx.random.key((seed * 1_000_003 + step + (index << 40)) % (1 << 63))
+    return mx.random.key(((seed + index) * 1_000_003 + step) % (1 << 63))

@@ -67,7 +67,9 @@ class Sequence:
         # reasoning, content and tool calls
         parser = make_parser(tools) if tools is not None else None
         single = tools is not None and not tools.parallel
-        self.text = SectionedText(params.stop, think, parser, single, reasoning_tags)
+        self.text = SectionedText(
+            params.stop, think, parser, single, reasoning_tags, params.include_stop_str_in_output
+        )
         self.token_ends = array("q")  # cumulative UTF-8 byte end of each generated token
         self.released_tokens = 0  # tokens whose text (and entry) has gone to the consumer
         self.prompt_released = False  # the prompt's entries went with an output

@@ -60,28 +60,39 @@ class PackedStep:
 @dataclass(frozen=True)
 class EntryAsk:
     """What a step's rows ask for: the distribution's logits `src` [R, V] float32 (raw, or per
-    row the processed ones), K, and the fixed ids [R, K] (-1: the row's natural top list)."""
+    row the processed ones), K, and the fixed ids [R, K] (-1: the row's natural top list).
+    `plain` [R] bool: rows whose entries are the logits themselves (vLLM's `*_logits` modes),
+    their log-sum-exp taken as 0."""
 
     src: mx.array
     k: int
     fixed: mx.array | None = None
     natural: bool = True  # some row wants its natural top list
     raw: bool = True  # src is the raw logits (their log-sum-exp serves it)
+    plain: mx.array | None = None
+
+    def lse(self, raw_lse: mx.array) -> mx.array:
+        """[R, 1]: what each row's entries subtract from its logits."""
+        lse = raw_lse if self.raw else mx.logsumexp(self.src, axis=-1, keepdims=True)
+        return lse if self.plain is None else mx.where(self.plain[:, None], 0.0, lse)
 
 
 def entries_asked(
     logits: mx.array, dist: mx.array, params: Sequence[SamplingParams]
 ) -> EntryAsk | None:
     """What a decode step's entries are taken from, when any row asks: the raw distribution
-    (`logits`, what the processors left), or per row what was sampled from (`dist`)."""
+    (`logits`, the model's own), or per row what was sampled from (`dist`); normalised or not."""
     if not any(p.logprobs for p in params):
         return None
     k = max(p.num_top for p in params if p.logprobs)
     fixed, natural = _fixed_ids(params, k)
+    plain = None
+    if any(p.logprobs and p.logprobs_mode.logits for p in params):
+        plain = mx.array([p.logprobs_mode.logits for p in params])
     if not any(p.logprobs and p.processed for p in params):
-        return EntryAsk(logits, k, fixed, natural)
+        return EntryAsk(logits, k, fixed, natural, plain=plain)
     src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
-    return EntryAsk(src, k, fixed, natural, raw=False)
+    return EntryAsk(src, k, fixed, natural, raw=False, plain=plain)
 
 
 def _fixed_ids(params: Sequence[SamplingParams], k: int) -> tuple[mx.array | None, bool]:
@@ -107,7 +118,7 @@ def device_step(tokens: mx.array, lse: mx.array, ask: EntryAsk | None, fused: bo
         if fused:  # token and finiteness only: the kernel never reads its logits input
             return PackedStep(kernel.packed_step(lse, lse, lse, tokens, None), None)
         return pack_step(tokens, mx.isfinite(lse[:, 0]), None)
-    src_lse = lse if ask.raw else mx.logsumexp(ask.src, axis=-1, keepdims=True)
+    src_lse = ask.lse(lse)
     if fused:
         fixed = ask.fixed if ask.k else None
         return PackedStep(kernel.packed_step(ask.src, src_lse, lse, tokens, ask.k, fixed), ask.k)
@@ -140,9 +151,11 @@ class HostExtraction:
     k: int
     fixed: mx.array | None  # [R, k]
     natural: bool
+    plain: mx.array | None = None  # [R] bool: rows whose entries are the logits themselves
 
     def arrays(self) -> list[mx.array]:
-        return [self.logits, self.chosen] + ([self.fixed] if self.fixed is not None else [])
+        extra = [a for a in (self.fixed, self.plain) if a is not None]
+        return [self.logits, self.chosen, *extra]
 
     def to_host(self) -> Entries:
         x = np.array(self.logits, copy=False).astype(np.float32, copy=False)
@@ -151,6 +164,8 @@ class HostExtraction:
         k = 0 if fixed is not None and not self.natural else self.k
         groups = _group_maxima(x, max(k, RANK_GROUPS))
         lse = _lse(x, (x if groups is None else groups).max(axis=-1, keepdims=True))
+        if self.plain is not None:
+            lse = np.where(np.array(self.plain, copy=False)[:, None], np.float32(0), lse)
         # x[id] - lse: bitwise the value a materialized log-softmax row holds there
         own = np.take_along_axis(x, chosen, axis=-1) - lse
         if groups is None:  # a small or unevenly split vocabulary: whole rows

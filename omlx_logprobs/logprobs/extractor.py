@@ -74,7 +74,8 @@ class Extractor(Protocol):
     def step(
         self, tokens: mx.array, logits: mx.array, dist: mx.array, params: Sequence[SamplingParams]
     ) -> PendingStep:
-        """Entries of the sampled tokens, from the raw `logits` or what was sampled from."""
+        """Entries of the sampled tokens, from the raw `logits` (the model's own; their
+        finiteness is the row's) or what was sampled from (`dist`)."""
         ...
 
     def prompt(self, blocks: list[Block]) -> PendingEntries: ...
@@ -118,7 +119,7 @@ class HostExtractor:
         ask = entries_asked(logits, dist, params)
         host = None
         if ask is not None:
-            host = HostExtraction(ask.src, tokens, ask.k, ask.fixed, ask.natural)
+            host = HostExtraction(ask.src, tokens, ask.k, ask.fixed, ask.natural, ask.plain)
         return _HostStep(tokens, logits, host)
 
     def prompt(self, blocks: list[Block]) -> PendingEntries:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_tokenizer
 
@@ -83,8 +84,8 @@ def load_model(
         # thread, which has streams of its own, could not evaluate it.
         mx.eval(net.parameters())
     hf = wrapper._tokenizer
-    if net is not None and hasattr(net, "model"):
-        size = int(net.model.embed_tokens.weight.shape[0])
+    if net is not None:
+        size = logits_width(net)
     else:
         size = int(config.get("vocab_size") or len(hf))
     eos = config.get("eos_token_id", [])
@@ -100,6 +101,13 @@ def load_model(
         eos_token_ids=eos_ids,
         max_model_len=max_len,
     )
+
+
+def logits_width(net: Any) -> int:
+    """The vocabulary size as the model's own forward has it (one token, a fresh cache): every
+    family's module tree names its embedding and head differently, and a padded head may be
+    wider than the tokenizer."""
+    return int(net(mx.array([[0]]), cache=make_prompt_cache(net)).shape[-1])
 
 
 def _load_scripted(path: Path, name: str | None, max_model_len: int | None) -> LoadedModel:

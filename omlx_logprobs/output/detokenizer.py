@@ -32,10 +32,17 @@ class IncrementalText:
     end of a token), so text leaves with the token that carries it.
     """
 
-    __slots__ = ("stops", "_pending", "_held", "_ready", "settled_bytes", "taken_bytes", "stopped")
+    __slots__ = (
+        "stops", "include_stop", "armed", "_pending", "_held", "_ready", "settled_bytes",
+        "taken_bytes", "stopped",
+    )  # fmt: skip
 
-    def __init__(self, stops: tuple[str, ...] = ()) -> None:
+    def __init__(self, stops: tuple[str, ...] = (), include_stop: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)
+        self.include_stop = include_stop  # the matched stop string stays in the text
+        # Stop strings are only looked for while armed (vLLM's min_tokens: not before the
+        # output has more tokens than that); a match may still begin in earlier held text.
+        self.armed = True
         self._pending = b""  # bytes of a character not yet complete
         self._held = ""  # decoded text that may still begin a stop string
         self._ready = ""  # settled text not yet taken
@@ -57,11 +64,12 @@ class IncrementalText:
             self.settled_bytes += cut
             return
         self._held += text
-        hit = min((p for p in (self._held.find(s) for s in self.stops) if p >= 0), default=-1)
-        if hit >= 0:
+        hits = [(p, s) for s in self.stops if (p := self._held.find(s)) >= 0] if self.armed else []
+        if hits:
+            hit, stop = min(hits, key=lambda h: h[0])  # the earliest; at a tie the first listed
             self.stopped = True
-            self._settle(hit)
-            self._held = ""  # the stop string and what follows it are not text
+            self._settle(hit + (len(stop) if self.include_stop else 0))
+            self._held = ""  # what follows the stop string (and it, unless kept) is not text
         else:
             self._settle(len(self._held) - _longest_stop_prefix(self._held, self.stops))
 

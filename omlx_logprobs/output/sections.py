@@ -46,8 +46,10 @@ class CallText:
 
     __slots__ = ("text", "parser", "_pieces", "settled_bytes", "tool_from", "calls")
 
-    def __init__(self, stops: tuple[str, ...], parser: ToolCallParser) -> None:
-        self.text = IncrementalText(stops)  # UTF-8 and stop strings, before the parser
+    def __init__(
+        self, stops: tuple[str, ...], parser: ToolCallParser, include_stop: bool = False
+    ) -> None:
+        self.text = IncrementalText(stops, include_stop)  # UTF-8, stop strings, then the parser
         self.parser = parser
         self._pieces: deque[tuple[int, int, Piece]] = deque()  # (start, end, piece), not taken
         self.settled_bytes = 0  # content bytes the parser has decided
@@ -132,11 +134,14 @@ class SectionedText:
         tools: ToolCallParser | None = None,
         single_call: bool = False,
         tags: tuple[str, str] = THINK_TAGS,
+        include_stop: bool = False,
     ) -> None:
         self.parser = ThinkingParser(start, tags)
         self.reasoning = IncrementalText()
         self.content: IncrementalText | CallText = (
-            IncrementalText(stops) if tools is None else CallText(stops, tools)
+            IncrementalText(stops, include_stop)
+            if tools is None
+            else CallText(stops, tools, include_stop)
         )
         self._single = single_call  # parallel_tool_calls false: the first call ends the output
         self._plain = start is ThinkStart.OFF  # the common case: every byte is content
@@ -150,6 +155,11 @@ class SectionedText:
         or the one call a request allows is complete."""
         c = self.content
         return c.stopped or (self._single and isinstance(c, CallText) and c.calls > 0)
+
+    def arm_stops(self, armed: bool) -> None:
+        """Whether content is searched for stop strings (min_tokens: not yet)."""
+        c = self.content
+        (c if isinstance(c, IncrementalText) else c.text).armed = armed
 
     @property
     def settled_bytes(self) -> int:

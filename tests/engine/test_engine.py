@@ -259,9 +259,14 @@ def test_logit_bias_forces_a_token(tiny: LoadedModel) -> None:
     params = SamplingParams(
         max_tokens=3, temperature=0, logit_bias=((target, 100.0),), logprobs=True, ignore_eos=True
     )
-    [(seq, _)] = run_engine(tiny, [(prompt, params)])
-    assert list(seq.output_ids) == [target] * 3
-    assert all(lp > -1e-3 for lp in seq.store.logprobs)  # logprobs are after the bias
+    processed = replace(params, logprobs_mode=LogprobsMode.PROCESSED)
+    [(seq, _), (raw, _)] = run_engine(tiny, [(prompt, processed), (prompt, params)])
+    assert list(seq.output_ids) == list(raw.output_ids) == [target] * 3
+    assert all(lp > -1e-3 for lp in seq.store.logprobs)  # processed: after the bias
+    # raw (vLLM's meaning): the model's own distribution, before the bias
+    ref = reference_logprobs(tiny, prompt + [target] * 3)[len(prompt) - 1 : -1]
+    for i in range(3):
+        assert abs(raw.store.logprobs[i] - ref[i][target]) < 1e-4
 
 
 def test_eos_finishes_with_stop_and_keeps_its_entry(tiny: LoadedModel) -> None:
@@ -283,6 +288,7 @@ def test_penalties_match_an_independent_application(tiny: LoadedModel) -> None:
         presence_penalty=0.25,
         logprobs=True,
         ignore_eos=True,
+        logprobs_mode=LogprobsMode.PROCESSED,  # at temperature 0: after the penalties
     )
     [(seq, _)] = run_engine(tiny, [(prompt, params)])
     out = list(seq.output_ids)

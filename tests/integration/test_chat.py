@@ -242,7 +242,7 @@ def test_models_and_health(client: openai.OpenAI, server: str) -> None:
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 500}}, "logit_bias"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"stop": ["a"] * 17}, "stop"),
         ({"model": "no-such-model"}, "model"),
         ({"presence_penalty": 3}, "presence_penalty"),

@@ -206,7 +206,7 @@ def test_text_offsets_with_multibyte_characters(client: openai.OpenAI) -> None:
         ({"logprobs": 1, "logprob_token_ids": list(range(129))}, "logprob_token_ids"),
         ({"logprobs": 1, "logprob_token_ids": []}, "logprob_token_ids"),
         ({"logprob_token_ids": [5]}, "logprob_token_ids"),
-        ({"logprobs_mode": "raw_logits"}, "logprobs_mode"),
+        ({"logprobs_mode": "final_logits"}, "logprobs_mode"),
         ({"prompt": []}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, 2, 99999]}, "prompt"),

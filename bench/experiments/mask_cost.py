@@ -1,0 +1,77 @@
+# ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)
+"""What vLLM's token masks cost the step loop: the same greedy batch (random prompts, EOS
+ignored, fixed length) with no mask, with `allowed_token_ids` (1,000 ids), with ten two-token
+`bad_words` (decided on the device while the last token is in flight) and with `min_tokens`
+holding EOS back the whole way. Tokens per second, best of `--rounds`.
+
+    python bench/experiments/mask_cost.py --batch 8 32 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import replace
+
+import omlx_logprobs  # noqa: F401  (loads OpenBLAS before mlx)
+import mlx.core as mx
+
+from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.engine import Engine
+from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.models.loader import LoadedModel, load_model
+from omlx_logprobs.types import SamplingParams
+
+
+def variants(vocab: int, max_tokens: int) -> dict[str, SamplingParams]:
+    rng = random.Random(0)
+    base = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    allowed = tuple(sorted(rng.sample(range(vocab), 1000)))
+    words = tuple((rng.randrange(vocab), rng.randrange(vocab)) for _ in range(10))
+    return {
+        "none": base,
+        "allowed_token_ids": replace(base, allowed_token_ids=allowed),
+        "bad_words": replace(base, bad_words_ids=words),
+        "min_tokens": replace(base, min_tokens=max_tokens),
+    }
+
+
+def run(m: LoadedModel, n: int, params: SamplingParams, prompt_len: int) -> float:
+    rng = random.Random(n)
+    engine = Engine(m.model, m.vocab, m.eos_token_ids, EngineConfig(max_num_seqs=max(64, n)))
+    seqs = [
+        Sequence(f"m{i}", [rng.randrange(100, len(m.vocab) - 100) for _ in range(prompt_len)],
+                 params)
+        for i in range(n)
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    for s in seqs:
+        engine.scheduler.add(s)
+    while engine.has_work():
+        engine.step()
+    return sum(s.num_output for s in seqs) / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="mlx-lm dir or .gguf; default: embedded")
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args(argv)
+    m = load_model(a.model)
+    print(f"device {mx.default_device()}, model {m.path}", file=sys.stderr)
+    cases = variants(len(m.vocab), a.max_tokens)
+    run(m, 2, cases["none"], a.prompt_len)  # warm-up
+    for n in a.batch:
+        for name, params in cases.items():
+            best = max(run(m, n, params, a.prompt_len) for _ in range(a.rounds))
+            print(f"batch {n:3d}  {name:18s} {best:8.1f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
