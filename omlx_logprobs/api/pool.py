@@ -94,9 +94,14 @@ class ModelPool:
         limits: Limits | None = None,
         engine: EngineConfig | None = None,
     ) -> None:
-        self.slots = {s.name: s for s in slots}
-        if len(self.slots) != len(slots):
-            raise ValueError("each served model needs a name of its own (--served-model-name)")
+        self.slots: dict[str, ModelSlot] = {}
+        for s in slots:
+            if s.name in self.slots:
+                raise ValueError(
+                    f"two models are served as `{s.name}`: give each a name of its own"
+                    " (--served-model-name, once per --model)"
+                )
+            self.slots[s.name] = s
         self.default = slots[0]
         self.load = load
         self.cfg = cfg or PoolConfig()
