@@ -188,7 +188,8 @@ def test_one_loaded_at_a_time(
             assert r.status_code == 200, r.text
             check_against(refs[name], r.json())
         log = s.log()
-        assert log.count("model alpha loaded") >= 1 and log.count("model beta unloaded") >= 1
+        # alpha was loaded again for its four requests, which shared the load
+        assert 1 <= log.count("model alpha loaded") < 4 and log.count("model beta unloaded") >= 1
 
         update = {"model": "alpha", "model_path": str(moved_dir), "weight_version": "step-1"}
         r = httpx.post(s.base + "/update_weights_from_disk", json=update, timeout=120)
