@@ -78,7 +78,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
     a = p.parse_args()
-    m = load_model(a.model)  # float32 on the CPU
+    m = load_model(a.model, dtype="float32")  # the reference, on a GPU too
     f32 = m.model
     seqs = []
     for i, q in enumerate(PROMPTS[: a.prompts]):
