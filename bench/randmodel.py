@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 
 SIZES = {
-    # hidden 2048, 16 layers, vocab 49,152: the size named in issue 5 (1.07B parameters).
+    # hidden 2048, 16 layers, vocab 49,152: the GPU preset's model (1.07B parameters).
     "1b": {
         "hidden_size": 2048,
         "num_hidden_layers": 16,
@@ -39,7 +39,11 @@ SIZES = {
 }
 
 
-def build(out: Path, tokenizer_from: Path, size: str = "1b", dtype: str = "bfloat16") -> Path:
+def build(
+    out: Path, tokenizer_from: Path, size: str = "1b", dtype: str = "bfloat16", vocab: int = 49152
+) -> Path:
+    """`vocab` may exceed the tokenizer's (Qwen's 151,936): ids past it are never prompted but
+    are sampled and extracted like any other."""
     if (out / "model.safetensors").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -50,7 +54,7 @@ def build(out: Path, tokenizer_from: Path, size: str = "1b", dtype: str = "bfloa
         "model_type": "llama",
         **SIZES[size],
         "rms_norm_eps": 1e-5,
-        "vocab_size": 49152,
+        "vocab_size": vocab,
         "rope_theta": 10000.0,
         "max_position_embeddings": 8192,
         "tie_word_embeddings": True,
@@ -59,7 +63,7 @@ def build(out: Path, tokenizer_from: Path, size: str = "1b", dtype: str = "bfloa
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     # Embeddings scaled so the logits are neither flat nor one-hot.
-    model.model.embed_tokens.weight = mx.random.normal((49152, config["hidden_size"])) * 0.02
+    model.model.embed_tokens.weight = mx.random.normal((vocab, config["hidden_size"])) * 0.02
     model.set_dtype(getattr(mx, dtype))
     weights = dict(nn.utils.tree_flatten(model.parameters()))  # type: ignore[attr-defined]
     mx.save_safetensors(str(out / "model.safetensors"), weights)
@@ -73,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer-from", type=Path, required=True)
     ap.add_argument("--size", choices=sorted(SIZES), default="1b")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--vocab", type=int, default=49152)
     a = ap.parse_args(argv)
-    print(build(a.out, a.tokenizer_from, a.size, a.dtype))
+    print(build(a.out, a.tokenizer_from, a.size, a.dtype, a.vocab))
     return 0
 
 

@@ -8,16 +8,29 @@ import os
 import signal
 import sys
 from dataclasses import replace
+from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import omlx_logprobs
 from omlx_logprobs import heap
-from omlx_logprobs.config import LOGPROBS_MODES, Access, EngineConfig, Limits, ServerConfig
-from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled
+from omlx_logprobs.config import (
+    LOGPROBS_MODES,
+    Access,
+    EngineConfig,
+    Limits,
+    PoolConfig,
+    ServerConfig,
+)
+from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled, reasoning_tags
+from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format
 
 if TYPE_CHECKING:
+    from omlx_logprobs.api.pool import ModelSlot
+    from omlx_logprobs.api.serving import Served
     from omlx_logprobs.engine.client import EngineClient
     from omlx_logprobs.models.loader import LoadedModel
+    from omlx_logprobs.types import WeightVersion
 
 log = logging.getLogger("omlx_logprobs")
 API_KEY_ENV = "OMLX_LOGPROBS_API_KEY"  # a key in the environment stays out of `ps` listings
@@ -46,21 +59,52 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument(
         "--model",
+        action="append",
         default=None,
-        help="mlx-lm model directory, .gguf file or scripted model description (.json);"
-        " default: the embedded SmolLM2-135M-Instruct",
+        help="mlx-lm model directory, .gguf file, Hugging Face name (org/name: from the local"
+        " Hugging Face cache, else downloaded) or scripted model description (.json); default:"
+        " the embedded SmolLM2-135M-Instruct. Give it again to serve several models (a request"
+        " picks one by `model`); the first is the default of routes that name none",
     )
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        help="the name the model is served under (default: its directory's or file's name);"
+        " given once per --model, in the same order",
+    )
+    s.add_argument(
+        "--offline",
+        action="store_true",
+        help="never download: a Hugging Face name must be in the local cache (as HF_HUB_OFFLINE=1)",
+    )
+    s.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="the activations' dtype: auto is float32 on the CPU (a quantized model dequantized"
+        " to float32 once at load when it fits) and the stored dtype on a GPU; float32 on a GPU"
+        " is the exact mode; the log-softmax is float32 always",
+    )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-top-logprobs", type=int, default=20)
     _add_batching(s)
+    _add_pool(s)
     s.add_argument(
         "--reasoning-parser",
         choices=[m.value for m in ReasoningParser],
         default=ReasoningParser.AUTO.value,
         help="split <think> reasoning from the answer: auto (when the model has think markers),"
         " think (always) or none",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        choices=[m.value for m in ToolCallFormat],
+        default=ToolCallFormat.AUTO.value,
+        help="the format of the model's tool calls: auto (from the chat template), hermes"
+        " (<tool_call> JSON, Qwen), qwen3_coder (<tool_call> XML), llama3_json, mistral, harmony"
+        " (gpt-oss), or none",
     )
     s.add_argument(
         "--logprobs-mode",
@@ -123,6 +167,33 @@ def _add_batching(s: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_pool(s: argparse.ArgumentParser) -> None:
+    d = PoolConfig()
+    g = s.add_argument_group("several models (--model given more than once)")
+    g.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=d.max_loaded,
+        help="models loaded at once; a request for another unloads the least recently used idle"
+        " one first (default: no limit)",
+    )
+    g.add_argument(
+        "--max-model-memory-mib",
+        type=int,
+        default=d.memory_mib,
+        help="memory the loaded models' weights may take together, in MiB, estimated from the"
+        " weight files at the dtype they are cast to (--dtype; float32 on the CPU) plus 10%%;"
+        " models are unloaded as with --max-loaded-models (default: no budget)",
+    )
+    g.add_argument(
+        "--model-load-timeout-s",
+        type=float,
+        default=d.load_timeout_s,
+        help="how long a request for an unloaded model waits for a busy one to go idle so that"
+        " it can be unloaded, before a 503 with Retry-After (default: %(default)s)",
+    )
+
+
 def _add_access(s: argparse.ArgumentParser) -> None:
     sec = s.add_argument_group("access")
     sec.add_argument(
@@ -173,9 +244,19 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     cpu = mx.default_device() == mx.cpu
     gpu_delay = 0.0 if cpu else 20.0
     chunk = (1024 if cpu else 2048) if args.prefill_chunk is None else args.prefill_chunk
+    models: list[str | None] = list(args.model or [None])
+    names: list[str | None] = list(args.served_model_name or [])
+    if len(names) > len(models):
+        raise ValueError("--served-model-name is given more often than --model")
+    names += [None] * (len(models) - len(names))
     return ServerConfig(
-        model=args.model,
-        served_model_name=args.served_model_name,
+        model=models[0],
+        served_model_name=names[0],
+        offline=args.offline,
+        other_models=tuple(zip(models[1:], names[1:])),
+        pool=PoolConfig(
+            args.max_loaded_models, args.max_model_memory_mib, args.model_load_timeout_s
+        ),
         host=args.host,
         port=args.port,
         engine=EngineConfig(
@@ -186,6 +267,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             logprobs_mode=args.logprobs_mode,
             cache_limit_mib=args.mlx_cache_limit_mib,
             prefix_cache_mib=args.prefix_cache_mib,
+            dtype=args.dtype,
             prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
         ),
         limits=Limits(
@@ -209,13 +291,65 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
     from omlx_logprobs.api.app import create_app
+    from omlx_logprobs.api.pool import ModelPool
     from omlx_logprobs.api.server import run_server
-    from omlx_logprobs.api.serving import Served
 
     log.info("BLAS: %s", omlx_logprobs.BLAS)
     log.info("heap: %s", omlx_logprobs.HEAP)
     log.info("MLX: %s", ", ".join(f"{k}={os.environ.get(k)}" for k in MLX_ENVIRONMENT))
-    model, engine = start_engine(cfg, args.log_level)
+    # The GIL's switch interval in the server's process (Python's 5 ms unless set): with the
+    # engine as a thread here, a shorter one hands the engine the GIL sooner after a device
+    # wait; 0.5 ms was tried on a GPU host and made no difference worth keeping.
+    sys.setswitchinterval(float(os.environ.get("OMLX_SWITCH_INTERVAL", "0.005")))
+    try:
+        pool = ModelPool(
+            model_slots(cfg), partial(load_served, cfg, args), cfg.pool, cfg.limits, cfg.engine
+        )
+    except ValueError as e:  # two models under one name, a model larger than the budget
+        raise SystemExit(f"omlx-logprobs serve: error: {e}") from None
+    pool.load_at_start()
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.access.api_key is None:
+        log.warning(
+            "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
+        )
+    app = create_app(pool, cfg.access)
+    heap.freeze_startup_objects()
+    return run_server(app, pool.begin_shutdown, cfg, args.log_level)
+
+
+def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
+    """Every --model resolved (a GGUF converted once) and named, with its memory estimate."""
+    import mlx.core as mx
+
+    from omlx_logprobs.api.pool import ModelSlot
+    from omlx_logprobs.models.footprint import weight_mib
+    from omlx_logprobs.models.loader import is_scripted, resolve_model_path
+    from omlx_logprobs.models.scripted import ScriptedSpec
+
+    # What the loader casts the weights to (models/dtype.py): auto is float32 on the CPU, with
+    # quantized weights dequantized when they fit, and the stored dtype on a GPU.
+    cpu, dtype = mx.default_device() == mx.cpu, cfg.engine.dtype
+    float_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4 if cpu else None)
+    slots = []
+    for source, name in cfg.models:
+        if is_scripted(source):
+            path = Path(source).expanduser()
+            name = name or ScriptedSpec.read(path).name
+        else:
+            path, default_name = resolve_model_path(source, cfg.offline)
+            source, name = str(path), name or default_name
+        need = weight_mib(path, float_bytes, dequantize=cpu and dtype == "auto")
+        slots.append(ModelSlot(name, source, need))
+    return slots
+
+
+def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) -> Served:
+    """A model's engine (not yet started) and what the routes need of it."""
+    from omlx_logprobs.api.serving import Served
+
+    model, engine = start_engine(
+        cfg, args.log_level, (slot.source, slot.name), slot.weights_path, slot.weights
+    )
     log.info(
         "model %s from %s (vocab %d, context %d)",
         model.name,
@@ -223,52 +357,66 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
         len(model.vocab),
         model.max_model_len,
     )
-    # The GIL's switch interval in the server's process (Python's 5 ms unless set): with the
-    # engine as a thread here, a shorter one hands the engine the GIL sooner after a device
-    # wait; 0.5 ms was tried on a GPU host and made no difference worth keeping.
-    sys.setswitchinterval(float(os.environ.get("OMLX_SWITCH_INTERVAL", "0.005")))
     reasoning = parser_enabled(ReasoningParser(args.reasoning_parser), model.tokenizer)
     log.info("reasoning parser: %s", "on" if reasoning else "off")
-    if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.access.api_key is None:
-        log.warning(
-            "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
-        )
-    served = Served(
+    tool_format = resolve_format(ToolCallFormat(args.tool_call_parser), model.tokenizer)
+    log.info("tool-call parser: %s", tool_format.value)
+    return Served(
         engine,
         model,
         cfg.engine,
         reasoning=reasoning,
+        tool_format=tool_format.value,
+        reasoning_tags=reasoning_tags(model.tokenizer),
         limits=cfg.limits,
         ignore_unknown_fields=args.ignore_unknown_fields,
     )
-    app = create_app(served, cfg.access)
-    heap.freeze_startup_objects()
-    return run_server(app, engine.begin_shutdown, cfg, args.log_level)
 
 
-def start_engine(cfg: ServerConfig, log_level: str) -> tuple[LoadedModel, EngineClient]:
+def start_engine(
+    cfg: ServerConfig,
+    log_level: str,
+    which: tuple[str | None, str | None] | None = None,
+    weights_path: str | None = None,
+    weights: WeightVersion | None = None,
+) -> tuple[LoadedModel, EngineClient]:
     """The model's tokenizer and facts for the API, and the engine's client: over a child
     process that loads the weights (the server's process then loads none), or over a thread
-    of this one."""
+    of this one. `which`: (source, served name), default the first --model; `weights_path`
+    and `weights`: weights loaded in place before, which a reload serves under their
+    version."""
     from omlx_logprobs.engine.client import EngineClient, ThreadTransport
     from omlx_logprobs.engine.engine import Engine
     from omlx_logprobs.engine.process import EngineSpec, ProcessTransport
     from omlx_logprobs.models.loader import is_scripted, load_model, resolve_model_path
+    from omlx_logprobs.types import INITIAL_WEIGHTS
     from omlx_logprobs.vocab import build_vocabulary
 
+    source, name = which or (cfg.model, cfg.served_model_name)
+    version = weights or INITIAL_WEIGHTS
     if not cfg.engine_process:
-        model = load_model(cfg.model, cfg.served_model_name, cfg.engine.max_model_len)
+        model = load_model(
+            source, name, cfg.engine.max_model_len, dtype=cfg.engine.dtype, offline=cfg.offline
+        )
+        if weights_path is not None:
+            from omlx_logprobs.engine.weights import load_into
+
+            load_into(model.model, weights_path)
         engine = Engine(
-            model.model, model.vocab, model.eos_token_ids, cfg.engine, tokenizer=model.tokenizer
+            model.model,
+            model.vocab,
+            model.eos_token_ids,
+            cfg.engine,
+            weights=version,
+            tokenizer=model.tokenizer,
         )
         return model, EngineClient(ThreadTransport(engine))
     # The model is resolved once, here (a GGUF converted before the child starts); the child
     # loads the weights from that directory while this process loads the tokenizer.
-    source, name = cfg.model, cfg.served_model_name
     if not is_scripted(source):
-        path, default_name = resolve_model_path(source)
+        path, default_name = resolve_model_path(source, cfg.offline)
         source, name = str(path), name or default_name
-    proc = ProcessTransport(EngineSpec(source, name, cfg.engine, log_level))
+    proc = ProcessTransport(EngineSpec(source, name, cfg.engine, log_level, weights_path, version))
     proc.spawn()
     model = load_model(source, name, cfg.engine.max_model_len, weights=False)
     proc.wait_ready()
@@ -303,6 +451,9 @@ def main(argv: list[str] | None = None) -> None:
             code = 130 if signal.SIGINT in serve(cfg, args) else 0
         except KeyboardInterrupt:
             code = 130
+        except FileNotFoundError as e:  # a --model that is not there, or not downloadable
+            log.error("%s", e)
+            code = 2
         # Everything is stopped and joined by now. Skip interpreter teardown: destroying MLX's
         # native stream threads at exit aborts the process ("terminate called without an
         # active exception", status -6) after async evaluation was used.

@@ -21,6 +21,9 @@ class EngineConfig:
     cache_limit_mib: int | None = None
     # Device memory for shared prompt prefixes' keys and values; 0 turns prefix caching off.
     prefix_cache_mib: int = 256
+    # The activations' dtype: auto (float32 on the CPU, the stored dtype on a GPU), float32,
+    # bfloat16 or float16; the log-softmax is float32 whatever this is.
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -39,6 +42,8 @@ class EngineConfig:
             raise ValueError("cache_limit_mib must be >= 0")
         if self.prefix_cache_mib < 0:
             raise ValueError("prefix_cache_mib must be >= 0")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be auto, float32, bfloat16 or float16")
 
 
 @dataclass(frozen=True)
@@ -76,9 +81,33 @@ class Access:
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    """Several models in one server (api/pool.py): how many may be loaded at once, the memory
+    their weights may take together (estimated from the weight files), and how long a request
+    waits for a busy model to go idle so that another can be loaded in its place."""
+
+    max_loaded: int | None = None  # None: no limit on the count
+    memory_mib: int | None = None  # None: no memory budget
+    load_timeout_s: float = 60.0  # then a 503 with Retry-After
+
+    def __post_init__(self) -> None:
+        if self.max_loaded is not None and self.max_loaded < 1:
+            raise ValueError("max_loaded_models must be >= 1")
+        if self.memory_mib is not None and self.memory_mib < 1:
+            raise ValueError("max_model_memory_mib must be >= 1")
+        if not self.load_timeout_s > 0:
+            raise ValueError("model_load_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
-    model: str | None = None  # an mlx-lm directory or a GGUF file; None: the embedded default
+    # An mlx-lm directory, a GGUF file or a Hugging Face name; None: the embedded default.
+    model: str | None = None
     served_model_name: str | None = None
+    offline: bool = False  # a Hugging Face name must be in the local cache: no download
+    # Models served beside the first (the default of routes that name none): (source, name).
+    other_models: tuple[tuple[str | None, str | None], ...] = ()
+    pool: PoolConfig = PoolConfig()
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
     engine: EngineConfig = EngineConfig()
@@ -87,6 +116,11 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0  # on SIGINT/SIGTERM, in-flight requests get this long
     # The engine in a process of its own (its own GIL), or in a thread of the server's.
     engine_process: bool = True
+
+    @property
+    def models(self) -> tuple[tuple[str | None, str | None], ...]:
+        """Every served model as (source, name), the default first."""
+        return ((self.model, self.served_model_name), *self.other_models)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -15,6 +15,14 @@ import numpy as np
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 THINK_TAGS = (THINK_OPEN, THINK_CLOSE)
+# gpt-oss's harmony messages: `<|start|>ROLE<|channel|>CHANNEL ...<|message|>TEXT<|end|>`. A
+# call ends with `<|call|>`, the answer with `<|return|>`: those end the generation and stay
+# control tokens (no bytes, as other end-of-turn tokens).
+HARMONY_TAGS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>")
+HARMONY_REASONING = ("<|channel|>analysis<|message|>", "<|end|>")  # its reasoning's tags
+# Tool-call and harmony markers that tokenizers mark special: output text all the same (the
+# parsers read them), so their tokens keep their bytes.
+TOOL_TAGS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", *HARMONY_TAGS)
 
 
 class LogprobsMode(str, Enum):
@@ -172,6 +180,28 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A parsed tool call: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolParsing:
+    """How a request's content is searched for tool calls (parsing/tools/): the format, the
+    request's `tools` (their parameter schemas type the arguments of XML formats) and whether
+    generation ends after the first call (`parallel_tool_calls: false`). Harmony models parse
+    every request, tools or not: their answer too is a message with a header."""
+
+    parser: str  # a parsing.tools.ToolCallFormat value
+    tools: tuple[dict[str, Any], ...] = ()
+    parallel: bool = True
+    # False: messages are parsed (harmony's headers) but a call stays text (tool_choice none)
+    calls: bool = True
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One prompt as the API submits it: the engine makes `n` choices of it, prefilled once."""
 
@@ -183,6 +213,8 @@ class EngineRequest:
     # Streamed: an output whenever tokens are released. Not streamed: one output per choice, at
     # its end (nothing crosses to the API before it is needed).
     stream: bool = False
+    tools: ToolParsing | None = None  # None: content is not searched for tool calls
+    reasoning_tags: tuple[str, str] = THINK_TAGS  # what opens and closes reasoning
 
 
 @dataclass(frozen=True)
@@ -300,8 +332,9 @@ _NO_IDS = np.zeros(0, np.int32)
 class RequestOutput:
     """What one choice of a request gained since its last output: the only record the engine
     hands out. Its tokens' entries and text travel together (a token leaves with the text it
-    carries); reasoning precedes content, so the first `num_reasoning` tokens are reasoning.
-    The counts are the request's totals so far."""
+    carries); reasoning precedes content and content precedes tool calls, so the first
+    `num_reasoning` tokens are reasoning and the last `num_tool` are tool-call tokens. The
+    counts are the request's totals so far."""
 
     request_id: str
     index: int = 0  # the choice
@@ -309,6 +342,8 @@ class RequestOutput:
     text: str = ""  # content
     reasoning_text: str = ""
     num_reasoning: int = 0
+    tool_calls: tuple[ToolCall, ...] = ()  # calls completed with these tokens
+    num_tool: int = 0
     logprobs: Entries | None = None  # the new tokens' entries, when asked for
     prompt_logprobs: Entries | None = None  # prompt positions 1.., in a choice's first output
     finished: bool = False
@@ -318,6 +353,7 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     reasoning_tokens: int = 0
+    tool_tokens: int = 0
     weight_version: WeightVersion = INITIAL_WEIGHTS
 
     @property
@@ -335,6 +371,8 @@ class RequestOutput:
             text=self.text + later.text,
             reasoning_text=self.reasoning_text + later.reasoning_text,
             num_reasoning=self.num_reasoning + later.num_reasoning,
+            tool_calls=self.tool_calls + later.tool_calls,
+            num_tool=self.num_tool + later.num_tool,
             logprobs=logprobs if logprobs is not None else later.logprobs,
             prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
             error=later.error or self.error,

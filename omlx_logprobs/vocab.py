@@ -9,7 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from omlx_logprobs.types import THINK_TAGS
+from omlx_logprobs.types import THINK_TAGS, TOOL_TAGS
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -30,8 +30,8 @@ def _byte_level_decoder() -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Vocabulary:
-    """Per token id: its UTF-8 bytes (None for special tokens other than the think tags, which
-    are text) and the string shown as `token`."""
+    """Per token id: its UTF-8 bytes (None for special tokens other than the think tags and the
+    tool-call markers, which are text) and the string shown as `token`."""
 
     token_bytes: tuple[bytes | None, ...]
     token_text: tuple[str, ...]
@@ -64,10 +64,11 @@ def _decoder_kind(hf_tokenizer: Any) -> str:
 
 
 def build_vocabulary(
-    hf_tokenizer: Any, size: int, text_tokens: Collection[str] = THINK_TAGS
+    hf_tokenizer: Any, size: int, text_tokens: Collection[str] = THINK_TAGS + TOOL_TAGS
 ) -> Vocabulary:
     """Read every token's bytes from the tokenizer's own vocabulary, once at load.
-    `text_tokens`: special tokens that are output text all the same (the think tags)."""
+    `text_tokens`: special tokens that are output text all the same (the think tags, the
+    tool-call markers that parsers read)."""
     kind = _decoder_kind(hf_tokenizer)
     special = set(getattr(hf_tokenizer, "all_special_ids", []) or [])
     for tid, tok in getattr(hf_tokenizer, "added_tokens_decoder", {}).items():
@@ -80,7 +81,7 @@ def build_vocabulary(
     out_text: list[str] = []
     for tid in range(size):
         piece = pieces[tid] if tid < n_tok else None
-        if piece is not None and piece in text_tokens:  # a think tag: text, even if special
+        if piece is not None and piece in text_tokens:  # a think tag or tool marker: text
             out_bytes.append(piece.encode())
             out_text.append(piece)
             continue

@@ -8,6 +8,10 @@ import os
 import shutil
 from pathlib import Path
 
+# No test touches the network: huggingface_hub and transformers stay offline from their import
+# on (the hub tests replace the download function and set the environment they test).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest

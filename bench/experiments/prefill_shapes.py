@@ -15,6 +15,7 @@ import time
 
 import omlx_logprobs  # noqa: F401
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from omlx_logprobs.engine.batch_cache import BatchCache
 from omlx_logprobs.models.loader import load_model
@@ -24,7 +25,7 @@ def forward_ms(model: object, rows: int, width: int) -> float:
     pads = [(i * 7) % 24 for i in range(rows)]  # uneven left padding, as in a real group
     ids = mx.array([[0] * p + [(i * 31 + j) % 1000 + 5 for j in range(width - p)]
                     for i, p in enumerate(pads)])  # fmt: skip
-    cache = BatchCache.empty(len(model.layers), pads)  # type: ignore[attr-defined]
+    cache = BatchCache.for_prompts(make_prompt_cache(model), pads)
     t0 = time.perf_counter()
     out = model(ids, cache=cache.layers)[:, -1, :]  # type: ignore[operator]
     mx.eval(out, *[c.keys for c in cache.layers])

@@ -7,63 +7,69 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from omlx_logprobs.api import page
 from omlx_logprobs.api import tokenize as tok
-from omlx_logprobs.api.completions import CompletionServing
-from omlx_logprobs.api.errors import APIError, install_error_handlers
+from omlx_logprobs.api.errors import APIError, error_response, install_error_handlers
 from omlx_logprobs.api.guard import install_guard
 from omlx_logprobs.api.openapi import install_openapi
+from omlx_logprobs.api.pool import ModelPool, Unavailable
 from omlx_logprobs.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     UpdateWeightsRequest,
 )
-from omlx_logprobs.api.serving import ChatServing, Served
+from omlx_logprobs.api.serving import Served
 from omlx_logprobs.config import Access
 from omlx_logprobs.types import WeightUpdate
 
 log = logging.getLogger("omlx_logprobs")
 
 
-def create_app(served: Served, access: Access | None = None) -> FastAPI:
+def create_app(served: Served | ModelPool, access: Access | None = None) -> FastAPI:
+    """The app over one model (a `Served`) or several (a `ModelPool`, api/pool.py)."""
+    pool = served if isinstance(served, ModelPool) else ModelPool.single(served)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        served.engine.start()
+        pool.start()
         yield
-        served.engine.shutdown()
+        pool.shutdown()
         alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
         log.info("stopped; threads left: %s", ", ".join(alive) or "none")
 
-    app = FastAPI(title="omlx_logprobs", lifespan=lifespan)
+    access = access or Access()
+    # /docs is served by install_openapi from installed assets; FastAPI's own pages use a CDN
+    app = FastAPI(
+        title="omlx_logprobs",
+        description="OpenAI-compatible completions with exact logprobs. [The logprobs page](/)",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
     install_error_handlers(app)
-    install_openapi(app)
-    install_guard(app, access or Access(), served.limits, served.cfg.max_num_seqs)
-    chat = ChatServing(served)
-    completions = CompletionServing(served)
+    install_openapi(app, access.api_key is not None)
+    install_guard(app, access, pool.limits, pool.engine.max_num_seqs)
     created = int(time.time())
+
+    @app.exception_handler(Unavailable)
+    async def _unavailable(_: Request, e: Unavailable) -> JSONResponse:
+        response = error_response(e)
+        response.headers["Retry-After"] = str(e.retry_after_s)
+        return response
 
     @app.get("/health", response_model=None)
     async def health() -> dict[str, Any] | JSONResponse:
-        stats = asdict(served.engine.snapshot())
-        running = stats["waiting"] + stats["running"]
-        body = {
-            "status": "ok",
-            "running": running,
-            "weight_version": stats["weights"],
-            "engine": stats,
-        }
-        state = served.engine.state
-        if state != "ok":  # the engine process is gone (restarting, or for good)
-            return JSONResponse({**body, "status": f"engine {state}"}, status_code=503)
-        return body
+        body, status = pool.health()
+        return body if status == 200 else JSONResponse(body, status_code=status)
 
     @app.post("/update_weights_from_disk")
     async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
+        pool.slot(req.model)  # an unknown name is a 404 before anything else
         if not req.flush_cache:  # kept keys and values of the old weights: wrong numbers
             raise APIError(
                 "flush_cache must be true: the prefix cache always goes with the old weights",
@@ -72,9 +78,13 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
         if req.load_format not in (None, "auto", "safetensors"):
             raise APIError("load_format must be safetensors", param="load_format")
         abort = req.abort_in_flight or req.abort_all_requests
-        result = await served.engine.update_weights(
-            WeightUpdate(req.model_path, abort, req.weight_version)
-        )
+        async with pool.use(req.model) as slot:
+            assert slot.served is not None
+            result = await slot.served.engine.update_weights(
+                WeightUpdate(req.model_path, abort, req.weight_version)
+            )
+            if result.error is None:
+                pool.updated(slot, req.model_path, result.version)
         if result.error is not None:
             raise APIError(result.error, param="model_path", code="weights_not_loaded")
         return {
@@ -87,36 +97,35 @@ def create_app(served: Served, access: Access | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {
-            "id": served.model.name,
-            "object": "model",
-            "created": created,
-            "owned_by": "omlx_logprobs",
-            "max_model_len": served.model.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": pool.cards(created)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        return await _respond(chat, req, raw)
+        return await _respond(pool, req, raw)
 
     @app.post("/v1/completions")
     async def text_completions(req: CompletionRequest, raw: Request) -> Response:
-        return await _respond(completions, req, raw)
+        return await _respond(pool, req, raw)
 
-    tok.add_routes(app, served)
+    tok.add_routes(app, pool)
+    page.add_routes(app, access.api_key is not None)
     return app
 
 
-async def _respond(serving: Any, req: Any, raw: Request) -> Response:
-    """SSE for a streamed request, else one JSON body; 499 when the client left first. Unknown
-    fields: a 400, or (--ignore-unknown-fields) a header naming them."""
-    headers = serving.served.fields_headers(req)
-    if req.stream:
-        events = serving.stream(req)
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    try:
-        body = await serving.complete(req, raw)
-    except ConnectionAbortedError:
-        return Response(status_code=499)
+async def _respond(
+    pool: ModelPool, req: ChatCompletionRequest | CompletionRequest, raw: Request
+) -> Response:
+    """The request's model (loaded first if need be), then SSE for a streamed request, else one
+    JSON body; 499 when the client left first. Unknown fields: a 400, or
+    (--ignore-unknown-fields) a header naming them."""
+    async with pool.use(req.model) as slot:
+        serving: Any = slot.chat if isinstance(req, ChatCompletionRequest) else slot.completions
+        headers = serving.served.fields_headers(req)
+        if req.stream:  # submitted by now: the engine counts it as in flight until it ends
+            events = serving.stream(req)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        try:
+            body = await serving.complete(req, raw)
+        except ConnectionAbortedError:
+            return Response(status_code=499)
     return Response(body, media_type="application/json", headers=headers)

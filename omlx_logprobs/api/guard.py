@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from omlx_logprobs.api import openapi, page
 from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.config import Access, Limits
 
@@ -19,7 +20,10 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Message, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers, probes)
+# Reachable without the API key: /health (load balancers, probes), the page and the API reference
+# (they hold no data; the calls they make carry the key).
+OPEN_PATHS = frozenset({"/health"}) | page.OPEN_PATHS | openapi.OPEN_PATHS
+OPEN_PREFIXES = page.OPEN_PREFIXES + openapi.OPEN_PREFIXES
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -54,7 +58,8 @@ class Guard:
             self.in_flight -= 1
 
     def _authorize(self, scope: Message) -> None:
-        if self.key is None or scope["path"] in OPEN_PATHS:
+        path = scope["path"]
+        if self.key is None or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             return
         given = _header(scope, b"authorization") or b""
         scheme, _, token = given.partition(b" ")

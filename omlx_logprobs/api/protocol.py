@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Model(BaseModel):
@@ -29,16 +29,69 @@ class TextPart(_Model):
     text: str
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Model):
+    """A call in an assistant message of the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(p.text for p in self.content)
+
+
+class FunctionDefinition(_Model):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+def _template_tools(data: Any) -> Any:
+    """`tools` given inside chat_template_kwargs (a list) are the request's tools when it has
+    none of its own: rendered by the template and parsed from the output alike. Anything else
+    there stays, for the template keywords' check to refuse."""
+    if not isinstance(data, dict):
+        return data
+    kwargs = data.get("chat_template_kwargs")
+    if (
+        isinstance(kwargs, dict)
+        and isinstance(kwargs.get("tools"), list)
+        and data.get("tools") is None
+    ):
+        data = {**data, "tools": kwargs["tools"]}
+        data["chat_template_kwargs"] = {k: v for k, v in kwargs.items() if k != "tools"}
+    return data
 
 
 class StreamOptions(_Open):
@@ -113,6 +166,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM: prompt_token_ids and choices[].token_ids
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # Continuation (vLLM's names): a trailing assistant message is continued, not answered.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -129,10 +185,7 @@ class ChatCompletionRequest(SamplingFields):
     prediction: dict[str, Any] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     store: bool | None = None
-    # Tool calling: the history's fields are read from the messages; these are the request's.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    # The legacy function calling, refused (tools and tool_choice replace it).
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     # Refused unless they ask for nothing.
@@ -144,6 +197,8 @@ class ChatCompletionRequest(SamplingFields):
     mm_processor_kwargs: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM; false (leave reasoning out) is refused
+
+    _tools_in_kwargs = model_validator(mode="before")(_template_tools)
 
 
 class CompletionRequest(SamplingFields):
@@ -164,6 +219,9 @@ class TokenizeRequest(_Model):
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+
+    _tools_in_kwargs = model_validator(mode="before")(_template_tools)
 
 
 class DetokenizeRequest(_Model):
@@ -176,6 +234,7 @@ class UpdateWeightsRequest(_Model):
     `abort_all_requests`) and `weight_version` as the caller's tag for the new weights."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model: str | None = None  # the served model whose weights change (default: the first)
     model_path: str = Field(min_length=1)
     abort_in_flight: bool = False
     abort_all_requests: bool = False

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 
 import omlx_logprobs
-from omlx_logprobs.api import sections
+from omlx_logprobs.api import sections, tools
 from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
 from omlx_logprobs.api.validation import (
@@ -34,6 +34,7 @@ from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.parsing.thinking import think_start
 from omlx_logprobs.types import (
+    THINK_TAGS,
     EngineRequest,
     Entries,
     LogprobsMode,
@@ -55,6 +56,8 @@ class Served:
     model: LoadedModel
     cfg: EngineConfig
     reasoning: bool = False  # the thinking parser is on (--reasoning-parser)
+    tool_format: str = "none"  # the tool-call format parsed (--tool-call-parser, resolved)
+    reasoning_tags: tuple[str, str] = THINK_TAGS  # <think> </think>, or harmony's analysis
     limits: Limits = field(default_factory=Limits)
     ignore_unknown_fields: bool = False  # --ignore-unknown-fields: warn instead of a 400
 
@@ -161,7 +164,7 @@ def echo_text(req: ChatCompletionRequest) -> str:
 def chat_prompt(
     req: ChatCompletionRequest, model: LoadedModel, checks: RequestLimits | None = None
 ) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = tools.template_messages(req.messages)
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:  # a template variable, as vLLM passes it
         kwargs["reasoning_effort"] = req.reasoning_effort
@@ -171,7 +174,11 @@ def chat_prompt(
         kwargs["continue_final_message"] = True
     try:
         text = model.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, tokenize=False, **kwargs
+            messages,
+            tools=tools.template_tools(req.tools),
+            add_generation_prompt=req.add_generation_prompt,
+            tokenize=False,
+            **kwargs,
         )
     except Exception as e:  # a template error is the request's fault
         raise APIError(
@@ -282,6 +289,7 @@ class ChatServing:
         served = self.served
         served.check_model(req.model)
         served.checks.check_chat(req)
+        parsing = tools.tool_parsing(req, served.tool_format)
         prompt = chat_prompt(req, served.model, served.checks)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = sampling_params(
@@ -293,7 +301,8 @@ class ChatServing:
             req.top_logprobs or 0,
             self._prompt_logprobs(req),
         )
-        think = think_start(served.reasoning, served.model.tokenizer.decode(prompt[-8:]))
+        tail = served.model.tokenizer.decode(prompt[-8:])
+        think = think_start(served.reasoning, tail, served.reasoning_tags[0])
         if params.constraint is not None and think is ThinkStart.INSIDE:
             # The grammar applies from the first generated token: here that is reasoning.
             raise APIError(
@@ -303,7 +312,16 @@ class ChatServing:
                 param=constraint_field(req),
             )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        ereq = EngineRequest(rid, prompt, params, req.n, think=think, stream=req.stream)
+        ereq = EngineRequest(
+            rid,
+            prompt,
+            params,
+            req.n,
+            think=think,
+            stream=req.stream,
+            tools=parsing,
+            reasoning_tags=served.reasoning_tags,
+        )
         return ereq, served.engine.submit(ereq)
 
     @staticmethod
@@ -331,14 +349,17 @@ class ChatServing:
             handle.abort()
         raise_if_failed(outs)
         role, echo = reply_role(req), echo_text(req)
+        parser = ereq.tools.parser if ereq.tools else None
         choices = []
         for out in outs:
-            lp = self._logprobs_json(req, out, think)
-            body = sections.message(out, think)
+            lp = self._logprobs_json(req, out, ereq)
+            calls = tools.CallIds(parser).message(out.tool_calls)
+            body = sections.message(out, think, calls)
             if echo:
-                body["content"] = echo + body["content"]
+                body["content"] = echo + (body.get("content") or "")
             message = json.dumps({"role": role, **body}, ensure_ascii=False)
-            finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
+            reason = out.finish_reason.value if out.finish_reason else None
+            finish = json.dumps(tools.finish_reason(reason, bool(calls)))
             ids = ""
             if req.return_token_ids:
                 ids = f',"token_ids":{json.dumps(out.token_ids.tolist())}'
@@ -361,10 +382,11 @@ class ChatServing:
         )
 
     def _logprobs_json(
-        self, req: ChatCompletionRequest, out: RequestOutput, think: ThinkStart
+        self, req: ChatCompletionRequest, out: RequestOutput, ereq: EngineRequest
     ) -> str:
         """The entries of out's tokens; with the thinking parser on, reasoning tokens apart
-        (reasoning comes first)."""
+        (reasoning comes first); with tool calls parsed, the calls' tokens apart (they come
+        last)."""
         e = out.logprobs
         if e is None:
             return "null"
@@ -376,13 +398,15 @@ class ChatServing:
             def entries(rows: Entries) -> str:
                 return encode_block(rows, e.k, encoding)
 
-        if think is ThinkStart.OFF:
+        if ereq.think is ThinkStart.OFF and ereq.tools is None:
             return head + '"content":' + entries(e) + ',"refusal":null}'
-        r = out.num_reasoning
-        return (
-            f'{head}"content":{entries(e.rows(r, len(e)))},'
-            f'"reasoning_content":{entries(e.rows(0, r))},"refusal":null}}'
-        )
+        r, t = out.num_reasoning, len(e) - out.num_tool
+        body = f'{head}"content":{entries(e.rows(r, t))},'
+        if ereq.think is not ThinkStart.OFF:
+            body += f'"reasoning_content":{entries(e.rows(0, r))},'
+        if ereq.tools is not None:
+            body += f'"tool_calls":{entries(e.rows(t, len(e)))},'
+        return body + '"refusal":null}'
 
     def stream(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
         ereq, handle = self._start(req)  # errors raise here, before the 200 starts
@@ -409,6 +433,8 @@ class ChatServing:
         ids = req.return_token_ids
         role, echo = reply_role(req), echo_text(req)
         finals: dict[int, RequestOutput] = {}
+        parser = ereq.tools.parser if ereq.tools else None
+        numbering = [tools.CallIds(parser) for _ in range(ereq.n)]  # call ids per choice
         try:
             first = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}' if ids else ""
             stream = merged([handle])
@@ -426,14 +452,16 @@ class ChatServing:
                     err = error_body(out.error, "server_error", None, None)
                     yield f"data: {json.dumps(err)}\n\n"
                     continue
-                if out.text or out.reasoning_text or out.num_tokens:
-                    lp = self._logprobs_json(req, out, think)
+                if out.text or out.reasoning_text or out.num_tokens or out.tool_calls:
+                    lp = self._logprobs_json(req, out, ereq)
                     extra = f',"token_ids":{json.dumps(out.token_ids.tolist())}' if ids else ""
-                    yield chunk(i, sections.delta(out, think), lp, None, extra)
+                    calls = numbering[i].delta(out.tool_calls)
+                    yield chunk(i, sections.delta(out, think, calls), lp, None, extra)
                 if out.finished:
                     finals[i] = out
                     reason = out.finish_reason.value if out.finish_reason else None
-                    yield chunk(i, {}, "null", reason)
+                    called = numbering[i].count > 0
+                    yield chunk(i, {}, "null", tools.finish_reason(reason, called))
             if include_usage:
                 done = [finals[i] for i in sorted(finals)]
                 body = json.dumps(usage(done, think is not ThinkStart.OFF))

@@ -7,20 +7,16 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from omlx_logprobs.api import tools
 from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.pool import ModelPool
 from omlx_logprobs.api.protocol import DetokenizeRequest, TokenizeRequest
 from omlx_logprobs.api.serving import Served, encode
-
-
-def _check_model(served: Served, name: str | None) -> None:
-    if name is not None:
-        served.check_model(name)
 
 
 def tokenize(req: TokenizeRequest, served: Served) -> dict[str, Any]:
     """Ids of a prompt (special tokens added by default) or of chat messages rendered with the
     chat template (its own special tokens only, as chat completions does)."""
-    _check_model(served, req.model)
     served.checks.check(req)
     tok = served.model.tokenizer
     if (req.prompt is None) == (req.messages is None):
@@ -30,10 +26,11 @@ def tokenize(req: TokenizeRequest, served: Served) -> dict[str, Any]:
         served.checks.check_text(req.prompt, "prompt")
         ids = encode(served.model, req.prompt, "prompt", special=add)
     else:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages or []]
+        messages = tools.template_messages(req.messages or [])
         try:
             text = tok.apply_chat_template(
                 messages,
+                tools=tools.template_tools(req.tools),
                 add_generation_prompt=req.add_generation_prompt,
                 tokenize=False,
                 **(req.chat_template_kwargs or {}),
@@ -46,7 +43,6 @@ def tokenize(req: TokenizeRequest, served: Served) -> dict[str, Any]:
 
 
 def detokenize(req: DetokenizeRequest, served: Served) -> dict[str, Any]:
-    _check_model(served, req.model)
     served.checks.check(req)
     vocab = len(served.model.vocab)
     for t in req.tokens:
@@ -73,15 +69,24 @@ def tokenizer_info(served: Served) -> dict[str, Any]:
     }
 
 
-def add_routes(app: FastAPI, served: Served) -> None:
+def add_routes(app: FastAPI, pool: ModelPool) -> None:
+    """Each route takes the model by name (`model`; the default when absent) and loads it if
+    need be."""
+
     @app.post("/tokenize")
     async def _tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        return tokenize(req, served)
+        async with pool.use(req.model) as slot:
+            assert slot.served is not None
+            return tokenize(req, slot.served)
 
     @app.post("/detokenize")
     async def _detokenize(req: DetokenizeRequest) -> dict[str, Any]:
-        return detokenize(req, served)
+        async with pool.use(req.model) as slot:
+            assert slot.served is not None
+            return detokenize(req, slot.served)
 
     @app.get("/tokenizer_info")
-    async def _tokenizer_info() -> dict[str, Any]:
-        return tokenizer_info(served)
+    async def _tokenizer_info(model: str | None = None) -> dict[str, Any]:
+        async with pool.use(model) as slot:
+            assert slot.served is not None
+            return tokenizer_info(slot.served)

@@ -48,15 +48,13 @@ def _set(v: Any) -> bool:
 
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
-    # Tool calling is being built; until then a request that needs it is refused rather than
-    # answered with plain text.
-    Unsupported("tools", _set, "tool calling", soon=True),
-    Unsupported("tool_choice", lambda v: v not in (None, "none", "auto"), "tool calling", True),
-    Unsupported("functions", _set, "function calling", soon=True),
-    Unsupported(
-        "function_call", lambda v: v not in (None, "none", "auto"), "function calling", True
-    ),
     # What this server does not do.
+    Unsupported("functions", _set, "legacy function calling (send tools)"),
+    Unsupported(
+        "function_call",
+        lambda v: v not in (None, "none", "auto"),
+        "legacy function calling (send tool_choice)",
+    ),  # fmt: skip
     Unsupported("use_beam_search", _set, "beam search"),
     Unsupported("length_penalty", lambda v: v != 1, "beam search (length_penalty)"),
     Unsupported("include_reasoning", lambda v: v is False, "leaving reasoning out"),

@@ -151,6 +151,12 @@ class EngineClient:
     def alive(self) -> bool:
         return self.state == "ok"
 
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished (a model with none may be unloaded)."""
+        with self._lock:
+            return len(self._slots)
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """The transport's thread: each output into its choice's collector; consumers woken
         together, with one cross-thread call per event loop."""

@@ -8,6 +8,7 @@ decode inputs are the previous step's sampled tokens, read on the device.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -15,11 +16,12 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_logprobs.engine.batch_cache import BatchCache
+from omlx_logprobs.engine.batch_cache import BatchCache, kinds
 from omlx_logprobs.engine.grammar import bitmask
-from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, make_prefix
+from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, keeps_prefixes, make_prefix
+from omlx_logprobs.engine.probe import probe
 from omlx_logprobs.engine.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
 from omlx_logprobs.engine.sampler import (
     MaskState,
@@ -38,9 +40,7 @@ from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor, choose_ext
 
 __all__ = ["ModelRunner"]
 
-# Model families whose forward is `model.model` (hidden states) then a head: prefill can run the
-# head on the last position only, instead of computing logits for every prompt position.
-_SPLIT_HEAD = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+log = logging.getLogger("omlx_logprobs")
 
 
 @dataclass(frozen=True)
@@ -83,16 +83,31 @@ class ModelRunner:
         self.chunk_caches: dict[int, list[Any]] = {}  # long prompts between their chunks
         self.prefilled: dict[int, _Prefilled] = {}  # prompts done, not yet in the batch
         self.time = DeviceTime()
-        probe = make_prompt_cache(model)
-        self.num_layers = len(probe)
-        # Prompts batch together only with plain KV caches (left padding needs BatchKVCache).
-        self.batch_prefill = all(type(c) is KVCache for c in probe)
-        # Shared prompt prefixes (plain KV caches only: a prefix's keys are placed per row).
+        # The model's own caches, one per layer: each batch cache is made of their batch forms
+        # (batch_cache.py); a model with a cache mlx-lm cannot batch is refused here.
+        self.templates = make_prompt_cache(model)
+        self.split = probe(model, self.templates)  # the body/head split, if any (head.py)
+        # Shared prompt prefixes: plain KV and sliding-window caches only. A prefix's keys are
+        # placed per row at its own padding; a recurrent state cannot be cut to that length.
         self.prefixes: PrefixCache | None = None
-        if prefix_cache_mib > 0 and self.batch_prefill:
+        if prefix_cache_mib > 0 and keeps_prefixes(self.templates):
             self.prefixes = PrefixCache(prefix_cache_mib << 20, partial(make_prefix, model))
-        family = type(model).__module__.rsplit(".", 1)[-1]
-        self.split_head = family in _SPLIT_HEAD and hasattr(model, "model")
+        elif prefix_cache_mib > 0:
+            log.info(
+                "prefix cache off for this model: its caches (%s) hold a recurrent state, which "
+                "a kept prefix cannot be cut from at each row's padding; every prompt prefills "
+                "in full",
+                ", ".join(kinds(self.templates)),
+            )
+        # Body and head apart (engine/head.py), where the model has them: the head then runs on
+        # the positions needed only. Else every forward computes every position's logits.
+        self.split_head = self.split is not None
+        if not self.split_head:
+            log.info(
+                "no body/head split found for %s: prefill computes logits at every position, "
+                "and scored prompts prefill one at a time",
+                type(model).__module__,
+            )
         cpu = mx.default_device() == mx.cpu and not FORCE_GPU_PATH
         # Where entries are computed: in numpy at collect time on the CPU backend, on the
         # device elsewhere (logprobs/extractor.py); chosen once, here.
@@ -158,21 +173,21 @@ class ModelRunner:
         return replace(self._sample(logits, seqs), prompt=prompt, prompt_only=prompt_only)
 
     def _groupable(self, c: PrefillChunk) -> bool:
-        """A whole prompt with one choice, on a model whose caches can be left-padded; a scored
-        one also needs the head apart from the body (to run it on its positions block by block)."""
-        if not (c.start == 0 and c.is_last and not c.seq.forks and self.batch_prefill):
+        """A whole prompt with one choice (every batch form takes left padding); a scored one
+        also needs the head apart from the body (to run it on its positions block by block)."""
+        if not (c.start == 0 and c.is_last and not c.seq.forks):
             return False
         return c.seq.prompt_store is None or self.split_head
 
     def _head(self, h: mx.array) -> mx.array:
-        m = self.model
-        return (m.lm_head if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear)(h)
+        assert self.split is not None
+        return self.split.head(h)
 
     def _last_logits(self, ids: mx.array, cache: list[Any]) -> mx.array:
         """[B, V] logits of the last position only."""
-        if not self.split_head:
+        if self.split is None:
             return self.model(ids, cache=cache)[:, -1, :]
-        return self._head(self.model.model(ids, cache=cache)[:, -1:, :])[:, 0, :]
+        return self._head(self.split.body(ids, cache=cache)[:, -1:, :])[:, 0, :]
 
     def _prefill_group(
         self, group: list[PrefillChunk], prefix: Prefix | None
@@ -188,9 +203,9 @@ class ModelRunner:
         pads = [width - c.end for c in group]
         ids = mx.array([([0] * p + c.seq.prompt_ids)[start:] for p, c in zip(pads, group)])
         if prefix is None:
-            cache = BatchCache.empty(self.num_layers, pads)
+            cache = BatchCache.for_prompts(self.templates, pads)
         else:
-            cache = BatchCache.seeded(prefix.keys, prefix.values, pads)
+            cache = BatchCache.seeded(self.templates, prefix.keys, prefix.values, pads)
         if self.tight_cache:
             cache.reserve(max(c.seq.to_write for c in group), width - start)
         for row, c in enumerate(group):
@@ -198,8 +213,12 @@ class ModelRunner:
             if c.seq.params.max_tokens > 0:
                 self.prefilled[c.seq.seq_id] = _Prefilled(cache, row)
         if not scored:
-            return self._last_logits(ids, cache.layers), None
-        h = self.model.model(ids, cache=cache.layers)
+            logits = self._last_logits(ids, cache.layers)
+            cache.finish_prefill()
+            return logits, None
+        assert self.split is not None
+        h = self.split.body(ids, cache=cache.layers)
+        cache.finish_prefill()
         # Every row's real positions but its last, rows in group order: one flat [N, H] block.
         flat = np.concatenate([r * width + np.arange(p, width - 1) for r, p in enumerate(pads)])
         if self.extractor.pads_blocks:  # whole blocks on the device: see prompt_scoring

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 BLOCK = 8  # prefix lengths are multiples of this
 MIN_TOKENS = 16  # shorter shared prefixes are not worth a forward of their own
@@ -25,7 +25,9 @@ RECENT = 256  # prompt starts remembered, each with the last prompt that began w
 @dataclass(frozen=True)
 class Prefix:
     tokens: tuple[int, ...]
-    keys: list[mx.array]  # one [1, kv_heads, len(tokens), head_dim] array per layer
+    # One [1, kv_heads, len(tokens), head_dim] array per layer: every token's, sliding-window
+    # layers' included.
+    keys: list[mx.array]
     values: list[mx.array]
 
     @property
@@ -37,6 +39,15 @@ class Prefix:
 Make = Callable[[tuple[int, ...], "Prefix | None"], "Prefix"]
 
 
+def keeps_prefixes(caches: list[Any]) -> bool:
+    """Whether a model with these caches (`make_prompt_cache`'s) can start from a kept prefix:
+    plain KV and sliding-window layers, whose keys a prefix keeps for every one of its tokens
+    (a sliding window's rows are seeded as if their whole left-padded prompt had been prefilled
+    at once, see BatchCache.seeded). A recurrent state holds no per-token record: it cannot be
+    cut at each row's padding."""
+    return all(type(c) is KVCache or (type(c) is RotatingKVCache and c.keep == 0) for c in caches)
+
+
 def make_prefix(model: Any, tokens: tuple[int, ...], base: Prefix | None) -> Prefix:
     """`tokens`' keys and values (lazy): a one-row forward, from `base`'s when given."""
     cache = make_prompt_cache(model)
@@ -44,11 +55,23 @@ def make_prefix(model: Any, tokens: tuple[int, ...], base: Prefix | None) -> Pre
     if base is not None:
         done = len(base.tokens)
         for c, k, v in zip(cache, base.keys, base.values):
-            c.state = (k, v, done)
+            if type(c) is RotatingKVCache:
+                c.state = (k, v, done, c.keep, c.max_size, done)
+            else:
+                c.state = (k, v, done)
     model(mx.array([tokens[done:]]), cache=cache)  # lazy: the head is never evaluated
-    # Copies: the cache's buffers are allocated in steps of 256 tokens.
-    kv = [c.keys_and_values() for c in cache]
-    return Prefix(tokens, [mx.contiguous(k) for k, _ in kv], [mx.contiguous(v) for _, v in kv])
+    keys, values = [], []
+    for i, c in enumerate(cache):
+        k, v = c.keys_and_values()
+        if type(c) is RotatingKVCache and base is not None:
+            # The window dropped the base's older keys: the new tokens' keys follow the base's.
+            new = len(tokens) - done
+            k = mx.concatenate([base.keys[i], k[..., -new:, :]], axis=2)
+            v = mx.concatenate([base.values[i], v[..., -new:, :]], axis=2)
+        # Copies: the cache's buffers are allocated in steps of 256 tokens.
+        keys.append(mx.contiguous(k))
+        values.append(mx.contiguous(v))
+    return Prefix(tokens, keys, values)
 
 
 def shared_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -136,7 +136,9 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
     try:
         from omlx_logprobs.models.loader import load_model
 
-        model = load_model(spec.model, spec.name, spec.engine.max_model_len)
+        model = load_model(
+            spec.model, spec.name, spec.engine.max_model_len, dtype=spec.engine.dtype
+        )
         if spec.weights_path is not None:
             from omlx_logprobs.engine.weights import load_into
 

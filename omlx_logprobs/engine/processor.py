@@ -112,7 +112,7 @@ class OutputProcessor:
         before = seq.token_ends[-1] if seq.token_ends else 0
         seq.token_ends.append(before + len(data or b""))
         if p.min_tokens:  # vLLM: no stop string before the output has more than min_tokens
-            seq.text.content.armed = seq.num_output > p.min_tokens
+            seq.text.arm_stops(seq.num_output > p.min_tokens)
         if data:
             seq.text.feed(data)
         if seq.status is not Status.FINISHED:
@@ -146,6 +146,8 @@ class OutputProcessor:
         if not done and not delta and end == first:
             return
         reasoning = seq.text.reasoning_tokens(seq.token_ends)
+        tool_start = seq.text.tool_start(seq.token_ends)
+        tool_start = seq.num_output if tool_start is None else tool_start
         prompt = None
         if seq.prompt_store is not None and not seq.prompt_released:
             prompt = seq.prompt_store.block(0, len(seq.prompt_store))
@@ -157,6 +159,8 @@ class OutputProcessor:
             text=delta.content,
             reasoning_text=delta.reasoning,
             num_reasoning=min(max(reasoning - first, 0), end - first),
+            tool_calls=delta.calls,
+            num_tool=max(end - max(first, tool_start), 0),
             logprobs=seq.store.block(first, end) if seq.store is not None else None,
             prompt_logprobs=prompt,
             finished=done,
@@ -166,6 +170,7 @@ class OutputProcessor:
             completion_tokens=seq.num_output,
             cached_tokens=seq.cached_tokens,
             reasoning_tokens=reasoning,
+            tool_tokens=seq.num_output - tool_start,
             weight_version=self.weights,
         )
         seq.released_tokens = end

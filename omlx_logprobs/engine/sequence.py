@@ -10,7 +10,15 @@ from typing import Any
 
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.output.sections import SectionedText
-from omlx_logprobs.types import EngineRequest, FinishReason, SamplingParams, ThinkStart
+from omlx_logprobs.parsing.tools import make_parser
+from omlx_logprobs.types import (
+    THINK_TAGS,
+    EngineRequest,
+    FinishReason,
+    SamplingParams,
+    ThinkStart,
+    ToolParsing,
+)
 
 _ids = itertools.count()
 
@@ -33,6 +41,8 @@ class Sequence:
         choice_index: int = 0,
         prompt_store: LogprobStore | None = None,
         stream: bool = True,
+        tools: ToolParsing | None = None,
+        reasoning_tags: tuple[str, str] = THINK_TAGS,
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id
@@ -53,7 +63,14 @@ class Sequence:
         self.num_sampled = 0  # tokens sampled on the device, some perhaps not yet processed
         self.store = LogprobStore(params.num_top) if params.logprobs else None
         self.think = think
-        self.text = SectionedText(params.stop, think, params.include_stop_str_in_output)
+        self.tools = tools
+        self.reasoning_tags = reasoning_tags
+        # reasoning, content and tool calls
+        parser = make_parser(tools) if tools is not None else None
+        single = tools is not None and not tools.parallel
+        self.text = SectionedText(
+            params.stop, think, parser, single, reasoning_tags, params.include_stop_str_in_output
+        )
         self.token_ends = array("q")  # cumulative UTF-8 byte end of each generated token
         self.released_tokens = 0  # tokens whose text (and entry) has gone to the consumer
         self.prompt_released = False  # the prompt's entries went with an output
@@ -66,7 +83,15 @@ class Sequence:
     @classmethod
     def of(cls, req: EngineRequest) -> Sequence:
         """The request's first choice; choices 1..n-1 are its forks."""
-        seq = cls(req.request_id, req.prompt_ids, req.params, req.think, stream=req.stream)
+        seq = cls(
+            req.request_id,
+            req.prompt_ids,
+            req.params,
+            req.think,
+            stream=req.stream,
+            tools=req.tools,
+            reasoning_tags=req.reasoning_tags,
+        )
         for i in range(1, req.n):
             seq.fork(i)
         return seq
@@ -81,6 +106,8 @@ class Sequence:
             choice_index=index,
             prompt_store=self.prompt_store,
             stream=self.stream,
+            tools=self.tools,
+            reasoning_tags=self.reasoning_tags,
         )
         self.forks.append(seq)
         return seq

@@ -61,7 +61,9 @@ def _cache_key(gguf: Path, name: str) -> str:
 
 
 def _is_complete(model_dir: Path) -> bool:
-    return (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
+    # config.json is written last; the weights are one model.safetensors or numbered shards.
+    weights = any(model_dir.glob("model*.safetensors"))
+    return (model_dir / "config.json").is_file() and weights
 
 
 def _log(msg: str) -> None:

@@ -1,22 +1,21 @@
-"""Load a model for serving: an mlx-lm directory, a GGUF file (converted once, cached), or the
-embedded default. Never a model hub."""
+"""Load a model for serving: an mlx-lm directory, a GGUF file (converted once, cached), a Hugging
+Face Hub name (from the local cache, else downloaded unless offline), or the embedded default."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a path that is not there must fail, not download
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import load_tokenizer
 
-import mlx.core as mx  # noqa: E402
-from mlx_lm.utils import load as mlx_lm_load  # noqa: E402
-from mlx_lm.utils import load_tokenizer  # noqa: E402
-
-from omlx_logprobs.vocab import Vocabulary, build_vocabulary  # noqa: E402
+from omlx_logprobs.models.dtype import apply_dtype
+from omlx_logprobs.vocab import Vocabulary, build_vocabulary
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -32,8 +31,9 @@ class LoadedModel:
     max_model_len: int
 
 
-def resolve_model_path(model: str | None) -> tuple[Path, str]:
-    """(mlx-lm directory, served name) for a --model argument."""
+def resolve_model_path(model: str | None, offline: bool = False) -> tuple[Path, str]:
+    """(mlx-lm directory, served name) for a --model argument. A local path wins over a Hub
+    name; mlx-lm is only ever given a directory, so nothing else downloads."""
     if model is None:
         from omlx_logprobs.models.embedded import EMBEDDED_NAME, ensure_embedded_model
 
@@ -45,8 +45,13 @@ def resolve_model_path(model: str | None) -> tuple[Path, str]:
         return ensure_converted(p, p.stem), p.stem
     if p.is_dir() and (p / "config.json").exists():
         return p, p.name
+    from omlx_logprobs.models.hub import is_hub_name, resolve_hub_model
+
+    if is_hub_name(model):
+        return resolve_hub_model(model, offline), model
     raise FileNotFoundError(
-        f"--model {model!r} is neither an mlx-lm model directory nor a .gguf file"
+        f"--model {model!r} is neither an mlx-lm model directory, a .gguf file nor a Hugging"
+        " Face repository name (org/name)"
     )
 
 
@@ -60,25 +65,27 @@ def load_model(
     name: str | None = None,
     max_model_len: int | None = None,
     weights: bool = True,
+    dtype: str = "auto",
+    offline: bool = False,
 ) -> LoadedModel:
     """`weights=False`: the tokenizer and the model's facts alone (the server's process, when
-    the engine runs in its own)."""
+    the engine runs in its own). `dtype`: the activations' (models/dtype.py)."""
     if is_scripted(model):
         return _load_scripted(Path(model).expanduser(), name, max_model_len)
-    path, default_name = resolve_model_path(model)
+    path, default_name = resolve_model_path(model, offline)
     if weights:
         net, wrapper, config = mlx_lm_load(str(path), return_config=True)  # type: ignore[misc]
     else:
         net, config = None, json.loads((path / "config.json").read_text())
         wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    if net is not None and mx.default_device() == mx.cpu:
-        net.set_dtype(mx.float32)  # float16 on the CPU is slow and, for SmolLM2, off by >1 nat
+    if net is not None:
+        log.info("weights: %s", apply_dtype(net, dtype))
         # Evaluate here: a lazy cast would belong to this thread's stream, and the engine
         # thread, which has streams of its own, could not evaluate it.
         mx.eval(net.parameters())
     hf = wrapper._tokenizer
-    if net is not None and hasattr(net, "model"):
-        size = int(net.model.embed_tokens.weight.shape[0])
+    if net is not None:
+        size = logits_width(net)
     else:
         size = int(config.get("vocab_size") or len(hf))
     eos = config.get("eos_token_id", [])
@@ -94,6 +101,13 @@ def load_model(
         eos_token_ids=eos_ids,
         max_model_len=max_len,
     )
+
+
+def logits_width(net: Any) -> int:
+    """The vocabulary size as the model's own forward has it (one token, a fresh cache): every
+    family's module tree names its embedding and head differently, and a padded head may be
+    wider than the tokenizer."""
+    return int(net(mx.array([[0]]), cache=make_prompt_cache(net)).shape[-1])
 
 
 def _load_scripted(path: Path, name: str | None, max_model_len: int | None) -> LoadedModel:

@@ -92,16 +92,28 @@ class IncrementalText:
             out = raw[:k].decode("utf-8", errors="surrogateescape")
             self._ready = raw[k:].decode("utf-8", errors="surrogateescape")
             self.taken_bytes += k
-        try:
-            out.encode("utf-8")
-        except UnicodeEncodeError:
-            return out.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace")
+        return visible(out)
+
+    def take_escaped(self) -> str:
+        """All settled text not yet taken, invalid bytes still as surrogate escapes (for a stage
+        downstream that counts bytes; `visible` makes it text)."""
+        out, self._ready = self._ready, ""
+        self.taken_bytes = self.settled_bytes
         return out
 
     def _settle(self, n: int) -> None:
         text, self._held = self._held[:n], self._held[n:]
         self._ready += text
         self.settled_bytes += len(text.encode("utf-8", errors="surrogateescape"))
+
+
+def visible(text: str) -> str:
+    """Text with the surrogate escapes of invalid bytes as U+FFFD."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace")
+    return text
 
 
 def ends_inside_character(data: bytes) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
@@ -42,7 +42,10 @@ def grammar_text(c: Constraint) -> str:
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema is an object (or a boolean)")
         try:  # the request's own x-guidance (if any) wins over the options it implies
-            return M.grammar_from_json_schema(schema, defaults=_json_options(c))
+            options: Any = _json_options(
+                c
+            )  # a JsonCompileOptions dict (the stubs name a TypedDict)
+            return M.grammar_from_json_schema(cast(Any, schema), defaults=options)
         except (ValueError, TypeError) as exc:
             raise GrammarError(str(exc)) from exc
     if c.kind is ConstraintKind.REGEX:

@@ -27,6 +27,7 @@ from omlx_logprobs.config import Access, EngineConfig, Limits
 from omlx_logprobs.engine.client import EngineClient, ThreadTransport
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.types import THINK_TAGS
 
 if TYPE_CHECKING:
     import openai
@@ -96,12 +97,25 @@ def thread_server(
     cfg: EngineConfig | None = None,
     limits: Limits | None = None,
     access: Access | None = None,
+    reasoning: bool = False,
+    tool_format: str = "none",
+    reasoning_tags: tuple[str, str] = THINK_TAGS,
 ) -> Iterator[tuple[str, Engine]]:
-    """`create_app` under a real uvicorn server in a thread; yields (base URL, engine)."""
+    """`create_app` under a real uvicorn server in a thread; yields (base URL, engine).
+    `reasoning`: the thinking parser on (what `--reasoning-parser` turns on)."""
     cfg = cfg or EngineConfig(max_num_seqs=64, prefill_chunk=64)
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg, tokenizer=model.tokenizer)
     client = EngineClient(ThreadTransport(engine))
-    app = create_app(Served(client, model, cfg, limits=limits or Limits()), access)
+    served = Served(
+        client,
+        model,
+        cfg,
+        reasoning=reasoning,
+        tool_format=tool_format,
+        reasoning_tags=reasoning_tags,
+        limits=limits or Limits(),
+    )
+    app = create_app(served, access)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")

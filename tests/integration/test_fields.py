@@ -63,7 +63,7 @@ NOT_A_SCHEMA = {"type": "json_schema", "json_schema": {"schema": 3}}
 @pytest.mark.parametrize(
     "kw, param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"extra_body": {"functions": [{"name": "f", "parameters": {}}]}}, "functions"),
         ({"response_format": NOT_A_SCHEMA}, "response_format"),
         ({"store": True}, "store"),
         ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs"),

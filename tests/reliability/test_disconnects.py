@@ -126,7 +126,9 @@ def test_200_abrupt_disconnects_under_load(server: ServerProcess) -> None:
     # Every disconnect aborted a live request (none ran to its end), in both phases.
     assert aborted_waiting + aborted_running == DISCONNECTS
     assert aborted_waiting >= 20 and aborted_running >= 20, (aborted_waiting, aborted_running)
-    assert after["active_memory"] == before["active_memory"]  # every KV cache row was freed
+    # Every KV cache row was freed: one row of the tiny model's cache is at least 8 KiB. One run
+    # under load read 4 bytes more before than after (a scalar some step left alive).
+    assert abs(after["active_memory"] - before["active_memory"]) < 1024
     assert rss_after - rss_before < 64 << 20
     assert served > 0
     again = asyncio.run(alone(server.base, [steady(k) for k in range(4)]))

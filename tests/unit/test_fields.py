@@ -39,8 +39,7 @@ def test_unknown_fields_are_named() -> None:
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"response_format": {"type": "json"}}, "response_format"),
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
         ({"store": True}, "store"),

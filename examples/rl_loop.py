@@ -1,0 +1,227 @@
+"""A few steps of a GRPO-style loop on one machine, on the embedded SmolLM2-135M-Instruct.
+
+- Rollouts come from the server: `n` choices per prompt with their token ids and processed
+  logprobs (the distribution sampled from, temperature included).
+- The trainer (mlx-lm, LoRA on the last layers) recomputes the logprobs of the same tokens with
+  its own forward pass; their ratio to the server's is the importance ratio, 1 (within 1e-4 in
+  float32) while both hold the same weights.
+- After each training step the LoRA is fused into the weights, saved, and loaded by the server in
+  place (`POST /update_weights_from_disk`): the next batch's `weight_version` says it was sampled
+  from the new policy, and its ratios are 1 again.
+
+The reward is a toy (a colour named in the answer); the mechanics are the point.
+
+    make rl-example            # or: .venv/bin/python examples/rl_loop.py --steps 5 --png rl.png
+"""
+
+from __future__ import annotations
+
+# isort: off
+import omlx_logprobs  # noqa: F401  (first: OpenBLAS must be loaded before MLX on Linux)
+
+# isort: on
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.tuner.lora import LoRALinear
+from mlx_lm.tuner.utils import linear_to_lora_layers
+from mlx_lm.utils import load as mlx_lm_load
+
+from omlx_logprobs.cli import mlx_environment
+from omlx_logprobs.models.embedded import ensure_embedded_model
+
+PROMPTS = [
+    "Describe the sky at sunset in one sentence.",
+    "What would you paint on a wall? Answer briefly.",
+]
+COLOURS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "gold", "violet")
+LORA = {"rank": 8, "scale": 20.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}
+
+
+def reward(text: str) -> float:
+    return 1.0 if any(c in text.lower() for c in COLOURS) else 0.0
+
+
+def start_server(model_dir: Path, port: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--model", str(model_dir),
+           "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd)
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the server did not start")
+
+
+def chat_prompt(tokenizer: Any, question: str) -> list[int]:
+    messages = [{"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def rollouts(
+    base: str, name: str, prompts: list[list[int]], a: argparse.Namespace, step: int
+) -> dict[str, Any]:
+    """`n` sampled completions per prompt: ids, processed logprobs, the weights' version. Choice
+    i samples with seed + i (vLLM's rule): a step's seeds start past the last step's."""
+    body = {
+        "model": name, "prompt": prompts, "n": a.n, "max_tokens": a.max_tokens,
+        "temperature": a.temperature, "seed": 1000 + step * a.n, "logprobs": 0,
+        "logprobs_mode": "processed_logprobs", "return_token_ids": True,
+    }  # fmt: skip
+    r = httpx.post(base + "/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return r.json()
+
+
+def token_logprobs(model: nn.Module, prompt: list[int], tokens: list[int], t: float) -> mx.array:
+    """The trainer's processed logprobs of `tokens` after `prompt`: log-softmax(logits / T)."""
+    logits = model(mx.array([prompt + tokens]))[0, len(prompt) - 1 : -1].astype(mx.float32)
+    logp = nn.log_softmax(logits / t, axis=-1)
+    return mx.take_along_axis(logp, mx.array(tokens)[:, None], axis=-1)[:, 0]
+
+
+def exact_logprobs(model: nn.Module, prompt: list[int], tokens: list[int], t: float) -> np.ndarray:
+    """The same, for the ratios printed: the float32 logits' log-softmax taken in float64 (MLX's
+    float32 log-softmax over 49,152 entries is itself off by up to ~7e-5)."""
+    logits = model(mx.array([prompt + tokens]))[0, len(prompt) - 1 : -1].astype(mx.float32)
+    x = np.array(logits, np.float64) / t
+    m = x.max(axis=-1, keepdims=True)
+    logp = x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+    return logp[np.arange(len(tokens)), tokens]
+
+
+def grpo_loss(model: nn.Module, batch: list[dict], t: float, clip: float) -> mx.array:
+    """The clipped surrogate over every token, each sequence weighted by its group advantage."""
+    total, count = mx.array(0.0), 0
+    for s in batch:
+        new = token_logprobs(model, s["prompt"], s["tokens"], t)
+        ratio = mx.exp(new - mx.array(s["logprobs"]))
+        adv = s["advantage"]
+        total = total - mx.minimum(ratio * adv, mx.clip(ratio, 1 - clip, 1 + clip) * adv).sum()
+        count += len(s["tokens"])
+    return total / max(count, 1)
+
+
+def fused_weights(model: nn.Module) -> dict[str, mx.array]:
+    """The model's parameters with every LoRA folded into its base weight (mlx-lm's `fuse`),
+    under the base model's names: what the server loads."""
+    params = dict(tree_flatten(model.parameters()))
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            for key in ("linear.weight", "lora_a", "lora_b"):
+                params.pop(f"{name}.{key}")
+            params[f"{name}.weight"] = m.fuse().weight
+            if f"{name}.linear.bias" in params:
+                params[f"{name}.bias"] = params.pop(f"{name}.linear.bias")
+    return params
+
+
+def plot(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 5), sharex=True)
+    top.plot(steps, [h["reward"] for h in history], marker="o")
+    top.set_ylabel("mean reward")
+    bottom.plot(steps, [h["max_ratio_error"] for h in history], marker="o", color="tab:red")
+    bottom.set_yscale("log")
+    bottom.set_ylabel("max |ratio - 1| before the step")
+    bottom.set_xlabel("step (weight version of the rollouts)")
+    bottom.set_xticks(steps)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--n", type=int, default=8, help="choices per prompt (a GRPO group)")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--clip", type=float, default=0.2)
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--png", type=Path, default=Path("rl_loop.png"))
+    a = ap.parse_args()
+    mlx_environment()
+    model_dir = ensure_embedded_model()
+    server = start_server(model_dir, a.port)
+    base = f"http://127.0.0.1:{a.port}"
+    name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+    try:
+        model, tokenizer = mlx_lm_load(str(model_dir))[:2]
+        model.set_dtype(mx.float32)  # the server's dtype on the CPU: the same numbers
+        model.freeze()
+        linear_to_lora_layers(model, 4, LORA)
+        opt = optim.Adam(learning_rate=a.lr)
+        step_fn = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, a.temperature, a.clip))
+        prompts = [chat_prompt(tokenizer, q) for q in PROMPTS]
+        history = []
+        with tempfile.TemporaryDirectory() as ckpt:
+            for step in range(a.steps):
+                res = rollouts(base, name, prompts, a, step)
+                version = res["weight_version"]
+                batch = []
+                for c in res["choices"]:
+                    p = c["index"] // a.n
+                    batch.append({
+                        "prompt": prompts[p], "group": p, "tokens": c["token_ids"],
+                        "logprobs": c["logprobs"]["token_logprobs"], "reward": reward(c["text"]),
+                    })  # fmt: skip
+                for p in range(len(prompts)):
+                    group = [s for s in batch if s["group"] == p]
+                    rs = np.array([s["reward"] for s in group])
+                    for s in group:
+                        s["advantage"] = float((s["reward"] - rs.mean()) / (rs.std() + 1e-4))
+                errors = []
+                for s in batch:
+                    mine = exact_logprobs(model, s["prompt"], s["tokens"], a.temperature)
+                    errors.append(float(np.abs(np.exp(mine - s["logprobs"]) - 1).max()))
+                loss, grads = step_fn(model, batch)
+                opt.update(model, grads)
+                mx.eval(model.parameters(), opt.state)
+                mean_r = float(np.mean([s["reward"] for s in batch]))
+                history.append({"step": version["counter"], "reward": mean_r,
+                                "max_ratio_error": max(errors)})  # fmt: skip
+                print(
+                    f"step {step}: rollouts from weight version {version['counter']} "
+                    f"({version['tag']}), reward {mean_r:.2f}, importance ratio max |r - 1| "
+                    f"{max(errors):.2e}, loss {float(loss):.4f}",
+                    flush=True,
+                )
+                mx.save_safetensors(str(Path(ckpt) / "model.safetensors"), fused_weights(model))
+                r = httpx.post(
+                    base + "/update_weights_from_disk",
+                    json={"model_path": ckpt, "weight_version": f"step-{step + 1}"},
+                    timeout=600,
+                )
+                r.raise_for_status()
+        plot(history, a.png)
+        print(f"plot: {a.png}")
+    finally:
+        server.terminate()
+        server.wait(30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

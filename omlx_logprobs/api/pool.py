@@ -1,0 +1,370 @@
+"""Several models in one server: each served name's engine and the serving objects built on it,
+loaded on demand and unloaded least recently used first within `--max-loaded-models` and
+`--max-model-memory-mib` (docs/specs/rl.md, "Several models").
+
+All of the pool's state changes on the event loop; loading and unloading an engine (seconds: a
+child process starts and loads its weights, or stops) run in worker threads. A request holds a
+lease on its model from the moment it is routed until its work is in the engine; from then on
+the engine's own count of requests in flight keeps the model busy, so a busy model is never
+unloaded and no response mixes two engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from omlx_logprobs.api.completions import CompletionServing
+from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.serving import ChatServing, Served
+from omlx_logprobs.config import EngineConfig, Limits, PoolConfig
+from omlx_logprobs.types import INITIAL_WEIGHTS, WeightVersion
+
+log = logging.getLogger("omlx_logprobs")
+POLL_S = 0.05  # how often a request waiting for a busy model to go idle looks again
+RETRY_AFTER_S = 5  # the 503's Retry-After: a busy model's requests take seconds to finish
+
+
+class Unavailable(APIError):
+    """The model cannot be loaded now (the others are busy): a 503 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: int = RETRY_AFTER_S) -> None:
+        super().__init__(
+            message, param="model", status=503, code="model_busy", type_="server_error"
+        )
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(eq=False)
+class ModelSlot:
+    """One served name: what loads it, and while loaded its `Served` and serving objects."""
+
+    name: str
+    source: str | None  # what the loader loads: a resolved directory or a scripted description
+    need_mib: int = 0  # estimated memory (models/footprint.py)
+    state: str = "unloaded"  # "loading", "loaded", "unloading"
+    served: Served | None = None
+    chat: ChatServing | None = None
+    completions: CompletionServing | None = None
+    leases: int = 0  # requests routed here whose work is not yet in the engine
+    last_used: float = 0.0  # monotonic: the least recently used idle model goes first
+    max_model_len: int | None = None  # known once loaded
+    loads: int = 0
+    # The last weights loaded in place (POST /update_weights_from_disk): a reload serves them,
+    # under the same version.
+    weights_path: str | None = None
+    weights: WeightVersion = INITIAL_WEIGHTS
+    change: asyncio.Task[None] | None = field(default=None, repr=False)  # load or unload
+
+    @property
+    def busy(self) -> bool:
+        return self.leases > 0 or (self.served is not None and self.served.engine.in_flight > 0)
+
+    def attach(self, served: Served) -> None:
+        self.served, self.state = served, "loaded"
+        self.chat, self.completions = ChatServing(served), CompletionServing(served)
+        self.max_model_len = served.model.max_model_len
+        self.last_used = time.monotonic()
+
+    def detach(self) -> Served:
+        served = self.served
+        assert served is not None
+        self.served = self.chat = self.completions = None
+        return served
+
+
+Loader = Callable[[ModelSlot], Served]  # a slot's Served, its engine not yet started
+
+
+class ModelPool:
+    """The served models by name; the first is the default of routes that name none."""
+
+    def __init__(
+        self,
+        slots: list[ModelSlot],
+        load: Loader | None = None,
+        cfg: PoolConfig | None = None,
+        limits: Limits | None = None,
+        engine: EngineConfig | None = None,
+    ) -> None:
+        self.slots: dict[str, ModelSlot] = {}
+        for s in slots:
+            if s.name in self.slots:
+                raise ValueError(
+                    f"two models are served as `{s.name}`: give each a name of its own"
+                    " (--served-model-name, once per --model)"
+                )
+            self.slots[s.name] = s
+        self.default = slots[0]
+        self.load = load
+        self.cfg = cfg or PoolConfig()
+        self.limits = limits or Limits()
+        self.engine = engine or EngineConfig()
+        self.closing = False
+        self._threads: ThreadPoolExecutor | None = None  # loads and unloads, made on first use
+        budget = self.cfg.memory_mib
+        for s in slots:
+            if budget is not None and s.need_mib > budget:
+                raise ValueError(
+                    f"model {s.name} needs about {s.need_mib} MiB, more than"
+                    f" --max-model-memory-mib {budget}"
+                )
+
+    @classmethod
+    def single(cls, served: Served) -> ModelPool:
+        """One model, already loaded (the engine starts with the app)."""
+        slot = ModelSlot(served.model.name, None)
+        slot.attach(served)
+        return cls([slot], limits=served.limits, engine=served.cfg)
+
+    # ---- start and stop ------------------------------------------------------------------------
+    def load_at_start(self) -> None:
+        """The default model, then the others in order while they fit (the rest load on their
+        first request); engines start with the app."""
+        assert self.load is not None
+        for slot in self.slots.values():
+            if slot is self.default or self._fits(slot, self._resident(slot)):
+                slot.attach(self.load(slot))
+                slot.loads += 1
+
+    def start(self) -> None:
+        for slot in self.slots.values():
+            if slot.served is not None:
+                slot.served.engine.start()
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Safe in a signal handler."""
+        self.closing = True
+        for slot in list(self.slots.values()):
+            if slot.served is not None:
+                slot.served.engine.begin_shutdown(grace_s)
+
+    def shutdown(self) -> None:
+        self.closing = True
+        for slot in self.slots.values():
+            if slot.served is not None:
+                slot.served.engine.shutdown()
+        if self._threads is not None:  # a load in progress stops its own engine (_start)
+            self._threads.shutdown(wait=True, cancel_futures=True)
+
+    # ---- routing -------------------------------------------------------------------------------
+    def slot(self, name: str | None) -> ModelSlot:
+        """The slot of a served name (None: the default); a 404 naming the served ones."""
+        if name is None:
+            return self.default
+        slot = self.slots.get(name)
+        if slot is None:
+            names = ", ".join(f"`{n}`" for n in self.slots)
+            raise APIError(
+                f"The model `{name}` does not exist. This server serves {names}.",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
+        return slot
+
+    @asynccontextmanager
+    async def use(self, name: str | None) -> AsyncIterator[ModelSlot]:
+        """The model, loaded (a request waits for its load); held until the block ends."""
+        slot = await self.acquire(name)
+        try:
+            yield slot
+        finally:
+            slot.leases -= 1
+            slot.last_used = time.monotonic()
+
+    async def acquire(self, name: str | None) -> ModelSlot:
+        slot = self.slot(name)
+        deadline = time.monotonic() + self.cfg.load_timeout_s
+        while True:
+            if slot.state == "loaded":
+                slot.leases += 1
+                slot.last_used = time.monotonic()
+                return slot
+            if slot.change is not None:  # loading (shared by every request for it), unloading
+                loading = slot.state == "loading"
+                try:
+                    await asyncio.shield(slot.change)
+                except Exception as e:
+                    if loading:
+                        raise APIError(
+                            f"The model `{slot.name}` could not be loaded: {e}",
+                            param="model",
+                            status=500,
+                            code="model_not_loaded",
+                            type_="server_error",
+                        ) from None
+                continue
+            if self.closing:
+                raise Unavailable("The server is shutting down.")
+            victims = self._plan(slot)
+            if victims is not None:
+                self._begin_load(slot, victims)
+                continue
+            if time.monotonic() >= deadline:
+                busy = ", ".join(f"`{s.name}`" for s in self._resident(slot))
+                raise Unavailable(
+                    f"The model `{slot.name}` is not loaded, and loading it means unloading one"
+                    f" of {busy}, which stayed busy for {self.cfg.load_timeout_s:g} s"
+                    " (--model-load-timeout-s). Retry later."
+                )
+            await asyncio.sleep(POLL_S)
+
+    def updated(self, slot: ModelSlot, path: str, version: WeightVersion) -> None:
+        """New weights serve on this model: a later reload loads them under the same version."""
+        slot.weights_path, slot.weights = path, version
+
+    # ---- loading and unloading -----------------------------------------------------------------
+    def _resident(self, slot: ModelSlot) -> list[ModelSlot]:
+        """The other models that hold memory or soon will (an unloading one is awaited by the
+        next load before it starts)."""
+        return [
+            s for s in self.slots.values() if s is not slot and s.state in ("loaded", "loading")
+        ]
+
+    def _fits(self, slot: ModelSlot, others: list[ModelSlot]) -> bool:
+        cfg = self.cfg
+        if cfg.max_loaded is not None and len(others) + 1 > cfg.max_loaded:
+            return False
+        used = sum(s.need_mib for s in others)
+        return cfg.memory_mib is None or used + slot.need_mib <= cfg.memory_mib
+
+    def _plan(self, slot: ModelSlot) -> list[ModelSlot] | None:
+        """The idle models to unload, least recently used first, for `slot` to fit; None when
+        it cannot fit until a busy one goes idle."""
+        resident = self._resident(slot)
+        idle = sorted(
+            (s for s in resident if s.state == "loaded" and not s.busy), key=lambda s: s.last_used
+        )
+        victims: list[ModelSlot] = []
+        while not self._fits(slot, [s for s in resident if s not in victims]):
+            if not idle:
+                return None
+            victims.append(idle.pop(0))
+        return victims
+
+    def _begin_load(self, slot: ModelSlot, victims: list[ModelSlot]) -> None:
+        for v in victims:
+            v.state = "unloading"
+            v.change = _task(self._unload(v, v.detach()))
+        slot.state = "loading"
+        slot.change = _task(self._load(slot))
+
+    async def _load(self, slot: ModelSlot) -> None:
+        try:
+            # Memory first goes back: every unload in progress ends before the load begins.
+            unloading = [s.change for s in self.slots.values() if s.state == "unloading"]
+            await asyncio.gather(*[t for t in unloading if t is not None], return_exceptions=True)
+            began = time.monotonic()
+            served = await self._in_thread(self._start, slot)
+        except BaseException:
+            slot.state, slot.change = "unloaded", None
+            raise
+        slot.attach(served)
+        slot.change = None
+        slot.loads += 1
+        log.info(
+            "model %s loaded in %.1f s (loaded now: %s)",
+            slot.name,
+            time.monotonic() - began,
+            ", ".join(s.name for s in self.slots.values() if s.state == "loaded"),
+        )
+
+    def _start(self, slot: ModelSlot) -> Served:
+        assert self.load is not None
+        served = self.load(slot)
+        served.engine.start()
+        if self.closing:  # the app is gone or going: nobody would stop this engine
+            served.engine.shutdown()
+            raise RuntimeError("the server is shutting down")
+        return served
+
+    async def _unload(self, slot: ModelSlot, served: Served) -> None:
+        try:
+            await self._in_thread(_stop, served)
+        finally:
+            slot.state, slot.change = "unloaded", None
+        log.info("model %s unloaded (idle, least recently used)", slot.name)
+
+    async def _in_thread(self, fn: Callable[[Any], Any], arg: Any) -> Any:
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(4, thread_name_prefix="omlx-load")
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, arg)
+
+    # ---- reports -------------------------------------------------------------------------------
+    def health(self) -> tuple[dict[str, Any], int]:
+        """/health: the default model's fields at the top (as with one model), every model's
+        state under `models`; 503 when a loaded model's engine is down."""
+        models: dict[str, dict[str, Any]] = {}
+        status, code = "ok", 200
+        for s in self.slots.values():
+            entry: dict[str, Any] = {
+                "state": s.state,
+                "loaded": s.state == "loaded",
+                "running": 0,
+                "weight_version": s.weights.json(),
+                "memory_mib": s.need_mib,
+                "engine": None,
+            }
+            if s.served is not None:
+                stats = asdict(s.served.engine.snapshot())
+                entry.update(
+                    running=stats["waiting"] + stats["running"],
+                    weight_version=stats["weights"],
+                    engine=stats,
+                )
+                state = s.served.engine.state
+                if state != "ok" and code == 200:  # the engine process is gone (restarting...)
+                    status = f"engine {state}" if s is self.default else f"{s.name}: engine {state}"
+                    code = 503
+            models[s.name] = entry
+        first = models[self.default.name]
+        body = {
+            "status": status,
+            "running": sum(m["running"] for m in models.values()),
+            "weight_version": first["weight_version"],
+            "engine": first["engine"],
+            "models": models,
+        }
+        return body, code
+
+    def cards(self, created: int) -> list[dict[str, Any]]:
+        """/v1/models: every served model, loaded or not."""
+        out = []
+        for s in self.slots.values():
+            card: dict[str, Any] = {
+                "id": s.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "omlx_logprobs",
+            }
+            if s.max_model_len is not None:
+                card["max_model_len"] = s.max_model_len
+            card["loaded"] = s.state == "loaded"
+            out.append(card)
+        return out
+
+
+def _task(coro: Any) -> asyncio.Task[None]:
+    task = asyncio.ensure_future(coro)
+    # A load whose requests all left still fails quietly here, not as "never retrieved".
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
+
+
+def _stop(served: Served) -> None:
+    """The engine stopped: its child process exits (its memory goes back to the system), or its
+    thread ends and MLX's freed buffers are released."""
+    served.engine.shutdown()
+    del served
+    gc.collect()
+    import mlx.core as mx
+
+    mx.clear_cache()

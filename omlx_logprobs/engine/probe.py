@@ -1,0 +1,87 @@
+"""What the model runner learns about a model at start-up, from a few tiny forwards: that it
+runs a left-padded batch of its caches' batch forms exactly (three rows prefilled together and
+one decode step, each row against its tokens alone), and where its body and head are
+(engine/head.py). A family whose batch gives other numbers is refused here rather than served
+wrong: mlx-lm's gemma2 attention, for one, broadcasts the batch's padding mask over its head
+axes (an error at most batch sizes, silently wrong ones where the batch size equals its number
+of KV heads).
+
+The model's own forward is called once (the reference the split is checked against); the rest
+goes through the body and head where they are found. Only mlx-lm's families are split and
+checked: a scripted model (models/scripted.py) reads left padding as tokens by design, and a
+wrapper's forward is its own call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from omlx_logprobs.engine.batch_cache import BatchCache, UnbatchableCache, check_batchable
+from omlx_logprobs.engine.head import SplitForward, split_forward
+
+ROWS = [[1, 2], [3, 4, 5, 6, 7], [8, 9, 10, 11]]  # left-padded to the longest
+NEXT = [12, 13, 14]
+# Batched against alone, relative to the logits' scale: float rounding stays far below it (about
+# 1e-6 in float32; in 16-bit types other reduction orders, and perhaps an expert routed the
+# other way, move logits by a few percent), a row that sees another's keys or its own padding
+# moves them by about the scale itself.
+TOLERANCE = {mx.float32: 1e-3}
+LOW_PRECISION = 0.2
+
+
+def _refuse(model: Any, why: str) -> UnbatchableCache:
+    family = type(model).__module__.rsplit(".", 1)[-1]
+    return UnbatchableCache(f"the {family} model cannot run a left-padded batch: {why}")
+
+
+def probe(model: Any, templates: list[Any]) -> SplitForward | None:
+    """The model's body/head split (None: the generic forward); raises UnbatchableCache for a
+    model whose caches cannot be batched or whose batch does not equal its rows alone."""
+    check_batchable(templates)
+    width = max(len(r) for r in ROWS)
+    pads = [width - len(r) for r in ROWS]
+    ids = mx.array([[0] * p + r for p, r in zip(pads, ROWS)])
+    cache = BatchCache.for_prompts(templates, pads)
+    try:
+        want = model(ids, cache=cache.layers)
+        mx.eval(want)
+    except Exception as exc:  # noqa: BLE001  (whatever the family raises, said at start-up)
+        raise _refuse(model, str(exc)) from exc
+
+    if not type(model).__module__.startswith("mlx_lm.models."):
+        # Our own models (scripted ones) and test wrappers: their forward is their own call
+        # (a wrapper's body would bypass it), and their batch contract is their own.
+        return None
+
+    def fresh() -> list[Any]:
+        return BatchCache.for_prompts(templates, pads).layers
+
+    split = split_forward(model, ids, want, fresh)
+    forward: Callable[..., mx.array] = model
+    if split is not None:
+        body, head = split.body, split.head
+
+        def forward(x: mx.array, cache: list[Any]) -> mx.array:
+            return head(body(x, cache=cache))
+
+    cache.finish_prefill()
+    try:
+        got = forward(mx.array(NEXT)[:, None], cache=cache.layers)[:, -1, :]
+        alone = [
+            forward(mx.array([r + [n]]), cache=BatchCache.for_prompts(templates, [0]).layers)
+            for r, n in zip(ROWS, NEXT)
+        ]
+        ref = mx.concatenate([a[:, -1, :] for a in alone], axis=0)
+        mx.eval(got, ref)
+    except Exception as exc:  # noqa: BLE001
+        raise _refuse(model, str(exc)) from exc
+    got32, ref32 = np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32))
+    diff = float(np.abs(got32 - ref32).max())
+    scale = 1 + float(np.abs(ref32).max())
+    if not diff <= TOLERANCE.get(want.dtype, LOW_PRECISION) * scale:
+        raise _refuse(model, f"its batched logits differ from each row's alone by {diff:.3g}")
+    return split

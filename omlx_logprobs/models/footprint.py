@@ -1,0 +1,59 @@
+"""The memory a model's weights will take once loaded, estimated from its files without loading
+them: what `--max-model-memory-mib` counts (api/pool.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+# The estimate is the weights as they will sit in memory, plus this share for what grows beside
+# them (the batch's keys and values, activations, the process itself).
+MARGIN = 1.1
+_FLOATS = {"F16": 2, "BF16": 2, "F32": 4}
+
+
+def weight_mib(path: Path, float_bytes: int | None = None, dequantize: bool = False) -> int:
+    """The estimated memory of a model's weights in MiB, MARGIN included, from the safetensors
+    headers: floating tensors at `float_bytes` each when given (the dtype the model is cast to,
+    models/dtype.py), packed quantized weights as float32 when `dequantize` (the CPU's auto
+    dtype dequantizes them at load when they fit). Any other file (a scripted description)
+    counts its size on disk."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    bits = _quantized_bits(path) if dequantize else None
+    total = 0
+    for f in files:
+        if f.suffix == ".safetensors":
+            total += _tensor_bytes(f, float_bytes, bits)
+        else:
+            total += f.stat().st_size
+    return max(1, math.ceil(total * MARGIN / 2**20))
+
+
+def _quantized_bits(path: Path) -> int | None:
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    q = json.loads(config.read_text()).get("quantization") or {}
+    return int(q["bits"]) if "bits" in q else None
+
+
+def _tensor_bytes(path: Path, float_bytes: int | None, bits: int | None) -> int:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header: dict[str, Any] = json.loads(f.read(size))
+    total = 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = t["data_offsets"]
+        stored, width = end - start, _FLOATS.get(t["dtype"])
+        if width and float_bytes:
+            total += stored // width * float_bytes
+        elif bits and t["dtype"] == "U32":  # 32 // bits weights in each packed word
+            total += stored * 8 // bits * 4
+        else:
+            total += stored
+    return total
