@@ -44,6 +44,7 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     parts = [p for p in loc if p not in ("body", "query", "path")]
     out = ""
     for p in parts:
+        p = p if p != "" else '""'  # a key that is the empty string is named, not dropped
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
     return out or None
 
