@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import shutil
 from array import array
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -192,3 +194,19 @@ def check_prompt_store(seq: Record, ref: np.ndarray, k: int) -> None:
             want = np.sort(row)[::-1][:k]
             np.testing.assert_allclose(np.array(lps), want, atol=1e-4)
             np.testing.assert_allclose(row[np.array(ids)], np.array(lps), atol=1e-4)
+
+
+def moved_copy(src: Path, out: Path, seed: int = 7, scale: float = 0.3) -> Path:
+    """A copy of a model directory whose every weight moved by `scale` of its own standard
+    deviation (seeded noise): the same model after a training step."""
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    old = mx.load(str(src / "model.safetensors"))
+    assert isinstance(old, dict)
+    keys = mx.random.split(mx.random.key(seed), len(old))
+    new = {}
+    for key, (name, w) in zip(keys, sorted(old.items())):
+        new[name] = w + scale * mx.std(w) * mx.random.normal(w.shape, key=key)
+    mx.save_safetensors(str(out / "model.safetensors"), new)
+    return out

@@ -24,7 +24,7 @@ import pytest
 from mlx_lm.models import llama
 
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from tests.helpers.engine import TINY_CONFIG, reference_logprobs
+from tests.helpers.engine import TINY_CONFIG, moved_copy, reference_logprobs
 from tests.helpers.server import ServerProcess, assert_openai_error, engine_child, server_process
 
 PROMPT = "The quick brown fox jumps over the lazy"
@@ -49,18 +49,7 @@ def other_dir(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def moved_dir(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Path:
     """The tiny model's weights after a training step (every weight moved)."""
-    out = tmp_path_factory.mktemp("tiny_moved")
-    for f in tiny_dir.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, out / f.name)
-    old = mx.load(str(tiny_dir / "model.safetensors"))
-    assert isinstance(old, dict)
-    keys = mx.random.split(mx.random.key(7), len(old))
-    new = {}
-    for key, (name, w) in zip(keys, sorted(old.items())):
-        new[name] = w + 0.3 * mx.std(w) * mx.random.normal(w.shape, key=key)
-    mx.save_safetensors(str(out / "model.safetensors"), new)
-    return out
+    return moved_copy(tiny_dir, tmp_path_factory.mktemp("tiny_moved"))
 
 
 @pytest.fixture(scope="module")

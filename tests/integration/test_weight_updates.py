@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -22,7 +21,7 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from tests.helpers.engine import reference_logprobs
+from tests.helpers.engine import moved_copy, reference_logprobs
 from tests.helpers.server import ServerProcess, assert_openai_error, engine_child, server_process
 
 PROMPT = "The quick brown fox jumps over the lazy"
@@ -31,18 +30,7 @@ PROMPT = "The quick brown fox jumps over the lazy"
 @pytest.fixture(scope="module")
 def new_dir(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Path:
     """The tiny model's directory with every weight moved: a policy after a training step."""
-    out = tmp_path_factory.mktemp("tiny_next")
-    for f in tiny_dir.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, out / f.name)
-    old = mx.load(str(tiny_dir / "model.safetensors"))
-    assert isinstance(old, dict)
-    keys = mx.random.split(mx.random.key(7), len(old))
-    new = {}
-    for key, (name, w) in zip(keys, sorted(old.items())):
-        new[name] = w + 0.3 * mx.std(w) * mx.random.normal(w.shape, key=key)
-    mx.save_safetensors(str(out / "model.safetensors"), new)
-    return out
+    return moved_copy(tiny_dir, tmp_path_factory.mktemp("tiny_next"))
 
 
 @pytest.fixture(scope="module")
