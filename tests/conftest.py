@@ -3,25 +3,20 @@ scripted reasoning model (helpers, the reference forward pass among them: tests/
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 
 # No test touches the network: huggingface_hub and transformers stay offline from their import
 # on (the hub tests replace the download function and set the environment they test).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import mlx.core as mx
-import mlx.nn as nn
 import pytest
-from mlx_lm.models import llama
 
 import omlx_logprobs  # noqa: F401  (loads OpenBLAS before mlx)
 from omlx_logprobs.cli import mlx_environment
 from omlx_logprobs.models.embedded import ensure_embedded_model
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from tests.helpers.engine import TINY_CONFIG
+from tests.helpers.engine import tiny_model_dir
 
 # The server's MLX settings (full float32 matmuls among them) before the tests' first matmul.
 mlx_environment()
@@ -44,19 +39,7 @@ def tokenizer_dir(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     """A 2-layer llama with seeded random weights and SmolLM2's real tokenizer."""
-    out = tmp_path_factory.mktemp("tiny")
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out / f.name)
-    (out / "config.json").write_text(json.dumps(TINY_CONFIG))
-    mx.random.seed(1234)
-    model = llama.Model(llama.ModelArgs.from_dict(TINY_CONFIG))
-    # Logits with a standard deviation near 1: neither flat nor one-hot, so sampling leaves the
-    # argmax and ranks and top lists carry information.
-    model.model.embed_tokens.weight = mx.random.normal((49152, 64)) * 0.15
-    weights = dict(nn.utils.tree_flatten(model.parameters()))  # type: ignore[attr-defined]
-    mx.save_safetensors(str(out / "model.safetensors"), weights)
-    return out
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny"), tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

@@ -116,7 +116,7 @@ class OutputProcessor:
         if data:
             seq.text.feed(data)
         if seq.status is not Status.FINISHED:
-            reason = FinishReason.STOP if done else self._finish_reason(seq, token)
+            reason = FinishReason.STOP if done or stops else self._finish_reason(seq)
             if reason is not None:
                 seq.finish(reason)
         if seq.status is Status.FINISHED:
@@ -129,11 +129,10 @@ class OutputProcessor:
     def _stop_token(self, p: SamplingParams, token: int) -> bool:
         return (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids
 
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _finish_reason(self, seq: Sequence) -> FinishReason | None:
+        """Beyond a stopping token (looked at once, in `_advance`): a stop string, the length."""
         p = seq.params
         if seq.text.stopped:
-            return FinishReason.STOP
-        if self._stop_token(p, token):
             return FinishReason.STOP
         if seq.num_output >= p.max_tokens:
             return FinishReason.LENGTH

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import shutil
 from array import array
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from mlx_lm.models import llama
 
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.client import EngineClient, ThreadTransport
@@ -209,4 +212,21 @@ def moved_copy(src: Path, out: Path, seed: int = 7, scale: float = 0.3) -> Path:
     for key, (name, w) in zip(keys, sorted(old.items())):
         new[name] = w + scale * mx.std(w) * mx.random.normal(w.shape, key=key)
     mx.save_safetensors(str(out / "model.safetensors"), new)
+    return out
+
+
+def tiny_model_dir(out: Path, tokenizer_dir: Path, seed: int = 1234) -> Path:
+    """A 2-layer llama (TINY_CONFIG) with seeded random weights and the tokenizer files of
+    `tokenizer_dir`, saved as an mlx-lm model directory."""
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(TINY_CONFIG))
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(TINY_CONFIG))
+    # Logits with a standard deviation near 1: neither flat nor one-hot, so sampling leaves the
+    # argmax and ranks and top lists carry information.
+    model.model.embed_tokens.weight = mx.random.normal((49152, 64)) * 0.15
+    weights = dict(nn.utils.tree_flatten(model.parameters()))  # type: ignore[attr-defined]
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
     return out

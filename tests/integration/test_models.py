@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -17,14 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import mlx.core as mx
-import mlx.nn as nn
 import psutil
 import pytest
-from mlx_lm.models import llama
 
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from tests.helpers.engine import TINY_CONFIG, moved_copy, reference_logprobs
+from tests.helpers.engine import moved_copy, reference_logprobs, tiny_model_dir
 from tests.helpers.server import ServerProcess, assert_openai_error, engine_child, server_process
 
 PROMPT = "The quick brown fox jumps over the lazy"
@@ -34,16 +30,7 @@ TWO = ["--served-model-name", "alpha", "--served-model-name", "beta"]
 @pytest.fixture(scope="module")
 def other_dir(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Path:
     """The tiny model's architecture and tokenizer with weights of another seed."""
-    out = tmp_path_factory.mktemp("tiny_other")
-    for f in tiny_dir.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, out / f.name)
-    mx.random.seed(4321)
-    model = llama.Model(llama.ModelArgs.from_dict(TINY_CONFIG))
-    model.model.embed_tokens.weight = mx.random.normal((49152, 64)) * 0.15
-    weights = dict(nn.utils.tree_flatten(model.parameters()))  # type: ignore[attr-defined]
-    mx.save_safetensors(str(out / "model.safetensors"), weights)
-    return out
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny_other"), tiny_dir, seed=4321)
 
 
 @pytest.fixture(scope="module")
