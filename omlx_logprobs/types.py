@@ -215,6 +215,17 @@ class EngineRequest:
     stream: bool = False
     tools: ToolParsing | None = None  # None: content is not searched for tool calls
     reasoning_tags: tuple[str, str] = THINK_TAGS  # what opens and closes reasoning
+    adapter: str | None = None  # the LoRA adapter's name (None: the base model)
+
+
+@dataclass(frozen=True)
+class AdapterChange:
+    """Load a LoRA adapter (an mlx-lm adapter directory) under a name, replace the one of that
+    name (`replace`: requests running on it finish on it), or unload one (`path` None)."""
+
+    name: str
+    path: str | None = None
+    replace: bool = False
 
 
 @dataclass(frozen=True)

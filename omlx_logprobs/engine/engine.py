@@ -16,6 +16,7 @@ from typing import Any
 from omlx_logprobs import heap
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.grammar import GrammarError, Grammars
+from omlx_logprobs.engine.lora import AdapterError
 from omlx_logprobs.engine.model_runner import ModelRunner
 from omlx_logprobs.engine.overlap import Overlap
 from omlx_logprobs.engine.processor import OutputProcessor
@@ -26,6 +27,7 @@ from omlx_logprobs.engine.step import LaunchedStep
 from omlx_logprobs.engine.weights import WeightsError
 from omlx_logprobs.types import (
     INITIAL_WEIGHTS,
+    AdapterChange,
     EngineRequest,
     FinishReason,
     RequestOutput,
@@ -60,6 +62,7 @@ class Engine:
         sink: Sink | None = None,
         weights: WeightVersion = INITIAL_WEIGHTS,
         tokenizer: Any = None,
+        adapters: tuple[tuple[str, str], ...] = (),
     ):
         self.cfg = cfg
         # Constrained decoding's matchers need the Hugging Face tokenizer (engine/grammar.py).
@@ -67,6 +70,8 @@ class Engine:
         self.runner = ModelRunner(
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
         )
+        for name, path in adapters:  # --lora, or those loaded before a restart or a reload
+            self.runner.change_adapter(AdapterChange(name, path))
         self.scheduler = Scheduler(
             cfg.max_num_seqs,
             cfg.prefill_chunk,
@@ -123,6 +128,14 @@ class Engine:
         asks); the future's result says which version serves from then on."""
         done: Future[WeightUpdateResult] = Future()
         self._inbox.put(("weights", _PendingUpdate(update, done, time.monotonic())))
+        self._wake.set()
+        return done
+
+    def change_adapter(self, change: AdapterChange) -> Future[str | None]:
+        """Load, replace or unload a LoRA adapter between two steps; the future's result is
+        None, or why nothing changed."""
+        done: Future[str | None] = Future()
+        self._inbox.put(("adapter", (change, done)))
         self._wake.set()
         return done
 
@@ -213,6 +226,8 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
+            if self.runner.adapters.retiring:
+                self._release_adapters()
             if self._updates and not self.has_work():
                 self._swap_weights()
             if self._closing_at is not None and time.monotonic() >= self._closing_at:
@@ -249,12 +264,14 @@ class Engine:
             if kind == "add":
                 leader = Sequence.of(item)
                 self._live[item.request_id] = leader
-                if not self._constrain(leader):
+                if not self._constrain(leader) or not self._adapt(leader, item.adapter):
                     continue
                 if self._updates:  # it starts on the weights asked for
                     self._held.append(leader)
                 else:
                     self.scheduler.add(leader)
+            elif kind == "adapter":
+                self._change_adapter(*item)
             elif kind == "weights":
                 self._updates.append(item)
                 if item.update.abort_in_flight:
@@ -279,6 +296,42 @@ class Engine:
                 self.processor.fail(s, f"the output grammar cannot be built: {exc}")
             return False
         return True
+
+    def _adapt(self, leader: Sequence, name: str | None) -> bool:
+        """Put each choice on its LoRA adapter; an adapter unloaded since the API routed the
+        request ends it with an error."""
+        if name is None:
+            return True
+        slot = self.runner.adapters.slot_of(name)
+        for s in leader.group:
+            if slot is None:
+                self.processor.fail(s, f"the LoRA adapter {name!r} is not loaded (unloaded)")
+            else:
+                s.adapter = slot
+        return slot is not None
+
+    def _change_adapter(self, change: AdapterChange, done: Future[str | None]) -> None:
+        try:
+            self.runner.change_adapter(change)
+        except AdapterError as exc:
+            done.set_result(str(exc))
+            return
+        except Exception as exc:  # an unexpected failure: the adapter is not served, the rest is
+            log.exception("changing the adapter %s failed", change.name)
+            done.set_result(f"the adapter could not be loaded: {exc}")
+            return
+        what = "unloaded" if change.path is None else f"loaded from {change.path}"
+        log.info("LoRA adapter %s %s", change.name, what)
+        done.set_result(None)
+
+    def _release_adapters(self) -> None:
+        in_use = {
+            s.adapter
+            for leader in self._live.values()
+            for s in leader.group
+            if s.status is not Status.FINISHED
+        }
+        self.runner.release_adapters(in_use)
 
     def _abort_in_flight(self) -> int:
         """End every request that arrived before the update (its finish reason: abort); how

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -20,7 +19,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from omlx_logprobs.engine.batch_cache import BatchCache, kinds
 from omlx_logprobs.engine.grammar import bitmask
-from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, keeps_prefixes, make_prefix
+from omlx_logprobs.engine.lora import AdapterSet
+from omlx_logprobs.engine.prefix_cache import Key, Prefix, PrefixCache, keeps_prefixes, make_prefix
 from omlx_logprobs.engine.probe import probe
 from omlx_logprobs.engine.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
 from omlx_logprobs.engine.sampler import (
@@ -37,6 +37,7 @@ from omlx_logprobs.engine.step import DeviceTime, LaunchedStep, StepResult
 from omlx_logprobs.engine.weights import load_into
 from omlx_logprobs.logprobs.extract import release_scratch
 from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor, choose_extractor
+from omlx_logprobs.types import AdapterChange
 
 __all__ = ["ModelRunner"]
 
@@ -87,11 +88,13 @@ class ModelRunner:
         # (batch_cache.py); a model with a cache mlx-lm cannot batch is refused here.
         self.templates = make_prompt_cache(model)
         self.split = probe(model, self.templates)  # the body/head split, if any (head.py)
+        # LoRA adapters (engine/lora.py): each forward first names its rows' adapters.
+        self.adapters = AdapterSet(model)
         # Shared prompt prefixes: plain KV and sliding-window caches only. A prefix's keys are
         # placed per row at its own padding; a recurrent state cannot be cut to that length.
         self.prefixes: PrefixCache | None = None
         if prefix_cache_mib > 0 and keeps_prefixes(self.templates):
-            self.prefixes = PrefixCache(prefix_cache_mib << 20, partial(make_prefix, model))
+            self.prefixes = PrefixCache(prefix_cache_mib << 20, self._make_prefix)
         elif prefix_cache_mib > 0:
             log.info(
                 "prefix cache off for this model: its caches (%s) hold a recurrent state, which "
@@ -134,6 +137,7 @@ class ModelRunner:
             inputs = self.last_tokens[rows][:, None]
             if self.tight_cache:
                 self.batch_cache.reserve(max(s.to_write for s in self.rows))
+            self.adapters.select([s.adapter for s in self.rows])
             parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
             seqs += self.rows
         # Whole prompts prefill together in left-padded groups, scored ones in groups of their
@@ -208,6 +212,7 @@ class ModelRunner:
             cache = BatchCache.seeded(self.templates, prefix.keys, prefix.values, pads)
         if self.tight_cache:
             cache.reserve(max(c.seq.to_write for c in group), width - start)
+        self.adapters.select([c.seq.adapter for c in group])
         for row, c in enumerate(group):
             c.seq.cached_tokens = max(start - pads[row], 0)
             if c.seq.params.max_tokens > 0:
@@ -234,7 +239,8 @@ class ModelRunner:
         plain = [c for c in chunks if self._uses_prefixes(c.seq)]
         if self.prefixes is None or not plain:
             return {}
-        found = self.prefixes.assign([c.seq.prompt_ids for c in plain])
+        keys = [self.adapters.key(c.seq.adapter) for c in plain]
+        found = self.prefixes.assign([c.seq.prompt_ids for c in plain], keys)
         return {c.seq.seq_id: p for c, p in zip(plain, found) if p is not None}
 
     def cached_len(self, seq: Sequence) -> int:
@@ -242,7 +248,11 @@ class ModelRunner:
         prompt's own step are not foreseen)."""
         if self.prefixes is None or not self._uses_prefixes(seq):
             return 0
-        return self.prefixes.held(seq.prompt_ids)
+        return self.prefixes.held(seq.prompt_ids, self.adapters.key(seq.adapter))
+
+    def _make_prefix(self, tokens: tuple[int, ...], base: Prefix | None, key: Key) -> Prefix:
+        self.adapters.select([key[0]])
+        return make_prefix(self.model, tokens, base)
 
     @staticmethod
     def _uses_prefixes(seq: Sequence) -> bool:
@@ -255,6 +265,7 @@ class ModelRunner:
         seq = chunk.seq
         cache = self.chunk_caches.setdefault(seq.seq_id, make_prompt_cache(self.model))
         ids = mx.array([seq.prompt_ids[chunk.start : chunk.end]])
+        self.adapters.select([seq.adapter])
         scored = None
         if seq.prompt_store is not None:  # every position's logits: the prompt is scored
             out = self.model(ids, cache=cache)[0]
@@ -325,6 +336,20 @@ class ModelRunner:
         load_into(self.model, path)
         if self.prefixes is not None:
             self.prefixes.clear()
+
+    def change_adapter(self, change: AdapterChange) -> None:
+        """Load, replace or unload a LoRA adapter between steps (engine/lora.py); AdapterError
+        changes nothing. Rows running on an unloaded or replaced one finish on it."""
+        if change.path is None:
+            self.adapters.unload(change.name)
+        else:
+            self.adapters.load(change.name, change.path, change.replace)
+
+    def release_adapters(self, in_use: set[int]) -> None:
+        """Free the slots of unloaded adapters that no row runs on, and their kept prefixes."""
+        for key in self.adapters.release(in_use):
+            if self.prefixes is not None:
+                self.prefixes.drop(key)
 
     @property
     def num_cached(self) -> int:
@@ -418,7 +443,9 @@ def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[lis
             kind: object = score_key(p)
         else:
             prefix = prefixes.get(c.seq.seq_id)
-            kind = ("prefix", prefix.tokens if prefix is not None else None)
+            # One kept prefix seeds a whole group (prefixes of different adapters may hold the
+            # same tokens, so the prefix itself is the kind)
+            kind = ("prefix", id(prefix) if prefix is not None else None)
         n = c.end
         group, width, total = open_.get(kind, ([], 0, 0))
         if group and max(width, n) * (len(group) + 1) <= 2 * (total + n):

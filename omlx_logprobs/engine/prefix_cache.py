@@ -35,8 +35,13 @@ class Prefix:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
 
-# Makes the prefix `tokens` (a forward of the model), from a shorter kept one when there is one.
-Make = Callable[[tuple[int, ...], "Prefix | None"], "Prefix"]
+# Whose keys and values a prefix holds: the base model's or a LoRA adapter's (slot, load). A
+# prefix is never shared across keys: an adapter changes every layer's keys and values.
+Key = tuple[int, int]
+BASE_KEY: Key = (0, 0)
+# Makes the prefix `tokens` (a forward of the model), from a shorter kept one when there is one,
+# for the rows of a key.
+Make = Callable[[tuple[int, ...], "Prefix | None", Key], "Prefix"]
 
 
 def keeps_prefixes(caches: list[Any]) -> bool:
@@ -87,21 +92,25 @@ class PrefixCache:
     def __init__(self, max_bytes: int, make: Make) -> None:
         self.max_bytes = max_bytes
         self.make = make
-        self.entries: OrderedDict[tuple[int, ...], Prefix] = OrderedDict()  # oldest use first
+        # (key, tokens) -> prefix, oldest use first
+        self.entries: OrderedDict[tuple[Key, tuple[int, ...]], Prefix] = OrderedDict()
         self.nbytes = 0
         self._lengths: dict[int, int] = {}  # entries per prefix length
-        # First MIN_TOKENS tokens -> the last prompt assigned that began with them.
-        self._recent: OrderedDict[tuple[int, ...], Sequence[int]] = OrderedDict()
+        # (key, first MIN_TOKENS tokens) -> the last prompt assigned that began with them.
+        self._recent: OrderedDict[tuple[Key, tuple[int, ...]], Sequence[int]] = OrderedDict()
 
-    def assign(self, prompts: list[Sequence[int]]) -> list[Prefix | None]:
+    def assign(
+        self, prompts: list[Sequence[int]], keys: list[Key] | None = None
+    ) -> list[Prefix | None]:
         """The longest kept prefix each prompt starts with, after making those that a prompt
         shares, beyond the longest kept one, with the last prompt (of this step or an earlier
-        one) that began the same way. Every prompt keeps at least its last token to compute: the
-        prefill needs its logits."""
-        for p in prompts:
+        one) that began the same way, on the same key. Every prompt keeps at least its last token
+        to compute: the prefill needs its logits. `keys`: each prompt's key (default: the base)."""
+        keys = keys or [BASE_KEY] * len(prompts)
+        for p, key in zip(prompts, keys):
             if len(p) <= MIN_TOKENS:
                 continue
-            head = tuple(p[:MIN_TOKENS])
+            head = (key, tuple(p[:MIN_TOKENS]))
             before = self._recent.pop(head, None)
             self._recent[head] = p
             if len(self._recent) > RECENT:
@@ -110,10 +119,10 @@ class PrefixCache:
                 continue
             seen = min(len(p) - 1, shared_len(p, before))
             want = seen - seen % BLOCK
-            have = self._longest(p, want)
+            have = self._longest(p, want, key)
             if have is None or len(have.tokens) < want:
-                self._add(self.make(tuple(p[:want]), have))
-        return [self._longest(p, len(p) - 1) for p in prompts]
+                self._add(key, self.make(tuple(p[:want]), have, key))
+        return [self._longest(p, len(p) - 1, key) for p, key in zip(prompts, keys)]
 
     def clear(self) -> None:
         """Forget every kept prefix (their keys and values belong to weights now replaced)."""
@@ -122,28 +131,35 @@ class PrefixCache:
         self._recent.clear()
         self.nbytes = 0
 
-    def held(self, ids: Sequence[int]) -> int:
+    def drop(self, key: Key) -> None:
+        """Forget one key's prefixes (its adapter is unloaded)."""
+        for k in [k for k in self.entries if k[0] == key]:
+            self._forget(self.entries.pop(k))
+        for k in [k for k in self._recent if k[0] == key]:
+            del self._recent[k]
+
+    def held(self, ids: Sequence[int], key: Key = BASE_KEY) -> int:
         """The length of the longest kept prefix `ids` could start from (a look, not a use)."""
-        found = self._find(ids, len(ids) - 1)
+        found = self._find(ids, len(ids) - 1, key)
         return len(found.tokens) if found is not None else 0
 
-    def _longest(self, ids: Sequence[int], limit: int) -> Prefix | None:
-        found = self._find(ids, limit)
+    def _longest(self, ids: Sequence[int], limit: int, key: Key) -> Prefix | None:
+        found = self._find(ids, limit, key)
         if found is not None:
-            self.entries.move_to_end(found.tokens)
+            self.entries.move_to_end((key, found.tokens))
         return found
 
-    def _find(self, ids: Sequence[int], limit: int) -> Prefix | None:
+    def _find(self, ids: Sequence[int], limit: int, key: Key) -> Prefix | None:
         # One lookup per kept length, longest first: lengths are few (multiples of BLOCK).
         for n in sorted(self._lengths, reverse=True):
-            if n <= limit and (entry := self.entries.get(tuple(ids[:n]))) is not None:
+            if n <= limit and (entry := self.entries.get((key, tuple(ids[:n])))) is not None:
                 return entry
         return None
 
-    def _add(self, prefix: Prefix) -> None:
-        if prefix.tokens in self.entries or prefix.nbytes > self.max_bytes:
+    def _add(self, key: Key, prefix: Prefix) -> None:
+        if (key, prefix.tokens) in self.entries or prefix.nbytes > self.max_bytes:
             return
-        self.entries[prefix.tokens] = prefix
+        self.entries[(key, prefix.tokens)] = prefix
         self._lengths[len(prefix.tokens)] = self._lengths.get(len(prefix.tokens), 0) + 1
         self.nbytes += prefix.nbytes
         while self.nbytes > self.max_bytes:

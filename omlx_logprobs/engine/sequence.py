@@ -79,6 +79,9 @@ class Sequence:
         # Its llguidance matcher when the output is constrained (engine/grammar.py): advanced by
         # the output processor, read for the next step's token mask.
         self.grammar: Any = None
+        # The LoRA adapter's slot it runs on (engine/lora.py; 0: the base model), the same for
+        # every choice of a request.
+        self.adapter = 0
 
     @classmethod
     def of(cls, req: EngineRequest) -> Sequence:
@@ -109,6 +112,7 @@ class Sequence:
             tools=self.tools,
             reasoning_tags=self.reasoning_tags,
         )
+        seq.adapter = self.adapter
         self.forks.append(seq)
         return seq
 

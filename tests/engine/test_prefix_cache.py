@@ -9,7 +9,14 @@ import pytest
 
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine import model_runner
-from omlx_logprobs.engine.prefix_cache import BLOCK, MIN_TOKENS, Prefix, PrefixCache
+from omlx_logprobs.engine.prefix_cache import (
+    BASE_KEY,
+    BLOCK,
+    MIN_TOKENS,
+    Key,
+    Prefix,
+    PrefixCache,
+)
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.types import SamplingParams
 from tests.helpers.engine import (
@@ -27,7 +34,7 @@ class Maker:
     def __init__(self) -> None:
         self.calls: list[tuple[int, int]] = []  # (prefix length, length of the base it extends)
 
-    def __call__(self, tokens: tuple[int, ...], base: Prefix | None) -> Prefix:
+    def __call__(self, tokens: tuple[int, ...], base: Prefix | None, key: Key = BASE_KEY) -> Prefix:
         self.calls.append((len(tokens), len(base.tokens) if base is not None else 0))
         kv = [mx.zeros((1, 1, len(tokens), 4))]  # 16 bytes a token
         return Prefix(tokens, kv, kv)
@@ -107,8 +114,23 @@ def test_least_recently_used_prefixes_go_first_when_the_budget_is_spent() -> Non
     cache.assign([starts[0] + [3]])  # a use: starts[0] is now the most recent
     cache.assign([starts[2] + [1], starts[2] + [2]])  # evicts starts[1]
     assert cache.nbytes == 2 * size
-    assert sorted(k[0] for k in cache.entries) == [0, 200]
-    assert all(len(k) % BLOCK == 0 for k in cache.entries)
+    assert sorted(tokens[0] for _, tokens in cache.entries) == [0, 200]
+    assert all(len(tokens) % BLOCK == 0 for _, tokens in cache.entries)
+
+
+def test_prefixes_are_kept_per_key_and_dropped_with_it() -> None:
+    """A LoRA adapter's prompts (their key) never start from another key's prefix."""
+    make = Maker()
+    cache = PrefixCache(1 << 20, make)
+    lora = (1, 1)
+    assert cache.assign([prompt(1), prompt(2)], [BASE_KEY, lora]) == [None, None]
+    found = cache.assign([prompt(3), prompt(4)], [lora, BASE_KEY])
+    assert make.calls == [(24, 0), (24, 0)]  # one prefix per key, the same tokens
+    assert found[0] is not found[1] and found[0] is not None and found[1] is not None
+    assert cache.held(prompt(5), lora) == cache.held(prompt(5)) == 24
+    cache.drop(lora)
+    assert cache.held(prompt(5), lora) == 0 and cache.held(prompt(5)) == 24
+    assert cache.nbytes == 24 * 16 * 2
 
 
 # ---- the engine --------------------------------------------------------------------------------
