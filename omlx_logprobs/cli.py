@@ -74,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
         " given once per --model, in the same order",
     )
     s.add_argument(
+        "--lora",
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="serve a LoRA adapter (an mlx-lm adapter directory, as mlx_lm.lora writes it) on the"
+        " first --model under NAME: a request names it by `model`; requests on different adapters"
+        " and on the model batch together. Repeatable; more load at run time with"
+        " POST /v1/load_lora_adapter",
+    )
+    s.add_argument(
         "--offline",
         action="store_true",
         help="never download: a Hugging Face name must be in the local cache (as HF_HUB_OFFLINE=1)",
@@ -250,6 +260,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise ValueError("--served-model-name is given more often than --model")
     names += [None] * (len(models) - len(names))
     return ServerConfig(
+        lora=lora_args(args.lora or []),
         model=models[0],
         served_model_name=names[0],
         offline=args.offline,
@@ -301,13 +312,23 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
     # engine as a thread here, a shorter one hands the engine the GIL sooner after a device
     # wait; 0.5 ms was tried on a GPU host and made no difference worth keeping.
     sys.setswitchinterval(float(os.environ.get("OMLX_SWITCH_INTERVAL", "0.005")))
+    from omlx_logprobs.engine.lora import AdapterError, read_adapter
+
+    for name, path in cfg.lora:  # the files, before any model loads (their fit: at the load)
+        try:
+            read_adapter(path)
+        except AdapterError as e:
+            raise SystemExit(f"omlx-logprobs serve: error: --lora {name}: {e}") from None
     try:
         pool = ModelPool(
             model_slots(cfg), partial(load_served, cfg, args), cfg.pool, cfg.limits, cfg.engine
         )
     except ValueError as e:  # two models under one name, a model larger than the budget
         raise SystemExit(f"omlx-logprobs serve: error: {e}") from None
-    pool.load_at_start()
+    try:
+        pool.load_at_start()
+    except (AdapterError, RuntimeError) as e:  # an adapter that does not fit the model, ...
+        raise SystemExit(f"omlx-logprobs serve: error: {e}") from None
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.access.api_key is None:
         log.warning(
             "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
@@ -340,7 +361,21 @@ def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
             source, name = str(path), name or default_name
         need = weight_mib(path, float_bytes, dequantize=cpu and dtype == "auto")
         slots.append(ModelSlot(name, source, need))
+    slots[0].adapters.update(cfg.lora)
     return slots
+
+
+def lora_args(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """--lora NAME=PATH values as (name, absolute path); ValueError for a malformed one."""
+    out: dict[str, str] = {}
+    for v in values:
+        name, eq, path = v.partition("=")
+        if not (name and eq and path):
+            raise ValueError(f"--lora takes NAME=PATH, not {v!r}")
+        if name in out:
+            raise ValueError(f"--lora {name} is given twice")
+        out[name] = str(Path(path).expanduser().absolute())
+    return tuple(out.items())
 
 
 def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) -> Served:
@@ -348,7 +383,12 @@ def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) ->
     from omlx_logprobs.api.serving import Served
 
     model, engine = start_engine(
-        cfg, args.log_level, (slot.source, slot.name), slot.weights_path, slot.weights
+        cfg,
+        args.log_level,
+        (slot.source, slot.name),
+        slot.weights_path,
+        slot.weights,
+        tuple(slot.adapters.items()),
     )
     log.info(
         "model %s from %s (vocab %d, context %d)",
@@ -379,12 +419,13 @@ def start_engine(
     which: tuple[str | None, str | None] | None = None,
     weights_path: str | None = None,
     weights: WeightVersion | None = None,
+    adapters: tuple[tuple[str, str], ...] = (),
 ) -> tuple[LoadedModel, EngineClient]:
     """The model's tokenizer and facts for the API, and the engine's client: over a child
     process that loads the weights (the server's process then loads none), or over a thread
     of this one. `which`: (source, served name), default the first --model; `weights_path`
     and `weights`: weights loaded in place before, which a reload serves under their
-    version."""
+    version; `adapters`: the LoRA adapters (name, path) it serves from the start."""
     from omlx_logprobs.engine.client import EngineClient, ThreadTransport
     from omlx_logprobs.engine.engine import Engine
     from omlx_logprobs.engine.process import EngineSpec, ProcessTransport
@@ -409,6 +450,7 @@ def start_engine(
             cfg.engine,
             weights=version,
             tokenizer=model.tokenizer,
+            adapters=adapters,
         )
         return model, EngineClient(ThreadTransport(engine))
     # The model is resolved once, here (a GGUF converted before the child starts); the child
@@ -416,7 +458,8 @@ def start_engine(
     if not is_scripted(source):
         path, default_name = resolve_model_path(source, cfg.offline)
         source, name = str(path), name or default_name
-    proc = ProcessTransport(EngineSpec(source, name, cfg.engine, log_level, weights_path, version))
+    spec = EngineSpec(source, name, cfg.engine, log_level, weights_path, version, adapters=adapters)
+    proc = ProcessTransport(spec)
     proc.spawn()
     model = load_model(source, name, cfg.engine.max_model_len, weights=False)
     proc.wait_ready()

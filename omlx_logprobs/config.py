@@ -107,6 +107,8 @@ class ServerConfig:
     offline: bool = False  # a Hugging Face name must be in the local cache: no download
     # Models served beside the first (the default of routes that name none): (source, name).
     other_models: tuple[tuple[str | None, str | None], ...] = ()
+    # LoRA adapters (name, path) served on the first model from the start (--lora).
+    lora: tuple[tuple[str, str], ...] = ()
     pool: PoolConfig = PoolConfig()
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omlx_logprobs.api import page
+from omlx_logprobs.api import lora, page
 from omlx_logprobs.api import tokenize as tok
 from omlx_logprobs.api.errors import APIError, error_response, install_error_handlers
 from omlx_logprobs.api.guard import install_guard
@@ -108,6 +108,7 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
         return await _respond(pool, req, raw)
 
     tok.add_routes(app, pool)
+    lora.add_routes(app, pool)
     page.add_routes(app, access.api_key is not None)
     return app
 

@@ -112,7 +112,12 @@ class CompletionServing:
                 req, served, len(ids), req.max_tokens, req.logprobs is not None,
                 req.logprobs or 0, wanted,
             )  # fmt: skip
-            requests.append(EngineRequest(f"{rid}-{i}", ids, params, req.n, stream=req.stream))
+            requests.append(
+                EngineRequest(
+                    f"{rid}-{i}", ids, params, req.n, stream=req.stream,
+                    adapter=served.adapter(req.model),
+                )
+            )  # fmt: skip
         legacy = self.legacy[0]
         choices = [
             Choice(i * req.n + j, r.prompt_ids,
@@ -150,10 +155,10 @@ class CompletionServing:
             extra += f',"token_ids":{json.dumps(out.token_ids.tolist())}'
         return extra
 
-    def _head(self, rid: str) -> str:
+    def _head(self, rid: str, model: str) -> str:
         return (
             f'{{"id":"{rid}","object":"text_completion","created":{int(time.time())},'
-            f'"model":{json.dumps(self.served.model.name)},'
+            f'"model":{json.dumps(self.served.adapter(model) or self.served.model.name)},'
             f'"system_fingerprint":"{self.served.fingerprint}",'
         )
 
@@ -177,7 +182,7 @@ class CompletionServing:
             )
         w = weight_version_json(outs[0].weight_version)
         body = f'"choices":[{",".join(parts)}],"usage":{json.dumps(usage(outs))}{w}}}'
-        return self._head(rid) + body
+        return self._head(rid, req.model) + body
 
     def stream(self, req: CompletionRequest) -> AsyncIterator[str]:
         rid, handles, choices = self._start(req)  # errors raise here, before the 200 starts
@@ -188,7 +193,7 @@ class CompletionServing:
     ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         tail = ',"usage":null}' if include_usage else "}"
-        head = self._head(rid)
+        head = self._head(rid, req.model)
         finals: dict[int, RequestOutput] = {}
         w = ""
         try:

@@ -61,6 +61,9 @@ class ModelSlot:
     # under the same version.
     weights_path: str | None = None
     weights: WeightVersion = INITIAL_WEIGHTS
+    # LoRA adapters served on it, name -> path (--lora, /v1/load_lora_adapter): a reload
+    # loads them again. While loaded, the same dict is its Served's.
+    adapters: dict[str, str] = field(default_factory=dict)
     change: asyncio.Task[None] | None = field(default=None, repr=False)  # load or unload
 
     @property
@@ -68,6 +71,8 @@ class ModelSlot:
         return self.leases > 0 or (self.served is not None and self.served.engine.in_flight > 0)
 
     def attach(self, served: Served) -> None:
+        served.adapters.update(self.adapters)  # one dict from here on: the routes change it
+        self.adapters = served.adapters
         self.served, self.state = served, "loaded"
         self.chat, self.completions = ChatServing(served), CompletionServing(served)
         self.max_model_len = served.model.max_model_len
@@ -102,6 +107,12 @@ class ModelPool:
                     " (--served-model-name, once per --model)"
                 )
             self.slots[s.name] = s
+        self.pending_adapters: set[str] = set()  # names being loaded: taken
+        taken = set(self.slots)
+        for name in (a for s in slots for a in s.adapters):
+            if name in taken:
+                raise ValueError(f"`{name}` names two of the served models and LoRA adapters")
+            taken.add(name)
         self.default = slots[0]
         self.load = load
         self.cfg = cfg or PoolConfig()
@@ -159,9 +170,11 @@ class ModelPool:
         """The slot of a served name (None: the default); a 404 naming the served ones."""
         if name is None:
             return self.default
-        slot = self.slots.get(name)
+        slot = self.slots.get(name) or next(
+            (s for s in self.slots.values() if name in s.adapters), None
+        )
         if slot is None:
-            names = ", ".join(f"`{n}`" for n in self.slots)
+            names = ", ".join(f"`{n}`" for n in [*self.slots, *self.adapter_names()])
             raise APIError(
                 f"The model `{name}` does not exist. This server serves {names}.",
                 param="model",
@@ -216,6 +229,19 @@ class ModelPool:
                     " (--model-load-timeout-s). Retry later."
                 )
             await asyncio.sleep(POLL_S)
+
+    def adapter_names(self) -> list[str]:
+        return [a for s in self.slots.values() for a in s.adapters]
+
+    def check_new_name(self, name: str) -> None:
+        """A 400 unless `name` is free for a new adapter (no model, adapter or load has it)."""
+        if name in self.slots or name in self.adapter_names() or name in self.pending_adapters:
+            what = "a served model" if name in self.slots else "a LoRA adapter"
+            raise APIError(
+                f"The name `{name}` is taken: {what} is served under it.",
+                param="lora_name",
+                code="adapter_exists",
+            )
 
     def updated(self, slot: ModelSlot, path: str, version: WeightVersion) -> None:
         """New weights serve on this model: a later reload loads them under the same version."""
@@ -310,6 +336,7 @@ class ModelPool:
                 "loaded": s.state == "loaded",
                 "running": 0,
                 "weight_version": s.weights.json(),
+                "adapters": list(s.adapters),
                 "memory_mib": s.need_mib,
                 "engine": None,
             }
@@ -349,6 +376,11 @@ class ModelPool:
                 card["max_model_len"] = s.max_model_len
             card["loaded"] = s.state == "loaded"
             out.append(card)
+            for name, path in s.adapters.items():  # vLLM's card of a LoRA adapter
+                out.append({
+                    "id": name, "object": "model", "created": created, "owned_by": "omlx_logprobs",
+                    "root": path, "parent": s.name, "loaded": card["loaded"],
+                })  # fmt: skip
         return out
 
 

@@ -243,6 +243,25 @@ class UpdateWeightsRequest(_Model):
     load_format: str | None = None
 
 
+class LoadLoRAAdapterRequest(_Model):
+    """vLLM's `/v1/load_lora_adapter` body: an mlx-lm adapter directory served under a name;
+    `load_inplace` replaces a loaded one of that name; `base_model_name` the served model it
+    adapts (default: the first)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(_Model):
+    """vLLM's `/v1/unload_lora_adapter` body."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    lora_name: str = Field(min_length=1)
+
+
 class ErrorDetail(BaseModel):
     """What every rejection says (OpenAI's shape); all four keys are always present."""
 

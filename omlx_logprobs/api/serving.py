@@ -60,6 +60,9 @@ class Served:
     reasoning_tags: tuple[str, str] = THINK_TAGS  # <think> </think>, or harmony's analysis
     limits: Limits = field(default_factory=Limits)
     ignore_unknown_fields: bool = False  # --ignore-unknown-fields: warn instead of a 400
+    # LoRA adapters served on this model, name -> path (api/pool.py keeps it across reloads);
+    # a request names one by `model`.
+    adapters: dict[str, str] = field(default_factory=dict)
 
     @cached_property
     def checks(self) -> RequestLimits:
@@ -81,8 +84,12 @@ class Served:
         log.warning("ignored unknown request fields: %s", ", ".join(ignored))
         return {IGNORED_HEADER: ", ".join(ignored)}
 
+    def adapter(self, name: str) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the model itself."""
+        return name if name != self.model.name and name in self.adapters else None
+
     def check_model(self, name: str) -> None:
-        if name != self.model.name:
+        if name != self.model.name and name not in self.adapters:
             raise APIError(
                 f"The model `{name}` does not exist. This server serves `{self.model.name}`.",
                 param="model",
@@ -321,6 +328,7 @@ class ChatServing:
             stream=req.stream,
             tools=parsing,
             reasoning_tags=served.reasoning_tags,
+            adapter=served.adapter(req.model),
         )
         return ereq, served.engine.submit(ereq)
 
@@ -336,7 +344,7 @@ class ChatServing:
         served = self.served
         return (
             f'{{"id":"{ereq.request_id}","object":"{kind}","created":{int(time.time())},'
-            f'"model":{json.dumps(served.model.name)},'
+            f'"model":{json.dumps(ereq.adapter or served.model.name)},'
             f'"system_fingerprint":"{served.fingerprint}",'
         )
 

@@ -16,6 +16,7 @@ from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.output.collector import RequestOutputCollector
 from omlx_logprobs.types import (
+    AdapterChange,
     EngineRequest,
     FinishReason,
     RequestOutput,
@@ -42,6 +43,8 @@ class Transport(Protocol):
     def snapshot(self) -> EngineStats: ...
 
     def update_weights(self, update: WeightUpdate) -> Future[WeightUpdateResult]: ...
+
+    def change_adapter(self, change: AdapterChange) -> Future[str | None]: ...
 
     @property
     def state(self) -> str:
@@ -76,6 +79,9 @@ class ThreadTransport:
 
     def update_weights(self, update: WeightUpdate) -> Future[WeightUpdateResult]:
         return self.engine.update_weights(update)
+
+    def change_adapter(self, change: AdapterChange) -> Future[str | None]:
+        return self.engine.change_adapter(change)
 
     @property
     def state(self) -> str:
@@ -142,6 +148,10 @@ class EngineClient:
     async def update_weights(self, update: WeightUpdate) -> WeightUpdateResult:
         """New weights, once the requests in flight have finished or been aborted."""
         return await asyncio.wrap_future(self.transport.update_weights(update))
+
+    async def change_adapter(self, change: AdapterChange) -> str | None:
+        """Load, replace or unload a LoRA adapter: None once done, else why nothing changed."""
+        return await asyncio.wrap_future(self.transport.change_adapter(change))
 
     @property
     def state(self) -> str:

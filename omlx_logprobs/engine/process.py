@@ -31,6 +31,7 @@ from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.types import (
     INITIAL_WEIGHTS,
+    AdapterChange,
     EngineRequest,
     RequestOutput,
     WeightUpdate,
@@ -56,6 +57,8 @@ class EngineSpec:
     # serves them, under the same version, not the ones --model names.
     weights_path: str | None = None
     weights: WeightVersion = INITIAL_WEIGHTS
+    # LoRA adapters (name, path) loaded at start and since: a restarted child loads them too.
+    adapters: tuple[tuple[str, str], ...] = ()
 
 
 # ---- messages (a parent sends `EngineRequest`s as they are) --------------------------------------
@@ -84,6 +87,18 @@ class UpdateWeights:
 class WeightsUpdated:
     uid: int
     result: WeightUpdateResult
+
+
+@dataclass(frozen=True)
+class ChangeAdapter:
+    uid: int
+    change: AdapterChange
+
+
+@dataclass(frozen=True)
+class AdapterChanged:
+    uid: int
+    error: str | None
 
 
 @dataclass(frozen=True)
@@ -151,6 +166,7 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
             sink,
             spec.weights,
             tokenizer=model.tokenizer,
+            adapters=spec.adapters,
         )
     except Exception as exc:
         log.exception("the engine process could not start")
@@ -185,6 +201,10 @@ def _serve_inbox(engine: Engine, inbox: Connection, sink: _PipeSink) -> None:
             engine.begin_shutdown(msg.grace_s)
         elif isinstance(msg, UpdateWeights):
             engine.update_weights(msg.update).add_done_callback(partial(_answer, sink, msg.uid))
+        elif isinstance(msg, ChangeAdapter):
+            engine.change_adapter(msg.change).add_done_callback(
+                lambda done, uid=msg.uid: sink.reply(AdapterChanged(uid, done.result()))
+            )
         elif isinstance(msg, Stop):
             return
 
@@ -240,6 +260,7 @@ class ProcessTransport:
         self._state = "stopped"
         self._threads: list[threading.Thread] = []
         self._updates: dict[int, tuple[WeightUpdate, Future[WeightUpdateResult]]] = {}
+        self._adapter_changes: dict[int, tuple[AdapterChange, Future[str | None]]] = {}
         self._next_update = 0
 
     # ---- lifetime ------------------------------------------------------------------------------
@@ -312,6 +333,15 @@ class ProcessTransport:
         self._outgoing.put(UpdateWeights(uid, update))
         return done
 
+    def change_adapter(self, change: AdapterChange) -> Future[str | None]:
+        done: Future[str | None] = Future()
+        with self._lock:
+            self._next_update += 1
+            uid = self._next_update
+            self._adapter_changes[uid] = (change, done)
+        self._outgoing.put(ChangeAdapter(uid, change))
+        return done
+
     # ---- threads ------------------------------------------------------------------------------
     def _send_loop(self) -> None:
         """Sends in order; while no child is up, requests wait here for the next one."""
@@ -372,6 +402,8 @@ class ProcessTransport:
                 return
             if isinstance(msg, WeightsUpdated):
                 self._updated(msg)
+            elif isinstance(msg, AdapterChanged):
+                self._adapter_changed(msg)
             if not isinstance(msg, StepOutputs):
                 continue
             with self._lock:
@@ -391,11 +423,25 @@ class ProcessTransport:
             self.spec = replace(self.spec, weights_path=update.path, weights=msg.result.version)
         done.set_result(msg.result)
 
+    def _adapter_changed(self, msg: AdapterChanged) -> None:
+        """A restarted child loads the adapters loaded now."""
+        with self._lock:
+            change, done = self._adapter_changes.pop(msg.uid)
+        if msg.error is None:
+            kept = tuple((n, p) for n, p in self.spec.adapters if n != change.name)
+            if change.path is not None:
+                kept += ((change.name, change.path),)
+            self.spec = replace(self.spec, adapters=kept)
+        done.set_result(msg.error)
+
     def _fail_updates(self, why: str) -> None:
         with self._lock:
             pending, self._updates = list(self._updates.values()), {}
+            changes, self._adapter_changes = list(self._adapter_changes.values()), {}
         for _, done in pending:
             done.set_result(WeightUpdateResult(self.spec.weights, why))
+        for _, changed in changes:
+            changed.set_result(why)
 
     def _restart(self, delay: float) -> float:
         """Start children until one is ready (waiting `delay`, doubled after each failure);
