@@ -52,7 +52,7 @@ class _Selection:
     """The rows of the forward about to run: one slot for all, or a slot per row."""
 
     single: int | None = BASE
-    index: mx.array | None = None  # [rows] int32, when rows differ
+    index: mx.array | None = None  # [rows] uint32, when rows differ
     slots: frozenset[int] = frozenset()
 
 
@@ -79,10 +79,11 @@ class _Stack:
         if not (sel.slots & self.targets):
             return None
         assert sel.index is not None
-        a, b = self.a[sel.index], self.b[sel.index]  # [rows, in, R], [rows, R, out]
-        if x.ndim == 2:
-            return ((x[:, None, :] @ a) @ b)[:, 0, :]
-        return (x @ a) @ b
+        # Row i times A[index[i]] then B[index[i]], without copying the gathered matrices.
+        flat = x.ndim == 2
+        z = mx.gather_mm(x[:, None, :] if flat else x, self.a, rhs_indices=sel.index)
+        z = mx.gather_mm(z, self.b, rhs_indices=sel.index)
+        return z[:, 0, :] if flat else z
 
 
 _ADAPTED: dict[type, type] = {}
@@ -296,7 +297,7 @@ class AdapterSet:
         if all(s == first for s in slots):
             self.selection = _Selection(first)
         else:
-            self.selection = _Selection(None, mx.array(slots, mx.int32), frozenset(slots))
+            self.selection = _Selection(None, mx.array(slots, mx.uint32), frozenset(slots))
 
     def names(self) -> list[tuple[str, str]]:
         """(name, path) of each loaded adapter."""

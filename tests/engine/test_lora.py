@@ -8,14 +8,19 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_unflatten
+from mlx_lm.tuner.utils import load_adapters
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine import model_runner
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.lora import AdapterError, AdapterSet
 from omlx_logprobs.models.loader import LoadedModel, load_model
@@ -85,9 +90,14 @@ def test_adapters_change_the_model(refs: dict) -> None:
         assert np.abs(reference_logprobs(refs[name], ids) - base).max() > 0.05
 
 
+@pytest.mark.parametrize("gpu_path", [False, True])
 def test_two_adapters_and_the_base_in_one_batch_each_equal_their_model(
-    tiny_dir: Path, adapters: dict[str, Path], refs: dict
-) -> None:
+    tiny_dir: Path, adapters: dict[str, Path], refs: dict, gpu_path: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Greedy, sampled, scored (prompt logprobs), two choices of a chunked prompt; on the
+    GPU's path too (extraction on the device, the step processed beside the next launch)."""
+    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", gpu_path)
     model, engine = engine_with(tiny_dir, adapters)
     seen: list[list[int]] = []
     select = engine.runner.adapters.select
@@ -233,3 +243,27 @@ def test_adapters_that_cannot_be_served_are_refused(
     with pytest.raises(AdapterError, match="no adapter named 'nope'"):
         aset.unload("nope")
     assert list(aset.by_name) == ["one"]  # the refusals changed nothing
+
+
+def test_an_adapter_over_a_quantized_model(tiny_dir: Path, adapters: dict[str, Path]) -> None:
+    """Kept quantized (as on a GPU): the adapter adds to the quantized layer's output; the
+    reference is mlx-lm's fuse into the dequantized weights."""
+    def quantized() -> LoadedModel:
+        model = load_model(str(tiny_dir), dtype="float32")  # an explicit dtype never dequantizes
+        nn.quantize(model.model, group_size=32, bits=8)
+        return model
+
+    model = quantized()
+    engine = Engine(model.model, model.vocab, model.eos_token_ids, EngineConfig(),
+                    adapters=(("one", str(adapters["one"])),))  # fmt: skip
+    ids = encode(model, PROMPTS[0])
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=True, ignore_eos=True)
+    reqs = [EngineRequest("q", ids, params, adapter="one"), EngineRequest("b", ids, params)]
+    lora, base = run(engine, reqs)
+    ref = quantized()
+    net = load_adapters(ref.model, str(adapters["one"]))
+    net.update_modules(tree_unflatten(
+        [(n, m.fuse(dequantize=True)) for n, m in net.named_modules() if hasattr(m, "fuse")]
+    ))  # fmt: skip
+    check_against_reference(replace(ref, model=net), ids, lora, 0)
+    check_against_reference(quantized(), ids, base, 0)
