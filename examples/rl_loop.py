@@ -5,9 +5,12 @@
 - The trainer (mlx-lm, LoRA on the last layers) recomputes the logprobs of the same tokens with
   its own forward pass; their ratio to the server's is the importance ratio, 1 (within 1e-4 in
   float32) while both hold the same weights.
-- After each training step the LoRA is fused into the weights, saved, and loaded by the server in
-  place (`POST /update_weights_from_disk`): the next batch's `weight_version` says it was sampled
-  from the new policy, and its ratios are 1 again.
+- After each training step the LoRA is saved in mlx-lm's adapter format and served as an
+  adapter under a new name (`POST /v1/load_lora_adapter`, the last step's one unloaded): the
+  next batch names it as its `model`, the response's `model` says which policy sampled it, and
+  its ratios are 1 again. With `--weights fuse` the LoRA is instead fused into the weights and
+  loaded in place (`POST /update_weights_from_disk`): the batch's `weight_version` says which
+  weights sampled it.
 
 The reward is a toy (a colour named in the answer); the mechanics are the point.
 
@@ -21,6 +24,7 @@ import omlx_logprobs  # noqa: F401  (first: OpenBLAS must be loaded before MLX o
 
 # isort: on
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -46,6 +50,7 @@ PROMPTS = [
     "What would you paint on a wall? Answer briefly.",
 ]
 COLOURS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "gold", "violet")
+LAYERS = 4  # the LoRA's blocks, the last ones
 LORA = {"rank": 8, "scale": 20.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}
 
 
@@ -132,6 +137,37 @@ def fused_weights(model: nn.Module) -> dict[str, mx.array]:
     return params
 
 
+def save_adapter(model: nn.Module, out: Path) -> None:
+    """The LoRA as `mlx_lm.lora` saves it: its trainable parameters and their config."""
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"),
+                        dict(tree_flatten(model.trainable_parameters())))  # fmt: skip
+    config = {"fine_tune_type": "lora", "num_layers": LAYERS, "lora_parameters": LORA}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+
+
+def publish(base: str, model: nn.Module, ckpt: Path, step: int, a: argparse.Namespace) -> str:
+    """The policy after `step` training steps, on the server: the model name to sample from."""
+    if a.weights == "fuse":
+        if step:
+            mx.save_safetensors(str(ckpt / "model.safetensors"), fused_weights(model))
+            r = httpx.post(
+                base + "/update_weights_from_disk",
+                json={"model_path": str(ckpt), "weight_version": f"step-{step}"},
+                timeout=600,
+            )
+            r.raise_for_status()
+        return str(httpx.get(base + "/v1/models").json()["data"][0]["id"])
+    name = f"policy-{step}"
+    save_adapter(model, ckpt / name)
+    body = {"lora_name": name, "lora_path": str(ckpt / name)}
+    httpx.post(base + "/v1/load_lora_adapter", json=body, timeout=600).raise_for_status()
+    if step:  # the last policy's requests are done: its slot goes
+        body = {"lora_name": f"policy-{step - 1}"}
+        httpx.post(base + "/v1/unload_lora_adapter", json=body, timeout=600).raise_for_status()
+    return name
+
+
 def plot(history: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -145,7 +181,7 @@ def plot(history: list[dict], path: Path) -> None:
     bottom.plot(steps, [h["max_ratio_error"] for h in history], marker="o", color="tab:red")
     bottom.set_yscale("log")
     bottom.set_ylabel("max |ratio - 1| before the step")
-    bottom.set_xlabel("step (weight version of the rollouts)")
+    bottom.set_xlabel("step (the policy of the rollouts)")
     bottom.set_xticks(steps)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -161,25 +197,34 @@ def main() -> int:
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--png", type=Path, default=Path("rl_loop.png"))
+    ap.add_argument(
+        "--weights",
+        choices=["adapter", "fuse"],
+        default="adapter",
+        help="how the server gets each step's policy: the LoRA as an adapter (load_lora_adapter),"
+        " or fused into the weights (update_weights_from_disk)",
+    )
     a = ap.parse_args()
     mlx_environment()
     model_dir = ensure_embedded_model()
     server = start_server(model_dir, a.port)
     base = f"http://127.0.0.1:{a.port}"
-    name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
     try:
         model, tokenizer = mlx_lm_load(str(model_dir))[:2]
         model.set_dtype(mx.float32)  # the server's dtype on the CPU: the same numbers
         model.freeze()
-        linear_to_lora_layers(model, 4, LORA)
+        linear_to_lora_layers(model, LAYERS, LORA)
         opt = optim.Adam(learning_rate=a.lr)
         step_fn = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, a.temperature, a.clip))
         prompts = [chat_prompt(tokenizer, q) for q in PROMPTS]
         history = []
-        with tempfile.TemporaryDirectory() as ckpt:
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = Path(tmp)
             for step in range(a.steps):
+                name = publish(base, model, ckpt, step, a)
                 res = rollouts(base, name, prompts, a, step)
                 version = res["weight_version"]
+                policy = res["model"] if a.weights == "adapter" else version["tag"] or "start"
                 batch = []
                 for c in res["choices"]:
                     p = c["index"] // a.n
@@ -200,21 +245,14 @@ def main() -> int:
                 opt.update(model, grads)
                 mx.eval(model.parameters(), opt.state)
                 mean_r = float(np.mean([s["reward"] for s in batch]))
-                history.append({"step": version["counter"], "reward": mean_r,
+                history.append({"step": step, "reward": mean_r,
                                 "max_ratio_error": max(errors)})  # fmt: skip
                 print(
-                    f"step {step}: rollouts from weight version {version['counter']} "
-                    f"({version['tag']}), reward {mean_r:.2f}, importance ratio max |r - 1| "
-                    f"{max(errors):.2e}, loss {float(loss):.4f}",
+                    f"step {step}: rollouts from {policy} (weight version {version['counter']}), "
+                    f"reward {mean_r:.2f}, importance ratio max |r - 1| {max(errors):.2e}, "
+                    f"loss {float(loss):.4f}",
                     flush=True,
                 )
-                mx.save_safetensors(str(Path(ckpt) / "model.safetensors"), fused_weights(model))
-                r = httpx.post(
-                    base + "/update_weights_from_disk",
-                    json={"model_path": ckpt, "weight_version": f"step-{step + 1}"},
-                    timeout=600,
-                )
-                r.raise_for_status()
         plot(history, a.png)
         print(f"plot: {a.png}")
     finally:

@@ -70,6 +70,12 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
     @app.post("/update_weights_from_disk")
     async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
         pool.slot(req.model)  # an unknown name is a 404 before anything else
+        if req.model is not None and req.model in pool.adapter_names():
+            raise APIError(
+                f"`{req.model}` is a LoRA adapter: name its base model, or replace the adapter"
+                " with /v1/load_lora_adapter (load_inplace)",
+                param="model",
+            )
         if not req.flush_cache:  # kept keys and values of the old weights: wrong numbers
             raise APIError(
                 "flush_cache must be true: the prefix cache always goes with the old weights",

@@ -116,8 +116,10 @@ def read_adapter(path: str) -> tuple[float, dict[str, tuple[mx.array, mx.array]]
     """An mlx-lm adapter directory: its scale and each layer's (lora_a, lora_b)."""
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise AdapterError(f"{path!r} is not a directory (an mlx-lm adapter directory holds "
-                           f"{CONFIG} and {WEIGHTS})")  # fmt: skip
+        raise AdapterError(
+            f"{path!r} is not a directory (an mlx-lm adapter directory holds {CONFIG} and"
+            f" {WEIGHTS})"
+        )
     try:
         config = json.loads((p / CONFIG).read_text())
     except FileNotFoundError:
@@ -198,8 +200,8 @@ class AdapterSet:
                     " head or expert layers"
                 )
             in_dims, out_dims, dtype = _dims(layer)
-            if a.ndim != 2 or b.ndim != 2 or a.shape[0] != in_dims or b.shape[1] != out_dims \
-                    or a.shape[1] != b.shape[0]:  # fmt: skip
+            fits = a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0]
+            if not (fits and a.shape[0] == in_dims and b.shape[1] == out_dims):
                 raise AdapterError(
                     f"{where} in {path!r} has lora_a {tuple(a.shape)} and lora_b"
                     f" {tuple(b.shape)}; the model's layer takes {in_dims} inputs to"
@@ -233,8 +235,8 @@ class AdapterSet:
         for s in done:
             self.slots[s] = None
         self.retiring -= done
-        while len(self.slots) > 1 and self.slots[-1] is None and len(self.slots) - 1 not in \
-                self.retiring:  # fmt: skip
+        # Trailing free slots go: the stacks shrink with them (no row runs on them).
+        while len(self.slots) > 1 and self.slots[-1] is None:
             self.slots.pop()
         self._restack()
         return keys

@@ -248,6 +248,7 @@ def test_adapters_that_cannot_be_served_are_refused(
 def test_an_adapter_over_a_quantized_model(tiny_dir: Path, adapters: dict[str, Path]) -> None:
     """Kept quantized (as on a GPU): the adapter adds to the quantized layer's output; the
     reference is mlx-lm's fuse into the dequantized weights."""
+
     def quantized() -> LoadedModel:
         model = load_model(str(tiny_dir), dtype="float32")  # an explicit dtype never dequantizes
         nn.quantize(model.model, group_size=32, bits=8)
