@@ -321,7 +321,13 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
             raise SystemExit(f"omlx-logprobs serve: error: --lora {name}: {e}") from None
     try:
         pool = ModelPool(
-            model_slots(cfg), partial(load_served, cfg, args), cfg.pool, cfg.limits, cfg.engine
+            model_slots(cfg),
+            partial(load_served, cfg, args),
+            cfg.pool,
+            cfg.limits,
+            cfg.engine,
+            load_tokenizer=partial(load_tokenizer, cfg),
+            ignore_unknown_fields=args.ignore_unknown_fields,
         )
     except ValueError as e:  # two models under one name, a model larger than the budget
         raise SystemExit(f"omlx-logprobs serve: error: {e}") from None
@@ -376,6 +382,13 @@ def lora_args(values: list[str]) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"--lora {name} is given twice")
         out[name] = str(Path(path).expanduser().absolute())
     return tuple(out.items())
+
+
+def load_tokenizer(cfg: ServerConfig, slot: ModelSlot) -> LoadedModel:
+    """A model's tokenizer and facts without its weights (/tokenize while it is not loaded)."""
+    from omlx_logprobs.models.loader import load_model
+
+    return load_model(slot.source, slot.name, cfg.engine.max_model_len, weights=False)
 
 
 def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) -> Served:

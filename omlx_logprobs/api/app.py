@@ -24,6 +24,7 @@ from omlx_logprobs.api.protocol import (
     UpdateWeightsRequest,
 )
 from omlx_logprobs.api.serving import Served
+from omlx_logprobs.api.validation import check_unknown
 from omlx_logprobs.config import Access
 from omlx_logprobs.types import WeightUpdate
 
@@ -123,8 +124,10 @@ async def _respond(
     pool: ModelPool, req: ChatCompletionRequest | CompletionRequest, raw: Request
 ) -> Response:
     """The request's model (loaded first if need be), then SSE for a streamed request, else one
-    JSON body; 499 when the client left first. Unknown fields: a 400, or
-    (--ignore-unknown-fields) a header naming them."""
+    JSON body; 499 when the client left first. Unknown fields: a 400 before the model is
+    looked at (or loaded), or (--ignore-unknown-fields) a header naming them."""
+    if not pool.ignore_unknown_fields:
+        check_unknown(req, False)
     async with pool.use(req.model) as slot:
         serving: Any = slot.chat if isinstance(req, ChatCompletionRequest) else slot.completions
         headers = serving.served.fields_headers(req)

@@ -18,12 +18,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from omlx_logprobs.api.completions import CompletionServing
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.serving import ChatServing, Served
+from omlx_logprobs.api.validation import RequestLimits, model_bounds
 from omlx_logprobs.config import EngineConfig, Limits, PoolConfig
 from omlx_logprobs.types import INITIAL_WEIGHTS, WeightVersion
 
@@ -54,6 +55,13 @@ class ModelSlot:
     chat: ChatServing | None = None
     completions: CompletionServing | None = None
     leases: int = 0  # requests routed here whose work is not yet in the engine
+    # When each request for it that waits for a busy model to go idle (so that it can be
+    # loaded) arrived: later requests for the loaded models wait behind it, so those drain and
+    # make room instead of starving it.
+    blocked: list[float] = field(default_factory=list)
+    # Its tokenizer and request limits without the weights (/tokenize and the like while it is
+    # not loaded): kept from its last load, or loaded alone.
+    tokenizer: tuple[Any, RequestLimits] | None = field(default=None, repr=False)
     last_used: float = 0.0  # monotonic: the least recently used idle model goes first
     max_model_len: int | None = None  # known once loaded
     loads: int = 0
@@ -82,10 +90,13 @@ class ModelSlot:
         served = self.served
         assert served is not None
         self.served = self.chat = self.completions = None
+        self.tokenizer = (replace(served.model, model=None), served.checks)
         return served
 
 
 Loader = Callable[[ModelSlot], Served]  # a slot's Served, its engine not yet started
+# A slot's model without its weights: the tokenizer and the model's facts (a LoadedModel).
+TokenizerLoader = Callable[[ModelSlot], Any]
 
 
 class ModelPool:
@@ -98,7 +109,12 @@ class ModelPool:
         cfg: PoolConfig | None = None,
         limits: Limits | None = None,
         engine: EngineConfig | None = None,
+        load_tokenizer: TokenizerLoader | None = None,
+        ignore_unknown_fields: bool = False,
     ) -> None:
+        self.load_tokenizer = load_tokenizer
+        # --ignore-unknown-fields (one setting for every model): checked before any load
+        self.ignore_unknown_fields = ignore_unknown_fields
         self.slots: dict[str, ModelSlot] = {}
         for s in slots:
             if s.name in self.slots:
@@ -133,7 +149,12 @@ class ModelPool:
         """One model, already loaded (the engine starts with the app)."""
         slot = ModelSlot(served.model.name, None)
         slot.attach(served)
-        return cls([slot], limits=served.limits, engine=served.cfg)
+        return cls(
+            [slot],
+            limits=served.limits,
+            engine=served.cfg,
+            ignore_unknown_fields=served.ignore_unknown_fields,
+        )
 
     # ---- start and stop ------------------------------------------------------------------------
     def load_at_start(self) -> None:
@@ -195,9 +216,20 @@ class ModelPool:
 
     async def acquire(self, name: str | None) -> ModelSlot:
         slot = self.slot(name)
-        deadline = time.monotonic() + self.cfg.load_timeout_s
+        arrived = time.monotonic()
+        try:
+            return await self._acquire(slot, arrived)
+        finally:
+            if arrived in slot.blocked:
+                slot.blocked.remove(arrived)
+
+    async def _acquire(self, slot: ModelSlot, arrived: float) -> ModelSlot:
+        deadline = arrived + self.cfg.load_timeout_s
         while True:
             if slot.state == "loaded":
+                if self._yields(slot, arrived):
+                    await asyncio.sleep(POLL_S)
+                    continue
                 slot.leases += 1
                 slot.last_used = time.monotonic()
                 return slot
@@ -221,6 +253,8 @@ class ModelPool:
             if victims is not None:
                 self._begin_load(slot, victims)
                 continue
+            if arrived not in slot.blocked:
+                slot.blocked.append(arrived)
             if time.monotonic() >= deadline:
                 busy = ", ".join(f"`{s.name}`" for s in self._resident(slot))
                 raise Unavailable(
@@ -242,6 +276,29 @@ class ModelPool:
                 param="lora_name",
                 code="adapter_exists",
             )
+
+    def _yields(self, slot: ModelSlot, arrived: float) -> bool:
+        """Whether a request for a loaded model waits: a request for another model that arrived
+        before it waits for the loaded ones to go idle (first come, first served)."""
+        return any(
+            s.blocked and min(s.blocked) < arrived for s in self.slots.values() if s is not slot
+        )
+
+    async def tokenizer(self, name: str | None) -> tuple[Any, RequestLimits]:
+        """The model's tokenizer and facts (a LoadedModel, perhaps without its weights) and its
+        request limits, without loading the weights of a model that is not loaded."""
+        slot = self.slot(name)
+        if slot.served is not None:
+            return slot.served.model, slot.served.checks
+        if slot.tokenizer is None:
+            if self.load_tokenizer is None:  # no way to the tokenizer alone: load the model
+                async with self.use(name) as held:
+                    assert held.served is not None
+                    return held.served.model, held.served.checks
+            model = await self._in_thread(self.load_tokenizer, slot)
+            checks = RequestLimits(self.limits, model_bounds(model, self.engine.max_top_logprobs))
+            slot.tokenizer = (model, checks)
+        return slot.tokenizer
 
     def updated(self, slot: ModelSlot, path: str, version: WeightVersion) -> None:
         """New weights serve on this model: a later reload loads them under the same version."""

@@ -167,7 +167,7 @@ class AdapterSet:
         for _, m in model.named_modules():  # a model served before (tests reuse one): unadapted
             if isinstance(m, tuple(_ADAPTED.values())):
                 m.__class__ = type(m).__mro__[1]
-                del m._lora
+                delattr(m, "_lora")
         self.slots: list[_Adapter | None] = [None]  # slot 0: the base
         self.by_name: dict[str, int] = {}
         self.retiring: set[int] = set()  # unloaded or replaced, rows still running on them

@@ -187,6 +187,10 @@ def _answer(sink: _PipeSink, uid: int, done: Future[WeightUpdateResult]) -> None
     sink.reply(WeightsUpdated(uid, done.result()))
 
 
+def _answer_adapter(sink: _PipeSink, uid: int, done: Future[str | None]) -> None:
+    sink.reply(AdapterChanged(uid, done.result()))
+
+
 def _serve_inbox(engine: Engine, inbox: Connection, sink: _PipeSink) -> None:
     while True:
         try:
@@ -203,7 +207,7 @@ def _serve_inbox(engine: Engine, inbox: Connection, sink: _PipeSink) -> None:
             engine.update_weights(msg.update).add_done_callback(partial(_answer, sink, msg.uid))
         elif isinstance(msg, ChangeAdapter):
             engine.change_adapter(msg.change).add_done_callback(
-                lambda done, uid=msg.uid: sink.reply(AdapterChanged(uid, done.result()))
+                partial(_answer_adapter, sink, msg.uid)
             )
         elif isinstance(msg, Stop):
             return

@@ -214,3 +214,54 @@ def test_busy_model_past_the_timeout_is_a_503(
         served(s.base, "beta", {"alpha": tiny, "beta": other})  # alpha went idle: beta loads
         assert states(s.base) == {"alpha": "unloaded", "beta": "loaded"}
         served(s.base, "alpha", {"alpha": tiny, "beta": other})
+
+
+def test_one_loaded_at_a_time_is_fair_and_loads_nothing_it_need_not(
+    tiny_dir: Path, other_dir: Path, tiny: LoadedModel, other: LoadedModel
+) -> None:
+    """--max-loaded-models 1: a request with an unknown field is a 400 before any load; the
+    tokenizer routes read an unloaded model's tokenizer without loading it; and a request for
+    the unloaded model is served while requests for the loaded one keep coming (they wait
+    behind it, so the loaded model drains), every answer with its model's numbers."""
+    refs = {"alpha": tiny, "beta": other}
+    extra = ["--max-loaded-models", "1", "--model-load-timeout-s", "30", "--engine", "thread"]
+    with serve_two(tiny_dir, other_dir, *extra) as s:
+        loaded = {"alpha": "loaded", "beta": "unloaded"}
+        assert_openai_error(completion(s.base, "beta", foo=1), 400, "foo")
+        body = {"model": "beta", "messages": [{"role": "user", "content": "hi"}], "bar": 2}
+        r = httpx.post(s.base + "/v1/chat/completions", json=body, timeout=30)
+        assert_openai_error(r, 400, "bar")
+        r = httpx.post(s.base + "/tokenize", json={"model": "beta", "prompt": PROMPT}, timeout=30)
+        assert r.status_code == 200 and r.json()["tokens"] == list(
+            other.tokenizer.encode(PROMPT, add_special_tokens=True)
+        )
+        r = httpx.post(s.base + "/detokenize", json={"model": "beta", "tokens": r.json()["tokens"]})
+        assert r.status_code == 200 and PROMPT in r.json()["prompt"]
+        info = httpx.get(s.base + "/tokenizer_info", params={"model": "beta"}, timeout=30).json()
+        assert info["model"] == "beta" and info["vocab_size"] == len(other.vocab)
+        assert states(s.base) == loaded
+
+        stop = threading.Event()
+
+        def alpha_loop(n: int) -> list[httpx.Response]:
+            out = []
+            while not stop.is_set():  # lengths apart: they end at different steps
+                out.append(completion(s.base, "alpha", max_tokens=n, ignore_eos=True))
+            return out
+
+        with ThreadPoolExecutor(6) as pool:
+            loops = [pool.submit(alpha_loop, 40 + 23 * i) for i in range(6)]
+            time.sleep(0.5)  # alpha busy, continuously
+            began = time.monotonic()
+            r = completion(s.base, "beta")
+            waited = time.monotonic() - began
+            time.sleep(0.5)  # alpha's requests that waited behind beta's are answered
+            stop.set()
+            alphas = [r for f in loops for r in f.result()]
+        assert r.status_code == 200, r.text
+        check_against(other, r.json())
+        assert waited < 25  # not the 30 s timeout: alpha drained for it
+        assert len(alphas) >= 3
+        for a in alphas:
+            assert a.status_code == 200, a.text
+            check_against(refs["alpha"], a.json())
