@@ -63,6 +63,7 @@ class ModelSlot:
     # not loaded): kept from its last load, or loaded alone.
     tokenizer: tuple[Any, RequestLimits] | None = field(default=None, repr=False)
     last_used: float = 0.0  # monotonic: the least recently used idle model goes first
+    loaded_at: float = 0.0  # monotonic: its last load
     max_model_len: int | None = None  # known once loaded
     loads: int = 0
     # The last weights loaded in place (POST /update_weights_from_disk): a reload serves them,
@@ -84,7 +85,7 @@ class ModelSlot:
         self.served, self.state = served, "loaded"
         self.chat, self.completions = ChatServing(served), CompletionServing(served)
         self.max_model_len = served.model.max_model_len
-        self.last_used = time.monotonic()
+        self.last_used = self.loaded_at = time.monotonic()
 
     def detach(self) -> Served:
         served = self.served
@@ -278,8 +279,12 @@ class ModelPool:
             )
 
     def _yields(self, slot: ModelSlot, arrived: float) -> bool:
-        """Whether a request for a loaded model waits: a request for another model that arrived
-        before it waits for the loaded ones to go idle (first come, first served)."""
+        """Whether a request for a loaded model waits: it came after the model was loaded, and a
+        request for another model that came before it waits for the loaded ones to go idle.
+        Requests that waited for the load all go in with it; later ones queue behind the
+        other model's (first come, first served, a load serving everything waiting for it)."""
+        if arrived < slot.loaded_at:
+            return False
         return any(
             s.blocked and min(s.blocked) < arrived for s in self.slots.values() if s is not slot
         )
