@@ -56,7 +56,7 @@ fuzz: install
 soak: install
 	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/reliability/test_soak.py
 
-# A few steps of a GRPO-style loop against the server, weights updated in place each step
+# A few steps of a GRPO-style loop against the server, each step's LoRA served as an adapter
 # (examples/rl_loop.py); matplotlib draws its plot.
 rl-example: install
 	$(PY) -m pip install -q -e '.[examples]'
