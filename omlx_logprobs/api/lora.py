@@ -6,7 +6,6 @@ adapter by `model`; the engine runs it beside the base model and the other adapt
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
@@ -33,8 +32,9 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
         replace = req.load_inplace and name in slot.adapters
         if not replace:
             pool.check_new_name(name)  # a 400 when a model or another adapter has it
-        # Absolute: a restarted engine process or a reload reads it again.
-        path = str(Path(req.lora_path).expanduser().absolute())
+        # As given: the engine reads it (a relative one from the server's directory, which its
+        # process shares), and so does a restarted engine process or a reload.
+        path = req.lora_path
         pool.pending_adapters.add(name)
         try:
             async with pool.use(slot.name) as held:

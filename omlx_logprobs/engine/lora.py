@@ -114,7 +114,10 @@ def _dims(layer: nn.Module) -> tuple[int, int, Any]:
 
 def read_adapter(path: str) -> tuple[float, dict[str, tuple[mx.array, mx.array]]]:
     """An mlx-lm adapter directory: its scale and each layer's (lora_a, lora_b)."""
-    p = Path(path).expanduser()
+    try:
+        p = Path(path).expanduser()
+    except RuntimeError as e:  # ~user of no one
+        raise AdapterError(f"{path!r}: {e}") from None
     if not p.is_dir():
         raise AdapterError(
             f"{path!r} is not a directory (an mlx-lm adapter directory holds {CONFIG} and"
