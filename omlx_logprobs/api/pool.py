@@ -440,8 +440,7 @@ class ModelPool:
             out.append(card)
             for name, path in s.adapters.items():  # vLLM's card of a LoRA adapter
                 out.append({
-                    "id": name, "object": "model", "created": created, "owned_by": "omlx_logprobs",
-                    "root": path, "parent": s.name, "loaded": card["loaded"],
+                    **card, "id": name, "root": path, "parent": s.name,
                 })  # fmt: skip
         return out
 

@@ -304,6 +304,11 @@ class AdapterSet:
         else:
             self.selection = _Selection(None, mx.array(slots, mx.uint32), frozenset(slots))
 
+    def select_rows(self, rows: list[Any]) -> None:
+        """`select` for sequences (their `adapter` slot); nothing to do while none is loaded."""
+        if self.stacks:
+            self.select([r.adapter for r in rows])
+
     def names(self) -> list[tuple[str, str]]:
         """(name, path) of each loaded adapter."""
         out = []

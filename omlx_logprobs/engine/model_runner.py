@@ -137,7 +137,7 @@ class ModelRunner:
             inputs = self.last_tokens[rows][:, None]
             if self.tight_cache:
                 self.batch_cache.reserve(max(s.to_write for s in self.rows))
-            self.adapters.select([s.adapter for s in self.rows])
+            self.adapters.select_rows(self.rows)
             parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
             seqs += self.rows
         # Whole prompts prefill together in left-padded groups, scored ones in groups of their
@@ -212,7 +212,7 @@ class ModelRunner:
             cache = BatchCache.seeded(self.templates, prefix.keys, prefix.values, pads)
         if self.tight_cache:
             cache.reserve(max(c.seq.to_write for c in group), width - start)
-        self.adapters.select([c.seq.adapter for c in group])
+        self.adapters.select_rows([c.seq for c in group])
         for row, c in enumerate(group):
             c.seq.cached_tokens = max(start - pads[row], 0)
             if c.seq.params.max_tokens > 0:
@@ -265,7 +265,7 @@ class ModelRunner:
         seq = chunk.seq
         cache = self.chunk_caches.setdefault(seq.seq_id, make_prompt_cache(self.model))
         ids = mx.array([seq.prompt_ids[chunk.start : chunk.end]])
-        self.adapters.select([seq.adapter])
+        self.adapters.select_rows([seq])
         scored = None
         if seq.prompt_store is not None:  # every position's logits: the prompt is scored
             out = self.model(ids, cache=cache)[0]

@@ -6,7 +6,10 @@ bad adapters are 400s and 404s and the server keeps serving; new base weights ke
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,9 +21,14 @@ import openai
 import pytest
 
 from omlx_logprobs.models.loader import LoadedModel
-from tests.helpers.engine import moved_copy, reference_logprobs
+from tests.helpers.engine import moved_copy, reference_logprobs, tiny_model_dir
 from tests.helpers.lora import fused, make_adapter
-from tests.helpers.server import ServerProcess, assert_openai_error, server_process
+from tests.helpers.server import (
+    ServerProcess,
+    assert_openai_error,
+    engine_child,
+    server_process,
+)
 
 PROMPTS = ["The quick brown fox jumps over the lazy", "Once upon a time", "1 2 3 4 5"]
 
@@ -185,3 +193,48 @@ def test_new_base_weights_keep_the_adapters(
                  lora_path=str(adapters["one"]), load_inplace=True)  # fmt: skip
         assert r.status_code == 200
     check(client, "one", refs["one"], PROMPTS[0])
+
+
+def test_adapters_come_back_with_a_restarted_engine(
+    server: ServerProcess, client: openai.OpenAI, adapters: dict[str, Path], refs: dict
+) -> None:
+    """The engine process killed: the new one loads `--lora`'s adapter and the one loaded at
+    run time, before it serves."""
+    r = post(server, "/v1/load_lora_adapter", lora_name="three", lora_path=str(adapters["three"]))
+    assert r.status_code == 200, r.text
+    first = engine_child(server.proc.pid)
+    os.kill(first, signal.SIGKILL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        time.sleep(0.5)
+        h = httpx.get(server.base + "/health", timeout=10)
+        if h.status_code == 200 and h.json()["engine"] is not None:
+            break
+    assert engine_child(server.proc.pid) != first
+    for name in ("one", "three", "tiny"):
+        check(client, name, refs[name], PROMPTS[2])
+    assert post(server, "/v1/unload_lora_adapter", lora_name="three").status_code == 200
+
+
+def test_adapters_come_back_when_their_model_is_loaded_again(
+    tiny_dir: Path, adapters: dict[str, Path], refs: dict, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """--max-loaded-models 1: the base model unloaded to make room for another and loaded
+    again serves its adapters, those of --lora and those loaded at run time."""
+    other = tiny_model_dir(tmp_path_factory.mktemp("lora_other"), tiny_dir, seed=99)
+    args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--model", str(other),
+            "--served-model-name", "other", "--max-loaded-models", "1", "--engine", "thread",
+            "--lora", f"one={adapters['one']}"]  # fmt: skip
+    with server_process(args) as s:
+        c = openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0, timeout=120)
+        r = post(s, "/v1/load_lora_adapter", lora_name="two", lora_path=str(adapters["two"]))
+        assert r.status_code == 200, r.text
+        c.completions.create(model="other", prompt="x", max_tokens=1)  # tiny unloaded
+        models = httpx.get(s.base + "/health").json()["models"]
+        assert models["tiny"]["state"] == "unloaded" and models["tiny"]["adapters"] == [
+            "one",
+            "two",
+        ]
+        for name in ("two", "one", "tiny"):
+            check(c, name, refs[name], PROMPTS[0])
+        assert "model tiny loaded" in s.log()
