@@ -23,10 +23,14 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> PlainTextResponse:
         base = req.base_model_name
         if base is not None and base not in pool.slots:
-            pool.slot(None if base in pool.adapter_names() else base)  # 404 for unknown names
+            adapter = base in pool.adapter_names()
+            served = ", ".join(f"`{n}`" for n in pool.slots)
             raise APIError(
-                f"`{base}` is a LoRA adapter; base_model_name names a served model.",
+                f"`{base}` is {'a LoRA adapter' if adapter else 'not served'}: base_model_name"
+                f" names one of the served models, {served}.",
                 param="base_model_name",
+                status=400 if adapter else 404,
+                code=None if adapter else "model_not_found",
             )
         name, slot = req.lora_name, pool.slot(base)
         replace = req.load_inplace and name in slot.adapters

@@ -160,7 +160,9 @@ def test_bad_adapters_are_refused_and_the_server_keeps_serving(
         r = post(server, load, lora_name=taken, lora_path=str(adapters["two"]))
         assert assert_openai_error(r, 400, "lora_name")["code"] == "adapter_exists"
     r = post(server, load, lora_name="x", lora_path=str(adapters["two"]), base_model_name="nope")
-    assert_openai_error(r, 404, "model")
+    assert_openai_error(r, 404, "base_model_name")
+    r = post(server, load, lora_name="x", lora_path=str(adapters["two"]), base_model_name="one")
+    assert_openai_error(r, 400, "base_model_name")
     r = post(server, load, lora_name="x", lora_path=str(adapters["two"]), extra=1)
     assert_openai_error(r, 400, "extra")
     r = post(server, "/v1/unload_lora_adapter", lora_name="nope")
