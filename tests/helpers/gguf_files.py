@@ -146,8 +146,10 @@ def write_gguf(
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     tokenizer: str = "gpt2",
     pre: str = "qwen2",
+    types: dict[str, GGMLQuantizationType] | None = None,
 ) -> None:
-    """A GGUF file of an mlx-lm model's config and float32 weights."""
+    """A GGUF file of an mlx-lm model's config and float32 weights: `qtype` for every matrix,
+    or the type `types` gives a weight's mlx-lm name (as a Q4_K_M file mixes Q4_K and Q6_K)."""
     model_type = config["model_type"]
     arch = ARCHES[model_type]
     w = GGUFWriter(str(path), arch)
@@ -186,7 +188,7 @@ def write_gguf(
             value = _permute(value, config.get("num_key_value_heads", heads))
         if model_type == "gemma3_text" and name.endswith("norm.weight"):
             value = value + np.float32(1.0)
-        _add_tensor(w, gguf_name(name, model_type), value, qtype)
+        _add_tensor(w, gguf_name(name, model_type), value, (types or {}).get(name, qtype))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
