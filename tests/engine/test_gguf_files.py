@@ -51,6 +51,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "sliding_window_pattern": 6, "query_pre_attn_scalar": 16, "rope_theta": 1e6,
         "rope_local_base_freq": 10000.0, "rms_norm_eps": 1e-6,
     },
+    # Ministral 3: YaRN rope scaling, and Llama 4's query temperature over an original context
+    # of 8 tokens, so that the prompt crosses two steps of it.
+    "ministral3": {
+        **_BASE, "model_type": "ministral3", "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                            "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "llama_4_scaling_beta": 0.1},
+    },
     "phi3": {
         **{k: v for k, v in _BASE.items() if k != "head_dim"}, "model_type": "phi3",
         "tie_word_embeddings": False, "original_max_position_embeddings": 64,
