@@ -53,6 +53,18 @@ class MemorySpec:
 
 
 @dataclass(frozen=True)
+class QuantizedSpec:
+    """The quantized-model row (quantized.py): a random model of randmodel's `size`, quantized by
+    `mlx_lm convert -q`, against itself in float32, at one concurrency with logprobs off."""
+
+    size: str
+    concurrency: int
+    rounds: int
+    bits: int = 4
+    group_size: int = 64  # mlx_lm convert's default
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     kind: str  # "embedded" (SmolLM2-135M-Instruct), "random" (randmodel.py) or "path"
     size: str = "tiny"  # random only: a randmodel.SIZES key
@@ -82,6 +94,7 @@ class Preset:
     # mlx-lm's server runs at most this many rounds of a cell (None: as many as ours): its
     # targets compare it with ours by 2x or more, and its runs are the slowest of a preset.
     peer_rounds: int | None = None
+    quantized: QuantizedSpec | None = None  # the "quantized" part's model and load
 
 
 # `make bench` on the 2-core CPU box, where prefill runs at ~150 tokens/s and decode at batch 64
@@ -96,7 +109,7 @@ class Preset:
 CPU = Preset(
     name="cpu",
     model=ModelSpec("embedded"),
-    parts=("omlx", "mlx-lm", "batchgen"),
+    parts=("omlx", "mlx-lm", "batchgen", "quantized"),
     max_num_seqs=64,
     max_tokens=32,
     prompt_words=16,
@@ -112,6 +125,8 @@ CPU = Preset(
     score=ScoreSpec(concurrency=4, requests=8, prompt_words=200),
     memory=MemorySpec(2000, 100, concurrency=16, max_tokens=8, prompt_words=8),
     omlx_modes=("off", "top5", "top20"),
+    # SmolLM2-135M's shapes, random weights: 4 bits dequantized at load against float32.
+    quantized=QuantizedSpec("135m", concurrency=8, rounds=4),
 )
 
 # A random-weight 1.1B llama (hidden 2048, 16 layers, vocab 49,152, bfloat16), 128 new tokens per
@@ -149,7 +164,7 @@ GPU = Preset(
 SMOKE = Preset(
     name="smoke",
     model=ModelSpec("random", size="tiny", dtype="float32"),
-    parts=("omlx", "mlx-lm", "batchgen", "memory"),
+    parts=("omlx", "mlx-lm", "batchgen", "memory", "quantized"),
     max_num_seqs=8,
     max_tokens=8,
     prompt_words=16,
@@ -158,6 +173,7 @@ SMOKE = Preset(
     ttft_requests=3,
     score=ScoreSpec(concurrency=2, requests=4, prompt_words=40),
     memory=MemorySpec(40, 8, concurrency=4, max_tokens=4, prompt_words=8, readings=4),
+    quantized=QuantizedSpec("tiny", concurrency=4, rounds=1),
 )
 
 # Resident memory of our server over 2,000 requests with top_logprobs 20 on the embedded model

@@ -29,6 +29,14 @@ SIZES = {
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
     },
+    # SmolLM2-135M's shapes (the CPU preset's quantized row).
+    "135m": {
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+    },
     "tiny": {
         "hidden_size": 64,
         "num_hidden_layers": 2,

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PARTS = ("omlx", "mlx-lm", "batchgen", "memory")
+PARTS = ("omlx", "mlx-lm", "batchgen", "memory", "quantized")
 
 
 @dataclass

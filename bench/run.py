@@ -9,10 +9,11 @@ section of docs/benchmarks.md.
 
 A run is made of parts (results.PARTS): `omlx` (our server: throughput with logprobs off and
 top_logprobs 0, 5, 20; TTFT; prompt scoring), `mlx-lm` (its server, off and top5), `batchgen`
-(bare mlx-lm in a subprocess: BatchGenerator, plain prefill, stream_generate TTFT) and `memory`
-(our server's RSS over 2,000 requests). `--only` runs some of them and merges them with the
-parts saved by earlier runs of the same preset and model (`--state`), so a preset can be measured
-in several commands and still write one table.
+(bare mlx-lm in a subprocess: BatchGenerator, plain prefill, stream_generate TTFT), `memory`
+(our server's RSS over 2,000 requests) and `quantized` (a 4-bit random model served with
+`--dtype auto` against itself in float32; quantized.py). `--only` runs some of them and merges
+them with the parts saved by earlier runs of the same preset and model (`--state`), so a preset
+can be measured in several commands and still write one table.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 from cpu_halves import pin_halves, server_affinity
 from measure import ServerBench, Target, log, measure_memory, measure_server
 from presets import PRESETS, ModelSpec, Preset
+from quantized import quantized_part
 from report import machine_facts, write_section
 from results import PARTS, PartResult, Results
 from server import REPO, free_port, mlx_lm_command, omlx_command, start_server
@@ -171,11 +173,12 @@ def run_parts(parts: list[str], p: Preset, m: Model, res: Results, state: Path) 
     runner_cmd = shown([sys.executable, "bench/run.py", *sys.argv[1:]])
     for part in parts:
         log(f"== part {part}")
-        result = (
-            bare_part(p, m, runner_cmd)
-            if part == "batchgen"
-            else server_part(part, p, m, runner_cmd)
-        )
+        if part == "batchgen":
+            result = bare_part(p, m, runner_cmd)
+        elif part == "quantized":  # its own models; the served model's tokenizer
+            result = quantized_part(p, runner_cmd, CACHE, m.dir, shown)
+        else:
+            result = server_part(part, p, m, runner_cmd)
         result.finished = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
         noisy_note(result)
         res.replace_part(result)

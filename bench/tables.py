@@ -101,12 +101,27 @@ def detail_tables(res: Results) -> list[str]:
                 f"| {name} | {t.requests} | {t.prompt_tokens} | {t.median_s * 1e3:.1f} "
                 f"| {t.p90_s * 1e3:.1f} | {first} |"
             )
+    out += quantized_table(res)
     mem = res.memory()
     if mem is not None:
         out += ["", f"Memory soak: concurrency {mem.concurrency}, {mem.max_tokens} new tokens, "
                 f"top_logprobs {mem.top_k}; RSS after warm-up {mem.warm_rss_mib:.1f} MiB, then "
                 + ", ".join(f"{p.rss_mib:.1f} after {p.requests_done}" for p in mem.points)
                 + (f"; **{mem.errors} errors**" if mem.errors else "") + "."]  # fmt: skip
+    return out
+
+
+def quantized_table(res: Results) -> list[str]:
+    """The quantized part (quantized.py): the 4-bit model and the float32 one, run by run."""
+    part = res.part("quantized")
+    if part is None or not part.throughput:
+        return []
+    names = {"4bit": "4-bit (`mlx_lm convert -q`), `--dtype auto`", "float32": "float32"}
+    out = ["", "| random model, logprobs off | concurrency | completion tok/s | runs (tok/s) |",
+           "|---|---:|---:|---|"]  # fmt: skip
+    for t in part.throughput:
+        runs = " ".join(f"{r:.1f}" for r in t.run_tokens_per_s)
+        out.append(f"| {names.get(t.target, t.target)} | {t.concurrency} | {_tps(t)} | {runs} |")
     return out
 
 

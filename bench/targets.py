@@ -14,6 +14,7 @@ BATCHGEN_GOAL = 0.8  # our server without logprobs against bare BatchGenerator, 
 SCORING_GOAL = 0.8  # prompt scoring against plain prefill of the same tokens
 TTFT_GOAL_MS = 10.0  # our TTFT minus mlx-lm generate's, concurrency 1
 MEMORY_GOAL = 0.05  # RSS growth over the memory soak, past warm-up
+QUANTIZED_GOAL = 0.9  # a 4-bit model served with --dtype auto against itself in float32
 
 
 @dataclass
@@ -134,5 +135,15 @@ def memory_check(res: Results) -> Check:
     return Check(name, value, goal, mem.growth < MEMORY_GOAL)
 
 
+def quantized_check(res: Results, p: Preset) -> Check:
+    """On the CPU `--dtype auto` dequantizes at load, so the 4-bit model serves as float32
+    does; kept quantized it would be about ten times slower."""
+    c = p.quantized.concurrency if p.quantized else 8
+    q, f = res.throughput("4bit", "off", c), res.throughput("float32", "off", c)
+    name = f"4-bit model (--dtype auto) / the same model in float32, c={c}"
+    return _ratio_check(name, q, f, QUANTIZED_GOAL, "run quantized", paired=True)
+
+
 def evaluate(res: Results, p: Preset) -> list[Check]:
-    return throughput_checks(res, p) + [scoring_check(res), ttft_check(res), memory_check(res)]
+    checks = [scoring_check(res), ttft_check(res), memory_check(res), quantized_check(res, p)]
+    return throughput_checks(res, p) + checks
