@@ -45,17 +45,16 @@ def scales_and_biases(blocks: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndar
 
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Unsigned codes along the last axis as MLX packs them: a little-endian bit stream in
-    uint32 words, each code's lowest bit first (so 8 codes a word at 4 bits, and 5-bit codes
-    crossing word boundaries)."""
-    rows = codes.reshape(-1, codes.shape[-1])
-    out = np.empty((rows.shape[0], rows.shape[1] * bits // 32), dtype=np.uint32)
-    shifts, places = np.arange(bits, dtype=np.uint32), np.arange(32, dtype=np.uint32)
-    step = max(1, (1 << 20) // rows.shape[1])  # rows at a time: the bit stream takes 4 bytes a bit
-    for i in range(0, rows.shape[0], step):
-        stream = (rows[i : i + step, :, None].astype(np.uint32) >> shifts) & 1
-        words = stream.reshape(stream.shape[0], -1, 32)
-        out[i : i + step] = (words << places).sum(-1, dtype=np.uint32)
+    """Unsigned codes along the last axis (a multiple of 32) as MLX packs them: a little-endian
+    bit stream in uint32 words, each code's lowest bit first (8 codes a word at 4 bits; every
+    32 codes fill `bits` words, 5-bit codes crossing word boundaries)."""
+    c = codes.astype(np.uint32, copy=False).reshape(-1, 32)
+    out = np.zeros((c.shape[0], bits), dtype=np.uint32)
+    for i in range(32):
+        word, shift = divmod(i * bits, 32)
+        out[:, word] |= c[:, i] << np.uint32(shift)  # bits past the word's end fall off
+        if shift + bits > 32:
+            out[:, word + 1] |= c[:, i] >> np.uint32(32 - shift)
     return out.reshape(*codes.shape[:-1], -1)
 
 
