@@ -223,10 +223,13 @@ def test_quantization_type_converts_exactly(
         want = _stored_as_mlx(stored[gguf_name(name, "llama")], original.shape)
         assert got.dtype == np.float32 and np.array_equal(got, want), name
         assert np.array_equal(np.array(served_weights[name]), want), name
-        if path in quant:
+        if path in quant:  # the loaded layer's own arrays dequantize to gguf's values
             layer = layers[path]
             assert isinstance(layer, nn.QuantizedLinear | nn.QuantizedEmbedding), path
             assert (layer.bits, layer.group_size) == (BITS[qtype], 32)
+            own = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=32,
+                                bits=layer.bits)  # fmt: skip
+            assert np.array_equal(np.array(own), want), name
         err = np.sqrt(np.mean((got - original) ** 2) / np.mean(original**2))
         assert err <= _CLOSE[qtype], (name, float(err))
     assert np.isfinite(np.array(loaded(mx.array([PROMPT])))).all()
