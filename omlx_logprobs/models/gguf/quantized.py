@@ -64,8 +64,6 @@ def to_affine(
     """(packed uint32 weight, float32 scales, float32 biases) in `weights`' shape for a tensor
     of `qtype` whose blocks are `blocks` (its rows of raw bytes) and whose dequantized float32
     values are `weights`; None when the type is not mapped or the mapping is not exact."""
-    import mlx.core as mx
-
     bits = BITS.get(qtype)
     if bits is None or weights.ndim < 2 or weights.shape[-1] % GROUP:
         return None
@@ -73,20 +71,33 @@ def to_affine(
 
     block_bytes = GGML_QUANT_SIZES[qtype][1]
     scale, bias = scales_and_biases(np.asarray(blocks).reshape(-1, block_bytes), qtype)
+    rows = weights.reshape(-1, weights.shape[-1])
+    scale, bias = scale.reshape(rows.shape[0], -1), bias.reshape(rows.shape[0], -1)
+    packed = np.empty((rows.shape[0], rows.shape[1] * bits // 32), dtype=np.uint32)
+    # Rows a chunk at a time, so that a large embedding's codes never sit in memory all at once.
+    step = max(1, (1 << 24) // rows.shape[1])
+    for i in range(0, rows.shape[0], step):
+        chunk = _to_codes(rows[i : i + step], scale[i : i + step], bias[i : i + step], bits)
+        if chunk is None:
+            return None
+        packed[i : i + step] = chunk
     groups = (*weights.shape[:-1], weights.shape[-1] // GROUP)
-    scale, bias = scale.reshape(groups), bias.reshape(groups)
-    w = weights.reshape(*groups, GROUP)
+    return packed.reshape(*weights.shape[:-1], -1), scale.reshape(groups), bias.reshape(groups)
+
+
+def _to_codes(w: np.ndarray, scale: np.ndarray, bias: np.ndarray, bits: int) -> np.ndarray | None:
+    """Rows of weights as packed codes, or None unless MLX's dequantize gives them back."""
+    import mlx.core as mx
+
+    grouped = w.reshape(w.shape[0], -1, GROUP)
     with np.errstate(divide="ignore", invalid="ignore"):
-        codes = np.rint((w - bias[..., None]) / scale[..., None])
+        codes = np.rint((grouped - bias[..., None]) / scale[..., None])
     # A zero scale makes every weight of its group the bias, whatever the code.
     codes = np.where(scale[..., None] == 0, 0, codes)
     if not np.isfinite(codes).all():
         return None
-    codes = np.clip(codes, 0, (1 << bits) - 1).astype(np.uint32).reshape(weights.shape)
-    packed = pack(codes, bits)
+    packed = pack(np.clip(codes, 0, (1 << bits) - 1).astype(np.uint32).reshape(w.shape), bits)
     back = mx.dequantize(
         mx.array(packed), mx.array(scale), mx.array(bias), group_size=GROUP, bits=bits
     )
-    if not np.array_equal(np.array(back), weights):
-        return None
-    return packed, scale, bias
+    return packed if np.array_equal(np.array(back), w) else None
