@@ -118,6 +118,22 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "partial_rotary_factor": 0.5,
         "tie_word_embeddings": False,
     },
+    # Qwen3.5: linear-attention (gated delta) layers every layer but each second, dense MLPs.
+    "qwen3_5": {
+        **_ATTN,
+        "num_hidden_layers": 2,
+        "full_attention_interval": 2,
+        "linear_num_value_heads": 2,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {
+            "type": "default", "mrope_section": [1, 1, 0], "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
+        "tie_word_embeddings": False,
+    },
     "lfm2": {
         **_ATTN,
         "num_hidden_layers": 2,
