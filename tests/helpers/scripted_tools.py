@@ -133,6 +133,12 @@ CASES: dict[str, ToolCase] = {
         "hermes", [("t", OPEN), ("t", {"text": body(*WEATHER)})], "", [WEATHER]
     ),
     "plain": ToolCase("hermes", [("c", {"text": "No tools: x < y."})], "No tools: x < y."),
+    "forced": ToolCase(  # exactly what the grammar of a forced Hermes call allows
+        "hermes",
+        [("t", OPEN), ("t", {"text": "\n" + body(*WEATHER) + "\n"}), ("t", CLOSE)],
+        "",
+        [WEATHER],
+    ),
     "list": ToolCase(
         "mistral",
         [
