@@ -15,6 +15,7 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from fastapi import Request
+from pydantic import BaseModel
 
 import omlx_logprobs
 from omlx_logprobs.api import sections, tools
@@ -72,7 +73,7 @@ class Served:
         facts = f"{omlx_logprobs.__version__}|{self.model.name}|{self.model.path}|{self.cfg}"
         return "fp_" + hashlib.sha256(facts.encode()).hexdigest()[:12]
 
-    def fields_headers(self, req: SamplingFields) -> dict[str, str]:
+    def fields_headers(self, req: BaseModel) -> dict[str, str]:
         """A 400 for the first field the request's model does not declare; with
         --ignore-unknown-fields a warning and the response header naming them all."""
         ignored = check_unknown(req, self.ignore_unknown_fields)
