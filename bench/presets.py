@@ -10,11 +10,14 @@ from dataclasses import dataclass, replace
 
 TTFT_SEED = 7  # prompt seed of the TTFT requests, the same for our server and mlx-lm generate
 MODES = ("off", "top0", "top5", "top20")  # logprobs off, then top_logprobs = 0, 5, 20
+# Logprobs off and a strict JSON schema on every request (loadgen.py --json-schema): what
+# constrained decoding costs, against "off" round by round.
+JSON_MODE = "json"
 
 
 def mode_top_k(mode: str) -> int | None:
-    """None for "off", else the top_logprobs of a "topK" mode."""
-    return None if mode == "off" else int(mode[3:])
+    """None for "off" and "json", else the top_logprobs of a "topK" mode."""
+    return None if mode in ("off", JSON_MODE) else int(mode[3:])
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class Preset:
     # mlx-lm's server runs at most this many rounds of a cell (None: as many as ours): its
     # targets compare it with ours by 2x or more, and its runs are the slowest of a preset.
     peer_rounds: int | None = None
+    # Our server's cells that also run JSON_MODE in every round, beside "off".
+    json_cells: tuple[int, ...] = ()
 
 
 # `make bench` on the 2-core CPU box, where prefill runs at ~150 tokens/s and decode at batch 64
@@ -112,6 +117,7 @@ CPU = Preset(
     score=ScoreSpec(concurrency=4, requests=8, prompt_words=200),
     memory=MemorySpec(2000, 100, concurrency=16, max_tokens=8, prompt_words=8),
     omlx_modes=("off", "top5", "top20"),
+    json_cells=(8,),
 )
 
 # A random-weight 1.1B llama (hidden 2048, 16 layers, vocab 49,152, bfloat16), 128 new tokens per
@@ -145,6 +151,17 @@ GPU = Preset(
     memory=MemorySpec(2000, 200, concurrency=64, max_tokens=16, prompt_words=16),
 )
 
+# The JSON-schema row of `cpu` alone: c=8, logprobs off and a strict JSON schema on every
+# request, eight alternating rounds (about 4 minutes on the quiet 2-core box; use --no-docs).
+JSON = replace(
+    CPU,
+    name="json",
+    parts=("omlx",),
+    cells=(CellSpec(8, 8, 8),),
+    omlx_modes=("off",),
+    json_cells=(8,),
+)
+
 # Seconds: checks that every part runs end to end and every check passes (use --no-docs).
 SMOKE = Preset(
     name="smoke",
@@ -164,4 +181,4 @@ SMOKE = Preset(
 # (about 10 minutes on the CPU box); on a GPU host use `--preset gpu --only memory` instead.
 MEMORY = replace(CPU, name="memory", parts=("memory",))
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (CPU, GPU, SMOKE, MEMORY)}
+PRESETS: dict[str, Preset] = {p.name: p for p in (CPU, GPU, SMOKE, MEMORY, JSON)}
