@@ -358,6 +358,12 @@ def test_stop_string_and_special_tokens_in_text(client: openai.OpenAI) -> None:
     plain = chat(client, "Say hi.", max_tokens=60, temperature=0,
                  extra_body={"skip_special_tokens": False})  # fmt: skip
     assert end.choices[0].message.content == plain.choices[0].message.content + "<|im_end|>"
+    # spaces_between_special_tokens: text is the tokens' own bytes, so either value is the same
+    for spaces in (False, True):
+        extra = {"skip_special_tokens": False, "include_stop_str_in_output": True,
+                 "spaces_between_special_tokens": spaces}  # fmt: skip
+        same = chat(client, "Say hi.", max_tokens=60, temperature=0, extra_body=extra)
+        assert same.choices[0].message.content == end.choices[0].message.content
 
 
 def test_truncate_prompt_tokens(client: openai.OpenAI) -> None:

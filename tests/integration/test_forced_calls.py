@@ -254,6 +254,26 @@ def test_forced_calls_refused(served: Served) -> None:
         assert_openai_error(r, 400, param)
 
 
+def test_a_template_without_tools_refuses_them(tiny_dir: Path) -> None:
+    """A server with a tool-call format, but a chat template that never writes `tools` (the
+    model would not see them): tools that may be called are a 400 naming `tools`; with
+    `tool_choice` none the request runs (the tools are only shown)."""
+    model = load_model(str(tiny_dir))
+    model.tokenizer.chat_template = TEMPLATE.replace("{%- if tools %}", "{%- if false %}")
+    with thread_server(model, tool_format="hermes") as (url, _):
+        body = {"model": model.name, "messages": [{"role": "user", "content": "hi"}]}
+        for choice in ("auto", "required", NAMED):
+            r = httpx.post(url + "/v1/chat/completions",
+                           json={**body, "tools": TOOLS, "tool_choice": choice})  # fmt: skip
+            err = assert_openai_error(r, 400, "tools")
+            assert "does not show tools to the model" in err["message"]
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json={**body, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2},
+        )
+        assert r.status_code == 200, r.text
+
+
 @pytest.fixture(scope="module")
 def scripted_tools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     model = load_model(str(write_tools_description(tmp_path_factory.mktemp("f") / "t.json")))
