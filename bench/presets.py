@@ -97,7 +97,8 @@ class Preset:
 # runs. c=8, c=32 and c=64 run four rounds of off and top 20, the first two with top 5 as well
 # (mlx-lm's server and bare mlx-lm two): presets of two rounds read c=32 at 0.97, 0.947 and 0.91
 # while six alternating rounds on one server read 0.96-1.10, pooled 1.02 (a run's ratio moves ~5%
-# on this box, so a median of four places a cell to about +-0.03).
+# on this box, so a median of four places a cell to about +-0.03). c=8 also runs a strict JSON
+# schema on every request in each round, beside off (constrained decoding's row; ~1 min more).
 CPU = Preset(
     name="cpu",
     model=ModelSpec("embedded"),
