@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen import LoadConfig, LoadResult, Sender, merge, percentile, run_load
-from presets import TTFT_SEED, CellSpec, Preset, mode_top_k
+from presets import JSON_MODE, TTFT_SEED, CellSpec, Preset, mode_top_k
 from results import Memory, MemoryPoint, PartResult, Scoring, Throughput, Ttft
 from scoring import endpoint_status, send_prefill, send_score
 from server import Server
@@ -73,6 +73,7 @@ class ServerBench:
             requests=requests,
             max_tokens=self.p.max_tokens,
             logprobs=mode_top_k(mode),
+            json_schema=mode == JSON_MODE,
             prompt_words=self.p.prompt_words,
             seed=self.seed,
             strict=self.target.strict,
@@ -91,6 +92,7 @@ class ServerBench:
         other = (busy_cpu_s() - busy0 - mine) / ((now() - t0) * (os.cpu_count() or 1))
         self.other_cpu = max(0.0, other)  # clock-tick rounding can dip below zero
         mode = label or ("off" if cfg.logprobs is None else f"top{cfg.logprobs}")
+        mode = JSON_MODE if cfg.json_schema and not label else mode
         tps = res.prompt_tokens_per_s if cfg.max_tokens <= 1 else res.tokens_per_s
         err = f", {res.errors} ERRORS {res.error_samples[:1]}" if res.errors else ""
         log(
@@ -109,7 +111,9 @@ class ServerBench:
         short = {"max_tokens": self.p.warmup_tokens}
         cold = await self.load(self.config(1, 1, "off", **short))
         # GPU (H200) c=1: without these the first round ran 150-250 tok/s, later ones ~290.
-        for mode in modes:
+        # The JSON mode too where it runs: its first request builds the grammar's tokenizer.
+        json = (JSON_MODE,) if self.target.name == "omlx" and self.p.json_cells else ()
+        for mode in (*modes, *json):
             await self.load(self.config(1, 1, mode))
         for c in sorted({c.concurrency for c in self.p.cells}):
             await self.load(self.config(c, c, modes[-1], **short))
@@ -119,15 +123,22 @@ class ServerBench:
         """Every mode `rounds` times. In each round the first and last modes (off and the largest
         top list: the pair a target compares) run back to back, their order alternating, so
         that the host's slow and fast phases fall on both sides of a round's pair alike
-        (targets.py compares runs round by round); the modes between follow, rotated."""
+        (targets.py compares runs round by round); the modes between follow, rotated. The JSON
+        mode, where the preset runs it at this concurrency, runs every round on off's other
+        side (its target compares it with off)."""
+        json = self.target.name == "omlx" and spec.concurrency in self.p.json_cells
         pair = [modes[0], modes[-1]] if len(modes) > 1 else list(modes)
         rest = [m for m in modes if m not in pair]
+        modes = (*modes, JSON_MODE) if json else modes
         runs: dict[str, list[LoadResult]] = {m: [] for m in modes}
         others: dict[str, float] = {m: 0.0 for m in modes}
         for r in range(spec.rounds):
             k = r + shift
             turn = k % len(rest) if rest else 0
             order = pair if k % 2 == 0 else pair[::-1]
+            if json:  # next to off: before it when it leads the round, else after it
+                lead = order[0] == modes[0] if len(pair) > 1 else k % 2 == 0
+                order = [JSON_MODE, *order] if lead else [*order, JSON_MODE]
             if spec.full_rounds is None or r < spec.full_rounds:
                 order = order + rest[turn:] + rest[:turn]
             for mode in order:

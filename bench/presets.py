@@ -10,11 +10,14 @@ from dataclasses import dataclass, replace
 
 TTFT_SEED = 7  # prompt seed of the TTFT requests, the same for our server and mlx-lm generate
 MODES = ("off", "top0", "top5", "top20")  # logprobs off, then top_logprobs = 0, 5, 20
+# Logprobs off and a strict JSON schema on every request (loadgen.py --json-schema): what
+# constrained decoding costs, against "off" round by round.
+JSON_MODE = "json"
 
 
 def mode_top_k(mode: str) -> int | None:
-    """None for "off", else the top_logprobs of a "topK" mode."""
-    return None if mode == "off" else int(mode[3:])
+    """None for "off" and "json", else the top_logprobs of a "topK" mode."""
+    return None if mode in ("off", JSON_MODE) else int(mode[3:])
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ class Preset:
     # targets compare it with ours by 2x or more, and its runs are the slowest of a preset.
     peer_rounds: int | None = None
     quantized: QuantizedSpec | None = None  # the "quantized" part's model and load
+    # Our server's cells that also run JSON_MODE in every round, beside "off".
+    json_cells: tuple[int, ...] = ()
 
 
 # `make bench` on the 2-core CPU box, where prefill runs at ~150 tokens/s and decode at batch 64
@@ -105,7 +110,8 @@ class Preset:
 # runs. c=8, c=32 and c=64 run four rounds of off and top 20, the first two with top 5 as well
 # (mlx-lm's server and bare mlx-lm two): presets of two rounds read c=32 at 0.97, 0.947 and 0.91
 # while six alternating rounds on one server read 0.96-1.10, pooled 1.02 (a run's ratio moves ~5%
-# on this box, so a median of four places a cell to about +-0.03).
+# on this box, so a median of four places a cell to about +-0.03). c=8 also runs a strict JSON
+# schema on every request in each round, beside off (constrained decoding's row; ~1 min more).
 CPU = Preset(
     name="cpu",
     model=ModelSpec("embedded"),
@@ -127,6 +133,7 @@ CPU = Preset(
     omlx_modes=("off", "top5", "top20"),
     # SmolLM2-135M's shapes, random weights: 4 bits dequantized at load against float32.
     quantized=QuantizedSpec("135m", concurrency=8, rounds=4),
+    json_cells=(8,),
 )
 
 # A random-weight 1.1B llama (hidden 2048, 16 layers, vocab 49,152, bfloat16), 128 new tokens per
@@ -160,6 +167,17 @@ GPU = Preset(
     memory=MemorySpec(2000, 200, concurrency=64, max_tokens=16, prompt_words=16),
 )
 
+# The JSON-schema row of `cpu` alone: c=8, logprobs off and a strict JSON schema on every
+# request, eight alternating rounds (about 4 minutes on the quiet 2-core box; use --no-docs).
+JSON = replace(
+    CPU,
+    name="json",
+    parts=("omlx",),
+    cells=(CellSpec(8, 8, 8),),
+    omlx_modes=("off",),
+    json_cells=(8,),
+)
+
 # Seconds: checks that every part runs end to end and every check passes (use --no-docs).
 SMOKE = Preset(
     name="smoke",
@@ -180,4 +198,4 @@ SMOKE = Preset(
 # (about 10 minutes on the CPU box); on a GPU host use `--preset gpu --only memory` instead.
 MEMORY = replace(CPU, name="memory", parts=("memory",))
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (CPU, GPU, SMOKE, MEMORY)}
+PRESETS: dict[str, Preset] = {p.name: p for p in (CPU, GPU, SMOKE, MEMORY, JSON)}

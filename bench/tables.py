@@ -60,7 +60,7 @@ def rounds_table(res: Results) -> list[str]:
     lines = []
     for c in res.concurrencies():
         off = res.throughput("omlx", "off", c)
-        for mode in ("top0", "top20"):
+        for mode in ("top0", "top20", "json"):
             on = res.throughput("omlx", mode, c)
             ratios = paired_ratios(on, off) if on is not None and off is not None else []
             if ratios:

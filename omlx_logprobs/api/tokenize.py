@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from omlx_logprobs.api import tools
 from omlx_logprobs.api.errors import APIError
@@ -27,19 +28,35 @@ def tokenize(req: TokenizeRequest, served: Served) -> dict[str, Any]:
         ids = encode(served.model, req.prompt, "prompt", special=add)
     else:
         messages = tools.template_messages(req.messages or [])
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.continue_final_message:
+            if req.add_generation_prompt:
+                raise APIError(
+                    "Cannot set both `continue_final_message` and `add_generation_prompt` to"
+                    " true (add_generation_prompt defaults to true: send false).",
+                    param="continue_final_message",
+                )
+            kwargs["continue_final_message"] = True
         try:
             text = tok.apply_chat_template(
                 messages,
                 tools=tools.template_tools(req.tools),
                 add_generation_prompt=req.add_generation_prompt,
                 tokenize=False,
-                **(req.chat_template_kwargs or {}),
+                **kwargs,
             )
         except Exception as e:  # a template error is the request's fault
             raise APIError(f"The chat template could not render: {e}", param="messages") from None
         served.checks.check_text(text, "messages")
         ids = encode(served.model, text, "messages", special=bool(req.add_special_tokens))
-    return {"tokens": ids, "count": len(ids), "max_model_len": served.model.max_model_len}
+    out: dict[str, Any] = {
+        "tokens": ids,
+        "count": len(ids),
+        "max_model_len": served.model.max_model_len,
+    }
+    if req.return_token_strs:
+        out["token_strs"] = list(tok.convert_ids_to_tokens(ids))
+    return out
 
 
 def detokenize(req: DetokenizeRequest, served: Served) -> dict[str, Any]:
@@ -73,17 +90,20 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
     """Each route takes the model by name (`model`; the default when absent) and loads it if
     need be."""
 
+    # Unknown fields: a 400 naming the first, or (--ignore-unknown-fields) the header.
     @app.post("/tokenize")
-    async def _tokenize(req: TokenizeRequest) -> dict[str, Any]:
+    async def _tokenize(req: TokenizeRequest) -> JSONResponse:
         async with pool.use(req.model) as slot:
             assert slot.served is not None
-            return tokenize(req, slot.served)
+            headers = slot.served.fields_headers(req)
+            return JSONResponse(tokenize(req, slot.served), headers=headers)
 
     @app.post("/detokenize")
-    async def _detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+    async def _detokenize(req: DetokenizeRequest) -> JSONResponse:
         async with pool.use(req.model) as slot:
             assert slot.served is not None
-            return detokenize(req, slot.served)
+            headers = slot.served.fields_headers(req)
+            return JSONResponse(detokenize(req, slot.served), headers=headers)
 
     @app.get("/tokenizer_info")
     async def _tokenizer_info(model: str | None = None) -> dict[str, Any]:

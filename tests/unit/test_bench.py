@@ -15,7 +15,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # after eve
 
 from loadgen import LoadConfig, LoadResult, RequestRecord, check_body, summarize  # noqa: E402
 from measure import ServerBench, Target  # noqa: E402
-from presets import GPU, CellSpec  # noqa: E402
+from presets import CPU, GPU, JSON, CellSpec  # noqa: E402
 from results import PartResult, Results, Throughput  # noqa: E402
 from targets import evaluate  # noqa: E402
 
@@ -48,6 +48,41 @@ def test_a_round_runs_off_and_top20_back_to_back_in_alternating_order() -> None:
     assert runs == {"off": 4, "top0": 2, "top5": 2, "top20": 4}
     assert CellSpec(8, 8, 4, full_rounds=3).capped(2) == CellSpec(8, 8, 2, full_rounds=2)
     assert CellSpec(8, 8, 4).capped(None) == CellSpec(8, 8, 4)
+
+
+def test_the_json_row_runs_beside_off_every_round_and_reads_its_median() -> None:
+    """Where a preset runs the JSON-schema mode (c=8 of `cpu`), it runs in every round on
+    off's other side, its requests carry the schema, and its target is the median of the
+    rounds' json/off ratios against 0.8."""
+    assert 8 in CPU.json_cells and JSON.json_cells == (8,)
+    sent: list[tuple[str, bool]] = []
+
+    async def load(cfg: LoadConfig, *_: Any, **__: Any) -> LoadResult:
+        mode = "json" if cfg.json_schema else ("off" if cfg.logprobs is None else "top")
+        sent.append((mode, cfg.json_schema))
+        speed = {"off": 100.0, "json": 85.0}.get(mode, 90.0)
+        rec = RequestRecord(1.0, completion_tokens=cfg.max_tokens)
+        return summarize(cfg, [rec] * cfg.requests, cfg.requests * cfg.max_tokens / speed)
+
+    base = SimpleNamespace(base_url="http://127.0.0.1:1/v1")
+    for preset, modes, size in ((CPU, ("off", "top20"), 3), (JSON, ("off",), 2)):
+        sent.clear()
+        bench = ServerBench(preset, base, Target("omlx", "m"))
+        bench.load = load  # type: ignore[method-assign]
+        cells = asyncio.run(bench.cell(CellSpec(8, 8, 4), modes, shift=0))
+        rounds = [[m for m, _ in sent[i : i + size]] for i in range(0, 4 * size, size)]
+        for r in rounds:  # json beside off in each round
+            assert abs(r.index("json") - r.index("off")) == 1
+        assert all(json_schema == (m == "json") for m, json_schema in sent)
+        res = Results(preset.name, "m", parts=[PartResult("omlx", "now", 1.0, "cmd")])
+        res.parts[0].throughput = cells
+        [check] = [c for c in evaluate(res, preset) if c.name == "ours JSON schema / ours off, c=8"]
+        assert check.value == "0.85x" and check.met and check.note.startswith("median of 4")
+    peer = ServerBench(CPU, base, Target("mlx-lm", "m"))
+    peer.load = load  # type: ignore[method-assign]
+    sent.clear()
+    asyncio.run(peer.cell(CellSpec(8, 8, 2), ("off", "top5"), shift=0))
+    assert all(m != "json" for m, _ in sent)  # never on mlx-lm's server
 
 
 def throughput(mode: str, runs: list[float]) -> Throughput:
