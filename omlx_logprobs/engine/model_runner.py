@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from omlx_logprobs.engine import compiled
 from omlx_logprobs.engine.batch_cache import BatchCache, kinds
 from omlx_logprobs.engine.grammar import bitmask
 from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, keeps_prefixes, make_prefix
@@ -62,6 +63,8 @@ CPU_PREFILL_ALIGN = 1
 # Tests set this to run the GPU's path (extraction on the device, one packed read a step, the
 # step processed beside the next launch) on the CPU backend.
 FORCE_GPU_PATH = False
+# The decode forward compiled (engine/compiled.py) where the host bounds the step: on a GPU.
+COMPILE_DECODE = True
 
 
 class ModelRunner:
@@ -117,6 +120,10 @@ class ModelRunner:
         self.overlaps = not cpu
         self.prefill_align = CPU_PREFILL_ALIGN if cpu else GPU_PREFILL_ALIGN
         self.tight_cache = cpu  # caches grow by what their rows may use (see batch_cache.py)
+        self.compiled = compiled.CompiledDecode(model) if COMPILE_DECODE and not cpu else None
+        # Where the decode batch is compiled, its shared left padding is trimmed in whole
+        # multiples of the width it keeps (else every trim would widen the cache again).
+        self.trim_align = compiled.WIDTH_ALIGN if self.compiled is not None else 1
         if cache_limit_mib is None and not cpu:
             cache_limit_mib = GPU_CACHE_LIMIT_MIB
         if cache_limit_mib is not None:
@@ -134,7 +141,10 @@ class ModelRunner:
             inputs = self.last_tokens[rows][:, None]
             if self.tight_cache:
                 self.batch_cache.reserve(max(s.to_write for s in self.rows))
-            parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
+            if self.compiled is not None and compiled.supports(self.batch_cache):
+                parts.append(self.compiled(inputs, self.batch_cache))
+            else:
+                parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
             seqs += self.rows
         # Whole prompts prefill together in left-padded groups, scored ones in groups of their
         # own; partial chunks and prompts with forks take the one-prompt path.
@@ -323,6 +333,8 @@ class ModelRunner:
         their keys and values came from the old weights. WeightsError leaves the old ones."""
         assert not self.rows and not self.chunk_caches and not self.prefilled
         load_into(self.model, path)
+        if self.compiled is not None:
+            self.compiled.reset()
         if self.prefixes is not None:
             self.prefixes.clear()
 
@@ -403,7 +415,7 @@ class ModelRunner:
             self.last_tokens, self.last_rows = None, {}  # idle: MLX holds only the weights
             return
         assert self.batch_cache is not None
-        self.batch_cache.filter(keep)
+        self.batch_cache.filter(keep, self.trim_align)
 
 
 def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[list[PrefillChunk]]:
