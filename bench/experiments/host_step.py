@@ -3,8 +3,8 @@
 prefills. On MLX's CPU backend, with a model whose device work is small beside its graph (the
 default: 22 layers of width 64), the launch is a proxy for a GPU's host time per step.
 
-    PYTHONPATH=TREE python bench/experiments/host_step.py --rows 64 --top 20 [--gpu-path]
-    python3 bench/experiments/host_step.py --model /root/m1b --rows 64 --top 0   # GPU host
+    PYTHONPATH=TREE python bench/experiments/host_step.py --rows 64 --top -1 20 [--gpu-path]
+    python3 bench/experiments/host_step.py --model /root/m1b --rows 64 --top -1 20   # GPU host
 
 `--gpu-path` runs the GPU's path on the CPU (extraction on the device, the step processed on a
 second thread beside the next launch). `--profile` prints a cProfile of the launches.
@@ -87,14 +87,16 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a model directory (default: a narrow model)")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--top", type=int, default=20, help="top logprobs (0: none; -1: off)")
+    top_help = "top logprobs, one or more (0: the sampled token's only; -1: logprobs off)"
+    ap.add_argument("--top", type=int, nargs="+", default=[20], help=top_help)
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--repeat", type=int, default=3, help="waves of rows, the first a warm-up")
+    ap.add_argument("--repeat", type=int, default=3, help="waves of each mode, the first a warm-up")
     ap.add_argument("--gpu-path", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="the decode forward uncompiled")
+    ap.add_argument("--label", default="", help="printed at the start of each result line")
     a = ap.parse_args()
     mlx_environment()
     model_runner.FORCE_GPU_PATH = a.gpu_path
@@ -105,36 +107,45 @@ def main() -> None:
     if a.model is None:
         net = narrow_model(a.layers, a.hidden, len(loaded.vocab), a.dtype)
     engine = Engine(net, loaded.vocab, loaded.eos_token_ids, EngineConfig())
-    params = SamplingParams(
-        max_tokens=a.steps,
-        temperature=0,
-        ignore_eos=True,
-        logprobs=a.top >= 0,
-        top_logprobs=max(a.top, 0),
-    )
     words = "the quick brown fox jumps over a lazy dog " * 2
     prof = cProfile.Profile() if a.profile else None
-    launch, build, cpu = [], [], []
+    # Per mode: each measured wave's median launch, its graph-building part, the process CPU.
+    seen: dict[int, list[tuple[float, float, float]]] = {t: [] for t in a.top}
     for wave in range(a.repeat):
         if prof is not None and wave == a.repeat - 1:
             prof.enable()
-        t0 = time.process_time()
-        steps = run(engine, a.rows, params, words, loaded.tokenizer)
-        if wave:
-            launch.append(statistics.median(t for t, _ in steps))
-            build.append(statistics.median(t - q for t, q in steps))
-            cpu.append(time.process_time() - t0)
+        for top in a.top if wave % 2 == 0 else a.top[::-1]:  # modes alternate within waves
+            params = SamplingParams(
+                max_tokens=a.steps,
+                temperature=0,
+                ignore_eos=True,
+                logprobs=top >= 0,
+                top_logprobs=max(top, 0),
+            )
+            t0 = time.process_time()
+            steps = run(engine, a.rows, params, words, loaded.tokenizer)
+            if wave and steps:
+                seen[top].append(
+                    (
+                        statistics.median(t for t, _ in steps),
+                        statistics.median(t - q for t, q in steps),
+                        time.process_time() - t0,
+                    )
+                )
     if prof is not None:
         prof.disable()
         pstats.Stats(prof).sort_stats("cumtime").print_stats(40)
-    ms = " ".join
-    print(
-        f"rows {a.rows} top {a.top} {'gpu-path' if a.gpu_path else 'cpu-path'}: "
-        f"host ms per decode step, median of waves: launch {statistics.median(launch) * 1e3:.2f} "
-        f"(waves {ms(f'{x * 1e3:.2f}' for x in launch)}), of which building the graph "
-        f"{statistics.median(build) * 1e3:.2f} (waves {ms(f'{x * 1e3:.2f}' for x in build)}); "
-        f"process CPU per wave {statistics.median(cpu):.2f} s"
-    )
+    for top, waves in seen.items():
+        launch, build = [w[0] * 1e3 for w in waves], [w[1] * 1e3 for w in waves]
+        mode = "off" if top < 0 else f"top {top}"
+        print(
+            f"{a.label}rows {a.rows} {mode} {'gpu-path ' if a.gpu_path else ''}"
+            f"host ms per decode step: launch {statistics.median(launch):.2f} "
+            f"(waves {' '.join(f'{x:.2f}' for x in launch)}), of which building the graph "
+            f"{statistics.median(build):.2f} (waves {' '.join(f'{x:.2f}' for x in build)}); "
+            f"process CPU per wave {statistics.median(w[2] for w in waves):.2f} s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

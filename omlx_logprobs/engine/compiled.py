@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from omlx_logprobs.engine.batch_cache import BatchCache
 
@@ -46,6 +47,43 @@ class _Slot:
 
     def make_mask(self, n: int, **kwargs: Any) -> mx.array:
         return self._mask
+
+
+def check(model: Any, templates: list[Any]) -> str | None:
+    """Why the model's decode cannot be compiled (None: it can): its caches are not all plain
+    KV ones, or one compiled step of a padded two-row batch fails or gives other logits than
+    the model's own forward (a backend without an op the traced graph uses, a family whose
+    attention reads the cache another way). At start-up, on a tiny batch."""
+    if not type(model).__module__.startswith("mlx_lm.models."):
+        # Scripted models and wrappers: their forward is Python of their own, which a trace
+        # would run once and then skip.
+        return "it is not one of mlx-lm's families"
+    if not all(type(t) is KVCache for t in templates):
+        return "its caches are not all plain KV caches"
+    rows, pads = mx.array([[0, 1, 2], [3, 4, 5]]), [1, 0]
+
+    def prefilled() -> BatchCache:
+        cache = BatchCache.for_prompts(templates, pads)
+        model(rows, cache=cache.layers)
+        return cache
+
+    plain, traced = prefilled(), prefilled()
+    nxt = mx.array([[6], [7]])
+    try:
+        raw = model(nxt, cache=plain.layers)[:, -1, :]
+        want = raw.astype(mx.float32)
+        got = CompiledDecode(model)(nxt, traced).astype(mx.float32)
+        mx.eval(want, got)
+    except Exception as exc:  # noqa: BLE001  (whatever the backend raises: served uncompiled)
+        return f"a compiled step failed: {exc}"
+    diff = float(np.abs(np.array(got) - np.array(want)).max())
+    scale = 1 + float(np.abs(np.array(want)).max())
+    # Relative to the logits' scale, as engine/probe.py: rounding (other fusions in 16-bit
+    # types) stays far below it, a cache read wrong moves logits by about the scale itself.
+    tolerance = 1e-3 if raw.dtype == mx.float32 else 0.1
+    if not diff <= tolerance * scale:
+        return f"a compiled step's logits differ from the model's own by {diff:.3g}"
+    return None
 
 
 def supports(cache: BatchCache) -> bool:

@@ -120,7 +120,13 @@ class ModelRunner:
         self.overlaps = not cpu
         self.prefill_align = CPU_PREFILL_ALIGN if cpu else GPU_PREFILL_ALIGN
         self.tight_cache = cpu  # caches grow by what their rows may use (see batch_cache.py)
-        self.compiled = compiled.CompiledDecode(model) if COMPILE_DECODE and not cpu else None
+        self.compiled: compiled.CompiledDecode | None = None
+        if COMPILE_DECODE and not cpu:
+            why = compiled.check(model, self.templates)
+            if why is None:
+                self.compiled = compiled.CompiledDecode(model)
+            else:
+                log.info("decode steps not compiled for %s: %s", type(model).__module__, why)
         # Where the decode batch is compiled, its shared left padding is trimmed in whole
         # multiples of the width it keeps (else every trim would widen the cache again).
         self.trim_align = compiled.WIDTH_ALIGN if self.compiled is not None else 1

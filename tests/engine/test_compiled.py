@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine import compiled, model_runner
@@ -88,3 +89,23 @@ def test_compiled_decode_follows_new_weights(
     assert calls
     check_against_reference(load_model(str(moved)), prompt, after, 0)
     assert not np.allclose(before.store.logprobs, after.store.logprobs, atol=1e-3)
+
+
+def test_a_model_whose_step_cannot_compile_is_served_uncompiled(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, calls: list[int]
+) -> None:
+    """The start-up check catches a compiled step that fails (a backend without one of its
+    ops): the runner keeps the uncompiled forward, and the entries stay right."""
+
+    def missing(self: object, keys: object, values: object) -> None:
+        raise RuntimeError("no kernel for this op")
+
+    monkeypatch.setattr(compiled._Slot, "update_and_fetch", missing)
+    assert "no kernel for this op" in (
+        compiled.check(tiny.model, make_prompt_cache(tiny.model)) or ""
+    )
+    prompt = encode(tiny, PROMPTS[0])
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
+    [(seq, _)] = run_engine(tiny, [(prompt, params)])
+    assert calls == [2, 2]  # the two start-up checks (here, then the engine's); none after
+    check_against_reference(tiny, prompt, seq, 0)
