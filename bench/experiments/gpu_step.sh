@@ -7,7 +7,8 @@
 #   STEPS and MAX_TOKENS (128 each) shorten it for a check of the script on a CPU.
 # 1. bench/experiments/host_step.py in-process, 64 rows, 128 steps, off and top 20: the median
 #    launch per decode-only step and its graph-building part, for old, new, and new with MLX's
-#    CUDA graphs on (MLX_USE_CUDA_GRAPHS=1; cli.py turns them off by default).
+#    CUDA graphs on (MLX_USE_CUDA_GRAPHS=1; cli.py turns them off by default), and new with a
+#    0.5 ms GIL switch interval (the launch shares the GIL with the step's processing beside it).
 # 2. Both servers up, c=64, 128 new tokens: ROUNDS (3) rounds alternating build and mode, with
 #    16 client processes (bodies parsed after the clock) and with one process that parses every
 #    body in its loop; medians and ratios at the end, and each server's launch per step from its
@@ -20,14 +21,17 @@ mkdir -p $out; rm -f $out/runs.tsv
 name=$(basename $model)
 
 echo "== host time per decode step, in-process (64 rows; ms)"
-host() {  # label tree [VAR=value...]
-  local label=$1 tree=$2; shift 2
-  env "$@" PYTHONPATH=$tree timeout 170 $py $new/bench/experiments/host_step.py --model $model \
-    --rows 64 --steps ${STEPS:-128} --top -1 20 --repeat 3 --label "$label " 2>&1 | grep -E "host ms|Error"
+host() {  # label tree [VAR=value | --flag value ...]
+  local label=$1 tree=$2 vars=() flags=(); shift 2
+  for x in "$@"; do case $x in *=*) vars+=("$x");; *) flags+=("$x");; esac; done
+  env "${vars[@]}" PYTHONPATH=$tree timeout 170 $py $new/bench/experiments/host_step.py --model $model \
+    --rows 64 --steps ${STEPS:-128} --top -1 20 --repeat 3 --label "$label " "${flags[@]}" 2>&1 \
+    | grep -E "host ms|Error"
 }
 host old $old
 host new $new
 host "new, CUDA graphs" $new MLX_USE_CUDA_GRAPHS=1
+host "new, switch 0.5 ms" $new --switch-interval 0.0005
 
 echo "== servers: c=64, ${MAX_TOKENS:-128} tokens, $rounds rounds a client set-up"
 start() {  # tree port

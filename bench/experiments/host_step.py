@@ -18,6 +18,7 @@ import argparse
 import cProfile
 import pstats
 import statistics
+import sys
 import time
 
 import omlx_logprobs  # noqa: F401
@@ -97,8 +98,14 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="the decode forward uncompiled")
     ap.add_argument("--label", default="", help="printed at the start of each result line")
+    si_help = (
+        "the GIL's switch interval, seconds (the launch shares the GIL with the step's processing)"
+    )
+    ap.add_argument("--switch-interval", type=float, default=None, help=si_help)
     a = ap.parse_args()
     mlx_environment()
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
     model_runner.FORCE_GPU_PATH = a.gpu_path
     if a.no_compile and hasattr(model_runner, "COMPILE_DECODE"):
         model_runner.COMPILE_DECODE = False
