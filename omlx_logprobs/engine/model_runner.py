@@ -82,7 +82,8 @@ class ModelRunner:
         self.rows: list[Sequence] = []  # the batch cache's rows
         self.batch_cache: BatchCache | None = None
         self.last_tokens: mx.array | None = None  # the last launched step's sampled ids
-        self.last_rows: dict[int, int] = {}  # seq_id -> its row in last_tokens
+        self.last_seqs: list[Sequence] = []  # their rows' sequences, in order
+        self._last_rows: dict[int, int] | None = None  # seq_id -> its row, made when asked
         self.chunk_caches: dict[int, list[Any]] = {}  # long prompts between their chunks
         self.prefilled: dict[int, _Prefilled] = {}  # prompts done, not yet in the batch
         self.time = DeviceTime()
@@ -142,9 +143,13 @@ class ModelRunner:
         seqs: list[Sequence] = []
         if self.rows:
             assert self.last_tokens is not None and self.batch_cache is not None
-            # Every row took part in the last step, so its input token is there, on the device.
-            rows = mx.array([self.last_rows[s.seq_id] for s in self.rows])
-            inputs = self.last_tokens[rows][:, None]
+            # Every row took part in the last step, so its input token is there, on the device
+            # (in the same rows when none joined or left: then no gather).
+            if self.rows == self.last_seqs:
+                inputs = self.last_tokens[:, None]
+            else:
+                rows = mx.array([self.last_rows[s.seq_id] for s in self.rows])
+                inputs = self.last_tokens[rows][:, None]
             if self.tight_cache:
                 self.batch_cache.reserve(max(s.to_write for s in self.rows))
             if self.compiled is not None and compiled.supports(self.batch_cache):
@@ -295,9 +300,12 @@ class ModelRunner:
     def _sample(self, logits: mx.array, seqs: list[Sequence]) -> LaunchedStep:
         params = [s.params for s in seqs]
         keys = [step_key(s.params.seed, s.num_sampled, s.choice_index) for s in seqs]
-        histories = [
-            (s.prompt_ids, s.output_ids.tolist()) if s.params.penalizes else ((), ()) for s in seqs
-        ]
+        histories: list[tuple[Any, Any]] = []  # read only for rows with a processor
+        if any(p.processes for p in params):
+            histories = [
+                (s.prompt_ids, s.output_ids.tolist()) if s.params.penalizes else ((), ())
+                for s in seqs
+            ]
         raw = logits.astype(mx.float32)  # the model's own: raw logprobs and finiteness
         logits = self._mask(raw, seqs)
         logits = apply_processors(logits, params, histories)
@@ -306,10 +314,17 @@ class ModelRunner:
         for s in seqs:
             s.num_sampled += 1
         self.last_tokens = tokens
-        self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        self.last_seqs, self._last_rows = list(seqs), None
         pending = self.extractor.step(tokens, raw, dist, params)
         self._queue(tokens, *pending.arrays())  # the next step reads these ids on the device
         return LaunchedStep(seqs, pending)
+
+    @property
+    def last_rows(self) -> dict[int, int]:
+        """seq_id -> its row in last_tokens."""
+        if self._last_rows is None:
+            self._last_rows = {s.seq_id: i for i, s in enumerate(self.last_seqs)}
+        return self._last_rows
 
     def _mask(self, logits: mx.array, seqs: list[Sequence]) -> mx.array:
         """The rows' token masks (engine/sampler.py). A row whose last sampled token was not
@@ -418,7 +433,8 @@ class ModelRunner:
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.batch_cache = None
-            self.last_tokens, self.last_rows = None, {}  # idle: MLX holds only the weights
+            # Idle: MLX holds only the weights.
+            self.last_tokens, self.last_seqs, self._last_rows = None, [], None
             return
         assert self.batch_cache is not None
         self.batch_cache.filter(keep, self.trim_align)
