@@ -98,4 +98,4 @@ for port, build in ((8301, "old"), (8302, "new")):
           f"{statistics.median(full):.2f} ms over {len(full)} lines" if full else f"{build} server: no such lines",
           f"; decode-only steps {statistics.median(dec):.2f} ms" if dec else "")
 EOF
-grep -hE "Traceback|ERROR" $out/server_830*.log | head -5
+grep -hE "Traceback|ERROR|decode steps not compiled" $out/server_830*.log | head -5

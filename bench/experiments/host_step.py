@@ -114,6 +114,12 @@ def main() -> None:
     if a.model is None:
         net = narrow_model(a.layers, a.hidden, len(loaded.vocab), a.dtype)
     engine = Engine(net, loaded.vocab, loaded.eos_token_ids, EngineConfig())
+    if not hasattr(engine.runner, "compiled"):
+        forward = "forward uncompiled (an older tree)"
+    elif engine.runner.compiled is None:
+        forward = "forward uncompiled"
+    else:
+        forward = "forward compiled"
     words = "the quick brown fox jumps over a lazy dog " * 2
     prof = cProfile.Profile() if a.profile else None
     # Per mode: each measured wave's median launch, its graph-building part, the process CPU.
@@ -150,7 +156,7 @@ def main() -> None:
             f"host ms per decode step: launch {statistics.median(launch):.2f} "
             f"(waves {' '.join(f'{x:.2f}' for x in launch)}), of which building the graph "
             f"{statistics.median(build):.2f} (waves {' '.join(f'{x:.2f}' for x in build)}); "
-            f"process CPU per wave {statistics.median(w[2] for w in waves):.2f} s",
+            f"process CPU per wave {statistics.median(w[2] for w in waves):.2f} s; {forward}",
             flush=True,
         )
 
