@@ -1,7 +1,10 @@
 """Host time per decode step of the engine at a full batch: the launch (graph building and
 `async_eval`) the engine's stats log, measured per step while every row decodes and none
-prefills. On MLX's CPU backend, with a model whose device work is small beside its graph (the
-default: 22 layers of width 64), the launch is a proxy for a GPU's host time per step.
+prefills, and its graph-building part (the launch less `async_eval`). On a GPU the launch is
+the host's time per step. On MLX's CPU backend `async_eval` computes much of the step before it
+returns, so there the graph-building part, with a model whose graph is large beside its width
+(the default: 22 layers of width 64), stands in for a GPU's Python per step (the CPU's fast ops
+decompose into more nodes than a GPU's, so a compiled graph's replay weighs more here).
 
     PYTHONPATH=TREE python bench/experiments/host_step.py --rows 64 --top -1 20 [--gpu-path]
     python3 bench/experiments/host_step.py --model /root/m1b --rows 64 --top -1 20   # GPU host
