@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The decode step's host time at 64 rows and tok/s with logprobs off and top 20, for this tree
-# and an older one, alternating; about 6 minutes on an H100 or H200.
+# and an older one, alternating; about 5-6 minutes on an H100 or H200.
 # Usage: TREE=DIR bash bench/experiments/gpu_step.sh MODEL_DIR [ROUNDS] [OUT_DIR]
 #   TREE holds the older omlx_logprobs/ (`mkdir -p .gpu/old && git archive REV omlx_logprobs |
 #   tar -x -C .gpu/old`); MODEL_DIR: the gpu preset's model (`bench/randmodel.py --size 1b`).
 #   STEPS and MAX_TOKENS (128 each) shorten it for a check of the script on a CPU.
 # 1. bench/experiments/host_step.py in-process, 64 rows, 128 steps, off and top 20: the median
-#    launch per decode-only step and its graph-building part, for old, new, and new with MLX's
-#    CUDA graphs on (MLX_USE_CUDA_GRAPHS=1; cli.py turns them off by default), and new with a
+#    launch per decode-only step and its graph-building part, for old, new, new with its decode
+#    forward uncompiled, new with MLX's CUDA graphs on (MLX_USE_CUDA_GRAPHS=1; cli.py turns them off by default), and new with a
 #    0.5 ms GIL switch interval (the launch shares the GIL with the step's processing beside it).
 # 2. Both servers up, c=64, 128 new tokens: ROUNDS (3) rounds alternating build and mode, with
 #    16 client processes (bodies parsed after the clock) and with one process that parses every
@@ -30,6 +30,7 @@ host() {  # label tree [VAR=value | --flag value ...]
 }
 host old $old
 host new $new
+host "new, uncompiled" $new --no-compile
 host "new, CUDA graphs" $new MLX_USE_CUDA_GRAPHS=1
 host "new, switch 0.5 ms" $new --switch-interval 0.0005
 
