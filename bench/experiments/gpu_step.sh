@@ -7,8 +7,9 @@
 #   STEPS and MAX_TOKENS (128 each) shorten it for a check of the script on a CPU.
 # 1. bench/experiments/host_step.py in-process, 64 rows, 128 steps, off and top 20: the median
 #    launch per decode-only step and its graph-building part, for old, new, new with its decode
-#    forward uncompiled, new with MLX's CUDA graphs on (MLX_USE_CUDA_GRAPHS=1; cli.py turns them off by default), and new with a
-#    0.5 ms GIL switch interval (the launch shares the GIL with the step's processing beside it).
+#    forward uncompiled, new with MLX's CUDA graphs on (MLX_USE_CUDA_GRAPHS=1; cli.py turns them
+#    off by default), and new with a 0.5 ms GIL switch interval (the launch shares the GIL with
+#    the step's processing beside it).
 # 2. Both servers up, c=64, 128 new tokens: ROUNDS (3) rounds alternating build and mode, with
 #    16 client processes (bodies parsed after the clock) and with one process that parses every
 #    body in its loop; medians and ratios at the end, and each server's launch per step from its
