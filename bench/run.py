@@ -36,7 +36,7 @@ from cpu_halves import pin_halves, server_affinity
 from measure import ServerBench, Target, log, measure_memory, measure_server
 from presets import PRESETS, ModelSpec, Preset
 from quantized import quantized_part
-from report import machine_facts, write_section
+from report import device_floor, machine_facts, write_section
 from results import PARTS, PartResult, Results
 from server import REPO, free_port, mlx_lm_command, omlx_command, start_server
 from tables import section, targets_table, throughput_table
@@ -211,6 +211,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     state_help = "saved results that --only runs merge with (default bench/.cache/PRESET.json)"
     ap.add_argument("--state", type=Path, default=None, help=state_help)
     ap.add_argument("--fresh", action="store_true", help="with --only: forget saved parts")
+    bw_help = "the GPU's memory bandwidth, GB/s (default: by its name, report.BANDWIDTH)"
+    ap.add_argument("--bandwidth-gbs", type=float, default=None, help=bw_help)
     pin_help = "servers and bare.py on one half of the cores, the load generator on the other"
     ap.add_argument("--pin", action="store_true", help=pin_help)
     return ap.parse_args(argv)
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
     )
+    # Our server's stats line every second: its decode-only steps are read run by run.
+    os.environ.setdefault("OMLX_STATS_INTERVAL_S", "1")
     if a.pin:
         servers, clients = pin_halves()
         log(f"--pin: servers on CPUs {servers}, this runner and its load generator on {clients}")
@@ -237,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     m = choose_model(p, a)
     state = a.state or CACHE / f"{p.name}.json"
     res = starting_results(p, m, a, state)
+    res.floor_ms, res.floor_note = device_floor(m.dir, dict(res.facts).get("GPU"), a.bandwidth_gbs)
     run_parts([x for x in PARTS if x in parts], p, m, res, state)
     checks = evaluate(res, p)
     print(throughput_table(res) + "\n\n" + targets_table(checks))

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from omlx_logprobs.engine import compiled
 from omlx_logprobs.engine.batch_cache import BatchCache, kinds
 from omlx_logprobs.engine.grammar import bitmask
 from omlx_logprobs.engine.prefix_cache import Prefix, PrefixCache, keeps_prefixes, make_prefix
@@ -62,6 +63,8 @@ CPU_PREFILL_ALIGN = 1
 # Tests set this to run the GPU's path (extraction on the device, one packed read a step, the
 # step processed beside the next launch) on the CPU backend.
 FORCE_GPU_PATH = False
+# The decode forward compiled (engine/compiled.py) where the host bounds the step: on a GPU.
+COMPILE_DECODE = True
 
 
 class ModelRunner:
@@ -79,7 +82,8 @@ class ModelRunner:
         self.rows: list[Sequence] = []  # the batch cache's rows
         self.batch_cache: BatchCache | None = None
         self.last_tokens: mx.array | None = None  # the last launched step's sampled ids
-        self.last_rows: dict[int, int] = {}  # seq_id -> its row in last_tokens
+        self.last_seqs: list[Sequence] = []  # their rows' sequences, in order
+        self._last_rows: dict[int, int] | None = None  # seq_id -> its row, made when asked
         self.chunk_caches: dict[int, list[Any]] = {}  # long prompts between their chunks
         self.prefilled: dict[int, _Prefilled] = {}  # prompts done, not yet in the batch
         self.time = DeviceTime()
@@ -117,6 +121,16 @@ class ModelRunner:
         self.overlaps = not cpu
         self.prefill_align = CPU_PREFILL_ALIGN if cpu else GPU_PREFILL_ALIGN
         self.tight_cache = cpu  # caches grow by what their rows may use (see batch_cache.py)
+        self.compiled: compiled.CompiledDecode | None = None
+        if COMPILE_DECODE and not cpu:
+            why = compiled.check(model, self.templates)
+            if why is None:
+                self.compiled = compiled.CompiledDecode(model)
+            else:
+                log.info("decode steps not compiled for %s: %s", type(model).__module__, why)
+        # Where the decode batch is compiled, its shared left padding is trimmed in whole
+        # multiples of the width it keeps (else every trim would widen the cache again).
+        self.trim_align = compiled.WIDTH_ALIGN if self.compiled is not None else 1
         if cache_limit_mib is None and not cpu:
             cache_limit_mib = GPU_CACHE_LIMIT_MIB
         if cache_limit_mib is not None:
@@ -129,12 +143,19 @@ class ModelRunner:
         seqs: list[Sequence] = []
         if self.rows:
             assert self.last_tokens is not None and self.batch_cache is not None
-            # Every row took part in the last step, so its input token is there, on the device.
-            rows = mx.array([self.last_rows[s.seq_id] for s in self.rows])
-            inputs = self.last_tokens[rows][:, None]
+            # Every row took part in the last step, so its input token is there, on the device
+            # (in the same rows when none joined or left: then no gather).
+            if self.rows == self.last_seqs:
+                inputs = self.last_tokens[:, None]
+            else:
+                rows = mx.array([self.last_rows[s.seq_id] for s in self.rows])
+                inputs = self.last_tokens[rows][:, None]
             if self.tight_cache:
                 self.batch_cache.reserve(max(s.to_write for s in self.rows))
-            parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
+            if self.compiled is not None and compiled.supports(self.batch_cache):
+                parts.append(self.compiled(inputs, self.batch_cache))
+            else:
+                parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
             seqs += self.rows
         # Whole prompts prefill together in left-padded groups, scored ones in groups of their
         # own; partial chunks and prompts with forks take the one-prompt path.
@@ -279,9 +300,12 @@ class ModelRunner:
     def _sample(self, logits: mx.array, seqs: list[Sequence]) -> LaunchedStep:
         params = [s.params for s in seqs]
         keys = [step_key(s.params.seed, s.num_sampled, s.choice_index) for s in seqs]
-        histories = [
-            (s.prompt_ids, s.output_ids.tolist()) if s.params.penalizes else ((), ()) for s in seqs
-        ]
+        histories: list[tuple[Any, Any]] = []  # read only for rows with a processor
+        if any(p.processes for p in params):
+            histories = [
+                (s.prompt_ids, s.output_ids.tolist()) if s.params.penalizes else ((), ())
+                for s in seqs
+            ]
         raw = logits.astype(mx.float32)  # the model's own: raw logprobs and finiteness
         logits = self._mask(raw, seqs)
         logits = apply_processors(logits, params, histories)
@@ -290,10 +314,17 @@ class ModelRunner:
         for s in seqs:
             s.num_sampled += 1
         self.last_tokens = tokens
-        self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        self.last_seqs, self._last_rows = list(seqs), None
         pending = self.extractor.step(tokens, raw, dist, params)
         self._queue(tokens, *pending.arrays())  # the next step reads these ids on the device
         return LaunchedStep(seqs, pending)
+
+    @property
+    def last_rows(self) -> dict[int, int]:
+        """seq_id -> its row in last_tokens."""
+        if self._last_rows is None:
+            self._last_rows = {s.seq_id: i for i, s in enumerate(self.last_seqs)}
+        return self._last_rows
 
     def _mask(self, logits: mx.array, seqs: list[Sequence]) -> mx.array:
         """The rows' token masks (engine/sampler.py). A row whose last sampled token was not
@@ -323,6 +354,8 @@ class ModelRunner:
         their keys and values came from the old weights. WeightsError leaves the old ones."""
         assert not self.rows and not self.chunk_caches and not self.prefilled
         load_into(self.model, path)
+        if self.compiled is not None:
+            self.compiled.reset()
         if self.prefixes is not None:
             self.prefixes.clear()
 
@@ -400,10 +433,11 @@ class ModelRunner:
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.batch_cache = None
-            self.last_tokens, self.last_rows = None, {}  # idle: MLX holds only the weights
+            # Idle: MLX holds only the weights.
+            self.last_tokens, self.last_seqs, self._last_rows = None, [], None
             return
         assert self.batch_cache is not None
-        self.batch_cache.filter(keep)
+        self.batch_cache.filter(keep, self.trim_align)
 
 
 def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[list[PrefillChunk]]:

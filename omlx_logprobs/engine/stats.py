@@ -71,6 +71,11 @@ class StepStats:
     # a GPU the second thread reads, beside the launch).
     read_s: float = 0.0
     flush_s: float = 0.0  # handing outputs over (to collectors, or to the server's process)
+    # Decode-only steps (rows sampled, no prompt tokens): the host time a decoding batch costs
+    # per step, apart from steps that also prefill (bench/run.py reads these from the log).
+    decode_steps: int = 0
+    decode_rows: int = 0
+    decode_launch_s: float = 0.0
     aside: tuple[float, float] = (0.0, 0.0)  # the last processing on the second thread: start, end
     _since: float = field(default_factory=time.perf_counter)
 
@@ -91,6 +96,10 @@ class StepStats:
         self.complete_s += complete_s
         self.queue_s += device.queue_s
         self.read_s += device.read_s
+        if rows and not prefill_tokens:
+            self.decode_steps += 1
+            self.decode_rows += rows
+            self.decode_launch_s += launch_s
         end = time.perf_counter()
         if TRACE:
             a0, a1 = self.aside
@@ -110,7 +119,8 @@ class StepStats:
             log.info(
                 "engine: %.1f steps/s, %.1f rows/step, %.0f tokens/s generated, %.0f prompt "
                 "tokens/s (%.0f%% cached); per step %.2f ms launch (%.2f queueing), %.2f ms "
-                "complete (%.2f reading), %.2f ms handing over",
+                "complete (%.2f reading), %.2f ms handing over; decode-only steps: %d, "
+                "%.2f ms launch at %.1f rows",
                 self.steps / wall,
                 self.rows / self.steps,
                 self.rows / wall,
@@ -121,7 +131,12 @@ class StepStats:
                 1e3 * self.complete_s / self.steps,
                 1e3 * self.read_s / self.steps,
                 1e3 * self.flush_s / self.steps,
+                self.decode_steps,
+                1e3 * self.decode_launch_s / max(self.decode_steps, 1),
+                self.decode_rows / max(self.decode_steps, 1),
             )
         self.steps = self.rows = self.prefill_tokens = self.cached_tokens = 0
+        self.decode_steps = self.decode_rows = 0
+        self.decode_launch_s = 0.0
         self.launch_s = self.complete_s = self.queue_s = self.read_s = self.flush_s = 0.0
         self._since = time.perf_counter()

@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from omlx_logprobs.engine.stats import StepStats
+from omlx_logprobs.engine.step import DeviceTime
+
 sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # after every installed module
 
 from loadgen import LoadConfig, LoadResult, RequestRecord, check_body, summarize  # noqa: E402
-from measure import ServerBench, Target  # noqa: E402
+from measure import ServerBench, Target, decode_stats  # noqa: E402
 from presets import CPU, GPU, JSON, CellSpec  # noqa: E402
+from report import device_floor  # noqa: E402
 from results import PartResult, Results, Throughput  # noqa: E402
 from targets import evaluate  # noqa: E402
 
@@ -124,3 +131,33 @@ def test_a_body_is_checked_after_the_run_and_a_wrong_one_is_an_error() -> None:
     assert (good.error, good.completion_tokens, good.prompt_tokens) == (None, 2, 7)
     assert bad.error == "entry 0: top_logprobs has 1 items, expected 2"
     assert broken.error is not None and broken.error.startswith("JSONDecodeError")
+
+
+def test_the_host_time_per_decode_step_is_read_from_the_engine_stats_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only steps that sampled rows and prefilled nothing count; two lines add up, each
+    weighted by its steps."""
+    stats = StepStats(interval_s=1e9)
+    with caplog.at_level(logging.INFO, logger="omlx_logprobs"):
+        for rows, prefill, launch in ((64, 0, 0.002), (64, 0, 0.004), (60, 100, 0.010)):
+            stats.add(rows, prefill, 0, launch, 0.0, DeviceTime())
+        stats.flush()
+        stats.add(32, 0, 0, 0.003, 0.0, DeviceTime())
+        stats.add(0, 0, 0, 0.001, 0.0, DeviceTime())  # nothing sampled: not a decode step
+        stats.flush()
+    steps, launch_ms, rows = decode_stats(caplog.text)
+    assert steps == 3
+    assert launch_ms == pytest.approx(9.0)
+    assert rows == pytest.approx(160.0)
+
+
+def test_the_device_floor_reads_the_weights_at_the_gpus_bandwidth(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 3_350_000)
+    (tmp_path / "config.json").write_text("{}")  # not a weight
+    floor, note = device_floor(tmp_path, "NVIDIA H100 80GB HBM3, 81559 MiB, 580.1", None)
+    assert floor == pytest.approx(1e-3) and "3.35 TB/s" in note  # ms: 3.35 MB at 3.35 TB/s
+    assert device_floor(tmp_path, "NVIDIA H200, 143771 MiB", None)[0] == pytest.approx(3.35 / 4.8e3)
+    assert device_floor(tmp_path, "NVIDIA H100 PCIe, 81559 MiB", None)[0] == pytest.approx(1.675e-3)
+    assert device_floor(tmp_path, None, None) == (None, "")  # the CPU box
+    assert device_floor(tmp_path, None, 1000.0)[0] == pytest.approx(3.35e-3)
