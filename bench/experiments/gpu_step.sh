@@ -25,7 +25,7 @@ echo "== host time per decode step, in-process (64 rows; ms)"
 host() {  # label tree [VAR=value | --flag value ...]
   local label=$1 tree=$2 vars=() flags=(); shift 2
   for x in "$@"; do case $x in *=*) vars+=("$x");; *) flags+=("$x");; esac; done
-  env "${vars[@]}" PYTHONPATH=$tree timeout 170 $py $new/bench/experiments/host_step.py --model $model \
+  env "${vars[@]}" PYTHONPATH=$tree:${PYTHONPATH:-} timeout 170 $py $new/bench/experiments/host_step.py --model $model \
     --rows 64 --steps ${STEPS:-128} --top -1 20 --repeat 3 --label "$label " "${flags[@]}" 2>&1 \
     | grep -E "host ms|Error"
 }
