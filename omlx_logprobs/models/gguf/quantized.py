@@ -97,7 +97,14 @@ def _to_codes(w: np.ndarray, scale: np.ndarray, bias: np.ndarray, bits: int) -> 
     if not np.isfinite(codes).all():
         return None
     packed = pack(np.clip(codes, 0, (1 << bits) - 1).astype(np.uint32).reshape(w.shape), bits)
+    # On the CPU stream wherever the model will run: a GPU's dequantize may fuse the multiply
+    # and add (one rounding instead of two), and the check is against gguf's own arithmetic.
     back = mx.dequantize(
-        mx.array(packed), mx.array(scale), mx.array(bias), group_size=GROUP, bits=bits
+        mx.array(packed),
+        mx.array(scale),
+        mx.array(bias),
+        group_size=GROUP,
+        bits=bits,
+        stream=mx.cpu,
     )
     return packed if np.array_equal(np.array(back), w) else None
