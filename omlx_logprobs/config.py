@@ -24,6 +24,10 @@ class EngineConfig:
     # The activations' dtype: auto (float32 on the CPU, the stored dtype on a GPU), float32,
     # bfloat16 or float16; the log-softmax is float32 whatever this is.
     dtype: str = "auto"
+    # Under mlx.launch: how the model is split over the processes ("auto", "tensor" or
+    # "pipeline"; engine/distributed.py), and how long rank 0 waits for the others at most.
+    parallel: str | None = None
+    group_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
