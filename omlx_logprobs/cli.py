@@ -435,7 +435,11 @@ def start_engine(
         path, default_name = resolve_model_path(source, cfg.offline)
         model, runner = leader_parts(str(path), name or default_name, cfg.engine)
         engine = Engine(
-            model.model, model.vocab, model.eos_token_ids, cfg.engine, tokenizer=model.tokenizer,
+            model.model,
+            model.vocab,
+            model.eos_token_ids,
+            cfg.engine,
+            tokenizer=model.tokenizer,
             runner=runner,
         )
         return model, EngineClient(ThreadTransport(engine))

@@ -170,7 +170,7 @@ def exchange_info(group: Any, mine: RankInfo) -> list[RankInfo]:
     return out
 
 
-# ---- loading ---------------------------------------------------------------------------------------
+# ---- loading -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GroupModel:
     """This rank's share of the model, and what rank 0 needs to serve it."""
@@ -188,6 +188,7 @@ def load_for_group(source: str, name: str | None, cfg: EngineConfig) -> GroupMod
     group, backend = init_group()
     facts = load_model(source, name, cfg.max_model_len, weights=False)
     share = load_share(Path(facts.path), group, cfg.parallel or "auto", cfg.dtype)
+    order_forwards(share.net, share.mode)
     vocab = build_vocabulary(facts.tokenizer, max(logits_width(share.net), len(facts.tokenizer)))
     model = replace(facts, model=share.net, vocab=vocab)
     mine = RankInfo(group.rank(), socket.gethostname(), share.holds, share.weight_bytes / 2**20)
@@ -206,12 +207,47 @@ def load_for_group(source: str, name: str | None, cfg: EngineConfig) -> GroupMod
     return GroupModel(model, share, group, backend, ranks)
 
 
+def order_forwards(net: Any, mode: str) -> None:
+    """Make each forward of `net` run after the one before it on every rank. One evaluation
+    may hold several forwards (a step's prefill groups and decode rows, the start-up probe),
+    and MLX may run independent branches of a graph in any order; two ranks that took their
+    forwards' collectives in different orders would wait on each other for ever.
+
+    Tensor parallel, every rank's graph is the same, and each forward's first all-sum reads the
+    token ids: the ids are made to depend on a scalar of the last forward's output. Pipeline
+    parallel, the last stage's first collective is a receive that reads nothing of this rank's
+    graph, so no link can order it: each forward is evaluated when it is called (a host wait
+    per forward, which a pipeline has anyway: each stage waits for the one before it)."""
+    body = net.model if hasattr(net, "model") else net
+    cls = type(body)
+    # The link and the thread that made it: a graph cannot use another thread's arrays that
+    # are not evaluated (MLX streams are per thread), and the engine's forwards are all on its
+    # thread; the start-up probe's, on the thread that loads, were evaluated where they ran.
+    last: list[tuple[mx.array, int] | None] = [None]
+
+    def chained(self: Any, inputs: mx.array, *args: Any, **kwargs: Any) -> Any:
+        here = threading.get_ident()
+        if last[0] is not None and last[0][1] == here:
+            inputs = mx.depends(inputs, last[0][0])
+        out = cls.__call__(self, inputs, *args, **kwargs)
+        last[0] = (mx.sum(out.reshape(-1)[-1:]), here)
+        return out
+
+    def evaluated(self: Any, inputs: mx.array, *args: Any, **kwargs: Any) -> Any:
+        out = cls.__call__(self, inputs, *args, **kwargs)
+        mx.eval(out)
+        return out
+
+    call = chained if mode == "tensor" else evaluated
+    body.__class__ = type(cls.__name__, (cls,), {"__call__": call})
+
+
 def runner_args(cfg: EngineConfig) -> dict[str, Any]:
     """What every rank's runner is built with besides the model (the same on each rank)."""
     return {"cache_limit_mib": cfg.cache_limit_mib, "prefix_cache_mib": 0}
 
 
-# ---- the runners -----------------------------------------------------------------------------------
+# ---- the runners ---------------------------------------------------------------------------------
 class _GroupRunner(ModelRunner):
     group: Any
 
@@ -317,7 +353,7 @@ class LeaderRunner(_GroupRunner):
     def health(self) -> GroupHealth:
         state = "ok" if self.fault is None else "lost"
         ranks = tuple(
-            RankHealth(r.rank, r.host, r.holds, round(r.weight_mib, 1), "ok" if r.rank == 0 else state)
+            RankHealth(r.rank, r.host, r.holds, round(r.weight_mib, 1), state if r.rank else "ok")
             for r in self.gm.ranks
         )
         return GroupHealth(
@@ -454,7 +490,7 @@ def follow(runner: FollowerRunner) -> None:
         steps += 1
 
 
-# ---- the processes' entry points -------------------------------------------------------------------
+# ---- the processes' entry points -----------------------------------------------------------------
 def _end_process(message: str) -> None:
     log.critical("%s; the engine cannot go on", message)
     logging.shutdown()
