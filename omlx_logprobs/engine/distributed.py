@@ -75,6 +75,7 @@ BLOCK = 4096  # bytes of a command's first all-sum: its length and most commands
 INFO_BYTES = 1024  # each rank's start-up record
 PING_S = 1.0  # an idle rank 0 checks the group this often
 WATCH_S = 0.5  # the watchdog's period
+GROUP_START_S = float(os.environ.get("OMLX_GROUP_START_S", "600"))  # ranks start this far apart
 
 
 class GroupLost(RuntimeError):
@@ -106,9 +107,20 @@ def backend_from_env() -> str:
 
 
 def init_group() -> tuple[Any, str]:
+    """Join the group. The ranks reach this point at different times (rank 0 loads its
+    tokenizer and starts its engine process first), and a ring rank gives up connecting to a
+    peer that is not listening yet after a few tries: so it tries again, for up to
+    GROUP_START_S."""
     backend = backend_from_env()
-    group = mx.distributed.init(strict=True, backend=backend)
-    return group, backend
+    deadline = time.monotonic() + GROUP_START_S
+    while True:
+        try:
+            return mx.distributed.init(strict=True, backend=backend), backend
+        except RuntimeError as exc:
+            if "connect" not in str(exc).lower() or time.monotonic() > deadline:
+                raise
+            log.info("waiting for the other ranks: %s", exc)
+            time.sleep(1.0)
 
 
 # ---- one-way messages over collectives -----------------------------------------------------------
