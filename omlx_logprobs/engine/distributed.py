@@ -125,7 +125,8 @@ def init_group() -> tuple[Any, str]:
 
 # ---- one-way messages over collectives -----------------------------------------------------------
 class Channel:
-    """Rank 0 to every other rank: a pickled object as uint8 all-sums (see the docstring)."""
+    """Rank 0 to every other rank: a pickled object as all-sums (see the docstring). The bytes
+    travel as int32 lanes, a type every backend sums (NCCL, MPI, ring, JACCL)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -133,14 +134,14 @@ class Channel:
 
     def send(self, obj: Any, wait: bool = False) -> None:
         data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
-        head = np.zeros(BLOCK, np.uint8)
-        head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), np.uint8)
-        first = data[: BLOCK - 8]
-        head[8 : 8 + len(first)] = np.frombuffer(first, np.uint8)
-        arrays = [mx.distributed.all_sum(mx.array(head), group=self.group)]
-        if len(data) > BLOCK - 8:
-            rest = np.frombuffer(data[BLOCK - 8 :], np.uint8)
-            arrays.append(mx.distributed.all_sum(mx.array(rest), group=self.group))
+        raw = len(data).to_bytes(8, "little") + data
+        raw += bytes(max(BLOCK, len(raw) + -len(raw) % 4) - len(raw))
+        lanes = np.frombuffer(raw, np.int32)
+        arrays = [mx.distributed.all_sum(mx.array(lanes[: BLOCK // 4]), group=self.group)]
+        if len(lanes) > BLOCK // 4:
+            # After the first block on every rank: independent, MLX could run it first.
+            rest = mx.depends(mx.array(lanes[BLOCK // 4 :]), arrays[0])
+            arrays.append(mx.distributed.all_sum(rest, group=self.group))
         if wait:
             mx.eval(arrays)
         else:
@@ -148,14 +149,14 @@ class Channel:
         self._queued = arrays
 
     def recv(self) -> Any:
-        head = mx.distributed.all_sum(mx.zeros(BLOCK, mx.uint8), group=self.group)
-        block = np.array(head)
-        n = int.from_bytes(block[:8].tobytes(), "little")
-        data = block[8 : 8 + n].tobytes()
-        if n > BLOCK - 8:
-            rest = mx.distributed.all_sum(mx.zeros(n - (BLOCK - 8), mx.uint8), group=self.group)
-            data += np.array(rest).tobytes()
-        return pickle.loads(data)
+        head = mx.distributed.all_sum(mx.zeros(BLOCK // 4, mx.int32), group=self.group)
+        raw = np.array(head).tobytes()
+        n = int.from_bytes(raw[:8], "little")
+        if n + 8 > BLOCK:
+            more = (n + 8 - BLOCK + 3) // 4
+            rest = mx.distributed.all_sum(mx.zeros(more, mx.int32), group=self.group)
+            raw += np.array(rest).tobytes()
+        return pickle.loads(raw[8 : 8 + n])
 
 
 @dataclass(frozen=True)
@@ -170,15 +171,15 @@ def exchange_info(group: Any, mine: RankInfo) -> list[RankInfo]:
     """Every rank's record, on every rank (one all-gather at start-up)."""
     data = pickle.dumps(mine)
     assert len(data) <= INFO_BYTES - 4
-    block = np.zeros(INFO_BYTES, np.uint8)
-    block[:4] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
-    block[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
-    every = np.array(mx.distributed.all_gather(mx.array(block), group=group))
-    every = every.reshape(group.size(), INFO_BYTES)
+    raw = len(data).to_bytes(4, "little") + data
+    raw += bytes(INFO_BYTES - len(raw))
+    lanes = mx.array(np.frombuffer(raw, np.int32))
+    every = np.array(mx.distributed.all_gather(lanes, group=group)).tobytes()
     out = []
-    for row in every:
-        n = int.from_bytes(row[:4].tobytes(), "little")
-        out.append(pickle.loads(row[4 : 4 + n].tobytes()))
+    for r in range(group.size()):
+        row = every[r * INFO_BYTES : (r + 1) * INFO_BYTES]
+        n = int.from_bytes(row[:4], "little")
+        out.append(pickle.loads(row[4 : 4 + n]))
     return out
 
 
@@ -298,7 +299,9 @@ class LeaderRunner(_GroupRunner):
         self._ops: list[tuple[str, list[int]]] = []  # batch changes for the next command
         self._known: set[int] = set()  # seq ids the followers hold a record of
         self._sent_at = time.monotonic()
-        self._busy: tuple[float, str] | None = None  # (since, what) while inside the group
+        # (since, what) by thread, while inside the group: on a GPU a step is read on a second
+        # thread while the engine thread queues the next.
+        self._busy: dict[int, tuple[float, str]] = {}
         self._closed = threading.Event()
         threading.Thread(target=self._watch, name="omlx-group-watchdog", daemon=True).start()
 
@@ -390,7 +393,8 @@ class LeaderRunner(_GroupRunner):
 
     @contextmanager
     def _inside(self, what: str) -> Iterator[None]:
-        self._busy = (time.monotonic(), what)
+        me = threading.get_ident()
+        self._busy[me] = (time.monotonic(), what)
         try:
             yield
         except GroupLost:
@@ -401,7 +405,7 @@ class LeaderRunner(_GroupRunner):
             self._lose(f"{what} failed: {exc}")
             raise GroupLost(self._message()) from exc
         finally:
-            self._busy = None
+            self._busy.pop(me, None)
 
     def _lose(self, why: str) -> None:
         if self.fault is None:
@@ -410,9 +414,10 @@ class LeaderRunner(_GroupRunner):
 
     def _watch(self) -> None:
         while not self._closed.wait(WATCH_S):
-            busy = self._busy
-            if busy is None or self.fault is not None:
+            waits = list(self._busy.values())
+            if not waits or self.fault is not None:
                 continue
+            busy = min(waits)
             waited = time.monotonic() - busy[0]
             if waited > self.timeout_s:
                 self._lose(

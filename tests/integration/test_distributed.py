@@ -107,7 +107,8 @@ def workload(base: str, name: str) -> list[Any]:
     def scored() -> list[Any]:
         r = client.completions.create(
             model=name,
-            prompt="One two three four five six seven eight nine ten eleven twelve " * 3,
+            # Over 1024 tokens: the command that carries it takes a second block (4 KiB first).
+            prompt="One two three four five six seven eight nine ten eleven twelve " * 90,
             max_tokens=3,
             temperature=0,
             logprobs=2,
