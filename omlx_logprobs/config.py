@@ -27,7 +27,7 @@ class EngineConfig:
     # Under mlx.launch: how the model is split over the processes ("auto", "tensor" or
     # "pipeline"; engine/distributed.py), and how long rank 0 waits for the others at most.
     parallel: str | None = None
-    group_timeout_s: float = 120.0
+    group_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
