@@ -59,6 +59,7 @@ import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.liveness import Listener, keep_alive, rank0_address
 from omlx_logprobs.engine.model_runner import ModelRunner
 from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
 from omlx_logprobs.engine.sequence import Sequence, Status
@@ -165,6 +166,7 @@ class RankInfo:
     host: str
     holds: str
     weight_mib: float
+    link_port: int = 0  # rank 0's liveness port (engine/liveness.py); 0: none
 
 
 def exchange_info(group: Any, mine: RankInfo) -> list[RankInfo]:
@@ -193,6 +195,7 @@ class GroupModel:
     group: Any
     backend: str
     ranks: list[RankInfo]
+    listener: Listener | None = None  # rank 0's end of the liveness links
 
 
 def load_for_group(source: str, name: str | None, cfg: EngineConfig) -> GroupModel:
@@ -204,7 +207,14 @@ def load_for_group(source: str, name: str | None, cfg: EngineConfig) -> GroupMod
     order_forwards(share.net, share.mode)
     vocab = build_vocabulary(facts.tokenizer, max(logits_width(share.net), len(facts.tokenizer)))
     model = replace(facts, model=share.net, vocab=vocab)
-    mine = RankInfo(group.rank(), socket.gethostname(), share.holds, share.weight_bytes / 2**20)
+    listener = _listen() if group.rank() == 0 else None
+    mine = RankInfo(
+        group.rank(),
+        socket.gethostname(),
+        share.holds,
+        share.weight_bytes / 2**20,
+        listener.port if listener is not None else 0,
+    )
     ranks = exchange_info(group, mine)
     if group.rank() == 0:
         log.info(
@@ -217,7 +227,19 @@ def load_for_group(source: str, name: str | None, cfg: EngineConfig) -> GroupMod
             log.info(
                 "rank %d on %s holds %s: %.1f MiB of weights", r.rank, r.host, r.holds, r.weight_mib
             )
-    return GroupModel(model, share, group, backend, ranks)
+    return GroupModel(model, share, group, backend, ranks, listener)
+
+
+def _listen() -> Listener | None:
+    address = rank0_address()
+    if address is None:
+        log.info("no liveness link (rank 0's address unknown): a lost rank is seen by timeout")
+        return None
+    try:
+        return Listener(address)
+    except OSError as exc:
+        log.warning("no liveness link on %s (%s): a lost rank is seen by timeout", address, exc)
+        return None
 
 
 def order_forwards(net: Any, mode: str) -> None:
@@ -304,6 +326,8 @@ class LeaderRunner(_GroupRunner):
         self._busy: dict[int, tuple[float, str]] = {}
         self._closed = threading.Event()
         threading.Thread(target=self._watch, name="omlx-group-watchdog", daemon=True).start()
+        if gm.listener is not None:
+            gm.listener.start({r.rank: r.host for r in gm.ranks[1:]}, self._peer_lost)
 
     # ---- the step -----------------------------------------------------------------------------
     def launch(self, work: SchedulerOutput) -> LaunchedStep | None:
@@ -357,7 +381,7 @@ class LeaderRunner(_GroupRunner):
             pass  # said in the log and on /health; the next request fails at once
 
     def close(self) -> None:
-        self._closed.set()
+        self._closed.set()  # the followers' links close after "stop": no fault
         if self.fault is None:
             try:
                 with self._inside("the stop"):
@@ -412,13 +436,23 @@ class LeaderRunner(_GroupRunner):
             self.fault = why
             log.error("distributed group lost: %s", why)
 
+    def _peer_lost(self, why: str) -> None:
+        """A liveness link broke (engine/liveness.py): a step in flight may never complete, so
+        the watchdog ends this process if a thread is inside the group."""
+        if not self._closed.is_set():
+            self._lose(why)
+
     def _watch(self) -> None:
         while not self._closed.wait(WATCH_S):
             waits = list(self._busy.values())
-            if not waits or self.fault is not None:
+            if not waits:
                 continue
             busy = min(waits)
             waited = time.monotonic() - busy[0]
+            if self.fault is not None and waited > WATCH_S:  # inside a group known lost
+                if self.on_hang is not None:
+                    self.on_hang(self._message())
+                return
             if waited > self.timeout_s:
                 self._lose(
                     f"rank 0 waited {waited:.0f} s on the other ranks in {busy[1]}: a rank is"
@@ -531,6 +565,12 @@ def leader_parts(
     return gm.model, factory
 
 
+def _rank0_lost(why: str) -> None:
+    # After a clean stop rank 0 closes its end too: the main thread exits first (status 0).
+    time.sleep(2.0)
+    _end_process(f"rank 0's liveness link broke: {why}")
+
+
 def follower_main(source: str, cfg: EngineConfig) -> int:
     """A rank other than 0: load its share, build the same runner as rank 0's, follow rank 0;
     the process's exit status."""
@@ -543,6 +583,9 @@ def follower_main(source: str, cfg: EngineConfig) -> int:
         group=gm.group,
         **runner_args(cfg),
     )
+    address, port = rank0_address(), gm.ranks[0].link_port
+    if address is not None and port:
+        keep_alive(address, port, gm.group.rank(), _rank0_lost)
     log.info("rank %d ready: following rank 0", gm.group.rank())
     try:
         follow(runner)

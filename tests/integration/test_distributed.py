@@ -230,3 +230,32 @@ def test_a_rank_killed_mid_stream_fails_its_requests(tiny_dir: Path) -> None:
                 model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=3
             )
         assert "distributed group" in str(err.value) and time.time() - t0 < 30
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_lost_within_seconds(tiny_dir: Path) -> None:
+    """A rank that neither dies nor answers (SIGSTOP: as a network split looks from rank 0):
+    its liveness link falls silent, and the stream fails in seconds, not at the group timeout."""
+    name = tiny_dir.name
+    with group_server(tiny_dir, ARGS, launcher=False) as group:
+        client = _client(group.base)
+        stream = client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": QUESTIONS[0]}],
+            max_tokens=2000,
+            extra_body={"ignore_eos": True},
+            stream=True,
+        )
+        seen, stopped = 0, 0.0
+        try:
+            with pytest.raises(openai.APIError) as err:
+                for _chunk in stream:
+                    seen += 1
+                    if seen == 3:
+                        group.ranks[1].send_signal(signal.SIGSTOP)
+                        stopped = time.time()
+            assert "sent nothing" in str(err.value), err.value
+            assert time.time() - stopped < 30
+            assert group.health().status_code == 503
+        finally:
+            group.ranks[1].send_signal(signal.SIGCONT)
