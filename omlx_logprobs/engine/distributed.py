@@ -333,7 +333,9 @@ class LeaderRunner(_GroupRunner):
     def launch(self, work: SchedulerOutput) -> LaunchedStep | None:
         self._check()
         plan = (len(work.decode), [self._chunk(c) for c in work.prefill])
-        with self._inside("a step"):
+        # Any failure once the command is out leaves the other ranks a step this one did not
+        # finish: the ranks no longer agree, so the group is lost whatever the error.
+        with self._inside("a step", fatal=True):
             self._send(("step", plan))
             return super().launch(work)
 
@@ -416,7 +418,7 @@ class LeaderRunner(_GroupRunner):
         )
 
     @contextmanager
-    def _inside(self, what: str) -> Iterator[None]:
+    def _inside(self, what: str, fatal: bool = False) -> Iterator[None]:
         me = threading.get_ident()
         self._busy[me] = (time.monotonic(), what)
         try:
@@ -424,7 +426,7 @@ class LeaderRunner(_GroupRunner):
         except GroupLost:
             raise
         except Exception as exc:
-            if not _is_group_error(exc):
+            if not (fatal or _is_group_error(exc)):
                 raise
             self._lose(f"{what} failed: {exc}")
             raise GroupLost(self._message()) from exc
