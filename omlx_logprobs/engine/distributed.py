@@ -390,6 +390,8 @@ class LeaderRunner(_GroupRunner):
                     self._send(("stop",), wait=True)
             except GroupLost:
                 pass
+        if self.gm.listener is not None:  # the followers exit: their links close
+            self.gm.listener.join(5.0)
 
     def health(self) -> GroupHealth:
         state = "ok" if self.fault is None else "lost"
