@@ -29,6 +29,13 @@ SIZES = {
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
     },
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
     # Llama-3-8B's shapes with SmolLM2's vocabulary (7.5B parameters, 15 GB in bfloat16): the
     # model split over two GPUs in bench/experiments/gpu_distributed.sh.
     "8b": {
@@ -37,13 +44,6 @@ SIZES = {
         "intermediate_size": 14336,
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
-    },
-    "tiny": {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
     },
 }
 
