@@ -513,7 +513,12 @@ def follow(runner: FollowerRunner) -> None:
                     ids.pop(g.seq_id, None)
                 runner.release(gone)
         if kind == "stop":
-            log.info("rank %d: stopped by rank 0 after %d steps", runner.group.rank(), steps)
+            log.info(
+                "rank %d: stopped by rank 0 after %d steps, holding %d sequences",
+                runner.group.rank(),
+                steps,
+                len(seqs),
+            )
             return
         if kind == "ping":
             if not runner.rows and not seqs:
