@@ -54,6 +54,7 @@ class Listener:
         self.sock = socket.create_server((address, 0))
         self.port = self.sock.getsockname()[1]
         self._on_lost: Callable[[str], None] | None = None
+        self._watchers: list[threading.Thread] = []
 
     def start(self, followers: dict[int, str], on_lost: Callable[[str], None]) -> None:
         """Watch every rank in `followers` (rank -> host); `on_lost(why)` once one is lost."""
@@ -74,13 +75,21 @@ class Listener:
             if host is None:  # not a rank we wait for: ignored
                 conn.close()
                 continue
-            threading.Thread(
+            watcher = threading.Thread(
                 target=self._watch,
                 args=(conn, rank, host),
                 name=f"omlx-liveness-{rank}",
                 daemon=True,
-            ).start()
+            )
+            watcher.start()
+            self._watchers.append(watcher)
         self.sock.close()
+
+    def join(self, timeout: float) -> None:
+        """After a clean stop: the followers exit and their links close; wait for that."""
+        deadline = time.monotonic() + timeout
+        for watcher in list(self._watchers):
+            watcher.join(max(deadline - time.monotonic(), 0))
 
     def _watch(self, conn: socket.socket, rank: int, host: str) -> None:
         while True:

@@ -102,6 +102,8 @@ def test_a_closed_link_is_a_lost_rank_at_once() -> None:
     conn.close()
     assert done.wait(5) and time.monotonic() - t0 < 2
     assert lost == ["rank 1 on mac2 is gone (its process ended)"]
+    listener.join(2)  # what rank 0's clean stop waits for: every link closed
+    assert not any(t.is_alive() for t in listener._watchers)
 
 
 def test_a_silent_link_is_a_lost_rank(monkeypatch: pytest.MonkeyPatch) -> None:

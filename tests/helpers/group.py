@@ -59,7 +59,7 @@ def _serving(launcher: psutil.Process) -> dict[int, psutil.Process]:
     out = {}
     for p in launcher.children(recursive=True):
         try:
-            if "omlx_logprobs.cli" in " ".join(p.cmdline()):
+            if "serve" in p.cmdline() and "--model" in p.cmdline():
                 out[int(p.environ()["MLX_RANK"])] = p
         except (psutil.Error, KeyError, ValueError):
             continue
@@ -72,12 +72,14 @@ def group_server(
     args: list[str] | None = None,
     launcher: bool = True,
     start_s: float = 300,
+    entry: tuple[str, ...] = ("-m", "omlx_logprobs.cli"),
 ) -> Iterator[Group]:
     """Two ranks serving `model`; stopped with SIGTERM to rank 0 (which stops the others),
-    every process of ours killed by its id after 30 s."""
+    every process of ours killed by its id after 30 s. `entry`: what python runs (a script
+    path instead of the module: tests/helpers/gpu_path_serve.py)."""
     port, ring = free_port(), _ring_ports()
     log_path = Path(tempfile.gettempdir()) / f"omlx-group-{port}.log"
-    serve = ["-m", "omlx_logprobs.cli", "serve", "--model", str(model), "--port", str(port)]
+    serve = [*entry, "serve", "--model", str(model), "--port", str(port)]
     serve += args or []
     with ExitStack() as stack:
         log = stack.enter_context(open(log_path, "wb"))

@@ -168,10 +168,12 @@ def abort_a_stream(base: str, name: str) -> None:
             next(lines)
 
 
-def check_split(model: Path, name: str, extra: list[str]) -> dict[str, Any]:
+def check_split(
+    model: Path, name: str, extra: list[str], entry: tuple[str, ...] = ("-m", "omlx_logprobs.cli")
+) -> dict[str, Any]:
     with server_process(["--model", str(model), *ARGS]) as one:
         want = workload(one.base, name)
-    with group_server(model, ARGS + extra) as group:
+    with group_server(model, ARGS + extra, entry=entry) as group:
         abort_a_stream(group.base, name)
         wait_idle(group.base, 60)
         got = workload(group.base, name)
@@ -181,6 +183,7 @@ def check_split(model: Path, name: str, extra: list[str]) -> dict[str, Any]:
     # Every sequence rank 0 released, rank 1 released too (the abort and the prompt-only
     # request among them).
     assert "rank 1 on " in log and "holding 0 sequences" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
     return health
 
 
@@ -205,6 +208,16 @@ def test_pipeline_parallel_equals_one_process(
         "layers 1-1 of 2",
         "layers 0-0 of 2",
     ]
+
+
+@pytest.mark.slow
+def test_the_gpu_path_split_equals_one_process(tiny_dir: Path) -> None:
+    """The runner's GPU path on the CPU backend (extraction on the device, each step processed on
+    a second thread beside the next launch, which reads the sampled ids on the device): rank 0
+    reads a step while it queues the next one's collectives."""
+    entry = (str(Path(__file__).parents[1] / "helpers" / "gpu_path_serve.py"),)
+    health = check_split(tiny_dir, tiny_dir.name, ["--engine", "thread"], entry)
+    assert health["engine"]["distributed"]["state"] == "ok"
 
 
 def test_a_rank_killed_mid_stream_fails_its_requests(tiny_dir: Path) -> None:
