@@ -28,13 +28,15 @@ a second block for the rest when longer), all-summed with zeros from the others.
 queues it (`async_eval`), so it never waits for the followers to read it; a follower evaluates
 it, which also orders its step after its last one.
 
-Faults: a collective with a dead peer raises on rank 0 (the ring backend: "connection to a peer
-was lost"); one with a stuck peer or a network split may wait forever, so a watchdog thread
-ends rank 0's engine process when one call into the group has waited `group_timeout_s`. Either
-way the requests in flight end with an error naming the group, /health answers 503, and later
-requests fail at once: a group cannot be re-formed without restarting every rank. While idle,
-rank 0 sends a ping every second, so a lost rank shows on /health before a request meets it.
-A clean stop of rank 0 sends "stop" and every follower exits.
+Faults: a collective with a dead peer may raise on rank 0 (the ring backend: "connection to a
+peer was lost"), but a step's graph holds many, and when one fails the array rank 0 waits on
+may never complete. So each follower also keeps a TCP link to rank 0 (engine/liveness.py): a
+link that closes or falls silent marks the group lost at once, and a watchdog thread ends rank
+0's engine process when a thread is inside the group then (it would never come back), or when
+one call into the group has waited `group_timeout_s` (a rank alive but stuck). Either way the
+requests in flight end with an error naming the group, /health answers 503, and later requests
+fail at once: a group cannot be re-formed without restarting every rank. While idle, rank 0
+sends a ping every second. A clean stop of rank 0 sends "stop" and every follower exits.
 
 Not supported split: prefix caching (each rank's budget would hold its own share's bytes and
 drop different prefixes), weight updates in place, and several models in one server.
