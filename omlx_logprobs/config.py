@@ -42,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if not self.group_timeout_s > 0:
+            raise ValueError("group_timeout_s must be > 0")
         if self.cache_limit_mib is not None and self.cache_limit_mib < 0:
             raise ValueError("cache_limit_mib must be >= 0")
         if self.prefix_cache_mib < 0:
