@@ -276,7 +276,7 @@ class ModelRunner:
         seq = chunk.seq
         cache = self.chunk_caches.setdefault(seq.seq_id, make_prompt_cache(self.model))
         ids = mx.array([seq.prompt_ids[chunk.start : chunk.end]])
-        scored = None
+        scored, unread = None, ()
         if seq.prompt_store is not None:  # every position's logits: the prompt is scored
             out = self.model(ids, cache=cache)[0]
             rows = chunk_slice(seq, chunk.start, out.shape[0])
@@ -285,9 +285,11 @@ class ModelRunner:
         elif chunk.is_last:
             logits = self._last_logits(ids, cache)
         else:
-            self.model(ids, cache=cache)  # lazy: evaluating only the cache skips the head
+            # Lazy: evaluating only the cache skips the head. Split over processes, the
+            # forward's output is evaluated too (engine/distributed.py).
+            unread = self._forward_unread(ids, cache)
         if not chunk.is_last:
-            self._queue([c.state for c in cache])  # bound the lazy graph between chunks
+            self._queue([c.state for c in cache], *unread)  # bound the lazy graph between chunks
             return None, scored
         del self.chunk_caches[seq.seq_id]
         members = seq.joining()
@@ -310,7 +312,7 @@ class ModelRunner:
         logits = self._mask(raw, seqs)
         logits = apply_processors(logits, params, histories)
         dist = sampling_logits(logits, params)
-        tokens = sample(logits, dist, params, keys)
+        tokens = self._shared(sample(logits, dist, params, keys))
         for s in seqs:
             s.num_sampled += 1
         self.last_tokens = tokens
@@ -348,6 +350,27 @@ class ModelRunner:
         assert not any(s.grammar is not None and st.in_flight for s, st in zip(seqs, states))
         bits = bitmask([s.grammar for s in seqs], self.vocab_size)
         return token_mask(logits, [s.params for s in seqs], states, self.stop_ids, prev, bits)
+
+    # ---- hooks a runner split over processes overrides (engine/distributed.py) ----------------
+    def _forward_unread(self, ids: mx.array, cache: list[Any]) -> tuple[mx.array, ...]:
+        """A forward whose output nothing reads (a prompt's chunk before its last): what must
+        be evaluated with the cache."""
+        self.model(ids, cache=cache)
+        return ()
+
+    def _shared(self, tokens: mx.array) -> mx.array:
+        """The step's sampled ids as every process of the model has them."""
+        return tokens
+
+    def heartbeat(self) -> None:
+        """The engine is idle (called at each idle wait)."""
+
+    def close(self) -> None:
+        """The engine's loop has ended."""
+
+    def health(self) -> Any:
+        """The processes the model is split over, for /health (None: this process alone)."""
+        return None
 
     def load_weights(self, path: str) -> None:
         """New weights in place (engine/weights.py), with nothing running; the kept prefixes go:

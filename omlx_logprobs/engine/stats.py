@@ -8,7 +8,7 @@ import gc
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from omlx_logprobs.engine.step import DeviceTime
 from omlx_logprobs.types import INITIAL_WEIGHTS, WeightVersion
@@ -53,6 +53,33 @@ class EngineStats:
     aborted_running: int  # ... and while decoding
     weights: WeightVersion = INITIAL_WEIGHTS  # the weights serving now
     updating: bool = False  # a weight update waits for the requests in flight
+    distributed: GroupHealth | None = None  # the processes the model is split over, if any
+
+
+@dataclass(frozen=True)
+class RankHealth:
+    """One process of a distributed group (engine/distributed.py), as rank 0 knows it."""
+
+    rank: int
+    host: str
+    holds: str  # its share of the model
+    weight_mib: float
+    state: str  # "ok", or "lost" once the group is
+
+
+@dataclass(frozen=True)
+class GroupHealth:
+    world_size: int
+    backend: str
+    mode: str  # "tensor" or "pipeline"
+    state: str  # "ok", or "lost": the group cannot run a step any more
+    fault: str | None
+    ranks: tuple[RankHealth, ...]
+
+    def lost(self, why: str) -> GroupHealth:
+        """The same group once it cannot run a step: rank 0 (the server) stays."""
+        ranks = tuple(replace(r, state="lost") if r.rank else r for r in self.ranks)
+        return replace(self, state="lost", fault=self.fault or why, ranks=ranks)
 
 
 @dataclass
