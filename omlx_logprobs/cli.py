@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import omlx_logprobs
 from omlx_logprobs import heap
@@ -495,9 +495,10 @@ def main(argv: list[str] | None = None) -> None:
         from omlx_logprobs.engine.distributed import launched
 
         if launched():  # one rank of a group started by mlx.launch
-            cfg = _group_config(cfg, args, parser)
-            if cfg is None:  # a rank other than 0: it serves nothing itself
+            group_cfg = _group_config(cfg, args, parser)
+            if group_cfg is None:  # a rank other than 0: it serves nothing itself
                 _exit(_follow(args))
+            cfg = group_cfg
         code = 0
         try:
             # uvicorn re-raises the signal after its graceful shutdown; SIGINT's re-raise did not
@@ -512,7 +513,7 @@ def main(argv: list[str] | None = None) -> None:
         _exit(code)
 
 
-def _exit(code: int) -> None:
+def _exit(code: int) -> NoReturn:
     # Everything is stopped and joined by now. Skip interpreter teardown: destroying MLX's
     # native stream threads at exit aborts the process ("terminate called without an active
     # exception", status -6) after async evaluation was used.

@@ -488,7 +488,7 @@ class FollowerRunner(_GroupRunner):
         zeros = mx.depends(mx.zeros((len(seqs),), mx.int32), logits)
         tokens = mx.distributed.all_sum(zeros, group=self.group)
         self.last_tokens = tokens
-        self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        self.last_seqs, self._last_rows = list(seqs), None
         self._queue(tokens)
         return LaunchedStep(seqs, None)
 

@@ -9,6 +9,7 @@ decode inputs are the previous step's sampled tokens, read on the device.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -63,8 +64,11 @@ CPU_PREFILL_ALIGN = 1
 # Tests set this to run the GPU's path (extraction on the device, one packed read a step, the
 # step processed beside the next launch) on the CPU backend.
 FORCE_GPU_PATH = False
-# The decode forward compiled (engine/compiled.py) where the host bounds the step: on a GPU.
-COMPILE_DECODE = True
+# The decode forward compiled (engine/compiled.py), on a GPU only, and only when asked
+# (OMLX_COMPILE_DECODE=1): on an H100 it cut the graph's Python (1.49 -> 0.96 ms a step at 64
+# rows) but not the launch (5.07 -> 5.61 ms), and a server at c=64 ran slower with it
+# (docs/benchmarks.md, "Decisions").
+COMPILE_DECODE = os.environ.get("OMLX_COMPILE_DECODE") == "1"
 
 
 class ModelRunner:
@@ -276,7 +280,8 @@ class ModelRunner:
         seq = chunk.seq
         cache = self.chunk_caches.setdefault(seq.seq_id, make_prompt_cache(self.model))
         ids = mx.array([seq.prompt_ids[chunk.start : chunk.end]])
-        scored, unread = None, ()
+        scored: Any = None
+        unread: tuple[mx.array, ...] = ()
         if seq.prompt_store is not None:  # every position's logits: the prompt is scored
             out = self.model(ids, cache=cache)[0]
             rows = chunk_slice(seq, chunk.start, out.shape[0])

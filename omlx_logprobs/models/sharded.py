@@ -82,6 +82,6 @@ def load_share(path: Path, group: Any, asked: str = "auto", dtype: str = "auto")
         holds = f"layers {start}-{end - 1} of {total} (pipeline parallel)"
     done = apply_dtype(net, dtype)
     mx.eval(net.parameters())
-    weight_bytes = sum(v.nbytes for _, v in tree_flatten(net.parameters()))
+    weight_bytes = sum(v.nbytes for v in dict(tree_flatten(net.parameters())).values())
     log.info("weights: %s; this process holds %s", done, holds)
     return Share(net, mode, holds, weight_bytes)

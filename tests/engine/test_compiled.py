@@ -24,6 +24,7 @@ PROMPTS = ["Hello, how are you today?", "The quick brown fox", "1 2 3 4 5", "Onc
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The GPU's path on the CPU backend; each compiled decode call's batch size, recorded."""
     monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    monkeypatch.setattr(model_runner, "COMPILE_DECODE", True)  # opt-in (OMLX_COMPILE_DECODE=1)
     seen: list[int] = []
     call = compiled.CompiledDecode.__call__
 
