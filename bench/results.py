@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PARTS = ("omlx", "mlx-lm", "batchgen", "memory")
+PARTS = ("omlx", "mlx-lm", "batchgen", "memory", "quantized")
 
 
 @dataclass
@@ -30,6 +30,12 @@ class Throughput:
     other_cpu: float = 0.0  # worst share of the machine other processes took during a run
     error_samples: list[str] = field(default_factory=list)
     run_tokens_per_s: list[float] = field(default_factory=list)  # each run's, round by round
+    clients: str = ""  # the client set-up ("": the preset's own)
+    # Our server's decode-only steps during the runs (its stats lines): how many, their mean
+    # host launch time and rows; None where the server logs none (mlx-lm, bare mlx-lm).
+    decode_steps: int = 0
+    host_ms: float | None = None
+    step_rows: float | None = None
 
 
 @dataclass
@@ -121,6 +127,10 @@ class Results:
     model: str  # what was served, as a path or name
     facts: list[tuple[str, str]] = field(default_factory=list)
     parts: list[PartResult] = field(default_factory=list)
+    # A GPU's decode floor: the weights' bytes over its memory bandwidth (ms), and how it was
+    # taken; None on the CPU.
+    floor_ms: float | None = None
+    floor_note: str = ""
 
     def part(self, name: str) -> PartResult | None:
         return next((p for p in self.parts if p.part == name), None)
@@ -129,15 +139,19 @@ class Results:
         self.parts = [p for p in self.parts if p.part != new.part] + [new]
         self.parts.sort(key=lambda p: PARTS.index(p.part))
 
-    def throughput(self, target: str, mode: str, concurrency: int) -> Throughput | None:
+    def throughput(
+        self, target: str, mode: str, concurrency: int, clients: str = ""
+    ) -> Throughput | None:
         for p in self.parts:
             for t in p.throughput:
-                if (t.target, t.mode, t.concurrency) == (target, mode, concurrency):
+                if (t.target, t.mode, t.concurrency, t.clients) == (
+                    target, mode, concurrency, clients
+                ):  # fmt: skip
                     return t
         return None
 
     def concurrencies(self) -> list[int]:
-        return sorted({t.concurrency for p in self.parts for t in p.throughput})
+        return sorted({t.concurrency for p in self.parts for t in p.throughput if not t.clients})
 
     def scoring(self, kind: str) -> Scoring | None:
         return next((s for p in self.parts for s in p.scoring if s.kind == kind), None)
@@ -160,4 +174,6 @@ class Results:
             model=d["model"],
             facts=[(k, v) for k, v in d["facts"]],
             parts=[PartResult.from_json(p) for p in d["parts"]],
+            floor_ms=d.get("floor_ms"),
+            floor_note=d.get("floor_note", ""),
         )

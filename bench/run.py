@@ -9,10 +9,11 @@ section of docs/benchmarks.md.
 
 A run is made of parts (results.PARTS): `omlx` (our server: throughput with logprobs off and
 top_logprobs 0, 5, 20; TTFT; prompt scoring), `mlx-lm` (its server, off and top5), `batchgen`
-(bare mlx-lm in a subprocess: BatchGenerator, plain prefill, stream_generate TTFT) and `memory`
-(our server's RSS over 2,000 requests). `--only` runs some of them and merges them with the
-parts saved by earlier runs of the same preset and model (`--state`), so a preset can be measured
-in several commands and still write one table.
+(bare mlx-lm in a subprocess: BatchGenerator, plain prefill, stream_generate TTFT), `memory`
+(our server's RSS over 2,000 requests) and `quantized` (a 4-bit random model served with
+`--dtype auto` against itself in float32; quantized.py). `--only` runs some of them and merges
+them with the parts saved by earlier runs of the same preset and model (`--state`), so a preset
+can be measured in several commands and still write one table.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from pathlib import Path
 from cpu_halves import pin_halves, server_affinity
 from measure import ServerBench, Target, log, measure_memory, measure_server
 from presets import PRESETS, ModelSpec, Preset
-from report import machine_facts, write_section
+from quantized import quantized_part
+from report import device_floor, machine_facts, write_section
 from results import PARTS, PartResult, Results
 from server import REPO, free_port, mlx_lm_command, omlx_command, start_server
 from tables import section, targets_table, throughput_table
@@ -171,11 +173,12 @@ def run_parts(parts: list[str], p: Preset, m: Model, res: Results, state: Path) 
     runner_cmd = shown([sys.executable, "bench/run.py", *sys.argv[1:]])
     for part in parts:
         log(f"== part {part}")
-        result = (
-            bare_part(p, m, runner_cmd)
-            if part == "batchgen"
-            else server_part(part, p, m, runner_cmd)
-        )
+        if part == "batchgen":
+            result = bare_part(p, m, runner_cmd)
+        elif part == "quantized":  # its own models; the served model's tokenizer
+            result = quantized_part(p, runner_cmd, CACHE, m.dir, shown)
+        else:
+            result = server_part(part, p, m, runner_cmd)
         result.finished = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
         noisy_note(result)
         res.replace_part(result)
@@ -208,6 +211,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     state_help = "saved results that --only runs merge with (default bench/.cache/PRESET.json)"
     ap.add_argument("--state", type=Path, default=None, help=state_help)
     ap.add_argument("--fresh", action="store_true", help="with --only: forget saved parts")
+    bw_help = "the GPU's memory bandwidth, GB/s (default: by its name, report.BANDWIDTH)"
+    ap.add_argument("--bandwidth-gbs", type=float, default=None, help=bw_help)
     pin_help = "servers and bare.py on one half of the cores, the load generator on the other"
     ap.add_argument("--pin", action="store_true", help=pin_help)
     return ap.parse_args(argv)
@@ -222,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
     )
+    # Our server's stats line every second: its decode-only steps are read run by run.
+    os.environ.setdefault("OMLX_STATS_INTERVAL_S", "1")
     if a.pin:
         servers, clients = pin_halves()
         log(f"--pin: servers on CPUs {servers}, this runner and its load generator on {clients}")
@@ -234,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     m = choose_model(p, a)
     state = a.state or CACHE / f"{p.name}.json"
     res = starting_results(p, m, a, state)
+    res.floor_ms, res.floor_note = device_floor(m.dir, dict(res.facts).get("GPU"), a.bandwidth_gbs)
     run_parts([x for x in PARTS if x in parts], p, m, res, state)
     checks = evaluate(res, p)
     print(throughput_table(res) + "\n\n" + targets_table(checks))

@@ -60,7 +60,7 @@ def rounds_table(res: Results) -> list[str]:
     lines = []
     for c in res.concurrencies():
         off = res.throughput("omlx", "off", c)
-        for mode in ("top0", "top20"):
+        for mode in ("top0", "top20", "json"):
             on = res.throughput("omlx", mode, c)
             ratios = paired_ratios(on, off) if on is not None and off is not None else []
             if ratios:
@@ -72,8 +72,60 @@ def rounds_table(res: Results) -> list[str]:
     return head + lines
 
 
-def detail_tables(res: Results) -> list[str]:
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
+def _median_ratio(on: Throughput | None, off: Throughput | None) -> str:
+    """top20 / off: the median of the rounds' ratios, else the pooled one."""
+    ratios = paired_ratios(on, off) if on is not None and off is not None else []
+    return f"{statistics.median(ratios):.2f}" if ratios else _x(on, off)
+
+
+def host_table(res: Results, p: Preset) -> list[str]:
+    """Our server per client set-up: top 20 against off, and the host's launch time per
+    decode-only step (its stats lines); on a GPU, a step against the device's floor."""
+    setups = [p.clients] + [s.name for s in p.client_setups]
+    floor = res.floor_ms
+    lines = []
+    for i, name in enumerate(setups):
+        key = "" if i == 0 else name
+        ours = [t for x in res.parts for t in x.throughput if t.target == "omlx"]
+        cs = sorted({t.concurrency for t in ours if t.clients == key})
+        for c in [c for c in cs if c >= 32] or cs[-1:]:  # where the host bounds a step
+            off = res.throughput("omlx", "off", c, key)
+            top = res.throughput("omlx", "top20", c, key)
+            if off is None:
+                continue
+            step = None  # wall time per decode step: its rows over the run's tokens/s
+            if off.step_rows and off.tokens_per_s > 0:
+                step = 1e3 * off.step_rows / off.tokens_per_s
+            vs = "–"
+            if floor and step is not None and off.host_ms is not None:
+                vs = f"{step / floor:.1f}x, {off.host_ms / floor:.1f}x"
+            rows = "–" if off.step_rows is None else f"{off.step_rows:.1f}"
+            lines.append(
+                f"| {name} | {c} | {_tps(off)} | {_tps(top)} | {_median_ratio(top, off)} "
+                f"| {_ms(off.host_ms)} | {_ms(top.host_ms if top else None)} | {rows} "
+                f"| {_ms(step)} | {vs} |"
+            )
+    if not lines:
+        return []
+    where = f" ({floor:.3f} ms: {res.floor_note})" if floor else ""
+    head = [
+        "",
+        "| clients | concurrency | off tok/s | top20 tok/s | top20 / off | host ms per decode "
+        "step, off | same, top20 | rows per step | step ms, off | step, host / device "
+        f"floor{where} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    return head + lines
+
+
+def detail_tables(res: Results, p: Preset | None = None) -> list[str]:
     out: list[str] = rounds_table(res)
+    if p is not None:
+        out += host_table(res, p)
     scoring = [s for p in res.parts for s in p.scoring]
     if scoring:
         out += [
@@ -101,12 +153,27 @@ def detail_tables(res: Results) -> list[str]:
                 f"| {name} | {t.requests} | {t.prompt_tokens} | {t.median_s * 1e3:.1f} "
                 f"| {t.p90_s * 1e3:.1f} | {first} |"
             )
+    out += quantized_table(res)
     mem = res.memory()
     if mem is not None:
         out += ["", f"Memory soak: concurrency {mem.concurrency}, {mem.max_tokens} new tokens, "
                 f"top_logprobs {mem.top_k}; RSS after warm-up {mem.warm_rss_mib:.1f} MiB, then "
                 + ", ".join(f"{p.rss_mib:.1f} after {p.requests_done}" for p in mem.points)
                 + (f"; **{mem.errors} errors**" if mem.errors else "") + "."]  # fmt: skip
+    return out
+
+
+def quantized_table(res: Results) -> list[str]:
+    """The quantized part (quantized.py): the 4-bit model and the float32 one, run by run."""
+    part = res.part("quantized")
+    if part is None or not part.throughput:
+        return []
+    names = {"4bit": "4-bit (`mlx_lm convert -q`), `--dtype auto`", "float32": "float32"}
+    out = ["", "| random model, logprobs off | concurrency | completion tok/s | runs (tok/s) |",
+           "|---|---:|---:|---|"]  # fmt: skip
+    for t in part.throughput:
+        runs = " ".join(f"{r:.1f}" for r in t.run_tokens_per_s)
+        out.append(f"| {names.get(t.target, t.target)} | {t.concurrency} | {_tps(t)} | {runs} |")
     return out
 
 
@@ -150,12 +217,18 @@ def section(res: Results, p: Preset, checks: list[Check]) -> str:
         "ours (as many requests a run; as many runs as mlx-lm's server gets), completion "
         "batch = concurrency. Other "
         "CPU: the largest share of the machine that other processes took during a run of that "
-        "row (above ~10%, distrust the row).",
+        "row (above ~10%, distrust the row). "
+        f"Clients: {p.clients}; the last table also runs off and top 20 with other client "
+        "set-ups, and gives our engine's host time per decode step (its launch: graph building "
+        "and queueing, per step that sampled rows and prefilled nothing, from its stats lines "
+        "logged each second during the runs), and a step's wall time (rows per step over "
+        "tok/s) and host time against the device's floor (weights read once at its "
+        "bandwidth).",
         "",
         throughput_table(res),
         "",
         targets_table(checks),
-        *detail_tables(res),
+        *detail_tables(res, p),
         end_marker(res.preset),
     ]
     return "\n".join(out) + "\n"

@@ -11,9 +11,11 @@ from results import Results, Throughput
 
 TOP20_GOAL = 0.95  # top_logprobs 20 against logprobs off, every concurrency
 BATCHGEN_GOAL = 0.8  # our server without logprobs against bare BatchGenerator, c=64
+JSON_GOAL = 0.8  # a JSON schema on every request against none (logprobs off), c=8
 SCORING_GOAL = 0.8  # prompt scoring against plain prefill of the same tokens
 TTFT_GOAL_MS = 10.0  # our TTFT minus mlx-lm generate's, concurrency 1
 MEMORY_GOAL = 0.05  # RSS growth over the memory soak, past warm-up
+QUANTIZED_GOAL = 0.9  # a 4-bit model served with --dtype auto against itself in float32
 
 
 @dataclass
@@ -85,6 +87,10 @@ def throughput_checks(res: Results, p: Preset) -> list[Check]:
         ours, peer = res.throughput("omlx", "top5", c), res.throughput("mlx-lm", "top5", c)
         name = f"ours top5 / mlx-lm server top5, c={c}"
         out.append(_ratio_check(name, ours, peer, p.peer_goal, "run omlx and mlx-lm"))
+    for c in p.json_cells:
+        on, off = res.throughput("omlx", "json", c), res.throughput("omlx", "off", c)
+        name = f"ours JSON schema / ours off, c={c}"
+        out.append(_ratio_check(name, on, off, JSON_GOAL, "run omlx", paired=True))
     for c in _pick(cs, (64,)):
         ours, bare = res.throughput("omlx", "off", c), res.throughput("batchgen", "off", c)
         name = f"ours off / bare BatchGenerator, c={c}"
@@ -134,5 +140,15 @@ def memory_check(res: Results) -> Check:
     return Check(name, value, goal, mem.growth < MEMORY_GOAL)
 
 
+def quantized_check(res: Results, p: Preset) -> Check:
+    """On the CPU `--dtype auto` dequantizes at load, so the 4-bit model serves as float32
+    does; kept quantized it would be about ten times slower."""
+    c = p.quantized.concurrency if p.quantized else 8
+    q, f = res.throughput("4bit", "off", c), res.throughput("float32", "off", c)
+    name = f"4-bit model (--dtype auto) / the same model in float32, c={c}"
+    return _ratio_check(name, q, f, QUANTIZED_GOAL, "run quantized", paired=True)
+
+
 def evaluate(res: Results, p: Preset) -> list[Check]:
-    return throughput_checks(res, p) + [scoring_check(res), ttft_check(res), memory_check(res)]
+    checks = [scoring_check(res), ttft_check(res), memory_check(res), quantized_check(res, p)]
+    return throughput_checks(res, p) + checks

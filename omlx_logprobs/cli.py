@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import omlx_logprobs
 from omlx_logprobs import heap
@@ -139,7 +139,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_limits(s)
     _add_access(s)
+    _add_distributed(s)
     return p
+
+
+def _add_distributed(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group(
+        "several processes (under mlx.launch; docs/distributed.md): rank 0 serves, every rank"
+        " holds a share of the model"
+    )
+    way = g.add_mutually_exclusive_group()
+    way.add_argument(
+        "--tensor-parallel",
+        dest="parallel",
+        action="store_const",
+        const="tensor",
+        default="auto",
+        help="split every layer's heads and MLP over the processes (the default where mlx-lm's"
+        " family has it)",
+    )
+    way.add_argument(
+        "--pipeline-parallel",
+        dest="parallel",
+        action="store_const",
+        const="pipeline",
+        help="give each process consecutive layers (the default for families without tensor"
+        " parallelism)",
+    )
+    g.add_argument(
+        "--group-timeout-s",
+        type=float,
+        default=EngineConfig.group_timeout_s,
+        help="how long rank 0 waits on the other processes in one step before it declares the"
+        " group lost (a stuck process or a network split; a dead one is seen at once)"
+        " (default: %(default)s)",
+    )
 
 
 def _add_batching(s: argparse.ArgumentParser) -> None:
@@ -280,6 +314,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             prefix_cache_mib=args.prefix_cache_mib,
             dtype=args.dtype,
             prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
+            group_timeout_s=args.group_timeout_s,
         ),
         limits=Limits(
             max_body_bytes=args.max_body_bytes,
@@ -448,6 +483,20 @@ def start_engine(
 
     source, name = which or (cfg.model, cfg.served_model_name)
     version = weights or INITIAL_WEIGHTS
+    if not cfg.engine_process and cfg.engine.parallel is not None:  # rank 0 of a group
+        from omlx_logprobs.engine.distributed import leader_parts
+
+        path, default_name = resolve_model_path(source, cfg.offline)
+        model, runner = leader_parts(str(path), name or default_name, cfg.engine)
+        engine = Engine(
+            model.model,
+            model.vocab,
+            model.eos_token_ids,
+            cfg.engine,
+            tokenizer=model.tokenizer,
+            runner=runner,
+        )
+        return model, EngineClient(ThreadTransport(engine))
     if not cfg.engine_process:
         model = load_model(
             source, name, cfg.engine.max_model_len, dtype=cfg.engine.dtype, offline=cfg.offline
@@ -499,6 +548,13 @@ def main(argv: list[str] | None = None) -> None:
             cfg = config_from_args(args)
         except ValueError as e:
             parser.error(str(e))
+        from omlx_logprobs.engine.distributed import launched
+
+        if launched():  # one rank of a group started by mlx.launch
+            group_cfg = _group_config(cfg, args, parser)
+            if group_cfg is None:  # a rank other than 0: it serves nothing itself
+                _exit(_follow(args))
+            cfg = group_cfg
         code = 0
         try:
             # uvicorn re-raises the signal after its graceful shutdown; SIGINT's re-raise did not
@@ -510,13 +566,52 @@ def main(argv: list[str] | None = None) -> None:
         except FileNotFoundError as e:  # a --model that is not there, or not downloadable
             log.error("%s", e)
             code = 2
-        # Everything is stopped and joined by now. Skip interpreter teardown: destroying MLX's
-        # native stream threads at exit aborts the process ("terminate called without an
-        # active exception", status -6) after async evaluation was used.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit(code)
+
+
+def _exit(code: int) -> NoReturn:
+    # Everything is stopped and joined by now. Skip interpreter teardown: destroying MLX's
+    # native stream threads at exit aborts the process ("terminate called without an active
+    # exception", status -6) after async evaluation was used.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _group_config(
+    cfg: ServerConfig, args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> ServerConfig | None:
+    """Under mlx.launch: rank 0's config (the model split over the group), or None on the
+    other ranks."""
+    from omlx_logprobs.engine.distributed import rank_from_env
+
+    if cfg.other_models:
+        parser.error("a model split over processes is served alone: give --model once")
+    if cfg.model is None or cfg.model.endswith(".json"):
+        parser.error("a model split over processes needs --model (an mlx-lm directory)")
+    if rank_from_env() != 0:
+        return None
+    if cfg.engine.prefix_cache_mib:
+        log.info("prefix cache off: the model is split over processes (docs/distributed.md)")
+    engine = replace(cfg.engine, parallel=args.parallel, prefix_cache_mib=0)
+    return replace(cfg, engine=engine)
+
+
+def _follow(args: argparse.Namespace) -> int:
+    """A rank other than 0: its share of the model, following rank 0 until rank 0 stops."""
+    from omlx_logprobs.engine.distributed import follower_main, rank_from_env
+    from omlx_logprobs.models.loader import resolve_model_path
+
+    # Ctrl-C reaches every process of the group: rank 0 stops the others itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fmt = f"%(levelname)s %(name)s[rank {rank_from_env()}]: %(message)s"
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(fmt))
+    cfg = config_from_args(args)
+    path, _ = resolve_model_path(cfg.model, cfg.offline)
+    engine = replace(cfg.engine, parallel=args.parallel, prefix_cache_mib=0)
+    return follower_main(str(path), engine)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ class EngineConfig:
     # The activations' dtype: auto (float32 on the CPU, the stored dtype on a GPU), float32,
     # bfloat16 or float16; the log-softmax is float32 whatever this is.
     dtype: str = "auto"
+    # Under mlx.launch: how the model is split over the processes ("auto", "tensor" or
+    # "pipeline"; engine/distributed.py), and how long rank 0 waits for the others at most.
+    parallel: str | None = None
+    group_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -38,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if not self.group_timeout_s > 0:
+            raise ValueError("group_timeout_s must be > 0")
         if self.cache_limit_mib is not None and self.cache_limit_mib < 0:
             raise ValueError("cache_limit_mib must be >= 0")
         if self.prefix_cache_mib < 0:

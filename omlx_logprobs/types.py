@@ -171,12 +171,14 @@ class SamplingParams:
 
     @property
     def penalizes(self) -> bool:
-        return bool(
-            self.logit_bias
-            or self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1
-        )
+        """Whether a penalty reads the tokens before this step (the prompt's, the output's)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def processes(self) -> bool:
+        """Whether a logit processor changes this row's logits: logit bias or a penalty (a bias
+        is a fixed row: it needs no history, so it leaves the step overlap on)."""
+        return bool(self.logit_bias) or self.penalizes
 
 
 @dataclass(frozen=True)

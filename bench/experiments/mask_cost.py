@@ -2,7 +2,9 @@
 """What vLLM's token masks cost the step loop: the same greedy batch (random prompts, EOS
 ignored, fixed length) with no mask, with `allowed_token_ids` (1,000 ids), with ten two-token
 `bad_words` (decided on the device while the last token is in flight) and with `min_tokens`
-holding EOS back the whole way. Tokens per second, best of `--rounds`.
+holding EOS back the whole way, and with a strict JSON schema (bench/loadgen.py's, which no
+answer completes within the budget). Tokens per second, best of `--rounds`; with `--profile`,
+where the engine's time goes in the none and JSON runs (cProfile, top functions).
 
     python bench/experiments/mask_cost.py --batch 8 32 --max-tokens 64
 """
@@ -10,6 +12,9 @@ holding EOS back the whole way. Tokens per second, best of `--rounds`.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import json
+import pstats
 import random
 import sys
 import time
@@ -22,7 +27,10 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from omlx_logprobs.types import SamplingParams
+from omlx_logprobs.types import Constraint, ConstraintKind, SamplingParams
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+from loadgen import JSON_SCHEMA  # noqa: E402
 
 
 def variants(vocab: int, max_tokens: int) -> dict[str, SamplingParams]:
@@ -35,12 +43,21 @@ def variants(vocab: int, max_tokens: int) -> dict[str, SamplingParams]:
         "allowed_token_ids": replace(base, allowed_token_ids=allowed),
         "bad_words": replace(base, bad_words_ids=words),
         "min_tokens": replace(base, min_tokens=max_tokens),
+        "json_schema": replace(
+            base, constraint=Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(JSON_SCHEMA))
+        ),
     }
+
+
+_GRAMMARS: dict[int, object] = {}
 
 
 def run(m: LoadedModel, n: int, params: SamplingParams, prompt_len: int) -> float:
     rng = random.Random(n)
-    engine = Engine(m.model, m.vocab, m.eos_token_ids, EngineConfig(max_num_seqs=max(64, n)))
+    cfg = EngineConfig(max_num_seqs=max(64, n))
+    engine = Engine(m.model, m.vocab, m.eos_token_ids, cfg, tokenizer=m.tokenizer)
+    # One llguidance tokenizer for every run (a server builds it once), outside the clock.
+    engine.grammars = _GRAMMARS.setdefault(id(m), engine.grammars)
     seqs = [
         Sequence(f"m{i}", [rng.randrange(100, len(m.vocab) - 100) for _ in range(prompt_len)],
                  params)
@@ -48,6 +65,7 @@ def run(m: LoadedModel, n: int, params: SamplingParams, prompt_len: int) -> floa
     ]  # fmt: skip
     t0 = time.perf_counter()
     for s in seqs:
+        engine._constrain(s)  # as the inbox does: a matcher per constrained row
         engine.scheduler.add(s)
     while engine.has_work():
         engine.step()
@@ -61,11 +79,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", nargs="+", default=None, help="some of the variants")
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args(argv)
     m = load_model(a.model)
     print(f"device {mx.default_device()}, model {m.path}", file=sys.stderr)
     cases = variants(len(m.vocab), a.max_tokens)
-    run(m, 2, cases["none"], a.prompt_len)  # warm-up
+    if a.only:
+        cases = {k: v for k, v in cases.items() if k in a.only}
+    for params in cases.values():  # warm-up (the JSON grammar's tokenizer is built here)
+        run(m, 2, params, a.prompt_len)
+    if a.profile:
+        for name in ("none", "json_schema"):
+            prof = cProfile.Profile()
+            prof.runcall(run, m, a.batch[0], cases[name], a.prompt_len)
+            print(f"== {name}, batch {a.batch[0]}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+        return 0
     for n in a.batch:
         for name, params in cases.items():
             best = max(run(m, n, params, a.prompt_len) for _ in range(a.rounds))

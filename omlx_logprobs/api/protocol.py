@@ -212,19 +212,21 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True  # vLLM: BOS and the like when a prompt is text
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(_Open):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
+    return_token_strs: bool = False  # vLLM: `token_strs`, each id's token as the vocabulary has it
 
     _tools_in_kwargs = model_validator(mode="before")(_template_tools)
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(_Open):
     model: str | None = None
     tokens: list[int]
 

@@ -10,16 +10,17 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from typing import Any
 
 from fastapi import Request
+from pydantic import BaseModel
 
 import omlx_logprobs
 from omlx_logprobs.api import sections, tools
 from omlx_logprobs.api.errors import APIError, error_body
-from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
+from omlx_logprobs.api.protocol import ChatCompletionRequest, NamedToolChoice, SamplingFields
 from omlx_logprobs.api.validation import (
     RequestLimits,
     check_unknown,
@@ -75,14 +76,8 @@ class Served:
         facts = f"{omlx_logprobs.__version__}|{self.model.name}|{self.model.path}|{self.cfg}"
         return "fp_" + hashlib.sha256(facts.encode()).hexdigest()[:12]
 
-    def fields_headers(self, req: SamplingFields) -> dict[str, str]:
-        """A 400 for the first field the request's model does not declare; with
-        --ignore-unknown-fields a warning and the response header naming them all."""
-        ignored = check_unknown(req, self.ignore_unknown_fields)
-        if not ignored:
-            return {}
-        log.warning("ignored unknown request fields: %s", ", ".join(ignored))
-        return {IGNORED_HEADER: ", ".join(ignored)}
+    def fields_headers(self, req: BaseModel) -> dict[str, str]:
+        return fields_headers(req, self.ignore_unknown_fields)
 
     def adapter(self, name: str) -> str | None:
         """The LoRA adapter a request's `model` names, None for the model itself."""
@@ -96,6 +91,16 @@ class Served:
                 status=404,
                 code="model_not_found",
             )
+
+
+def fields_headers(req: BaseModel, ignore: bool) -> dict[str, str]:
+    """A 400 for the first field the request's model does not declare; with `ignore`
+    (--ignore-unknown-fields) a warning and the response header naming them all."""
+    ignored = check_unknown(req, ignore)
+    if not ignored:
+        return {}
+    log.warning("ignored unknown request fields: %s", ", ".join(ignored))
+    return {IGNORED_HEADER: ", ".join(ignored)}
 
 
 def sampling_params(
@@ -296,7 +301,8 @@ class ChatServing:
         served = self.served
         served.check_model(req.model)
         served.checks.check_chat(req)
-        parsing = tools.tool_parsing(req, served.tool_format)
+        parsing = tools.tool_parsing(req, served.tool_format, served.model.tokenizer)
+        forced = tools.forced_call(req, parsing, served.model.tokenizer)
         prompt = chat_prompt(req, served.model, served.checks)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = sampling_params(
@@ -308,6 +314,8 @@ class ChatServing:
             req.top_logprobs or 0,
             self._prompt_logprobs(req),
         )
+        if forced is not None:  # tool_choice required or named: the calls' grammar
+            params = replace(params, constraint=forced)
         tail = served.model.tokenizer.decode(prompt[-8:])
         think = think_start(served.reasoning, tail, served.reasoning_tags[0])
         if params.constraint is not None and think is ThinkStart.INSIDE:
@@ -316,7 +324,7 @@ class ChatServing:
                 "Constrained output cannot follow reasoning yet: the prompt opens <think>, so"
                 " the constrained text would be the reasoning. Turn thinking off (for example"
                 ' chat_template_kwargs {"enable_thinking": false}).',
-                param=constraint_field(req),
+                param=constraint_field(req) or "tool_choice",
             )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         ereq = EngineRequest(
@@ -358,6 +366,7 @@ class ChatServing:
         raise_if_failed(outs)
         role, echo = reply_role(req), echo_text(req)
         parser = ereq.tools.parser if ereq.tools else None
+        named = isinstance(req.tool_choice, NamedToolChoice)
         choices = []
         for out in outs:
             lp = self._logprobs_json(req, out, ereq)
@@ -367,7 +376,7 @@ class ChatServing:
                 body["content"] = echo + (body.get("content") or "")
             message = json.dumps({"role": role, **body}, ensure_ascii=False)
             reason = out.finish_reason.value if out.finish_reason else None
-            finish = json.dumps(tools.finish_reason(reason, bool(calls)))
+            finish = json.dumps(tools.finish_reason(reason, bool(calls), named))
             ids = ""
             if req.return_token_ids:
                 ids = f',"token_ids":{json.dumps(out.token_ids.tolist())}'
@@ -443,6 +452,7 @@ class ChatServing:
         finals: dict[int, RequestOutput] = {}
         parser = ereq.tools.parser if ereq.tools else None
         numbering = [tools.CallIds(parser) for _ in range(ereq.n)]  # call ids per choice
+        named = isinstance(req.tool_choice, NamedToolChoice)
         try:
             first = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}' if ids else ""
             stream = merged([handle])
@@ -469,7 +479,8 @@ class ChatServing:
                     finals[i] = out
                     reason = out.finish_reason.value if out.finish_reason else None
                     called = numbering[i].count > 0
-                    yield chunk(i, {}, "null", tools.finish_reason(reason, called))
+                    finish = tools.finish_reason(reason, called, named)
+                    yield chunk(i, {}, "null", finish)
             if include_usage:
                 done = [finals[i] for i in sorted(finals)]
                 body = json.dumps(usage(done, think is not ThinkStart.OFF))

@@ -7,12 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from omlx_logprobs.api import tools
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.pool import ModelPool
 from omlx_logprobs.api.protocol import DetokenizeRequest, TokenizeRequest
-from omlx_logprobs.api.serving import encode
+from omlx_logprobs.api.serving import encode, fields_headers
 from omlx_logprobs.api.validation import RequestLimits
 
 
@@ -30,19 +31,35 @@ def tokenize(req: TokenizeRequest, model: Any, checks: RequestLimits) -> dict[st
         ids = encode(model, req.prompt, "prompt", special=add)
     else:
         messages = tools.template_messages(req.messages or [])
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.continue_final_message:
+            if req.add_generation_prompt:
+                raise APIError(
+                    "Cannot set both `continue_final_message` and `add_generation_prompt` to"
+                    " true (add_generation_prompt defaults to true: send false).",
+                    param="continue_final_message",
+                )
+            kwargs["continue_final_message"] = True
         try:
             text = tok.apply_chat_template(
                 messages,
                 tools=tools.template_tools(req.tools),
                 add_generation_prompt=req.add_generation_prompt,
                 tokenize=False,
-                **(req.chat_template_kwargs or {}),
+                **kwargs,
             )
         except Exception as e:  # a template error is the request's fault
             raise APIError(f"The chat template could not render: {e}", param="messages") from None
         checks.check_text(text, "messages")
         ids = encode(model, text, "messages", special=bool(req.add_special_tokens))
-    return {"tokens": ids, "count": len(ids), "max_model_len": model.max_model_len}
+    out: dict[str, Any] = {
+        "tokens": ids,
+        "count": len(ids),
+        "max_model_len": model.max_model_len,
+    }
+    if req.return_token_strs:
+        out["token_strs"] = list(tok.convert_ids_to_tokens(ids))
+    return out
 
 
 def detokenize(req: DetokenizeRequest, model: Any, checks: RequestLimits) -> dict[str, Any]:
@@ -75,13 +92,16 @@ def tokenizer_info(model: Any) -> dict[str, Any]:
 def add_routes(app: FastAPI, pool: ModelPool) -> None:
     """Each route takes the model by name (`model`; the default when absent)."""
 
+    # Unknown fields: a 400 naming the first, or (--ignore-unknown-fields) the header.
     @app.post("/tokenize")
-    async def _tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        return tokenize(req, *await pool.tokenizer(req.model))
+    async def _tokenize(req: TokenizeRequest) -> JSONResponse:
+        headers = fields_headers(req, pool.ignore_unknown_fields)
+        return JSONResponse(tokenize(req, *await pool.tokenizer(req.model)), headers=headers)
 
     @app.post("/detokenize")
-    async def _detokenize(req: DetokenizeRequest) -> dict[str, Any]:
-        return detokenize(req, *await pool.tokenizer(req.model))
+    async def _detokenize(req: DetokenizeRequest) -> JSONResponse:
+        headers = fields_headers(req, pool.ignore_unknown_fields)
+        return JSONResponse(detokenize(req, *await pool.tokenizer(req.model)), headers=headers)
 
     @app.get("/tokenizer_info")
     async def _tokenizer_info(model: str | None = None) -> dict[str, Any]:

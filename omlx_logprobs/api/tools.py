@@ -1,18 +1,22 @@
 """Tool calls at the API: the history's calls and results as chat templates expect them, the
-request's `tools` and `tool_choice` as the engine's `ToolParsing`, and parsed calls as OpenAI's
-`tool_calls` with ids (whole in a message, one entry per call with its index in a delta)."""
+request's `tools` and `tool_choice` as the engine's `ToolParsing` (and, for a forced call, the
+grammar of calls in the model's format), and parsed calls as OpenAI's `tool_calls` with ids
+(whole in a message, one entry per call with its index in a delta)."""
 
 from __future__ import annotations
 
 import json
 import secrets
 import string
+from functools import lru_cache
 from typing import Any
 
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from omlx_logprobs.api.validation import constraint_field, whitespace_option
+from omlx_logprobs.parsing.grammar import MARKERS, GrammarError, check, tool_calls_grammar
 from omlx_logprobs.parsing.tools import ToolCallFormat
-from omlx_logprobs.types import ToolCall, ToolParsing
+from omlx_logprobs.types import Constraint, ConstraintKind, ToolCall, ToolParsing
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -53,10 +57,10 @@ def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
-def tool_parsing(req: ChatCompletionRequest, fmt: str) -> ToolParsing | None:
+def tool_parsing(req: ChatCompletionRequest, fmt: str, tokenizer: Any) -> ToolParsing | None:
     """How the request's output is searched for calls; None when it is not. A 400 for what
-    cannot be honoured: a forced call (`required`, a named function) needs constrained
-    decoding, and `auto` needs a format the server can parse."""
+    cannot be honoured: calls need a format the server can parse and a chat template that
+    shows the model its tools."""
     choice = req.tool_choice
     harmony = fmt == ToolCallFormat.HARMONY.value
     if not req.tools:
@@ -73,21 +77,102 @@ def tool_parsing(req: ChatCompletionRequest, fmt: str) -> ToolParsing | None:
             raise APIError(
                 f"tool_choice names `{name}`, which is not in tools", param="tool_choice"
             )
-    if choice == "required" or isinstance(choice, NamedToolChoice):
-        raise APIError(
-            "tool_choice `required` or a named function is not supported yet: forcing a call"
-            " needs constrained decoding; use `auto`",
-            param="tool_choice",
-            code="unsupported_value",
-        )
     if fmt == ToolCallFormat.NONE.value:
         raise APIError(
             "This server parses no tool calls for this model: its chat template shows no known"
             " tool-call format (start the server with --tool-call-parser)",
             param="tools",
         )
+    if not renders_tools(tokenizer):
+        raise APIError(
+            "This model's chat template does not show tools to the model (it renders the same"
+            " prompt with and without them), so it could not call them: send the tools in a"
+            " message, or serve the model with a template that renders `tools`",
+            param="tools",
+        )
     tools = tuple(t.model_dump(exclude_none=True) for t in req.tools)
     return ToolParsing(fmt, tools, parallel=req.parallel_tool_calls is not False)
+
+
+def forced_call(
+    req: ChatCompletionRequest, parsing: ToolParsing | None, tokenizer: Any
+) -> Constraint | None:
+    """`tool_choice` `required` (any of the tools) or a named function: the grammar of calls in
+    the model's own format (parsing/grammar.py), one or, unless `parallel_tool_calls` is false,
+    several, each with arguments following its function's `parameters`. None otherwise. The
+    format's parser reads them back as `tool_calls`."""
+    choice = req.tool_choice
+    named = isinstance(choice, NamedToolChoice)
+    if parsing is None or not parsing.calls or not (named or choice == "required"):
+        return None
+    other = constraint_field(req)
+    if other is not None:
+        raise APIError(
+            f"tool_choice and {other}: at most one output constraint per request (a forced"
+            " call is one)",
+            param=other,
+        )
+    if req.min_tokens:
+        raise APIError(
+            "min_tokens cannot be combined with a forced tool call: the grammar of the calls"
+            " decides where the output may end",
+            param="min_tokens",
+        )
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    try:
+        text = tool_calls_grammar(
+            parsing.parser,
+            parsing.tools,
+            name,
+            parsing.parallel,
+            whitespace_option(req),
+            # Mistral's v11 templates write `[TOOL_CALLS]NAME[ARGS]{...}`, v3's a JSON list
+            mistral_args="[ARGS]" in str(getattr(tokenizer, "chat_template", None) or ""),
+            tokens=marker_tokens(tokenizer),
+        )
+        c = Constraint(ConstraintKind.GRAMMAR, text, strict=False)
+        check(c)
+    except GrammarError as exc:
+        raise APIError(
+            f"tool_choice: the calls cannot be forced ({exc})",
+            param="tool_choice",
+            code="unsupported_value",
+        ) from None
+    return c
+
+
+def marker_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tool-call markers that are one token of this tokenizer, with their ids."""
+    out = {}
+    for marker in MARKERS:
+        try:
+            ids = tokenizer.encode(marker, add_special_tokens=False)
+        except Exception:
+            continue
+        if len(ids) == 1:
+            out[marker] = int(ids[0])
+    return out
+
+
+@lru_cache(maxsize=16)
+def _renders(template: str, tokenizer: Any) -> bool:
+    probe = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "probe_tool", "parameters": {}}}
+    try:
+        with_tools = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False)
+        without = tokenizer.apply_chat_template(probe, tokenize=False)
+    except Exception:  # a template that cannot render the probe: let the request find out
+        return True
+    return bool(with_tools != without)
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the chat template writes `tools` into the prompt (a probe rendered with and
+    without a tool differs), once per template."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None or not hasattr(tokenizer, "apply_chat_template"):
+        return True
+    return _renders(str(template), tokenizer)
 
 
 class CallIds:
@@ -125,6 +210,7 @@ def _call(call_id: str, c: ToolCall) -> dict[str, Any]:
     }
 
 
-def finish_reason(reason: str | None, called: bool) -> str | None:
-    """`tool_calls` when the model ended its turn after calling."""
-    return "tool_calls" if called and reason == "stop" else reason
+def finish_reason(reason: str | None, called: bool, named: bool = False) -> str | None:
+    """`tool_calls` when the model ended its turn after calling; `stop` when the request named
+    the function (OpenAI's answer to a named `tool_choice`, and vLLM's)."""
+    return "tool_calls" if called and reason == "stop" and not named else reason

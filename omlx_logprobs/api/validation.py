@@ -322,8 +322,9 @@ class RequestLimits:
             raise APIError(f"{names}: at most one output constraint per request", param=found[1][0])
         if not found:
             so = getattr(req, "structured_outputs", None) or {}
-            if so:  # options alone: a 400 asking for a kind of constraint (or naming a key)
-                _structured_outputs(so, None)
+            if so:  # options alone: a 400 asking for a kind of constraint (or naming a key),
+                # unless they shape the JSON of a forced tool call (api/tools.py)
+                _structured_outputs(so, None, options_only=_forces_call(req))
             return None
         param, c = found[0]
         param = param.split(".")[0]
@@ -358,6 +359,16 @@ class RequestLimits:
         if len(set(ids)) != len(ids):
             raise APIError("logprob_token_ids must be distinct", param=param)
         return tuple(ids)
+
+
+def _forces_call(req: Any) -> bool:
+    choice = getattr(req, "tool_choice", None)
+    return bool(getattr(req, "tools", None)) and choice not in (None, "none", "auto")
+
+
+def whitespace_option(req: Any) -> str | None:
+    """The JSON whitespace `structured_outputs` asks for (its two options), None for any."""
+    return _whitespace(getattr(req, "structured_outputs", None) or {})
 
 
 def constraint_field(req: Any) -> str | None:
@@ -444,7 +455,11 @@ def _response_format(rf: dict[str, Any], whitespace: str | None) -> tuple[str, C
     )
 
 
-def _structured_outputs(so: dict[str, Any], whitespace: str | None) -> tuple[str, Constraint]:
+def _structured_outputs(
+    so: dict[str, Any], whitespace: str | None, options_only: bool = False
+) -> tuple[str, Constraint]:
+    """`options_only`: only its keys are checked (a request whose tool call is forced may send
+    the whitespace options alone)."""
     param = "structured_outputs"
     for key in so:
         if key in _SO_REFUSED and _set(so[key]):
@@ -460,6 +475,8 @@ def _structured_outputs(so: dict[str, Any], whitespace: str | None) -> tuple[str
                 code="unknown_parameter",
             )
     kinds = [k for k in _SO_KINDS if k in so and so[k] is not None and so[k] is not False]
+    if options_only and not kinds:
+        return param, Constraint(ConstraintKind.JSON_OBJECT, "{}")  # unused: keys checked
     if len(kinds) != 1:
         raise APIError(
             "structured_outputs needs exactly one of json, json_object, regex, choice, grammar"

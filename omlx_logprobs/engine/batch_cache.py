@@ -183,11 +183,12 @@ class BatchCache:
         out.filter(keep)
         return out
 
-    def filter(self, keep: list[int]) -> None:
-        """Keep only these rows, and drop the padding columns every remaining row shares."""
+    def filter(self, keep: list[int], align: int = 1) -> None:
+        """Keep only these rows, and drop the padding columns every remaining row shares (a
+        multiple of `align` of them)."""
         idx = mx.array(keep)
         pads = [self.pads[i] for i in keep]
-        trim = min(pads)
+        trim = min(pads) // align * align
         for c in leaves(self.layers):
             if type(c) is BatchKVCache:
                 if c.keys is not None:

@@ -155,6 +155,11 @@ class EngineClient:
 
     @property
     def state(self) -> str:
+        """The transport's state, or "failed" once the processes a model is split over can
+        no longer run it (engine/distributed.py): /health answers 503."""
+        group = self.transport.snapshot().distributed
+        if group is not None and group.state != "ok":
+            return "failed"
         return self.transport.state
 
     @property

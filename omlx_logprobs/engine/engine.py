@@ -62,12 +62,15 @@ class Engine:
         sink: Sink | None = None,
         weights: WeightVersion = INITIAL_WEIGHTS,
         tokenizer: Any = None,
+        runner: type[ModelRunner] | Callable[..., ModelRunner] = ModelRunner,
         adapters: tuple[tuple[str, str], ...] = (),
     ):
+        """`runner`: the model runner's class, or a factory taking its arguments (a model
+        split over processes has its own: engine/distributed.py)."""
         self.cfg = cfg
         # Constrained decoding's matchers need the Hugging Face tokenizer (engine/grammar.py).
         self.grammars = Grammars(tokenizer, len(vocab), tuple(eos))
-        self.runner = ModelRunner(
+        self.runner = runner(
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
         )
         for name, path in adapters:  # --lora, or those loaded before a restart or a reload
@@ -159,6 +162,7 @@ class Engine:
             aborted_running=self._aborted[Status.RUNNING],
             weights=self.processor.weights,
             updating=bool(self._updates),
+            distributed=self.runner.health(),
         )
 
     # ---- engine thread ------------------------------------------------------------------------
@@ -240,6 +244,7 @@ class Engine:
                 elif self._cached:  # still idle one wait later: MLX's buffer cache goes back
                     self.runner.idle()  # (not at once: a closed loop at c=1 idles per request)
                     self._cached = False
+                self.runner.heartbeat()
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
                 continue
@@ -254,6 +259,7 @@ class Engine:
         self._fail_all("the server is shutting down")
         self.flush()
         self.overlap.shutdown()
+        self.runner.close()
 
     def _drain_inbox(self) -> None:
         while True:

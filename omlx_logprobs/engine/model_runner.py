@@ -9,6 +9,7 @@ decode inputs are the previous step's sampled tokens, read on the device.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -17,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from omlx_logprobs.engine import compiled
 from omlx_logprobs.engine.batch_cache import BatchCache, kinds
 from omlx_logprobs.engine.grammar import bitmask
 from omlx_logprobs.engine.lora import AdapterSet
@@ -63,6 +65,11 @@ CPU_PREFILL_ALIGN = 1
 # Tests set this to run the GPU's path (extraction on the device, one packed read a step, the
 # step processed beside the next launch) on the CPU backend.
 FORCE_GPU_PATH = False
+# The decode forward compiled (engine/compiled.py), on a GPU only, and only when asked
+# (OMLX_COMPILE_DECODE=1): on an H100 it cut the graph's Python (1.49 -> 0.96 ms a step at 64
+# rows) but not the launch (5.07 -> 5.61 ms), and a server at c=64 ran slower with it
+# (docs/benchmarks.md, "Decisions").
+COMPILE_DECODE = os.environ.get("OMLX_COMPILE_DECODE") == "1"
 
 
 class ModelRunner:
@@ -80,7 +87,8 @@ class ModelRunner:
         self.rows: list[Sequence] = []  # the batch cache's rows
         self.batch_cache: BatchCache | None = None
         self.last_tokens: mx.array | None = None  # the last launched step's sampled ids
-        self.last_rows: dict[int, int] = {}  # seq_id -> its row in last_tokens
+        self.last_seqs: list[Sequence] = []  # their rows' sequences, in order
+        self._last_rows: dict[int, int] | None = None  # seq_id -> its row, made when asked
         self.chunk_caches: dict[int, list[Any]] = {}  # long prompts between their chunks
         self.prefilled: dict[int, _Prefilled] = {}  # prompts done, not yet in the batch
         self.time = DeviceTime()
@@ -120,6 +128,16 @@ class ModelRunner:
         self.overlaps = not cpu
         self.prefill_align = CPU_PREFILL_ALIGN if cpu else GPU_PREFILL_ALIGN
         self.tight_cache = cpu  # caches grow by what their rows may use (see batch_cache.py)
+        self.compiled: compiled.CompiledDecode | None = None
+        if COMPILE_DECODE and not cpu:
+            why = compiled.check(model, self.templates)
+            if why is None:
+                self.compiled = compiled.CompiledDecode(model)
+            else:
+                log.info("decode steps not compiled for %s: %s", type(model).__module__, why)
+        # Where the decode batch is compiled, its shared left padding is trimmed in whole
+        # multiples of the width it keeps (else every trim would widen the cache again).
+        self.trim_align = compiled.WIDTH_ALIGN if self.compiled is not None else 1
         if cache_limit_mib is None and not cpu:
             cache_limit_mib = GPU_CACHE_LIMIT_MIB
         if cache_limit_mib is not None:
@@ -132,13 +150,25 @@ class ModelRunner:
         seqs: list[Sequence] = []
         if self.rows:
             assert self.last_tokens is not None and self.batch_cache is not None
-            # Every row took part in the last step, so its input token is there, on the device.
-            rows = mx.array([self.last_rows[s.seq_id] for s in self.rows])
-            inputs = self.last_tokens[rows][:, None]
+            # Every row took part in the last step, so its input token is there, on the device
+            # (in the same rows when none joined or left: then no gather).
+            if self.rows == self.last_seqs:
+                inputs = self.last_tokens[:, None]
+            else:
+                rows = mx.array([self.last_rows[s.seq_id] for s in self.rows])
+                inputs = self.last_tokens[rows][:, None]
             if self.tight_cache:
                 self.batch_cache.reserve(max(s.to_write for s in self.rows))
             self.adapters.select_rows(self.rows)
-            parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
+            # A compiled forward would keep the adapters' selection it was traced with.
+            if (
+                self.compiled is not None
+                and not self.adapters.stacks
+                and compiled.supports(self.batch_cache)
+            ):
+                parts.append(self.compiled(inputs, self.batch_cache))
+            else:
+                parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
             seqs += self.rows
         # Whole prompts prefill together in left-padded groups, scored ones in groups of their
         # own; partial chunks and prompts with forks take the one-prompt path.
@@ -266,7 +296,8 @@ class ModelRunner:
         cache = self.chunk_caches.setdefault(seq.seq_id, make_prompt_cache(self.model))
         ids = mx.array([seq.prompt_ids[chunk.start : chunk.end]])
         self.adapters.select_rows([seq])
-        scored = None
+        scored: Any = None
+        unread: tuple[mx.array, ...] = ()
         if seq.prompt_store is not None:  # every position's logits: the prompt is scored
             out = self.model(ids, cache=cache)[0]
             rows = chunk_slice(seq, chunk.start, out.shape[0])
@@ -275,9 +306,11 @@ class ModelRunner:
         elif chunk.is_last:
             logits = self._last_logits(ids, cache)
         else:
-            self.model(ids, cache=cache)  # lazy: evaluating only the cache skips the head
+            # Lazy: evaluating only the cache skips the head. Split over processes, the
+            # forward's output is evaluated too (engine/distributed.py).
+            unread = self._forward_unread(ids, cache)
         if not chunk.is_last:
-            self._queue([c.state for c in cache])  # bound the lazy graph between chunks
+            self._queue([c.state for c in cache], *unread)  # bound the lazy graph between chunks
             return None, scored
         del self.chunk_caches[seq.seq_id]
         members = seq.joining()
@@ -290,21 +323,31 @@ class ModelRunner:
     def _sample(self, logits: mx.array, seqs: list[Sequence]) -> LaunchedStep:
         params = [s.params for s in seqs]
         keys = [step_key(s.params.seed, s.num_sampled, s.choice_index) for s in seqs]
-        histories = [
-            (s.prompt_ids, s.output_ids.tolist()) if s.params.penalizes else ((), ()) for s in seqs
-        ]
+        histories: list[tuple[Any, Any]] = []  # read only for rows with a processor
+        if any(p.processes for p in params):
+            histories = [
+                (s.prompt_ids, s.output_ids.tolist()) if s.params.penalizes else ((), ())
+                for s in seqs
+            ]
         raw = logits.astype(mx.float32)  # the model's own: raw logprobs and finiteness
         logits = self._mask(raw, seqs)
         logits = apply_processors(logits, params, histories)
         dist = sampling_logits(logits, params)
-        tokens = sample(logits, dist, params, keys)
+        tokens = self._shared(sample(logits, dist, params, keys))
         for s in seqs:
             s.num_sampled += 1
         self.last_tokens = tokens
-        self.last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        self.last_seqs, self._last_rows = list(seqs), None
         pending = self.extractor.step(tokens, raw, dist, params)
         self._queue(tokens, *pending.arrays())  # the next step reads these ids on the device
         return LaunchedStep(seqs, pending)
+
+    @property
+    def last_rows(self) -> dict[int, int]:
+        """seq_id -> its row in last_tokens."""
+        if self._last_rows is None:
+            self._last_rows = {s.seq_id: i for i, s in enumerate(self.last_seqs)}
+        return self._last_rows
 
     def _mask(self, logits: mx.array, seqs: list[Sequence]) -> mx.array:
         """The rows' token masks (engine/sampler.py). A row whose last sampled token was not
@@ -329,11 +372,34 @@ class ModelRunner:
         bits = bitmask([s.grammar for s in seqs], self.vocab_size)
         return token_mask(logits, [s.params for s in seqs], states, self.stop_ids, prev, bits)
 
+    # ---- hooks a runner split over processes overrides (engine/distributed.py) ----------------
+    def _forward_unread(self, ids: mx.array, cache: list[Any]) -> tuple[mx.array, ...]:
+        """A forward whose output nothing reads (a prompt's chunk before its last): what must
+        be evaluated with the cache."""
+        self.model(ids, cache=cache)
+        return ()
+
+    def _shared(self, tokens: mx.array) -> mx.array:
+        """The step's sampled ids as every process of the model has them."""
+        return tokens
+
+    def heartbeat(self) -> None:
+        """The engine is idle (called at each idle wait)."""
+
+    def close(self) -> None:
+        """The engine's loop has ended."""
+
+    def health(self) -> Any:
+        """The processes the model is split over, for /health (None: this process alone)."""
+        return None
+
     def load_weights(self, path: str) -> None:
         """New weights in place (engine/weights.py), with nothing running; the kept prefixes go:
         their keys and values came from the old weights. WeightsError leaves the old ones."""
         assert not self.rows and not self.chunk_caches and not self.prefilled
         load_into(self.model, path)
+        if self.compiled is not None:
+            self.compiled.reset()
         if self.prefixes is not None:
             self.prefixes.clear()
 
@@ -425,10 +491,11 @@ class ModelRunner:
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.batch_cache = None
-            self.last_tokens, self.last_rows = None, {}  # idle: MLX holds only the weights
+            # Idle: MLX holds only the weights.
+            self.last_tokens, self.last_seqs, self._last_rows = None, [], None
             return
         assert self.batch_cache is not None
-        self.batch_cache.filter(keep)
+        self.batch_cache.filter(keep, self.trim_align)
 
 
 def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[list[PrefillChunk]]:

@@ -2,9 +2,9 @@
 runs a left-padded batch of its caches' batch forms exactly (three rows prefilled together and
 one decode step, each row against its tokens alone), and where its body and head are
 (engine/head.py). A family whose batch gives other numbers is refused here rather than served
-wrong: mlx-lm's gemma2 attention, for one, broadcasts the batch's padding mask over its head
-axes (an error at most batch sizes, silently wrong ones where the batch size equals its number
-of KV heads).
+wrong: mlx-lm's gemma2 attention as mlx-lm ships it, for one, broadcasts the batch's padding
+mask over its head axes (an error at most batch sizes, silently wrong ones where the batch size
+equals its number of KV heads); the loader fits it (models/padded_batch.py).
 
 The model's own forward is called once (the reference the split is checked against); the rest
 goes through the body and head where they are found. Only mlx-lm's families are split and

@@ -28,6 +28,7 @@ from omlx_logprobs import heap
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.client import Deliver, Lost
 from omlx_logprobs.engine.engine import Engine
+from omlx_logprobs.engine.model_runner import ModelRunner
 from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.types import (
     INITIAL_WEIGHTS,
@@ -112,6 +113,14 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class Fault:
+    """The child cannot go on and is about to exit; the message says why (a model split over
+    processes whose group is lost: engine/distributed.py)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
 class StepOutputs:
     outputs: list[RequestOutput]
     stats: EngineStats
@@ -148,12 +157,18 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
         level=spec.log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s"
     )
     sink = _PipeSink(outbox)
+    runner: Any = ModelRunner
     try:
         from omlx_logprobs.models.loader import load_model
 
-        model = load_model(
-            spec.model, spec.name, spec.engine.max_model_len, dtype=spec.engine.dtype
-        )
+        if spec.engine.parallel is not None:  # rank 0 of a group started by mlx.launch
+            from omlx_logprobs.engine.distributed import leader_parts
+
+            model, runner = leader_parts(spec.model, spec.name, spec.engine, partial(_fault, sink))
+        else:
+            model = load_model(
+                spec.model, spec.name, spec.engine.max_model_len, dtype=spec.engine.dtype
+            )
         if spec.weights_path is not None:
             from omlx_logprobs.engine.weights import load_into
 
@@ -166,6 +181,7 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
             sink,
             spec.weights,
             tokenizer=model.tokenizer,
+            runner=runner,
             adapters=spec.adapters,
         )
     except Exception as exc:
@@ -181,6 +197,15 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
     logging.shutdown()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _fault(sink: _PipeSink, message: str) -> None:
+    """Tell the parent why, then end: the engine thread is stuck where it cannot be got back."""
+    try:
+        sink.reply(Fault(message))
+    finally:
+        logging.shutdown()
+        os._exit(3)
 
 
 def _answer(sink: _PipeSink, uid: int, done: Future[WeightUpdateResult]) -> None:
@@ -266,6 +291,8 @@ class ProcessTransport:
         self._updates: dict[int, tuple[WeightUpdate, Future[WeightUpdateResult]]] = {}
         self._adapter_changes: dict[int, tuple[AdapterChange, Future[str | None]]] = {}
         self._next_update = 0
+        self._fault: str | None = None  # why the child said it cannot go on
+        self._lost: Lost | None = None
 
     # ---- lifetime ------------------------------------------------------------------------------
     def launch(self) -> None:
@@ -284,6 +311,7 @@ class ProcessTransport:
         self._up.set()
 
     def start(self, deliver: Deliver, lost: Lost) -> None:
+        self._lost = lost
         for thread in (
             threading.Thread(target=self._send_loop, name="omlx-send", daemon=True),
             threading.Thread(
@@ -320,6 +348,9 @@ class ProcessTransport:
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, req: EngineRequest) -> None:
+        if self._state == "failed" and self._lost is not None:  # no child will come back
+            self._lost([req.request_id], self._fault or "the engine process failed")
+            return
         self._outgoing.put(req)
 
     def abort(self, request_id: str) -> None:
@@ -355,6 +386,10 @@ class ProcessTransport:
                 if not self._up.wait(0.5):
                     if self._stopping.is_set():
                         return
+                    if self._state == "failed":  # no child will come back
+                        if isinstance(msg, EngineRequest) and self._lost is not None:
+                            self._lost([msg.request_id], self._fault or "the engine failed")
+                        break
                     continue
                 with self._lock:  # the watcher clears `_up` under this lock when a child dies
                     if not self._up.is_set():
@@ -362,6 +397,8 @@ class ProcessTransport:
                     child = self._child
                     if isinstance(msg, EngineRequest):  # before the send: a death fails it
                         self._sent[msg.request_id] = msg.n
+            if child is None:
+                continue
             try:
                 child.send.send(msg)
             except (OSError, ValueError):  # the child is gone: the watcher fails what it held
@@ -380,7 +417,7 @@ class ProcessTransport:
                 self._up.clear()
                 self._state = "restarting"
                 held, self._sent = list(self._sent), {}
-            self._stats = NO_STATS
+            last, self._stats = self._stats, NO_STATS
             if self._stopping.is_set():
                 self._state = "stopped"
                 lost(held, "the server is shutting down")
@@ -389,6 +426,15 @@ class ProcessTransport:
             if time.monotonic() - began > STABLE_S:
                 delay = BACKOFF_S[0]
             why = f"the engine process stopped ({child.cause()})"
+            if self.spec.engine.parallel is not None:  # a group is not re-formed: no restart
+                why = self._fault or f"{why}; its distributed group cannot be re-formed"
+                log.error("%s; %d requests unfinished fail", why, len(held))
+                self._fault, self._state = why, "failed"
+                if last.distributed is not None:  # /health still names the group's ranks
+                    self._stats = replace(NO_STATS, distributed=last.distributed.lost(why))
+                lost(held, why)
+                self._fail_updates(why)
+                return
             log.error(
                 "%s with %d requests unfinished; restarting it in %.1fs", why, len(held), delay
             )
@@ -406,7 +452,9 @@ class ProcessTransport:
                 return
             if isinstance(msg, WeightsUpdated):
                 self._updated(msg)
-            elif isinstance(msg, AdapterChanged):
+            if isinstance(msg, Fault):
+                self._fault = msg.message
+            if isinstance(msg, AdapterChanged):
                 self._adapter_changed(msg)
             if not isinstance(msg, StepOutputs):
                 continue

@@ -126,10 +126,10 @@ def apply_processors(
 ) -> mx.array:
     """Logit bias, then penalties, row by row for the rows that ask for them (they are rare).
     repetition_penalty looks at prompt and output; presence and frequency at the output only."""
-    if not any(p.penalizes for p in params):
+    if not any(p.processes for p in params):
         return logits
     rows = [
-        _process_row(logits[i], p, histories[i]) if p.penalizes else logits[i]
+        _process_row(logits[i], p, histories[i]) if p.processes else logits[i]
         for i, p in enumerate(params)
     ]
     return mx.stack(rows)

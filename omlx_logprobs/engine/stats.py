@@ -8,7 +8,7 @@ import gc
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from omlx_logprobs.engine.step import DeviceTime
 from omlx_logprobs.types import INITIAL_WEIGHTS, WeightVersion
@@ -53,6 +53,33 @@ class EngineStats:
     aborted_running: int  # ... and while decoding
     weights: WeightVersion = INITIAL_WEIGHTS  # the weights serving now
     updating: bool = False  # a weight update waits for the requests in flight
+    distributed: GroupHealth | None = None  # the processes the model is split over, if any
+
+
+@dataclass(frozen=True)
+class RankHealth:
+    """One process of a distributed group (engine/distributed.py), as rank 0 knows it."""
+
+    rank: int
+    host: str
+    holds: str  # its share of the model
+    weight_mib: float
+    state: str  # "ok", or "lost" once the group is
+
+
+@dataclass(frozen=True)
+class GroupHealth:
+    world_size: int
+    backend: str
+    mode: str  # "tensor" or "pipeline"
+    state: str  # "ok", or "lost": the group cannot run a step any more
+    fault: str | None
+    ranks: tuple[RankHealth, ...]
+
+    def lost(self, why: str) -> GroupHealth:
+        """The same group once it cannot run a step: rank 0 (the server) stays."""
+        ranks = tuple(replace(r, state="lost") if r.rank else r for r in self.ranks)
+        return replace(self, state="lost", fault=self.fault or why, ranks=ranks)
 
 
 @dataclass
@@ -71,6 +98,11 @@ class StepStats:
     # a GPU the second thread reads, beside the launch).
     read_s: float = 0.0
     flush_s: float = 0.0  # handing outputs over (to collectors, or to the server's process)
+    # Decode-only steps (rows sampled, no prompt tokens): the host time a decoding batch costs
+    # per step, apart from steps that also prefill (bench/run.py reads these from the log).
+    decode_steps: int = 0
+    decode_rows: int = 0
+    decode_launch_s: float = 0.0
     aside: tuple[float, float] = (0.0, 0.0)  # the last processing on the second thread: start, end
     _since: float = field(default_factory=time.perf_counter)
 
@@ -91,6 +123,10 @@ class StepStats:
         self.complete_s += complete_s
         self.queue_s += device.queue_s
         self.read_s += device.read_s
+        if rows and not prefill_tokens:
+            self.decode_steps += 1
+            self.decode_rows += rows
+            self.decode_launch_s += launch_s
         end = time.perf_counter()
         if TRACE:
             a0, a1 = self.aside
@@ -110,7 +146,8 @@ class StepStats:
             log.info(
                 "engine: %.1f steps/s, %.1f rows/step, %.0f tokens/s generated, %.0f prompt "
                 "tokens/s (%.0f%% cached); per step %.2f ms launch (%.2f queueing), %.2f ms "
-                "complete (%.2f reading), %.2f ms handing over",
+                "complete (%.2f reading), %.2f ms handing over; decode-only steps: %d, "
+                "%.2f ms launch at %.1f rows",
                 self.steps / wall,
                 self.rows / self.steps,
                 self.rows / wall,
@@ -121,7 +158,12 @@ class StepStats:
                 1e3 * self.complete_s / self.steps,
                 1e3 * self.read_s / self.steps,
                 1e3 * self.flush_s / self.steps,
+                self.decode_steps,
+                1e3 * self.decode_launch_s / max(self.decode_steps, 1),
+                self.decode_rows / max(self.decode_steps, 1),
             )
         self.steps = self.rows = self.prefill_tokens = self.cached_tokens = 0
+        self.decode_steps = self.decode_rows = 0
+        self.decode_launch_s = 0.0
         self.launch_s = self.complete_s = self.queue_s = self.read_s = self.flush_s = 0.0
         self._since = time.perf_counter()

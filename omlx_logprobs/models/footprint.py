@@ -22,7 +22,7 @@ def weight_mib(path: Path, float_bytes: int | None = None, dequantize: bool = Fa
     dtype dequantizes them at load when they fit). Any other file (a scripted description)
     counts its size on disk."""
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    bits = _quantized_bits(path) if dequantize else None
+    bits = _quantized_bits(path) if dequantize else {}
     total = 0
     for f in files:
         if f.suffix == ".safetensors":
@@ -32,15 +32,18 @@ def weight_mib(path: Path, float_bytes: int | None = None, dequantize: bool = Fa
     return max(1, math.ceil(total * MARGIN / 2**20))
 
 
-def _quantized_bits(path: Path) -> int | None:
+def _quantized_bits(path: Path) -> dict[str, int]:
+    """Bits by packed weight's name: "" for the default, a layer's own where config.json names
+    it (a converted GGUF mixes 4, 5 and 8 bits)."""
     config = path / "config.json"
     if not config.is_file():
-        return None
+        return {}
     q = json.loads(config.read_text()).get("quantization") or {}
-    return int(q["bits"]) if "bits" in q else None
+    bits = {f"{k}.weight": int(v["bits"]) for k, v in q.items() if isinstance(v, dict)}
+    return bits | ({"": int(q["bits"])} if "bits" in q else {})
 
 
-def _tensor_bytes(path: Path, float_bytes: int | None, bits: int | None) -> int:
+def _tensor_bytes(path: Path, float_bytes: int | None, bits: dict[str, int]) -> int:
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header: dict[str, Any] = json.loads(f.read(size))
@@ -53,7 +56,7 @@ def _tensor_bytes(path: Path, float_bytes: int | None, bits: int | None) -> int:
         if width and float_bytes:
             total += stored // width * float_bytes
         elif bits and t["dtype"] == "U32":  # 32 // bits weights in each packed word
-            total += stored * 8 // bits * 4
+            total += stored * 8 // bits.get(name, bits.get("", 4)) * 4
         else:
             total += stored
     return total

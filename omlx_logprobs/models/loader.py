@@ -15,6 +15,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_tokenizer
 
 from omlx_logprobs.models.dtype import apply_dtype
+from omlx_logprobs.models.padded_batch import fit_for_padded_batches
 from omlx_logprobs.vocab import Vocabulary, build_vocabulary
 
 log = logging.getLogger("omlx_logprobs")
@@ -79,6 +80,8 @@ def load_model(
         net, config = None, json.loads((path / "config.json").read_text())
         wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     if net is not None:
+        if fixed := fit_for_padded_batches(net):
+            log.info("%d attention layers fitted for left-padded batches", fixed)
         log.info("weights: %s", apply_dtype(net, dtype))
         # Evaluate here: a lazy cast would belong to this thread's stream, and the engine
         # thread, which has streams of its own, could not evaluate it.

@@ -33,8 +33,11 @@ ALT_STRIDE = 997
 END_OF_TURN = "<|im_end|>"
 MARKER = "<|im_start|>"
 
-# ChatML; `enable_thinking` (default: the description's `template_opens_think`) opens <think>.
+# ChatML; `enable_thinking` (default: the description's `template_opens_think`) opens <think>;
+# `tools`, when given, in a system turn first (so that tools reach the model, as they must).
 CHAT_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\n' + (tools | tojson) + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
     "'<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"

@@ -269,6 +269,26 @@ def test_logit_bias_forces_a_token(tiny: LoadedModel) -> None:
         assert abs(raw.store.logprobs[i] - ref[i][target]) < 1e-4
 
 
+def test_a_logit_bias_alone_needs_no_history(tiny: LoadedModel) -> None:
+    """A bias is a fixed row: it is a logit processor but reads no earlier token, so a batch
+    holding it keeps the step in flight beside the next launch; any penalty does read them."""
+    bias = SamplingParams(logit_bias=((7, 1.0),))
+    assert bias.processes and not bias.penalizes
+    assert not SamplingParams().processes
+    penalties = [
+        SamplingParams(repetition_penalty=1.1),
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(frequency_penalty=0.5, logit_bias=((7, 1.0),)),
+    ]
+    assert all(p.processes and p.penalizes for p in penalties)
+    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, EngineConfig())
+    engine.scheduler.running.append(Sequence("a", [1, 2], bias))
+    assert not engine._needs_history()
+    for i, p in enumerate(penalties):
+        engine.scheduler.running[:] = [Sequence("a", [1, 2], bias), Sequence(f"p{i}", [1, 2], p)]
+        assert engine._needs_history()
+
+
 def test_eos_finishes_with_stop_and_keeps_its_entry(tiny: LoadedModel) -> None:
     prompt = encode(tiny, PROMPTS[0])
     params = SamplingParams(max_tokens=5, temperature=0, logit_bias=((2, 100.0),), logprobs=True)

@@ -43,7 +43,7 @@ def model_dir(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """A fresh conversion (not the user's cache), so that the converter itself is under test."""
     cache = tmp_path_factory.mktemp("cache")
     yield ensure_embedded_model(cache)
-    shutil.rmtree(cache, ignore_errors=True)  # 540 MB of float32 weights: pytest keeps 3 runs
+    shutil.rmtree(cache, ignore_errors=True)  # pytest would keep 3 runs of it
 
 
 @pytest.fixture(scope="session")

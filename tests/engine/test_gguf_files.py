@@ -22,6 +22,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from omlx_logprobs.models.gguf import convert_gguf
+from omlx_logprobs.models.gguf.quantized import BITS
 from omlx_logprobs.models.loader import load_model
 from tests.helpers.gguf_files import gguf_name, write_gguf
 
@@ -49,6 +50,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         **_BASE, "model_type": "gemma3_text", "num_hidden_layers": 6, "sliding_window": 8,
         "sliding_window_pattern": 6, "query_pre_attn_scalar": 16, "rope_theta": 1e6,
         "rope_local_base_freq": 10000.0, "rms_norm_eps": 1e-6,
+    },
+    # Ministral 3: YaRN rope scaling, and Llama 4's query temperature over an original context
+    # of 8 tokens, so that the prompt crosses two steps of it.
+    "ministral3": {
+        **_BASE, "model_type": "ministral3", "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                            "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "llama_4_scaling_beta": 0.1},
     },
     "phi3": {
         **{k: v for k, v in _BASE.items() if k != "head_dim"}, "model_type": "phi3",
@@ -128,6 +138,12 @@ def test_family_logprobs_equal_mlx_lm(family: str, qtype: T, tmp_path: Path) -> 
     diff = float(np.abs(got - want).max())
     print(f"{family} {qtype.name}: max |logprob difference| {diff:.2e}")
     assert diff < 1e-4
+    if qtype != T.F32:  # its layers kept quantized (as on a GPU): MLX's quantized matmul
+        kept = load_model(str(out), dtype="float32").model
+        assert any(isinstance(m, nn.QuantizedLinear) for _, m in kept.named_modules())
+        diff = float(np.abs(_log_softmax(kept(ids)[0]) - want).max())
+        print(f"{family} {qtype.name}, quantized layers: max |logprob difference| {diff:.2e}")
+        assert diff < 1e-4
     converted = json.loads((out / "config.json").read_text())
     assert converted["model_type"] == config["model_type"]
     assert converted["tie_word_embeddings"] == ("lm_head.weight" not in weights)
@@ -154,10 +170,36 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _stored_as_mlx(t: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """What llama.cpp computes from a stored tensor's blocks, in the Hugging Face row order."""
+    want = dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
+    if ".attn_q." in t.name:
+        return _unpermute(want, _QUANT_CONFIG["num_attention_heads"])
+    if ".attn_k." in t.name:
+        return _unpermute(want, _QUANT_CONFIG["num_key_value_heads"])
+    return want
+
+
+def _dequantized(converted: dict[str, mx.array], name: str, quant: dict[str, Any]) -> np.ndarray:
+    """A converted weight's values: itself, or MLX's dequantization of its packed codes."""
+    path = name.removesuffix(".weight")
+    if path not in quant:
+        return np.array(converted[name])
+    q = quant[path]
+    assert converted[name].dtype == mx.uint32
+    assert converted[f"{path}.scales"].dtype == converted[f"{path}.biases"].dtype == mx.float32
+    scales, biases = converted[f"{path}.scales"], converted[f"{path}.biases"]
+    w = mx.dequantize(converted[name], scales, biases, group_size=q["group_size"], bits=q["bits"],
+                      stream=mx.cpu)  # fmt: skip
+    return np.array(w)
+
+
 @pytest.mark.parametrize("qtype", list(_CLOSE), ids=lambda t: t.name)
 def test_quantization_type_converts_exactly(
     qtype: T, quant_weights: dict[str, np.ndarray], tmp_path: Path
 ) -> None:
+    """Types that MLX's affine quantization represents become quantized layers whose
+    dequantization is gguf's, bit for bit; the others float32 weights equal to gguf's."""
     gguf = tmp_path / f"{qtype.name}.gguf"
     write_gguf(gguf, _QUANT_CONFIG, quant_weights, qtype=qtype)
     stored = {t.name: t for t in GGUFReader(gguf).tensors}
@@ -165,21 +207,78 @@ def test_quantization_type_converts_exactly(
     assert len(quantized) >= 8  # every matrix, the embedding among them
     convert_gguf(gguf, tmp_path / "out")
     converted = mx.load(str(tmp_path / "out" / "model.safetensors"))
-    assert set(converted) == set(quant_weights)
+    quant = json.loads((tmp_path / "out" / "config.json").read_text()).get("quantization", {})
+    matrices = {n.removesuffix(".weight") for n, w in quant_weights.items() if w.ndim > 1}
+    if qtype in BITS:
+        assert set(quant) - {"group_size", "bits", "mode"} == matrices
+        assert all(quant[p] == {"group_size": 32, "bits": BITS[qtype]} for p in matrices)
+    else:
+        assert quant == {}
+    loaded = load_model(str(tmp_path / "out"), dtype="float32").model  # layers kept quantized
+    layers = dict(loaded.named_modules())
+    on_cpu = mx.default_device() == mx.cpu
+    served = load_model(str(tmp_path / "out")).model  # auto on the CPU: dequantized at load
+    served_weights = dict(nn.utils.tree_flatten(served.parameters()))  # type: ignore[attr-defined]
     for name, original in quant_weights.items():
-        got = np.array(converted[name])
-        t = stored[gguf_name(name, "llama")]
-        # What llama.cpp computes from the stored blocks, in the Hugging Face row order.
-        want = dequantize(np.asarray(t.data), t.tensor_type).reshape(original.shape)
-        if ".q_proj." in name:
-            want = _unpermute(want, _QUANT_CONFIG["num_attention_heads"])
-        elif ".k_proj." in name:
-            want = _unpermute(want, _QUANT_CONFIG["num_key_value_heads"])
+        path = name.removesuffix(".weight")
+        got = _dequantized(converted, name, quant)
+        want = _stored_as_mlx(stored[gguf_name(name, "llama")], original.shape)
         assert got.dtype == np.float32 and np.array_equal(got, want), name
+        if on_cpu:  # a GPU keeps the layers quantized under auto
+            assert np.array_equal(np.array(served_weights[name]), want), name
+        if path in quant:  # the loaded layer's own arrays dequantize to gguf's values
+            layer = layers[path]
+            assert isinstance(layer, nn.QuantizedLinear | nn.QuantizedEmbedding), path
+            assert (layer.bits, layer.group_size) == (BITS[qtype], 32)
+            own = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=32,
+                                bits=layer.bits, stream=mx.cpu)  # fmt: skip
+            assert np.array_equal(np.array(own), want), name
         err = np.sqrt(np.mean((got - original) ** 2) / np.mean(original**2))
         assert err <= _CLOSE[qtype], (name, float(err))
-    model = load_model(str(tmp_path / "out")).model
-    assert np.isfinite(np.array(model(mx.array([PROMPT])))).all()
+    assert np.isfinite(np.array(loaded(mx.array([PROMPT])))).all()
+
+
+def test_mixed_types_in_one_file(quant_weights: dict[str, np.ndarray], tmp_path: Path) -> None:
+    """As in a Q4_K_M file: Q4_K matrices, Q6_K ones (left float32: sub-blocks of 16) and a
+    Q8_0 one; each quantized layer gets its own bits, and the model's logprobs, kept quantized,
+    equal a float32 forward of the weights gguf dequantizes (within 1e-4)."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    types = {n: T.Q4_K for n in quant_weights}
+    types |= {n: T.Q6_K for n in quant_weights if "v_proj" in n or "down_proj" in n}
+    types |= {n: T.Q8_0 for n in quant_weights if "o_proj" in n}
+    types["model.layers.0.mlp.up_proj.weight"] = T.Q5_K
+    gguf = tmp_path / "mixed.gguf"
+    write_gguf(gguf, _QUANT_CONFIG, quant_weights, types=types)
+    convert_gguf(gguf, tmp_path / "out")
+    quant = json.loads((tmp_path / "out" / "config.json").read_text())["quantization"]
+    want_bits = {
+        n.removesuffix(".weight"): BITS[t]
+        for n, t in types.items()
+        if quant_weights[n].ndim > 1 and t in BITS
+    }
+    assert {p: q["bits"] for p, q in quant.items() if isinstance(q, dict)} == want_bits
+    assert set(want_bits.values()) == {4, 5, 8}
+    ours = load_model(str(tmp_path / "out"), dtype="float32")
+    layers = dict(ours.model.named_modules())
+    for path, bits in want_bits.items():
+        assert layers[path].bits == bits, path
+    assert isinstance(layers["model.layers.0.self_attn.v_proj"], nn.Linear)  # Q6_K: float32
+    stored = {t.name: t for t in GGUFReader(gguf).tensors}
+    reference_weights = {
+        n: _stored_as_mlx(stored[gguf_name(n, "llama")], w.shape) if w.ndim > 1 else w
+        for n, w in quant_weights.items()
+    }
+    reference, _ = mlx_lm_load_model(
+        _reference_dir(tmp_path / "ref", _QUANT_CONFIG, reference_weights)
+    )
+    reference.set_dtype(mx.float32)
+    ids = mx.array([PROMPT])
+    got, want = _log_softmax(ours.model(ids)[0]), _log_softmax(reference(ids)[0])
+    assert float(np.abs(want).max()) > 1.0
+    diff = float(np.abs(got - want).max())
+    print(f"mixed Q4_K/Q5_K/Q6_K/Q8_0, quantized layers: max |logprob difference| {diff:.2e}")
+    assert diff < 1e-4
 
 
 # --- tokenizers -----------------------------------------------------------------------------------

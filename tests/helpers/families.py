@@ -31,6 +31,8 @@ _ATTN = {
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {**_ATTN, "num_hidden_layers": 2},
+    # Soft-capped attention scores and logits, grouped queries (models/padded_batch.py).
+    "gemma2": {**_ATTN, "num_hidden_layers": 2, "query_pre_attn_scalar": 8},
     "qwen2": {**_ATTN, "num_hidden_layers": 2},
     "qwen3": {**_ATTN, "num_hidden_layers": 2, "tie_word_embeddings": False},
     "qwen3_moe": {
@@ -116,6 +118,22 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "partial_rotary_factor": 0.5,
         "tie_word_embeddings": False,
     },
+    # Qwen3.5: linear-attention (gated delta) layers every layer but each second, dense MLPs.
+    "qwen3_5": {
+        **_ATTN,
+        "num_hidden_layers": 2,
+        "full_attention_interval": 2,
+        "linear_num_value_heads": 2,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {
+            "type": "default", "mrope_section": [1, 1, 0], "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
+        "tie_word_embeddings": False,
+    },
     "lfm2": {
         **_ATTN,
         "num_hidden_layers": 2,
@@ -177,12 +195,6 @@ FAMILIES: dict[str, dict[str, Any]] = {
     },
 }
 
-# Families mlx-lm builds but cannot run in a left-padded batch: refused at start-up.
-REFUSED: dict[str, dict[str, Any]] = {
-    # Its attention's softcapping reshapes the scores past what the batch's padding mask fits.
-    "gemma2": {**_ATTN, "num_hidden_layers": 2, "query_pre_attn_scalar": 8},
-}
-
 
 def _model_class(model_type: str) -> tuple[Any, Any]:
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
@@ -192,7 +204,7 @@ def _model_class(model_type: str) -> tuple[Any, Any]:
 def build_family(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 1234) -> Path:
     """A tiny `model_type` model with seeded random weights, saved in `out` (an mlx-lm
     directory with SmolLM2's tokenizer)."""
-    family = FAMILIES.get(model_type) or REFUSED[model_type]
+    family = FAMILIES[model_type]
     config = {"model_type": model_type, "eos_token_id": [2, 0], **family}
     out.mkdir(parents=True, exist_ok=True)
     for f in tokenizer_dir.iterdir():

@@ -9,13 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 
 from tests.helpers.kquants import quantize
 
 # GGUF architecture and mlx-lm model type.
 ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-          "gemma3_text": "gemma3", "phi3": "phi3"}  # fmt: skip
+          "gemma3_text": "gemma3", "phi3": "phi3", "ministral3": "mistral3"}  # fmt: skip
+# Families whose q/k rows llama.cpp reorders for its interleaved rope.
+_PERMUTED = ("llama", "ministral3")
 _NAMES = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -146,8 +148,10 @@ def write_gguf(
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     tokenizer: str = "gpt2",
     pre: str = "qwen2",
+    types: dict[str, GGMLQuantizationType] | None = None,
 ) -> None:
-    """A GGUF file of an mlx-lm model's config and float32 weights."""
+    """A GGUF file of an mlx-lm model's config and float32 weights: `qtype` for every matrix,
+    or the type `types` gives a weight's mlx-lm name (as a Q4_K_M file mixes Q4_K and Q6_K)."""
     model_type = config["model_type"]
     arch = ARCHES[model_type]
     w = GGUFWriter(str(path), arch)
@@ -161,7 +165,8 @@ def write_gguf(
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    rope = config.get("rope_parameters") or {}
+    w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     w.add_context_length(config.get("max_position_embeddings", 4096))
     w.add_rope_dimension_count(head_dim)
     if model_type == "qwen3_moe":
@@ -175,18 +180,27 @@ def write_gguf(
         for kind in ("long", "short"):
             factors = np.array(config["rope_scaling"][f"{kind}_factor"], dtype=np.float32)
             w.add_tensor(f"rope_factors_{kind}.weight", factors)
+    if model_type == "ministral3" and rope.get("rope_type") == "yarn":
+        # As llama.cpp's converter writes Ministral 3's rope parameters.
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     if model_type == "llama" and config.get("rope_scaling"):
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(config))
     _add_tokenizer(w, config["vocab_size"], tokenizer, pre)
     for name, value in weights.items():
         value = np.asarray(value, dtype=np.float32)
-        if model_type == "llama" and ".q_proj." in name:
+        if model_type in _PERMUTED and ".q_proj." in name:
             value = _permute(value, heads)
-        elif model_type == "llama" and ".k_proj." in name:
+        elif model_type in _PERMUTED and ".k_proj." in name:
             value = _permute(value, config.get("num_key_value_heads", heads))
         if model_type == "gemma3_text" and name.endswith("norm.weight"):
             value = value + np.float32(1.0)
-        _add_tensor(w, gguf_name(name, model_type), value, qtype)
+        _add_tensor(w, gguf_name(name, model_type), value, (types or {}).get(name, qtype))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -133,6 +133,51 @@ CASES: dict[str, ToolCase] = {
         "hermes", [("t", OPEN), ("t", {"text": body(*WEATHER)})], "", [WEATHER]
     ),
     "plain": ToolCase("hermes", [("c", {"text": "No tools: x < y."})], "No tools: x < y."),
+    "broken": ToolCase(  # a malformed Mistral list: content, as written
+        "mistral",
+        [
+            ("c", {"text": "Ok "}),
+            ("c", {"tokens": ["[TOOL_CALLS]"]}),
+            ("c", {"text": '[{"name": "add", "arguments": {a: 1}}]'}),
+        ],
+        'Ok [TOOL_CALLS][{"name": "add", "arguments": {a: 1}}]',
+    ),
+    "wrong": ToolCase(  # a malformed Llama 3 call: content, as written
+        "llama3_json",
+        [("c", {"text": '{"name": "get_weather", "parameters": {city: Oslo}}'})],
+        '{"name": "get_weather", "parameters": {city: Oslo}}',
+    ),
+    "mixed": ToolCase(  # a Qwen3-Coder function with text outside its parameters: content
+        "qwen3_coder",
+        [
+            ("c", OPEN),
+            ("c", {"text": "\n<function=get_weather>\nParis\n</function>\n"}),
+            ("c", CLOSE),
+        ],
+        "<tool_call>\n<function=get_weather>\nParis\n</function>\n</tool_call>",
+    ),
+    "ponder": ToolCase(  # a Qwen3-Coder call after reasoning
+        "qwen3_coder",
+        [
+            ("r", THINK),
+            ("r", {"text": "Rome, then."}),
+            ("r", END),
+            ("c", {"text": "\n\n"}),
+            ("t", OPEN),
+            ("t", {"text": "\n<function=get_time>\n<parameter=city>\nRome\n</parameter>\n"}),
+            ("t", {"text": "</function>\n"}),
+            ("t", CLOSE),
+        ],
+        "\n\n",
+        [("get_time", {"city": "Rome"})],
+        reasoning="Rome, then.",
+    ),
+    "forced": ToolCase(  # exactly what the grammar of a forced Hermes call allows
+        "hermes",
+        [("t", OPEN), ("t", {"text": "\n" + body(*WEATHER) + "\n"}), ("t", CLOSE)],
+        "",
+        [WEATHER],
+    ),
     "list": ToolCase(
         "mistral",
         [

@@ -57,6 +57,31 @@ def test_unknown_field_in_a_stream_is_a_400_before_it_starts(server: str) -> Non
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_token"
 
 
+def test_unknown_field_on_tokenize_and_detokenize_is_a_400(server: str) -> None:
+    """The tokenizer routes read their bodies as the completions routes do: an undeclared
+    field is a 400 naming it; vLLM's `return_token_strs` and `continue_final_message` are
+    declared."""
+    for path, body in (
+        ("/tokenize", {"prompt": "hi", "add_special_token": False}),
+        ("/tokenize", {"messages": user("hi"), "tool": []}),
+        ("/detokenize", {"tokens": [1, 2], "skip_special_tokens": True}),
+    ):
+        r = httpx.post(server + path, json=body, timeout=30)
+        name = next(k for k in body if k not in ("prompt", "messages", "tokens"))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == name and err["code"] == "unknown_parameter"
+        assert err["message"] == f"Unrecognized request argument supplied: {name}"
+    r = httpx.post(server + "/tokenize", json={"prompt": "a cat", "return_token_strs": True})
+    body = r.json()
+    assert r.status_code == 200 and body["token_strs"] == ["a", "Ġcat"]
+    msgs = [*user("hi"), {"role": "assistant", "content": "Hel"}]
+    cont = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(server + "/tokenize", json=cont).json()["tokens"]
+    text = httpx.post(server + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nHel")  # the last message left open
+
+
 NOT_A_SCHEMA = {"type": "json_schema", "json_schema": {"schema": 3}}
 
 
@@ -132,6 +157,10 @@ def test_ignore_unknown_fields_warns_and_names_them(tiny_dir: Path) -> None:
         r = httpx.post(s.base + "/v1/completions", json={**body, "prompt": "a", "stream": False})
         assert r.status_code == 200, r.text
         assert "ignored unknown request fields: vendor_x" in s.log()
+        r = httpx.post(s.base + "/tokenize", json={"prompt": "hi", "vendor_x": 1})
+        assert r.status_code == 200 and r.headers["x-ignored-fields"] == "vendor_x"
+        r = httpx.post(s.base + "/detokenize", json={"tokens": r.json()["tokens"], "y": 0})
+        assert r.json()["prompt"] == "hi" and r.headers["x-ignored-fields"] == "y"
 
 
 # ---- logprobs_mode ---------------------------------------------------------------------------
@@ -329,6 +358,12 @@ def test_stop_string_and_special_tokens_in_text(client: openai.OpenAI) -> None:
     plain = chat(client, "Say hi.", max_tokens=60, temperature=0,
                  extra_body={"skip_special_tokens": False})  # fmt: skip
     assert end.choices[0].message.content == plain.choices[0].message.content + "<|im_end|>"
+    # spaces_between_special_tokens: text is the tokens' own bytes, so either value is the same
+    for spaces in (False, True):
+        extra = {"skip_special_tokens": False, "include_stop_str_in_output": True,
+                 "spaces_between_special_tokens": spaces}  # fmt: skip
+        same = chat(client, "Say hi.", max_tokens=60, temperature=0, extra_body=extra)
+        assert same.choices[0].message.content == end.choices[0].message.content
 
 
 def test_truncate_prompt_tokens(client: openai.OpenAI) -> None:

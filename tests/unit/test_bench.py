@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from omlx_logprobs.engine.stats import StepStats
+from omlx_logprobs.engine.step import DeviceTime
+
 sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # after every installed module
 
 from loadgen import LoadConfig, LoadResult, RequestRecord, check_body, summarize  # noqa: E402
-from measure import ServerBench, Target  # noqa: E402
-from presets import GPU, CellSpec  # noqa: E402
+from measure import ServerBench, Target, decode_stats  # noqa: E402
+from presets import CPU, GPU, JSON, CellSpec  # noqa: E402
+from report import device_floor  # noqa: E402
 from results import PartResult, Results, Throughput  # noqa: E402
 from targets import evaluate  # noqa: E402
 
@@ -48,6 +55,41 @@ def test_a_round_runs_off_and_top20_back_to_back_in_alternating_order() -> None:
     assert runs == {"off": 4, "top0": 2, "top5": 2, "top20": 4}
     assert CellSpec(8, 8, 4, full_rounds=3).capped(2) == CellSpec(8, 8, 2, full_rounds=2)
     assert CellSpec(8, 8, 4).capped(None) == CellSpec(8, 8, 4)
+
+
+def test_the_json_row_runs_beside_off_every_round_and_reads_its_median() -> None:
+    """Where a preset runs the JSON-schema mode (c=8 of `cpu`), it runs in every round on
+    off's other side, its requests carry the schema, and its target is the median of the
+    rounds' json/off ratios against 0.8."""
+    assert 8 in CPU.json_cells and JSON.json_cells == (8,)
+    sent: list[tuple[str, bool]] = []
+
+    async def load(cfg: LoadConfig, *_: Any, **__: Any) -> LoadResult:
+        mode = "json" if cfg.json_schema else ("off" if cfg.logprobs is None else "top")
+        sent.append((mode, cfg.json_schema))
+        speed = {"off": 100.0, "json": 85.0}.get(mode, 90.0)
+        rec = RequestRecord(1.0, completion_tokens=cfg.max_tokens)
+        return summarize(cfg, [rec] * cfg.requests, cfg.requests * cfg.max_tokens / speed)
+
+    base = SimpleNamespace(base_url="http://127.0.0.1:1/v1")
+    for preset, modes, size in ((CPU, ("off", "top20"), 3), (JSON, ("off",), 2)):
+        sent.clear()
+        bench = ServerBench(preset, base, Target("omlx", "m"))
+        bench.load = load  # type: ignore[method-assign]
+        cells = asyncio.run(bench.cell(CellSpec(8, 8, 4), modes, shift=0))
+        rounds = [[m for m, _ in sent[i : i + size]] for i in range(0, 4 * size, size)]
+        for r in rounds:  # json beside off in each round
+            assert abs(r.index("json") - r.index("off")) == 1
+        assert all(json_schema == (m == "json") for m, json_schema in sent)
+        res = Results(preset.name, "m", parts=[PartResult("omlx", "now", 1.0, "cmd")])
+        res.parts[0].throughput = cells
+        [check] = [c for c in evaluate(res, preset) if c.name == "ours JSON schema / ours off, c=8"]
+        assert check.value == "0.85x" and check.met and check.note.startswith("median of 4")
+    peer = ServerBench(CPU, base, Target("mlx-lm", "m"))
+    peer.load = load  # type: ignore[method-assign]
+    sent.clear()
+    asyncio.run(peer.cell(CellSpec(8, 8, 2), ("off", "top5"), shift=0))
+    assert all(m != "json" for m, _ in sent)  # never on mlx-lm's server
 
 
 def throughput(mode: str, runs: list[float]) -> Throughput:
@@ -89,3 +131,33 @@ def test_a_body_is_checked_after_the_run_and_a_wrong_one_is_an_error() -> None:
     assert (good.error, good.completion_tokens, good.prompt_tokens) == (None, 2, 7)
     assert bad.error == "entry 0: top_logprobs has 1 items, expected 2"
     assert broken.error is not None and broken.error.startswith("JSONDecodeError")
+
+
+def test_the_host_time_per_decode_step_is_read_from_the_engine_stats_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only steps that sampled rows and prefilled nothing count; two lines add up, each
+    weighted by its steps."""
+    stats = StepStats(interval_s=1e9)
+    with caplog.at_level(logging.INFO, logger="omlx_logprobs"):
+        for rows, prefill, launch in ((64, 0, 0.002), (64, 0, 0.004), (60, 100, 0.010)):
+            stats.add(rows, prefill, 0, launch, 0.0, DeviceTime())
+        stats.flush()
+        stats.add(32, 0, 0, 0.003, 0.0, DeviceTime())
+        stats.add(0, 0, 0, 0.001, 0.0, DeviceTime())  # nothing sampled: not a decode step
+        stats.flush()
+    steps, launch_ms, rows = decode_stats(caplog.text)
+    assert steps == 3
+    assert launch_ms == pytest.approx(9.0)
+    assert rows == pytest.approx(160.0)
+
+
+def test_the_device_floor_reads_the_weights_at_the_gpus_bandwidth(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 3_350_000)
+    (tmp_path / "config.json").write_text("{}")  # not a weight
+    floor, note = device_floor(tmp_path, "NVIDIA H100 80GB HBM3, 81559 MiB, 580.1", None)
+    assert floor == pytest.approx(1e-3) and "3.35 TB/s" in note  # ms: 3.35 MB at 3.35 TB/s
+    assert device_floor(tmp_path, "NVIDIA H200, 143771 MiB", None)[0] == pytest.approx(3.35 / 4.8e3)
+    assert device_floor(tmp_path, "NVIDIA H100 PCIe, 81559 MiB", None)[0] == pytest.approx(1.675e-3)
+    assert device_floor(tmp_path, None, None) == (None, "")  # the CPU box
+    assert device_floor(tmp_path, None, 1000.0)[0] == pytest.approx(3.35e-3)

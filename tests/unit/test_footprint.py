@@ -30,3 +30,17 @@ def test_estimate_from_headers(tmp_path: Path) -> None:
     scripted = tmp_path / "s.json"
     scripted.write_text("{}")
     assert weight_mib(scripted, float_bytes=4) == 1
+
+
+def test_each_quantized_layer_counted_at_its_own_bits(tmp_path: Path) -> None:
+    """A converted GGUF names each quantized layer with its bits (4 by default, 8 for a Q8_0
+    layer): 1 MiB of packed 8-bit codes is 4 MiB once dequantized, not 8."""
+    mib = 2**20
+    packed = {
+        "a.weight": mx.zeros((mib // 4,), mx.uint32),
+        "b.weight": mx.zeros((mib // 4,), mx.uint32),
+    }
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), packed)
+    quantization = '{"group_size": 32, "bits": 4, "b": {"group_size": 32, "bits": 8}}'
+    (tmp_path / "config.json").write_text('{"quantization": ' + quantization + "}")
+    assert weight_mib(tmp_path, float_bytes=4, dequantize=True) == math.ceil((8 + 4) * MARGIN)

@@ -224,6 +224,41 @@ def _phi3(md: Metadata, rope: dict[str, np.ndarray]) -> Config:
     return out
 
 
+def _mistral3(md: Metadata, rope: dict[str, np.ndarray]) -> Config:
+    """Ministral 3 (llama.cpp's `mistral3`): llama's layers, YaRN rope scaling, and Llama 4's
+    query temperature (queries times 1 + beta*log(1 + floor(pos / original context)))."""
+    config = _common(md)
+    original = md.arch_int(
+        "rope.scaling.original_context_length", config["max_position_embeddings"]
+    )
+    params: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": config["rope_theta"],
+        "original_max_position_embeddings": original,
+        "llama_4_scaling_beta": float(md.arch("attention.temperature_scale", 0.0)),
+    }
+    kind = md.arch("rope.scaling.type", None)
+    if kind == "yarn":
+        params |= {
+            "rope_type": "yarn",
+            "factor": float(md.arch("rope.scaling.factor")),
+            # llama.cpp's defaults where the file has none.
+            "beta_fast": float(md.arch("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(md.arch("rope.scaling.yarn_beta_slow", 1.0)),
+            # llama.cpp's mistral3 graph cancels YaRN's magnitude scaling of q and k (its
+            # attn_factor is 1 / (1 + 0.1 ln(factor))), as Ministral 3's own config does with
+            # mscale = mscale_all_dim = 1.
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        }
+    elif kind not in (None, "none"):
+        raise ValueError(
+            f"unsupported rope scaling {kind!r} for mistral3 in this GGUF file: use the model's"
+            " Hugging Face directory"
+        )
+    return {**config, "rope_parameters": params}
+
+
 ARCHITECTURES = {
     a.gguf_name: a
     for a in [
@@ -235,6 +270,10 @@ ARCHITECTURES = {
             "gemma3", "gemma3_text", "Gemma3ForCausalLM", _gemma3, _GEMMA3, norm_shift=1.0
         ),
         Architecture("phi3", "phi3", "Phi3ForCausalLM", _phi3, _PHI3),
+        # llama.cpp writes Ministral 3's q/k rows in its interleaved-rope order, as for llama.
+        Architecture(
+            "mistral3", "ministral3", "Ministral3ForCausalLM", _mistral3, permuted_qk=True
+        ),
     ]
 }
 
@@ -244,8 +283,8 @@ def architecture(md: Metadata) -> Architecture:
     if arch is None:
         raise ValueError(
             f"unsupported GGUF architecture {md.architecture!r}: supported are"
-            f" {', '.join(ARCHITECTURES)} (Mistral and Ministral files of llama.cpp's 'llama'"
-            " architecture among them); serve the model's Hugging Face or mlx-community"
+            f" {', '.join(ARCHITECTURES)} (older Mistral and Ministral files, which llama.cpp"
+            " writes as 'llama', among them); serve the model's Hugging Face or mlx-community"
             " directory instead"
         )
     return arch

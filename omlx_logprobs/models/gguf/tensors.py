@@ -1,18 +1,23 @@
-"""A GGUF file's tensors as float32 numpy arrays, dequantized by the `gguf` package.
+"""A GGUF file's tensors as MLX arrays: MLX affine quantization where it is exact
+(quantized.py), else float32 dequantized by the `gguf` package.
 
 `gguf.quants.dequantize` follows llama.cpp's dequantizers (the scales in float32, then d*q or
-d*q - m per block), so a converted weight is the value llama.cpp computes with.
+d*q - m per block), so a converted weight, or a quantized one's dequantization, is the value
+llama.cpp computes with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
+
+from omlx_logprobs.models.gguf.quantized import BITS, to_affine
 
 # The tensor types we convert: the float types and every block type that the `gguf` package
 # dequantizes (the K-quants of Q4_K_M/Q5_K_M/Q6_K files, the legacy and i-quants, MXFP4).
@@ -83,11 +88,33 @@ def read_tensor_types(gguf_path: Path) -> dict[str, int]:
     return tensor_types(open_gguf(Path(gguf_path)))
 
 
-def float32_tensors(reader: GGUFReader) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, float32 array in numpy's row-major shape) for each tensor, one at a time, so
-    that a large file is never held in float32 all at once."""
+@dataclass(frozen=True)
+class Converted:
+    """One tensor: `weight` in numpy's row-major shape, float32, or MLX's packed uint32 codes
+    with float32 `scales` and `biases` (groups of `GROUP`) and their `bits`."""
+
+    weight: np.ndarray
+    scales: np.ndarray | None = None
+    biases: np.ndarray | None = None
+    bits: int | None = None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays by suffix, as an mlx-lm quantized layer names them."""
+        if self.scales is None or self.biases is None:
+            return {"weight": self.weight}
+        return {"weight": self.weight, "scales": self.scales, "biases": self.biases}
+
+
+def converted_tensors(reader: GGUFReader, quantize: bool = True) -> Iterator[tuple[str, Converted]]:
+    """(name, Converted) for each tensor, one at a time, so that a large file is never held in
+    float32 all at once. `quantize=False`: float32 everywhere."""
     for t in reader.tensors:
-        yield t.name, _float32(t)
+        w = _float32(t)
+        mapped = to_affine(np.asarray(t.data), t.tensor_type, w) if quantize else None
+        if mapped is None:
+            yield t.name, Converted(w)
+        else:
+            yield t.name, Converted(*mapped, bits=BITS[t.tensor_type])
 
 
 def _float32(t: Any) -> np.ndarray:
