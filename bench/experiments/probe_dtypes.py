@@ -13,10 +13,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from omlx_logprobs.cli import mlx_environment  # noqa: E402
+
+mlx_environment()  # the server's settings (cuDNN's attention off), before MLX starts
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
 from omlx_logprobs.engine.batch_cache import UnbatchableCache  # noqa: E402
 from omlx_logprobs.engine.probe import probe  # noqa: E402
 from omlx_logprobs.models.dtype import apply_dtype  # noqa: E402
