@@ -129,7 +129,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "linear_value_head_dim": 8,
         "linear_conv_kernel_dim": 4,
         "rope_parameters": {
-            "type": "default", "mrope_section": [1, 1, 0], "rope_theta": 10000.0,
+            "type": "default",
+            "mrope_section": [1, 1, 0],
+            "rope_theta": 10000.0,
             "partial_rotary_factor": 0.5,
         },
         "tie_word_embeddings": False,
