@@ -230,3 +230,22 @@ def tiny_model_dir(out: Path, tokenizer_dir: Path, seed: int = 1234) -> Path:
     weights = dict(nn.utils.tree_flatten(model.parameters()))  # type: ignore[attr-defined]
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     return out
+
+
+def completion_difference(choice: Any, prompt: list[int], ref: np.ndarray, k: int = 5) -> float:
+    """A greedy legacy completion (`openai` client's choice, with `prompt_logprobs` and
+    `return_token_ids`) against the reference's float32 logprobs of prompt + output: each
+    output token is the argmax, each top list the reference's best k (1e-4); returns the worst
+    logprob difference, prompt and output, for the caller's bound."""
+    out = choice.model_extra["token_ids"]
+    worst = 0.0
+    for i, entry in enumerate(choice.model_extra["prompt_logprobs"][1:], start=1):
+        worst = max(worst, abs(entry[str(prompt[i])]["logprob"] - ref[i - 1][prompt[i]]))
+    for j, lp in enumerate(choice.logprobs.token_logprobs):
+        row = ref[len(prompt) - 1 + j]
+        assert out[j] == int(np.argmax(row))  # greedy
+        worst = max(worst, abs(lp - row[out[j]]))
+        top = sorted(choice.logprobs.top_logprobs[j].values(), reverse=True)
+        np.testing.assert_allclose(top, np.sort(row)[::-1][:k], atol=1e-4)
+    print(f"max |logprob difference| {worst:.2e}")
+    return worst

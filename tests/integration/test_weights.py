@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import openai
 import pytest
 
 from tests.engine.test_quantized import KINDS, _mlx_lm_logprobs, convert
+from tests.helpers.engine import completion_difference
 from tests.helpers.hub_cache import write_cached_repo
 from tests.helpers.server import ServerProcess, server_process
 
@@ -52,18 +52,7 @@ def test_quantized_logprobs_through_the_server(served: ServerProcess, quantized_
         extra_body={"prompt_logprobs": 5, "return_token_ids": True, "ignore_eos": True},
     )
     c = r.choices[0]
-    out = c.model_extra["token_ids"]
-    ref = _mlx_lm_logprobs(quantized_4bit, PROMPT + out)
-    worst = 0.0
-    for i, entry in enumerate(c.model_extra["prompt_logprobs"][1:], start=1):
-        worst = max(worst, abs(entry[str(PROMPT[i])]["logprob"] - ref[i - 1][PROMPT[i]]))
-    for j, lp in enumerate(c.logprobs.token_logprobs):
-        row = ref[len(PROMPT) - 1 + j]
-        assert out[j] == int(np.argmax(row))  # greedy
-        worst = max(worst, abs(lp - row[out[j]]))
-        top = sorted(c.logprobs.top_logprobs[j].values(), reverse=True)
-        np.testing.assert_allclose(top, np.sort(row)[::-1][:5], atol=1e-4)
-    print(f"max |logprob difference| {worst:.2e}")
-    assert worst < 1e-4
+    ref = _mlx_lm_logprobs(quantized_4bit, PROMPT + c.model_extra["token_ids"])
+    assert completion_difference(c, PROMPT, ref) < 1e-4
     assert "dequantized to float32 at load" in served.log()
     assert f"model {REPO} from the Hugging Face cache" in served.log()
