@@ -287,6 +287,8 @@ def runner_args(cfg: EngineConfig) -> dict[str, Any]:
 # ---- the runners ---------------------------------------------------------------------------------
 class _GroupRunner(ModelRunner):
     group: Any
+    # A compiled trace of a forward with collectives in it was never run on a group.
+    compiles = False
 
     def _forward_unread(self, ids: mx.array, cache: list[Any]) -> tuple[mx.array, ...]:
         # A forward is a collective: its output must run on every rank, or a pipeline's

@@ -73,6 +73,10 @@ COMPILE_DECODE = os.environ.get("OMLX_COMPILE_DECODE") == "1"
 
 
 class ModelRunner:
+    # Whether this runner may compile its decode forward (COMPILE_DECODE); a split model's
+    # runner may not (engine/distributed.py).
+    compiles = True
+
     def __init__(
         self,
         model: Any,
@@ -129,7 +133,7 @@ class ModelRunner:
         self.prefill_align = CPU_PREFILL_ALIGN if cpu else GPU_PREFILL_ALIGN
         self.tight_cache = cpu  # caches grow by what their rows may use (see batch_cache.py)
         self.compiled: compiled.CompiledDecode | None = None
-        if COMPILE_DECODE and not cpu:
+        if COMPILE_DECODE and self.compiles and not cpu:
             why = compiled.check(model, self.templates)
             if why is None:
                 self.compiled = compiled.CompiledDecode(model)
