@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_logprobs.engine import compiled
+from omlx_logprobs.engine import attention, compiled
 from omlx_logprobs.engine.batch_cache import BatchCache, kinds
 from omlx_logprobs.engine.grammar import bitmask
 from omlx_logprobs.engine.lora import AdapterSet
@@ -96,6 +96,10 @@ class ModelRunner:
         self.chunk_caches: dict[int, list[Any]] = {}  # long prompts between their chunks
         self.prefilled: dict[int, _Prefilled] = {}  # prompts done, not yet in the batch
         self.time = DeviceTime()
+        # On a GPU a decode step's masked attention is one kernel (attention.py), before the
+        # probe below compares the batch with each row alone.
+        if attention.install():
+            log.info("decode attention: one CUDA kernel per layer (engine/attention.py)")
         # The model's own caches, one per layer: each batch cache is made of their batch forms
         # (batch_cache.py); a model with a cache mlx-lm cannot batch is refused here.
         self.templates = make_prompt_cache(model)
