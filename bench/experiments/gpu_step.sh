@@ -7,9 +7,8 @@
 #   STEPS and MAX_TOKENS (128 each) shorten it for a check of the script on a CPU.
 # 1. bench/experiments/host_step.py in-process, 64 rows, 128 steps, off and top 20: the median
 #    launch per decode-only step and its graph-building part, for old, new, new with its decode
-#    forward uncompiled, new with MLX's CUDA graphs on (MLX_USE_CUDA_GRAPHS=1; cli.py turns them
-#    off by default), and new with a 0.5 ms GIL switch interval (the launch shares the GIL with
-#    the step's processing beside it).
+#    forward compiled (OMLX_COMPILE_DECODE=1) and new with MLX's own attention
+#    (OMLX_DECODE_ATTENTION=mlx; engine/attention.py).
 # 2. Both servers up, c=64, 128 new tokens: ROUNDS (3) rounds alternating build and mode, with
 #    16 client processes (bodies parsed after the clock) and with one process that parses every
 #    body in its loop; medians and ratios at the end, and each server's launch per step from its
@@ -31,9 +30,8 @@ host() {  # label tree [VAR=value | --flag value ...]
 }
 host old $old
 host new $new
-host "new, uncompiled" $new --no-compile
-host "new, CUDA graphs" $new MLX_USE_CUDA_GRAPHS=1
-host "new, switch 0.5 ms" $new --switch-interval 0.0005
+host "new, compiled" $new OMLX_COMPILE_DECODE=1
+host "new, MLX's attention" $new OMLX_DECODE_ATTENTION=mlx
 
 echo "== servers: c=64, ${MAX_TOKENS:-128} tokens, $rounds rounds a client set-up"
 start() {  # tree port
