@@ -49,7 +49,8 @@ CACHE = BENCH / ".cache"  # random models and saved results; ignored by git (ben
 @dataclass(frozen=True)
 class Model:
     """The model every part serves: `omlx_arg` for our server's --model (None: the embedded
-    default), `dir` for mlx-lm's server and bare mlx-lm, `served_name` what ours calls it."""
+    default), `dir` for mlx-lm's server and bare mlx-lm (float32 where our server dequantizes:
+    `float32_copy`), `served_name` what ours calls it."""
 
     omlx_arg: str | None
     dir: Path
@@ -91,10 +92,27 @@ def random_model(spec: ModelSpec, model_dir: Path | None, tokenizer_from: Path |
     return out
 
 
+def float32_copy(model_dir: Path) -> Path:
+    """The directory itself, or, where its weights are quantized, a float32 copy (mlx-lm's own
+    `convert --dequantize`, made once): what our server computes with on the CPU, where
+    `--dtype auto` dequantizes at load, so that the baselines run the same arithmetic. (The
+    embedded GGUF converts to 8-bit MLX groups; MLX's CPU quantized matmul is ~10x slower.)"""
+    config = json.loads((model_dir / "config.json").read_text())
+    if "quantization" not in config and "quantization_config" not in config:
+        return model_dir
+    out = CACHE / f"{model_dir.name}-float32"
+    if not (out / "config.json").exists():
+        cmd = [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(model_dir)]
+        cmd += ["--mlx-path", str(out), "--dequantize", "--dtype", "float32"]
+        log(f"a float32 copy for the baselines: {shown(cmd)}")
+        subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    return out
+
+
 def choose_model(p: Preset, a: argparse.Namespace) -> Model:
     spec = ModelSpec("path", path=a.model) if a.model else p.model
-    if spec.kind == "embedded":
-        return Model(None, resolved_dir(None), "SmolLM2-135M-Instruct")
+    if spec.kind == "embedded":  # the CPU presets' model
+        return Model(None, float32_copy(resolved_dir(None)), "SmolLM2-135M-Instruct")
     if spec.kind == "random":
         d = random_model(spec, a.model_dir, a.tokenizer_from)
         return Model(str(d), d, d.name)
