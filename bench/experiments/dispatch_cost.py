@@ -76,8 +76,9 @@ def count_primitives(arrays: list[mx.array]) -> int:
     return len(labels)
 
 
-def engine_step(model: str, rows: int, steps: int, drop_mask: bool) -> None:
+def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: bool) -> None:
     from omlx_logprobs.config import EngineConfig
+    from omlx_logprobs.engine import attention
     from omlx_logprobs.engine.engine import Engine
     from omlx_logprobs.engine.sequence import Sequence
     from omlx_logprobs.models.loader import load_model
@@ -110,7 +111,15 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool) -> None:
 
     mx.async_eval = wrapped  # type: ignore[assignment]
     words = "the quick brown fox jumps over a lazy dog " * 2
-    for top in (-1, 20, -1, 20):
+    waves: list[tuple[int, str]] = [(-1, "-"), (20, "-"), (-1, "-"), (20, "-")]
+    if alternate:  # the kernel and MLX's attention wave by wave in this one process
+        waves = [(t, r) for _ in range(4) for r in ("kernel", "mlx") for t in (-1, 20)]
+    periods: dict[tuple[int, str], list[float]] = {}
+    for top, route in waves:
+        if route != "-":
+            mx.fast.scaled_dot_product_attention = (
+                attention._sdpa if route == "kernel" else attention._mlx_sdpa
+            )
         params = SamplingParams(
             max_tokens=steps,
             temperature=0,
@@ -131,7 +140,7 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool) -> None:
             engine.step()
         counted = [n for _, n in calls if n >= 0]
         times = sorted(t for t, _ in calls)
-        mode = "off" if top < 0 else f"top {top}"
+        mode = ("off" if top < 0 else f"top {top}") + ("" if route == "-" else f", {route}")
         diffs = [b - a for a, b in zip(starts, starts[1:])]
         period = statistics.median(diffs[len(diffs) // 4 :])  # past the prefills
         p90 = times[int(len(times) * 0.9)]
@@ -143,7 +152,14 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool) -> None:
             f"mid decode step's graph: {counted}",
             flush=True,
         )
+        periods.setdefault((top, route), []).append(period)
     mx.async_eval = real  # type: ignore[assignment]
+    if alternate:
+        for (top, route), ps in periods.items():
+            print(
+                f"step period, {top=} {route}: median {statistics.median(ps) * 1e3:.2f} ms of "
+                f"{' '.join(f'{p * 1e3:.2f}' for p in ps)}"
+            )
 
 
 def main() -> None:
@@ -153,6 +169,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skip-synthetic", action="store_true")
+    alt_help = "waves alternate engine/attention.py's kernel and MLX's attention, in one process"
+    ap.add_argument("--alternate-attention", action="store_true", help=alt_help)
     drop_help = (
         "decode attention without its mask (wrong values): the bound of a fused masked kernel"
     )
@@ -176,7 +194,7 @@ def main() -> None:
                 flush=True,
             )
     if a.model:
-        engine_step(a.model, a.rows, a.steps, a.drop_decode_mask)
+        engine_step(a.model, a.rows, a.steps, a.drop_decode_mask, a.alternate_attention)
 
 
 if __name__ == "__main__":

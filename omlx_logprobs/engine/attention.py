@@ -7,12 +7,13 @@ and the reshapes around them, ~11 graph nodes a layer, each launched from the en
 On an H100 (random 1.1B llama in bfloat16, 64 rows) leaving the mask out took the step's
 `async_eval` from ~3.6 to ~2.8 ms: most of the step's host time is MLX dispatching nodes.
 
-This kernel takes the mask as it comes (bool: attend where true; or additive) and computes,
-per row and query head, the softmax over the keys in float32 with one pass over them (an
-online maximum and sum, as flash decoding does), one block of warps per (row, head), each warp
-a stripe of 32 keys at a time. `install` puts it in front of `mx.fast.scaled_dot_product_attention`
-for exactly that case (GPU, one query position, a mask array, no sinks, head size <= 256) and
-leaves every other call to MLX, so mlx-lm's models use it without a change of their own.
+This kernel takes the mask as it comes (bool: attend where true; or additive) and computes
+the softmax over the keys in float32 with one pass over them (an online maximum and sum, as
+flash decoding does): one block per row and KV head, serving every query head that shares it
+(so each key and value is read once), a key spread over a group of lanes. `install` puts it in
+front of `mx.fast.scaled_dot_product_attention` for exactly that case (GPU, one query position,
+a mask array without a head axis, no sinks, head size 32, 64, 128 or 256) and leaves every
+other call to MLX, so mlx-lm's models use it without a change of their own.
 """
 
 from __future__ import annotations
@@ -23,92 +24,110 @@ from typing import Any
 
 import mlx.core as mx
 
-WARPS = 4  # warps a block: stripes of 32 keys each, combined at the end
-MAX_HEAD = 256
+WARPS = 8  # warps a block; each holds its own running softmax, combined at the end
+HEADS = (32, 64, 128, 256)  # head sizes the lane layout covers (G lanes x E elements)
+MAX_REP = 8  # query heads a KV head serves (each lane holds REP x E of q and of the sums)
+MAX_REP_HEAD = 1024  # query heads a KV head serves, times the head size: the combine's memory
+# A block per row and KV head: with few of them and many keys the GPU sits mostly idle (H100,
+# 8 KV heads: 1 row x 8,192 keys took 7x MLX's time on the device, 8 rows 1.7x; 64 rows x
+# 2,048 keys 0.46x). Past SHORT keys, the kernel takes a batch of at least MIN_BLOCKS blocks.
+SHORT = 1024
+MIN_BLOCKS = 256
 
 _SOURCE = r"""
-  constexpr int NW = WARPS_T;
+  // One block per (row b, KV head g); it serves the REP query heads that share g, so every key
+  // and value is read once. A key is handled by G lanes, each holding E of the D elements
+  // (KPW = 32 / G keys per warp at a time); each group of G lanes keeps, for every head, its
+  // own running maximum, sum and weighted values (the online softmax of flash decoding).
+  constexpr int NW = WARPS_T, D = HEAD, E = D / G, KPW = 32 / G;
   const float NEG_INF = __int_as_float(0xff800000);
-  const int D = q_shape[3];
-  const int Hq = q_shape[1];
-  const int Hkv = k_shape[1];
-  const int L = k_shape[2];
-  const int bh = blockIdx.x;
-  const int b = bh / Hq, h = bh % Hq, g = h / (Hq / Hkv);
+  const int Hq = q_shape[1], Hkv = k_shape[1], L = k_shape[2];
+  const int b = blockIdx.x / Hkv, g = blockIdx.x % Hkv;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __shared__ float qs[DPL * 32];
-  __shared__ float wm[NW], ws[NW];
-  __shared__ float wacc[NW][DPL * 32];
+  const int grp = lane / G, gl = lane % G;  // the key this lane works on, its slice of it
+  const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1) << (grp * G);  // its group
   const float scale = scale_arr[0];
-  const auto* qb = q + b * q_strides[0] + h * q_strides[1];
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    qs[d] = static_cast<float>(qb[d * q_strides[3]]) * scale;
+  float qr[REP][E];
+  for (int r = 0; r < REP; ++r) {
+    const auto* qh = q + b * q_strides[0] + (g * REP + r) * q_strides[1];
+    for (int e = 0; e < E; ++e) {
+      qr[r][e] = static_cast<float>(qh[(gl * E + e) * q_strides[3]]) * scale;
+    }
   }
-  __syncthreads();
   const auto* kb = k + b * k_strides[0] + g * k_strides[1];
   const auto* vb = v + b * v_strides[0] + g * v_strides[1];
-  const auto* mb = mask + (mask_shape[0] > 1 ? b * mask_strides[0] : 0)
-      + (mask_shape[1] > 1 ? h * mask_strides[1] : 0);
+  const auto* mb = mask + (mask_shape[0] > 1 ? b * mask_strides[0] : 0);
   const long ks = k_strides[2], kd = k_strides[3], vs = v_strides[2], vd = v_strides[3];
   const long ms = mask_strides[3];
-  float m = NEG_INF, s = 0.0f;
-  float acc[DPL];
-  for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
-  for (int j0 = warp * 32; j0 < L; j0 += NW * 32) {
-    const int j = j0 + lane;
-    float sc = NEG_INF;
-    if (j < L) {
-      float add = 0.0f;
-      bool keep = true;
-      if (BOOL_MASK) {
-        keep = static_cast<bool>(mb[j * ms]);
-      } else {
-        add = static_cast<float>(mb[j * ms]);
-      }
-      if (keep) {
-        const auto* kr = kb + j * ks;
-        float dot = 0.0f;
-        for (int d = 0; d < D; ++d) dot += qs[d] * static_cast<float>(kr[d * kd]);
-        sc = dot + add;
-      }
-    }
-    float cm = sc;
-    for (int off = 16; off > 0; off >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, off));
-    const float nm = fmaxf(m, cm);
-    if (nm == NEG_INF) continue;  // every key so far masked (the same in the whole warp)
-    const float p = sc == NEG_INF ? 0.0f : expf(sc - nm);
-    const float corr = m == NEG_INF ? 0.0f : expf(m - nm);
-    float ps = p;
-    for (int off = 16; off > 0; off >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, off);
-    s = s * corr + ps;
-    for (int i = 0; i < DPL; ++i) acc[i] *= corr;
-    const int n = min(32, L - j0);
-    for (int t = 0; t < n; ++t) {
-      const float pt = __shfl_sync(0xffffffffu, p, t);
-      if (pt != 0.0f) {
-        const auto* vr = vb + (j0 + t) * vs;
-        for (int i = 0; i < DPL; ++i) {
-          const int d = lane + 32 * i;
-          if (d < D) acc[i] += pt * static_cast<float>(vr[d * vd]);
-        }
-      }
-    }
-    m = nm;
+  float m[REP], l[REP], acc[REP][E];
+  for (int r = 0; r < REP; ++r) {
+    m[r] = NEG_INF;
+    l[r] = 0.0f;
+    for (int e = 0; e < E; ++e) acc[r][e] = 0.0f;
   }
-  if (lane == 0) { wm[warp] = m; ws[warp] = s; }
-  for (int i = 0; i < DPL; ++i) {
-    const int d = lane + 32 * i;
-    if (d < D) wacc[warp][d] = acc[i];
+  for (int j = (warp * KPW) + grp; j < L; j += NW * KPW) {
+    float add = 0.0f;
+    if (BOOL_MASK) {
+      if (!static_cast<bool>(mb[j * ms])) continue;  // the same for the group's G lanes
+    } else {
+      add = static_cast<float>(mb[j * ms]);
+      if (add == NEG_INF) continue;
+    }
+    const auto* kr = kb + j * ks + gl * E * kd;
+    const auto* vr = vb + j * vs + gl * E * vd;
+    float kx[E], vx[E];
+    for (int e = 0; e < E; ++e) kx[e] = static_cast<float>(kr[e * kd]);
+    for (int e = 0; e < E; ++e) vx[e] = static_cast<float>(vr[e * vd]);
+    for (int r = 0; r < REP; ++r) {
+      float dot = 0.0f;
+      for (int e = 0; e < E; ++e) dot += qr[r][e] * kx[e];
+      for (int off = G / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(gmask, dot, off, G);
+      const float sc = dot + add;
+      const float nm = fmaxf(m[r], sc);
+      const float corr = expf(m[r] - nm);  // 0 while m is -inf
+      const float p = expf(sc - nm);
+      l[r] = l[r] * corr + p;
+      for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * corr + p * vx[e];
+      m[r] = nm;
+    }
+  }
+  // The warp's groups into one state a head (lanes gl of every group hold the same elements).
+  for (int off = G; off < 32; off <<= 1) {
+    for (int r = 0; r < REP; ++r) {
+      const float om = __shfl_xor_sync(0xffffffffu, m[r], off);
+      const float ol = __shfl_xor_sync(0xffffffffu, l[r], off);
+      const float nm = fmaxf(m[r], om);
+      const float a = nm == NEG_INF ? 0.0f : expf(m[r] - nm);
+      const float o = nm == NEG_INF ? 0.0f : expf(om - nm);
+      l[r] = l[r] * a + ol * o;
+      for (int e = 0; e < E; ++e) {
+        const float oa = __shfl_xor_sync(0xffffffffu, acc[r][e], off);
+        acc[r][e] = acc[r][e] * a + oa * o;
+      }
+      m[r] = nm;
+    }
+  }
+  __shared__ float wm[NW][REP], wl[NW][REP];
+  __shared__ float wacc[NW][REP * D];
+  if (lane < G) {
+    for (int r = 0; r < REP; ++r) {
+      if (lane == 0) { wm[warp][r] = m[r]; wl[warp][r] = l[r]; }
+      for (int e = 0; e < E; ++e) wacc[warp][r * D + gl * E + e] = acc[r][e];
+    }
   }
   __syncthreads();
-  float M = NEG_INF;
-  for (int w = 0; w < NW; ++w) M = fmaxf(M, wm[w]);
-  float S = 0.0f;
-  for (int w = 0; w < NW; ++w) S += wm[w] == NEG_INF ? 0.0f : ws[w] * expf(wm[w] - M);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float o = 0.0f;
-    for (int w = 0; w < NW; ++w) o += wm[w] == NEG_INF ? 0.0f : wacc[w][d] * expf(wm[w] - M);
-    out[bh * D + d] = static_cast<OutT>(S > 0.0f ? o / S : 0.0f);
+  for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {
+    const int r = i / D, d = i % D;
+    float M = NEG_INF;
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, wm[w][r]);
+    float S = 0.0f, o = 0.0f;
+    for (int w = 0; w < NW; ++w) {
+      if (wm[w][r] == NEG_INF) continue;
+      const float c = expf(wm[w][r] - M);
+      S += wl[w][r] * c;
+      o += wacc[w][i] * c;
+    }
+    out[(b * Hq + g * REP + r) * D + d] = static_cast<OutT>(S > 0.0f ? o / S : 0.0f);
   }
 """
 
@@ -135,20 +154,28 @@ def _scale(scale: float) -> mx.array:
 
 
 def fits(q: mx.array, k: mx.array, v: mx.array, mask: Any, sinks: Any, stream: Any) -> bool:
-    """Whether this call is the kernel's: one query position and a mask array on the GPU."""
+    """Whether this call is the kernel's: one query position and a mask array on the GPU, a
+    head size the lane layout covers and a mask without a head axis."""
     if sinks is not None or stream is not None or not isinstance(mask, mx.array):
         return False
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or mask.ndim != 4 or q.shape[2] != 1:
         return False
     b, hq, _, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
-    if d > MAX_HEAD or v.shape[3] != d or k.shape[3] != d or hkv == 0 or hq % hkv:
+    if d not in HEADS or v.shape[3] != d or k.shape[3] != d or hkv == 0 or hq % hkv:
         return False
-    if k.shape[0] != b or v.shape[:3] != k.shape[:3]:
+    if (
+        hq // hkv > MAX_REP
+        or (hq // hkv) * d > MAX_REP_HEAD
+        or k.shape[0] != b
+        or v.shape[:3] != k.shape[:3]
+    ):
         return False
-    if mask.shape[0] not in (1, b) or mask.shape[1] not in (1, hq) or mask.shape[2] != 1:
+    if mask.shape[0] not in (1, b) or mask.shape[1] != 1 or mask.shape[2] != 1:
         return False
     if mask.shape[3] != length or not (mask.dtype == mx.bool_ or mask.dtype in _FLOATS):
+        return False
+    if length > SHORT and b * hkv < MIN_BLOCKS:
         return False
     return q.dtype in _FLOATS and k.dtype == q.dtype and v.dtype == q.dtype
 
@@ -158,16 +185,19 @@ def decode_attention(
 ) -> mx.array:
     """[B, Hq, 1, D] in q's dtype: softmax(q k^T * scale, masked) v for each row and head."""
     b, hq, _, d = q.shape
-    dpl = (d + 31) // 32
+    hkv = k.shape[1]
+    lanes = min(32, d // 4)  # G: lanes a key, each with d / G (>= 4) elements
     return _kernel()(
         inputs=[q, k, v, mask, _scale(float(scale))],
         template=[
             ("WARPS_T", WARPS),
-            ("DPL", dpl),
+            ("HEAD", d),
+            ("G", lanes),
+            ("REP", hq // hkv),
             ("BOOL_MASK", mask.dtype == mx.bool_),
             ("OutT", q.dtype),
         ],
-        grid=(b * hq * 32 * WARPS, 1, 1),
+        grid=(b * hkv * 32 * WARPS, 1, 1),
         threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(b, hq, 1, d)],
         output_dtypes=[q.dtype],

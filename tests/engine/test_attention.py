@@ -51,7 +51,9 @@ TOL = {mx.float32: 2e-5, mx.bfloat16: 2e-2, mx.float16: 4e-3}
 
 @cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 64), (4, 4, 128), (6, 3, 80), (2, 1, 256)])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d"), [(8, 2, 64), (4, 4, 128), (12, 3, 64), (2, 1, 256), (16, 2, 32)]
+)
 @pytest.mark.parametrize("length", [1, 37, 300])
 def test_bool_mask_matches_a_float32_softmax(dtype, hq, hkv, d, length) -> None:  # type: ignore[no-untyped-def]
     q, k, v = inputs(dtype, 5, hq, hkv, d, length)
@@ -66,10 +68,10 @@ def test_bool_mask_matches_a_float32_softmax(dtype, hq, hkv, d, length) -> None:
 
 
 @cuda
-def test_additive_mask_and_per_head_mask() -> None:
+def test_additive_mask() -> None:
     q, k, v = inputs(mx.float32, 3, 4, 2, 64, 50, seed=1)
     mx.random.seed(2)
-    add = mx.random.normal((3, 4, 1, 50)) * 3
+    add = mx.random.normal((3, 1, 1, 50)) * 3
     add = mx.where(mx.arange(50)[None, None, None, :] < 7, -mx.inf, add)  # the first 7 masked
     got = attention.decode_attention(q, k, v, 0.125, add)
     np.testing.assert_allclose(np.array(got), reference(q, k, v, 0.125, add), atol=2e-5, rtol=2e-5)
@@ -108,6 +110,12 @@ def test_fits_only_one_masked_query_position() -> None:
     )
     assert not attention.fits(q, k, v, mx.ones((2, 1, 1, 8), mx.bool_), None, None)
     assert not attention.fits(mx.zeros((2, 3, 1, 64)), k, v, mask, None, None)  # 3 heads over 2
+    assert not attention.fits(q, k, v, mx.ones((2, 4, 1, 9), mx.bool_), None, None)  # per head
+    assert not attention.fits(mx.zeros((2, 18, 1, 64)), k, v, mask, None, None)  # 9 heads a KV head
+    long_kv, long_mask = mx.zeros((2, 2, 4096, 64)), mx.ones((2, 1, 1, 4096), mx.bool_)
+    assert not attention.fits(q, long_kv, long_kv, long_mask, None, None)  # 4 blocks, long
+    kv80 = mx.zeros((2, 2, 9, 80))
+    assert not attention.fits(mx.zeros((2, 4, 1, 80)), kv80, kv80, mask, None, None)
     assert not attention.fits(q, k, v, mask.astype(mx.int32), None, None)
     assert not attention.fits(
         mx.zeros((2, 4, 1, 512)),
