@@ -65,7 +65,7 @@ def build(
         return out
     out.mkdir(parents=True, exist_ok=True)
     for f in tokenizer_from.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, out / f.name)
     config = {
         "model_type": "llama",
