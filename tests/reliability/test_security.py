@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from omlx_logprobs.cli import build_parser, config_from_args
 from omlx_logprobs.config import Access, ServerConfig
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.options import build_parser, config_from_args
 from tests.helpers.server import TINY_NAME, assert_openai_error, thread_server
 
 KEY = "sk-test-0123456789abcdef"

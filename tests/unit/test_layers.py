@@ -9,14 +9,16 @@ from pathlib import Path
 import omlx_logprobs
 
 ROOT = Path(omlx_logprobs.__file__).parent
-# Lowest first. Root modules (types, config, vocab, heap, blas) are level 0; cli.py is on top.
-LAYERS = ["", "parsing", "logprobs", "output", "models", "engine", "api", "cli"]
+# Lowest first. Root modules (types, config, vocab, heap, blas) are level 0; cli.py is on top,
+# over options.py (its flags).
+TOP = ("options", "cli")
+LAYERS = ["", "parsing", "logprobs", "output", "models", "engine", "api", *TOP]
 
 
 def layer(module: str) -> str:
     """The layer of a dotted module name inside the package ("" for root modules)."""
     parts = module.split(".")[1:]  # drop "omlx_logprobs"
-    if parts and (parts[0] == "cli" or (ROOT / parts[0]).is_dir()):
+    if parts and (parts[0] in TOP or (ROOT / parts[0]).is_dir()):
         return parts[0]
     return ""
 
@@ -49,4 +51,5 @@ def test_every_import_points_down() -> None:
 def test_the_check_sees_a_wrong_import() -> None:
     assert layer("omlx_logprobs.engine.sequence") == "engine"
     assert layer("omlx_logprobs.types") == "" and layer("omlx_logprobs.cli") == "cli"
+    assert LAYERS.index(layer("omlx_logprobs.options")) < LAYERS.index("cli")
     assert LAYERS.index(layer("omlx_logprobs.api.app")) > LAYERS.index("engine")

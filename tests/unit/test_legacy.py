@@ -7,10 +7,10 @@ import json
 
 import numpy as np
 
-from omlx_logprobs.cli import build_parser
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
 from omlx_logprobs.logprobs.store import LogprobStore
+from omlx_logprobs.options import build_parser
 from omlx_logprobs.types import Entries
 from omlx_logprobs.vocab import Vocabulary, token_display
 
