@@ -291,6 +291,8 @@ async def run_load(
     # Built before the clock starts: with certificate checks on, each client loads the CA
     # bundle (~30 ms), which staggered a wave's first requests by that much per worker.
     plain = cfg.base_url.startswith("http://")
+    if cfg.logprobs_format != "openai":  # the compact form's decoder, imported off the clock
+        from omlx_logprobs.logprobs.columnar import decode_block  # noqa: F401
     clients = [
         httpx.AsyncClient(base_url=cfg.base_url, limits=limits, timeout=timeout, verify=not plain)
         for _ in range(min(cfg.concurrency, cfg.requests))

@@ -17,7 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from loadgen import LoadConfig, LoadResult, Sender, merge, percentile, run_load
-from presets import JSON_MODE, TTFT_SEED, CellSpec, ClientSetup, Preset, mode_top_k
+from presets import (
+    COMPACT,
+    JSON_MODE,
+    TTFT_SEED,
+    CellSpec,
+    ClientSetup,
+    Preset,
+    mode_format,
+    mode_top_k,
+)
 from results import Memory, MemoryPoint, PartResult, Scoring, Throughput, Ttft
 from scoring import endpoint_status, send_prefill, send_score
 from server import Server
@@ -105,6 +114,7 @@ class ServerBench:
             requests=requests,
             max_tokens=self.p.max_tokens,
             logprobs=mode_top_k(mode),
+            logprobs_format=mode_format(mode),
             json_schema=mode == JSON_MODE,
             prompt_words=self.p.prompt_words,
             seed=self.seed,
@@ -125,7 +135,8 @@ class ServerBench:
         mine = own_cpu_s() - self0 + self.server.cpu_s() - server0
         other = (busy_cpu_s() - busy0 - mine) / ((now() - t0) * (os.cpu_count() or 1))
         self.other_cpu = max(0.0, other)  # clock-tick rounding can dip below zero
-        mode = label or ("off" if cfg.logprobs is None else f"top{cfg.logprobs}")
+        compact = COMPACT if cfg.logprobs_format == "base64" else ""
+        mode = label or ("off" if cfg.logprobs is None else f"top{cfg.logprobs}{compact}")
         mode = JSON_MODE if cfg.json_schema and not label else mode
         tps = res.prompt_tokens_per_s if cfg.max_tokens <= 1 else res.tokens_per_s
         err = f", {res.errors} ERRORS {res.error_samples[:1]}" if res.errors else ""
@@ -275,10 +286,12 @@ async def measure_server(b: ServerBench, part: PartResult, modes: tuple[str, ...
             spec = spec.capped(b.p.peer_rounds)
         part.throughput += await b.cell(spec, modes, shift=i)
     if b.target.name == "omlx":
-        pair = (modes[0], modes[-1])
         for setup in b.p.client_setups:
+            # off, then (compact) the largest top list as base64, then that list as JSON: the
+            # cell's pair is still off and the JSON list; base64 runs every round between
+            ran = (modes[0], *((modes[-1] + COMPACT,) if setup.compact else ()), modes[-1])
             for i, spec in enumerate(setup.cells):
-                part.throughput += await b.cell(spec, pair, shift=i, setup=setup)
+                part.throughput += await b.cell(spec, ran, shift=i, setup=setup)
         part.ttft.append(await b.ttft())
         part.scoring += await b.scoring()
 

@@ -13,11 +13,17 @@ MODES = ("off", "top0", "top5", "top20")  # logprobs off, then top_logprobs = 0,
 # Logprobs off and a strict JSON schema on every request (loadgen.py --json-schema): what
 # constrained decoding costs, against "off" round by round.
 JSON_MODE = "json"
+COMPACT = "-base64"  # a mode's suffix: its entries in the compact form (`logprobs_format`)
 
 
 def mode_top_k(mode: str) -> int | None:
     """None for "off" and "json", else the top_logprobs of a "topK" mode."""
-    return None if mode in ("off", JSON_MODE) else int(mode[3:])
+    return None if mode in ("off", JSON_MODE) else int(mode[3:].removesuffix(COMPACT))
+
+
+def mode_format(mode: str) -> str:
+    """The `logprobs_format` a mode asks for: "base64" for a "topK-base64" mode."""
+    return "base64" if mode.endswith(COMPACT) else "openai"
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ class ClientSetup:
     processes: int
     parse_in_loop: bool
     cells: tuple[CellSpec, ...]
+    # The largest top list also in the compact form (base64), every round beside the pair.
+    compact: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,9 @@ CPU = Preset(
     quantized=QuantizedSpec("135m", concurrency=8, rounds=4),
     json_cells=(8,),
     client_setups=(
-        ClientSetup("1 process, parsing every body in its loop", 1, True, (CellSpec(64, 64, 2),)),
+        ClientSetup(
+            "1 process, parsing every body in its loop", 1, True, (CellSpec(64, 64, 2),), True
+        ),
         ClientSetup("2 processes, bodies parsed after the clock", 2, False, (CellSpec(64, 64, 2),)),
     ),
 )
@@ -191,6 +201,7 @@ GPU = Preset(
             1,
             True,
             (CellSpec(32, 64, 4), CellSpec(64, 128, 4)),
+            True,
         ),
     ),
 )
@@ -221,7 +232,7 @@ SMOKE = Preset(
     memory=MemorySpec(40, 8, concurrency=4, max_tokens=4, prompt_words=8, readings=4),
     quantized=QuantizedSpec("tiny", concurrency=4, rounds=1),
     client_setups=(
-        ClientSetup("1 process, parsing every body in its loop", 1, True, (CellSpec(4, 4),)),
+        ClientSetup("1 process, parsing every body in its loop", 1, True, (CellSpec(4, 4),), True),
         ClientSetup("2 processes, bodies parsed after the clock", 2, False, (CellSpec(4, 4),)),
     ),
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from presets import Preset
+from presets import COMPACT, Preset
 from report import begin_marker, end_marker
 from results import PartResult, Results, Throughput
 from targets import Check, paired_ratios
@@ -95,6 +95,7 @@ def host_table(res: Results, p: Preset) -> list[str]:
         for c in [c for c in cs if c >= 32] or cs[-1:]:  # where the host bounds a step
             off = res.throughput("omlx", "off", c, key)
             top = res.throughput("omlx", "top20", c, key)
+            compact = res.throughput("omlx", "top20" + COMPACT, c, key)
             if off is None:
                 continue
             step = None  # wall time per decode step: its rows over the run's tokens/s
@@ -104,20 +105,21 @@ def host_table(res: Results, p: Preset) -> list[str]:
             if floor and step is not None and off.host_ms is not None:
                 vs = f"{step / floor:.1f}x, {off.host_ms / floor:.1f}x"
             rows = "–" if off.step_rows is None else f"{off.step_rows:.1f}"
+            base64 = _median_ratio(compact, off) if compact else "–"
             lines.append(
                 f"| {name} | {c} | {_tps(off)} | {_tps(top)} | {_median_ratio(top, off)} "
-                f"| {_ms(off.host_ms)} | {_ms(top.host_ms if top else None)} | {rows} "
-                f"| {_ms(step)} | {vs} |"
+                f"| {base64} | {_ms(off.host_ms)} | {_ms(top.host_ms if top else None)} "
+                f"| {rows} | {_ms(step)} | {vs} |"
             )
     if not lines:
         return []
     where = f" ({floor:.3f} ms: {res.floor_note})" if floor else ""
     head = [
         "",
-        "| clients | concurrency | off tok/s | top20 tok/s | top20 / off | host ms per decode "
-        "step, off | same, top20 | rows per step | step ms, off | step, host / device "
-        f"floor{where} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| clients | concurrency | off tok/s | top20 tok/s | top20 / off | top20 base64 / off "
+        "| host ms per decode step, off | same, top20 | rows per step | step ms, off | step, "
+        f"host / device floor{where} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     return head + lines
 
