@@ -3,9 +3,8 @@
 MLX's CUDA backend has a fused attention kernel for a single query position only when no mask
 array is given, and a left-padded batch always gives one (each row's padding is masked out). So
 every decode step's attention fell back to MLX ops: a scale, two matmuls, a select, a softmax
-and the reshapes around them, ~11 graph nodes a layer, each launched from the engine's thread.
-On an H100 (random 1.1B llama in bfloat16, 64 rows) leaving the mask out took the step's
-`async_eval` from ~3.6 to ~2.8 ms: most of the step's host time is MLX dispatching nodes.
+and the reshapes around them, ~11 graph nodes a layer, each launched from the engine's thread;
+on a GPU most of a step's host time is MLX dispatching nodes (docs/benchmarks.md, "Last A/B").
 
 This kernel takes the mask as it comes (bool: attend where true; or additive) and computes
 the softmax over the keys in float32 with one pass over them (an online maximum and sum, as
@@ -28,9 +27,9 @@ WARPS = 8  # warps a block; each holds its own running softmax, combined at the 
 HEADS = (32, 64, 128, 256)  # head sizes the lane layout covers (G lanes x E elements)
 MAX_REP = 8  # query heads a KV head serves (each lane holds REP x E of q and of the sums)
 MAX_REP_HEAD = 1024  # query heads a KV head serves, times the head size: the combine's memory
-# A block per row and KV head: with few of them and many keys the GPU sits mostly idle (H100,
-# 8 KV heads: 1 row x 8,192 keys took 7x MLX's time on the device, 8 rows 1.7x; 64 rows x
-# 2,048 keys 0.46x). Past SHORT keys, the kernel takes a batch of at least MIN_BLOCKS blocks.
+# A block per row and KV head: with few of them and many keys the GPU sits mostly idle, and
+# MLX's matmuls were faster on the device (bench/experiments/attention_bench.py). Past SHORT
+# keys, the kernel takes a batch of at least MIN_BLOCKS blocks; splitting keys is not written.
 SHORT = 1024
 MIN_BLOCKS = 256
 
