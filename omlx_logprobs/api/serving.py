@@ -19,14 +19,10 @@ from pydantic import BaseModel
 
 import omlx_logprobs
 from omlx_logprobs.api import sections, tools
+from omlx_logprobs.api.constraints import constraint_field, request_constraint
 from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.api.protocol import ChatCompletionRequest, NamedToolChoice, SamplingFields
-from omlx_logprobs.api.validation import (
-    RequestLimits,
-    check_unknown,
-    constraint_field,
-    model_bounds,
-)
+from omlx_logprobs.api.validation import RequestLimits, check_unknown, model_bounds
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.engine.client import EngineClient, RequestHandle, merged
 from omlx_logprobs.logprobs.columnar import encode_block
@@ -157,7 +153,7 @@ def sampling_params(
         ),
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
-        constraint=checks.constraint(req),
+        constraint=request_constraint(req),
     )
 
 

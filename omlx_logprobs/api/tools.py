@@ -11,9 +11,9 @@ import string
 from functools import lru_cache
 from typing import Any
 
+from omlx_logprobs.api.constraints import constraint_field, whitespace_option
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
-from omlx_logprobs.api.validation import constraint_field, whitespace_option
 from omlx_logprobs.parsing.grammar import MARKERS, GrammarError, check, tool_calls_grammar
 from omlx_logprobs.parsing.tools import ToolCallFormat
 from omlx_logprobs.types import Constraint, ConstraintKind, ToolCall, ToolParsing

@@ -9,6 +9,7 @@ from typing import Any
 import llguidance
 import pytest
 
+from omlx_logprobs.api.constraints import request_constraint
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
 from omlx_logprobs.api.validation import ModelBounds, RequestLimits
@@ -61,9 +62,9 @@ def rf_schema(strict: bool | None = None, schema: Any = SCHEMA) -> dict[str, Any
 def test_fields_to_constraint(body: dict[str, Any], want: Constraint | None) -> None:
     req = chat(**body)
     CHECKS.check_chat(req)
-    assert CHECKS.constraint(req) == want
+    assert request_constraint(req) == want
     comp = CompletionRequest.model_validate({"model": "m", "prompt": "x", **body})
-    assert CHECKS.constraint(comp) == want  # the same on completions
+    assert request_constraint(comp) == want  # the same on completions
 
 
 @pytest.mark.parametrize(
