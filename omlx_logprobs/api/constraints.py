@@ -13,6 +13,11 @@ from omlx_logprobs.parsing.grammar import GrammarError, check
 from omlx_logprobs.types import Constraint, ConstraintKind
 
 
+def given(v: Any) -> bool:
+    """A field's value asks for something (None, False, [] and {} ask for nothing)."""
+    return v is not None and v is not False and v != [] and v != {}
+
+
 def request_constraint(req: Any) -> Constraint | None:
     """The output grammar a request asks for (`response_format`, vLLM's
     `structured_outputs` or its older `guided_*` fields: one of them), compiled once here
@@ -143,7 +148,7 @@ def _structured_outputs(
     the whitespace options alone)."""
     param = "structured_outputs"
     for key in so:
-        if key in _SO_REFUSED and _given(so[key]):
+        if key in _SO_REFUSED and given(so[key]):
             raise APIError(
                 f"structured_outputs.{key}: {_SO_REFUSED[key]} is not supported by this server.",
                 param=param,
@@ -194,7 +199,3 @@ def _constraint(
     if not isinstance(value, str) or not value:
         raise APIError(f"{param}: a non-empty string is needed", param=field)
     return Constraint(kind, value, strict, whitespace)
-
-
-def _given(v: Any) -> bool:
-    return v is not None and v is not False and v != [] and v != {}

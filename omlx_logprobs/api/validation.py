@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from omlx_logprobs.api.constraints import request_constraint
+from omlx_logprobs.api.constraints import given, request_constraint
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.config import Limits
 
@@ -42,37 +42,33 @@ class Unsupported:
     soon: bool = False  # being built: "not supported yet"
 
 
-def _set(v: Any) -> bool:
-    return v is not None and v is not False and v != [] and v != {}
-
-
 UNSUPPORTED: tuple[Unsupported, ...] = (
     # What this server does not do.
-    Unsupported("functions", _set, "legacy function calling (send tools)"),
+    Unsupported("functions", given, "legacy function calling (send tools)"),
     Unsupported(
         "function_call",
         lambda v: v not in (None, "none", "auto"),
         "legacy function calling (send tool_choice)",
     ),  # fmt: skip
-    Unsupported("use_beam_search", _set, "beam search"),
+    Unsupported("use_beam_search", given, "beam search"),
     Unsupported("length_penalty", lambda v: v != 1, "beam search (length_penalty)"),
     Unsupported("include_reasoning", lambda v: v is False, "leaving reasoning out"),
-    Unsupported("moderation", _set, "moderation"),
+    Unsupported("moderation", given, "moderation"),
     Unsupported("priority", lambda v: v != 0, "priority scheduling"),
-    Unsupported("logits_processors", _set, "custom logits processors"),
-    Unsupported("cache_salt", _set, "salted prefix caching"),
-    Unsupported("kv_transfer_params", _set, "KV transfer"),
-    Unsupported("vllm_xargs", _set, "vllm_xargs"),
+    Unsupported("logits_processors", given, "custom logits processors"),
+    Unsupported("cache_salt", given, "salted prefix caching"),
+    Unsupported("kv_transfer_params", given, "KV transfer"),
+    Unsupported("vllm_xargs", given, "vllm_xargs"),
     Unsupported("modalities", lambda v: v is not None and set(v) != {"text"}, "non-text output"),
-    Unsupported("audio", _set, "audio output"),
-    Unsupported("web_search_options", _set, "web search"),
+    Unsupported("audio", given, "audio output"),
+    Unsupported("web_search_options", given, "web search"),
     Unsupported("verbosity", lambda v: v not in (None, "medium"), "verbosity"),
-    Unsupported("store", _set, "stored completions (store: true)"),
+    Unsupported("store", given, "stored completions (store: true)"),
     Unsupported(
         "service_tier", lambda v: v not in (None, "auto", "default"), "service tiers but default"
     ),
-    Unsupported("chat_template", _set, "a chat template sent with the request"),
-    Unsupported("mm_processor_kwargs", _set, "multimodal input"),
+    Unsupported("chat_template", given, "a chat template sent with the request"),
+    Unsupported("mm_processor_kwargs", given, "multimodal input"),
 )
 
 

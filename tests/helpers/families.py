@@ -16,6 +16,16 @@ import mlx.nn as nn
 VOCAB = 49152
 WINDOW = 8  # sliding windows: shorter than every test prompt
 
+# Qwen3-Next's and Qwen3.5's linear-attention (gated delta) layers, every layer but each second.
+_GATED_DELTA = {
+    "num_hidden_layers": 2,
+    "full_attention_interval": 2,
+    "linear_num_value_heads": 2,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+}
 _ATTN = {
     "hidden_size": 32,
     "intermediate_size": 64,
@@ -102,13 +112,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     },
     "qwen3_next": {
         **_ATTN,
-        "num_hidden_layers": 2,
-        "full_attention_interval": 2,
-        "linear_num_value_heads": 2,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 8,
-        "linear_conv_kernel_dim": 4,
+        **_GATED_DELTA,
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "decoder_sparse_step": 1,
@@ -121,13 +125,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # Qwen3.5: linear-attention (gated delta) layers every layer but each second, dense MLPs.
     "qwen3_5": {
         **_ATTN,
-        "num_hidden_layers": 2,
-        "full_attention_interval": 2,
-        "linear_num_value_heads": 2,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 8,
-        "linear_conv_kernel_dim": 4,
+        **_GATED_DELTA,
         "rope_parameters": {
             "type": "default",
             "mrope_section": [1, 1, 0],
