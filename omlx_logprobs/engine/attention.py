@@ -154,29 +154,30 @@ def _scale(scale: float) -> mx.array:
 
 def fits(q: mx.array, k: mx.array, v: mx.array, mask: Any, sinks: Any, stream: Any) -> bool:
     """Whether this call is the kernel's: one query position and a mask array on the GPU, a
-    head size the lane layout covers and a mask without a head axis."""
+    head size the lane layout covers and a mask without a head axis. (Called for every layer of
+    every step: each shape is read once.)"""
     if sinks is not None or stream is not None or not isinstance(mask, mx.array):
         return False
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or mask.ndim != 4 or q.shape[2] != 1:
+    qs, ks, vs, ms = q.shape, k.shape, v.shape, mask.shape
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4 or len(ms) != 4 or qs[2] != 1:
         return False
-    b, hq, _, d = q.shape
-    hkv, length = k.shape[1], k.shape[2]
-    if d not in HEADS or v.shape[3] != d or k.shape[3] != d or hkv == 0 or hq % hkv:
+    b, hq, _, d = qs
+    hkv, length = ks[1], ks[2]
+    if d not in HEADS or ks[3] != d or vs != ks or ks[0] != b or hkv == 0 or hq % hkv:
         return False
-    if (
-        hq // hkv > MAX_REP
-        or (hq // hkv) * d > MAX_REP_HEAD
-        or k.shape[0] != b
-        or v.shape[:3] != k.shape[:3]
-    ):
+    if hq // hkv > MAX_REP or (hq // hkv) * d > MAX_REP_HEAD:
         return False
-    if mask.shape[0] not in (1, b) or mask.shape[1] != 1 or mask.shape[2] != 1:
-        return False
-    if mask.shape[3] != length or not (mask.dtype == mx.bool_ or mask.dtype in _FLOATS):
+    if ms[0] not in (1, b) or ms[1] != 1 or ms[2] != 1 or ms[3] != length:
         return False
     if length > SHORT and b * hkv < MIN_BLOCKS:
         return False
-    return q.dtype in _FLOATS and k.dtype == q.dtype and v.dtype == q.dtype
+    dt = q.dtype
+    return (
+        dt in _FLOATS
+        and k.dtype == dt
+        and v.dtype == dt
+        and (mask.dtype == mx.bool_ or mask.dtype in _FLOATS)
+    )
 
 
 def decode_attention(
