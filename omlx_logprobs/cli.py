@@ -56,10 +56,7 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
     log.info("BLAS: %s", omlx_logprobs.BLAS)
     log.info("heap: %s", omlx_logprobs.HEAP)
     log.info("MLX: %s", ", ".join(f"{k}={os.environ.get(k)}" for k in MLX_ENVIRONMENT))
-    # The GIL's switch interval in the server's process (Python's 5 ms unless set): with the
-    # engine as a thread here, a shorter one hands the engine the GIL sooner after a device
-    # wait; 0.5 ms was tried on a GPU host and made no difference worth keeping.
-    sys.setswitchinterval(float(os.environ.get("OMLX_SWITCH_INTERVAL", "0.005")))
+    heap.set_switch_interval()
     from omlx_logprobs.engine.lora import AdapterError, read_adapter
 
     for name, path in cfg.lora:  # the files, before any model loads (their fit: at the load)

@@ -1,4 +1,5 @@
-"""glibc malloc settings for MLX's CPU buffers (Linux only); Python's collector after start-up.
+"""glibc malloc settings for MLX's CPU buffers (Linux only); Python's collector after start-up;
+the GIL's switch interval.
 
 MLX's CPU allocator keeps 32 MB of freed buffers and gives the rest to malloc and free. glibc
 raises its mmap threshold to the size of any mmapped block freed (up to 32 MiB), so after the
@@ -68,3 +69,10 @@ def freeze_startup_objects() -> None:
     out and the engine blocked on the full pipe (docs/benchmarks.md, "Decisions")."""
     gc.collect()
     gc.freeze()
+
+
+def set_switch_interval() -> None:
+    """The GIL's switch interval, from OMLX_SWITCH_INTERVAL (seconds; Python's 5 ms unless set),
+    in the server's process and in the engine's. A thread that wants the GIL back (the engine
+    after `async_eval`, which releases it) waits up to this long while another runs Python."""
+    sys.setswitchinterval(float(os.environ.get("OMLX_SWITCH_INTERVAL", "0.005")))

@@ -10,6 +10,8 @@ primitive. Run it once per MLX setting (they are read once per process):
     MLX_MAX_OPS_PER_BUFFER=2000 python3 bench/experiments/dispatch_cost.py --model /root/m1b
     OMLX_DECODE_ATTENTION=mlx python3 bench/experiments/dispatch_cost.py --model /root/m1b \
         --skip-synthetic
+    python3 bench/experiments/dispatch_cost.py --model /root/m1b --skip-synthetic \
+        --alternate fusion --steps 128
 
 `--drop-decode-mask` gives a decode step's attention no mask (wrong values; after the start-up
 probe): what a fused masked attention could save, before engine/attention.py existed.
@@ -76,9 +78,9 @@ def count_primitives(arrays: list[mx.array]) -> int:
     return len(labels)
 
 
-def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: bool) -> None:
+def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: str | None) -> None:
     from omlx_logprobs.config import EngineConfig
-    from omlx_logprobs.engine import attention
+    from omlx_logprobs.engine import attention, fusion
     from omlx_logprobs.engine.engine import Engine
     from omlx_logprobs.engine.sequence import Sequence
     from omlx_logprobs.models.loader import load_model
@@ -112,14 +114,21 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: b
     mx.async_eval = wrapped  # type: ignore[assignment]
     words = "the quick brown fox jumps over a lazy dog " * 2
     waves: list[tuple[int, str]] = [(-1, "-"), (20, "-"), (-1, "-"), (20, "-")]
-    if alternate:  # the kernel and MLX's attention wave by wave in this one process
-        waves = [(t, r) for _ in range(4) for r in ("kernel", "mlx") for t in (-1, 20)]
+    routes = {"attention": ("kernel", "mlx"), "fusion": ("joined", "separate")}
+    if alternate:  # the two routes wave by wave in this one process
+        waves = [(t, r) for _ in range(4) for r in routes[alternate] for t in (-1, 20)]
     periods: dict[tuple[int, str], list[float]] = {}
     for top, route in waves:
-        if route != "-":
+        if route in ("kernel", "mlx"):
             mx.fast.scaled_dot_product_attention = (
                 attention._sdpa if route == "kernel" else attention._mlx_sdpa
             )
+        elif route != "-":  # a member's own arrays are views of its group's: either way works
+            for group in engine.runner.fusion.groups:
+                for m in group.members:
+                    m.__class__ = (
+                        fusion._MEMBER_CLASSES[group.base] if route == "joined" else group.base
+                    )
         params = SamplingParams(
             max_tokens=steps,
             temperature=0,
@@ -169,8 +178,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skip-synthetic", action="store_true")
-    alt_help = "waves alternate engine/attention.py's kernel and MLX's attention, in one process"
-    ap.add_argument("--alternate-attention", action="store_true", help=alt_help)
+    alt_help = (
+        "waves alternate, in one process: engine/attention.py's kernel and MLX's attention"
+        " (attention), or joined and separate projections (fusion, engine/fusion.py)"
+    )
+    ap.add_argument("--alternate", choices=["attention", "fusion"], help=alt_help)
     drop_help = (
         "decode attention without its mask (wrong values): the bound of a fused masked kernel"
     )
@@ -194,7 +206,7 @@ def main() -> None:
                 flush=True,
             )
     if a.model:
-        engine_step(a.model, a.rows, a.steps, a.drop_decode_mask, a.alternate_attention)
+        engine_step(a.model, a.rows, a.steps, a.drop_decode_mask, a.alternate)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from omlx_logprobs.engine import attention, compiled
 from omlx_logprobs.engine.batch_cache import BatchCache, kinds
+from omlx_logprobs.engine.fusion import Fusion
 from omlx_logprobs.engine.grammar import bitmask
 from omlx_logprobs.engine.lora import AdapterSet
 from omlx_logprobs.engine.prefix_cache import Key, Prefix, PrefixCache, keeps_prefixes, make_prefix
@@ -100,6 +101,7 @@ class ModelRunner:
         # probe below compares the batch with each row alone.
         if attention.install():
             log.info("decode attention: one CUDA kernel per layer (engine/attention.py)")
+        self.fusion = Fusion(model)  # q/k/v and gate/up projections as one matmul each
         # The model's own caches, one per layer: each batch cache is made of their batch forms
         # (batch_cache.py); a model with a cache mlx-lm cannot batch is refused here.
         self.templates = make_prompt_cache(model)
@@ -406,6 +408,7 @@ class ModelRunner:
         their keys and values came from the old weights. WeightsError leaves the old ones."""
         assert not self.rows and not self.chunk_caches and not self.prefilled
         load_into(self.model, path)
+        self.fusion.rejoin()
         if self.compiled is not None:
             self.compiled.reset()
         if self.prefixes is not None:

@@ -156,6 +156,7 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
     logging.basicConfig(
         level=spec.log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s"
     )
+    heap.set_switch_interval()
     sink = _PipeSink(outbox)
     runner: Any = ModelRunner
     try:
