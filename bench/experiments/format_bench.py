@@ -20,24 +20,27 @@ from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.models.loader import load_model
+from omlx_logprobs.types import Entries
 
 STORES = 8  # distinct random stores per case, cycled (the head caches see many ids)
 
 
-def random_store(rng: np.random.Generator, n: int, k: int, vocab: int) -> LogprobStore:
-    """n positions like the engine's: random ids, negative float32 logprobs, top lists of k
-    distinct ids sorted best first."""
+def random_store(rng: np.random.Generator, n: int, k: int, vocab: int) -> Entries:
+    """n positions like the engine's, as the host entries a formatter reads: random ids,
+    negative float32 logprobs, top lists of k distinct ids sorted best first."""
     store = LogprobStore(k)
     tops = np.stack([rng.choice(vocab, k, replace=False) for _ in range(n)]) if k else None
     top_lps = -np.sort(rng.exponential(3.0, (n, k)), axis=1)
     store.extend(
-        rng.integers(0, vocab, n),
-        -rng.exponential(3.0, n),
-        rng.integers(1, 100, n),
-        tops if tops is not None else np.zeros((n, 0), np.int32),
-        top_lps,
+        Entries(
+            rng.integers(0, vocab, n),
+            -rng.exponential(3.0, n),
+            rng.integers(1, 100, n),
+            tops if tops is not None else np.zeros((n, 0), np.int32),
+            top_lps,
+        )
     )
-    return store
+    return store.block(0, n)
 
 
 def timed(fns: list[Callable[[], object]], reps: int) -> float:
@@ -64,16 +67,17 @@ def cases(vocab_size: int, rng: np.random.Generator) -> dict[str, list[Callable[
 
     def chat_case(n: int, k: int, stream: bool = False) -> Callable[[], object]:
         s = random_store(rng, n, k, vocab_size)
-        return (lambda: chat.entries(s, 64, 65)) if stream else (lambda: chat.entries(s, 0, n))
+        one = random_store(rng, 1, k, vocab_size)  # a streamed chunk: one position's entries
+        return (lambda: chat.entries(one)) if stream else (lambda: chat.entries(s))
 
     def echo_case(n: int, k: int) -> Callable[[], object]:
         p, g = random_store(rng, n - 1, k, vocab_size), random_store(rng, 1, k, vocab_size)
         ids = rng.integers(0, vocab_size, n).tolist()
-        return lambda: legacy.json(LegacyCursor(), k, (ids, p), g, (0, 1))
+        return lambda: legacy.json(LegacyCursor(), k, (ids, p), g)
 
     def legacy_case(n: int, k: int) -> Callable[[], object]:
         s = random_store(rng, n, k, vocab_size)
-        return lambda: legacy.json(LegacyCursor(), k, None, s, (0, n))
+        return lambda: legacy.json(LegacyCursor(), k, None, s)
 
     def prompt_case(n: int, k: int) -> Callable[[], object]:
         s = random_store(rng, n, k, vocab_size)
