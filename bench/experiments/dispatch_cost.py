@@ -114,7 +114,12 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: s
     mx.async_eval = wrapped  # type: ignore[assignment]
     words = "the quick brown fox jumps over a lazy dog " * 2
     waves: list[tuple[int, str]] = [(-1, "-"), (20, "-"), (-1, "-"), (20, "-")]
-    routes = {"attention": ("kernel", "mlx"), "fusion": ("joined", "separate")}
+    routes = {
+        "attention": ("kernel", "mlx"),
+        "fusion": ("joined", "separate"),
+        "lean": ("lean", "model"),
+    }
+    lean = engine.runner.lean
     if alternate:  # the two routes wave by wave in this one process
         waves = [(t, r) for _ in range(4) for r in routes[alternate] for t in (-1, 20)]
     periods: dict[tuple[int, str], list[float]] = {}
@@ -123,6 +128,8 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: s
             mx.fast.scaled_dot_product_attention = (
                 attention._sdpa if route == "kernel" else attention._mlx_sdpa
             )
+        elif route in ("lean", "model"):  # engine/lean_decode.py's step or the model's forward
+            engine.runner.lean = lean if route == "lean" else None
         elif route != "-":  # a member's own arrays are views of its group's: either way works
             for group in engine.runner.fusion.groups:
                 for m in group.members:
@@ -180,9 +187,10 @@ def main() -> None:
     ap.add_argument("--skip-synthetic", action="store_true")
     alt_help = (
         "waves alternate, in one process: engine/attention.py's kernel and MLX's attention"
-        " (attention), or joined and separate projections (fusion, engine/fusion.py)"
+        " (attention), joined and separate projections (fusion, engine/fusion.py), or the lean"
+        " llama step and the model's forward (lean, engine/lean_decode.py)"
     )
-    ap.add_argument("--alternate", choices=["attention", "fusion"], help=alt_help)
+    ap.add_argument("--alternate", choices=["attention", "fusion", "lean"], help=alt_help)
     drop_help = (
         "decode attention without its mask (wrong values): the bound of a fused masked kernel"
     )

@@ -18,10 +18,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_logprobs.engine import attention, compiled
+from omlx_logprobs.engine import attention, compiled, lean_decode
 from omlx_logprobs.engine.batch_cache import BatchCache, kinds
 from omlx_logprobs.engine.fusion import Fusion
 from omlx_logprobs.engine.grammar import bitmask
+from omlx_logprobs.engine.lean_decode import LeanDecode
 from omlx_logprobs.engine.lora import AdapterSet
 from omlx_logprobs.engine.prefix_cache import Key, Prefix, PrefixCache, keeps_prefixes, make_prefix
 from omlx_logprobs.engine.probe import probe
@@ -145,6 +146,10 @@ class ModelRunner:
                 self.compiled = compiled.CompiledDecode(model)
             else:
                 log.info("decode steps not compiled for %s: %s", type(model).__module__, why)
+        # Else a llama-family decode step with fewer graph nodes than the model's modules build.
+        self.lean: LeanDecode | None = None
+        if self.compiled is None and self.compiles:
+            self.lean = self._lean(model)
         # Where the decode batch is compiled, its shared left padding is trimmed in whole
         # multiples of the width it keeps (else every trim would widen the cache again).
         self.trim_align = compiled.WIDTH_ALIGN if self.compiled is not None else 1
@@ -152,6 +157,19 @@ class ModelRunner:
             cache_limit_mib = GPU_CACHE_LIMIT_MIB
         if cache_limit_mib is not None:
             mx.set_cache_limit(cache_limit_mib << 20)
+
+    def _lean(self, model: Any) -> LeanDecode | None:
+        """The lean decode step (engine/lean_decode.py) where it serves this model and its
+        start-up step matches the model's own forward."""
+        why = lean_decode.eligible(model, self.fusion, self.templates)
+        lean = LeanDecode(model, self.fusion) if why is None else None
+        if lean is not None:
+            why = lean_decode.check(lean, self.templates)
+        if why is None:
+            log.info("decode steps: the lean llama step (engine/lean_decode.py)")
+            return lean
+        log.info("decode steps through the model's own forward: %s", why)
+        return None
 
     def launch(self, work: SchedulerOutput) -> LaunchedStep | None:
         """Queue one step on the device and return at once."""
@@ -177,6 +195,12 @@ class ModelRunner:
                 and compiled.supports(self.batch_cache)
             ):
                 parts.append(self.compiled(inputs, self.batch_cache))
+            elif (
+                self.lean is not None
+                and not self.adapters.stacks
+                and self.lean.supports(self.batch_cache)
+            ):
+                parts.append(self.lean(inputs, self.batch_cache))
             else:
                 parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
             seqs += self.rows
@@ -411,6 +435,8 @@ class ModelRunner:
         self.fusion.rejoin()
         if self.compiled is not None:
             self.compiled.reset()
+        if self.lean is not None:
+            self.lean.reset()
         if self.prefixes is not None:
             self.prefixes.clear()
 

@@ -1,0 +1,180 @@
+"""A decode step of mlx-lm's llama family built with about half the graph nodes of the model's
+own modules, for a batch whose every layer is a plain KV cache.
+
+On a GPU the host launches every node of a step's graph, views included (~1.5-2 us each, a
+matmul ~10 us; docs/benchmarks.md, "Last A/B"), and a 16-layer llama's step held 714 of them.
+The model's modules keep a length axis of 1 through every matmul (MLX flattens and unflattens
+around each), transpose each weight at each call, transpose the heads in and out of attention,
+rotate queries and keys apart and advance each layer's positions apart. Here the hidden states
+stay [rows, width]; each weight's transpose is made once (a view, reused every step); queries
+and keys rotate in one call; one positions array is advanced for all layers. The arithmetic is
+the model's own: the same layers, norms, rotation module, attention and activation, on the
+same weights (q/k/v and gate/up joined by engine/fusion.py).
+
+`check` compares one step with the model's own forward at start-up; anything else (LoRA
+adapters in use, a cache being grown, another family) takes the model's forward.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models import llama
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from omlx_logprobs.engine.batch_cache import BatchCache
+from omlx_logprobs.engine.fusion import Fusion
+
+ENABLED = os.environ.get("OMLX_LEAN_DECODE", "1") != "0"
+
+
+def _weight_t(layer: nn.Module) -> mx.array:
+    """The layer's weight transposed, evaluated once: a view every later step reads as is."""
+    t = layer["weight"].T
+    mx.eval(t)
+    return t
+
+
+class _Linear:
+    """A plain linear layer as `x @ W.T (+ b)` with W.T made once; a quantized one as itself
+    (its matmul takes the weight as stored)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        self.quantized = isinstance(layer, nn.QuantizedLinear)
+        self.wt = None if self.quantized else _weight_t(layer)
+        self.bias = layer.get("bias")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.wt is None:
+            return self.layer(x)
+        return x @ self.wt if self.bias is None else mx.addmm(self.bias, x, self.wt)
+
+
+class _Block:
+    def __init__(self, block: Any, qkv: Any, gate_up: Any) -> None:
+        a = block.self_attn
+        self.block, self.attn = block, a
+        self.qkv, self.gate_up = _Linear(qkv.layer), _Linear(gate_up.layer)
+        self.o, self.down = _Linear(a.o_proj), _Linear(block.mlp.down_proj)
+        self.heads, self.kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.hidden = block.mlp.gate_proj.weight.shape[0]
+
+
+def eligible(model: Any, fusion: Fusion, templates: list[Any]) -> str | None:
+    """Why the lean step cannot serve this model (None: it can)."""
+    if not ENABLED:
+        return "OMLX_LEAN_DECODE=0"
+    if type(model) is not llama.Model:
+        return "it is not mlx-lm's llama family"
+    inner = model.model
+    if inner.swa_idx is not None:
+        return "it has sliding-window layers"
+    if not all(type(t) is KVCache for t in templates):
+        return "its caches are not all plain KV caches"
+    blocks = inner.layers
+    if not all(
+        type(b) is llama.TransformerBlock
+        and type(b.self_attn) is llama.Attention
+        and type(b.mlp) is llama.MLP
+        for b in blocks
+    ):
+        return "its blocks are not all llama's own"
+    if len(fusion) != 2 * len(blocks):
+        return "its projections are not all joined (engine/fusion.py)"
+    return None
+
+
+class LeanDecode:
+    def __init__(self, model: Any, fusion: Fusion) -> None:
+        self.model, self.fusion = model, fusion
+        self._blocks: list[_Block] | None = None
+        self._head: _Linear | None = None
+
+    def reset(self) -> None:
+        """Forget the weights' transposes (the weights changed)."""
+        self._blocks = self._head = None
+
+    def _build(self) -> list[_Block]:
+        groups = {id(g.members[0]): g for g in self.fusion.groups}
+        self._blocks = [
+            _Block(b, groups[id(b.self_attn.q_proj)], groups[id(b.mlp.gate_proj)])
+            for b in self.model.model.layers
+        ]
+        m = self.model
+        if not m.args.tie_word_embeddings:
+            self._head = _Linear(m.lm_head)
+        return self._blocks
+
+    @staticmethod
+    def supports(cache: BatchCache) -> bool:
+        """A decoding batch of plain KV caches with room for this step's column (a cache about
+        to grow takes the model's forward, which allocates)."""
+        first = cache.layers[0]
+        return (
+            all(type(c) is BatchKVCache and c.keys is not None for c in cache.layers)
+            and first._idx < first.keys.shape[2]
+        )
+
+    def __call__(self, inputs: mx.array, cache: BatchCache) -> mx.array:
+        """[B, V] logits of the batch's next position; every layer's cache advanced by one."""
+        blocks = self._blocks if self._blocks is not None else self._build()
+        inner = self.model.model
+        layers: list[Any] = cache.layers
+        first = layers[0]
+        idx, offset = first._idx, first.offset  # equal in every layer of a decoding batch
+        mask = first.make_mask(1, return_array=True)
+        h = inner.embed_tokens(inputs[:, 0])  # [B, D]
+        rows = h.shape[0]
+        for blk, c in zip(blocks, layers):
+            a = blk.attn
+            y = blk.qkv(blk.block.input_layernorm(h))
+            nq, nk = blk.heads * blk.head_dim, blk.kv_heads * blk.head_dim
+            # Queries and keys rotate together: the same positions, head by head.
+            qk = a.rope(y[:, : nq + nk].reshape(rows, blk.heads + blk.kv_heads, 1, -1), offset)
+            q, k = qk[:, : blk.heads], qk[:, blk.heads :]
+            v = y[:, nq + nk :].reshape(rows, blk.kv_heads, 1, -1)
+            c.keys[..., idx : idx + 1, :] = k
+            c.values[..., idx : idx + 1, :] = v
+            keys, values = c.keys[..., : idx + 1, :], c.values[..., : idx + 1, :]
+            o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=a.scale, mask=mask)
+            h = h + blk.o(o.reshape(rows, nq))
+            gu = blk.gate_up(blk.block.post_attention_layernorm(h))
+            h = h + blk.down(llama.swiglu(gu[:, : blk.hidden], gu[:, blk.hidden :]))
+        h = inner.norm(h)
+        logits = self._head(h) if self._head is not None else inner.embed_tokens.as_linear(h)
+        advanced = offset + 1  # one array for every layer: each is only ever replaced
+        for c in layers:
+            c.offset, c._idx = advanced, idx + 1
+        return logits
+
+
+def check(lean: LeanDecode, templates: list[Any]) -> str | None:
+    """Why the lean step's logits are not the model's own (None: they are, within rounding),
+    on a padded two-row batch at start-up."""
+    model = lean.model
+    rows, pads = mx.array([[0, 1, 2], [3, 4, 5]]), [1, 0]
+
+    def prefilled() -> BatchCache:
+        cache = BatchCache.for_prompts(templates, pads)
+        model(rows, cache=cache.layers)
+        return cache
+
+    plain, leaned = prefilled(), prefilled()
+    nxt = mx.array([[6], [7]])
+    try:
+        raw = model(nxt, cache=plain.layers)[:, -1, :]
+        want, got = raw.astype(mx.float32), lean(nxt, leaned).astype(mx.float32)
+        mx.eval(want, got)
+    except Exception as exc:  # noqa: BLE001  (whatever the backend raises: the model's forward)
+        return f"a lean step failed: {exc}"
+    diff = float(np.abs(np.array(got) - np.array(want)).max())
+    scale = 1 + float(np.abs(np.array(want)).max())
+    tolerance = 1e-4 if raw.dtype == mx.float32 else 0.05  # as engine/compiled.py's check
+    if not diff <= tolerance * scale:
+        return f"a lean step's logits differ from the model's own by {diff:.3g}"
+    return None
