@@ -21,10 +21,10 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from omlx_logprobs.engine.batch_cache import BatchCache
+from omlx_logprobs.engine.probe import step_differs
 
 # Columns a cache grows by, and what its width stays a multiple of (mlx-lm's own step: the
 # widths a GPU meets without compilation too).
@@ -60,30 +60,7 @@ def check(model: Any, templates: list[Any]) -> str | None:
         return "it is not one of mlx-lm's families"
     if not all(type(t) is KVCache for t in templates):
         return "its caches are not all plain KV caches"
-    rows, pads = mx.array([[0, 1, 2], [3, 4, 5]]), [1, 0]
-
-    def prefilled() -> BatchCache:
-        cache = BatchCache.for_prompts(templates, pads)
-        model(rows, cache=cache.layers)
-        return cache
-
-    plain, traced = prefilled(), prefilled()
-    nxt = mx.array([[6], [7]])
-    try:
-        raw = model(nxt, cache=plain.layers)[:, -1, :]
-        want = raw.astype(mx.float32)
-        got = CompiledDecode(model)(nxt, traced).astype(mx.float32)
-        mx.eval(want, got)
-    except Exception as exc:  # noqa: BLE001  (whatever the backend raises: served uncompiled)
-        return f"a compiled step failed: {exc}"
-    diff = float(np.abs(np.array(got) - np.array(want)).max())
-    scale = 1 + float(np.abs(np.array(want)).max())
-    # Relative to the logits' scale, as engine/probe.py: rounding (other fusions in 16-bit
-    # types) stays far below it, a cache read wrong moves logits by about the scale itself.
-    tolerance = 1e-3 if raw.dtype == mx.float32 else 0.1
-    if not diff <= tolerance * scale:
-        return f"a compiled step's logits differ from the model's own by {diff:.3g}"
-    return None
+    return step_differs(model, templates, CompiledDecode(model), "a compiled step")
 
 
 def supports(cache: BatchCache) -> bool:

@@ -22,12 +22,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from omlx_logprobs.engine.batch_cache import BatchCache
 from omlx_logprobs.engine.fusion import Fusion
+from omlx_logprobs.engine.probe import step_differs
 
 ENABLED = os.environ.get("OMLX_LEAN_DECODE", "1") != "0"
 
@@ -156,25 +156,4 @@ class LeanDecode:
 def check(lean: LeanDecode, templates: list[Any]) -> str | None:
     """Why the lean step's logits are not the model's own (None: they are, within rounding),
     on a padded two-row batch at start-up."""
-    model = lean.model
-    rows, pads = mx.array([[0, 1, 2], [3, 4, 5]]), [1, 0]
-
-    def prefilled() -> BatchCache:
-        cache = BatchCache.for_prompts(templates, pads)
-        model(rows, cache=cache.layers)
-        return cache
-
-    plain, leaned = prefilled(), prefilled()
-    nxt = mx.array([[6], [7]])
-    try:
-        raw = model(nxt, cache=plain.layers)[:, -1, :]
-        want, got = raw.astype(mx.float32), lean(nxt, leaned).astype(mx.float32)
-        mx.eval(want, got)
-    except Exception as exc:  # noqa: BLE001  (whatever the backend raises: the model's forward)
-        return f"a lean step failed: {exc}"
-    diff = float(np.abs(np.array(got) - np.array(want)).max())
-    scale = 1 + float(np.abs(np.array(want)).max())
-    tolerance = 1e-4 if raw.dtype == mx.float32 else 0.05  # as engine/compiled.py's check
-    if not diff <= tolerance * scale:
-        return f"a lean step's logits differ from the model's own by {diff:.3g}"
-    return None
+    return step_differs(lean.model, templates, lean, "a lean step")

@@ -85,3 +85,34 @@ def probe(model: Any, templates: list[Any]) -> SplitForward | None:
     if not diff <= TOLERANCE.get(want.dtype, LOW_PRECISION) * scale:
         raise _refuse(model, f"its batched logits differ from each row's alone by {diff:.3g}")
     return split
+
+
+def step_differs(
+    model: Any, templates: list[Any], step: Callable[[mx.array, BatchCache], mx.array], what: str
+) -> str | None:
+    """Why `step` (another way to run a decode step: compiled, or the lean one) is not the
+    model's own forward (None: it is, within rounding): one step of a padded two-row batch,
+    against the model's forward on a copy of the same cache."""
+    rows, pads = mx.array([[0, 1, 2], [3, 4, 5]]), [1, 0]
+
+    def prefilled() -> BatchCache:
+        cache = BatchCache.for_prompts(templates, pads)
+        model(rows, cache=cache.layers)
+        return cache
+
+    plain, other = prefilled(), prefilled()
+    nxt = mx.array([[6], [7]])
+    try:
+        raw = model(nxt, cache=plain.layers)[:, -1, :]
+        want, got = raw.astype(mx.float32), step(nxt, other).astype(mx.float32)
+        mx.eval(want, got)
+    except Exception as exc:  # noqa: BLE001  (whatever the backend raises: the model's forward)
+        return f"{what} failed: {exc}"
+    diff = float(np.abs(np.array(got) - np.array(want)).max())
+    scale = 1 + float(np.abs(np.array(want)).max())
+    # Relative to the logits' scale, as the probe above: rounding (other fusions or reduction
+    # orders in 16-bit types) stays far below it, a cache read wrong moves logits by about it.
+    tolerance = 1e-3 if raw.dtype == mx.float32 else 0.1
+    if not diff <= tolerance * scale:
+        return f"{what}'s logits differ from the model's own by {diff:.3g}"
+    return None
