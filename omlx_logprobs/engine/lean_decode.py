@@ -1,5 +1,5 @@
-"""A decode step of mlx-lm's llama family built with about half the graph nodes of the model's
-own modules, for a batch whose every layer is a plain KV cache.
+"""A decode step of mlx-lm's llama, qwen2 and qwen3 families built with about half the graph nodes
+of the model's own modules, for a batch whose every layer is a plain KV cache.
 
 On a GPU the host launches every node of a step's graph, views included (~1.5-2 us each, a
 matmul ~10 us; docs/benchmarks.md, "Last A/B"), and a 16-layer llama's step held 714 of them.
@@ -7,9 +7,10 @@ The model's modules keep a length axis of 1 through every matmul (MLX flattens a
 around each), transpose each weight at each call, transpose the heads in and out of attention,
 rotate queries and keys apart and advance each layer's positions apart. Here the hidden states
 stay [rows, width]; each weight's transpose is made once (a view, reused every step); queries
-and keys rotate in one call; one positions array is advanced for all layers. The arithmetic is
-the model's own: the same layers, norms, rotation module, attention and activation, on the
-same weights (q/k/v and gate/up joined by engine/fusion.py).
+and keys rotate in one call (apart in qwen3, whose heads are normed apart first); one positions
+array is advanced for all layers. The arithmetic is the model's own: the same layers, norms,
+rotation module, attention and activation, on the same weights (q/k/v and gate/up joined by
+engine/fusion.py).
 
 `check` compares one step with the model's own forward at start-up; anything else (LoRA
 adapters in use, a cache being grown, another family) takes the model's forward.
@@ -22,7 +23,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen2, qwen3
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from omlx_logprobs.engine.batch_cache import BatchCache
@@ -30,6 +32,9 @@ from omlx_logprobs.engine.fusion import Fusion
 from omlx_logprobs.engine.probe import step_differs
 
 ENABLED = os.environ.get("OMLX_LEAN_DECODE", "1") != "0"
+# The families served: the model class, and the block, attention and MLP classes of its layers
+# (the same layout: input norm, attention, residual, post-attention norm, swiglu MLP, residual).
+FAMILIES = {m.Model: (m.TransformerBlock, m.Attention, m.MLP) for m in (llama, qwen2, qwen3)}
 
 
 def _weight_t(layer: nn.Module) -> mx.array:
@@ -61,29 +66,29 @@ class _Block:
         self.block, self.attn = block, a
         self.qkv, self.gate_up = _Linear(qkv.layer), _Linear(gate_up.layer)
         self.o, self.down = _Linear(a.o_proj), _Linear(block.mlp.down_proj)
-        self.heads, self.kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.heads, self.kv_heads = a.n_heads, a.n_kv_heads
+        self.head_dim = a.q_proj.weight.shape[0] // a.n_heads
         self.hidden = block.mlp.gate_proj.weight.shape[0]
+        self.qk_norms = (a.q_norm, a.k_norm) if "q_norm" in a else None  # qwen3
 
 
 def eligible(model: Any, fusion: Fusion, templates: list[Any]) -> str | None:
     """Why the lean step cannot serve this model (None: it can)."""
     if not ENABLED:
         return "OMLX_LEAN_DECODE=0"
-    if type(model) is not llama.Model:
-        return "it is not mlx-lm's llama family"
+    classes = FAMILIES.get(type(model))
+    if classes is None:
+        return "it is not one of mlx-lm's llama, qwen2 and qwen3 families"
     inner = model.model
-    if inner.swa_idx is not None:
+    if getattr(inner, "swa_idx", None) is not None:
         return "it has sliding-window layers"
+    if getattr(inner, "pipeline_size", 1) != 1:
+        return "its layers are split over processes"
     if not all(type(t) is KVCache for t in templates):
         return "its caches are not all plain KV caches"
     blocks = inner.layers
-    if not all(
-        type(b) is llama.TransformerBlock
-        and type(b.self_attn) is llama.Attention
-        and type(b.mlp) is llama.MLP
-        for b in blocks
-    ):
-        return "its blocks are not all llama's own"
+    if not all((type(b), type(b.self_attn), type(b.mlp)) == classes for b in blocks):
+        return "its blocks are not all its family's own"
     if len(fusion) != 2 * len(blocks):
         return "its projections are not all joined (engine/fusion.py)"
     return None
@@ -134,9 +139,14 @@ class LeanDecode:
             a = blk.attn
             y = blk.qkv(blk.block.input_layernorm(h))
             nq, nk = blk.heads * blk.head_dim, blk.kv_heads * blk.head_dim
-            # Queries and keys rotate together: the same positions, head by head.
-            qk = a.rope(y[:, : nq + nk].reshape(rows, blk.heads + blk.kv_heads, 1, -1), offset)
-            q, k = qk[:, : blk.heads], qk[:, blk.heads :]
+            if blk.qk_norms is None:  # queries and keys rotate together: the same positions
+                qk = y[:, : nq + nk].reshape(rows, blk.heads + blk.kv_heads, 1, -1)
+                qk = a.rope(qk, offset)
+                q, k = qk[:, : blk.heads], qk[:, blk.heads :]
+            else:  # each normed with its own weights first
+                q_norm, k_norm = blk.qk_norms
+                q = a.rope(q_norm(y[:, :nq].reshape(rows, blk.heads, 1, -1)), offset)
+                k = a.rope(k_norm(y[:, nq : nq + nk].reshape(rows, blk.kv_heads, 1, -1)), offset)
             v = y[:, nq + nk :].reshape(rows, blk.kv_heads, 1, -1)
             c.keys[..., idx : idx + 1, :] = k
             c.values[..., idx : idx + 1, :] = v
@@ -144,7 +154,7 @@ class LeanDecode:
             o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=a.scale, mask=mask)
             h = h + blk.o(o.reshape(rows, nq))
             gu = blk.gate_up(blk.block.post_attention_layernorm(h))
-            h = h + blk.down(llama.swiglu(gu[:, : blk.hidden], gu[:, blk.hidden :]))
+            h = h + blk.down(swiglu(gu[:, : blk.hidden], gu[:, blk.hidden :]))
         h = inner.norm(h)
         logits = self._head(h) if self._head is not None else inner.embed_tokens.as_linear(h)
         advanced = offset + 1  # one array for every layer: each is only ever replaced

@@ -1,6 +1,7 @@
-"""engine/lean_decode.py: the lean llama decode step gives the model's own logits and leaves
-the caches as the model's forward does, step after step of a left-padded batch; it follows new
-weights after `reset`, and stays off the families and batches it does not serve."""
+"""engine/lean_decode.py: the lean decode step gives the model's own logits and leaves the
+caches as the model's forward does, step after step of a left-padded batch, in each family it
+serves (llama, qwen2 with its biases, qwen3 with its head norms); it follows new weights after
+`reset`, and stays off the families and batches it does not serve."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -70,8 +72,9 @@ def _same_caches(a: BatchCache, b: BatchCache) -> None:
             )
 
 
-def test_lean_steps_are_the_models_own() -> None:
-    model = _model()
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_lean_steps_are_the_models_own(model_type: str) -> None:
+    model = _model(model_type)
     want, plain = _steps(model, None)
     got, leaned = _steps(model, _lean(model))
     for g, w in zip(got, want):
@@ -115,8 +118,9 @@ def test_a_full_cache_takes_the_models_forward() -> None:
 
 
 def test_other_families_and_settings_are_refused() -> None:
-    qwen = _model("qwen3")
-    assert lean_decode.eligible(qwen, Fusion(qwen), make_prompt_cache(qwen)) is not None
+    for other in ("phi3", "gemma3_text", "qwen3_moe"):
+        m = _model(other)
+        assert lean_decode.eligible(m, Fusion(m), make_prompt_cache(m)) is not None
     llama = _model()
     apart = Fusion(llama)
     apart.groups = []  # as with OMLX_FUSE_PROJECTIONS=0
