@@ -50,8 +50,7 @@ class _Linear:
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
-        self.quantized = isinstance(layer, nn.QuantizedLinear)
-        self.wt = None if self.quantized else _weight_t(layer)
+        self.wt = None if isinstance(layer, nn.QuantizedLinear) else _weight_t(layer)
         self.bias = layer.get("bias")
 
     def __call__(self, x: mx.array) -> mx.array:
