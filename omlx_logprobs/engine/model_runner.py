@@ -166,7 +166,7 @@ class ModelRunner:
         if lean is not None:
             why = lean_decode.check(lean, self.templates)
         if why is None:
-            log.info("decode steps: the lean llama step (engine/lean_decode.py)")
+            log.info("decode steps: the lean step (engine/lean_decode.py)")
             return lean
         log.info("decode steps through the model's own forward: %s", why)
         return None
