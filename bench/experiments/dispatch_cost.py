@@ -119,7 +119,7 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: s
         "fusion": ("joined", "separate"),
         "lean": ("lean", "model"),
     }
-    lean = engine.runner.lean
+    lean = engine.runner.decode
     if alternate:  # the two routes wave by wave in this one process
         waves = [(t, r) for _ in range(4) for r in routes[alternate] for t in (-1, 20)]
     periods: dict[tuple[int, str], list[float]] = {}
@@ -129,7 +129,7 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: s
                 attention._sdpa if route == "kernel" else attention._mlx_sdpa
             )
         elif route in ("lean", "model"):  # engine/lean_decode.py's step or the model's forward
-            engine.runner.lean = lean if route == "lean" else None
+            engine.runner.decode = lean if route == "lean" else None
         elif route != "-":  # a member's own arrays are views of its group's: either way works
             for group in engine.runner.fusion.groups:
                 for m in group.members:

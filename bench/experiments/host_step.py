@@ -117,12 +117,12 @@ def main() -> None:
     if a.model is None:
         net = narrow_model(a.layers, a.hidden, len(loaded.vocab), a.dtype)
     engine = Engine(net, loaded.vocab, loaded.eos_token_ids, EngineConfig())
-    if not hasattr(engine.runner, "compiled"):
-        forward = "forward uncompiled (an older tree)"
-    elif engine.runner.compiled is None:
-        forward = "forward uncompiled"
-    else:
-        forward = "forward compiled"
+    # A tree before the runner's one `decode` attribute names it `compiled`.
+    step = getattr(engine.runner, "decode", getattr(engine.runner, "compiled", None))
+    forward = {
+        "CompiledDecode": "forward compiled",
+        "LeanDecode": "lean step",
+    }.get(type(step).__name__, "model's forward")
     words = "the quick brown fox jumps over a lazy dog " * 2
     prof = cProfile.Profile() if a.profile else None
     # Per mode: each measured wave's median launch, its graph-building part, the process CPU.

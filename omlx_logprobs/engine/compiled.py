@@ -69,6 +69,8 @@ def supports(cache: BatchCache) -> bool:
 
 
 class CompiledDecode:
+    supports = staticmethod(supports)
+
     def __init__(self, model: Any) -> None:
         self.model = model
         self._fn: Any = None

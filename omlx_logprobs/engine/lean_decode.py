@@ -25,8 +25,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import KVCache
 
+from omlx_logprobs.engine import compiled
 from omlx_logprobs.engine.batch_cache import BatchCache
 from omlx_logprobs.engine.fusion import Fusion
 from omlx_logprobs.engine.probe import step_differs
@@ -119,10 +120,7 @@ class LeanDecode:
         """A decoding batch of plain KV caches with room for this step's column (a cache about
         to grow takes the model's forward, which allocates)."""
         first = cache.layers[0]
-        return (
-            all(type(c) is BatchKVCache and c.keys is not None for c in cache.layers)
-            and first._idx < first.keys.shape[2]
-        )
+        return compiled.supports(cache) and first._idx < first.keys.shape[2]
 
     def __call__(self, inputs: mx.array, cache: BatchCache) -> mx.array:
         """[B, V] logits of the batch's next position; every layer's cache advanced by one."""

@@ -139,28 +139,29 @@ class ModelRunner:
         self.overlaps = not cpu
         self.prefill_align = CPU_PREFILL_ALIGN if cpu else GPU_PREFILL_ALIGN
         self.tight_cache = cpu  # caches grow by what their rows may use (see batch_cache.py)
-        self.compiled: compiled.CompiledDecode | None = None
-        if COMPILE_DECODE and self.compiles and not cpu:
-            why = compiled.check(model, self.templates)
-            if why is None:
-                self.compiled = compiled.CompiledDecode(model)
-            else:
-                log.info("decode steps not compiled for %s: %s", type(model).__module__, why)
-        # Else a llama-family decode step with fewer graph nodes than the model's modules build.
-        self.lean: LeanDecode | None = None
-        if self.compiled is None and self.compiles:
-            self.lean = self._lean(model)
+        # A decode step other than the model's forward, where one serves the model.
+        self.decode: compiled.CompiledDecode | LeanDecode | None = self._decode_step(model, cpu)
         # Where the decode batch is compiled, its shared left padding is trimmed in whole
         # multiples of the width it keeps (else every trim would widen the cache again).
-        self.trim_align = compiled.WIDTH_ALIGN if self.compiled is not None else 1
+        compiles = isinstance(self.decode, compiled.CompiledDecode)
+        self.trim_align = compiled.WIDTH_ALIGN if compiles else 1
         if cache_limit_mib is None and not cpu:
             cache_limit_mib = GPU_CACHE_LIMIT_MIB
         if cache_limit_mib is not None:
             mx.set_cache_limit(cache_limit_mib << 20)
 
-    def _lean(self, model: Any) -> LeanDecode | None:
-        """The lean decode step (engine/lean_decode.py) where it serves this model and its
-        start-up step matches the model's own forward."""
+    def _decode_step(self, model: Any, cpu: bool) -> compiled.CompiledDecode | LeanDecode | None:
+        """The decode forward compiled (engine/compiled.py) where asked on a GPU, else the lean
+        step (engine/lean_decode.py) where it serves the model; each checked against the
+        model's own forward at start-up. None: the model's forward (a split model's runner
+        always takes it)."""
+        if not self.compiles:
+            return None
+        if COMPILE_DECODE and not cpu:
+            why = compiled.check(model, self.templates)
+            if why is None:
+                return compiled.CompiledDecode(model)
+            log.info("decode steps not compiled for %s: %s", type(model).__module__, why)
         why = lean_decode.eligible(model, self.fusion, self.templates)
         lean = LeanDecode(model, self.fusion) if why is None else None
         if lean is not None:
@@ -188,19 +189,14 @@ class ModelRunner:
             if self.tight_cache:
                 self.batch_cache.reserve(max(s.to_write for s in self.rows))
             self.adapters.select_rows(self.rows)
-            # A compiled forward would keep the adapters' selection it was traced with.
+            # With adapters loaded, the model's forward: a compiled one would keep the selection
+            # it was traced with, the lean one calls the joined projections without them.
             if (
-                self.compiled is not None
+                self.decode is not None
                 and not self.adapters.stacks
-                and compiled.supports(self.batch_cache)
+                and self.decode.supports(self.batch_cache)
             ):
-                parts.append(self.compiled(inputs, self.batch_cache))
-            elif (
-                self.lean is not None
-                and not self.adapters.stacks
-                and self.lean.supports(self.batch_cache)
-            ):
-                parts.append(self.lean(inputs, self.batch_cache))
+                parts.append(self.decode(inputs, self.batch_cache))
             else:
                 parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
             seqs += self.rows
@@ -433,10 +429,8 @@ class ModelRunner:
         assert not self.rows and not self.chunk_caches and not self.prefilled
         load_into(self.model, path)
         self.fusion.rejoin()
-        if self.compiled is not None:
-            self.compiled.reset()
-        if self.lean is not None:
-            self.lean.reset()
+        if self.decode is not None:
+            self.decode.reset()
         if self.prefixes is not None:
             self.prefixes.clear()
 

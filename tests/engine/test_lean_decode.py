@@ -82,17 +82,19 @@ def test_lean_steps_are_the_models_own(model_type: str) -> None:
     _same_caches(leaned, plain)
 
 
-def test_tied_head_bias_and_quantized_weights() -> None:
-    for model in (
-        _model(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
-        _model(),
-    ):
-        if "lm_head" in model:
-            nn.quantize(model, group_size=32, bits=4)
-        want, _ = _steps(model, None)
-        got, _ = _steps(model, _lean(model))
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
+@pytest.mark.parametrize("variant", ["tied head and biases", "4-bit weights"])
+def test_tied_head_biases_and_quantized_weights(variant: str) -> None:
+    if variant == "4-bit weights":
+        model = _model()
+        nn.quantize(model, group_size=32, bits=4)
+        assert isinstance(model.layers[0].mlp.down_proj, nn.QuantizedLinear)
+    else:
+        model = _model(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
+        assert "lm_head" not in model and "bias" in model.layers[0].self_attn.q_proj
+    want, _ = _steps(model, None)
+    got, _ = _steps(model, _lean(model))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
 
 
 def test_reset_follows_new_weights() -> None:
