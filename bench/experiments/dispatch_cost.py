@@ -80,7 +80,7 @@ def count_primitives(arrays: list[mx.array]) -> int:
 
 def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: str | None) -> None:
     from omlx_logprobs.config import EngineConfig
-    from omlx_logprobs.engine import attention, fusion
+    from omlx_logprobs.engine import attention, compiled, fusion
     from omlx_logprobs.engine.engine import Engine
     from omlx_logprobs.engine.sequence import Sequence
     from omlx_logprobs.models.loader import load_model
@@ -118,8 +118,10 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: s
         "attention": ("kernel", "mlx"),
         "fusion": ("joined", "separate"),
         "lean": ("lean", "model"),
+        "compiled": ("compiled", "lean"),
     }
     lean = engine.runner.decode
+    traced = compiled.CompiledDecode(loaded.model, lean) if alternate == "compiled" else None
     if alternate:  # the two routes wave by wave in this one process
         waves = [(t, r) for _ in range(4) for r in routes[alternate] for t in (-1, 20)]
     periods: dict[tuple[int, str], list[float]] = {}
@@ -130,6 +132,8 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: s
             )
         elif route in ("lean", "model"):  # engine/lean_decode.py's step or the model's forward
             engine.runner.decode = lean if route == "lean" else None
+        elif route == "compiled":  # the lean step traced by engine/compiled.py
+            engine.runner.decode = traced
         elif route != "-":  # a member's own arrays are views of its group's: either way works
             for group in engine.runner.fusion.groups:
                 for m in group.members:
@@ -188,9 +192,12 @@ def main() -> None:
     alt_help = (
         "waves alternate, in one process: engine/attention.py's kernel and MLX's attention"
         " (attention), joined and separate projections (fusion, engine/fusion.py), or the lean"
-        " llama step and the model's forward (lean, engine/lean_decode.py)"
+        " llama step and the model's forward (lean, engine/lean_decode.py), the lean step traced by"
+        " engine/compiled.py and as it is (compiled)"
     )
-    ap.add_argument("--alternate", choices=["attention", "fusion", "lean"], help=alt_help)
+    ap.add_argument(
+        "--alternate", choices=["attention", "fusion", "lean", "compiled"], help=alt_help
+    )
     drop_help = (
         "decode attention without its mask (wrong values): the bound of a fused masked kernel"
     )

@@ -49,7 +49,7 @@ class _Slot:
         return self._mask
 
 
-def check(model: Any, templates: list[Any]) -> str | None:
+def check(model: Any, templates: list[Any], lean: Any = None) -> str | None:
     """Why the model's decode cannot be compiled (None: it can): its caches are not all plain
     KV ones, or one compiled step of a padded two-row batch fails or gives other logits than
     the model's own forward (a backend without an op the traced graph uses, a family whose
@@ -60,7 +60,7 @@ def check(model: Any, templates: list[Any]) -> str | None:
         return "it is not one of mlx-lm's families"
     if not all(type(t) is KVCache for t in templates):
         return "its caches are not all plain KV caches"
-    return step_differs(model, templates, CompiledDecode(model), "a compiled step")
+    return step_differs(model, templates, CompiledDecode(model, lean), "a compiled step")
 
 
 def supports(cache: BatchCache) -> bool:
@@ -71,13 +71,17 @@ def supports(cache: BatchCache) -> bool:
 class CompiledDecode:
     supports = staticmethod(supports)
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
+    def __init__(self, model: Any, lean: Any = None) -> None:
+        """`lean`: engine/lean_decode.py's step, traced in place of the model's forward."""
+        self.model, self.lean = model, lean
         self._fn: Any = None
         self.reset()
 
     def reset(self) -> None:
         """Forget the traces (the weights changed: they are constants of the traces)."""
+        if self.lean is not None:
+            self.lean.reset()
+            self.lean.blocks()  # its weights' transposes, evaluated outside any trace
         self._fn = mx.compile(self._forward)
 
     def _forward(
@@ -90,7 +94,10 @@ class CompiledDecode:
         slots = [_Slot(kv[i], kv[n + i], offset, mask) for i in range(n)]
         for s in slots:
             s._at = at
-        logits = self.model(inputs, cache=slots)[:, -1, :]
+        if self.lean is not None:
+            logits = self.lean.slots_forward(inputs, slots)
+        else:
+            logits = self.model(inputs, cache=slots)[:, -1, :]
         return [logits, *(s.keys for s in slots), *(s.values for s in slots)]
 
     def __call__(self, inputs: mx.array, cache: BatchCache) -> mx.array:

@@ -115,7 +115,14 @@ class Fusion:
             for names in GROUPS:
                 found = [module.get(n) for n in names]
                 layers: list[Any] = [m for m in found if isinstance(m, nn.Module)]
-                if len(layers) < len(names) or not _fits(layers):
+                if len(layers) < len(names):
+                    continue
+                joined = getattr(layers[0], "_fused_group", None)
+                if joined is not None and all(a is b for a, b in zip(joined.members, layers)):
+                    # Joined by an earlier engine on this model object: the same group serves.
+                    self.groups.append(joined)
+                    continue
+                if not _fits(layers):
                     continue
                 group = _Group(layers)
                 for i, m in enumerate(layers):

@@ -19,6 +19,7 @@ adapters in use, a cache being grown, another family) takes the model's forward.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -33,6 +34,8 @@ from omlx_logprobs.engine.fusion import Fusion
 from omlx_logprobs.engine.probe import step_differs
 
 ENABLED = os.environ.get("OMLX_LEAN_DECODE", "1") != "0"
+# A layer's cache write: (layer, keys, values) -> the keys and values its attention reads.
+Write = Callable[[int, mx.array, mx.array], tuple[mx.array, mx.array]]
 # The families served: the model class, and the block, attention and MLP classes of its layers
 # (the same layout: input norm, attention, residual, post-attention norm, swiglu MLP, residual).
 FAMILIES = {m.Model: (m.TransformerBlock, m.Attention, m.MLP) for m in (llama, qwen2, qwen3)}
@@ -104,6 +107,10 @@ class LeanDecode:
         """Forget the weights' transposes (the weights changed)."""
         self._blocks = self._head = None
 
+    def blocks(self) -> list[_Block]:
+        """The layers' blocks, each weight's transpose made (once, after each `reset`)."""
+        return self._blocks if self._blocks is not None else self._build()
+
     def _build(self) -> list[_Block]:
         groups = {id(g.members[0]): g for g in self.fusion.groups}
         self._blocks = [
@@ -124,15 +131,40 @@ class LeanDecode:
 
     def __call__(self, inputs: mx.array, cache: BatchCache) -> mx.array:
         """[B, V] logits of the batch's next position; every layer's cache advanced by one."""
-        blocks = self._blocks if self._blocks is not None else self._build()
-        inner = self.model.model
         layers: list[Any] = cache.layers
         first = layers[0]
         idx, offset = first._idx, first.offset  # equal in every layer of a decoding batch
-        mask = first.make_mask(1, return_array=True)
+
+        def write(i: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+            c = layers[i]
+            c.keys[..., idx : idx + 1, :] = k
+            c.values[..., idx : idx + 1, :] = v
+            return c.keys[..., : idx + 1, :], c.values[..., : idx + 1, :]
+
+        logits = self.forward(inputs, offset, first.make_mask(1, return_array=True), write)
+        advanced = offset + 1  # one array for every layer: each is only ever replaced
+        for c in layers:
+            c.offset, c._idx = advanced, idx + 1
+        return logits
+
+    def slots_forward(self, inputs: mx.array, slots: list[Any]) -> mx.array:
+        """The step inside engine/compiled.py's traced function: its slots hold the caches'
+        full widths, the mask of the columns each row attends to and the rows' positions."""
+        first = slots[0]
+
+        def write(i: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+            return slots[i].update_and_fetch(k, v)  # type: ignore[no-any-return]
+
+        return self.forward(inputs, first.offset, first.make_mask(1), write)
+
+    def forward(self, inputs: mx.array, offset: mx.array, mask: mx.array, write: Write) -> mx.array:
+        """[B, V] logits of one position per row at `offset`; `write(layer, keys, values)` puts
+        the position's keys and values in that layer's cache and returns what it attends to."""
+        blocks = self.blocks()
+        inner = self.model.model
         h = inner.embed_tokens(inputs[:, 0])  # [B, D]
         rows = h.shape[0]
-        for blk, c in zip(blocks, layers):
+        for i, blk in enumerate(blocks):
             a = blk.attn
             y = blk.qkv(blk.block.input_layernorm(h))
             nq, nk = blk.heads * blk.head_dim, blk.kv_heads * blk.head_dim
@@ -145,19 +177,13 @@ class LeanDecode:
                 q = a.rope(q_norm(y[:, :nq].reshape(rows, blk.heads, 1, -1)), offset)
                 k = a.rope(k_norm(y[:, nq : nq + nk].reshape(rows, blk.kv_heads, 1, -1)), offset)
             v = y[:, nq + nk :].reshape(rows, blk.kv_heads, 1, -1)
-            c.keys[..., idx : idx + 1, :] = k
-            c.values[..., idx : idx + 1, :] = v
-            keys, values = c.keys[..., : idx + 1, :], c.values[..., : idx + 1, :]
+            keys, values = write(i, k, v)
             o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=a.scale, mask=mask)
             h = h + blk.o(o.reshape(rows, nq))
             gu = blk.gate_up(blk.block.post_attention_layernorm(h))
             h = h + blk.down(swiglu(gu[:, : blk.hidden], gu[:, blk.hidden :]))
         h = inner.norm(h)
-        logits = self._head(h) if self._head is not None else inner.embed_tokens.as_linear(h)
-        advanced = offset + 1  # one array for every layer: each is only ever replaced
-        for c in layers:
-            c.offset, c._idx = advanced, idx + 1
-        return logits
+        return self._head(h) if self._head is not None else inner.embed_tokens.as_linear(h)
 
 
 def check(lean: LeanDecode, templates: list[Any]) -> str | None:

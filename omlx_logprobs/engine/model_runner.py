@@ -157,13 +157,14 @@ class ModelRunner:
         always takes it)."""
         if not self.compiles:
             return None
-        if COMPILE_DECODE and not cpu:
-            why = compiled.check(model, self.templates)
-            if why is None:
-                return compiled.CompiledDecode(model)
-            log.info("decode steps not compiled for %s: %s", type(model).__module__, why)
         why = lean_decode.eligible(model, self.fusion, self.templates)
         lean = LeanDecode(model, self.fusion) if why is None else None
+        if COMPILE_DECODE and not cpu:
+            why_not = compiled.check(model, self.templates, lean)
+            if why_not is None:
+                log.info("decode steps compiled (engine/compiled.py), lean: %s", lean is not None)
+                return compiled.CompiledDecode(model, lean)
+            log.info("decode steps not compiled for %s: %s", type(model).__module__, why_not)
         if lean is not None:
             why = lean_decode.check(lean, self.templates)
         if why is None:

@@ -3,6 +3,7 @@ rows joining and leaving the batch, the cache growing past its first width, new 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine import compiled, model_runner
+from omlx_logprobs.engine import compiled, lean_decode, model_runner
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel, load_model
@@ -20,20 +21,25 @@ from tests.helpers.engine import check_against_reference, encode, moved_copy, ru
 PROMPTS = ["Hello, how are you today?", "The quick brown fox", "1 2 3 4 5", "Once upon a time"]
 
 
-@pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The GPU's path on the CPU backend; each compiled decode call's batch size, recorded."""
+@pytest.fixture(params=["lean", "model"])
+def calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The GPU's path on the CPU backend, the traced step engine/lean_decode.py's or the model's
+    forward; each compiled decode call's batch size, recorded."""
     monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    monkeypatch.setattr(lean_decode, "ENABLED", request.param == "lean")
     monkeypatch.setattr(model_runner, "COMPILE_DECODE", True)  # opt-in (OMLX_COMPILE_DECODE=1)
     seen: list[int] = []
+    traced: set[str] = set()
     call = compiled.CompiledDecode.__call__
 
     def counted(self: compiled.CompiledDecode, inputs, cache):  # type: ignore[no-untyped-def]
+        traced.add("lean" if self.lean is not None else "model")
         seen.append(len(cache))
         return call(self, inputs, cache)
 
     monkeypatch.setattr(compiled.CompiledDecode, "__call__", counted)
-    return seen
+    yield seen
+    assert request.param in traced  # the engine traced the step it was meant to
 
 
 def test_compiled_decode_equals_a_full_forward(tiny: LoadedModel, calls: list[int]) -> None:

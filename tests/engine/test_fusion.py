@@ -51,6 +51,18 @@ def test_members_share_the_joined_buffer() -> None:
     assert k.ctypes.data == q.ctypes.data + q.nbytes
 
 
+def test_a_second_engine_on_the_model_finds_its_groups() -> None:
+    """A model object served again (another engine, a restarted one) keeps its joined groups:
+    the second Fusion holds the same ones, so the lean step still serves it."""
+    model = _model("llama")
+    first = Fusion(model)
+    before = _logits(model)
+    second = Fusion(model)
+    assert len(second) == len(first) == 2 * len(model.layers)
+    assert all(a is b for a, b in zip(first.groups, second.groups))
+    np.testing.assert_allclose(_logits(model), before, rtol=0, atol=0)
+
+
 def test_rejoin_follows_replaced_weights() -> None:
     model, fresh = _model("llama", seed=3), _model("llama", seed=4)
     fusion = Fusion(model)
