@@ -119,7 +119,15 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: s
         "fusion": ("joined", "separate"),
         "lean": ("lean", "model"),
         "compiled": ("compiled", "lean"),
+        "views": ("split", "sliced"),
     }
+    split = mx.split
+
+    def sliced(a: mx.array, indices: list[int], axis: int) -> list[mx.array]:
+        """`mx.split` as one slice a part (one graph node each), along axis 1."""
+        bounds = [0, *indices, a.shape[axis]]
+        return [a[:, s:e] for s, e in zip(bounds, bounds[1:])]
+
     lean = engine.runner.decode
     traced = compiled.CompiledDecode(loaded.model, lean) if alternate == "compiled" else None
     if alternate:  # the two routes wave by wave in this one process
@@ -134,6 +142,10 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: s
             engine.runner.decode = lean if route == "lean" else None
         elif route == "compiled":  # the lean step traced by engine/compiled.py
             engine.runner.decode = traced
+        elif route in ("split", "sliced"):  # the lean step's parts by split or by slices,
+            # attention over the caches' full width or their written columns
+            mx.split = split if route == "split" else sliced  # type: ignore[assignment]
+            lean.full_width = route == "split"
         elif route != "-":  # a member's own arrays are views of its group's: either way works
             for group in engine.runner.fusion.groups:
                 for m in group.members:
@@ -193,10 +205,11 @@ def main() -> None:
         "waves alternate, in one process: engine/attention.py's kernel and MLX's attention"
         " (attention), joined and separate projections (fusion, engine/fusion.py), or the lean"
         " llama step and the model's forward (lean, engine/lean_decode.py), the lean step traced by"
-        " engine/compiled.py and as it is (compiled)"
+        " engine/compiled.py and as it is (compiled), the lean step's q/k/v and gate/up parts by"
+        " one split and attention over the caches' full width, or by slices (views)"
     )
     ap.add_argument(
-        "--alternate", choices=["attention", "fusion", "lean", "compiled"], help=alt_help
+        "--alternate", choices=["attention", "fusion", "lean", "compiled", "views"], help=alt_help
     )
     drop_help = (
         "decode attention without its mask (wrong values): the bound of a fused masked kernel"

@@ -98,8 +98,13 @@ def eligible(model: Any, fusion: Fusion, templates: list[Any]) -> str | None:
 
 
 class LeanDecode:
-    def __init__(self, model: Any, fusion: Fusion) -> None:
-        self.model, self.fusion = model, fusion
+    def __init__(self, model: Any, fusion: Fusion, full_width: bool = False) -> None:
+        """`full_width`: attention reads each cache's whole allocated width, the columns not yet
+        written masked out, where a kernel skips masked keys (a GPU: engine/attention.py);
+        that saves two slices a layer. On the CPU attention computes every column it is given,
+        so it reads only the written ones."""
+        self.model, self.fusion, self.full_width = model, fusion, full_width
+        self._cols: mx.array | None = None  # arange over the cache's width, made once a width
         self._blocks: list[_Block] | None = None
         self._head: _Linear | None = None
 
@@ -135,17 +140,33 @@ class LeanDecode:
         first = layers[0]
         idx, offset = first._idx, first.offset  # equal in every layer of a decoding batch
 
+        full = self.full_width
+
         def write(i: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
             c = layers[i]
             c.keys[..., idx : idx + 1, :] = k
             c.values[..., idx : idx + 1, :] = v
+            if full:
+                return c.keys, c.values
             return c.keys[..., : idx + 1, :], c.values[..., : idx + 1, :]
 
-        logits = self.forward(inputs, offset, first.make_mask(1, return_array=True), write)
+        mask = self._mask(first) if full else first.make_mask(1, return_array=True)
+        logits = self.forward(inputs, offset, mask, write)
         advanced = offset + 1  # one array for every layer: each is only ever replaced
         for c in layers:
             c.offset, c._idx = advanced, idx + 1
         return logits
+
+    def _mask(self, cache: Any) -> mx.array:
+        """[B, 1, 1, width]: the columns each row attends to at this step, over the whole
+        allocated width (from its left padding to the column written now)."""
+        width = cache.keys.shape[2]
+        if self._cols is None or self._cols.shape[0] != width:
+            self._cols = mx.arange(width)
+            mx.eval(self._cols)
+        cols = self._cols
+        attends = (cols <= cache._idx) & (cols >= cache.left_padding[:, None])
+        return attends[:, None, None, :]
 
     def slots_forward(self, inputs: mx.array, slots: list[Any]) -> mx.array:
         """The step inside engine/compiled.py's traced function: its slots hold the caches'
@@ -168,20 +189,22 @@ class LeanDecode:
             a = blk.attn
             y = blk.qkv(blk.block.input_layernorm(h))
             nq, nk = blk.heads * blk.head_dim, blk.kv_heads * blk.head_dim
+            # One `split` is one graph node whatever the number of parts; slices are one each.
             if blk.qk_norms is None:  # queries and keys rotate together: the same positions
-                qk = y[:, : nq + nk].reshape(rows, blk.heads + blk.kv_heads, 1, -1)
-                qk = a.rope(qk, offset)
-                q, k = qk[:, : blk.heads], qk[:, blk.heads :]
+                qk, v = mx.split(y, [nq + nk], axis=1)
+                qk = a.rope(qk.reshape(rows, blk.heads + blk.kv_heads, 1, -1), offset)
+                q, k = mx.split(qk, [blk.heads], axis=1)
             else:  # each normed with its own weights first
                 q_norm, k_norm = blk.qk_norms
-                q = a.rope(q_norm(y[:, :nq].reshape(rows, blk.heads, 1, -1)), offset)
-                k = a.rope(k_norm(y[:, nq : nq + nk].reshape(rows, blk.kv_heads, 1, -1)), offset)
-            v = y[:, nq + nk :].reshape(rows, blk.kv_heads, 1, -1)
+                q, k, v = mx.split(y, [nq, nq + nk], axis=1)
+                q = a.rope(q_norm(q.reshape(rows, blk.heads, 1, -1)), offset)
+                k = a.rope(k_norm(k.reshape(rows, blk.kv_heads, 1, -1)), offset)
+            v = v.reshape(rows, blk.kv_heads, 1, -1)
             keys, values = write(i, k, v)
             o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=a.scale, mask=mask)
             h = h + blk.o(o.reshape(rows, nq))
             gu = blk.gate_up(blk.block.post_attention_layernorm(h))
-            h = h + blk.down(swiglu(gu[:, : blk.hidden], gu[:, blk.hidden :]))
+            h = h + blk.down(swiglu(*mx.split(gu, [blk.hidden], axis=1)))
         h = inner.norm(h)
         return self._head(h) if self._head is not None else inner.embed_tokens.as_linear(h)
 

@@ -158,7 +158,7 @@ class ModelRunner:
         if not self.compiles:
             return None
         why = lean_decode.eligible(model, self.fusion, self.templates)
-        lean = LeanDecode(model, self.fusion) if why is None else None
+        lean = LeanDecode(model, self.fusion, full_width=not cpu) if why is None else None
         if COMPILE_DECODE and not cpu:
             why_not = compiled.check(model, self.templates, lean)
             if why_not is None:

@@ -40,10 +40,10 @@ def _prefilled(model: Any) -> BatchCache:
     return cache
 
 
-def _lean(model: Any) -> LeanDecode:
+def _lean(model: Any, full_width: bool = False) -> LeanDecode:
     fusion = Fusion(model)
     assert lean_decode.eligible(model, fusion, make_prompt_cache(model)) is None
-    return LeanDecode(model, fusion)
+    return LeanDecode(model, fusion, full_width)
 
 
 def _steps(model: Any, lean: LeanDecode | None, n: int = 6) -> tuple[list[np.ndarray], Any]:
@@ -72,11 +72,14 @@ def _same_caches(a: BatchCache, b: BatchCache) -> None:
             )
 
 
+@pytest.mark.parametrize("full_width", [False, True], ids=["written columns", "full width"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
-def test_lean_steps_are_the_models_own(model_type: str) -> None:
+def test_lean_steps_are_the_models_own(model_type: str, full_width: bool) -> None:
+    """Attention over the written columns (the CPU) or over the whole width with the rest
+    masked out (a GPU): the model's logits and caches either way."""
     model = _model(model_type)
     want, plain = _steps(model, None)
-    got, leaned = _steps(model, _lean(model))
+    got, leaned = _steps(model, _lean(model, full_width))
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
     _same_caches(leaned, plain)
