@@ -69,8 +69,9 @@ CPU_PREFILL_ALIGN = 1
 FORCE_GPU_PATH = False
 # The decode forward compiled (engine/compiled.py), on a GPU only, and only when asked
 # (OMLX_COMPILE_DECODE=1): on an H100 it cut the graph's Python (1.49 -> 0.96 ms a step at 64
-# rows) but not the launch (5.07 -> 5.61 ms), and a server at c=64 ran slower with it
-# (docs/benchmarks.md, "Decisions").
+# rows) but not the launch (5.07 -> 5.61 ms), and a server at c=64 ran slower with it; the lean
+# step traced the same way was slower than the lean step as it is (docs/benchmarks.md,
+# "Decisions").
 COMPILE_DECODE = os.environ.get("OMLX_COMPILE_DECODE") == "1"
 
 
