@@ -70,7 +70,7 @@ class _Block:
         self.qkv, self.gate_up = _Linear(qkv.layer), _Linear(gate_up.layer)
         self.o, self.down = _Linear(a.o_proj), _Linear(block.mlp.down_proj)
         self.heads, self.kv_heads = a.n_heads, a.n_kv_heads
-        self.head_dim = a.q_proj.weight.shape[0] // a.n_heads
+        self.all_heads = a.n_heads + 2 * a.n_kv_heads  # of the joined q/k/v product
         self.hidden = block.mlp.gate_proj.weight.shape[0]
         self.qk_norms = (a.q_norm, a.k_norm) if "q_norm" in a else None  # qwen3
 
@@ -187,22 +187,20 @@ class LeanDecode:
         rows = h.shape[0]
         for i, blk in enumerate(blocks):
             a = blk.attn
-            y = blk.qkv(blk.block.input_layernorm(h))
-            nq, nk = blk.heads * blk.head_dim, blk.kv_heads * blk.head_dim
-            # One `split` is one graph node whatever the number of parts; slices are one each.
+            # Heads first, while the product is contiguous (a view); parted afterwards, a part
+            # is a strided view that rope and the cache write read as it is. Reshaping a part
+            # instead would copy it. One `split` is one graph node whatever its parts.
+            y = blk.qkv(blk.block.input_layernorm(h)).reshape(rows, blk.all_heads, 1, -1)
             if blk.qk_norms is None:  # queries and keys rotate together: the same positions
-                qk, v = mx.split(y, [nq + nk], axis=1)
-                qk = a.rope(qk.reshape(rows, blk.heads + blk.kv_heads, 1, -1), offset)
-                q, k = mx.split(qk, [blk.heads], axis=1)
+                qk, v = mx.split(y, [blk.heads + blk.kv_heads], axis=1)
+                q, k = mx.split(a.rope(qk, offset), [blk.heads], axis=1)
             else:  # each normed with its own weights first
                 q_norm, k_norm = blk.qk_norms
-                q, k, v = mx.split(y, [nq, nq + nk], axis=1)
-                q = a.rope(q_norm(q.reshape(rows, blk.heads, 1, -1)), offset)
-                k = a.rope(k_norm(k.reshape(rows, blk.kv_heads, 1, -1)), offset)
-            v = v.reshape(rows, blk.kv_heads, 1, -1)
+                q, k, v = mx.split(y, [blk.heads, blk.heads + blk.kv_heads], axis=1)
+                q, k = a.rope(q_norm(q), offset), a.rope(k_norm(k), offset)
             keys, values = write(i, k, v)
             o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=a.scale, mask=mask)
-            h = h + blk.o(o.reshape(rows, nq))
+            h = h + blk.o(o.reshape(rows, -1))
             gu = blk.gate_up(blk.block.post_attention_layernorm(h))
             h = h + blk.down(swiglu(*mx.split(gu, [blk.hidden], axis=1)))
         h = inner.norm(h)
