@@ -21,6 +21,7 @@ probe): what a fused masked attention could save, before engine/attention.py exi
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import statistics
@@ -78,7 +79,12 @@ def count_primitives(arrays: list[mx.array]) -> int:
     return len(labels)
 
 
-def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: str | None) -> None:
+LEAN_PATH = "omlx_logprobs/engine/lean_decode.py"
+
+
+def engine_step(
+    model: str, rows: int, steps: int, drop_mask: bool, alternate: str | None, old_tree: str
+) -> None:
     from omlx_logprobs.config import EngineConfig
     from omlx_logprobs.engine import attention, compiled, fusion
     from omlx_logprobs.engine.engine import Engine
@@ -120,7 +126,16 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: s
         "lean": ("lean", "model"),
         "compiled": ("compiled", "lean"),
         "views": ("split", "sliced"),
+        "tree": ("new", "old"),
     }
+    old_lean = None
+    if alternate == "tree":  # the older tree's engine/lean_decode.py, on this model and fusion
+        spec = importlib.util.spec_from_file_location("old_lean", f"{old_tree}/{LEAN_PATH}")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        old_lean = module.LeanDecode(loaded.model, engine.runner.fusion)
+
     split = mx.split
 
     def sliced(a: mx.array, indices: list[int], axis: int) -> list[mx.array]:
@@ -140,6 +155,8 @@ def engine_step(model: str, rows: int, steps: int, drop_mask: bool, alternate: s
             )
         elif route in ("lean", "model"):  # engine/lean_decode.py's step or the model's forward
             engine.runner.decode = lean if route == "lean" else None
+        elif route in ("new", "old"):  # this tree's lean step or the older tree's
+            engine.runner.decode = lean if route == "new" else old_lean
         elif route == "compiled":  # the lean step traced by engine/compiled.py
             engine.runner.decode = traced
         elif route in ("split", "sliced"):  # the lean step's parts by split or by slices,
@@ -206,11 +223,15 @@ def main() -> None:
         " (attention), joined and separate projections (fusion, engine/fusion.py), or the lean"
         " llama step and the model's forward (lean, engine/lean_decode.py), the lean step traced by"
         " engine/compiled.py and as it is (compiled), the lean step's q/k/v and gate/up parts by"
-        " one split and attention over the caches' full width, or by slices (views)"
+        " one split and attention over the caches' full width, or by slices (views), this tree's"
+        " lean step or --old-tree's (tree)"
     )
     ap.add_argument(
-        "--alternate", choices=["attention", "fusion", "lean", "compiled", "views"], help=alt_help
+        "--alternate",
+        choices=["attention", "fusion", "lean", "compiled", "views", "tree"],
+        help=alt_help,
     )
+    ap.add_argument("--old-tree", default=".gpu/old", help="with --alternate tree: its root")
     drop_help = (
         "decode attention without its mask (wrong values): the bound of a fused masked kernel"
     )
@@ -234,7 +255,7 @@ def main() -> None:
                 flush=True,
             )
     if a.model:
-        engine_step(a.model, a.rows, a.steps, a.drop_decode_mask, a.alternate)
+        engine_step(a.model, a.rows, a.steps, a.drop_decode_mask, a.alternate, a.old_tree)
 
 
 if __name__ == "__main__":
