@@ -173,7 +173,8 @@ def start_engine(
     version; `adapters`: the LoRA adapters (name, path) it serves from the start."""
     from omlx_logprobs.engine.client import EngineClient, ThreadTransport
     from omlx_logprobs.engine.engine import Engine
-    from omlx_logprobs.engine.process import EngineSpec, ProcessTransport
+    from omlx_logprobs.engine.messages import EngineSpec
+    from omlx_logprobs.engine.process import ProcessTransport
     from omlx_logprobs.models.loader import is_scripted, load_model, resolve_model_path
     from omlx_logprobs.types import INITIAL_WEIGHTS
     from omlx_logprobs.vocab import build_vocabulary
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = config_from_args(args)
         except ValueError as e:
             parser.error(str(e))
-        from omlx_logprobs.engine.distributed import launched
+        from omlx_logprobs.engine.group import launched
 
         if launched():  # one rank of a group started by mlx.launch
             group_cfg = _group_config(cfg, args, parser)
@@ -281,7 +282,7 @@ def _group_config(
 ) -> ServerConfig | None:
     """Under mlx.launch: rank 0's config (the model split over the group), or None on the
     other ranks."""
-    from omlx_logprobs.engine.distributed import rank_from_env
+    from omlx_logprobs.engine.group import rank_from_env
 
     if cfg.other_models:
         parser.error("a model split over processes is served alone: give --model once")
@@ -297,7 +298,8 @@ def _group_config(
 
 def _follow(args: argparse.Namespace) -> int:
     """A rank other than 0: its share of the model, following rank 0 until rank 0 stops."""
-    from omlx_logprobs.engine.distributed import follower_main, rank_from_env
+    from omlx_logprobs.engine.distributed import follower_main
+    from omlx_logprobs.engine.group import rank_from_env
     from omlx_logprobs.models.loader import resolve_model_path
 
     # Ctrl-C reaches every process of the group: rank 0 stops the others itself.

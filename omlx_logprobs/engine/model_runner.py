@@ -77,7 +77,7 @@ COMPILE_DECODE = os.environ.get("OMLX_COMPILE_DECODE") == "1"
 
 class ModelRunner:
     # Whether this runner may compile its decode forward (COMPILE_DECODE); a split model's
-    # runner may not (engine/distributed.py).
+    # runner may not (engine/group_runner.py).
     compiles = True
 
     def __init__(
@@ -339,7 +339,7 @@ class ModelRunner:
             logits = self._last_logits(ids, cache)
         else:
             # Lazy: evaluating only the cache skips the head. Split over processes, the
-            # forward's output is evaluated too (engine/distributed.py).
+            # forward's output is evaluated too (engine/group_runner.py).
             unread = self._forward_unread(ids, cache)
         if not chunk.is_last:
             self._queue([c.state for c in cache], *unread)  # bound the lazy graph between chunks
@@ -404,7 +404,7 @@ class ModelRunner:
         bits = bitmask([s.grammar for s in seqs], self.vocab_size)
         return token_mask(logits, [s.params for s in seqs], states, self.stop_ids, prev, bits)
 
-    # ---- hooks a runner split over processes overrides (engine/distributed.py) ----------------
+    # ---- hooks a runner split over processes overrides (engine/group_runner.py) ---------------
     def _forward_unread(self, ids: mx.array, cache: list[Any]) -> tuple[mx.array, ...]:
         """A forward whose output nothing reads (a prompt's chunk before its last): what must
         be evaluated with the cache."""

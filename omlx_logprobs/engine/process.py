@@ -6,240 +6,52 @@ The child loads the model and runs the same `Engine`, whose sink sends each step
 way as the `EngineRequest`s themselves. When the child dies, the requests it held fail with an
 error naming the cause, and the child is started again with a backoff; requests submitted
 meanwhile wait for it.
+
+The messages that cross: engine/messages.py; the child's side: engine/child.py.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import queue
 import signal
-import sys
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
-from functools import partial
-from multiprocessing.connection import Connection
+from dataclasses import replace
 from typing import Any
 
-from omlx_logprobs import heap
-from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.child import child_main
 from omlx_logprobs.engine.client import Deliver, Lost
-from omlx_logprobs.engine.engine import Engine
-from omlx_logprobs.engine.model_runner import ModelRunner
+from omlx_logprobs.engine.messages import (
+    NO_STATS,
+    Abort,
+    AdapterChanged,
+    BeginShutdown,
+    ChangeAdapter,
+    EngineSpec,
+    Failed,
+    Fault,
+    Ready,
+    StepOutputs,
+    Stop,
+    UpdateWeights,
+    WeightsUpdated,
+)
 from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.types import (
-    INITIAL_WEIGHTS,
     AdapterChange,
     EngineRequest,
-    RequestOutput,
     WeightUpdate,
     WeightUpdateResult,
-    WeightVersion,
 )
 
 log = logging.getLogger("omlx_logprobs")
-NO_STATS = EngineStats(0, 0, 0, False, 0, 0, 0, 0)
 BACKOFF_S = (0.5, 30.0)  # the first restart's delay, doubled after each failure up to the second
 STABLE_S = 60.0  # a child that ran this long before it died restarts after the first delay
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """What the child needs to load the model and build its engine."""
-
-    model: str | None
-    name: str | None
-    engine: EngineConfig
-    log_level: str = "info"
-    # The last weights loaded in place (POST /update_weights_from_disk): a restarted child
-    # serves them, under the same version, not the ones --model names.
-    weights_path: str | None = None
-    weights: WeightVersion = INITIAL_WEIGHTS
-    # LoRA adapters (name, path) loaded at start and since: a restarted child loads them too.
-    adapters: tuple[tuple[str, str], ...] = ()
-
-
-# ---- messages (a parent sends `EngineRequest`s as they are) --------------------------------------
-@dataclass(frozen=True)
-class Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class BeginShutdown:
-    grace_s: float
-
-
-@dataclass(frozen=True)
-class Stop:
-    pass
-
-
-@dataclass(frozen=True)
-class UpdateWeights:
-    uid: int
-    update: WeightUpdate
-
-
-@dataclass(frozen=True)
-class WeightsUpdated:
-    uid: int
-    result: WeightUpdateResult
-
-
-@dataclass(frozen=True)
-class ChangeAdapter:
-    uid: int
-    change: AdapterChange
-
-
-@dataclass(frozen=True)
-class AdapterChanged:
-    uid: int
-    error: str | None
-
-
-@dataclass(frozen=True)
-class Ready:
-    vocab_size: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-
-
-@dataclass(frozen=True)
-class Fault:
-    """The child cannot go on and is about to exit; the message says why (a model split over
-    processes whose group is lost: engine/distributed.py)."""
-
-    message: str
-
-
-@dataclass(frozen=True)
-class StepOutputs:
-    outputs: list[RequestOutput]
-    stats: EngineStats
-
-
-# ---- child ------------------------------------------------------------------------------------
-class _PipeSink:
-    """The child engine's sink: one message a step, when it has outputs or new stats."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.engine: Engine | None = None
-        self._stats = NO_STATS
-        self._lock = threading.Lock()  # replies may come from the inbox thread
-
-    def __call__(self, outputs: list[RequestOutput]) -> None:
-        assert self.engine is not None
-        stats = self.engine.snapshot()
-        if outputs or stats != self._stats:
-            self.reply(StepOutputs(outputs, stats))
-            self._stats = stats
-
-    def reply(self, msg: Any) -> None:
-        with self._lock:
-            self.conn.send(msg)
-
-
-def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
-    """The engine process: load, report ready, run the engine until told to stop (or until the
-    parent is gone), then exit without interpreter teardown (as the CLI does: MLX's native
-    threads abort the process when destroyed at exit)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent drains
-    logging.basicConfig(
-        level=spec.log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s"
-    )
-    heap.set_switch_interval()
-    sink = _PipeSink(outbox)
-    runner: Any = ModelRunner
-    try:
-        from omlx_logprobs.models.loader import load_model
-
-        if spec.engine.parallel is not None:  # rank 0 of a group started by mlx.launch
-            from omlx_logprobs.engine.distributed import leader_parts
-
-            model, runner = leader_parts(spec.model, spec.name, spec.engine, partial(_fault, sink))
-        else:
-            model = load_model(
-                spec.model, spec.name, spec.engine.max_model_len, dtype=spec.engine.dtype
-            )
-        if spec.weights_path is not None:
-            from omlx_logprobs.engine.weights import load_into
-
-            load_into(model.model, spec.weights_path)
-        engine = Engine(
-            model.model,
-            model.vocab,
-            model.eos_token_ids,
-            spec.engine,
-            sink,
-            spec.weights,
-            tokenizer=model.tokenizer,
-            runner=runner,
-            adapters=spec.adapters,
-        )
-    except Exception as exc:
-        log.exception("the engine process could not start")
-        outbox.send(Failed(f"{type(exc).__name__}: {exc}"))
-        os._exit(1)
-    sink.engine = engine
-    heap.freeze_startup_objects()
-    outbox.send(Ready(len(model.vocab)))  # first: from here on the engine thread sends
-    engine.start()
-    _serve_inbox(engine, inbox, sink)
-    engine.shutdown()
-    logging.shutdown()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _fault(sink: _PipeSink, message: str) -> None:
-    """Tell the parent why, then end: the engine thread is stuck where it cannot be got back."""
-    try:
-        sink.reply(Fault(message))
-    finally:
-        logging.shutdown()
-        os._exit(3)
-
-
-def _answer(sink: _PipeSink, uid: int, done: Future[WeightUpdateResult]) -> None:
-    sink.reply(WeightsUpdated(uid, done.result()))
-
-
-def _answer_adapter(sink: _PipeSink, uid: int, done: Future[str | None]) -> None:
-    sink.reply(AdapterChanged(uid, done.result()))
-
-
-def _serve_inbox(engine: Engine, inbox: Connection, sink: _PipeSink) -> None:
-    while True:
-        try:
-            msg = inbox.recv()
-        except (EOFError, OSError):  # the parent is gone
-            return
-        if isinstance(msg, EngineRequest):
-            engine.submit(msg)
-        elif isinstance(msg, Abort):
-            engine.abort(msg.request_id)
-        elif isinstance(msg, BeginShutdown):
-            engine.begin_shutdown(msg.grace_s)
-        elif isinstance(msg, UpdateWeights):
-            engine.update_weights(msg.update).add_done_callback(partial(_answer, sink, msg.uid))
-        elif isinstance(msg, ChangeAdapter):
-            engine.change_adapter(msg.change).add_done_callback(
-                partial(_answer_adapter, sink, msg.uid)
-            )
-        elif isinstance(msg, Stop):
-            return
-
-
-# ---- parent -----------------------------------------------------------------------------------
 class _Child:
     """One engine process and the parent's ends of its pipes."""
 

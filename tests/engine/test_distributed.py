@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.engine import liveness
-from omlx_logprobs.engine.distributed import (
+from omlx_logprobs.engine.group import (
     BLOCK,
     Channel,
     RankInfo,

@@ -1,0 +1,149 @@
+"""The engine child's side (engine/process.py): its main function, the spawn target, which loads
+the model and runs the engine; the sink that sends each step's outputs over the pipe; the loop
+that reads the parent's messages."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent.futures import Future
+from functools import partial
+from multiprocessing.connection import Connection
+from typing import Any
+
+from omlx_logprobs import heap
+from omlx_logprobs.engine.engine import Engine
+from omlx_logprobs.engine.messages import (
+    NO_STATS,
+    Abort,
+    AdapterChanged,
+    BeginShutdown,
+    ChangeAdapter,
+    EngineSpec,
+    Failed,
+    Fault,
+    Ready,
+    StepOutputs,
+    Stop,
+    UpdateWeights,
+    WeightsUpdated,
+)
+from omlx_logprobs.engine.model_runner import ModelRunner
+from omlx_logprobs.types import EngineRequest, RequestOutput, WeightUpdateResult
+
+log = logging.getLogger("omlx_logprobs")
+
+
+class _PipeSink:
+    """The child engine's sink: one message a step, when it has outputs or new stats."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.engine: Engine | None = None
+        self._stats = NO_STATS
+        self._lock = threading.Lock()  # replies may come from the inbox thread
+
+    def __call__(self, outputs: list[RequestOutput]) -> None:
+        assert self.engine is not None
+        stats = self.engine.snapshot()
+        if outputs or stats != self._stats:
+            self.reply(StepOutputs(outputs, stats))
+            self._stats = stats
+
+    def reply(self, msg: Any) -> None:
+        with self._lock:
+            self.conn.send(msg)
+
+
+def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
+    """The engine process: load, report ready, run the engine until told to stop (or until the
+    parent is gone), then exit without interpreter teardown (as the CLI does: MLX's native
+    threads abort the process when destroyed at exit)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent drains
+    logging.basicConfig(
+        level=spec.log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s"
+    )
+    heap.set_switch_interval()
+    sink = _PipeSink(outbox)
+    runner: Any = ModelRunner
+    try:
+        from omlx_logprobs.models.loader import load_model
+
+        if spec.engine.parallel is not None:  # rank 0 of a group started by mlx.launch
+            from omlx_logprobs.engine.distributed import leader_parts
+
+            model, runner = leader_parts(spec.model, spec.name, spec.engine, partial(_fault, sink))
+        else:
+            model = load_model(
+                spec.model, spec.name, spec.engine.max_model_len, dtype=spec.engine.dtype
+            )
+        if spec.weights_path is not None:
+            from omlx_logprobs.engine.weights import load_into
+
+            load_into(model.model, spec.weights_path)
+        engine = Engine(
+            model.model,
+            model.vocab,
+            model.eos_token_ids,
+            spec.engine,
+            sink,
+            spec.weights,
+            tokenizer=model.tokenizer,
+            runner=runner,
+            adapters=spec.adapters,
+        )
+    except Exception as exc:
+        log.exception("the engine process could not start")
+        outbox.send(Failed(f"{type(exc).__name__}: {exc}"))
+        os._exit(1)
+    sink.engine = engine
+    heap.freeze_startup_objects()
+    outbox.send(Ready(len(model.vocab)))  # first: from here on the engine thread sends
+    engine.start()
+    _serve_inbox(engine, inbox, sink)
+    engine.shutdown()
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _fault(sink: _PipeSink, message: str) -> None:
+    """Tell the parent why, then end: the engine thread is stuck where it cannot be got back."""
+    try:
+        sink.reply(Fault(message))
+    finally:
+        logging.shutdown()
+        os._exit(3)
+
+
+def _answer(sink: _PipeSink, uid: int, done: Future[WeightUpdateResult]) -> None:
+    sink.reply(WeightsUpdated(uid, done.result()))
+
+
+def _answer_adapter(sink: _PipeSink, uid: int, done: Future[str | None]) -> None:
+    sink.reply(AdapterChanged(uid, done.result()))
+
+
+def _serve_inbox(engine: Engine, inbox: Connection, sink: _PipeSink) -> None:
+    while True:
+        try:
+            msg = inbox.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        if isinstance(msg, EngineRequest):
+            engine.submit(msg)
+        elif isinstance(msg, Abort):
+            engine.abort(msg.request_id)
+        elif isinstance(msg, BeginShutdown):
+            engine.begin_shutdown(msg.grace_s)
+        elif isinstance(msg, UpdateWeights):
+            engine.update_weights(msg.update).add_done_callback(partial(_answer, sink, msg.uid))
+        elif isinstance(msg, ChangeAdapter):
+            engine.change_adapter(msg.change).add_done_callback(
+                partial(_answer_adapter, sink, msg.uid)
+            )
+        elif isinstance(msg, Stop):
+            return
