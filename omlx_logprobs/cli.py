@@ -22,8 +22,8 @@ from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled, reas
 from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format
 
 if TYPE_CHECKING:
-    from omlx_logprobs.api.pool import ModelSlot
-    from omlx_logprobs.api.serving import Served
+    from omlx_logprobs.api.served import Served
+    from omlx_logprobs.api.slot import ModelSlot
     from omlx_logprobs.engine.client import EngineClient
     from omlx_logprobs.models.loader import LoadedModel
     from omlx_logprobs.types import WeightVersion
@@ -93,7 +93,7 @@ def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
     """Every --model resolved (a GGUF converted once) and named, with its memory estimate."""
     import mlx.core as mx
 
-    from omlx_logprobs.api.pool import ModelSlot
+    from omlx_logprobs.api.slot import ModelSlot
     from omlx_logprobs.models.footprint import weight_mib
     from omlx_logprobs.models.loader import is_scripted, resolve_model_path
     from omlx_logprobs.models.scripted import ScriptedSpec
@@ -125,7 +125,7 @@ def load_tokenizer(cfg: ServerConfig, slot: ModelSlot) -> LoadedModel:
 
 def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) -> Served:
     """A model's engine (not yet started) and what the routes need of it."""
-    from omlx_logprobs.api.serving import Served
+    from omlx_logprobs.api.served import Served
 
     model, engine = start_engine(
         cfg,

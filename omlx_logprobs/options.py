@@ -25,6 +25,36 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omlx-logprobs")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    _add_model(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-top-logprobs", type=int, default=20)
+    _add_batching(s)
+    _add_pool(s)
+    _add_output(s)
+    s.add_argument(
+        "--engine",
+        choices=["process", "thread"],
+        default="process",
+        help="run the engine in a process of its own (default; the event loop and the step loop"
+        " then hold separate GILs) or in a thread of the server's process",
+    )
+    s.add_argument("--log-level", default="info")
+    s.add_argument(
+        "--ignore-unknown-fields",
+        action="store_true",
+        help="accept request fields this server does not know (clients that send vendor"
+        " extras): a warning in the log and an X-Ignored-Fields response header name them;"
+        " without it such a request is a 400 naming the field, as OpenAI answers",
+    )
+    _add_limits(s)
+    _add_access(s)
+    _add_distributed(s)
+    return p
+
+
+def _add_model(s: argparse.ArgumentParser) -> None:
+    """What is served: the models, their names, LoRA adapters, where they come from, the dtype."""
     s.add_argument(
         "--model",
         action="append",
@@ -64,11 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
         " to float32 once at load when it fits) and the stored dtype on a GPU; float32 on a GPU"
         " is the exact mode; the log-softmax is float32 always",
     )
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-top-logprobs", type=int, default=20)
-    _add_batching(s)
-    _add_pool(s)
+
+
+def _add_output(s: argparse.ArgumentParser) -> None:
+    """How a model's output is read: reasoning, tool calls, what logprobs describe."""
     s.add_argument(
         "--reasoning-parser",
         choices=[m.value for m in ReasoningParser],
@@ -90,25 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="raw_logprobs",
         help="what logprobs describe when a request names no logprobs_mode",
     )
-    s.add_argument(
-        "--engine",
-        choices=["process", "thread"],
-        default="process",
-        help="run the engine in a process of its own (default; the event loop and the step loop"
-        " then hold separate GILs) or in a thread of the server's process",
-    )
-    s.add_argument("--log-level", default="info")
-    s.add_argument(
-        "--ignore-unknown-fields",
-        action="store_true",
-        help="accept request fields this server does not know (clients that send vendor"
-        " extras): a warning in the log and an X-Ignored-Fields response header name them;"
-        " without it such a request is a 400 naming the field, as OpenAI answers",
-    )
-    _add_limits(s)
-    _add_access(s)
-    _add_distributed(s)
-    return p
 
 
 def _add_distributed(s: argparse.ArgumentParser) -> None:

@@ -12,21 +12,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omlx_logprobs.api import lora, page
+from omlx_logprobs.api import lora, page, weights
 from omlx_logprobs.api import tokenize as tok
-from omlx_logprobs.api.errors import APIError, error_response, install_error_handlers
+from omlx_logprobs.api.errors import error_response, install_error_handlers
 from omlx_logprobs.api.guard import install_guard
 from omlx_logprobs.api.openapi import install_openapi
 from omlx_logprobs.api.pool import ModelPool, Unavailable
-from omlx_logprobs.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    UpdateWeightsRequest,
-)
-from omlx_logprobs.api.serving import Served
+from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
+from omlx_logprobs.api.served import Served
 from omlx_logprobs.api.validation import check_unknown
 from omlx_logprobs.config import Access
-from omlx_logprobs.types import WeightUpdate
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -68,39 +63,7 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
         body, status = pool.health()
         return body if status == 200 else JSONResponse(body, status_code=status)
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
-        pool.slot(req.model)  # an unknown name is a 404 before anything else
-        if req.model is not None and req.model in pool.adapter_names():
-            raise APIError(
-                f"`{req.model}` is a LoRA adapter: name its base model, or replace the adapter"
-                " with /v1/load_lora_adapter (load_inplace)",
-                param="model",
-            )
-        if not req.flush_cache:  # kept keys and values of the old weights: wrong numbers
-            raise APIError(
-                "flush_cache must be true: the prefix cache always goes with the old weights",
-                param="flush_cache",
-            )
-        if req.load_format not in (None, "auto", "safetensors"):
-            raise APIError("load_format must be safetensors", param="load_format")
-        abort = req.abort_in_flight or req.abort_all_requests
-        async with pool.use(req.model) as slot:
-            assert slot.served is not None
-            result = await slot.served.engine.update_weights(
-                WeightUpdate(req.model_path, abort, req.weight_version)
-            )
-            if result.error is None:
-                pool.updated(slot, req.model_path, result.version)
-        if result.error is not None:
-            raise APIError(result.error, param="model_path", code="weights_not_loaded")
-        return {
-            "success": True,
-            "message": f"weights from {req.model_path} serve from now on",
-            "weight_version": result.version.json(),
-            "aborted_requests": result.aborted,
-            "seconds": round(result.seconds, 3),
-        }
+    weights.add_routes(app, pool)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

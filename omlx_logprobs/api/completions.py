@@ -13,17 +13,16 @@ from typing import Any
 from fastapi import Request
 
 from omlx_logprobs.api.errors import APIError, error_body
+from omlx_logprobs.api.inputs import encode, sampling_params
 from omlx_logprobs.api.protocol import CompletionRequest
-from omlx_logprobs.api.serving import (
-    Served,
-    encode,
+from omlx_logprobs.api.response import (
     prompt_logprobs_json,
     raise_if_failed,
-    sampling_params,
     usage,
     wait_or_disconnect,
     weight_version_json,
 )
+from omlx_logprobs.api.served import Served
 from omlx_logprobs.engine.client import RequestHandle, merged
 from omlx_logprobs.logprobs.columnar import Encoding, encode_block
 from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter

@@ -12,23 +12,21 @@ unloaded and no response mixes two engines.
 from __future__ import annotations
 
 import asyncio
-import gc
-import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 from typing import Any
 
-from omlx_logprobs.api.completions import CompletionServing
 from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.serving import ChatServing, Served
+from omlx_logprobs.api.loading import Loading
+from omlx_logprobs.api.served import Served
+from omlx_logprobs.api.slot import Loader, ModelSlot, TokenizerLoader
 from omlx_logprobs.api.validation import RequestLimits, model_bounds
 from omlx_logprobs.config import EngineConfig, Limits, PoolConfig
-from omlx_logprobs.types import INITIAL_WEIGHTS, WeightVersion
+from omlx_logprobs.types import WeightVersion
 
-log = logging.getLogger("omlx_logprobs")
 POLL_S = 0.05  # how often a request waiting for a busy model to go idle looks again
 RETRY_AFTER_S = 5  # the 503's Retry-After: a busy model's requests take seconds to finish
 
@@ -43,65 +41,9 @@ class Unavailable(APIError):
         self.retry_after_s = retry_after_s
 
 
-@dataclass(eq=False)
-class ModelSlot:
-    """One served name: what loads it, and while loaded its `Served` and serving objects."""
-
-    name: str
-    source: str | None  # what the loader loads: a resolved directory or a scripted description
-    need_mib: int = 0  # estimated memory (models/footprint.py)
-    state: str = "unloaded"  # "loading", "loaded", "unloading"
-    served: Served | None = None
-    chat: ChatServing | None = None
-    completions: CompletionServing | None = None
-    leases: int = 0  # requests routed here whose work is not yet in the engine
-    # When each request for it that waits for a busy model to go idle (so that it can be
-    # loaded) arrived: later requests for the loaded models wait behind it, so those drain and
-    # make room instead of starving it.
-    blocked: list[float] = field(default_factory=list)
-    # Its tokenizer and request limits without the weights (/tokenize and the like while it is
-    # not loaded): kept from its last load, or loaded alone.
-    tokenizer: tuple[Any, RequestLimits] | None = field(default=None, repr=False)
-    last_used: float = 0.0  # monotonic: the least recently used idle model goes first
-    loaded_at: float = 0.0  # monotonic: its last load
-    max_model_len: int | None = None  # known once loaded
-    loads: int = 0
-    # The last weights loaded in place (POST /update_weights_from_disk): a reload serves them,
-    # under the same version.
-    weights_path: str | None = None
-    weights: WeightVersion = INITIAL_WEIGHTS
-    # LoRA adapters served on it, name -> path (--lora, /v1/load_lora_adapter): a reload
-    # loads them again. While loaded, the same dict is its Served's.
-    adapters: dict[str, str] = field(default_factory=dict)
-    change: asyncio.Task[None] | None = field(default=None, repr=False)  # load or unload
-
-    @property
-    def busy(self) -> bool:
-        return self.leases > 0 or (self.served is not None and self.served.engine.in_flight > 0)
-
-    def attach(self, served: Served) -> None:
-        served.adapters.update(self.adapters)  # one dict from here on: the routes change it
-        self.adapters = served.adapters
-        self.served, self.state = served, "loaded"
-        self.chat, self.completions = ChatServing(served), CompletionServing(served)
-        self.max_model_len = served.model.max_model_len
-        self.last_used = self.loaded_at = time.monotonic()
-
-    def detach(self) -> Served:
-        served = self.served
-        assert served is not None
-        self.served = self.chat = self.completions = None
-        self.tokenizer = (replace(served.model, model=None), served.checks)
-        return served
-
-
-Loader = Callable[[ModelSlot], Served]  # a slot's Served, its engine not yet started
-# A slot's model without its weights: the tokenizer and the model's facts (a LoadedModel).
-TokenizerLoader = Callable[[ModelSlot], Any]
-
-
-class ModelPool:
-    """The served models by name; the first is the default of routes that name none."""
+class ModelPool(Loading):
+    """The served models by name; the first is the default of routes that name none. Its loads
+    and unloads: api/loading.py."""
 
     def __init__(
         self,
@@ -309,83 +251,6 @@ class ModelPool:
         """New weights serve on this model: a later reload loads them under the same version."""
         slot.weights_path, slot.weights = path, version
 
-    # ---- loading and unloading -----------------------------------------------------------------
-    def _resident(self, slot: ModelSlot) -> list[ModelSlot]:
-        """The other models that hold memory or soon will (an unloading one is awaited by the
-        next load before it starts)."""
-        return [
-            s for s in self.slots.values() if s is not slot and s.state in ("loaded", "loading")
-        ]
-
-    def _fits(self, slot: ModelSlot, others: list[ModelSlot]) -> bool:
-        cfg = self.cfg
-        if cfg.max_loaded is not None and len(others) + 1 > cfg.max_loaded:
-            return False
-        used = sum(s.need_mib for s in others)
-        return cfg.memory_mib is None or used + slot.need_mib <= cfg.memory_mib
-
-    def _plan(self, slot: ModelSlot) -> list[ModelSlot] | None:
-        """The idle models to unload, least recently used first, for `slot` to fit; None when
-        it cannot fit until a busy one goes idle."""
-        resident = self._resident(slot)
-        idle = sorted(
-            (s for s in resident if s.state == "loaded" and not s.busy), key=lambda s: s.last_used
-        )
-        victims: list[ModelSlot] = []
-        while not self._fits(slot, [s for s in resident if s not in victims]):
-            if not idle:
-                return None
-            victims.append(idle.pop(0))
-        return victims
-
-    def _begin_load(self, slot: ModelSlot, victims: list[ModelSlot]) -> None:
-        for v in victims:
-            v.state = "unloading"
-            v.change = _task(self._unload(v, v.detach()))
-        slot.state = "loading"
-        slot.change = _task(self._load(slot))
-
-    async def _load(self, slot: ModelSlot) -> None:
-        try:
-            # Memory first goes back: every unload in progress ends before the load begins.
-            unloading = [s.change for s in self.slots.values() if s.state == "unloading"]
-            await asyncio.gather(*[t for t in unloading if t is not None], return_exceptions=True)
-            began = time.monotonic()
-            served = await self._in_thread(self._start, slot)
-        except BaseException:
-            slot.state, slot.change = "unloaded", None
-            raise
-        slot.attach(served)
-        slot.change = None
-        slot.loads += 1
-        log.info(
-            "model %s loaded in %.1f s (loaded now: %s)",
-            slot.name,
-            time.monotonic() - began,
-            ", ".join(s.name for s in self.slots.values() if s.state == "loaded"),
-        )
-
-    def _start(self, slot: ModelSlot) -> Served:
-        assert self.load is not None
-        served = self.load(slot)
-        served.engine.start()
-        if self.closing:  # the app is gone or going: nobody would stop this engine
-            served.engine.shutdown()
-            raise RuntimeError("the server is shutting down")
-        return served
-
-    async def _unload(self, slot: ModelSlot, served: Served) -> None:
-        try:
-            await self._in_thread(_stop, served)
-        finally:
-            slot.state, slot.change = "unloaded", None
-        log.info("model %s unloaded (idle, least recently used)", slot.name)
-
-    async def _in_thread(self, fn: Callable[[Any], Any], arg: Any) -> Any:
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(4, thread_name_prefix="omlx-load")
-        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, arg)
-
     # ---- reports -------------------------------------------------------------------------------
     def health(self) -> tuple[dict[str, Any], int]:
         """/health: the default model's fields at the top (as with one model), every model's
@@ -443,21 +308,3 @@ class ModelPool:
                     **card, "id": name, "root": path, "parent": s.name,
                 })  # fmt: skip
         return out
-
-
-def _task(coro: Any) -> asyncio.Task[None]:
-    task = asyncio.ensure_future(coro)
-    # A load whose requests all left still fails quietly here, not as "never retrieved".
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return task
-
-
-def _stop(served: Served) -> None:
-    """The engine stopped: its child process exits (its memory goes back to the system), or its
-    thread ends and MLX's freed buffers are released."""
-    served.engine.shutdown()
-    del served
-    gc.collect()
-    import mlx.core as mx
-
-    mx.clear_cache()

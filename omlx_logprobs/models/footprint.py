@@ -1,5 +1,5 @@
 """The memory a model's weights will take once loaded, estimated from its files without loading
-them: what `--max-model-memory-mib` counts (api/pool.py)."""
+them: what `--max-model-memory-mib` counts (api/loading.py)."""
 
 from __future__ import annotations
 

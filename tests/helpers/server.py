@@ -22,7 +22,7 @@ import psutil
 import uvicorn
 
 from omlx_logprobs.api.app import create_app
-from omlx_logprobs.api.serving import Served
+from omlx_logprobs.api.served import Served
 from omlx_logprobs.config import Access, EngineConfig, Limits
 from omlx_logprobs.engine.client import EngineClient, ThreadTransport
 from omlx_logprobs.engine.engine import Engine

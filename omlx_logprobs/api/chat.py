@@ -1,160 +1,37 @@
-"""From a validated request to engine work and back: prompt building, parameter checks, and the
-JSON and SSE bodies of chat completions."""
+"""`/v1/chat/completions`: a chat request as one `EngineRequest` (the chat template's prompt,
+its tool calls and reasoning parsed), and its JSON and SSE bodies: the message or the deltas,
+the logprobs of each section, tool calls with their ids."""
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
-from functools import cached_property, lru_cache
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
-from pydantic import BaseModel
 
-import omlx_logprobs
 from omlx_logprobs.api import sections, tools
-from omlx_logprobs.api.constraints import constraint_field, request_constraint
+from omlx_logprobs.api.constraints import constraint_field
 from omlx_logprobs.api.errors import APIError, error_body
-from omlx_logprobs.api.protocol import ChatCompletionRequest, NamedToolChoice, SamplingFields
-from omlx_logprobs.api.validation import RequestLimits, check_unknown, model_bounds
-from omlx_logprobs.config import EngineConfig, Limits
-from omlx_logprobs.engine.client import EngineClient, RequestHandle, merged
+from omlx_logprobs.api.inputs import chat_prompt, sampling_params
+from omlx_logprobs.api.protocol import ChatCompletionRequest, NamedToolChoice
+from omlx_logprobs.api.response import (
+    prompt_logprobs_json,
+    raise_if_failed,
+    usage,
+    wait_or_disconnect,
+    weight_version_json,
+)
+from omlx_logprobs.api.served import Served
+from omlx_logprobs.engine.client import RequestHandle, merged
 from omlx_logprobs.logprobs.columnar import encode_block
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
-from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.parsing.thinking import think_start
-from omlx_logprobs.types import (
-    THINK_TAGS,
-    EngineRequest,
-    Entries,
-    LogprobsMode,
-    RequestOutput,
-    SamplingParams,
-    ThinkStart,
-    WeightVersion,
-)
-
-log = logging.getLogger("omlx_logprobs")
-IGNORED_HEADER = "X-Ignored-Fields"  # with --ignore-unknown-fields: what a request sent in vain
-
-
-@dataclass(frozen=True)
-class Served:
-    """Everything a route needs: the engine, the model's facts and the server's limits."""
-
-    engine: EngineClient
-    model: LoadedModel
-    cfg: EngineConfig
-    reasoning: bool = False  # the thinking parser is on (--reasoning-parser)
-    tool_format: str = "none"  # the tool-call format parsed (--tool-call-parser, resolved)
-    reasoning_tags: tuple[str, str] = THINK_TAGS  # <think> </think>, or harmony's analysis
-    limits: Limits = field(default_factory=Limits)
-    ignore_unknown_fields: bool = False  # --ignore-unknown-fields: warn instead of a 400
-    # LoRA adapters served on this model, name -> path (api/pool.py keeps it across reloads);
-    # a request names one by `model`.
-    adapters: dict[str, str] = field(default_factory=dict)
-
-    @cached_property
-    def checks(self) -> RequestLimits:
-        return RequestLimits(self.limits, model_bounds(self.model, self.cfg.max_top_logprobs))
-
-    @cached_property
-    def fingerprint(self) -> str:
-        """`system_fingerprint`: changes when what answers does (this server's version, the
-        model, the engine's settings), as OpenAI's does with its backend."""
-        facts = f"{omlx_logprobs.__version__}|{self.model.name}|{self.model.path}|{self.cfg}"
-        return "fp_" + hashlib.sha256(facts.encode()).hexdigest()[:12]
-
-    def fields_headers(self, req: BaseModel) -> dict[str, str]:
-        return fields_headers(req, self.ignore_unknown_fields)
-
-    def adapter(self, name: str) -> str | None:
-        """The LoRA adapter a request's `model` names, None for the model itself."""
-        return name if name != self.model.name and name in self.adapters else None
-
-    def check_model(self, name: str) -> None:
-        if name != self.model.name and name not in self.adapters:
-            raise APIError(
-                f"The model `{name}` does not exist. This server serves `{self.model.name}`.",
-                param="model",
-                status=404,
-                code="model_not_found",
-            )
-
-
-def fields_headers(req: BaseModel, ignore: bool) -> dict[str, str]:
-    """A 400 for the first field the request's model does not declare; with `ignore`
-    (--ignore-unknown-fields) a warning and the response header naming them all."""
-    ignored = check_unknown(req, ignore)
-    if not ignored:
-        return {}
-    log.warning("ignored unknown request fields: %s", ", ".join(ignored))
-    return {IGNORED_HEADER: ", ".join(ignored)}
-
-
-def sampling_params(
-    req: SamplingFields,
-    served: Served,
-    prompt_len: int,
-    max_tokens: int | None,
-    logprobs: bool,
-    top_logprobs: int,
-    prompt_logprobs: int | None = None,
-) -> SamplingParams:
-    """Request fields as SamplingParams; a 400 for every value the engine cannot take (the
-    checks live in api/validation.py). `prompt_logprobs` is what the engine computes (the
-    caller may ask more than the field)."""
-    checks = served.checks
-    completion = getattr(req, "max_completion_tokens", None) is not None
-    tokens_param = "max_completion_tokens" if completion else "max_tokens"
-    prompt_param = "messages" if hasattr(req, "messages") else "prompt"
-    room = checks.check_prompt(prompt_len, max_tokens, prompt_param, tokens_param)
-    cap = served.cfg.max_top_logprobs
-    if prompt_logprobs is not None and prompt_logprobs > cap:
-        raise APIError(f"prompt_logprobs must be at most {cap}", param="prompt_logprobs")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    any_logprobs = logprobs or prompt_logprobs is not None
-    limit = max_tokens if max_tokens is not None else room
-    if req.min_tokens > limit:
-        raise APIError(
-            f"min_tokens ({req.min_tokens}) must be at most {tokens_param} ({limit})",
-            param="min_tokens",
-        )
-    return SamplingParams(
-        max_tokens=limit,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=min(max(req.top_k, 0), checks.bounds.vocab_size),
-        min_p=req.min_p,
-        seed=req.seed,
-        stop=tuple(s for s in stop if s),
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
-        logit_bias=checks.logit_bias(req.logit_bias or {}),
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        prompt_logprobs=prompt_logprobs,
-        logprob_token_ids=checks.logprob_token_ids(req.logprob_token_ids, any_logprobs),
-        logprobs_mode=LogprobsMode(req.logprobs_mode or served.cfg.logprobs_mode),
-        min_tokens=req.min_tokens,
-        allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
-        bad_words_ids=checks.bad_words_ids(
-            req.bad_words, lambda w: encode(served.model, w, "bad_words")
-        ),
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens,
-        constraint=request_constraint(req),
-    )
+from omlx_logprobs.types import EngineRequest, Entries, RequestOutput, ThinkStart
 
 
 def reply_role(req: ChatCompletionRequest) -> str:
@@ -167,120 +44,6 @@ def echo_text(req: ChatCompletionRequest) -> str:
     """Chat `echo` (vLLM): the last message's text, when it is of the reply's role."""
     last = req.messages[-1]
     return last.text() if req.echo and last.role == reply_role(req) else ""
-
-
-def chat_prompt(
-    req: ChatCompletionRequest, model: LoadedModel, checks: RequestLimits | None = None
-) -> list[int]:
-    messages = tools.template_messages(req.messages)
-    kwargs = dict(req.chat_template_kwargs or {})
-    if req.reasoning_effort is not None:  # a template variable, as vLLM passes it
-        kwargs["reasoning_effort"] = req.reasoning_effort
-    if req.documents is not None:
-        kwargs["documents"] = req.documents
-    if req.continue_final_message:
-        kwargs["continue_final_message"] = True
-    try:
-        text = model.tokenizer.apply_chat_template(
-            messages,
-            tools=tools.template_tools(req.tools),
-            add_generation_prompt=req.add_generation_prompt,
-            tokenize=False,
-            **kwargs,
-        )
-    except Exception as e:  # a template error is the request's fault
-        raise APIError(
-            f"The chat template could not render these messages: {e}", param="messages"
-        ) from None
-    if checks is not None:
-        checks.check_text(text, "messages")
-    ids = encode(model, text, "messages", special=req.add_special_tokens)
-    return checks.truncated(ids, req.truncate_prompt_tokens) if checks is not None else ids
-
-
-def encode(model: LoadedModel, text: str, param: str, special: bool = False) -> list[int]:
-    """Token ids of text; a tokenizer that fails on it fails this request alone, as a 400."""
-    try:
-        return list(model.tokenizer.encode(text, add_special_tokens=special))
-    except Exception as e:
-        raise APIError(f"The text could not be tokenized: {e}", param=param) from None
-
-
-async def wait_or_disconnect(handles: list[RequestHandle], raw: Request) -> list[RequestOutput]:
-    """Every choice's merged outputs once all have finished, in order; ConnectionAbortedError if
-    the client goes away first (the caller aborts what is unfinished)."""
-
-    async def disconnected() -> None:
-        while (await raw.receive())["type"] != "http.disconnect":
-            pass
-
-    async def collect_all() -> list[RequestOutput]:
-        finals = await asyncio.gather(*[h.final() for h in handles])
-        return [out for outs in finals for out in outs]
-
-    task = asyncio.ensure_future(collect_all())
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            raise ConnectionAbortedError("client disconnected")
-    return task.result()
-
-
-def usage(outs: list[RequestOutput], reasoning: bool = False) -> dict[str, Any]:
-    """The `usage` object of a response: each prompt counted once however many choices it has
-    (its first choice's count), every generated token counted; with the thinking parser on,
-    the reasoning tokens among them (else 0)."""
-    firsts = [o for o in outs if o.index == 0]
-    prompt = sum(o.prompt_tokens for o in firsts)
-    completion = sum(o.completion_tokens for o in outs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {
-            "cached_tokens": sum(o.cached_tokens for o in firsts),
-            "audio_tokens": 0,
-        },
-        "completion_tokens_details": {  # OpenAI's keys, always present
-            "reasoning_tokens": sum(o.reasoning_tokens for o in outs) if reasoning else 0,
-            "audio_tokens": 0,
-            "accepted_prediction_tokens": 0,
-            "rejected_prediction_tokens": 0,
-        },
-    }
-
-
-@lru_cache(maxsize=64)
-def weight_version_json(version: WeightVersion) -> str:
-    """`"weight_version":{...}`, the fragment every body and chunk carries: which weights made
-    it (one version for a whole response: the engine swaps weights only while nothing runs)."""
-    return f',"weight_version":{json.dumps(version.json())}'
-
-
-def raise_if_failed(outs: list[RequestOutput]) -> None:
-    for out in outs:
-        if out.error:
-            raise APIError(out.error, status=500, type_="server_error")
-
-
-def prompt_logprobs_json(
-    req: SamplingFields,
-    e: Entries,
-    fmts: tuple[PromptLogprobFormatter, ...],
-    asked: int | None = None,
-) -> str:
-    """vLLM's `prompt_logprobs` (a list with null for the first position), or in the compact
-    form one block of the positions after the first. `asked`: the alternatives wanted, when
-    not the field's (chat echo asks for them)."""
-    fixed = bool(req.logprob_token_ids)
-    k = e.k if fixed else ((req.prompt_logprobs if asked is None else asked) or 0)
-    if req.logprobs_format != "openai":
-        return encode_block(e, k, req.logprobs_format)
-    return fmts[req.return_tokens_as_token_ids].json(e, k, fixed)
 
 
 class ChatServing:

@@ -1,0 +1,96 @@
+"""What the chat and the legacy completions responses share: every choice awaited (unless the
+client leaves first), a failed choice as a 500, the `usage` object, the `weight_version`
+fragment and vLLM's `prompt_logprobs`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from functools import lru_cache
+from typing import Any
+
+from fastapi import Request
+
+from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.protocol import SamplingFields
+from omlx_logprobs.engine.client import RequestHandle
+from omlx_logprobs.logprobs.columnar import encode_block
+from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
+from omlx_logprobs.types import Entries, RequestOutput, WeightVersion
+
+
+async def wait_or_disconnect(handles: list[RequestHandle], raw: Request) -> list[RequestOutput]:
+    """Every choice's merged outputs once all have finished, in order; ConnectionAbortedError if
+    the client goes away first (the caller aborts what is unfinished)."""
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    async def collect_all() -> list[RequestOutput]:
+        finals = await asyncio.gather(*[h.final() for h in handles])
+        return [out for outs in finals for out in outs]
+
+    task = asyncio.ensure_future(collect_all())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            raise ConnectionAbortedError("client disconnected")
+    return task.result()
+
+
+def usage(outs: list[RequestOutput], reasoning: bool = False) -> dict[str, Any]:
+    """The `usage` object of a response: each prompt counted once however many choices it has
+    (its first choice's count), every generated token counted; with the thinking parser on,
+    the reasoning tokens among them (else 0)."""
+    firsts = [o for o in outs if o.index == 0]
+    prompt = sum(o.prompt_tokens for o in firsts)
+    completion = sum(o.completion_tokens for o in outs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {
+            "cached_tokens": sum(o.cached_tokens for o in firsts),
+            "audio_tokens": 0,
+        },
+        "completion_tokens_details": {  # OpenAI's keys, always present
+            "reasoning_tokens": sum(o.reasoning_tokens for o in outs) if reasoning else 0,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
+
+
+@lru_cache(maxsize=64)
+def weight_version_json(version: WeightVersion) -> str:
+    """`"weight_version":{...}`, the fragment every body and chunk carries: which weights made
+    it (one version for a whole response: the engine swaps weights only while nothing runs)."""
+    return f',"weight_version":{json.dumps(version.json())}'
+
+
+def raise_if_failed(outs: list[RequestOutput]) -> None:
+    for out in outs:
+        if out.error:
+            raise APIError(out.error, status=500, type_="server_error")
+
+
+def prompt_logprobs_json(
+    req: SamplingFields,
+    e: Entries,
+    fmts: tuple[PromptLogprobFormatter, ...],
+    asked: int | None = None,
+) -> str:
+    """vLLM's `prompt_logprobs` (a list with null for the first position), or in the compact
+    form one block of the positions after the first. `asked`: the alternatives wanted, when
+    not the field's (chat echo asks for them)."""
+    fixed = bool(req.logprob_token_ids)
+    k = e.k if fixed else ((req.prompt_logprobs if asked is None else asked) or 0)
+    if req.logprobs_format != "openai":
+        return encode_block(e, k, req.logprobs_format)
+    return fmts[req.return_tokens_as_token_ids].json(e, k, fixed)

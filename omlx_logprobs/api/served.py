@@ -1,0 +1,77 @@
+"""One served model as every route sees it: its engine, the model's facts, the server's settings
+and limits (`Served`), and what a request field its model does not declare gets: a 400, or with
+--ignore-unknown-fields a warning and a response header."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from pydantic import BaseModel
+
+import omlx_logprobs
+from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.validation import RequestLimits, check_unknown, model_bounds
+from omlx_logprobs.config import EngineConfig, Limits
+from omlx_logprobs.engine.client import EngineClient
+from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.types import THINK_TAGS
+
+log = logging.getLogger("omlx_logprobs")
+IGNORED_HEADER = "X-Ignored-Fields"  # with --ignore-unknown-fields: what a request sent in vain
+
+
+@dataclass(frozen=True)
+class Served:
+    """Everything a route needs: the engine, the model's facts and the server's limits."""
+
+    engine: EngineClient
+    model: LoadedModel
+    cfg: EngineConfig
+    reasoning: bool = False  # the thinking parser is on (--reasoning-parser)
+    tool_format: str = "none"  # the tool-call format parsed (--tool-call-parser, resolved)
+    reasoning_tags: tuple[str, str] = THINK_TAGS  # <think> </think>, or harmony's analysis
+    limits: Limits = field(default_factory=Limits)
+    ignore_unknown_fields: bool = False  # --ignore-unknown-fields: warn instead of a 400
+    # LoRA adapters served on this model, name -> path (api/slot.py keeps it across reloads);
+    # a request names one by `model`.
+    adapters: dict[str, str] = field(default_factory=dict)
+
+    @cached_property
+    def checks(self) -> RequestLimits:
+        return RequestLimits(self.limits, model_bounds(self.model, self.cfg.max_top_logprobs))
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """`system_fingerprint`: changes when what answers does (this server's version, the
+        model, the engine's settings), as OpenAI's does with its backend."""
+        facts = f"{omlx_logprobs.__version__}|{self.model.name}|{self.model.path}|{self.cfg}"
+        return "fp_" + hashlib.sha256(facts.encode()).hexdigest()[:12]
+
+    def fields_headers(self, req: BaseModel) -> dict[str, str]:
+        return fields_headers(req, self.ignore_unknown_fields)
+
+    def adapter(self, name: str) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the model itself."""
+        return name if name != self.model.name and name in self.adapters else None
+
+    def check_model(self, name: str) -> None:
+        if name != self.model.name and name not in self.adapters:
+            raise APIError(
+                f"The model `{name}` does not exist. This server serves `{self.model.name}`.",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
+
+
+def fields_headers(req: BaseModel, ignore: bool) -> dict[str, str]:
+    """A 400 for the first field the request's model does not declare; with `ignore`
+    (--ignore-unknown-fields) a warning and the response header naming them all."""
+    ignored = check_unknown(req, ignore)
+    if not ignored:
+        return {}
+    log.warning("ignored unknown request fields: %s", ", ".join(ignored))
+    return {IGNORED_HEADER: ", ".join(ignored)}

@@ -1,0 +1,74 @@
+"""One served name in the pool (api/pool.py): what loads it and, while it is loaded, its `Served`
+and its routes' serving objects; its leases and last use, and what a reload loads again (the
+weights last loaded in place, its LoRA adapters)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from omlx_logprobs.api.chat import ChatServing
+from omlx_logprobs.api.completions import CompletionServing
+from omlx_logprobs.api.served import Served
+from omlx_logprobs.api.validation import RequestLimits
+from omlx_logprobs.types import INITIAL_WEIGHTS, WeightVersion
+
+
+@dataclass(eq=False)
+class ModelSlot:
+    """One served name: what loads it, and while loaded its `Served` and serving objects."""
+
+    name: str
+    source: str | None  # what the loader loads: a resolved directory or a scripted description
+    need_mib: int = 0  # estimated memory (models/footprint.py)
+    state: str = "unloaded"  # "loading", "loaded", "unloading"
+    served: Served | None = None
+    chat: ChatServing | None = None
+    completions: CompletionServing | None = None
+    leases: int = 0  # requests routed here whose work is not yet in the engine
+    # When each request for it that waits for a busy model to go idle (so that it can be
+    # loaded) arrived: later requests for the loaded models wait behind it, so those drain and
+    # make room instead of starving it.
+    blocked: list[float] = field(default_factory=list)
+    # Its tokenizer and request limits without the weights (/tokenize and the like while it is
+    # not loaded): kept from its last load, or loaded alone.
+    tokenizer: tuple[Any, RequestLimits] | None = field(default=None, repr=False)
+    last_used: float = 0.0  # monotonic: the least recently used idle model goes first
+    loaded_at: float = 0.0  # monotonic: its last load
+    max_model_len: int | None = None  # known once loaded
+    loads: int = 0
+    # The last weights loaded in place (POST /update_weights_from_disk): a reload serves them,
+    # under the same version.
+    weights_path: str | None = None
+    weights: WeightVersion = INITIAL_WEIGHTS
+    # LoRA adapters served on it, name -> path (--lora, /v1/load_lora_adapter): a reload
+    # loads them again. While loaded, the same dict is its Served's.
+    adapters: dict[str, str] = field(default_factory=dict)
+    change: asyncio.Task[None] | None = field(default=None, repr=False)  # load or unload
+
+    @property
+    def busy(self) -> bool:
+        return self.leases > 0 or (self.served is not None and self.served.engine.in_flight > 0)
+
+    def attach(self, served: Served) -> None:
+        served.adapters.update(self.adapters)  # one dict from here on: the routes change it
+        self.adapters = served.adapters
+        self.served, self.state = served, "loaded"
+        self.chat, self.completions = ChatServing(served), CompletionServing(served)
+        self.max_model_len = served.model.max_model_len
+        self.last_used = self.loaded_at = time.monotonic()
+
+    def detach(self) -> Served:
+        served = self.served
+        assert served is not None
+        self.served = self.chat = self.completions = None
+        self.tokenizer = (replace(served.model, model=None), served.checks)
+        return served
+
+
+Loader = Callable[[ModelSlot], Served]  # a slot's Served, its engine not yet started
+# A slot's model without its weights: the tokenizer and the model's facts (a LoadedModel).
+TokenizerLoader = Callable[[ModelSlot], Any]
