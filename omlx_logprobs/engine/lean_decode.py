@@ -1,5 +1,5 @@
-"""A decode step of mlx-lm's llama, qwen2 and qwen3 families built with about half the graph nodes
-of the model's own modules, for a batch whose every layer is a plain KV cache.
+"""A decode step of mlx-lm's llama, qwen2, qwen3 and phi3 families built with about half the graph
+nodes of the model's own modules, for a batch whose every layer is a plain KV cache.
 
 On a GPU the host launches every node of a step's graph, views included (~1.5-2 us each, a
 matmul ~10 us; docs/benchmarks.md, "Last A/B"), and a 16-layer llama's step held 714 of them.
@@ -9,8 +9,8 @@ rotate queries and keys apart and advance each layer's positions apart. Here the
 stay [rows, width]; each weight's transpose is made once (a view, reused every step); queries
 and keys rotate in one call (apart in qwen3, whose heads are normed apart first); one positions
 array is advanced for all layers. The arithmetic is the model's own: the same layers, norms,
-rotation module, attention and activation, on the same weights (q/k/v and gate/up joined by
-engine/fusion.py).
+rotation module (phi3's partial or scaled one too), attention and activation, on the same
+weights (q/k/v and gate/up joined by engine/fusion.py; phi3's are one layer each already).
 
 `check` compares one step with the model's own forward at start-up; anything else (LoRA
 adapters in use, a cache being grown, another family) takes the model's forward.
@@ -24,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama, qwen2, qwen3
+from mlx_lm.models import llama, phi3, qwen2, qwen3
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 
@@ -38,7 +38,10 @@ ENABLED = os.environ.get("OMLX_LEAN_DECODE", "1") != "0"
 Write = Callable[[int, mx.array, mx.array], tuple[mx.array, mx.array]]
 # The families served: the model class, and the block, attention and MLP classes of its layers
 # (the same layout: input norm, attention, residual, post-attention norm, swiglu MLP, residual).
-FAMILIES = {m.Model: (m.TransformerBlock, m.Attention, m.MLP) for m in (llama, qwen2, qwen3)}
+FAMILIES = {m.Model: (m.TransformerBlock, m.Attention, m.MLP) for m in (llama, qwen2, qwen3, phi3)}
+# Families whose blocks hold q/k/v and gate/up as one layer each already (engine/fusion.py
+# joins the others').
+JOINED = {phi3.Model}
 
 
 def _weight_t(layer: nn.Module) -> mx.array:
@@ -65,13 +68,14 @@ class _Linear:
 
 class _Block:
     def __init__(self, block: Any, qkv: Any, gate_up: Any) -> None:
+        """`qkv`, `gate_up`: the layers whose products hold q/k/v and gate/up, in that order."""
         a = block.self_attn
         self.block, self.attn = block, a
-        self.qkv, self.gate_up = _Linear(qkv.layer), _Linear(gate_up.layer)
+        self.qkv, self.gate_up = _Linear(qkv), _Linear(gate_up)
         self.o, self.down = _Linear(a.o_proj), _Linear(block.mlp.down_proj)
         self.heads, self.kv_heads = a.n_heads, a.n_kv_heads
         self.all_heads = a.n_heads + 2 * a.n_kv_heads  # of the joined q/k/v product
-        self.hidden = block.mlp.gate_proj.weight.shape[0]
+        self.hidden = gate_up.weight.shape[0] // 2  # rows of the product (quantized too)
         self.qk_norms = (a.q_norm, a.k_norm) if "q_norm" in a else None  # qwen3
 
 
@@ -81,7 +85,7 @@ def eligible(model: Any, fusion: Fusion, templates: list[Any]) -> str | None:
         return "OMLX_LEAN_DECODE=0"
     classes = FAMILIES.get(type(model))
     if classes is None:
-        return "it is not one of mlx-lm's llama, qwen2 and qwen3 families"
+        return "it is not one of mlx-lm's llama, qwen2, qwen3 and phi3 families"
     inner = model.model
     if getattr(inner, "swa_idx", None) is not None:
         return "it has sliding-window layers"
@@ -92,7 +96,7 @@ def eligible(model: Any, fusion: Fusion, templates: list[Any]) -> str | None:
     blocks = inner.layers
     if not all((type(b), type(b.self_attn), type(b.mlp)) == classes for b in blocks):
         return "its blocks are not all its family's own"
-    if len(fusion) != 2 * len(blocks):
+    if type(model) not in JOINED and len(fusion) != 2 * len(blocks):
         return "its projections are not all joined (engine/fusion.py)"
     return None
 
@@ -117,11 +121,15 @@ class LeanDecode:
         return self._blocks if self._blocks is not None else self._build()
 
     def _build(self) -> list[_Block]:
-        groups = {id(g.members[0]): g for g in self.fusion.groups}
-        self._blocks = [
-            _Block(b, groups[id(b.self_attn.q_proj)], groups[id(b.mlp.gate_proj)])
-            for b in self.model.model.layers
-        ]
+        layers = self.model.model.layers
+        if type(self.model) in JOINED:
+            self._blocks = [_Block(b, b.self_attn.qkv_proj, b.mlp.gate_up_proj) for b in layers]
+        else:
+            joined = {id(g.members[0]): g.layer for g in self.fusion.groups}
+            self._blocks = [
+                _Block(b, joined[id(b.self_attn.q_proj)], joined[id(b.mlp.gate_proj)])
+                for b in layers
+            ]
         m = self.model
         if not m.args.tie_word_embeddings:
             self._head = _Linear(m.lm_head)

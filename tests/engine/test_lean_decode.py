@@ -73,7 +73,7 @@ def _same_caches(a: BatchCache, b: BatchCache) -> None:
 
 
 @pytest.mark.parametrize("full_width", [False, True], ids=["written columns", "full width"])
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "phi3"])
 def test_lean_steps_are_the_models_own(model_type: str, full_width: bool) -> None:
     """Attention over the written columns (the CPU) or over the whole width with the rest
     masked out (a GPU): the model's logits and caches either way."""
@@ -100,6 +100,19 @@ def test_tied_head_biases_and_quantized_weights(variant: str) -> None:
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
 
 
+def test_phi3_partial_and_scaled_rotation() -> None:
+    """phi3's own joined layers, half of each head rotated, with its long-context scaling."""
+    factors = {"short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0], "type": "longrope"}
+    model = _model(
+        "phi3", partial_rotary_factor=0.5, rope_scaling=factors, max_position_embeddings=8192
+    )
+    assert type(model.layers[0].self_attn.rope).__name__ == "SuScaledRoPE"
+    want, _ = _steps(model, None)
+    got, _ = _steps(model, _lean(model, full_width=True))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+
+
 def test_reset_follows_new_weights() -> None:
     model, fresh = _model(seed=3), _model(seed=4)
     lean = _lean(model)
@@ -123,7 +136,7 @@ def test_a_full_cache_takes_the_models_forward() -> None:
 
 
 def test_other_families_and_settings_are_refused() -> None:
-    for other in ("phi3", "gemma3_text", "qwen3_moe"):
+    for other in ("gemma2", "gemma3_text", "qwen3_moe"):
         m = _model(other)
         assert lean_decode.eligible(m, Fusion(m), make_prompt_cache(m)) is not None
     llama = _model()
