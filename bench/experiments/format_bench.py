@@ -3,11 +3,13 @@
 and random stores: the work the event loop does per response body or streamed chunk.
 
 python bench/experiments/format_bench.py --reps 200
+python bench/experiments/format_bench.py --reps 200 --parse  # and a client's json.loads of bodies
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -92,14 +94,38 @@ def cases(vocab_size: int, rng: np.random.Generator) -> dict[str, list[Callable[
     return out
 
 
+def chat_body(entries: str) -> str:
+    """A non-streamed chat completion around these logprobs entries, as a client receives it."""
+    return (
+        '{"id":"chatcmpl-0","object":"chat.completion","created":0,"model":"m","choices":[{"index":0,'
+        '"message":{"role":"assistant","content":"x"},"logprobs":{"content":' + entries
+        + '},"finish_reason":"length"}],"usage":{"prompt_tokens":8,"completion_tokens":128,'
+        '"total_tokens":136}}'
+    )  # fmt: skip
+
+
+def parse_cases(all_cases: dict[str, list[Callable[[], object]]], reps: int) -> None:
+    """A client's side of the chat cases: body size and the median `json.loads` of one body."""
+    for name, fns in all_cases.items():
+        if not name.startswith("chat 128"):
+            continue
+        bodies = [chat_body(str(fn())) for fn in fns]
+        size = statistics.mean(len(b.encode()) for b in bodies)
+        ms = timed([lambda b=b: json.loads(b) for b in bodies], reps)  # type: ignore[misc]
+        print(f"{'parse ' + name:32s} {ms:8.3f} ms {size / 1024:8.1f} KiB", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parse", action="store_true", help="also time a client's json.loads")
     args = ap.parse_args()
     all_cases = cases(49152, np.random.default_rng(args.seed))
     for name, fns in all_cases.items():
         print(f"{name:32s} {timed(fns, args.reps):8.3f} ms", flush=True)
+    if args.parse:
+        parse_cases(all_cases, args.reps)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ A block, in JSON (`columnar`):
 or with each array as base64 of its little-endian int32 / float32 bytes (`base64`), beside
 `"n"` (positions) and `"k"` (alternatives per position), the top arrays row-major.
 
-The numbers are the OpenAI shape's own: float32 logprobs (JSON writes them widened to double,
-in the shortest digits that read back the same), a logprob of -inf as -9999.0 in both encodings.
+The numbers are the OpenAI shape's own: float32 logprobs (JSON writes the shortest digits that
+read back as the same float32), a logprob of -inf as -9999.0 in both encodings.
 A client reads it back into numpy with `decode_block`.
 """
 
@@ -23,7 +23,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic_core import to_json
 
-from omlx_logprobs.logprobs.format import NEG_INF_LOGPROB, NonFiniteLogprob
+from omlx_logprobs.logprobs.format import NEG_INF_LOGPROB, NonFiniteLogprob, float32_decimals
 from omlx_logprobs.types import Entries
 
 Encoding = Literal["columnar", "base64"]
@@ -31,9 +31,14 @@ _NEG_INF = np.float32(float(NEG_INF_LOGPROB))
 
 
 def _json(a: np.ndarray) -> str:
-    """An array (of any rank) as JSON: pydantic-core writes float32 values widened to double in
-    the shortest digits that read back the same, as the OpenAI shape's `float_numbers` does."""
+    """An int array (of any rank) as JSON."""
     return to_json(a.tolist()).decode()
+
+
+def _json_logprobs(a: np.ndarray) -> str:
+    """float32 logprobs (of any rank) as JSON, in the shortest digits that read back as the same
+    float32, as the OpenAI shape's `float_numbers` writes them."""
+    return to_json(float32_decimals(a).tolist()).decode()
 
 
 def _b64(a: np.ndarray, dtype: str) -> str:
@@ -65,9 +70,9 @@ def encode_block(e: Entries | None, k: int, encoding: Encoding) -> str:
             f'"top_ids":{_b64(top_ids, "<i4")},"top_logprobs":{_b64(top_lps, "<f4")}}}'
         )
     return (
-        f'{{"token_ids":{_json(np.asarray(e.token_ids))},"logprobs":{_json(lps)},'
+        f'{{"token_ids":{_json(np.asarray(e.token_ids))},"logprobs":{_json_logprobs(lps)},'
         f'"ranks":{_json(np.asarray(e.ranks))},"top_ids":{_json(top_ids)},'
-        f'"top_logprobs":{_json(top_lps)}}}'
+        f'"top_logprobs":{_json_logprobs(top_lps)}}}'
     )
 
 

@@ -9,10 +9,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from omlx_logprobs.logprobs.columnar import Block, decode_block, encode_block
 from omlx_logprobs.logprobs.format import (
     ChatLogprobFormatter,
     NonFiniteLogprob,
+    float32_decimals,
     float_numbers,
 )
 from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
@@ -40,7 +44,8 @@ def random_store(rng: np.random.Generator, n: int, k: int, fixed: bool = False) 
 
 
 def value(x: float) -> float:
-    return -9999.0 if x == -np.inf else float(np.float32(x))
+    """The number a response holds: numpy's shortest decimal of the float32, as a double."""
+    return -9999.0 if x == -np.inf else float(str(np.float32(x)))
 
 
 def token(tid: int, as_ids: bool) -> str:
@@ -76,23 +81,114 @@ def digits(number: str) -> str:
     return mantissa.lstrip("-").replace(".", "").strip("0")
 
 
-def test_chat_numbers_are_the_widened_float32_in_its_shortest_digits() -> None:
-    """Each number reads back as exactly the float32 widened to double, with `repr`'s digits
-    (the exponent may be written 1e-5 where repr writes 1e-05)."""
+def test_chat_numbers_are_the_float32_in_its_shortest_digits() -> None:
+    """Each number reads back as exactly the float32, in numpy's shortest digits for it (the
+    exponent may be written 1e-5 where numpy writes 1e-05)."""
     store = random_store(np.random.default_rng(3), 50, 4)
-    tiny = [-1.5e-6, -2.3e-5, -9.9e-5, -1e-4, 0.0, -1e-45, -123456.7]
+    tiny = [-1.5e-6, -2.3e-5, -9.9e-5, -1e-4, 0.0, -1e-45, -123456.7, -0.0, -1.0]
     for i, x in enumerate(tiny):
         store.logprobs[i] = x
     text = ChatLogprobFormatter(VOCAB).entries(store.entries)
     own = store.logprobs.tolist()
     assert [e["logprob"] for e in json.loads(text)] == [value(x) for x in own]
+    assert '"logprob":-0.0,' in text and '"logprob":-1.0,' in text
     values = np.concatenate([store.logprobs, store.top_logprobs])
-    for x, number in zip(values.tolist(), float_numbers(values), strict=True):
+    for x, number in zip(values, float_numbers(values), strict=True):
         if np.isfinite(x):
-            assert float(number) == x and digits(number) == digits(repr(x))
+            assert np.float32(float(number)).tobytes() == x.tobytes()
+            assert digits(number) == digits(str(x))
         else:
             assert number == "-9999.0"
     assert float_numbers(np.zeros(0, np.float32)) == []
+
+
+def log_softmax(rng: np.random.Generator, rows: int, vocab: int, scale: float) -> np.ndarray:
+    """float32 log-softmax rows of random logits, as the engine computes them."""
+    logits = (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True, dtype=np.float32))
+
+
+def float32_cases(rng: np.random.Generator) -> np.ndarray:
+    """Every kind of float32: random bit patterns (all exponents, subnormals), powers of two and
+    their neighbours, integers, signed zeros, short decimals, and real log-softmax values."""
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    twos = np.ldexp(np.float32(1), np.arange(-149, 128)).astype(np.float32)
+    up, down = np.nextafter(twos, np.float32(np.inf)), np.nextafter(twos, np.float32(0))
+    twos = np.concatenate([twos, up, down])
+    subnormal = rng.integers(1, 2**23, 20_000, dtype=np.uint32).view(np.float32)
+    decimals = rng.integers(-(10**6), 10**6, 20_000) / 10.0 ** rng.integers(0, 12, 20_000)
+    cases = [
+        bits, twos, subnormal, np.arange(-20_000, 20_001), decimals, [0.0, -0.0, -9999.0],
+        log_softmax(rng, 8, 4096, 1.0), log_softmax(rng, 8, 4096, 30.0),
+        -rng.exponential(3.0, 50_000),
+    ]  # fmt: skip
+    x = np.concatenate([np.asarray(c, np.float32).ravel() for c in cases])
+    x = np.concatenate([x, -x])
+    return x[np.isfinite(x)]
+
+
+def test_numbers_identify_the_float32_in_numpys_shortest_digits() -> None:
+    """(a) json.loads then float32 gives the value bit for bit; (b) the decimal is numpy's
+    shortest for that float32 (`str(np.float32(x))`): same digits, so the same count. Equal, not
+    just at most: a shorter one would be a decimal that only reads back through a double's
+    rounding, one numpy would not write."""
+    x = float32_cases(np.random.default_rng(0))
+    text = "[" + ",".join(float_numbers(x)) + "]"
+    # a few values at a time (a streamed chunk's way through the grids) write the same
+    chunks = [n for i in range(0, len(x), 50) for n in float_numbers(x[i : i + 50])]
+    assert chunks == text[1:-1].split(",")
+    back = np.array(json.loads(text), np.float64).astype(np.float32)
+    np.testing.assert_array_equal(back.view(np.uint32), x.view(np.uint32))
+    numbers = text[1:-1].split(",")
+    numpy_digits = [str(v) for v in x]
+    assert [digits(n) for n in numbers] == [digits(n) for n in numpy_digits]
+    assert [float(n) for n in numbers] == [float(n) for n in numpy_digits]
+    assert all("inf" not in n.lower() and "nan" not in n.lower() for n in numbers)
+
+
+FLOAT32 = st.floats(width=32, allow_nan=False, allow_infinity=False) | st.just(-np.inf)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(FLOAT32, min_size=1, max_size=40))
+def test_any_float32_reads_back_in_numpys_digits(values: list[float]) -> None:
+    x = np.array(values, np.float32)
+    for v, number in zip(x, float_numbers(x), strict=True):
+        if v == -np.inf:
+            assert number == "-9999.0"
+        else:
+            assert np.float32(json.loads(number)).tobytes() == v.tobytes()
+            assert float(number) == float(str(v))  # numpy's shortest decimal
+
+
+def test_float32_decimals_keeps_shape_and_refuses_nan_and_inf() -> None:
+    x = np.array([[-0.5312500596046448, -np.inf], [-0.0009307371, 0.0]], np.float32)
+    d = float32_decimals(x)
+    assert d.dtype == np.float64 and d.shape == (2, 2)
+    assert d.tolist() == [[-0.53125006, -9999.0], [-0.0009307371, 0.0]]
+    assert float32_decimals(np.zeros((3, 0), np.float32)).shape == (3, 0)
+    for bad in (np.nan, np.inf):
+        with pytest.raises(NonFiniteLogprob):
+            float32_decimals(np.array([-1.0, bad], np.float32))
+    assert float_numbers(np.array([-0.5312500596046448], np.float32)) == ["-0.53125006"]
+
+
+@pytest.mark.parametrize("encoding", ["columnar", "base64"])
+def test_columnar_json_holds_the_same_float32(encoding: str) -> None:
+    """The columnar JSON form writes the OpenAI shape's own numbers; both forms decode to the
+    float32 values bit for bit."""
+    store = random_store(np.random.default_rng(7), 30, 4)
+    e = store.entries
+    obj = json.loads(encode_block(e, 4, encoding))  # type: ignore[arg-type]
+    block: Block = decode_block(obj)
+    wire = np.where(np.isneginf(e.logprobs), np.float32(-9999.0), e.logprobs)
+    top_wire = np.where(np.isneginf(e.top_logprobs), np.float32(-9999.0), e.top_logprobs)
+    np.testing.assert_array_equal(block.logprobs.view(np.uint32), wire.view(np.uint32))
+    np.testing.assert_array_equal(block.top_logprobs.view(np.uint32), top_wire.view(np.uint32))
+    if encoding == "columnar":
+        assert obj["logprobs"] == [value(v) for v in e.logprobs.tolist()]
+        assert obj["top_logprobs"] == [[value(v) for v in row] for row in e.top_logprobs.tolist()]
 
 
 def test_nan_is_refused() -> None:
