@@ -49,6 +49,12 @@ class _Slot:
         return self._mask
 
 
+def attended(cols: mx.array, pads: mx.array, at: Any) -> mx.array:
+    """[B, 1, 1, width]: the columns each row attends to at a decode step over a cache's whole
+    width, from its left padding to the column written now (`at`)."""
+    return ((cols >= pads[:, None]) & (cols <= at))[:, None, None, :]
+
+
 def check(model: Any, templates: list[Any], lean: Any = None) -> str | None:
     """Why the model's decode cannot be compiled (None: it can): its caches are not all plain
     KV ones, or one compiled step of a padded two-row batch fails or gives other logits than
@@ -89,8 +95,7 @@ class CompiledDecode:
     ) -> list[mx.array]:
         n = len(kv) // 2
         width = kv[0].shape[2]
-        cols = mx.arange(width)[None, :]
-        mask = ((cols >= pads[:, None]) & (cols <= at))[:, None, None, :]
+        mask = attended(mx.arange(width), pads, at)
         slots = [_Slot(kv[i], kv[n + i], offset, mask) for i in range(n)]
         for s in slots:
             s._at = at

@@ -172,9 +172,7 @@ class LeanDecode:
         if self._cols is None or self._cols.shape[0] != width:
             self._cols = mx.arange(width)
             mx.eval(self._cols)
-        cols = self._cols
-        attends = (cols <= cache._idx) & (cols >= cache.left_padding[:, None])
-        return attends[:, None, None, :]
+        return compiled.attended(self._cols, cache.left_padding, cache._idx)
 
     def slots_forward(self, inputs: mx.array, slots: list[Any]) -> mx.array:
         """The step inside engine/compiled.py's traced function: its slots hold the caches'
