@@ -12,14 +12,21 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-import omlx_logprobs
-from omlx_logprobs import heap
-from omlx_logprobs.config import (
+# transformers' advice that PyTorch is missing: the server uses its tokenizers only, never torch.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import omlx_logprobs  # noqa: E402
+from omlx_logprobs import heap  # noqa: E402
+from omlx_logprobs.config import (  # noqa: E402
     ServerConfig,
 )
-from omlx_logprobs.options import build_parser, config_from_args
-from omlx_logprobs.parsing.thinking import ReasoningParser, parser_enabled, reasoning_tags
-from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format
+from omlx_logprobs.options import build_parser, config_from_args  # noqa: E402
+from omlx_logprobs.parsing.thinking import (  # noqa: E402
+    ReasoningParser,
+    parser_enabled,
+    reasoning_tags,
+)
+from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format  # noqa: E402
 
 if TYPE_CHECKING:
     from omlx_logprobs.api.served import Served
@@ -30,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omlx_logprobs")
 # MLX settings the server applies unless the environment holds them (measured: docs/benchmarks.md,
-# "Decisions that shape the code").
+# "Decisions that shape the code"); MLX_BACKENDS says which backends read each one.
 MLX_ENVIRONMENT = {
     # Full float32 matmuls, not TF32 (CUDA, M5): with TF32 a float32 model's logprobs moved
     # ~1e-3 with the shape of the batch they ran in.
@@ -46,6 +53,22 @@ MLX_ENVIRONMENT = {
     # With bounded caches MLX would raise after 2x capacity misses in total.
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
 }
+MLX_BACKENDS = {"MLX_ENABLE_TF32": ("cuda", "metal")}  # every other one: CUDA only
+
+
+def mlx_backend() -> str:
+    """cuda, metal or cpu: the backend MLX computes on here."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    return "cuda" if mx.cuda.is_available() else "metal"
+
+
+def mlx_settings(backend: str) -> str:
+    """The log's MLX line: the backend and the settings it reads (none on the CPU)."""
+    read = [k for k in MLX_ENVIRONMENT if backend in MLX_BACKENDS.get(k, ("cuda",))]
+    return ", ".join([f"backend {backend}", *(f"{k}={os.environ.get(k)}" for k in read)])
 
 
 def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
@@ -55,7 +78,7 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
 
     log.info("BLAS: %s", omlx_logprobs.BLAS)
     log.info("heap: %s", omlx_logprobs.HEAP)
-    log.info("MLX: %s", ", ".join(f"{k}={os.environ.get(k)}" for k in MLX_ENVIRONMENT))
+    log.info("MLX: %s", mlx_settings(mlx_backend()))
     heap.set_switch_interval()
     from omlx_logprobs.engine.lora import AdapterError, read_adapter
 

@@ -69,6 +69,10 @@ class ConstraintKind(str, Enum):
     REGEX = "regex"
     CHOICE = "choice"  # one of a list of strings, exactly
     GRAMMAR = "grammar"  # a Lark grammar (GBNF is converted)
+    # Tool calls in the model's own format, or content beside them (api/tools.py builds it in
+    # llguidance's form). Open-ended: once the calls are complete the model samples freely, and
+    # a token that does not continue them ends the output (it adds no text).
+    TOOL_CALLS = "tool_calls"
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,9 @@ class ToolParsing:
     parallel: bool = True
     # False: messages are parsed (harmony's headers) but a call stays text (tool_choice none)
     calls: bool = True
+    # tool_choice required or named: the output is calls by grammar, so every token is a
+    # tool-call token and text left over at the end (a call cut by max_tokens) is not content
+    forced: bool = False
 
 
 @dataclass(frozen=True)

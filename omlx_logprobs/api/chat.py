@@ -61,7 +61,6 @@ class ChatServing:
         served.check_model(req.model)
         served.checks.check_chat(req)
         parsing = tools.tool_parsing(req, served.tool_format, served.model.tokenizer)
-        forced = tools.forced_call(req, parsing, served.model.tokenizer)
         prompt = chat_prompt(req, served.model, served.checks)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = sampling_params(
@@ -73,8 +72,10 @@ class ChatServing:
             req.top_logprobs or 0,
             self._prompt_logprobs(req),
         )
-        if forced is not None:  # tool_choice required or named: the calls' grammar
-            params = replace(params, constraint=forced)
+        # tool_choice required or named, or a constraint beside tools: the calls' grammar
+        constraint = tools.tool_constraint(req, parsing, served.model.tokenizer, params.constraint)
+        if constraint is not params.constraint:
+            params = replace(params, constraint=constraint)
         tail = served.model.tokenizer.decode(prompt[-8:])
         think = think_start(served.reasoning, tail, served.reasoning_tags[0])
         if params.constraint is not None and think is ThinkStart.INSIDE:

@@ -14,7 +14,13 @@ from typing import Any
 from omlx_logprobs.api.constraints import constraint_field, whitespace_option
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
-from omlx_logprobs.parsing.grammar import MARKERS, GrammarError, check, tool_calls_grammar
+from omlx_logprobs.parsing.grammar import (
+    MARKERS,
+    GrammarError,
+    calls_or_content,
+    check,
+    tool_calls_grammar,
+)
 from omlx_logprobs.parsing.tools import ToolCallFormat
 from omlx_logprobs.types import Constraint, ConstraintKind, ToolCall, ToolParsing
 
@@ -91,33 +97,36 @@ def tool_parsing(req: ChatCompletionRequest, fmt: str, tokenizer: Any) -> ToolPa
             param="tools",
         )
     tools = tuple(t.model_dump(exclude_none=True) for t in req.tools)
-    return ToolParsing(fmt, tools, parallel=req.parallel_tool_calls is not False)
-
-
-def forced_call(
-    req: ChatCompletionRequest, parsing: ToolParsing | None, tokenizer: Any
-) -> Constraint | None:
-    """`tool_choice` `required` (any of the tools) or a named function: the grammar of calls in
-    the model's own format (parsing/grammar.py), one or, unless `parallel_tool_calls` is false,
-    several, each with arguments following its function's `parameters`. None otherwise. The
-    format's parser reads them back as `tool_calls`."""
-    choice = req.tool_choice
     named = isinstance(choice, NamedToolChoice)
-    if parsing is None or not parsing.calls or not (named or choice == "required"):
-        return None
-    other = constraint_field(req)
-    if other is not None:
-        raise APIError(
-            f"tool_choice and {other}: at most one output constraint per request (a forced"
-            " call is one)",
-            param=other,
-        )
+    # A named function gets one call, as OpenAI and vLLM answer it.
+    parallel = req.parallel_tool_calls is not False and not named
+    return ToolParsing(fmt, tools, parallel=parallel, forced=named or choice == "required")
+
+
+def tool_constraint(
+    req: ChatCompletionRequest,
+    parsing: ToolParsing | None,
+    tokenizer: Any,
+    content: Constraint | None,
+) -> Constraint | None:
+    """The output's constraint where tools shape it (`content`, the request's own constraint,
+    otherwise). `tool_choice` `required` (any of the tools) or a named function: the grammar of
+    calls in the model's own format (parsing/grammar.py), one call for a named function, one or
+    more for `required` unless `parallel_tool_calls` is false, each with arguments following its
+    function's `parameters`; `content` is moot (a forced turn has no content). `auto` beside a
+    constraint (`response_format`, `structured_outputs`): calls, or content that matches it.
+    Either way the model may end its turn after any complete call (`ConstraintKind.TOOL_CALLS`
+    is open-ended), and the format's parser reads the calls back as `tool_calls`."""
+    forced = parsing is not None and parsing.forced
+    if parsing is None or not parsing.calls or not (forced or content is not None):
+        return content
     if req.min_tokens:
         raise APIError(
-            "min_tokens cannot be combined with a forced tool call: the grammar of the calls"
-            " decides where the output may end",
+            "min_tokens cannot be combined with tool calls under a grammar: the grammar of the"
+            " calls decides where the output may end",
             param="min_tokens",
         )
+    choice = req.tool_choice
     name = choice.function.name if isinstance(choice, NamedToolChoice) else None
     try:
         text = tool_calls_grammar(
@@ -130,12 +139,15 @@ def forced_call(
             mistral_args="[ARGS]" in str(getattr(tokenizer, "chat_template", None) or ""),
             tokens=marker_tokens(tokenizer),
         )
-        c = Constraint(ConstraintKind.GRAMMAR, text, strict=False)
+        if not forced and content is not None:
+            text = calls_or_content(text, content)
+        c = Constraint(ConstraintKind.TOOL_CALLS, text, strict=False)
         check(c)
     except GrammarError as exc:
+        param = "tool_choice" if forced else constraint_field(req) or "tools"
         raise APIError(
-            f"tool_choice: the calls cannot be forced ({exc})",
-            param="tool_choice",
+            f"{param}: the tool calls cannot be constrained ({exc})",
+            param=param,
             code="unsupported_value",
         ) from None
     return c

@@ -6,6 +6,7 @@ Plain Python and numpy: llguidance computes a row's mask from its state in a few
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -15,9 +16,9 @@ import llguidance.numpy as lln
 import numpy as np
 
 from omlx_logprobs.parsing.grammar import GrammarError, check
-from omlx_logprobs.types import Constraint
+from omlx_logprobs.types import Constraint, ConstraintKind
 
-__all__ = ["Grammars", "GrammarError", "bitmask"]
+__all__ = ["Grammars", "GrammarError", "bitmask", "leaves", "open_ended"]
 
 # From this many constrained rows, llguidance's thread pool fills the masks (a single row's
 # call is cheaper than handing it to the pool).
@@ -53,12 +54,34 @@ def _executor() -> Any:
     return llguidance.LLExecutor()
 
 
-def bitmask(matchers: list[Any], vocab_size: int) -> np.ndarray | None:
+def open_ended(c: Constraint | None) -> bool:
+    """Tool calls: once complete, the model samples freely, and a token that does not continue
+    them ends the output (a model that wants to end its turn after a call, or to write text
+    after it, is not made to call again)."""
+    return c is not None and c.kind is ConstraintKind.TOOL_CALLS
+
+
+def leaves(matcher: Any, c: Constraint | None, token: int) -> bool:
+    """Whether `token` ends an open-ended row's output: its grammar is complete and does not
+    admit the token (checked before the matcher consumes it)."""
+    return open_ended(c) and matcher.is_accepting() and not matcher.validate_tokens([token])
+
+
+def bitmask(
+    matchers: list[Any], vocab_size: int, open_rows: Sequence[bool] = ()
+) -> np.ndarray | None:
     """[B, ceil(V/32)] int32, bit t of row i set where row i may sample token t next; None when
-    no row has a grammar. A complete grammar allows only EOS. Rows without one, and rows whose
-    matcher allows nothing or is in error (finished rows waiting to leave the batch), allow
-    every token."""
-    rows = [(m, i) for i, m in enumerate(matchers) if m is not None and not m.is_error()]
+    no row has a grammar. A complete grammar allows only EOS, unless its row is in `open_rows`
+    (`open_ended`), which then allows every token. Rows without one, and rows whose matcher
+    allows nothing or is in error (finished rows waiting to leave the batch), allow every
+    token."""
+    rows = [
+        (m, i)
+        for i, m in enumerate(matchers)
+        if m is not None
+        and not m.is_error()
+        and not (open_rows and open_rows[i] and m.is_accepting())
+    ]
     if not rows:
         return None
     bits = lln.allocate_token_bitmask(len(matchers), vocab_size)

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from omlx_logprobs.engine import attention, compiled, lean_decode
 from omlx_logprobs.engine.batch_cache import BatchCache, kinds
 from omlx_logprobs.engine.fusion import Fusion
-from omlx_logprobs.engine.grammar import bitmask
+from omlx_logprobs.engine.grammar import bitmask, open_ended
 from omlx_logprobs.engine.lean_decode import LeanDecode
 from omlx_logprobs.engine.lora import AdapterSet
 from omlx_logprobs.engine.prefix_cache import Key, Prefix, PrefixCache, keeps_prefixes, make_prefix
@@ -401,7 +401,11 @@ class ModelRunner:
             prev = self.last_tokens[mx.array(prev_rows)]
         # Constrained rows were processed before this launch (Engine._needs_history).
         assert not any(s.grammar is not None and st.in_flight for s, st in zip(seqs, states))
-        bits = bitmask([s.grammar for s in seqs], self.vocab_size)
+        bits = bitmask(
+            [s.grammar for s in seqs],
+            self.vocab_size,
+            [open_ended(s.params.constraint) for s in seqs],
+        )
         return token_mask(logits, [s.params for s in seqs], states, self.stop_ids, prev, bits)
 
     # ---- hooks a runner split over processes overrides (engine/group_runner.py) ---------------

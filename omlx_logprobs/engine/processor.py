@@ -7,6 +7,7 @@ import logging
 
 import numpy as np
 
+from omlx_logprobs.engine.grammar import leaves
 from omlx_logprobs.engine.prompt_scoring import PromptSlice
 from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.engine.step import StepResult
@@ -99,15 +100,20 @@ class OutputProcessor:
     def _advance(self, seq: Sequence, token: int) -> None:
         p = seq.params
         done = False  # the grammar is complete and EOS was sampled (the only token it allowed)
+        left = False  # an open-ended grammar is complete and the token does not continue it
         if (g := seq.grammar) is not None:
-            if not g.consume_token(token):  # the mask allowed it: a bug if this happens
+            if leaves(g, p.constraint, token):
+                left = True
+            elif not g.consume_token(token):  # the mask allowed it: a bug if this happens
                 raise RuntimeError(f"token {token} is outside the grammar: {g.get_error()}")
             done = g.is_stopped() and (token in self.eos or not self.eos)
         data = self.vocab.token_bytes[token] if token < len(self.vocab) else None
         if data is None and not p.skip_special_tokens and token < len(self.vocab):
             data = self.vocab.token_text[token].encode()  # a special token's literal text
         stops = self._stop_token(p, token) or (done and token in self.eos)
-        if stops and not p.include_stop_str_in_output:
+        if left:
+            data, done = None, True  # the output ends before the token: it adds no text
+        elif stops and not p.include_stop_str_in_output:
             data = None  # as vLLM: the token that stops a request adds no text unless asked
         before = seq.token_ends[-1] if seq.token_ends else 0
         seq.token_ends.append(before + len(data or b""))

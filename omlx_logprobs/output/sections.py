@@ -53,7 +53,8 @@ class CallText:
         self.parser = parser
         self._pieces: deque[tuple[int, int, Piece]] = deque()  # (start, end, piece), not taken
         self.settled_bytes = 0  # content bytes the parser has decided
-        self.tool_from: int | None = None  # content offset of the first well-formed call
+        # content offset of the first well-formed call; a forced call's output is all calls
+        self.tool_from: int | None = 0 if parser.forced else None
         self.calls = 0
 
     @property

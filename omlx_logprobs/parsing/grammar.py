@@ -20,6 +20,7 @@ __all__ = [
     "GrammarError",
     "check",
     "grammar_text",
+    "calls_or_content",
     "hermes_tool_calls",
     "tool_calls_grammar",
 ]
@@ -56,6 +57,8 @@ def grammar_text(c: Constraint) -> str:
             return M.grammar_from_json_schema(cast(Any, schema), defaults=options)
         except (ValueError, TypeError) as exc:
             raise GrammarError(str(exc)) from exc
+    if c.kind is ConstraintKind.TOOL_CALLS:
+        return c.source  # built by tool_calls_grammar / calls_or_content, in llguidance's form
     if c.kind is ConstraintKind.REGEX:
         return M.grammar_from_regex(c.source)
     if c.kind is ConstraintKind.CHOICE:
@@ -97,6 +100,11 @@ MARKERS = (
 )
 
 
+# More calls, each after a newline, and a newline after the last: a model that writes one after
+# its call can still end its turn there (a tool-call grammar is open-ended once complete).
+_MORE = ' ("\\n" call)* "\\n"?'
+
+
 class _Lit:
     """Grammar literals: text as a quoted Lark string, a marker as its token where the model
     has one."""
@@ -122,8 +130,11 @@ def tool_calls_grammar(
 ) -> str:
     """A Lark grammar (a `ConstraintKind.GRAMMAR` source) of tool calls in the model's own
     format `fmt`: what `tool_choice` `required` (`name` None: any of `tools`) or a named
-    function forces. One call, or with `parallel` one or more, each naming a tool (the named
-    one) with arguments that follow its `parameters` schema. `tools` are OpenAI's
+    function forces. One call, or with `parallel` one or more (and the format's separator after
+    the last), each naming a tool (the named one) with arguments that follow its `parameters`
+    schema. The model ends its turn after any complete call: a `ConstraintKind.TOOL_CALLS`
+    constraint lets any token follow a complete grammar, and one that does not continue it
+    ends the output. `tools` are OpenAI's
     `{"type": "function", "function": {...}}` entries; `whitespace` as in `Constraint` (inside
     the JSON); `mistral_args`: Mistral's v11 form (`[TOOL_CALLS]NAME[ARGS]{...}` per call) in
     place of v3's JSON list; `tokens`: the `MARKERS` that are one token of the model, with
@@ -135,7 +146,7 @@ def tool_calls_grammar(
     ws = _json_options(Constraint(ConstraintKind.JSON_SCHEMA, "{}", False, whitespace))
     if fmt == "llama3_json":
         body = _json_rule([_call_schema(f, "parameters") for f in fns], ws)
-        more = ' ("; " call)*' if parallel else ""
+        more = ' ("; " call)* ";"?' if parallel else ""
         return f"start: call{more}\ncall: {body}\n"
     if fmt == "mistral" and not mistral_args:
         items: dict[str, Any] = {"anyOf": [_call_schema(f, "arguments") for f in fns]}
@@ -163,6 +174,24 @@ def tool_calls_grammar(
         f"no grammar for tool-call format {fmt!r}; forced calls are written in "
         + ", ".join(FORCED_FORMATS)
     )
+
+
+def calls_or_content(calls: str, content: Constraint) -> str:
+    """llguidance's grammar of either tool calls (`calls`, a grammar of `tool_calls_grammar`) or
+    content that matches `content` (a request's `response_format` or `structured_outputs`):
+    what `tools` beside an output constraint allow under `tool_choice: auto`, so that an agent
+    can call its tools and then answer in its schema. GrammarError for a bad `content`."""
+    inner = check(content)
+    if inner.lstrip().startswith("{"):  # JSON schema, regex: a top-level grammar of one
+        sub = json.loads(inner)["grammars"][0]
+    else:  # Lark text
+        sub = {"lark_grammar": inner}
+    head, rest = calls.split("\n", 1)
+    if not head.startswith("start:"):
+        raise GrammarError("a tool-call grammar opens with its start rule")
+    main = f"start: calls | @content\ncalls:{head[len('start:'):]}\n{rest}"
+    grammars = [{"name": "calls_or_content", "lark_grammar": main}, {**sub, "name": "content"}]
+    return json.dumps({"grammars": grammars})
 
 
 def _functions(tools: Any, name: str | None) -> list[dict[str, Any]]:
@@ -203,7 +232,7 @@ def _qwen3_coder(fns: list[dict[str, Any]], parallel: bool, ws: dict[str, Any], 
     </tool_call>`: the parameters in their schema's order, the required ones always; a value
     typed by its schema as the parser reads it back (JSON for numbers, booleans, null, objects
     and arrays; text for strings, an enum's strings, up to `maxLength` characters)."""
-    more = ' ("\\n" call)*' if parallel else ""
+    more = _MORE if parallel else ""
     lines = [f"start: call{more}", f"call: {_alternatives(fns)}"]
     for i, f in enumerate(fns):
         schema = _args(f)
@@ -256,6 +285,6 @@ def hermes_tool_calls(
     ws = _json_options(Constraint(ConstraintKind.JSON_SCHEMA, "{}", False, whitespace))
     body = _json_rule([_call_schema(f, "arguments") for f in fns], ws)
     lit = _Lit(tokens)
-    more = ' ("\\n" call)*' if parallel else ""
+    more = _MORE if parallel else ""
     opening, closing = lit("<tool_call>", "\n"), lit("\n", "</tool_call>")
     return f"start: call{more}\ncall: {opening} body {closing}\nbody: {body}\n"

@@ -21,7 +21,7 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine import model_runner
 from omlx_logprobs.engine.grammar import PARALLEL_ROWS, Grammars, bitmask
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.parsing.grammar import check, hermes_tool_calls
+from omlx_logprobs.parsing.grammar import calls_or_content, check, hermes_tool_calls
 from omlx_logprobs.types import (
     Constraint,
     ConstraintKind,
@@ -48,18 +48,25 @@ PET = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(Pet.model_json_schema())
 
 def allowed_sets(model: LoadedModel, c: Constraint, out: list[int]) -> list[np.ndarray]:
     """Before each output token, the ids a fresh matcher of the grammar allows ([V] bool);
-    asserts that each token was one of them."""
+    asserts that each token was one of them. A tool-call grammar is open-ended: once complete
+    every id is allowed, and a token it does not admit must be the output's last."""
     tok = llguidance.hf.from_tokenizer(
         model.tokenizer, n_vocab=len(model.vocab), eos_token=list(model.eos_token_ids)
     )
     m = llguidance.LLMatcher(tok, check(c))
     bits = lln.allocate_token_bitmask(1, len(model.vocab))
     sets = []
-    for t in out:
-        lln.fill_next_token_bitmask(m, bits, 0)
-        row = np.unpackbits(bits.view(np.uint8), bitorder="little")[: len(model.vocab)]
-        sets.append(row.astype(bool))
-        assert row[t], f"token {t} sampled outside the grammar"
+    for i, t in enumerate(out):
+        if c.kind is ConstraintKind.TOOL_CALLS and m.is_accepting():
+            sets.append(np.ones(len(model.vocab), dtype=bool))
+            if not m.validate_tokens([t]):
+                assert i == len(out) - 1, "the output went on after it left its grammar"
+                break
+        else:
+            lln.fill_next_token_bitmask(m, bits, 0)
+            row = np.unpackbits(bits.view(np.uint8), bitorder="little")[: len(model.vocab)]
+            sets.append(row.astype(bool))
+            assert row[t], f"token {t} sampled outside the grammar"
         assert m.consume_token(t)
     return sets
 
@@ -227,7 +234,7 @@ TOOLS = [
 def test_forced_hermes_tool_calls(tiny: LoadedModel, name: str | None) -> None:
     """tool_choice `required` (any tool) or named: the output is one or more Hermes calls whose
     name is a tool's (the named one) and whose arguments follow its parameters."""
-    c = Constraint(ConstraintKind.GRAMMAR, hermes_tool_calls(TOOLS, name, True, whitespace=""))
+    c = Constraint(ConstraintKind.TOOL_CALLS, hermes_tool_calls(TOOLS, name, True, whitespace=""))
     prompt = encode(tiny, "Call a tool:")
     reqs = [
         (prompt, SamplingParams(max_tokens=120, temperature=1.0, seed=s, constraint=c))
@@ -241,7 +248,8 @@ def test_forced_hermes_tool_calls(tiny: LoadedModel, name: str | None) -> None:
         finished += 1
         text = "".join(o.text for o in outs)
         bodies = re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.S)
-        assert bodies and text == "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in bodies)
+        calls = "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in bodies)
+        assert bodies and text in (calls, calls + "\n")  # the grammar's last newline
         for b in bodies:
             call = json.loads(b)
             assert set(call) == {"name", "arguments"}
@@ -278,3 +286,35 @@ def test_parallel_mask_fill_equals_the_serial_one(tiny: LoadedModel) -> None:
         lln.fill_next_token_bitmask(m, one, 0)
         assert (par[i] == one[0]).all()
     assert bitmask([None, None], len(tiny.vocab)) is None
+
+
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 7}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "content, good, bad",
+    [
+        (Constraint(ConstraintKind.JSON_OBJECT, "{}"), '{"x": 1}', "hello"),
+        (
+            Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(
+                {"type": "object", "properties": {"answer": {"type": "string"}},
+                 "required": ["answer"], "additionalProperties": False})),
+            '{"answer": "sunny"}',
+            '{"x": 1}',
+        ),
+        (Constraint(ConstraintKind.REGEX, "[0-9]{3}"), "123", "12a"),
+        (Constraint(ConstraintKind.CHOICE, json.dumps(["yes", "no"])), "yes", "maybe"),
+        (Constraint(ConstraintKind.GRAMMAR, 'start: "a" "b"+'), "abb", "ba"),
+    ],
+    ids=["json_object", "json_schema", "regex", "choice", "grammar"],
+)  # fmt: skip
+def test_calls_or_content(tiny: LoadedModel, content: Constraint, good: str, bad: str) -> None:
+    """`tools` beside a constraint under tool_choice auto: the grammar takes a Hermes call or
+    content that matches the constraint, and nothing else; it is complete after either."""
+    text = calls_or_content(hermes_tool_calls(TOOLS, None, True, whitespace=" ?"), content)
+    c = Constraint(ConstraintKind.TOOL_CALLS, text, strict=False)
+    grammars = Grammars(tiny.tokenizer, len(tiny.vocab), tiny.eos_token_ids)
+    for out, ok in ((CALL, True), (CALL + "\n" + CALL, True), (good, True), (bad, False)):
+        m = grammars.matcher(c)
+        consumed = all(m.consume_token(t) for t in encode(tiny, out))
+        assert (consumed and m.is_accepting()) == ok, out

@@ -188,6 +188,20 @@ CASES: dict[str, ToolCase] = {
         "Ok",
         [("add", {"a": 1, "b": 2})],
     ),
+    "leave": ToolCase(  # a forced call's grammar, then text: a forced call ends at "Done"
+        "hermes",
+        [
+            ("t", OPEN),
+            ("t", {"text": "\n" + body(*WEATHER) + "\n"}),
+            ("t", CLOSE),
+            ("t", {"text": "\nDone."}),
+        ],
+        "\nDone.",
+        [WEATHER],
+    ),
+    "schema": ToolCase(  # an answer in a response_format's schema, beside tools
+        "hermes", [("c", {"text": '{"answer": "sunny"}'})], '{"answer": "sunny"}'
+    ),
     "args": ToolCase(
         "mistral",
         [

@@ -100,8 +100,9 @@ def grammar(s: Served, name: str | None, parallel: bool) -> Constraint:
     """The constraint the server builds for these tools, rebuilt here."""
     fmt, mark = FORMATS[s.fmt]
     tokens = marker_tokens(s.model.tokenizer)
-    text = tool_calls_grammar(fmt, TOOLS, name, parallel, "", bool(mark), tokens)
-    return Constraint(ConstraintKind.GRAMMAR, text, strict=False)
+    # a named function: one call, whatever parallel_tool_calls says
+    text = tool_calls_grammar(fmt, TOOLS, name, parallel and name is None, "", bool(mark), tokens)
+    return Constraint(ConstraintKind.TOOL_CALLS, text, strict=False)
 
 
 def valid_calls(calls: list[Any], named: str | None) -> None:
@@ -203,7 +204,7 @@ def joined(c: openai.OpenAI, body: dict[str, Any]) -> dict[str, Any]:
 
 def test_parallel_calls_and_the_clients_parsing(served: Served) -> None:
     """`required` with parallel calls allowed: one or more calls, each valid (a call that
-    `max_tokens` cut is content, and then `finish_reason` is `length`). The client's own
+    `max_tokens` cut is dropped, and then `finish_reason` is `length`). The client's own
     parsing: `parse` with pydantic tools and the stream helper's accumulated calls."""
     c = served.client()
     r = c.chat.completions.create(
@@ -234,8 +235,8 @@ def test_parallel_calls_and_the_clients_parsing(served: Served) -> None:
 
 
 def test_forced_calls_refused(served: Served) -> None:
-    """A named function not in tools, a forced call beside another constraint or min_tokens,
-    `required` without tools: 400s naming the field."""
+    """A named function not in tools, a forced call beside min_tokens, `required` without
+    tools: 400s naming the field."""
     url = served.url + "/v1/chat/completions"
     base = {
         "model": served.model.name,
@@ -244,8 +245,6 @@ def test_forced_calls_refused(served: Served) -> None:
     }
     cases = [
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-        ({"tool_choice": "required", "response_format": {"type": "json_object"}},
-         "response_format"),
         ({"tool_choice": "required", "min_tokens": 2}, "min_tokens"),
         ({"tool_choice": "required", "tools": None}, "tool_choice"),
     ]  # fmt: skip
@@ -304,23 +303,26 @@ def test_a_scripted_call_passes_the_grammar(scripted_tools: Served, mode: str) -
         )
         body = r.model_dump()
         ch = body["choices"][0]
-        assert ch["token_ids"] == ids and ch["finish_reason"] == finish
+        # a named function's one call ends the output as soon as it is complete (no EOS)
+        want = ids if choice == "required" else ids[:-1]
+        assert ch["token_ids"] == want and ch["finish_reason"] == finish
         [call] = ch["message"]["tool_calls"]
         assert call["function"]["name"] == "get_weather"
         assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
         got = [e["logprob"] for e in entries(ch["logprobs"])]
-        assert len(got) == len(ids)
+        assert len(got) == len(want)
         if mode == "raw_logprobs":
-            for step, (lp, tid) in enumerate(zip(got, ids)):
+            for step, (lp, tid) in enumerate(zip(got, want)):
                 assert abs(lp - expected(step, tid, len(model.vocab)).logprob) < 2e-5
             continue
         named = None if choice == "required" else "get_weather"
         tokens = marker_tokens(model.tokenizer)
         assert "<tool_call>" in tokens  # one token here: the grammar names it by id
-        text = tool_calls_grammar("hermes", SCRIPTED_TOOLS, named, True, None, tokens=tokens)
-        cons = Constraint(ConstraintKind.GRAMMAR, text, strict=False)
-        sets = allowed_sets(model, cons, ids)
+        one = named is not None  # a named function: one call
+        text = tool_calls_grammar("hermes", SCRIPTED_TOOLS, named, not one, None, tokens=tokens)
+        cons = Constraint(ConstraintKind.TOOL_CALLS, text, strict=False)
+        sets = allowed_sets(model, cons, want)
         prompt = body["prompt_token_ids"]
-        ref = reference_logprobs(model, prompt + ids)[len(prompt) - 1 : -1]
-        for i, t in enumerate(ids):
+        ref = reference_logprobs(model, prompt + want)[len(prompt) - 1 : -1]
+        for i, t in enumerate(want):
             assert abs(got[i] - masked_log_softmax(ref[i], sets[i])[t]) < 1e-4

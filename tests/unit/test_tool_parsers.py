@@ -253,3 +253,25 @@ def test_the_format_is_read_off_the_template() -> None:
     assert detect_format(tok(harmony)) is ToolCallFormat.HARMONY
     assert detect_format(tok("{{ messages }}")) is ToolCallFormat.NONE
     assert detect_format(tok(None)) is ToolCallFormat.NONE
+
+
+@pytest.mark.parametrize(
+    "fmt, cut",
+    [
+        ("hermes", '<tool_call>\n{"name": "get_weather", "argu'),
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_c'),
+        ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=x>\n1"),
+        ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a"'),
+        ("harmony", "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"),
+    ],
+)
+def test_a_forced_output_cut_short_is_never_content(fmt: str, cut: str) -> None:
+    """A forced call's output is calls by grammar: what max_tokens left unfinished is framing
+    (in no field), never content; the calls completed before it stay calls."""
+    p = make_parser(ToolParsing(fmt, forced=True))
+    pieces = p.feed(cut) + p.flush()
+    content, calls, framing = summary(pieces)
+    assert content == "" and "".join(x.text for x in pieces) == cut
+    assert len(calls) == cut.count("</tool_call>") and framing
+    free = make_parser(ToolParsing(fmt))  # the same text under tool_choice auto: content
+    assert summary(free.feed(cut) + free.flush())[0]

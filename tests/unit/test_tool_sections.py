@@ -126,3 +126,16 @@ def test_a_single_call_ends_the_output() -> None:
     assert not text.stopped
     text.feed(b"</tool_call>")
     assert text.stopped
+
+
+def test_every_token_of_a_forced_output_is_a_tool_call_token() -> None:
+    """tool_choice required or named: the tool-call section starts at the first token, before
+    any call is complete (a call cut by max_tokens is all tool-call tokens)."""
+    text = SectionedText((), ThinkStart.OFF, make_parser(ToolParsing("hermes", forced=True)))
+    ends = array("q")
+    for b in (b"<tool_call>", b'\n{"name": "f", "arg'):
+        ends.append((ends[-1] if ends else 0) + len(b))
+        text.feed(b)
+    assert text.tool_start(ends) == 0
+    delta = text.flush()
+    assert delta.content == "" and not delta.calls

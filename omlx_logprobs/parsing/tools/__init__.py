@@ -45,8 +45,11 @@ _PARSERS: dict[str, type[ToolCallParser]] = {
 
 def make_parser(spec: ToolParsing) -> ToolCallParser:
     if spec.parser == ToolCallFormat.HARMONY.value:
-        return Harmony(spec.tools, calls=spec.calls)
-    return _PARSERS[spec.parser](spec.tools)
+        parser: ToolCallParser = Harmony(spec.tools, calls=spec.calls)
+    else:
+        parser = _PARSERS[spec.parser](spec.tools)
+    parser.forced = spec.forced
+    return parser
 
 
 def _template_text(tokenizer: Any) -> str:

@@ -83,7 +83,7 @@ class Harmony(ToolCallParser):
         self._mode = "head"
         return True
 
-    def flush(self) -> list[Piece]:
+    def _flush(self) -> list[Piece]:
         out: list[Piece] = []
         buf, self._buf = self._buf, ""
         if buf and self._mode == "call":  # the output ended before <|call|>

@@ -50,6 +50,9 @@ class ToolCallParser:
 
     def __init__(self, tools: tuple[dict[str, Any], ...] = ()) -> None:
         self.tools = tools
+        # A forced call (tool_choice required or named): the grammar made every token call
+        # text, so what is left unsettled at the end (a call cut by max_tokens) is framing.
+        self.forced = False
         # Text without any start's first character can neither hold nor begin a start.
         self._firsts = {s[0] for s in self.starts}
         self._buf = ""  # text fed and not yet settled
@@ -83,7 +86,14 @@ class ToolCallParser:
         return out
 
     def flush(self) -> list[Piece]:
-        """At the end: what is held is settled (an unclosed call decoded if it can be)."""
+        """At the end: what is held is settled (an unclosed call decoded if it can be); for a
+        forced call, text that is not a call is framing, never content."""
+        out = self._flush()
+        if self.forced:
+            out = [Piece(Kind.FRAMING, p.text) if p.kind is Kind.CONTENT else p for p in out]
+        return out
+
+    def _flush(self) -> list[Piece]:
         out: list[Piece] = []
         buf, self._buf = self._buf, ""
         if not buf:
