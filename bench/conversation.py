@@ -47,6 +47,9 @@ SYSTEM = (
 )
 
 
+HELLO = {"role": "user", "content": "Hello."}
+
+
 def tool_output(turn: int, words: int) -> str:
     lines = [f"# file src/module_{turn}.py, part {i}" for i in range(words // 8)]
     body = [f"def function_{turn}_{i}(x):\n    return x * {i} + {turn}" for i in range(words // 12)]
@@ -83,10 +86,11 @@ def ttft(base: str, model: str, messages: list[dict[str, Any]]) -> tuple[float, 
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from omlx_logprobs.models.embedded import EMBEDDED_NAME, ensure_embedded_model
+    from run import float32_copy, resolved_dir
 
-    model_dir = args.model or str(ensure_embedded_model())
-    name = EMBEDDED_NAME if args.model is None else Path(args.model).name
+    # mlx-lm's server gets the weights ours computes with (float32 where ours dequantizes).
+    model_dir = str(float32_copy(resolved_dir(args.model)))
+    name = "SmolLM2-135M-Instruct" if args.model is None else Path(args.model).name
     servers: dict[str, Server] = {}
     ports = {k: free_port() for k in ("on", "off", "mlx-lm")}
     extra = ["--prefix-cache-mib", "0"]
@@ -98,6 +102,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
     rows = []
     try:
+        for key, server in servers.items():  # each server's first request warms it up
+            ttft(server.base_url, name if key != "mlx-lm" else model_dir, [HELLO])
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": "Find why test_parser fails and fix it."},
