@@ -17,7 +17,7 @@ from omlx_logprobs.api import sections, tools
 from omlx_logprobs.api.constraints import constraint_field
 from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.api.inputs import chat_prompt, sampling_params
-from omlx_logprobs.api.protocol import ChatCompletionRequest, NamedToolChoice
+from omlx_logprobs.api.protocol import ChatCompletionRequest, ChatTokensRequest, NamedToolChoice
 from omlx_logprobs.api.response import (
     prompt_logprobs_json,
     raise_if_failed,
@@ -61,7 +61,7 @@ class ChatServing:
         served.check_model(req.model)
         served.checks.check_chat(req)
         parsing = tools.tool_parsing(req, served.tool_format, served.model.tokenizer)
-        prompt = chat_prompt(req, served.model, served.checks)
+        prompt = self.prompt(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = sampling_params(
             req,
@@ -99,6 +99,22 @@ class ChatServing:
             adapter=served.adapter(req.model),
         )
         return ereq, served.engine.submit(ereq)
+
+    def prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The chat template's ids of the messages, or, on /v1/chat/completions/tokens, the
+        ids the client sent (the conversation as its trainer holds it: never re-tokenized)."""
+        served = self.served
+        if not isinstance(req, ChatTokensRequest):
+            return chat_prompt(req, served.model, served.checks)
+        served.checks.check_token_ids(req.tokens, "tokens")
+        return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens)
+
+    def flat(self, req: ChatCompletionRequest) -> bool:
+        """Whether every generated token's entry goes in logprobs.content (docs/specs/rl.md:
+        a client that asks for the token ids aligns them with these entries)."""
+        if req.flat_logprobs is not None:
+            return req.flat_logprobs
+        return req.return_token_ids or self.served.cfg.flat_logprobs
 
     @staticmethod
     def _prompt_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -163,7 +179,7 @@ class ChatServing:
     ) -> str:
         """The entries of out's tokens; with the thinking parser on, reasoning tokens apart
         (reasoning comes first); with tool calls parsed, the calls' tokens apart (they come
-        last)."""
+        last); flat (`flat`), all of them in content, in order."""
         e = out.logprobs
         if e is None:
             return "null"
@@ -175,7 +191,7 @@ class ChatServing:
             def entries(rows: Entries) -> str:
                 return encode_block(rows, e.k, encoding)
 
-        if ereq.think is ThinkStart.OFF and ereq.tools is None:
+        if (ereq.think is ThinkStart.OFF and ereq.tools is None) or self.flat(req):
             return head + '"content":' + entries(e) + ',"refusal":null}'
         r, t = out.num_reasoning, len(e) - out.num_tool
         body = f'{head}"content":{entries(e.rows(r, t))},'

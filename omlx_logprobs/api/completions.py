@@ -96,7 +96,7 @@ class CompletionServing:
         served = self.served
         served.check_model(req.model)
         served.checks.check_completion(req)
-        cap = served.cfg.max_top_logprobs
+        cap = served.checks.bounds.max_top_logprobs
         if req.logprobs is not None and req.logprobs > cap:
             raise APIError(f"logprobs must be at most {cap}", param="logprobs")
         prompts = parse_prompts(req, served)
