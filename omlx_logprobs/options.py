@@ -149,7 +149,8 @@ def _add_distributed(s: argparse.ArgumentParser) -> None:
         const="tensor",
         default="auto",
         help="split every layer's heads and MLP over the processes (the default where mlx-lm's"
-        " family has it)",
+        " family has it and the process count divides what it splits; refused where it does"
+        " not)",
     )
     way.add_argument(
         "--pipeline-parallel",
@@ -157,7 +158,7 @@ def _add_distributed(s: argparse.ArgumentParser) -> None:
         action="store_const",
         const="pipeline",
         help="give each process consecutive layers (the default for families without tensor"
-        " parallelism)",
+        " parallelism, and where the process count does not divide the heads)",
     )
     g.add_argument(
         "--group-timeout-s",
