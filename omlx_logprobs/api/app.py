@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omlx_logprobs.api import lora, page, render, weights
+from omlx_logprobs.api import control, lora, page, render, weights
 from omlx_logprobs.api import tokenize as tok
 from omlx_logprobs.api.errors import error_response, install_error_handlers
 from omlx_logprobs.api.guard import install_guard
@@ -99,6 +99,7 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
     tok.add_routes(app, pool)
     lora.add_routes(app, pool)
     render.add_routes(app, pool)
+    control.add_routes(app, pool)
     page.add_routes(app, access.api_key is not None)
     return app
 

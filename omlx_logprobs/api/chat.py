@@ -23,6 +23,7 @@ from omlx_logprobs.api.response import (
     raise_if_failed,
     usage,
     wait_or_disconnect,
+    weight_spans_json,
     weight_version_json,
 )
 from omlx_logprobs.api.served import Served
@@ -158,7 +159,7 @@ class ChatServing:
                 ids = f',"token_ids":{json.dumps(out.token_ids.tolist())}'
             choices.append(
                 f'{{"index":{out.index},"message":{message},"logprobs":{lp},'
-                f'"finish_reason":{finish}{ids}}}'
+                f'"finish_reason":{finish}{ids}{weight_spans_json(out)}}}'
             )
         extra = ""
         if req.return_token_ids:
@@ -169,9 +170,10 @@ class ChatServing:
             entries = prompt_logprobs_json(req, scored, self.prompt_formatters, asked)
             extra += f',"prompt_logprobs":{entries}'
         body = usage(outs, think is not ThinkStart.OFF)
+        w = weight_version_json(outs[0].weight_version, outs[0].adapter)
         return (
             f'{self._head(ereq, "chat.completion")}"choices":[{",".join(choices)}],'
-            f'"usage":{json.dumps(body)}{extra}{weight_version_json(outs[0].weight_version)}}}'
+            f'"usage":{json.dumps(body)}{extra}{w}}}'
         )
 
     def _logprobs_json(
@@ -233,7 +235,7 @@ class ChatServing:
             first = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}' if ids else ""
             stream = merged([handle])
             _, head_out = await anext(stream)  # the role chunks name the weights: they wait
-            tail = weight_version_json(head_out.weight_version) + tail
+            tail = weight_version_json(head_out.weight_version, head_out.adapter) + tail
             for i in range(ereq.n):  # prompt_token_ids once, with the first chunk (vLLM)
                 yield chunk(i, {"role": role, "content": ""}, "null", None, first if i == 0 else "")
             if echo:  # vLLM: the echoed text in a chunk of its own, before the generated text
@@ -256,11 +258,11 @@ class ChatServing:
                     reason = out.finish_reason.value if out.finish_reason else None
                     called = numbering[i].count > 0
                     finish = tools.finish_reason(reason, called, named)
-                    yield chunk(i, {}, "null", finish)
+                    yield chunk(i, {}, "null", finish, weight_spans_json(out))
             if include_usage:
                 done = [finals[i] for i in sorted(finals)]
                 body = json.dumps(usage(done, think is not ThinkStart.OFF))
-                w = weight_version_json(done[0].weight_version)
+                w = weight_version_json(done[0].weight_version, done[0].adapter)
                 yield f'data: {head}"choices":[],"usage":{body}{w}}}\n\n'
             yield "data: [DONE]\n\n"
         finally:

@@ -359,6 +359,23 @@ class UpdateWeightsRequest(_Model):
     load_format: str | None = None
 
 
+class PauseGenerationRequest(_Model):
+    """SGLang's `/pause_generation` body."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class UpdateWeightsDirRequest(_Model):
+    """prime-rl's `/update_weights` body: the directory of the new weights (the same files as
+    /update_weights_from_disk takes), and optionally their tag and which model."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    weight_dir: str = Field(min_length=1)
+    weight_version: str | None = None
+    model: str | None = None
+
+
 class LoadLoRAAdapterRequest(_Model):
     """vLLM's `/v1/load_lora_adapter` body: an mlx-lm adapter directory served under a name;
     `load_inplace` replaces a loaded one of that name; `base_model_name` the served model it

@@ -253,6 +253,11 @@ class SglangServing:
             f'"cached_tokens":{out.cached_tokens},'
             f'"weight_version":{json.dumps(weight_tag(out.weight_version))}'
         )
+        if out.adapter is not None:  # SGLang names it by lora_path; its load beside it
+            meta += f',"adapter":{json.dumps(out.adapter.json())}'
+        if out.weight_spans:  # the versions its tokens came from, and where each began
+            spans = [{"weight_version": weight_tag(v), "start": a} for a, v in out.weight_spans]
+            meta += f',"weight_versions":{json.dumps(spans)}'
         if item.logprob:
             meta += "," + self._logprobs(req, item, out)
         if out.finished:

@@ -18,6 +18,7 @@ from omlx_logprobs.api.response import (
     raise_if_failed,
     usage,
     wait_or_disconnect,
+    weight_spans_json,
     weight_version_json,
 )
 from omlx_logprobs.api.served import Served
@@ -63,9 +64,10 @@ class GenerateServing:
             else f'{{"content":{self.entries.entries(out.logprobs)}}}'
         )
         reason = out.finish_reason.value if finish and out.finish_reason else None
+        spans = weight_spans_json(out) if finish else ""
         return (
             f'{{"index":{out.index},"logprobs":{lp},"finish_reason":{json.dumps(reason)},'
-            f'"token_ids":{json.dumps(out.token_ids.tolist())}}}'
+            f'"token_ids":{json.dumps(out.token_ids.tolist())}{spans}}}'
         )
 
     def _head(self, rid: str, name: str | None) -> str:
@@ -88,7 +90,7 @@ class GenerateServing:
         return (
             f'{self._head(rid, req.model)}"choices":[{choices}],"prompt_logprobs":{prompt},'
             f'"kv_transfer_params":null,"usage":{json.dumps(usage(outs))}'
-            f"{weight_version_json(outs[0].weight_version)}}}"
+            f"{weight_version_json(outs[0].weight_version, outs[0].adapter)}}}"
         )
 
     def stream(self, req: GenerateRequest) -> AsyncIterator[str]:
@@ -102,7 +104,7 @@ class GenerateServing:
         finals: dict[int, RequestOutput] = {}
         try:
             async for _, out in merged([handle]):
-                w = weight_version_json(out.weight_version)
+                w = weight_version_json(out.weight_version, out.adapter)
                 if out.error:
                     finals[out.index] = out
                     err = error_body(out.error, "server_error", None, None)
