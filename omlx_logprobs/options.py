@@ -199,9 +199,10 @@ def _add_batching(s: argparse.ArgumentParser) -> None:
         "--prefix-cache-mib",
         type=int,
         default=EngineConfig.prefix_cache_mib,
-        help="memory for the keys and values of prompt prefixes that requests share (a chat"
-        " template's system turn, one prompt sent many times), so that those prefill only what"
-        " follows; 0 turns prefix caching off (default: %(default)s)",
+        help="memory for the keys and values of finished sequences (a conversation's turns,"
+        " prompt and answer) and of prompt starts that requests share, so that a prompt"
+        " starting with one prefills only what follows; 0 turns prefix caching off (default:"
+        " a quarter of the memory left after the weights, at most 16384)",
     )
 
 

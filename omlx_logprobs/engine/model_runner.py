@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_logprobs.engine import attention, compiled, lean_decode
+from omlx_logprobs.engine import attention, compiled, lean_decode, query_blocks
 from omlx_logprobs.engine.batch_cache import BatchCache, kinds
 from omlx_logprobs.engine.fusion import Fusion
 from omlx_logprobs.engine.grammar import bitmask, open_ended
@@ -28,6 +28,7 @@ from omlx_logprobs.engine.prefix_cache import (
     Key,
     Prefix,
     PrefixCache,
+    default_budget_mib,
     keeps_prefixes,
     keeps_sequences,
     make_prefix,
@@ -93,7 +94,7 @@ class ModelRunner:
         model: Any,
         vocab_size: int,
         cache_limit_mib: int | None = None,
-        prefix_cache_mib: int = 0,
+        prefix_cache_mib: int | None = 0,
         stop_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
@@ -111,6 +112,7 @@ class ModelRunner:
         # probe below compares the batch with each row alone.
         if attention.install():
             log.info("decode attention: one CUDA kernel per layer (engine/attention.py)")
+        query_blocks.install()  # prefill attention's memory bounded (engine/query_blocks.py)
         self.fusion = Fusion(model)  # q/k/v and gate/up projections as one matmul each
         # The model's own caches, one per layer: each batch cache is made of their batch forms
         # (batch_cache.py); a model with a cache mlx-lm cannot batch is refused here.
@@ -123,6 +125,10 @@ class ModelRunner:
         self.prefixes: PrefixCache | None = None
         # Finished sequences (prompt and output) are kept too: plain KV layers only.
         self.keeps_finished = keeps_sequences(self.templates)
+        if prefix_cache_mib is None:
+            prefix_cache_mib = default_budget_mib()
+            log.info("prefix cache: %d MiB (a quarter of the memory left after the weights)",
+                     prefix_cache_mib)  # fmt: skip
         if prefix_cache_mib > 0 and keeps_prefixes(self.templates):
             self.prefixes = PrefixCache(prefix_cache_mib << 20, self._make_prefix)
         elif prefix_cache_mib > 0:

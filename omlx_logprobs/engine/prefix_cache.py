@@ -64,6 +64,23 @@ BASE_KEY: Key = (0, 0)
 Make = Callable[[tuple[int, ...], "Prefix | None", Key], "Prefix"]
 
 
+# The default budget: this share of the memory left once the weights are loaded, within bounds.
+BUDGET_SHARE = 0.25
+BUDGET_MIB = (256, 16384)
+
+
+def default_budget_mib() -> int:
+    """A quarter of the memory the weights left (unified memory on a Mac, the card's on a GPU,
+    the host's on the CPU), at least 256 MiB and at most 16 GiB."""
+    import psutil
+
+    info = mx.device_info() if mx.default_device() == mx.gpu else {}
+    total = int(info.get("memory_size", 0) or psutil.virtual_memory().total)
+    left = max(total - mx.get_active_memory(), 0)
+    low, high = BUDGET_MIB
+    return int(min(max(left * BUDGET_SHARE / 2**20, low), high))
+
+
 def keeps_prefixes(caches: list[Any]) -> bool:
     """Whether a model with these caches (`make_prompt_cache`'s) can start from a kept prefix:
     plain KV and sliding-window layers, whose keys a prefix keeps for every one of its tokens
