@@ -539,9 +539,12 @@ class ModelRunner:
                 self.attach_disk(*self._disk)
 
     def flush_prefixes(self) -> None:
-        """Drop every kept prefix (/flush_cache, /reset_prefix_cache); rows keep theirs."""
+        """Drop every kept prefix in memory (/flush_cache, /reset_prefix_cache); rows keep
+        theirs, and the disk tier (`--kv-cache-dir`, the same weights' folder) stays."""
         if self.prefixes is not None:
             self.prefixes.clear()
+            if self._disk is not None:
+                self.attach_disk(*self._disk)
 
     def change_adapter(self, change: AdapterChange) -> None:
         """Load, replace or unload a LoRA adapter between steps (engine/lora.py); AdapterError
@@ -651,7 +654,7 @@ class ModelRunner:
             seq = self.rows[i]
             if seq.finish_reason is FinishReason.ERROR:
                 continue
-            n = seq.prompt_len + seq.num_output - 1
+            n = len(seq.prompt_ids) + seq.num_output - 1  # prompt_len is the last prefill's
             assert n <= cache.width - cache.pads[i]
             prefix = from_row(seq.prompt_ids, seq.output_ids, n, cache.layers, i, cache.pads[i])
             # The copies now, with the step: until then they would hold the batch's arrays.
