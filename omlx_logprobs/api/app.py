@@ -12,14 +12,21 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omlx_logprobs.api import lora, page, weights
+from omlx_logprobs.api import control, lora, page, render, weights
 from omlx_logprobs.api import tokenize as tok
 from omlx_logprobs.api.errors import error_response, install_error_handlers
 from omlx_logprobs.api.guard import install_guard
 from omlx_logprobs.api.openapi import install_openapi
 from omlx_logprobs.api.pool import ModelPool, Unavailable
-from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
+from omlx_logprobs.api.protocol import (
+    ChatCompletionRequest,
+    ChatTokensRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SglangGenerateRequest,
+)
 from omlx_logprobs.api.served import Served
+from omlx_logprobs.api.slot import ModelSlot
 from omlx_logprobs.api.validation import check_unknown
 from omlx_logprobs.config import Access
 
@@ -77,22 +84,49 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
     async def text_completions(req: CompletionRequest, raw: Request) -> Response:
         return await _respond(pool, req, raw)
 
+    @app.post("/v1/chat/completions/tokens")
+    async def chat_completions_tokens(req: ChatTokensRequest, raw: Request) -> Response:
+        return await _respond(pool, req, raw)
+
+    @app.post("/inference/v1/generate")
+    async def generate(req: GenerateRequest, raw: Request) -> Response:
+        return await _respond(pool, req, raw)
+
+    @app.post("/generate")
+    async def sglang_generate(req: SglangGenerateRequest, raw: Request) -> Response:
+        return await _respond(pool, req, raw)
+
     tok.add_routes(app, pool)
     lora.add_routes(app, pool)
+    render.add_routes(app, pool)
+    control.add_routes(app, pool)
     page.add_routes(app, access.api_key is not None)
     return app
 
 
-async def _respond(
-    pool: ModelPool, req: ChatCompletionRequest | CompletionRequest, raw: Request
-) -> Response:
+Routed = ChatCompletionRequest | CompletionRequest | GenerateRequest | SglangGenerateRequest
+
+
+def _serving(slot: ModelSlot, req: Routed) -> Any:
+    """The serving object of the request's route on its model."""
+    if isinstance(req, ChatCompletionRequest):
+        return slot.chat
+    if isinstance(req, GenerateRequest):
+        return slot.generate
+    if isinstance(req, SglangGenerateRequest):
+        return slot.sglang
+    return slot.completions
+
+
+async def _respond(pool: ModelPool, req: Routed, raw: Request) -> Response:
     """The request's model (loaded first if need be), then SSE for a streamed request, else one
     JSON body; 499 when the client left first. Unknown fields: a 400 before the model is
     looked at (or loaded), or (--ignore-unknown-fields) a header naming them."""
     if not pool.ignore_unknown_fields:
         check_unknown(req, False)
-    async with pool.use(req.model) as slot:
-        serving: Any = slot.chat if isinstance(req, ChatCompletionRequest) else slot.completions
+    name = req.served_name if isinstance(req, SglangGenerateRequest) else req.model
+    async with pool.use(name) as slot:
+        serving = _serving(slot, req)
         headers = serving.served.fields_headers(req)
         if req.stream:  # submitted by now: the engine counts it as in flight until it ends
             events = serving.stream(req)

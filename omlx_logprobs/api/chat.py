@@ -17,12 +17,13 @@ from omlx_logprobs.api import sections, tools
 from omlx_logprobs.api.constraints import constraint_field
 from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.api.inputs import chat_prompt, sampling_params
-from omlx_logprobs.api.protocol import ChatCompletionRequest, NamedToolChoice
+from omlx_logprobs.api.protocol import ChatCompletionRequest, ChatTokensRequest, NamedToolChoice
 from omlx_logprobs.api.response import (
     prompt_logprobs_json,
     raise_if_failed,
     usage,
     wait_or_disconnect,
+    weight_spans_json,
     weight_version_json,
 )
 from omlx_logprobs.api.served import Served
@@ -61,7 +62,7 @@ class ChatServing:
         served.check_model(req.model)
         served.checks.check_chat(req)
         parsing = tools.tool_parsing(req, served.tool_format, served.model.tokenizer)
-        prompt = chat_prompt(req, served.model, served.checks)
+        prompt = self.prompt(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = sampling_params(
             req,
@@ -99,6 +100,22 @@ class ChatServing:
             adapter=served.adapter(req.model),
         )
         return ereq, served.engine.submit(ereq)
+
+    def prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The chat template's ids of the messages, or, on /v1/chat/completions/tokens, the
+        ids the client sent (the conversation as its trainer holds it: never re-tokenized)."""
+        served = self.served
+        if not isinstance(req, ChatTokensRequest):
+            return chat_prompt(req, served.model, served.checks)
+        served.checks.check_token_ids(req.tokens, "tokens")
+        return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens)
+
+    def flat(self, req: ChatCompletionRequest) -> bool:
+        """Whether every generated token's entry goes in logprobs.content (docs/specs/rl.md:
+        a client that asks for the token ids aligns them with these entries)."""
+        if req.flat_logprobs is not None:
+            return req.flat_logprobs
+        return req.return_token_ids or self.served.cfg.flat_logprobs
 
     @staticmethod
     def _prompt_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -142,7 +159,7 @@ class ChatServing:
                 ids = f',"token_ids":{json.dumps(out.token_ids.tolist())}'
             choices.append(
                 f'{{"index":{out.index},"message":{message},"logprobs":{lp},'
-                f'"finish_reason":{finish}{ids}}}'
+                f'"finish_reason":{finish}{ids}{weight_spans_json(out)}}}'
             )
         extra = ""
         if req.return_token_ids:
@@ -153,9 +170,10 @@ class ChatServing:
             entries = prompt_logprobs_json(req, scored, self.prompt_formatters, asked)
             extra += f',"prompt_logprobs":{entries}'
         body = usage(outs, think is not ThinkStart.OFF)
+        w = weight_version_json(outs[0].weight_version, outs[0].adapter)
         return (
             f'{self._head(ereq, "chat.completion")}"choices":[{",".join(choices)}],'
-            f'"usage":{json.dumps(body)}{extra}{weight_version_json(outs[0].weight_version)}}}'
+            f'"usage":{json.dumps(body)}{extra}{w}}}'
         )
 
     def _logprobs_json(
@@ -163,7 +181,7 @@ class ChatServing:
     ) -> str:
         """The entries of out's tokens; with the thinking parser on, reasoning tokens apart
         (reasoning comes first); with tool calls parsed, the calls' tokens apart (they come
-        last)."""
+        last); flat (`flat`), all of them in content, in order."""
         e = out.logprobs
         if e is None:
             return "null"
@@ -175,7 +193,7 @@ class ChatServing:
             def entries(rows: Entries) -> str:
                 return encode_block(rows, e.k, encoding)
 
-        if ereq.think is ThinkStart.OFF and ereq.tools is None:
+        if (ereq.think is ThinkStart.OFF and ereq.tools is None) or self.flat(req):
             return head + '"content":' + entries(e) + ',"refusal":null}'
         r, t = out.num_reasoning, len(e) - out.num_tool
         body = f'{head}"content":{entries(e.rows(r, t))},'
@@ -217,7 +235,7 @@ class ChatServing:
             first = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}' if ids else ""
             stream = merged([handle])
             _, head_out = await anext(stream)  # the role chunks name the weights: they wait
-            tail = weight_version_json(head_out.weight_version) + tail
+            tail = weight_version_json(head_out.weight_version, head_out.adapter) + tail
             for i in range(ereq.n):  # prompt_token_ids once, with the first chunk (vLLM)
                 yield chunk(i, {"role": role, "content": ""}, "null", None, first if i == 0 else "")
             if echo:  # vLLM: the echoed text in a chunk of its own, before the generated text
@@ -240,11 +258,11 @@ class ChatServing:
                     reason = out.finish_reason.value if out.finish_reason else None
                     called = numbering[i].count > 0
                     finish = tools.finish_reason(reason, called, named)
-                    yield chunk(i, {}, "null", finish)
+                    yield chunk(i, {}, "null", finish, weight_spans_json(out))
             if include_usage:
                 done = [finals[i] for i in sorted(finals)]
                 body = json.dumps(usage(done, think is not ThinkStart.OFF))
-                w = weight_version_json(done[0].weight_version)
+                w = weight_version_json(done[0].weight_version, done[0].adapter)
                 yield f'data: {head}"choices":[],"usage":{body}{w}}}\n\n'
             yield "data: [DONE]\n\n"
         finally:

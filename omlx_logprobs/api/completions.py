@@ -20,6 +20,7 @@ from omlx_logprobs.api.response import (
     raise_if_failed,
     usage,
     wait_or_disconnect,
+    weight_spans_json,
     weight_version_json,
 )
 from omlx_logprobs.api.served import Served
@@ -96,7 +97,7 @@ class CompletionServing:
         served = self.served
         served.check_model(req.model)
         served.checks.check_completion(req)
-        cap = served.cfg.max_top_logprobs
+        cap = served.checks.bounds.max_top_logprobs
         if req.logprobs is not None and req.logprobs > cap:
             raise APIError(f"logprobs must be at most {cap}", param="logprobs")
         prompts = parse_prompts(req, served)
@@ -177,9 +178,9 @@ class CompletionServing:
             finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
             parts.append(
                 f'{{"index":{c.index},"text":{text},"logprobs":{lp},'
-                f'"finish_reason":{finish}{extras}}}'
+                f'"finish_reason":{finish}{extras}{weight_spans_json(out)}}}'
             )
-        w = weight_version_json(outs[0].weight_version)
+        w = weight_version_json(outs[0].weight_version, outs[0].adapter)
         body = f'"choices":[{",".join(parts)}],"usage":{json.dumps(usage(outs))}{w}}}'
         return self._head(rid, req.model) + body
 
@@ -198,7 +199,7 @@ class CompletionServing:
         try:
             async for p, out in merged(handles):
                 if not w:  # one version for the response (see weight_version_json)
-                    w = weight_version_json(out.weight_version)
+                    w = weight_version_json(out.weight_version, out.adapter)
                     tail = w + tail
                 i = p * req.n + out.index
                 c = choices[i]
@@ -222,7 +223,10 @@ class CompletionServing:
                 if out.finished:
                     finals[i] = out
                     fin = json.dumps(out.finish_reason.value if out.finish_reason else None)
-                    choice = f'{{"index":{i},"text":"","logprobs":null,"finish_reason":{fin}}}'
+                    choice = (
+                        f'{{"index":{i},"text":"","logprobs":null,"finish_reason":{fin}'
+                        f"{weight_spans_json(out)}}}"
+                    )
                     yield f'data: {head}"choices":[{choice}]{tail}\n\n'
             if include_usage:
                 body = json.dumps(usage([finals[c.index] for c in choices]))

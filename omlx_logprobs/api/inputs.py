@@ -7,7 +7,7 @@ from __future__ import annotations
 from omlx_logprobs.api import tools
 from omlx_logprobs.api.constraints import request_constraint
 from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingFields
+from omlx_logprobs.api.protocol import ChatCompletionRequest, SamplingKnobs
 from omlx_logprobs.api.served import Served
 from omlx_logprobs.api.validation import RequestLimits
 from omlx_logprobs.models.loader import LoadedModel
@@ -15,23 +15,24 @@ from omlx_logprobs.types import LogprobsMode, SamplingParams
 
 
 def sampling_params(
-    req: SamplingFields,
+    req: SamplingKnobs,
     served: Served,
     prompt_len: int,
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
     prompt_logprobs: int | None = None,
+    prompt_param: str | None = None,
 ) -> SamplingParams:
     """Request fields as SamplingParams; a 400 for every value the engine cannot take (the
     checks live in api/validation.py). `prompt_logprobs` is what the engine computes (the
-    caller may ask more than the field)."""
+    caller may ask more than the field); `prompt_param` names the prompt in a 400."""
     checks = served.checks
     completion = getattr(req, "max_completion_tokens", None) is not None
     tokens_param = "max_completion_tokens" if completion else "max_tokens"
-    prompt_param = "messages" if hasattr(req, "messages") else "prompt"
+    prompt_param = prompt_param or ("messages" if hasattr(req, "messages") else "prompt")
     room = checks.check_prompt(prompt_len, max_tokens, prompt_param, tokens_param)
-    cap = served.cfg.max_top_logprobs
+    cap = checks.bounds.max_top_logprobs
     if prompt_logprobs is not None and prompt_logprobs > cap:
         raise APIError(f"prompt_logprobs must be at most {cap}", param="prompt_logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
