@@ -62,7 +62,7 @@ types: install
 check: lint types test
 
 # CPU preset (our server, mlx-lm's server, bare mlx-lm; < 15 min on a quiet 2-core box): rewrites
-# its section of docs/benchmarks.md. Other presets and the GPU run: see that page.
+# its section of docs/bench-results.md. Other presets and the GPU run: docs/benchmarks.md.
 bench: install
 	$(PY) bench/run.py --preset cpu
 
