@@ -13,16 +13,14 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import psutil
 from pydantic import BaseModel
 
 from omlx_logprobs.api.constraints import given, request_constraint
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.config import Limits
-from omlx_logprobs.models.footprint import kv_bytes_per_token, weight_mib
+from omlx_logprobs.models.footprint import kv_memory
 
 # Fields that take a logprob count: chat's `top_logprobs`, completions' integer `logprobs`, vLLM's
 # `prompt_logprobs`. A boolean `logprobs` (chat) is not a count.
@@ -142,7 +140,7 @@ def model_bounds(model: Any, max_top_logprobs: int) -> ModelBounds:
     reserved |= TEMPLATE_VARIABLES
     # --max-logprobs -1: the whole vocabulary; no list is longer than the vocabulary anyway
     cap = len(vocab) if max_top_logprobs < 0 else min(max_top_logprobs, len(vocab))
-    per_token, budget = _kv_memory(model)
+    per_token, budget = kv_memory(model)
     return ModelBounds(
         len(vocab),
         model.max_model_len,
@@ -152,21 +150,6 @@ def model_bounds(model: Any, max_top_logprobs: int) -> ModelBounds:
         per_token,
         budget,
     )
-
-
-def _kv_memory(model: Any) -> tuple[int, int]:
-    """(one token's keys and values at float32, the host's memory less the weights'): what a
-    request's context is checked against at admission. float32 is the CPU's dtype and an upper
-    bound elsewhere; the host's memory is a Mac's unified memory (on a GPU host, the card may
-    have less: its prefill is bounded by engine/query_blocks.py, its rows by max_num_seqs)."""
-    path = getattr(model, "path", None)
-    if not isinstance(path, Path):
-        return 0, 0
-    per_token = kv_bytes_per_token(path)
-    if not per_token:
-        return 0, 0
-    total = psutil.virtual_memory().total
-    return per_token, max(total - (weight_mib(path) << 20), 0)
 
 
 class RequestLimits:
