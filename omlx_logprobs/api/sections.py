@@ -9,9 +9,27 @@ and no text).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-from omlx_logprobs.types import RequestOutput, ThinkStart
+from omlx_logprobs.types import Entries, RequestOutput, ThinkStart
+
+
+class Sections(NamedTuple):
+    """An output's entries by section: reasoning first, then content, then tool calls (every
+    API places each section's entries beside that section's text)."""
+
+    reasoning: Entries
+    content: Entries
+    tools: Entries
+
+
+def sections(out: RequestOutput) -> Sections | None:
+    """The entries of out's tokens, split where its sections meet; None without logprobs."""
+    e = out.logprobs
+    if e is None:
+        return None
+    r, t = out.num_reasoning, len(e) - out.num_tool
+    return Sections(e.rows(0, r), e.rows(r, t), e.rows(t, len(e)))
 
 
 def message(
