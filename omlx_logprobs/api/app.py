@@ -19,6 +19,8 @@ from omlx_logprobs.api.guard import install_guard
 from omlx_logprobs.api.openapi import install_openapi
 from omlx_logprobs.api.pool import ModelPool, Unavailable
 from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
+from omlx_logprobs.api.responses import routes as responses
+from omlx_logprobs.api.responses.store import ResponseStore
 from omlx_logprobs.api.served import Served
 from omlx_logprobs.api.validation import check_unknown
 from omlx_logprobs.config import Access
@@ -77,6 +79,7 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
     async def text_completions(req: CompletionRequest, raw: Request) -> Response:
         return await _respond(pool, req, raw)
 
+    responses.add_routes(app, pool, ResponseStore())
     tok.add_routes(app, pool)
     lora.add_routes(app, pool)
     page.add_routes(app, access.api_key is not None)
