@@ -313,7 +313,7 @@ def _group_config(
         parser.error("a model split over processes needs --model (an mlx-lm directory)")
     if rank_from_env() != 0:
         return None
-    if cfg.engine.prefix_cache_mib:
+    if cfg.engine.prefix_cache_mib != 0:
         log.info("prefix cache off: the model is split over processes (docs/distributed.md)")
     engine = replace(cfg.engine, parallel=args.parallel, prefix_cache_mib=0)
     return replace(cfg, engine=engine)

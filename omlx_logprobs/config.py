@@ -19,8 +19,9 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"  # the default of requests that name none
     # MLX's cache of freed buffers; None: 4 GiB on a GPU, MLX's own default on the CPU.
     cache_limit_mib: int | None = None
-    # Device memory for shared prompt prefixes' keys and values; 0 turns prefix caching off.
-    prefix_cache_mib: int = 256
+    # Device memory for kept sequences' keys and values (engine/prefix_cache.py); 0 turns
+    # prefix caching off; None: a share of the memory left after the weights.
+    prefix_cache_mib: int | None = None
     # The activations' dtype: auto (float32 on the CPU, the stored dtype on a GPU), float32,
     # bfloat16 or float16; the log-softmax is float32 whatever this is.
     dtype: str = "auto"
@@ -46,7 +47,7 @@ class EngineConfig:
             raise ValueError("group_timeout_s must be > 0")
         if self.cache_limit_mib is not None and self.cache_limit_mib < 0:
             raise ValueError("cache_limit_mib must be >= 0")
-        if self.prefix_cache_mib < 0:
+        if self.prefix_cache_mib is not None and self.prefix_cache_mib < 0:
             raise ValueError("prefix_cache_mib must be >= 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("dtype must be auto, float32, bfloat16 or float16")

@@ -134,7 +134,8 @@ def _add_distributed(s: argparse.ArgumentParser) -> None:
         const="tensor",
         default="auto",
         help="split every layer's heads and MLP over the processes (the default where mlx-lm's"
-        " family has it)",
+        " family has it and the process count divides what it splits; refused where it does"
+        " not)",
     )
     way.add_argument(
         "--pipeline-parallel",
@@ -142,7 +143,7 @@ def _add_distributed(s: argparse.ArgumentParser) -> None:
         action="store_const",
         const="pipeline",
         help="give each process consecutive layers (the default for families without tensor"
-        " parallelism)",
+        " parallelism, and where the process count does not divide the heads)",
     )
     g.add_argument(
         "--group-timeout-s",
@@ -183,9 +184,10 @@ def _add_batching(s: argparse.ArgumentParser) -> None:
         "--prefix-cache-mib",
         type=int,
         default=EngineConfig.prefix_cache_mib,
-        help="memory for the keys and values of prompt prefixes that requests share (a chat"
-        " template's system turn, one prompt sent many times), so that those prefill only what"
-        " follows; 0 turns prefix caching off (default: %(default)s)",
+        help="memory for the keys and values of finished sequences (a conversation's turns,"
+        " prompt and answer) and of prompt starts that requests share, so that a prompt"
+        " starting with one prefills only what follows; 0 turns prefix caching off (default:"
+        " a quarter of the memory left after the weights, at most 16384)",
     )
 
 

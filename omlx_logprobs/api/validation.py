@@ -13,13 +13,16 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import psutil
 from pydantic import BaseModel
 
 from omlx_logprobs.api.constraints import given, request_constraint
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.config import Limits
+from omlx_logprobs.models.footprint import kv_bytes_per_token, weight_mib
 from omlx_logprobs.types import Constraint
 
 # Fields that take a logprob count: chat's `top_logprobs`, completions' integer `logprobs`, vLLM's
@@ -106,6 +109,9 @@ class ModelBounds:
     max_top_logprobs: int
     max_token_bytes: int  # the longest token's text, special tokens included
     template_params: frozenset[str]  # apply_chat_template's own parameters
+    # One token's keys and values, and the memory the weights leave for them (0: unchecked).
+    kv_bytes_per_token: int = 0
+    kv_budget_bytes: int = 0
 
 
 def model_bounds(model: Any, max_top_logprobs: int) -> ModelBounds:
@@ -121,9 +127,31 @@ def model_bounds(model: Any, max_top_logprobs: int) -> ModelBounds:
     except (TypeError, ValueError, AttributeError):
         reserved = set()
     reserved |= TEMPLATE_VARIABLES
+    per_token, budget = _kv_memory(model)
     return ModelBounds(
-        len(vocab), model.max_model_len, max_top_logprobs, max(longest, 1), frozenset(reserved)
+        len(vocab),
+        model.max_model_len,
+        max_top_logprobs,
+        max(longest, 1),
+        frozenset(reserved),
+        per_token,
+        budget,
     )
+
+
+def _kv_memory(model: Any) -> tuple[int, int]:
+    """(one token's keys and values at float32, the host's memory less the weights'): what a
+    request's context is checked against at admission. float32 is the CPU's dtype and an upper
+    bound elsewhere; the host's memory is a Mac's unified memory (on a GPU host, the card may
+    have less: its prefill is bounded by engine/query_blocks.py, its rows by max_num_seqs)."""
+    path = getattr(model, "path", None)
+    if not isinstance(path, Path):
+        return 0, 0
+    per_token = kv_bytes_per_token(path)
+    if not per_token:
+        return 0, 0
+    total = psutil.virtual_memory().total
+    return per_token, max(total - (weight_mib(path) << 20), 0)
 
 
 class RequestLimits:
@@ -272,7 +300,25 @@ class RequestLimits:
                 param=prompt_param if room <= 0 else tokens_param,
                 code="context_length_exceeded",
             )
+        self._check_memory(prompt_len, max_tokens or 0, prompt_param, tokens_param)
         return room
+
+    def _check_memory(self, prompt: int, more: int, prompt_param: str, tokens_param: str) -> None:
+        """The keys and values the request's context needs against the memory the weights
+        leave: a 400 with the numbers, never an allocation that fails in the engine."""
+        b = self.bounds
+        need = (prompt + more) * b.kv_bytes_per_token
+        if not b.kv_bytes_per_token or need <= b.kv_budget_bytes:
+            return
+        raise APIError(
+            f"This request's context needs about {need >> 20} MiB of keys and values"
+            f" ({prompt} prompt tokens + {more} {tokens_param}, {b.kv_bytes_per_token} bytes a"
+            f" token), more than the {b.kv_budget_bytes >> 20} MiB this machine has beside the"
+            " model's weights: send a shorter prompt or ask for fewer tokens.",
+            param=prompt_param if prompt * b.kv_bytes_per_token > b.kv_budget_bytes
+            else tokens_param,
+            code="context_length_exceeded",
+        )
 
     # ---- values the engine takes --------------------------------------------------------------
     def logit_bias(self, raw: dict[str, float]) -> tuple[tuple[int, float], ...]:

@@ -168,6 +168,11 @@ class BatchCache:
     def _width(self) -> int:
         return self._kv[0]._idx if self._kv else 0
 
+    @property
+    def width(self) -> int:
+        """Columns written so far in the plain KV layers (each row's padding included)."""
+        return self._width()
+
     def extend(self, other: BatchCache) -> None:
         """Append other's rows below these (BatchKVCache.extend right-aligns both)."""
         mine, theirs = self._width(), other._width()

@@ -32,6 +32,7 @@ from omlx_logprobs.engine.messages import (
     WeightsUpdated,
 )
 from omlx_logprobs.engine.model_runner import ModelRunner
+from omlx_logprobs.models.sharded import SplitRefused
 from omlx_logprobs.types import EngineRequest, RequestOutput, WeightUpdateResult
 
 log = logging.getLogger("omlx_logprobs")
@@ -95,6 +96,9 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
             runner=runner,
             adapters=spec.adapters,
         )
+    except SplitRefused as exc:  # said in the log already, on every rank: no traceback
+        outbox.send(Failed(str(exc)))
+        os._exit(2)
     except Exception as exc:
         log.exception("the engine process could not start")
         outbox.send(Failed(f"{type(exc).__name__}: {exc}"))

@@ -61,6 +61,7 @@ from omlx_logprobs.engine.group_runner import FollowerRunner, LeaderRunner, foll
 from omlx_logprobs.engine.liveness import keep_alive, rank0_address
 from omlx_logprobs.engine.model_runner import ModelRunner
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.models.sharded import SplitRefused
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -96,8 +97,11 @@ def _rank0_lost(why: str) -> None:
 
 def follower_main(source: str, cfg: EngineConfig) -> int:
     """A rank other than 0: load its share, build the same runner as rank 0's, follow rank 0;
-    the process's exit status."""
-    gm = load_for_group(source, None, cfg)
+    the process's exit status (2: the model cannot be split as asked, said in the log)."""
+    try:
+        gm = load_for_group(source, None, cfg)
+    except SplitRefused:
+        return 2
     model = gm.model
     runner = FollowerRunner(
         model.model,

@@ -17,7 +17,7 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.group import RankInfo, exchange_info, init_group
 from omlx_logprobs.engine.liveness import Listener, rank0_address
 from omlx_logprobs.models.loader import LoadedModel, load_model, logits_width
-from omlx_logprobs.models.sharded import Share, load_share
+from omlx_logprobs.models.sharded import Share, SplitRefused, load_share
 from omlx_logprobs.vocab import build_vocabulary
 
 log = logging.getLogger("omlx_logprobs")
@@ -37,10 +37,19 @@ class GroupModel:
 
 def load_for_group(source: str, name: str | None, cfg: EngineConfig) -> GroupModel:
     """Join the group, load this rank's share of `source` (an mlx-lm directory, resolved by
-    rank 0's server the same way on every rank), and learn every rank's share."""
+    rank 0's server the same way on every rank), and learn every rank's share. SplitRefused
+    (said in the log first) when the model cannot be split over the group as asked."""
     group, backend = init_group()
     facts = load_model(source, name, cfg.max_model_len, weights=False)
-    share = load_share(Path(facts.path), group, cfg.parallel or "auto", cfg.dtype)
+    try:
+        share = load_share(Path(facts.path), group, cfg.parallel or "auto", cfg.dtype)
+    except SplitRefused as exc:
+        # Every rank reaches the same verdict. Each says it, then waits for the others to have
+        # said it: mlx.launch stops every rank once one exits with an error, which would cut a
+        # slower rank short of its message (rank 0's engine starts last).
+        log.error("the model cannot be split as asked: %s", exc)
+        mx.eval(mx.distributed.all_sum(mx.zeros(1), group=group))
+        raise
     order_forwards(share.net, share.mode)
     vocab = build_vocabulary(facts.tokenizer, max(logits_width(share.net), len(facts.tokenizer)))
     model = replace(facts, model=share.net, vocab=vocab)

@@ -18,13 +18,22 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_logprobs.engine import attention, compiled, lean_decode
+from omlx_logprobs.engine import attention, compiled, lean_decode, query_blocks
 from omlx_logprobs.engine.batch_cache import BatchCache, kinds
 from omlx_logprobs.engine.fusion import Fusion
 from omlx_logprobs.engine.grammar import bitmask, open_ended
 from omlx_logprobs.engine.lean_decode import LeanDecode
 from omlx_logprobs.engine.lora import AdapterSet
-from omlx_logprobs.engine.prefix_cache import Key, Prefix, PrefixCache, keeps_prefixes, make_prefix
+from omlx_logprobs.engine.prefix_cache import (
+    Key,
+    Prefix,
+    PrefixCache,
+    default_budget_mib,
+    keeps_prefixes,
+    keeps_sequences,
+    make_prefix,
+    seed,
+)
 from omlx_logprobs.engine.probe import probe
 from omlx_logprobs.engine.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
 from omlx_logprobs.engine.sampler import (
@@ -41,7 +50,7 @@ from omlx_logprobs.engine.step import DeviceTime, LaunchedStep, StepResult
 from omlx_logprobs.engine.weights import load_into
 from omlx_logprobs.logprobs.extract import release_scratch
 from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor, choose_extractor
-from omlx_logprobs.types import AdapterChange
+from omlx_logprobs.types import AdapterChange, FinishReason
 
 __all__ = ["ModelRunner"]
 
@@ -85,7 +94,7 @@ class ModelRunner:
         model: Any,
         vocab_size: int,
         cache_limit_mib: int | None = None,
-        prefix_cache_mib: int = 0,
+        prefix_cache_mib: int | None = 0,
         stop_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
@@ -103,6 +112,7 @@ class ModelRunner:
         # probe below compares the batch with each row alone.
         if attention.install():
             log.info("decode attention: one CUDA kernel per layer (engine/attention.py)")
+        query_blocks.install()  # prefill attention's memory bounded (engine/query_blocks.py)
         self.fusion = Fusion(model)  # q/k/v and gate/up projections as one matmul each
         # The model's own caches, one per layer: each batch cache is made of their batch forms
         # (batch_cache.py); a model with a cache mlx-lm cannot batch is refused here.
@@ -113,6 +123,12 @@ class ModelRunner:
         # Shared prompt prefixes: plain KV and sliding-window caches only. A prefix's keys are
         # placed per row at its own padding; a recurrent state cannot be cut to that length.
         self.prefixes: PrefixCache | None = None
+        # Finished sequences (prompt and output) are kept too: plain KV layers only.
+        self.keeps_finished = keeps_sequences(self.templates)
+        if prefix_cache_mib is None:
+            prefix_cache_mib = default_budget_mib()
+            log.info("prefix cache: %d MiB (a quarter of the memory left after the weights)",
+                     prefix_cache_mib)  # fmt: skip
         if prefix_cache_mib > 0 and keeps_prefixes(self.templates):
             self.prefixes = PrefixCache(prefix_cache_mib << 20, self._make_prefix)
         elif prefix_cache_mib > 0:
@@ -318,15 +334,36 @@ class ModelRunner:
 
     @staticmethod
     def _uses_prefixes(seq: Sequence) -> bool:
-        # Scored prompts need every position's logits; prompts with forks take the chunk path.
-        return seq.prompt_store is None and not seq.forks
+        # Scored prompts need every position's logits.
+        return seq.prompt_store is None
+
+    def _chunk_cache(self, chunk: PrefillChunk) -> tuple[list[Any], int]:
+        """A prompt's one-row cache between its chunks, and where this chunk's forward starts.
+        At the prompt's first chunk, the cache is seeded with the longest kept start (the
+        scheduler started the chunk there; should that prefix be gone since, the forward
+        starts from what is kept)."""
+        seq = chunk.seq
+        cache = self.chunk_caches.get(seq.seq_id)
+        if cache is not None:
+            return cache, chunk.start
+        cache = self.chunk_caches[seq.seq_id] = make_prompt_cache(self.model)
+        start = 0
+        if self.prefixes is not None and self._uses_prefixes(seq):
+            key = self.adapters.key(seq.adapter)
+            found = self.prefixes.longest(seq.prompt_ids, chunk.end - 1, key)
+            if found is not None:
+                seed(cache, found)
+                start = len(found.tokens)
+        for s in seq.group:
+            s.cached_tokens = start
+        return cache, start
 
     def _prefill_chunk(self, chunk: PrefillChunk) -> tuple[mx.array | None, PendingPrompts | None]:
         """One chunk of one prompt in its own cache: the last chunk's last logits (else None),
         and the chunk's prompt entries when the prompt asks for them."""
         seq = chunk.seq
-        cache = self.chunk_caches.setdefault(seq.seq_id, make_prompt_cache(self.model))
-        ids = mx.array([seq.prompt_ids[chunk.start : chunk.end]])
+        cache, start = self._chunk_cache(chunk)
+        ids = mx.array([seq.prompt_ids[start : chunk.end]])
         self.adapters.select_rows([seq])
         scored: Any = None
         unread: tuple[mx.array, ...] = ()
@@ -517,7 +554,8 @@ class ModelRunner:
         self.rows += seqs
 
     def release(self, seqs: list[Sequence]) -> None:
-        """Forget finished or aborted sequences and free their cache rows."""
+        """Forget finished or aborted sequences and free their cache rows; a finished row's
+        keys and values (its prompt and output) are kept in the prefix cache first."""
         for s in seqs:
             self.chunk_caches.pop(s.seq_id, None)
             self.prefilled.pop(s.seq_id, None)
@@ -525,6 +563,7 @@ class ModelRunner:
         keep = [i for i, s in enumerate(self.rows) if s.seq_id not in gone]
         if len(keep) == len(self.rows):
             return
+        self._keep_finished([i for i, s in enumerate(self.rows) if s.seq_id in gone])
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.batch_cache = None
@@ -533,6 +572,29 @@ class ModelRunner:
             return
         assert self.batch_cache is not None
         self.batch_cache.filter(keep, self.trim_align)
+
+
+    def _keep_finished(self, rows: list[int]) -> None:
+        """Keep these batch rows' keys and values, each under its tokens (the prompt, then the
+        output as far as it was fed back; the last sampled token usually was not)."""
+        cache = self.batch_cache
+        if self.prefixes is None or not self.keeps_finished or cache is None:
+            return
+        for i in rows:
+            seq = self.rows[i]
+            if seq.finish_reason is FinishReason.ERROR:
+                continue
+            tokens = (*seq.prompt_ids, *seq.output_ids.tolist())
+            pad = cache.pads[i]
+            n = min(cache.width - pad, len(tokens))
+            kv = [(c.keys[i : i + 1, :, pad : pad + n, :], c.values[i : i + 1, :, pad : pad + n, :])
+                  for c in cache.layers]  # fmt: skip
+            prefix = Prefix(
+                tokens[:n],
+                [mx.contiguous(k) for k, _ in kv],
+                [mx.contiguous(v) for _, v in kv],
+            )
+            self.prefixes.keep(self.adapters.key(seq.adapter), prefix)
 
 
 def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[list[PrefillChunk]]:

@@ -1,10 +1,20 @@
-"""Prompt prefixes whose keys and values stay on the device, so that prompts sharing one (a chat
-template's system turn, one prompt sent many times) prefill only what follows it.
+"""Keys and values of token sequences kept on the device, so that a prompt starting with one
+prefills only what follows it: a chat template's system turn shared by many prompts, and a
+conversation's earlier turns (its prompt and the answer generated to it) resent with the next.
 
-A prefix is kept only once two prompts have shared it (a prompt and the last one seen that began
-with the same MIN_TOKENS tokens), and its length is a multiple of BLOCK, so prompts that share
-nothing beyond the template never fill the cache with prefixes no one will ask for again. Least
-recently used prefixes go first when the byte budget is spent.
+What is kept:
+- every finished sequence, its prompt and its output (a conversation's next turn resends both);
+- a prompt start that two prompts have shared (a prompt and the last one seen that began with
+  the same MIN_TOKENS tokens), made by a forward of its own, a multiple of BLOCK long.
+
+A prompt finds the longest kept sequence it shares a start with, at any length: a sequence's
+keys and values at position i depend only on the tokens up to i, so any start of a kept
+sequence is a prefix too. The index hashes each kept sequence's starts at every multiple of
+BLOCK (a chain of block hashes, as vLLM's automatic prefix caching keys its blocks); a lookup
+walks the prompt's blocks until one misses, then compares tokens one by one past the last hit.
+Entries are whole sequences, not blocks: MLX has no paged attention, and seeding a batch from
+one contiguous array per layer is one gather (BatchCache.seeded). Least recently used entries go
+first when the byte budget is spent.
 """
 
 from __future__ import annotations
@@ -17,8 +27,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-BLOCK = 8  # prefix lengths are multiples of this
-MIN_TOKENS = 16  # shorter shared prefixes are not worth a forward of their own
+BLOCK = 8  # the index's granularity; a shared-start prefix is a multiple of it
+MIN_TOKENS = 16  # shorter shared starts are not worth keeping or looking up
 RECENT = 256  # prompt starts remembered, each with the last prompt that began with it
 
 
@@ -34,6 +44,16 @@ class Prefix:
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
+    def start(self, n: int) -> Prefix:
+        """Its first n tokens' keys and values (views)."""
+        if n == len(self.tokens):
+            return self
+        return Prefix(
+            self.tokens[:n],
+            [k[..., :n, :] for k in self.keys],
+            [v[..., :n, :] for v in self.values],
+        )
+
 
 # Whose keys and values a prefix holds: the base model's or a LoRA adapter's (slot, load). A
 # prefix is never shared across keys: an adapter changes every layer's keys and values.
@@ -42,6 +62,23 @@ BASE_KEY: Key = (0, 0)
 # Makes the prefix `tokens` (a forward of the model), from a shorter kept one when there is one,
 # for the rows of a key.
 Make = Callable[[tuple[int, ...], "Prefix | None", Key], "Prefix"]
+
+
+# The default budget: this share of the memory left once the weights are loaded, within bounds.
+BUDGET_SHARE = 0.25
+BUDGET_MIB = (256, 16384)
+
+
+def default_budget_mib() -> int:
+    """A quarter of the memory the weights left (unified memory on a Mac, the card's on a GPU,
+    the host's on the CPU), at least 256 MiB and at most 16 GiB."""
+    import psutil
+
+    info = mx.device_info() if mx.default_device() == mx.gpu else {}
+    total = int(info.get("memory_size", 0) or psutil.virtual_memory().total)
+    left = max(total - mx.get_active_memory(), 0)
+    low, high = BUDGET_MIB
+    return int(min(max(left * BUDGET_SHARE / 2**20, low), high))
 
 
 def keeps_prefixes(caches: list[Any]) -> bool:
@@ -53,17 +90,29 @@ def keeps_prefixes(caches: list[Any]) -> bool:
     return all(type(c) is KVCache or (type(c) is RotatingKVCache and c.keep == 0) for c in caches)
 
 
+def keeps_sequences(caches: list[Any]) -> bool:
+    """Whether a finished sequence's keys and values can be kept: plain KV layers only (a
+    sliding window has dropped its oldest tokens' keys by then)."""
+    return all(type(c) is KVCache for c in caches)
+
+
+def seed(cache: list[Any], prefix: Prefix) -> None:
+    """Fill a one-row cache (`make_prompt_cache`'s) with a prefix's keys and values."""
+    n = len(prefix.tokens)
+    for c, k, v in zip(cache, prefix.keys, prefix.values):
+        if type(c) is RotatingKVCache:
+            c.state = (k, v, n, c.keep, c.max_size, n)
+        else:
+            c.state = (k, v, n)
+
+
 def make_prefix(model: Any, tokens: tuple[int, ...], base: Prefix | None) -> Prefix:
     """`tokens`' keys and values (lazy): a one-row forward, from `base`'s when given."""
     cache = make_prompt_cache(model)
     done = 0
     if base is not None:
         done = len(base.tokens)
-        for c, k, v in zip(cache, base.keys, base.values):
-            if type(c) is RotatingKVCache:
-                c.state = (k, v, done, c.keep, c.max_size, done)
-            else:
-                c.state = (k, v, done)
+        seed(cache, base)
     model(mx.array([tokens[done:]]), cache=cache)  # lazy: the head is never evaluated
     keys, values = [], []
     for i, c in enumerate(cache):
@@ -88,6 +137,15 @@ def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def block_hashes(ids: Sequence[int], limit: int) -> list[int]:
+    """The chain hash of each whole block of ids[:limit]: entry j covers ids[: (j + 1) BLOCK]."""
+    out, h = [], 0
+    for j in range(0, limit - BLOCK + 1, BLOCK):
+        h = hash((h, tuple(ids[j : j + BLOCK])))
+        out.append(h)
+    return out
+
+
 class PrefixCache:
     def __init__(self, max_bytes: int, make: Make) -> None:
         self.max_bytes = max_bytes
@@ -95,17 +153,20 @@ class PrefixCache:
         # (key, tokens) -> prefix, oldest use first
         self.entries: OrderedDict[tuple[Key, tuple[int, ...]], Prefix] = OrderedDict()
         self.nbytes = 0
-        self._lengths: dict[int, int] = {}  # entries per prefix length
+        # (key, chain hash of a start) -> the entries that start so, the most recent last
+        self._index: dict[tuple[Key, int], list[Prefix]] = {}
         # (key, first MIN_TOKENS tokens) -> the last prompt assigned that began with them.
         self._recent: OrderedDict[tuple[Key, tuple[int, ...]], Sequence[int]] = OrderedDict()
 
     def assign(
         self, prompts: list[Sequence[int]], keys: list[Key] | None = None
     ) -> list[Prefix | None]:
-        """The longest kept prefix each prompt starts with, after making those that a prompt
-        shares, beyond the longest kept one, with the last prompt (of this step or an earlier
-        one) that began the same way, on the same key. Every prompt keeps at least its last token
-        to compute: the prefill needs its logits. `keys`: each prompt's key (default: the base)."""
+        """The longest kept start of each prompt, after making those that a prompt shares,
+        beyond the longest kept one, with the last prompt (of this step or an earlier one) that
+        began the same way, on the same key. Every prompt keeps at least its last token to
+        compute: the prefill needs its logits. Prompts given the same start get the same
+        object (one seeds a whole prefill group). `keys`: each prompt's key (default: the
+        base)."""
         keys = keys or [BASE_KEY] * len(prompts)
         for p, key in zip(prompts, keys):
             if len(p) <= MIN_TOKENS:
@@ -119,56 +180,88 @@ class PrefixCache:
                 continue
             seen = min(len(p) - 1, shared_len(p, before))
             want = seen - seen % BLOCK
-            have = self._longest(p, want, key)
+            have = self.longest(p, want, key)
             if have is None or len(have.tokens) < want:
-                self._add(key, self.make(tuple(p[:want]), have, key))
-        return [self._longest(p, len(p) - 1, key) for p, key in zip(prompts, keys)]
+                self.keep(key, self.make(tuple(p[:want]), have, key))
+        starts: dict[tuple[int, int], Prefix] = {}
+        out: list[Prefix | None] = []
+        for p, key in zip(prompts, keys):
+            found = self._find(p, len(p) - 1, key)
+            if found is None:
+                out.append(None)
+                continue
+            entry, n = found
+            self.entries.move_to_end((key, entry.tokens))
+            out.append(starts.setdefault((id(entry), n), entry.start(n)))
+        return out
+
+    def longest(self, ids: Sequence[int], limit: int, key: Key = BASE_KEY) -> Prefix | None:
+        """The longest kept start of ids, at most `limit` tokens (a use: it becomes recent)."""
+        found = self._find(ids, limit, key)
+        if found is None:
+            return None
+        entry, n = found
+        self.entries.move_to_end((key, entry.tokens))
+        return entry.start(n)
+
+    def held(self, ids: Sequence[int], key: Key = BASE_KEY) -> int:
+        """How many of a prompt's tokens a kept start holds (a look, not a use); the prompt's
+        last token is always computed."""
+        found = self._find(ids, len(ids) - 1, key)
+        return found[1] if found is not None else 0
+
+    def keep(self, key: Key, prefix: Prefix) -> None:
+        """Keep a sequence's keys and values (the least recently used go, past the budget)."""
+        if len(prefix.tokens) < MIN_TOKENS or prefix.nbytes > self.max_bytes:
+            return
+        old = self.entries.pop((key, prefix.tokens), None)
+        if old is not None:
+            self._forget(key, old)
+        self.entries[(key, prefix.tokens)] = prefix
+        self.nbytes += prefix.nbytes
+        for h in block_hashes(prefix.tokens, len(prefix.tokens)):
+            self._index.setdefault((key, h), []).append(prefix)
+        while self.nbytes > self.max_bytes:
+            (k, _), gone = self.entries.popitem(last=False)
+            self._forget(k, gone)
 
     def clear(self) -> None:
         """Forget every kept prefix (their keys and values belong to weights now replaced)."""
         self.entries.clear()
-        self._lengths.clear()
+        self._index.clear()
         self._recent.clear()
         self.nbytes = 0
 
     def drop(self, key: Key) -> None:
         """Forget one key's prefixes (its adapter is unloaded)."""
         for k in [k for k in self.entries if k[0] == key]:
-            self._forget(self.entries.pop(k))
+            self._forget(key, self.entries.pop(k))
         for k in [k for k in self._recent if k[0] == key]:
             del self._recent[k]
 
-    def held(self, ids: Sequence[int], key: Key = BASE_KEY) -> int:
-        """The length of the longest kept prefix `ids` could start from (a look, not a use)."""
-        found = self._find(ids, len(ids) - 1, key)
-        return len(found.tokens) if found is not None else 0
+    def _find(self, ids: Sequence[int], limit: int, key: Key) -> tuple[Prefix, int] | None:
+        """The most recent entry sharing the longest start with ids[:limit], and that length."""
+        best: Prefix | None = None
+        n = 0
+        for j, h in enumerate(block_hashes(ids, limit)):
+            found = self._index.get((key, h))
+            if not found:
+                break
+            best, n = found[-1], (j + 1) * BLOCK
+        if best is None or best.tokens[:n] != tuple(ids[:n]):  # none, or a hash collision
+            return None
+        # Past the last whole block: token by token, within the entry and the limit.
+        end = min(len(best.tokens), limit)
+        while n < end and best.tokens[n] == ids[n]:
+            n += 1
+        return (best, n) if n >= MIN_TOKENS else None
 
-    def _longest(self, ids: Sequence[int], limit: int, key: Key) -> Prefix | None:
-        found = self._find(ids, limit, key)
-        if found is not None:
-            self.entries.move_to_end((key, found.tokens))
-        return found
-
-    def _find(self, ids: Sequence[int], limit: int, key: Key) -> Prefix | None:
-        # One lookup per kept length, longest first: lengths are few (multiples of BLOCK).
-        for n in sorted(self._lengths, reverse=True):
-            if n <= limit and (entry := self.entries.get((key, tuple(ids[:n])))) is not None:
-                return entry
-        return None
-
-    def _add(self, key: Key, prefix: Prefix) -> None:
-        if (key, prefix.tokens) in self.entries or prefix.nbytes > self.max_bytes:
-            return
-        self.entries[(key, prefix.tokens)] = prefix
-        self._lengths[len(prefix.tokens)] = self._lengths.get(len(prefix.tokens), 0) + 1
-        self.nbytes += prefix.nbytes
-        while self.nbytes > self.max_bytes:
-            _, old = self.entries.popitem(last=False)
-            self._forget(old)
-
-    def _forget(self, old: Prefix) -> None:
+    def _forget(self, key: Key, old: Prefix) -> None:
         self.nbytes -= old.nbytes
-        n = len(old.tokens)
-        self._lengths[n] -= 1
-        if not self._lengths[n]:
-            del self._lengths[n]
+        for h in block_hashes(old.tokens, len(old.tokens)):
+            found = self._index.get((key, h))
+            if found is None:
+                continue
+            found[:] = [p for p in found if p is not old]
+            if not found:
+                del self._index[(key, h)]

@@ -93,10 +93,15 @@ class Scheduler:
             if budget <= 0 or (rows > room and (self.running or out.prefill)):
                 break
             start = seq.num_prefilled
-            # The budget counts computed tokens: a whole prompt's cached prefix is free.
-            cost = seq.prompt_len - start - (self.cached(seq) if start == 0 else 0)
-            end = seq.prompt_len if cost <= budget else start + budget
-            chunk = PrefillChunk(seq, start, end)
+            # The budget counts computed tokens: a prompt's cached start is free. A whole
+            # prompt starts at 0 (its prefill group is seeded with that start); a prompt in
+            # chunks starts its first chunk past it.
+            cached = self.cached(seq) if start == 0 else 0
+            cost = seq.prompt_len - start - cached
+            if cost <= budget:
+                chunk = PrefillChunk(seq, start, seq.prompt_len)
+            else:
+                chunk = PrefillChunk(seq, start + cached, start + cached + budget)
             out.prefill.append(chunk)
             budget -= min(cost, budget)
             room -= rows

@@ -32,6 +32,24 @@ def weight_mib(path: Path, float_bytes: int | None = None, dequantize: bool = Fa
     return max(1, math.ceil(total * MARGIN / 2**20))
 
 
+def kv_bytes_per_token(path: Path, float_bytes: int = 4) -> int:
+    """The keys and values one token adds to a sequence's cache (every layer's), from
+    config.json's attention shape; 0 where the config does not tell (a scripted description,
+    a family whose cache is not one key and value per head)."""
+    config = path / "config.json" if path.is_dir() else None
+    if config is None or not config.is_file():
+        return 0
+    c = json.loads(config.read_text())
+    c = c.get("text_config", c)
+    try:
+        layers, heads = int(c["num_hidden_layers"]), int(c["num_attention_heads"])
+        kv_heads = int(c.get("num_key_value_heads") or heads)
+        head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0
+    return 2 * layers * kv_heads * head_dim * float_bytes
+
+
 def _quantized_bits(path: Path) -> dict[str, int]:
     """Bits by packed weight's name: "" for the default, a layer's own where config.json names
     it (a converted GGUF mixes 4, 5 and 8 bits)."""

@@ -1,16 +1,19 @@
 """The parts of a model split over processes that one process can check: how a command is framed
-into all-sum blocks, where rank 0's address comes from, which split a family gets, what rank 0's
-runner sends for a step, and the liveness link's verdicts. The group itself runs in
-tests/integration/test_distributed.py."""
+into all-sum blocks, where rank 0's address comes from, which split a family gets, whether a
+tensor split divides every dimension it cuts (and what is split instead), each rank's layers
+in a pipeline, what rank 0's runner sends for a step, and the liveness link's verdicts. The
+group itself runs in tests/integration/test_distributed.py."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import pickle
 import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -24,8 +27,53 @@ from omlx_logprobs.engine.group import (
     backend_from_env,
     exchange_info,
 )
-from omlx_logprobs.models.sharded import choose_mode
-from tests.helpers.families import build_family
+from omlx_logprobs.models import layer_pipeline, shard_check
+from omlx_logprobs.models.sharded import SplitRefused, choose_mode, load_share
+from tests.helpers.families import FAMILIES, ODD_HEADS, build_family
+
+# DeepSeek-V3's multi-head latent attention: its query heads are cut, its KV heads are not.
+DEEPSEEK_V3: dict[str, Any] = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 3,
+    "num_key_value_heads": 3,
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "kv_lora_rank": 8,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 128,
+}
+
+
+class FakeGroup:
+    """What a split reads of its group before any forward: its size and this rank."""
+
+    def __init__(self, size: int, rank: int = 0) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _net(model_type: str, **overrides: Any) -> Any:
+    """A `model_type` model from its tiny config, random and lazy (no file)."""
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    config = {"model_type": model_type, **FAMILIES.get(model_type, {}), **overrides}
+    return module.Model(module.ModelArgs.from_dict(config))
 
 
 def framed(obj: object) -> tuple[object, list[int]]:
@@ -72,11 +120,80 @@ def test_each_family_gets_the_split_it_has(tmp_path: Path, tokenizer_dir: Path) 
     nxt, _ = load_model(build_family("qwen3_next", tmp_path / "q", tokenizer_dir), lazy=True)
     gpt2, _ = load_model(build_family("gpt2", tmp_path / "g", tokenizer_dir), lazy=True)
     assert choose_mode(llama, "auto") == "tensor"
+    assert choose_mode(llama, "pipeline") == "pipeline"  # the runner's own layer ranges
     assert choose_mode(nxt, "auto") == "pipeline"
-    with pytest.raises(ValueError, match="no tensor parallelism"):
+    with pytest.raises(SplitRefused, match="no tensor parallelism"):
         choose_mode(nxt, "tensor")
-    with pytest.raises(ValueError, match="neither by tensor nor by pipeline"):
+    with pytest.raises(SplitRefused, match="neither by tensor nor by pipeline"):
         choose_mode(gpt2, "auto")
+
+
+# (family, config fields other than its tiny config's, ranks, what the refusal names or None).
+SPLITS: list[tuple[str, dict[str, Any], int, str | None]] = [
+    ("llama", {}, 2, None),
+    ("llama", ODD_HEADS, 2, "num_attention_heads (3) and num_key_value_heads (1) divisible by 2"),
+    ("llama", {}, 4, "needs num_key_value_heads (2) divisible by 4"),
+    ("qwen3_moe", {}, 2, None),
+    # Experts' MLPs are cut by their columns: mlx refuses the slice, the field is named.
+    ("qwen3_moe", {"moe_intermediate_size": 33}, 2, "moe_intermediate_size (33) divisible by 2"),
+    ("gpt_oss", {"num_key_value_heads": 1}, 2, "needs num_key_value_heads (1) divisible by 2"),
+    ("ministral3", {"num_key_value_heads": 3}, 2, "needs num_key_value_heads (3) divisible"),
+    # A text config inside the model's: Qwen3.5's linear-attention heads are cut too.
+    ("qwen3_5", {}, 2, None),
+    ("qwen3_5", {}, 4, "linear_num_value_heads (2) and linear_num_key_heads (2) divisible by 4"),
+    # Multi-head latent attention: the query heads are cut, the KV heads are not.
+    ("deepseek_v3", DEEPSEEK_V3, 2, "needs num_attention_heads (3) divisible by 2"),
+]
+
+
+@pytest.mark.parametrize(("family", "overrides", "ranks", "want"), SPLITS)
+def test_a_tensor_split_names_each_dimension_it_cannot_divide(
+    family: str, overrides: dict[str, Any], ranks: int, want: str | None
+) -> None:
+    why = shard_check.shard(_net(family, **overrides), FakeGroup(ranks))
+    if want is None:
+        assert why is None
+    else:
+        assert why is not None and why.startswith(f"tensor parallel over {ranks} ranks needs ")
+        assert want in why, why
+
+
+def test_what_is_split_when_the_heads_do_not_divide(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Not asked: the layers, by the runner's own ranges (llama has no mlx-lm pipeline).
+    Asked for the tensor split, or a family with no other: refused, naming the dimension."""
+    odd = build_family("llama", tmp_path / "odd", tokenizer_dir, overrides=ODD_HEADS)
+    share = load_share(odd, FakeGroup(2, 0))
+    assert share.mode == "pipeline" and share.holds == "layers 1-1 of 2 (pipeline parallel)"
+    assert len(share.net.layers) == 1
+    share = load_share(odd, FakeGroup(2, 1), "pipeline")
+    assert share.holds == "layers 0-0 of 2 (pipeline parallel)"
+    with pytest.raises(SplitRefused) as err:
+        load_share(odd, FakeGroup(2), "tensor")
+    assert str(err.value) == (
+        "tensor parallel over 2 ranks needs num_attention_heads (3) and num_key_value_heads (1)"
+        " divisible by 2; --pipeline-parallel splits the layers instead"
+    )
+    gpt_oss = build_family(
+        "gpt_oss", tmp_path / "gpt_oss", tokenizer_dir, overrides={"num_key_value_heads": 1}
+    )
+    with pytest.raises(SplitRefused) as err:
+        load_share(gpt_oss, FakeGroup(2))  # no pipeline in mlx-lm, none of the runner's either
+    assert "needs num_key_value_heads (1) divisible by 2" in str(err.value)
+    assert "gpt_oss family cannot be split by layers" in str(err.value)
+    # 1 KV head over 3 ranks: the layers then, but 2 layers cannot go to 3 ranks.
+    with pytest.raises(SplitRefused, match=r"needs num_hidden_layers \(2\) of at least 3"):
+        load_share(odd, FakeGroup(3))
+
+
+def test_each_rank_holds_the_layers_mlx_lms_pipeline_would_give_it() -> None:
+    assert layer_pipeline.ranges(30, 2) == [(15, 30), (0, 15)]
+    assert layer_pipeline.ranges(5, 3) == [(3, 5), (1, 3), (0, 1)]
+    for layers, size in ((7, 2), (7, 3), (8, 4)):
+        for rank in range(size):
+            net = _net("qwen2", num_hidden_layers=layers)
+            net.model.pipeline(FakeGroup(size, rank))
+            want = (net.model.start_idx, net.model.end_idx)
+            assert layer_pipeline.ranges(layers, size)[rank] == want
 
 
 def _listen() -> tuple[liveness.Listener, list[str], threading.Event]:

@@ -87,9 +87,10 @@ def test_short_shared_starts_and_whole_prompts_are_not_cached() -> None:
     same = list(range(41))
     found = cache.assign([same, same])
     assert make.calls == [(40, 0)] and all(f is not None and len(f.tokens) == 40 for f in found)
-    # A prompt exactly as long as a kept prefix cannot use it: its last token must be computed.
+    # A prompt exactly as long as a kept prefix uses all of it but its last token, which must
+    # be computed: any start of a kept sequence is a prefix (nothing more is made).
     [found] = cache.assign([same[:40]])
-    assert found is not None and len(found.tokens) == 32 and make.calls[-1] == (32, 0)
+    assert found is not None and found.tokens == tuple(same[:39]) and len(make.calls) == 1
 
 
 def test_a_longer_shared_prefix_extends_the_kept_one() -> None:
@@ -100,8 +101,8 @@ def test_a_longer_shared_prefix_extends_the_kept_one() -> None:
     found = cache.assign([longer + [7, 7], longer + [8, 8]])
     assert make.calls == [(24, 0), (40, 24)]
     assert all(f is not None and len(f.tokens) == 40 for f in found)
-    [other] = cache.assign([prompt(9)])  # still finds the shorter one
-    assert other is not None and len(other.tokens) == 24
+    [other] = cache.assign([prompt(9)])  # the start it shares with the longer one: 26 tokens
+    assert other is not None and other.tokens == tuple(TEMPLATE)
 
 
 def test_least_recently_used_prefixes_go_first_when_the_budget_is_spent() -> None:
@@ -193,3 +194,45 @@ def test_scored_prompts_skip_the_cache_and_mixed_groups_keep_their_rows(tiny: Lo
             check_prompt_store(seq, reference_logprobs(tiny, p), 1)
         else:
             assert seq.cached_tokens > 0
+
+
+def kept(tokens: list[int]) -> Prefix:
+    """A stand-in for a finished sequence's keys and values: each position's value is its
+    token, so a slice shows which tokens it holds."""
+    kv = [mx.array(tokens, dtype=mx.float32).reshape(1, 1, len(tokens), 1)]
+    return Prefix(tuple(tokens), kv, kv)
+
+
+def test_a_kept_sequence_serves_any_start_of_itself() -> None:
+    """A finished turn (prompt and answer) is kept whole; the next turn, which resends it and
+    adds its own tokens, starts from all of it, whatever its length (not only multiples of
+    BLOCK); a prompt that parts from it halfway takes the start they share."""
+    cache = PrefixCache(1 << 20, Maker())
+    turn = list(range(500, 537))  # 37 tokens: not a multiple of BLOCK
+    cache.keep(BASE_KEY, kept(turn))
+    nxt = turn + [1, 2, 3]
+    assert cache.held(nxt) == 37
+    [found] = cache.assign([nxt])
+    assert found is not None and found.tokens == tuple(turn)
+    parted = turn[:21] + [9] * 10
+    found = cache.longest(parted, len(parted) - 1)
+    assert found is not None and found.tokens == tuple(turn[:21])
+    assert np.array(found.keys[0]).ravel().tolist() == turn[:21]
+    assert cache.held(turn) == 36  # the prompt's own last token is always computed
+    assert cache.held([7] + turn) == 0 and cache.held(turn[:10] + [0]) == 0  # < MIN_TOKENS
+
+
+def test_the_most_recent_of_several_sequences_and_eviction_of_the_index() -> None:
+    """Two conversations share a system turn: each one's next turn finds its own; evicting one
+    leaves the other findable through the blocks they shared."""
+    size = 40 * 4 * 2
+    cache = PrefixCache(2 * size, Maker())
+    system = list(range(100, 124))
+    a, b = system + [1] * 16, system + [2] * 16
+    cache.keep(BASE_KEY, kept(a))
+    cache.keep(BASE_KEY, kept(b))
+    assert cache.held(a + [5]) == 40 and cache.held(b + [5]) == 40
+    assert cache.held(system + [3, 3]) == 24
+    cache.keep(BASE_KEY, kept(list(range(900, 940))))  # over the budget: a goes
+    assert cache.held(a + [5]) == 24 and cache.held(b + [5]) == 40
+    assert cache.nbytes == 2 * size and len(cache.entries) == 2

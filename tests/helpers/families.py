@@ -39,6 +39,11 @@ _ATTN = {
     "tie_word_embeddings": True,
 }
 
+# SmolLM2's case in small: 3 query heads and 1 KV head (of 8 columns; a hidden size of 3 heads'
+# width, as transformers requires) do not divide over 2 ranks, though the projections (24 and 8
+# rows) do: mlx-lm's shard would leave each rank 1 head and 0 KV heads.
+ODD_HEADS = {"num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 24}
+
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {**_ATTN, "num_hidden_layers": 2},
     # Soft-capped attention scores and logits, grouped queries (models/padded_batch.py).
@@ -201,11 +206,17 @@ def _model_class(model_type: str) -> tuple[Any, Any]:
     return module.Model, module.ModelArgs
 
 
-def build_family(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 1234) -> Path:
+def build_family(
+    model_type: str,
+    out: Path,
+    tokenizer_dir: Path,
+    seed: int = 1234,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
     """A tiny `model_type` model with seeded random weights, saved in `out` (an mlx-lm
-    directory with SmolLM2's tokenizer)."""
+    directory with SmolLM2's tokenizer); `overrides`: config fields other than FAMILIES'."""
     family = FAMILIES[model_type]
-    config = {"model_type": model_type, "eos_token_id": [2, 0], **family}
+    config = {"model_type": model_type, "eos_token_id": [2, 0], **family, **(overrides or {})}
     out.mkdir(parents=True, exist_ok=True)
     for f in tokenizer_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):

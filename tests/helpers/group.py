@@ -105,6 +105,29 @@ def group_server(
             _stop(group)
 
 
+def run_to_exit(model: Path, args: list[str], timeout_s: float = 120) -> str:
+    """Two ranks under mlx.launch expected to stop by themselves (a start-up refused on every
+    rank); everything they wrote. Whatever of ours is left after `timeout_s` is killed, each
+    by its id, and the test fails."""
+    port, ring = free_port(), _ring_ports()
+    cmd = [str(MLX_LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(ring)]
+    cmd += ["--python", sys.executable, "--", "-m", "omlx_logprobs.cli", "serve"]
+    cmd += ["--model", str(model), "--port", str(port), *args]
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        launcher = psutil.Process(proc.pid)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            ours = [launcher, *launcher.children(recursive=True)]
+            for p in ours:
+                p.kill()
+            psutil.wait_procs(ours, timeout=10)
+            raise
+        out.seek(0)
+        return out.read().decode(errors="replace")
+
+
 def _wait_up(group: Group, start_s: float) -> None:
     deadline = time.time() + start_s
     while True:

@@ -3,7 +3,9 @@
 model served by one process. Every token and every logprob (sampled, top lists, prompt
 logprobs, echo, streamed) equals the one-process server's within 1e-4 (float32), with the
 requests batched together, an aborted stream beside them, and n > 1. Tensor parallel on a llama,
-pipeline parallel on qwen3_next (a family mlx-lm splits only by layers). A rank killed
+pipeline parallel on qwen3_next (a family mlx-lm splits only by layers) and on a llama whose heads
+do not divide over two ranks (the runner's own layer ranges; forced to split its heads, it is
+refused at start-up on both ranks, naming them). A rank killed
 mid-stream fails the stream with an error naming the group, /health turns 503, and the next
 request fails at once."""
 
@@ -19,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.families import build_family
-from tests.helpers.group import MLX_LAUNCH, group_server
+from tests.helpers.families import ODD_HEADS, build_family
+from tests.helpers.group import MLX_LAUNCH, group_server, run_to_exit
 from tests.helpers.server import server_process, wait_idle
 
 pytestmark = pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch is not installed")
@@ -208,6 +210,41 @@ def test_pipeline_parallel_equals_one_process(
         "layers 1-1 of 2",
         "layers 0-0 of 2",
     ]
+
+
+@pytest.fixture(scope="module")
+def odd_heads_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A llama of 3 query heads and 1 KV head: no tensor split over two ranks."""
+    out = tmp_path_factory.mktemp("odd_heads")
+    return build_family("llama", out, tokenizer_dir, overrides=ODD_HEADS)
+
+
+def test_heads_that_do_not_divide_split_the_layers_and_equal_one_process(
+    odd_heads_dir: Path,
+) -> None:
+    """SmolLM2's case (9 heads over 2 ranks) on a tiny llama: the layers are split instead, by
+    the runner's own ranges (llama has no mlx-lm pipeline), and serve as one process does."""
+    health = check_split(odd_heads_dir, odd_heads_dir.name, [])
+    group = health["engine"]["distributed"]
+    assert group["mode"] == "pipeline"
+    assert [r["holds"] for r in group["ranks"]] == [
+        "layers 1-1 of 2 (pipeline parallel)",
+        "layers 0-0 of 2 (pipeline parallel)",
+    ]
+
+
+def test_a_forced_tensor_split_of_heads_that_do_not_divide_is_refused(
+    odd_heads_dir: Path,
+) -> None:
+    """Both ranks exit at start-up saying why; none with a traceback, none hangs."""
+    out = run_to_exit(odd_heads_dir, [*ARGS, "--tensor-parallel"])
+    why = (
+        "the model cannot be split as asked: tensor parallel over 2 ranks needs"
+        " num_attention_heads (3) and num_key_value_heads (1) divisible by 2"
+    )
+    assert f"ERROR omlx_logprobs[engine]: {why}" in out, out[-3000:]  # rank 0's engine
+    assert f"ERROR omlx_logprobs[rank 1]: {why}" in out, out[-3000:]
+    assert "Traceback" not in out and "Uvicorn running" not in out, out[-3000:]
 
 
 @pytest.mark.slow

@@ -229,3 +229,27 @@ def test_raised_limits_are_the_only_bound(tiny_served: LoadedModel) -> None:
         over = httpx.post(base + "/v1/completions", json={**body, "n": 25}, timeout=30)
         assert_openai_error(over, 400, "n")
         wait_idle(base)
+
+
+def test_a_context_past_the_memory_is_refused_at_admission(
+    tiny_served: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The keys and values of prompt + max_tokens against the memory the weights leave (the
+    tiny model's 2 layers x 2 KV heads x 16 x 2 x 4 bytes = 512 a token, from its config): past
+    it, a 400 in OpenAI's shape with the numbers, naming the prompt or max_tokens; within it,
+    the request runs."""
+    from omlx_logprobs.api import validation
+    from omlx_logprobs.models.footprint import kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(tiny_served.path)
+    assert per_token == 2 * 2 * 2 * 16 * 4
+    monkeypatch.setattr(validation, "_kv_memory", lambda model: (per_token, 300 * per_token))
+    with thread_server(tiny_served) as (base, _):
+        url = base + "/v1/completions"
+        body = {"model": TINY_NAME, "prompt": [5] * 100, "max_tokens": 150}
+        assert httpx.post(url, json=body).status_code == 200
+        r = httpx.post(url, json={**body, "max_tokens": 250})
+        err = assert_openai_error(r, 400, "max_tokens")
+        assert "100 prompt tokens + 250 max_tokens" in err["message"] and "MiB" in err["message"]
+        r = httpx.post(url, json={**body, "prompt": [5] * 400, "max_tokens": 1})
+        assert assert_openai_error(r, 400, "prompt")["code"] == "context_length_exceeded"

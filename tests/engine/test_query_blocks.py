@@ -1,0 +1,65 @@
+"""Prefill attention in blocks of queries (engine/query_blocks.py): the same output as one call,
+causal, with a mask array and with none, and a prompt's logprobs through the engine equal a
+full forward pass when every prefill's attention is split; the peak memory of a long prefill
+stays bounded."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine import query_blocks
+from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.types import SamplingParams
+from tests.helpers.engine import check_against_reference, encode, run_engine
+
+
+@pytest.fixture
+def split(monkeypatch: pytest.MonkeyPatch) -> None:
+    query_blocks.install()
+    monkeypatch.setattr(query_blocks, "MAX_SCORE_BYTES", 5 * 2 * 4 * 40 * 4)  # 5 queries a block
+
+
+@pytest.mark.parametrize("mask", ["causal", "array", None])
+def test_blocks_of_queries_equal_one_call(split: None, mask: str | None) -> None:
+    mx.random.seed(0)
+    q, k, v = (mx.random.normal((2, 4, n, 16)) for n in (23, 40, 40))
+    m: object = mask
+    if mask == "array":
+        m = mx.random.uniform(shape=(2, 1, 23, 40)) > 0.3
+    assert query_blocks.blocks(q, k) == 5
+    got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
+    want = query_blocks._inner(q, k, v, scale=0.25, mask=m)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+
+def test_a_split_prefill_matches_a_full_forward(split: None, tiny: LoadedModel) -> None:
+    """Every prefill's attention in blocks of 5 queries (whole prompts in groups, and chunks):
+    logprobs and ranks as a full forward pass."""
+    prompts = [encode(tiny, "A long prompt for the blocks. " * (3 + 4 * i)) for i in range(3)]
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    res = run_engine(tiny, [(p, params) for p in prompts], EngineConfig(prefill_chunk=48))
+    for p, (rec, _) in zip(prompts, res):
+        check_against_reference(tiny, p, rec, 2)
+
+
+def test_the_peak_memory_of_a_long_prefill_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One 4096-token causal attention call: in blocks its peak memory is a fraction of the
+    whole scores' (8 heads x 4096 x 4096 floats = 512 MiB)."""
+    query_blocks.install()
+    q = k = v = mx.zeros((1, 8, 4096, 64))
+    mx.eval(q)
+
+    def peak() -> int:
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal"))
+        return mx.get_peak_memory() - base
+
+    monkeypatch.setattr(query_blocks, "MAX_SCORE_BYTES", 1 << 40)
+    whole = peak()
+    monkeypatch.setattr(query_blocks, "MAX_SCORE_BYTES", 16 << 20)
+    blocked = peak()
+    assert whole >= 512 << 20 and blocked < whole / 4
