@@ -13,11 +13,12 @@ from fastapi.responses import Response
 
 from omlx_logprobs.api import sse
 from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.items import REASONING, TEXT, Item
 from omlx_logprobs.api.pool import ModelPool
 from omlx_logprobs.api.prepare import Ask, prepare
 from omlx_logprobs.api.response import raise_if_failed, wait_or_disconnect
 from omlx_logprobs.api.responses.convert import NAMES, chat_request, input_messages
-from omlx_logprobs.api.responses.output import Item, ResponseOutput, meta
+from omlx_logprobs.api.responses.output import ResponseOutput, meta
 from omlx_logprobs.api.responses.protocol import ResponsesRequest
 from omlx_logprobs.api.responses.store import ResponseStore, Stored
 from omlx_logprobs.api.served import Served
@@ -79,7 +80,7 @@ class ResponseRun:
 
     def _keep(self) -> None:
         if self.req.store is not False:
-            said = [*self.conversation, _assistant(self.output.items)]
+            said = [*self.conversation, _assistant(self.output.items.items)]
             self.store.put(self.p.request_id, Stored.of(self.output.body, said))
 
 
@@ -87,9 +88,9 @@ def _assistant(items: list[Item]) -> dict[str, Any]:
     """A response's output as the assistant message a continuation's template renders."""
     message: dict[str, Any] = {"role": "assistant", "content": ""}
     for item in items:
-        if item.kind == "reasoning":
+        if item.kind == REASONING:
             message["reasoning_content"] = item.text
-        elif item.kind == "message":
+        elif item.kind == TEXT:
             message["content"] += item.text
         elif item.call is not None:
             call = {"name": item.call.name, "arguments": item.call.arguments}
