@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from omlx_logprobs.api import lora, page, weights
 from omlx_logprobs.api import tokenize as tok
+from omlx_logprobs.api.anthropic import routes as anthropic
 from omlx_logprobs.api.errors import error_response, install_error_handlers
 from omlx_logprobs.api.guard import install_guard
 from omlx_logprobs.api.openapi import install_openapi
@@ -55,8 +56,8 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
     created = int(time.time())
 
     @app.exception_handler(Unavailable)
-    async def _unavailable(_: Request, e: Unavailable) -> JSONResponse:
-        response = error_response(e)
+    async def _unavailable(r: Request, e: Unavailable) -> JSONResponse:
+        response = error_response(e, r.url.path)
         response.headers["Retry-After"] = str(e.retry_after_s)
         return response
 
@@ -80,6 +81,7 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
         return await _respond(pool, req, raw)
 
     responses.add_routes(app, pool, ResponseStore())
+    anthropic.add_routes(app, pool)
     tok.add_routes(app, pool)
     lora.add_routes(app, pool)
     page.add_routes(app, access.api_key is not None)
