@@ -17,6 +17,7 @@ from omlx_logprobs.api import tokenize as tok
 from omlx_logprobs.api.anthropic import routes as anthropic
 from omlx_logprobs.api.errors import error_response, install_error_handlers
 from omlx_logprobs.api.guard import install_guard
+from omlx_logprobs.api.ollama import routes as ollama
 from omlx_logprobs.api.openapi import install_openapi
 from omlx_logprobs.api.pool import ModelPool, Unavailable
 from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -82,6 +83,7 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
 
     responses.add_routes(app, pool, ResponseStore())
     anthropic.add_routes(app, pool)
+    ollama.add_routes(app, pool)
     tok.add_routes(app, pool)
     lora.add_routes(app, pool)
     page.add_routes(app, access.api_key is not None)
