@@ -22,6 +22,9 @@ class EngineConfig:
     # Device memory for kept sequences' keys and values (engine/prefix_cache.py); 0 turns
     # prefix caching off; None: a share of the memory left after the weights.
     prefix_cache_mib: int | None = None
+    # The prefix cache's disk tier (engine/disk_tier.py): a folder, and its size limit.
+    kv_cache_dir: str | None = None
+    kv_cache_disk_mib: int = 32768
     # The activations' dtype: auto (float32 on the CPU, the stored dtype on a GPU), float32,
     # bfloat16 or float16; the log-softmax is float32 whatever this is.
     dtype: str = "auto"
@@ -49,6 +52,8 @@ class EngineConfig:
             raise ValueError("cache_limit_mib must be >= 0")
         if self.prefix_cache_mib is not None and self.prefix_cache_mib < 0:
             raise ValueError("prefix_cache_mib must be >= 0")
+        if self.kv_cache_disk_mib < 1:
+            raise ValueError("kv_cache_disk_mib must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("dtype must be auto, float32, bfloat16 or float16")
 

@@ -189,6 +189,20 @@ def _add_batching(s: argparse.ArgumentParser) -> None:
         " starting with one prefills only what follows; 0 turns prefix caching off (default:"
         " a quarter of the memory left after the weights, at most 16384)",
     )
+    g.add_argument(
+        "--kv-cache-dir",
+        default=None,
+        help="a folder (on an SSD) where the prefix cache keeps what its memory evicts, and at"
+        " shutdown what it holds: found again by later requests, and by the server after a"
+        " restart; one subfolder per model, keyed by its weights",
+    )
+    g.add_argument(
+        "--kv-cache-disk-mib",
+        type=int,
+        default=EngineConfig.kv_cache_disk_mib,
+        help="the size limit of --kv-cache-dir in MiB; the least recently used go first"
+        " (default: %(default)s)",
+    )
 
 
 def _add_pool(s: argparse.ArgumentParser) -> None:
@@ -292,6 +306,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             logprobs_mode=args.logprobs_mode,
             cache_limit_mib=args.mlx_cache_limit_mib,
             prefix_cache_mib=args.prefix_cache_mib,
+            kv_cache_dir=args.kv_cache_dir,
+            kv_cache_disk_mib=args.kv_cache_disk_mib,
             dtype=args.dtype,
             prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
             group_timeout_s=args.group_timeout_s,

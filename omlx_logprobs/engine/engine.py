@@ -73,6 +73,8 @@ class Engine:
         self.runner = runner(
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
         )
+        if cfg.kv_cache_dir is not None:
+            self.runner.attach_disk(cfg.kv_cache_dir, cfg.kv_cache_disk_mib)
         for name, path in adapters:  # --lora, or those loaded before a restart or a reload
             self.runner.change_adapter(AdapterChange(name, path))
         self.scheduler = Scheduler(
@@ -175,7 +177,13 @@ class Engine:
         work = self.scheduler.schedule()
         launched = self.overlap.launch(self.runner.launch, work)
         t1 = time.perf_counter()
-        self._free(self.overlap.finish(), work)
+        finished = self.overlap.finish()
+        failed, self.runner.failed = self.runner.failed, []
+        for seq, why in failed:  # a prefill that failed ends its prompt's choices alone
+            for s in seq.group:
+                if s.status is not Status.FINISHED:
+                    self._end(s, FinishReason.ERROR, why)
+        self._free(finished, work)
         self.overlap.inflight = launched
         self._record(work, launched, t1 - t0, time.perf_counter() - t1)
 

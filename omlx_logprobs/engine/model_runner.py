@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,6 +30,7 @@ from omlx_logprobs.engine.prefix_cache import (
     Prefix,
     PrefixCache,
     default_budget_mib,
+    from_row,
     keeps_prefixes,
     keeps_sequences,
     make_prefix,
@@ -73,6 +75,9 @@ GPU_CACHE_LIMIT_MIB = 4096
 # caches), which grew RSS with every new (rows, width) pair. On the CPU padding is real compute.
 GPU_PREFILL_ALIGN = 32
 CPU_PREFILL_ALIGN = 1
+# A prefill whose attention spans this many (query, key) pairs or more is evaluated apart from
+# the step (`_settle`): its failure then ends its own requests only.
+SETTLE_PAIRS = 1 << 24
 # Tests set this to run the GPU's path (extraction on the device, one packed read a step, the
 # step processed beside the next launch) on the CPU backend.
 FORCE_GPU_PATH = False
@@ -107,6 +112,10 @@ class ModelRunner:
         self._last_rows: dict[int, int] | None = None  # seq_id -> its row, made when asked
         self.chunk_caches: dict[int, list[Any]] = {}  # long prompts between their chunks
         self.prefilled: dict[int, _Prefilled] = {}  # prompts done, not yet in the batch
+        # Prompts whose prefill failed in the last launch (an allocation, say), with why: the
+        # engine ends them alone; the step goes on without them.
+        self.failed: list[tuple[Sequence, str]] = []
+        self._disk: tuple[str, int] | None = None  # the disk tier's folder and size limit
         self.time = DeviceTime()
         # On a GPU a decode step's masked attention is one kernel (attention.py), before the
         # probe below compares the batch with each row alone.
@@ -224,8 +233,18 @@ class ModelRunner:
         prefixes = self._prefixes(grouped)
         prompt: list[PendingPrompts] = []
         prompt_only: list[Sequence] = []
-        for group in _groups(grouped, prefixes):
-            logits, pending = self._prefill_group(group, prefixes.get(group[0].seq.seq_id))
+        todo = deque(_groups(grouped, prefixes))
+        while todo:
+            group = todo.popleft()
+            try:
+                logits, pending = self._prefill_group(group, prefixes.get(group[0].seq.seq_id))
+                self._settle([c.seq for c in group], logits)
+            except Exception as exc:
+                if len(group) > 1:  # each prompt alone, next: only the one at fault fails
+                    todo.extendleft([c] for c in reversed(group))
+                else:
+                    self._prefill_failed([group[0].seq], exc)
+                continue
             prompt += [pending] if pending is not None else []
             sampled = [i for i, c in enumerate(group) if c.seq.params.max_tokens > 0]
             prompt_only += [c.seq for c in group if c.seq.params.max_tokens == 0]
@@ -236,7 +255,12 @@ class ModelRunner:
         for chunk in work.prefill:
             if chunk in grouped:
                 continue
-            last, scored = self._prefill_chunk(chunk)
+            try:
+                last, scored = self._prefill_chunk(chunk)
+                self._settle([chunk.seq], last)
+            except Exception as exc:
+                self._prefill_failed([chunk.seq], exc)
+                continue
             prompt += [scored] if scored is not None else []
             if last is None:
                 continue
@@ -253,6 +277,28 @@ class ModelRunner:
             return LaunchedStep([], None, prompt, prompt_only)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
         return replace(self._sample(logits, seqs), prompt=prompt, prompt_only=prompt_only)
+
+    def _settle(self, seqs: list[Sequence], logits: mx.array | None) -> None:
+        """Evaluate a large prefill now, apart from the step: an allocation that fails then
+        fails these prompts alone, not every row of the batch. Small ones stay in the step's
+        one graph (on a GPU its launch overlaps the previous step's processing)."""
+        context = max(s.prompt_len for s in seqs)
+        if context * sum(s.prompt_len - s.cached_tokens for s in seqs) < SETTLE_PAIRS:
+            return
+        arrays: list[Any] = [logits] if logits is not None else []
+        for s in seqs:
+            if (p := self.prefilled.get(s.seq_id)) is not None:
+                arrays += [c.state for c in p.cache.layers]
+            arrays += [c.state for c in self.chunk_caches.get(s.seq_id, ())]
+        mx.eval(*arrays)
+
+    def _prefill_failed(self, seqs: list[Sequence], exc: Exception) -> None:
+        log.error("prefill of %d prompt(s) failed: %s", len(seqs), exc)
+        for s in seqs:
+            for m in s.group:
+                self.prefilled.pop(m.seq_id, None)
+            self.chunk_caches.pop(s.seq_id, None)
+            self.failed.append((s, f"the prompt could not be prefilled: {exc}"))
 
     def _groupable(self, c: PrefillChunk) -> bool:
         """A whole prompt with one choice (every batch form takes left padding); a scored one
@@ -460,7 +506,20 @@ class ModelRunner:
         """The engine is idle (called at each idle wait)."""
 
     def close(self) -> None:
-        """The engine's loop has ended."""
+        """The engine's loop has ended: the kept sequences go to the disk tier, if any."""
+        if self.prefixes is not None:
+            self.prefixes.persist()
+
+    def attach_disk(self, root: str, mib: int) -> None:
+        """Give the prefix cache its disk tier (`--kv-cache-dir`), keyed by the weights."""
+        from omlx_logprobs.engine.disk_tier import DiskTier, fingerprint
+
+        if self.prefixes is None or not self.keeps_finished:
+            log.info("--kv-cache-dir unused: this model's sequences are not kept (prefix cache"
+                     " off, or caches other than plain keys and values)")  # fmt: skip
+            return
+        self._disk = (root, mib)
+        self.prefixes.disk = DiskTier(root, mib << 20, fingerprint(self.model))
 
     def health(self) -> Any:
         """The processes the model is split over, for /health (None: this process alone)."""
@@ -476,6 +535,8 @@ class ModelRunner:
             self.decode.reset()
         if self.prefixes is not None:
             self.prefixes.clear()
+            if self._disk is not None:  # the new weights' own folder
+                self.attach_disk(*self._disk)
 
     def change_adapter(self, change: AdapterChange) -> None:
         """Load, replace or unload a LoRA adapter between steps (engine/lora.py); AdapterError
@@ -575,8 +636,9 @@ class ModelRunner:
 
 
     def _keep_finished(self, rows: list[int]) -> None:
-        """Keep these batch rows' keys and values, each under its tokens (the prompt, then the
-        output as far as it was fed back; the last sampled token usually was not)."""
+        """Keep these batch rows' keys and values, each under its tokens: the prompt and the
+        output but its last token (every other output token was fed back; whether the last
+        one was depends on step timing, and the same conversation should keep the same)."""
         cache = self.batch_cache
         if self.prefixes is None or not self.keeps_finished or cache is None:
             return
@@ -584,16 +646,11 @@ class ModelRunner:
             seq = self.rows[i]
             if seq.finish_reason is FinishReason.ERROR:
                 continue
-            tokens = (*seq.prompt_ids, *seq.output_ids.tolist())
-            pad = cache.pads[i]
-            n = min(cache.width - pad, len(tokens))
-            kv = [(c.keys[i : i + 1, :, pad : pad + n, :], c.values[i : i + 1, :, pad : pad + n, :])
-                  for c in cache.layers]  # fmt: skip
-            prefix = Prefix(
-                tokens[:n],
-                [mx.contiguous(k) for k, _ in kv],
-                [mx.contiguous(v) for _, v in kv],
-            )
+            n = seq.prompt_len + seq.num_output - 1
+            assert n <= cache.width - cache.pads[i]
+            prefix = from_row(seq.prompt_ids, seq.output_ids, n, cache.layers, i, cache.pads[i])
+            # The copies now, with the step: until then they would hold the batch's arrays.
+            mx.async_eval(prefix.keys, prefix.values)
             self.prefixes.keep(self.adapters.key(seq.adapter), prefix)
 
 

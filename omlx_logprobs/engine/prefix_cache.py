@@ -7,14 +7,13 @@ What is kept:
 - a prompt start that two prompts have shared (a prompt and the last one seen that began with
   the same MIN_TOKENS tokens), made by a forward of its own, a multiple of BLOCK long.
 
-A prompt finds the longest kept sequence it shares a start with, at any length: a sequence's
-keys and values at position i depend only on the tokens up to i, so any start of a kept
-sequence is a prefix too. The index hashes each kept sequence's starts at every multiple of
-BLOCK (a chain of block hashes, as vLLM's automatic prefix caching keys its blocks); a lookup
-walks the prompt's blocks until one misses, then compares tokens one by one past the last hit.
-Entries are whole sequences, not blocks: MLX has no paged attention, and seeding a batch from
-one contiguous array per layer is one gather (BatchCache.seeded). Least recently used entries go
-first when the byte budget is spent.
+A prompt finds the longest kept sequence it shares a start with, at any length
+(engine/block_index.py): a sequence's keys and values at position i depend only on the tokens
+up to i, so any start of a kept sequence is a prefix too. Entries are whole sequences, not
+blocks: MLX has no paged attention, and seeding a batch from one contiguous array per layer is
+one gather (BatchCache.seeded). Least recently used entries go first when the byte budget is
+spent, to the disk tier when there is one (engine/disk_tier.py), which a later lookup (or a
+later server) loads them back from.
 """
 
 from __future__ import annotations
@@ -22,13 +21,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-BLOCK = 8  # the index's granularity; a shared-start prefix is a multiple of it
-MIN_TOKENS = 16  # shorter shared starts are not worth keeping or looking up
+from omlx_logprobs.engine.block_index import BLOCK, MIN_TOKENS, BlockIndex
+
+if TYPE_CHECKING:
+    from omlx_logprobs.engine.disk_tier import DiskTier
+
+__all__ = ["BLOCK", "MIN_TOKENS", "BASE_KEY", "Key", "Prefix", "PrefixCache", "make_prefix"]
+
 RECENT = 256  # prompt starts remembered, each with the last prompt that began with it
 
 
@@ -106,6 +110,18 @@ def seed(cache: list[Any], prefix: Prefix) -> None:
             c.state = (k, v, n)
 
 
+def from_row(
+    prompt: Sequence[int], output: Any, n: int, layers: list[Any], row: int, pad: int
+) -> Prefix:
+    """A batch row's first n tokens (its prompt, then its output) and their keys and values,
+    copied out of the batch's plain KV layers (lazy)."""
+    tokens = (*prompt, *output.tolist())[:n]
+    end = pad + n
+    keys = [mx.contiguous(c.keys[row : row + 1, :, pad:end, :]) for c in layers]
+    values = [mx.contiguous(c.values[row : row + 1, :, pad:end, :]) for c in layers]
+    return Prefix(tokens, keys, values)
+
+
 def make_prefix(model: Any, tokens: tuple[int, ...], base: Prefix | None) -> Prefix:
     """`tokens`' keys and values (lazy): a one-row forward, from `base`'s when given."""
     cache = make_prompt_cache(model)
@@ -137,24 +153,15 @@ def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def block_hashes(ids: Sequence[int], limit: int) -> list[int]:
-    """The chain hash of each whole block of ids[:limit]: entry j covers ids[: (j + 1) BLOCK]."""
-    out, h = [], 0
-    for j in range(0, limit - BLOCK + 1, BLOCK):
-        h = hash((h, tuple(ids[j : j + BLOCK])))
-        out.append(h)
-    return out
-
-
 class PrefixCache:
-    def __init__(self, max_bytes: int, make: Make) -> None:
+    def __init__(self, max_bytes: int, make: Make, disk: DiskTier | None = None) -> None:
         self.max_bytes = max_bytes
         self.make = make
+        self.disk = disk  # where the base model's evicted entries go, and come back from
         # (key, tokens) -> prefix, oldest use first
         self.entries: OrderedDict[tuple[Key, tuple[int, ...]], Prefix] = OrderedDict()
         self.nbytes = 0
-        # (key, chain hash of a start) -> the entries that start so, the most recent last
-        self._index: dict[tuple[Key, int], list[Prefix]] = {}
+        self._index: BlockIndex[Prefix] = BlockIndex()
         # (key, first MIN_TOKENS tokens) -> the last prompt assigned that began with them.
         self._recent: OrderedDict[tuple[Key, tuple[int, ...]], Sequence[int]] = OrderedDict()
 
@@ -207,7 +214,7 @@ class PrefixCache:
     def held(self, ids: Sequence[int], key: Key = BASE_KEY) -> int:
         """How many of a prompt's tokens a kept start holds (a look, not a use); the prompt's
         last token is always computed."""
-        found = self._find(ids, len(ids) - 1, key)
+        found = self._find(ids, len(ids) - 1, key, look=True)
         return found[1] if found is not None else 0
 
     def keep(self, key: Key, prefix: Prefix) -> None:
@@ -219,16 +226,29 @@ class PrefixCache:
             self._forget(key, old)
         self.entries[(key, prefix.tokens)] = prefix
         self.nbytes += prefix.nbytes
-        for h in block_hashes(prefix.tokens, len(prefix.tokens)):
-            self._index.setdefault((key, h), []).append(prefix)
+        self._index.add(key, prefix.tokens, prefix)
         while self.nbytes > self.max_bytes:
             (k, _), gone = self.entries.popitem(last=False)
             self._forget(k, gone)
+            if self.disk is not None and k == BASE_KEY:
+                self.disk.put(gone)
+
+    def persist(self) -> None:
+        """Write the base model's entries to the disk tier (at shutdown: a restarted server
+        finds them there), and wait for every write."""
+        if self.disk is None:
+            return
+        for (k, _), prefix in self.entries.items():
+            if k == BASE_KEY:
+                self.disk.put(prefix)
+        self.disk.flush()
 
     def clear(self) -> None:
-        """Forget every kept prefix (their keys and values belong to weights now replaced)."""
+        """Forget every kept prefix (their keys and values belong to weights now replaced); the
+        disk tier's are another model's from now on (it keeps them under its fingerprint)."""
         self.entries.clear()
         self._index.clear()
+        self.disk = None
         self._recent.clear()
         self.nbytes = 0
 
@@ -239,29 +259,23 @@ class PrefixCache:
         for k in [k for k in self._recent if k[0] == key]:
             del self._recent[k]
 
-    def _find(self, ids: Sequence[int], limit: int, key: Key) -> tuple[Prefix, int] | None:
-        """The most recent entry sharing the longest start with ids[:limit], and that length."""
-        best: Prefix | None = None
-        n = 0
-        for j, h in enumerate(block_hashes(ids, limit)):
-            found = self._index.get((key, h))
-            if not found:
-                break
-            best, n = found[-1], (j + 1) * BLOCK
-        if best is None or best.tokens[:n] != tuple(ids[:n]):  # none, or a hash collision
-            return None
-        # Past the last whole block: token by token, within the entry and the limit.
-        end = min(len(best.tokens), limit)
-        while n < end and best.tokens[n] == ids[n]:
-            n += 1
-        return (best, n) if n >= MIN_TOKENS else None
+    def _find(
+        self, ids: Sequence[int], limit: int, key: Key, look: bool = False
+    ) -> tuple[Prefix, int] | None:
+        """The most recent entry sharing the longest start with ids[:limit], and that length;
+        from the disk tier (loaded into memory, unless `look`) when it holds a longer one."""
+        found = self._index.find(key, ids, limit)
+        n = found[2] if found is not None else 0
+        if self.disk is not None and key == BASE_KEY:
+            on_disk = self.disk.find(ids, limit)
+            if on_disk is not None and on_disk[1] > n:
+                if look:  # what a lookup would find, without loading it
+                    return Prefix(on_disk[0], [], []), on_disk[1]
+                self.keep(key, self.disk.load(on_disk[0]))
+                found = self._index.find(key, ids, limit)
+                n = found[2] if found is not None else 0
+        return (found[1], n) if found is not None else None
 
     def _forget(self, key: Key, old: Prefix) -> None:
         self.nbytes -= old.nbytes
-        for h in block_hashes(old.tokens, len(old.tokens)):
-            found = self._index.get((key, h))
-            if found is None:
-                continue
-            found[:] = [p for p in found if p is not old]
-            if not found:
-                del self._index[(key, h)]
+        self._index.remove(key, old.tokens, old)

@@ -68,3 +68,20 @@ class FaultyBytes(tuple):  # type: ignore[type-arg]
         if i == self.poison:
             raise KeyError(f"detokenizer fault injected by the test at token {i}")
         return super().__getitem__(i)
+
+
+class AllocationFault:
+    """An embedding layer that fails as MLX does when memory runs out (`[malloc] Unable to
+    allocate`) for a prefill whose input holds `poison`: a prompt too large for the device,
+    injected where both the model's forward and its body/head split pass."""
+
+    def __init__(self, inner: Any, poison: int) -> None:
+        self.inner, self.poison = inner, poison
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __call__(self, inputs: mx.array) -> mx.array:
+        if inputs.shape[-1] > 1 and bool(mx.any(inputs == self.poison)):
+            raise RuntimeError("[malloc] Unable to allocate 68719476736 bytes.")
+        return self.inner(inputs)

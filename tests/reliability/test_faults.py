@@ -6,15 +6,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from omlx_logprobs.config import EngineConfig, Limits
-from omlx_logprobs.models.loader import LoadedModel
-from tests.helpers.faults import FaultyBytes, FaultyTokenizer, PoisonModel
-from tests.helpers.server import thread_server, wait_idle
+from omlx_logprobs.models.loader import LoadedModel, load_model
+from tests.helpers.faults import AllocationFault, FaultyBytes, FaultyTokenizer, PoisonModel
+from tests.helpers.server import TINY_NAME, thread_server, wait_idle
 from tests.reliability.client import ChatResult, chat, chat_body
 
 MARKER = "TOKENIZER-FAULT"
@@ -121,3 +122,28 @@ def test_faults_end_only_their_request(faulty: str, poison_ids: tuple[int, int])
     free = asyncio.run(one_by_one(faulty, [{**bad[-1][1], "stop": None}]))[0]
     assert free.text == stop.text and free.token_ids == stop.token_ids
     assert wait_idle(faulty)["cached_sequences"] == 0
+
+
+def test_a_prefill_that_cannot_allocate_ends_only_its_request(tiny_dir: Path) -> None:
+    """A prompt whose prefill fails to allocate memory (injected at its embedding) gets a 500
+    naming the failure; the requests beside it in the same steps, streamed or not, are served
+    as if it had never been there, and the engine goes on serving (a second round)."""
+    model = load_model(str(tiny_dir))
+    poison = model.tokenizer.encode(" avalanche", add_special_tokens=False)[-1]
+    model.model.model.embed_tokens = AllocationFault(model.model.model.embed_tokens, poison)
+    model = replace(model, name=TINY_NAME)
+    cfg = EngineConfig(max_num_seqs=16, prefill_chunk=2048)
+    with thread_server(model, cfg) as (base, _):
+        for _ in range(2):
+            bodies = [neighbour(i) for i in range(4)]
+            bad = chat_body("Tell me about the avalanche", max_tokens=8)
+            results = asyncio.run(together(base, [*bodies, bad]))
+            err = results[-1]
+            assert err.status == 500 and err.error is not None
+            assert "could not be prefilled" in err.error["message"], err.error
+            assert "Unable to allocate" in err.error["message"]
+            alone = asyncio.run(one_by_one(base, bodies))
+            for got, want in zip(results[:-1], alone):
+                assert got.status == want.status == 200 and got.error is None
+                assert got.token_ids == want.token_ids and got.text == want.text
+        assert wait_idle(base)["cached_sequences"] == 0

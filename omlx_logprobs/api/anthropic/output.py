@@ -17,6 +17,7 @@ from typing import Any
 from omlx_logprobs.api import sse
 from omlx_logprobs.api.items import CALL, REASONING, TEXT, Change, Item, Items
 from omlx_logprobs.api.prepare import Prepared
+from omlx_logprobs.api.sections import dumps
 from omlx_logprobs.types import FinishReason, RequestOutput, ThinkStart
 from omlx_logprobs.vocab import Vocabulary
 
@@ -26,7 +27,7 @@ DELTAS = {REASONING: ("thinking_delta", "thinking"), TEXT: ("text_delta", "text"
 
 
 def _json(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return dumps(obj)
 
 
 class MessageOutput:

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from omlx_logprobs.api.prepare import Prepared
+from omlx_logprobs.api.sections import dumps
 from omlx_logprobs.types import FinishReason, RequestOutput, ToolCall
 
 
@@ -22,7 +23,7 @@ def now() -> str:
 
 
 def _json(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return dumps(obj)
 
 
 class OllamaOutput:

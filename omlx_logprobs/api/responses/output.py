@@ -22,12 +22,13 @@ from omlx_logprobs.api import sse, tools
 from omlx_logprobs.api.items import CALL, REASONING, TEXT, Change, Item, Items
 from omlx_logprobs.api.prepare import Prepared
 from omlx_logprobs.api.response import weight_version_json
+from omlx_logprobs.api.sections import dumps
 from omlx_logprobs.types import FinishReason, RequestOutput, ThinkStart
 
 
 def _raw(obj: dict[str, Any], **raw: str) -> str:
     """obj as JSON with more keys whose values are JSON text already (entry lists)."""
-    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    text = dumps(obj)
     extra = "".join(f',"{k}":{v}' for k, v in raw.items())
     return text[:-1] + extra + "}"
 

@@ -1,0 +1,172 @@
+"""A multi-turn agent trace: time to first token per turn, here with the prefix cache, here with it
+off, and mlx-lm's server, on the same weights in one run.
+
+Each turn resends the conversation so far (a system turn with tool definitions, then the user's
+task, each earlier answer and a tool's output after it) and streams an answer of up to 32 tokens
+at temperature 0. The conversation grows by about `--tool-tokens` a turn. Beside each turn, the
+cache-off server is timed on the new tokens alone (the last answer and tool output as one
+message): what "prefilling only the new tokens" costs.
+
+    .venv/bin/python bench/conversation.py                      # CPU: the embedded model, 8 turns
+    python bench/conversation.py --model DIR --turns 8 --tool-tokens 3000   # the GPU preset
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server import Server, free_port, mlx_lm_command, omlx_command, start_server  # noqa: E402
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name.replace('_', ' ')} in the repository",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "query": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    }
+    for name in ("read_file", "search_code", "list_directory", "run_tests")
+]
+SYSTEM = (
+    "You are a coding agent working in a Python repository. Read files before you change them,"
+    " run the tests after every change, and explain each step in one sentence. Tools:\n"
+    + json.dumps(TOOLS, indent=1)
+)
+
+
+def tool_output(turn: int, words: int) -> str:
+    lines = [f"# file src/module_{turn}.py, part {i}" for i in range(words // 8)]
+    body = [f"def function_{turn}_{i}(x):\n    return x * {i} + {turn}" for i in range(words // 12)]
+    return "\n".join(lines + body)
+
+
+def ttft(base: str, model: str, messages: list[dict[str, Any]]) -> tuple[float, str, int]:
+    """(seconds to the first content, the answer, the prompt tokens served from a cache)."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": 32,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    first: float | None = None
+    text, cached = "", 0
+    with httpx.stream("POST", base + "/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for ch in chunk.get("choices") or []:
+                piece = (ch.get("delta") or {}).get("content") or ""
+                if piece and first is None:
+                    first = time.perf_counter() - t0
+                text += piece
+            usage = chunk.get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached
+    return (first if first is not None else time.perf_counter() - t0), text, cached
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from omlx_logprobs.models.embedded import EMBEDDED_NAME, ensure_embedded_model
+
+    model_dir = args.model or str(ensure_embedded_model())
+    name = EMBEDDED_NAME if args.model is None else Path(args.model).name
+    servers: dict[str, Server] = {}
+    ports = {k: free_port() for k in ("on", "off", "mlx-lm")}
+    extra = ["--prefix-cache-mib", "0"]
+    servers["on"] = start_server(omlx_command(ports["on"], args.model, 8), ports["on"])
+    servers["off"] = start_server(omlx_command(ports["off"], args.model, 8) + extra, ports["off"])
+    if not args.no_mlx_lm:
+        servers["mlx-lm"] = start_server(
+            mlx_lm_command(ports["mlx-lm"], model_dir, 8), ports["mlx-lm"], "/v1/models"
+        )
+    rows = []
+    try:
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Find why test_parser fails and fix it."},
+        ]
+        last_new = ""  # the last answer and tool output: what a turn adds
+        for turn in range(1, args.turns + 1):
+            row: dict[str, Any] = {"turn": turn}
+            answer = ""
+            for key, server in servers.items():
+                served = name if key != "mlx-lm" else model_dir
+                s, text, cached = ttft(server.base_url, served, messages)
+                row[key], row[f"{key}_cached"] = s, cached
+                answer = text if key == "on" else answer
+            tokens = httpx.post(
+                servers["on"].base_url.removesuffix("/v1") + "/tokenize",
+                json={"model": name, "messages": messages},
+                timeout=60,
+            ).json()["count"]
+            row["prompt_tokens"] = tokens
+            new = tool_output(turn, args.tool_tokens)
+            if turn > 1:  # the new tokens alone, cold: what the cache leaves to compute
+                row["new_alone"], _, _ = ttft(
+                    servers["off"].base_url, name, [{"role": "user", "content": last_new}]
+                )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "Tool output:\n" + new},
+            ]
+            last_new = answer + "\n" + new
+    finally:
+        for server in servers.values():
+            server.stop()
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| turn | prompt tokens | here | cached | cache off | new tokens alone | here / new"
+        " alone | mlx-lm | here / mlx-lm |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    out = [head]
+    for r in rows:
+        alone, mlx, on = r.get("new_alone"), r.get("mlx-lm"), r["on"]
+        ratio = f"{on / alone:.2f}" if alone else "-"
+        vs_mlx = f"{on / mlx:.2f}" if mlx else "-"
+        alone_s = f"{alone:.3f} s" if alone else "-"
+        mlx_s = f"{mlx:.3f} s" if mlx else "-"
+        out.append(
+            f"| {r['turn']} | {r['prompt_tokens']} | {on:.3f} s | {r['on_cached']} |"
+            f" {r['off']:.3f} s | {alone_s} | {ratio} | {mlx_s} | {vs_mlx} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="an mlx-lm directory (default: the embedded)")
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--tool-tokens", type=int, default=450, help="about this many words a turn")
+    p.add_argument("--no-mlx-lm", action="store_true")
+    p.add_argument("--json", default=None, help="write the rows here too")
+    args = p.parse_args()
+    rows = run(args)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
