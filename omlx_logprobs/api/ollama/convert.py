@@ -60,10 +60,12 @@ def _sampling(req: OllamaChatRequest | OllamaGenerateRequest) -> dict[str, Any]:
             if value is not None:
                 out[OPTIONS[key]] = value
         elif key == "num_predict":
+            if not (value is None or isinstance(value, int)) or isinstance(value, bool):
+                raise APIError("options.num_predict must be an integer", "options.num_predict")
             if value is not None and value >= 0:  # -1: no limit, -2: fill the context
                 out["max_tokens"] = value
         elif key in OFF:
-            if value is not None and value != OFF[key]:
+            if value is not None and not (isinstance(value, (int, float)) and value == OFF[key]):
                 raise APIError(f"options.{key}: this sampler is not supported", "options")
         elif key not in IGNORED:
             raise APIError(f"options.{key} is not an option", param=f"options.{key}")
@@ -126,11 +128,10 @@ def _message(m: OllamaMessage, i: int) -> dict[str, Any]:
     if m.tool_calls:
         calls = []
         for j, c in enumerate(m.tool_calls):
-            fn = c.get("function") or {}
-            args = fn.get("arguments", {})
+            args = c.function.arguments
             text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            calls.append({"id": c.get("id") or f"call_{i}_{j}", "type": "function",
-                          "function": {"name": fn.get("name", ""), "arguments": text}})  # fmt: skip
+            calls.append({"id": c.id or f"call_{i}_{j}", "type": "function",
+                          "function": {"name": c.function.name, "arguments": text}})  # fmt: skip
         out["tool_calls"] = calls
         out["content"] = m.content or None
     if m.role == "tool":

@@ -11,12 +11,22 @@ from pydantic import Field
 from omlx_logprobs.api.protocol import _Model, _Open
 
 
+class OllamaFunction(_Model):
+    name: str
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+
+
+class OllamaToolCall(_Model):
+    function: OllamaFunction
+    id: str | None = None
+
+
 class OllamaMessage(_Model):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = ""
     thinking: str | None = None
     images: list[Any] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[OllamaToolCall] | None = None
     tool_name: str | None = None
     tool_call_id: str | None = None
 
