@@ -10,11 +10,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from omlx_logprobs.api import lora, page, weights
 from omlx_logprobs.api import tokenize as tok
 from omlx_logprobs.api.anthropic import routes as anthropic
+from omlx_logprobs.api.chat import ChatServing
+from omlx_logprobs.api.completions import CompletionServing
 from omlx_logprobs.api.errors import error_response, install_error_handlers
 from omlx_logprobs.api.guard import install_guard
 from omlx_logprobs.api.ollama import routes as ollama
@@ -24,7 +26,7 @@ from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
 from omlx_logprobs.api.responses import routes as responses
 from omlx_logprobs.api.responses.store import ResponseStore
 from omlx_logprobs.api.served import Served
-from omlx_logprobs.api.validation import check_unknown
+from omlx_logprobs.api.serving import respond
 from omlx_logprobs.config import Access
 
 log = logging.getLogger("omlx_logprobs")
@@ -90,22 +92,21 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
     return app
 
 
+class _Bound:
+    """A chat or completions request as a `Run`: started by `events` or `complete`."""
+
+    def __init__(self, serving: ChatServing | CompletionServing, req: Any) -> None:
+        self.serving, self.req = serving, req
+
+    def events(self) -> AsyncIterator[str]:
+        return self.serving.stream(self.req)
+
+    async def complete(self, raw: Request) -> str:
+        return await self.serving.complete(self.req, raw)
+
+
 async def _respond(
     pool: ModelPool, req: ChatCompletionRequest | CompletionRequest, raw: Request
 ) -> Response:
-    """The request's model (loaded first if need be), then SSE for a streamed request, else one
-    JSON body; 499 when the client left first. Unknown fields: a 400 before the model is
-    looked at (or loaded), or (--ignore-unknown-fields) a header naming them."""
-    if not pool.ignore_unknown_fields:
-        check_unknown(req, False)
-    async with pool.use(req.model) as slot:
-        serving: Any = slot.chat if isinstance(req, ChatCompletionRequest) else slot.completions
-        headers = serving.served.fields_headers(req)
-        if req.stream:  # submitted by now: the engine counts it as in flight until it ends
-            events = serving.stream(req)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        try:
-            body = await serving.complete(req, raw)
-        except ConnectionAbortedError:
-            return Response(status_code=499)
-    return Response(body, media_type="application/json", headers=headers)
+    kind = ChatServing if isinstance(req, ChatCompletionRequest) else CompletionServing
+    return await respond(pool, req, raw, lambda served: _Bound(kind(served), req))

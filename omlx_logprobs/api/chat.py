@@ -13,11 +13,10 @@ from omlx_logprobs.api import sections, sse, tools
 from omlx_logprobs.api.prepare import Ask, Prepared, prepare
 from omlx_logprobs.api.protocol import ChatCompletionRequest, NamedToolChoice
 from omlx_logprobs.api.response import (
+    finished,
     head,
     prompt_logprobs_json,
-    raise_if_failed,
     usage,
-    wait_or_disconnect,
     weight_version_json,
 )
 from omlx_logprobs.api.served import Served
@@ -69,11 +68,7 @@ class ChatServing:
     async def complete(self, req: ChatCompletionRequest, raw: Request) -> str:
         p, handle = self._start(req)
         ereq = p.first
-        try:
-            outs = await wait_or_disconnect([handle], raw)
-        finally:
-            handle.abort()
-        raise_if_failed(outs)
+        outs = await finished([handle], raw)
         role, echo = reply_role(req), echo_text(req)
         parser = ereq.tools.parser if ereq.tools else None
         named = isinstance(req.tool_choice, NamedToolChoice)

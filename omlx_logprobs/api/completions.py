@@ -14,11 +14,10 @@ from omlx_logprobs.api import sse
 from omlx_logprobs.api.prepare import Ask, Prepared, prepare
 from omlx_logprobs.api.protocol import CompletionRequest
 from omlx_logprobs.api.response import (
+    finished,
     head,
     prompt_logprobs_json,
-    raise_if_failed,
     usage,
-    wait_or_disconnect,
     weight_version_json,
 )
 from omlx_logprobs.api.served import Served
@@ -88,12 +87,7 @@ class CompletionServing:
 
     async def complete(self, req: CompletionRequest, raw: Request) -> str:
         p, handles, choices = self._start(req)
-        try:
-            outs = await wait_or_disconnect(handles, raw)
-        finally:
-            for h in handles:
-                h.abort()
-        raise_if_failed(outs)
+        outs = await finished(handles, raw)
         parts = []
         for c, out in zip(choices, outs):
             text = json.dumps(c.echo_text + out.text, ensure_ascii=False)

@@ -48,16 +48,23 @@ ANTHROPIC_TYPES = {
 }
 
 
+def wire(path: str) -> str:
+    """Which API a path belongs to, for the shape of its errors."""
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    return "ollama" if path.startswith("/api/") else "openai"
+
+
 def shaped_body(e: APIError, path: str) -> dict[str, Any]:
     """The error body the API at `path` answers with."""
     # A message may quote request text; a lone surrogate in it must not break the error itself.
     message = e.message.encode("utf-8", "replace").decode("utf-8")
     param = e.param.encode("utf-8", "replace").decode("utf-8") if e.param else e.param
-    if path.startswith("/v1/messages"):
+    if wire(path) == "anthropic":
         kind = ANTHROPIC_TYPES.get(e.status, "api_error" if e.status >= 500 else e.type)
         text = f"{param}: {message}" if param and not message.startswith(param) else message
         return {"type": "error", "error": {"type": kind, "message": text}}
-    if path.startswith("/api/"):
+    if wire(path) == "ollama":
         return {"error": message}
     return error_body(message, e.type, param, e.code)
 

@@ -43,6 +43,18 @@ async def wait_or_disconnect(handles: list[RequestHandle], raw: Request) -> list
     return task.result()
 
 
+async def finished(handles: list[RequestHandle], raw: Request) -> list[RequestOutput]:
+    """Every choice's merged outputs once all have finished; ConnectionAbortedError if the
+    client left first; whatever is unfinished aborted either way; a failed choice a 500."""
+    try:
+        outs = await wait_or_disconnect(handles, raw)
+    finally:
+        for h in handles:
+            h.abort()
+    raise_if_failed(outs)
+    return outs
+
+
 def usage(outs: list[RequestOutput], reasoning: bool = False) -> dict[str, Any]:
     """The `usage` object of a response: each prompt counted once however many choices it has
     (its first choice's count), every generated token counted; with the thinking parser on,

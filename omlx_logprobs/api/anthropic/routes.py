@@ -19,8 +19,9 @@ from omlx_logprobs.api.anthropic.protocol import CountTokensRequest, MessagesReq
 from omlx_logprobs.api.pool import ModelPool
 from omlx_logprobs.api.prepare import Ask, prepare, wire_names
 from omlx_logprobs.api.prompts import chat_prompt
-from omlx_logprobs.api.response import raise_if_failed, wait_or_disconnect
+from omlx_logprobs.api.response import finished
 from omlx_logprobs.api.served import Served
+from omlx_logprobs.api.serving import respond
 from omlx_logprobs.api.validation import check_unknown
 from omlx_logprobs.types import RequestOutput
 
@@ -36,11 +37,7 @@ class MessageRun:
         self.handle = self.p.submit(served)[0]
 
     async def complete(self, raw: Request) -> str:
-        try:
-            outs = await wait_or_disconnect([self.handle], raw)
-        finally:
-            self.handle.abort()
-        raise_if_failed(outs)
+        outs = await finished([self.handle], raw)
         self.output.feed(outs[0])
         self.output.finish(outs[0])
         return self.output.body
@@ -70,19 +67,7 @@ def _dumps(obj: Any) -> str:
 def add_routes(app: FastAPI, pool: ModelPool) -> None:
     @app.post("/v1/messages")
     async def create_message(req: MessagesRequest, raw: Request) -> Response:
-        if not pool.ignore_unknown_fields:
-            check_unknown(req, False)
-        async with pool.use(req.model) as slot:
-            assert slot.served is not None
-            headers = slot.served.fields_headers(req)
-            run = MessageRun(req, slot.served)  # submitted: in flight until it ends
-            if req.stream:
-                return sse.streaming(run.events(), headers=headers)
-            try:
-                body = await run.complete(raw)
-            except ConnectionAbortedError:
-                return Response(status_code=499)
-        return Response(body, media_type="application/json", headers=headers)
+        return await respond(pool, req, raw, lambda served: MessageRun(req, served))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest) -> dict[str, int]:

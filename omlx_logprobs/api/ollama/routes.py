@@ -25,10 +25,10 @@ from omlx_logprobs.api.ollama.protocol import (
 from omlx_logprobs.api.pool import ModelPool
 from omlx_logprobs.api.prepare import Ask, prepare
 from omlx_logprobs.api.protocol import ChatCompletionRequest
-from omlx_logprobs.api.response import raise_if_failed, wait_or_disconnect
+from omlx_logprobs.api.response import finished
 from omlx_logprobs.api.served import Served
+from omlx_logprobs.api.serving import respond
 from omlx_logprobs.api.slot import ModelSlot
-from omlx_logprobs.api.validation import check_unknown
 
 
 class OllamaRun:
@@ -43,14 +43,10 @@ class OllamaRun:
         self.handle = self.p.submit(served)[0]
 
     async def complete(self, raw: Request) -> str:
-        try:
-            outs = await wait_or_disconnect([self.handle], raw)
-        finally:
-            self.handle.abort()
-        raise_if_failed(outs)
+        outs = await finished([self.handle], raw)
         return self.output.chunk(outs[0], done=True)
 
-    async def lines(self) -> AsyncIterator[str]:
+    async def events(self) -> AsyncIterator[str]:
         async for _, out in sse.outputs([self.handle]):
             if out.error:
                 yield sse.line(json.dumps({"error": out.error}))
@@ -92,20 +88,8 @@ def _card(slot: ModelSlot) -> dict[str, Any]:
 
 def add_routes(app: FastAPI, pool: ModelPool) -> None:
     async def run(req: OllamaChatRequest | OllamaGenerateRequest, raw: Request) -> Response:
-        if not pool.ignore_unknown_fields:
-            check_unknown(req, False)
         req.model = _name(pool, req.model)
-        async with pool.use(req.model) as slot:
-            assert slot.served is not None
-            headers = slot.served.fields_headers(req)
-            r = OllamaRun(req, slot.served)  # submitted: in flight until it ends
-            if req.stream:
-                return sse.streaming(r.lines(), sse.NDJSON, headers)
-            try:
-                body = await r.complete(raw)
-            except ConnectionAbortedError:
-                return Response(status_code=499)
-        return Response(body, media_type="application/json", headers=headers)
+        return await respond(pool, req, raw, lambda served: OllamaRun(req, served), sse.NDJSON)
 
     @app.post("/api/chat")
     async def chat(req: OllamaChatRequest, raw: Request) -> Response:

@@ -16,13 +16,13 @@ from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.items import REASONING, TEXT, Item
 from omlx_logprobs.api.pool import ModelPool
 from omlx_logprobs.api.prepare import Ask, prepare
-from omlx_logprobs.api.response import raise_if_failed, wait_or_disconnect
+from omlx_logprobs.api.response import finished
 from omlx_logprobs.api.responses.convert import NAMES, chat_request, input_messages
 from omlx_logprobs.api.responses.output import ResponseOutput, meta
 from omlx_logprobs.api.responses.protocol import ResponsesRequest
 from omlx_logprobs.api.responses.store import ResponseStore, Stored
 from omlx_logprobs.api.served import Served
-from omlx_logprobs.api.validation import check_unknown
+from omlx_logprobs.api.serving import respond
 from omlx_logprobs.types import RequestOutput
 
 
@@ -51,11 +51,7 @@ class ResponseRun:
         self.handle = self.p.submit(served)[0]
 
     async def complete(self, raw: Request) -> str:
-        try:
-            outs = await wait_or_disconnect([self.handle], raw)
-        finally:
-            self.handle.abort()
-        raise_if_failed(outs)
+        outs = await finished([self.handle], raw)
         self.output.created(outs[0])
         self.output.feed(outs[0])
         self.output.finish(outs[0])
@@ -128,19 +124,7 @@ def _echoed(req: ResponsesRequest) -> dict[str, Any]:
 def add_routes(app: FastAPI, pool: ModelPool, store: ResponseStore) -> None:
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request) -> Response:
-        if not pool.ignore_unknown_fields:
-            check_unknown(req, False)
-        async with pool.use(req.model) as slot:
-            assert slot.served is not None
-            headers = slot.served.fields_headers(req)
-            run = ResponseRun(req, slot.served, store)  # submitted: in flight until it ends
-            if req.stream:
-                return sse.streaming(run.events(), headers=headers)
-            try:
-                body = await run.complete(raw)
-            except ConnectionAbortedError:
-                return Response(status_code=499)
-        return Response(body, media_type="application/json", headers=headers)
+        return await respond(pool, req, raw, lambda served: ResponseRun(req, served, store))
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
