@@ -52,7 +52,9 @@ class Ask:
 
     @staticmethod
     def chat(
-        req: ChatCompletionRequest, prefix: str = "chatcmpl-", names: Mapping[str, str] = {}
+        req: ChatCompletionRequest,
+        prefix: str = "chatcmpl-",
+        names: Mapping[str, str] | None = None,
     ) -> Ask:
         """vLLM: chat `echo` scores the prompt too (top_logprobs alternatives), unless
         streamed (a stream has no place for them)."""
@@ -61,7 +63,7 @@ class Ask:
             prompt_top = req.top_logprobs or 0
         max_tokens = req.max_completion_tokens or req.max_tokens
         top = req.top_logprobs or 0
-        return Ask(req, max_tokens, req.logprobs, top, prompt_top, prefix, names)
+        return Ask(req, max_tokens, req.logprobs, top, prompt_top, prefix, names or {})
 
     @staticmethod
     def completion(req: CompletionRequest) -> Ask:
