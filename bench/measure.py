@@ -20,6 +20,8 @@ from loadgen import LoadConfig, LoadResult, Sender, merge, percentile, run_load
 from presets import (
     COMPACT,
     JSON_MODE,
+    LONG_TOP,
+    LONG_TOP_KEY,
     TTFT_SEED,
     CellSpec,
     ClientSetup,
@@ -292,6 +294,11 @@ async def measure_server(b: ServerBench, part: PartResult, modes: tuple[str, ...
             ran = (modes[0], *((modes[-1] + COMPACT,) if setup.compact else ()), modes[-1])
             for i, spec in enumerate(setup.cells):
                 part.throughput += await b.cell(spec, ran, shift=i, setup=setup)
+        if b.p.long_top_cell is not None:  # off, the long list as base64, then as JSON
+            top = f"top{LONG_TOP}"
+            setup = ClientSetup(LONG_TOP_KEY, b.p.client_processes, False, ())
+            ran = ("off", top + COMPACT, top)
+            part.throughput += await b.cell(b.p.long_top_cell, ran, shift=0, setup=setup)
         part.ttft.append(await b.ttft())
         part.scoring += await b.scoring()
 

@@ -14,6 +14,10 @@ MODES = ("off", "top0", "top5", "top20")  # logprobs off, then top_logprobs = 0,
 # constrained decoding costs, against "off" round by round.
 JSON_MODE = "json"
 COMPACT = "-base64"  # a mode's suffix: its entries in the compact form (`logprobs_format`)
+# The long top list distillation reads (TRL's default), which `--max-logprobs` allows: its own
+# cell, off against it as JSON and as base64 (`Preset.long_top_cell`).
+LONG_TOP = 100
+LONG_TOP_KEY = f"top {LONG_TOP}"  # its rows' clients key, apart from the preset's own cells
 
 
 def mode_top_k(mode: str) -> int | None:
@@ -122,6 +126,8 @@ class Preset:
     json_cells: tuple[int, ...] = ()
     clients: str = "1 process, bodies parsed after the clock"  # the preset's own set-up
     client_setups: tuple[ClientSetup, ...] = ()
+    # Our server's cell of off, top LONG_TOP as base64 and as JSON (None: not run).
+    long_top_cell: CellSpec | None = None
 
 
 # `make bench` on the 2-core CPU box, where prefill runs at ~150 tokens/s and decode at batch 64
@@ -156,6 +162,8 @@ CPU = Preset(
     # SmolLM2-135M's shapes, random weights: 4 bits dequantized at load against float32.
     quantized=QuantizedSpec("135m", concurrency=8, rounds=4),
     json_cells=(8,),
+    # Two rounds at c=8: a top-100 body is ~5x a top-20 one (~1 min more).
+    long_top_cell=CellSpec(8, 8, 2),
     client_setups=(
         ClientSetup(
             "1 process, parsing every body in its loop", 1, True, (CellSpec(64, 64, 2),), True
@@ -231,6 +239,7 @@ SMOKE = Preset(
     score=ScoreSpec(concurrency=2, requests=4, prompt_words=40),
     memory=MemorySpec(40, 8, concurrency=4, max_tokens=4, prompt_words=8, readings=4),
     quantized=QuantizedSpec("tiny", concurrency=4, rounds=1),
+    long_top_cell=CellSpec(4, 4),
     client_setups=(
         ClientSetup("1 process, parsing every body in its loop", 1, True, (CellSpec(4, 4),), True),
         ClientSetup("2 processes, bodies parsed after the clock", 2, False, (CellSpec(4, 4),)),

@@ -57,7 +57,12 @@ SIZES = {
 
 
 def build(
-    out: Path, tokenizer_from: Path, size: str = "1b", dtype: str = "bfloat16", vocab: int = 49152
+    out: Path,
+    tokenizer_from: Path,
+    size: str = "1b",
+    dtype: str = "bfloat16",
+    vocab: int = 49152,
+    context: int = 8192,
 ) -> Path:
     """`vocab` may exceed the tokenizer's (Qwen's 151,936): ids past it are never prompted but
     are sampled and extracted like any other."""
@@ -73,7 +78,7 @@ def build(
         "rms_norm_eps": 1e-5,
         "vocab_size": vocab,
         "rope_theta": 10000.0,
-        "max_position_embeddings": 8192,
+        "max_position_embeddings": context,
         "tie_word_embeddings": True,
         "eos_token_id": [2],
     }
@@ -95,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", choices=sorted(SIZES), default="1b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--context", type=int, default=8192, help="max_position_embeddings")
     a = ap.parse_args(argv)
-    print(build(a.out, a.tokenizer_from, a.size, a.dtype, a.vocab))
+    print(build(a.out, a.tokenizer_from, a.size, a.dtype, a.vocab, a.context))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Machine facts and the Markdown results section of docs/benchmarks.md.
+"""Machine facts and the Markdown results section of docs/bench-results.md.
 
 The runner owns only the text between a preset's markers; everything else in the file is
 hand-written and survives regeneration.
@@ -13,7 +13,7 @@ import re
 import subprocess
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "bench-results.md"
 
 INTRO = """# Benchmarks
 
@@ -135,7 +135,7 @@ def machine_facts(repo: Path) -> list[tuple[str, str]]:
 
 def write_section(path: Path, preset: str, text: str) -> None:
     """Replace the preset's marked section, or append one. A file that does not exist yet
-    starts as a copy of the repo's docs/benchmarks.md, so that a run writing elsewhere (a GPU
+    starts as a copy of the repo's docs/bench-results.md, so that a run writing elsewhere (a GPU
     host's output folder) gives back the whole page, ready to copy over."""
     if path.exists():
         old = path.read_text()

@@ -1,10 +1,10 @@
 """The runner behind `make bench`: measure our server, mlx-lm's server and bare mlx-lm on the same
 model in one run, evaluate issue 5's targets, print the tables and regenerate the preset's
-section of docs/benchmarks.md.
+section of docs/bench-results.md.
 
     .venv/bin/python bench/run.py --preset cpu                # make bench
     .venv/bin/python bench/run.py --preset smoke --no-docs    # seconds: does everything run?
-    python3 bench/run.py --preset gpu --tokenizer-from DIR --docs $OUT/benchmarks.md \\
+    python3 bench/run.py --preset gpu --tokenizer-from DIR --docs $OUT/bench-results.md \\
         --only omlx                                           # then --only mlx-lm,batchgen
 
 A run is made of parts (results.PARTS): `omlx` (our server: throughput with logprobs off and
@@ -223,7 +223,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model-dir", type=Path, default=None, help="where the random model is built")
     tok_help = "tokenizer files for the random model (default: the embedded SmolLM2's)"
     ap.add_argument("--tokenizer-from", type=Path, default=None, help=tok_help)
-    ap.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md")
+    ap.add_argument("--docs", type=Path, default=REPO / "docs" / "bench-results.md")
     ap.add_argument("--no-docs", action="store_true", help="print only; leave the docs alone")
     ap.add_argument("--json", type=Path, default=None, help="also write all results here")
     state_help = "saved results that --only runs merge with (default bench/.cache/PRESET.json)"

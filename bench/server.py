@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 from cpu_halves import server_affinity
+from presets import LONG_TOP
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,6 +63,7 @@ def free_port() -> int:
 def omlx_command(port: int, model: str | None, max_num_seqs: int) -> list[str]:
     cmd = [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--max-num-seqs", str(max_num_seqs)]
+    cmd += ["--max-logprobs", str(LONG_TOP)]  # the long top list's cell (presets.LONG_TOP)
     return cmd + (["--model", model] if model else [])
 
 

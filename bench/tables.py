@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from presets import COMPACT, Preset
+from presets import COMPACT, LONG_TOP, LONG_TOP_KEY, Preset
 from report import begin_marker, end_marker
 from results import PartResult, Results, Throughput
 from targets import Check, paired_ratios
@@ -124,10 +124,33 @@ def host_table(res: Results, p: Preset) -> list[str]:
     return head + lines
 
 
+def long_top_table(res: Results, p: Preset) -> list[str]:
+    """What the long top list costs (presets.LONG_TOP, as distillation reads it): its cell's
+    throughput against off, as JSON and as base64."""
+    spec = p.long_top_cell
+    if spec is None:
+        return []
+    c, top = spec.concurrency, f"top{LONG_TOP}"
+    off = res.throughput("omlx", "off", c, LONG_TOP_KEY)
+    on = res.throughput("omlx", top, c, LONG_TOP_KEY)
+    compact = res.throughput("omlx", top + COMPACT, c, LONG_TOP_KEY)
+    if off is None:
+        return []
+    return [
+        "",
+        f"| concurrency | off tok/s | {top} tok/s | {top} / off | {top} base64 tok/s "
+        f"| {top} base64 / off |",
+        "|---:|---:|---:|---:|---:|---:|",
+        f"| {c} | {_tps(off)} | {_tps(on)} | {_median_ratio(on, off)} | {_tps(compact)} "
+        f"| {_median_ratio(compact, off)} |",
+    ]
+
+
 def detail_tables(res: Results, p: Preset | None = None) -> list[str]:
     out: list[str] = rounds_table(res)
     if p is not None:
         out += host_table(res, p)
+        out += long_top_table(res, p)
     scoring = [s for p in res.parts for s in p.scoring]
     if scoring:
         out += [

@@ -5,10 +5,11 @@
 - The trainer (mlx-lm, LoRA on the last layers) recomputes the logprobs of the same tokens with
   its own forward pass; their ratio to the server's is the importance ratio, 1 (within 1e-4 in
   float32) while both hold the same weights.
-- After each training step the LoRA is saved in mlx-lm's adapter format and served as an
-  adapter under a new name (`POST /v1/load_lora_adapter`, the last step's one unloaded): the
-  next batch names it as its `model`, the response's `model` says which policy sampled it, and
-  its ratios are 1 again. With `--weights fuse` the LoRA is instead fused into the weights and
+- After each training step the LoRA is saved in mlx-lm's adapter format and loaded in place
+  under one name, `policy` (`POST /v1/load_lora_adapter` with `load_inplace`, as prime-rl
+  does): the next batch names it as its `model`, the response's `adapter` (its name and the
+  how-manieth load of that name) says which policy sampled it, and its ratios are 1 again.
+  With `--weights fuse` the LoRA is instead fused into the weights and
   loaded in place (`POST /update_weights_from_disk`): the batch's `weight_version` says which
   weights sampled it.
 
@@ -158,14 +159,12 @@ def publish(base: str, model: nn.Module, ckpt: Path, step: int, a: argparse.Name
             )
             r.raise_for_status()
         return str(httpx.get(base + "/v1/models").json()["data"][0]["id"])
-    name = f"policy-{step}"
-    save_adapter(model, ckpt / name)
-    body = {"lora_name": name, "lora_path": str(ckpt / name)}
+    # One name reloaded in place each step (prime-rl's way): each response names the adapter
+    # and which load of that name made it, so the policies stay apart.
+    save_adapter(model, ckpt / f"step-{step}")
+    body = {"lora_name": "policy", "lora_path": str(ckpt / f"step-{step}"), "load_inplace": True}
     httpx.post(base + "/v1/load_lora_adapter", json=body, timeout=600).raise_for_status()
-    if step:  # the last policy's requests are done: its slot goes
-        body = {"lora_name": f"policy-{step - 1}"}
-        httpx.post(base + "/v1/unload_lora_adapter", json=body, timeout=600).raise_for_status()
-    return name
+    return "policy"
 
 
 def plot(history: list[dict], path: Path) -> None:
@@ -224,7 +223,10 @@ def main() -> int:
                 name = publish(base, model, ckpt, step, a)
                 res = rollouts(base, name, prompts, a, step)
                 version = res["weight_version"]
-                policy = res["model"] if a.weights == "adapter" else version["tag"] or "start"
+                if a.weights == "adapter":  # the adapter and its load: the policy sampled
+                    policy = f"{res['adapter']['name']} (load {res['adapter']['load']})"
+                else:
+                    policy = version["tag"] or "start"
                 batch = []
                 for c in res["choices"]:
                     p = c["index"] // a.n

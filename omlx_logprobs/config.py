@@ -14,9 +14,15 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens per prefill step, so decoding is never starved
     # While a batch decodes, a new prompt waits up to this long for others to prefill with.
     prefill_delay_ms: float = 0.0
-    max_top_logprobs: int = 20  # the server cap on top_logprobs
+    # The server cap on top and prompt logprobs (vLLM's --max-logprobs): -1 is the whole
+    # vocabulary, resolved against the model by the API (validation.model_bounds).
+    max_top_logprobs: int = 20
     max_model_len: int | None = None  # None: the model's own context length
     logprobs_mode: str = "raw_logprobs"  # the default of requests that name none
+    # Chat logprobs of every generated token in `logprobs.content`, in order, reasoning and
+    # tool-call tokens included (as vLLM writes them), for requests that name no
+    # `flat_logprobs`; requests with `return_token_ids` get it anyway (docs/specs/rl.md).
+    flat_logprobs: bool = False
     # MLX's cache of freed buffers; None: 4 GiB on a GPU, MLX's own default on the CPU.
     cache_limit_mib: int | None = None
     # Device memory for kept sequences' keys and values (engine/prefix_cache.py); 0 turns
@@ -40,8 +46,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk must be >= 1")
         if not 0 <= self.prefill_delay_ms <= 10_000:
             raise ValueError("prefill_delay_ms must be in [0, 10000]")
-        if not 0 <= self.max_top_logprobs <= 20:
-            raise ValueError("max_top_logprobs must be in [0, 20]")
+        if self.max_top_logprobs < -1:
+            raise ValueError("max_logprobs must be -1 (the vocabulary) or >= 0")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}")
         if self.max_model_len is not None and self.max_model_len < 1:

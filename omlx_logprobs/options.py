@@ -28,7 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-top-logprobs", type=int, default=20)
+    s.add_argument(
+        "--max-logprobs",
+        "--max-top-logprobs",
+        dest="max_logprobs",
+        type=int,
+        default=EngineConfig.max_top_logprobs,
+        help="the most top logprobs (and prompt logprobs) a request may ask for; -1: the whole"
+        " vocabulary (vLLM's flag; default: %(default)s)",
+    )
     _add_batching(s)
     _add_pool(s)
     _add_output(s)
@@ -118,6 +126,13 @@ def _add_output(s: argparse.ArgumentParser) -> None:
         choices=list(LOGPROBS_MODES),
         default="raw_logprobs",
         help="what logprobs describe when a request names no logprobs_mode",
+    )
+    s.add_argument(
+        "--flat-logprobs",
+        action="store_true",
+        help="chat logprobs: every generated token's entry in logprobs.content, in order,"
+        " reasoning and tool-call tokens included (as vLLM writes them), for requests that do"
+        " not say (a request's flat_logprobs decides; return_token_ids implies it)",
     )
 
 
@@ -301,7 +316,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         engine=EngineConfig(
             max_num_seqs=args.max_num_seqs,
             prefill_chunk=chunk,
-            max_top_logprobs=args.max_top_logprobs,
+            max_top_logprobs=args.max_logprobs,
+            flat_logprobs=args.flat_logprobs,
             max_model_len=args.max_model_len,
             logprobs_mode=args.logprobs_mode,
             cache_limit_mib=args.mlx_cache_limit_mib,

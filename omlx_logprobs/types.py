@@ -253,6 +253,50 @@ INITIAL_WEIGHTS = WeightVersion()
 
 
 @dataclass(frozen=True)
+class AdapterVersion:
+    """Which LoRA adapter produced an output: its name and the how-manieth load of that name
+    (a name reloaded in place, prime-rl's way, is a new policy)."""
+
+    name: str
+    load: int
+
+    def json(self) -> dict[str, Any]:
+        return {"name": self.name, "load": self.load}
+
+
+class PauseMode(str, Enum):
+    """What a pause does with the requests in flight (vLLM's /pause modes, SGLang's
+    /pause_generation ones; docs/specs/rl.md). New requests wait for the resume in every mode."""
+
+    ABORT = "abort"  # they end at once, finish reason "abort", their tokens so far returned
+    WAIT = "wait"  # they run to their end; the pause is answered once none is left
+    KEEP = "keep"  # they stop where they are, keys and values kept (SGLang: in_place)
+    RETRACT = "retract"  # they stop, their keys and values go; the resume prefills them again
+
+    @property
+    def halts(self) -> bool:
+        """No step runs while paused: requests stay where they are."""
+        return self in (PauseMode.KEEP, PauseMode.RETRACT)
+
+
+@dataclass(frozen=True)
+class Control:
+    """A control-plane command for the engine, between two steps: pause (in a mode), resume,
+    or drop the kept prompt prefixes (`flush`)."""
+
+    action: str  # "pause", "resume", "flush"
+    mode: PauseMode = PauseMode.ABORT
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    paused: bool
+    aborted: int = 0  # requests a pause ended
+    held: int = 0  # requests a pause stopped where they are (kept or retracted)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class WeightUpdate:
     """New weights for the served model, from a directory or a safetensors file of the same
     architecture. Requests in flight finish on the old weights first, or are aborted."""
@@ -375,6 +419,10 @@ class RequestOutput:
     reasoning_tokens: int = 0
     tool_tokens: int = 0
     weight_version: WeightVersion = INITIAL_WEIGHTS
+    # Where the weights changed inside this choice's output (an update while it was paused in
+    # place): (first token, version) from its first token on; empty when one version made it.
+    weight_spans: tuple[tuple[int, WeightVersion], ...] = ()
+    adapter: AdapterVersion | None = None  # the LoRA adapter it ran on (None: the model)
 
     @property
     def num_tokens(self) -> int:

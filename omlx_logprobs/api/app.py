@@ -12,21 +12,26 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from omlx_logprobs.api import lora, page, weights
+from omlx_logprobs.api import control, lora, page, render, weights
 from omlx_logprobs.api import tokenize as tok
 from omlx_logprobs.api.anthropic import routes as anthropic
-from omlx_logprobs.api.chat import ChatServing
-from omlx_logprobs.api.completions import CompletionServing
 from omlx_logprobs.api.errors import error_response, install_error_handlers
 from omlx_logprobs.api.guard import install_guard
 from omlx_logprobs.api.ollama import routes as ollama
 from omlx_logprobs.api.openapi import install_openapi
 from omlx_logprobs.api.pool import ModelPool, Unavailable
-from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
+from omlx_logprobs.api.protocol import (
+    ChatCompletionRequest,
+    ChatTokensRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SglangGenerateRequest,
+)
 from omlx_logprobs.api.responses import routes as responses
 from omlx_logprobs.api.responses.store import ResponseStore
 from omlx_logprobs.api.served import Served
 from omlx_logprobs.api.serving import respond
+from omlx_logprobs.api.slot import ModelSlot
 from omlx_logprobs.config import Access
 
 log = logging.getLogger("omlx_logprobs")
@@ -83,30 +88,56 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
     async def text_completions(req: CompletionRequest, raw: Request) -> Response:
         return await _respond(pool, req, raw)
 
+    @app.post("/v1/chat/completions/tokens")
+    async def chat_completions_tokens(req: ChatTokensRequest, raw: Request) -> Response:
+        return await _respond(pool, req, raw)
+
+    @app.post("/inference/v1/generate")
+    async def generate(req: GenerateRequest, raw: Request) -> Response:
+        return await _respond(pool, req, raw)
+
+    @app.post("/generate")
+    async def sglang_generate(req: SglangGenerateRequest, raw: Request) -> Response:
+        return await _respond(pool, req, raw)
+
     responses.add_routes(app, pool, ResponseStore())
     anthropic.add_routes(app, pool)
     ollama.add_routes(app, pool)
     tok.add_routes(app, pool)
     lora.add_routes(app, pool)
+    render.add_routes(app, pool)
+    control.add_routes(app, pool)
     page.add_routes(app, access.api_key is not None)
     return app
 
 
-class _Bound:
-    """A chat or completions request as a `Run`: started by `events` or `complete`."""
+Routed = ChatCompletionRequest | CompletionRequest | GenerateRequest | SglangGenerateRequest
 
-    def __init__(self, serving: ChatServing | CompletionServing, req: Any) -> None:
+
+class _Bound:
+    """A request of the OpenAI-shaped routes as a `Run`: started by `events` or `complete`."""
+
+    def __init__(self, serving: Any, req: Routed) -> None:
         self.serving, self.req = serving, req
 
     def events(self) -> AsyncIterator[str]:
-        return self.serving.stream(self.req)
+        return self.serving.stream(self.req)  # type: ignore[no-any-return]
 
     async def complete(self, raw: Request) -> str:
-        return await self.serving.complete(self.req, raw)
+        return await self.serving.complete(self.req, raw)  # type: ignore[no-any-return]
 
 
-async def _respond(
-    pool: ModelPool, req: ChatCompletionRequest | CompletionRequest, raw: Request
-) -> Response:
-    kind = ChatServing if isinstance(req, ChatCompletionRequest) else CompletionServing
-    return await respond(pool, req, raw, lambda served: _Bound(kind(served), req))
+def _serving(slot: ModelSlot, req: Routed) -> Any:
+    """The serving object of the request's route on its model."""
+    if isinstance(req, ChatCompletionRequest):
+        return slot.chat
+    if isinstance(req, GenerateRequest):
+        return slot.generate
+    if isinstance(req, SglangGenerateRequest):
+        return slot.sglang
+    return slot.completions
+
+
+async def _respond(pool: ModelPool, req: Routed, raw: Request) -> Response:
+    name = req.served_name if isinstance(req, SglangGenerateRequest) else req.model
+    return await respond(pool, req, raw, lambda slot: _Bound(_serving(slot, req), req), name=name)

@@ -17,6 +17,7 @@ from omlx_logprobs.api.response import (
     head,
     prompt_logprobs_json,
     usage,
+    weight_spans_json,
     weight_version_json,
 )
 from omlx_logprobs.api.served import Served
@@ -36,15 +37,15 @@ def echo_text(req: ChatCompletionRequest) -> str:
     return last.text() if req.echo and last.role == reply_role(req) else ""
 
 
-def logprobs_json(p: Prepared, out: RequestOutput) -> str:
+def logprobs_json(p: Prepared, out: RequestOutput, flat: bool = False) -> str:
     """The entries of out's tokens; with the thinking parser on, reasoning tokens apart
     (reasoning comes first); with tool calls parsed, the calls' tokens apart (they come
-    last)."""
+    last); `flat`, all of them in content, in order."""
     split = sections.sections(out)
     if split is None:
         return "null"
     ereq, w = p.first, p.writer
-    if ereq.think is ThinkStart.OFF and ereq.tools is None:
+    if (ereq.think is ThinkStart.OFF and ereq.tools is None) or flat:
         return f'{w.head}"content":{w.entries(out.logprobs)},"refusal":null}}'
     body = f'{w.head}"content":{w.entries(split.content)},'
     if ereq.think is not ThinkStart.OFF:
@@ -57,6 +58,13 @@ def logprobs_json(p: Prepared, out: RequestOutput) -> str:
 class ChatServing:
     def __init__(self, served: Served) -> None:
         self.served = served
+
+    def flat(self, req: ChatCompletionRequest) -> bool:
+        """Whether every generated token's entry goes in logprobs.content (docs/specs/rl.md:
+        a client that asks for the token ids aligns them with these entries)."""
+        if req.flat_logprobs is not None:
+            return req.flat_logprobs
+        return req.return_token_ids or self.served.cfg.flat_logprobs
 
     def _start(self, req: ChatCompletionRequest) -> tuple[Prepared, RequestHandle]:
         p = prepare(Ask.chat(req), self.served)
@@ -72,6 +80,7 @@ class ChatServing:
         role, echo = reply_role(req), echo_text(req)
         parser = ereq.tools.parser if ereq.tools else None
         named = isinstance(req.tool_choice, NamedToolChoice)
+        flat = self.flat(req)
         choices = []
         for out in outs:
             calls = tools.CallIds(parser).message(out.tool_calls)
@@ -85,8 +94,9 @@ class ChatServing:
             if req.return_token_ids:
                 ids = f',"token_ids":{json.dumps(out.token_ids.tolist())}'
             choices.append(
-                f'{{"index":{out.index},"message":{message},"logprobs":{logprobs_json(p, out)},'
-                f'"finish_reason":{finish}{ids}}}'
+                f'{{"index":{out.index},"message":{message},'
+                f'"logprobs":{logprobs_json(p, out, flat)},'
+                f'"finish_reason":{finish}{ids}{weight_spans_json(out)}}}'
             )
         extra = ""
         if req.return_token_ids:
@@ -99,7 +109,8 @@ class ChatServing:
         body = usage(outs, ereq.think is not ThinkStart.OFF)
         return (
             f'{self._head(p, "chat.completion")}"choices":[{",".join(choices)}],'
-            f'"usage":{json.dumps(body)}{extra}{weight_version_json(outs[0].weight_version)}}}'
+            f'"usage":{json.dumps(body)}{extra}'
+            f"{weight_version_json(outs[0].weight_version, outs[0].adapter)}}}"
         )
 
     def stream(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
@@ -127,11 +138,12 @@ class ChatServing:
         parser = ereq.tools.parser if ereq.tools else None
         numbering = [tools.CallIds(parser) for _ in range(ereq.n)]  # call ids per choice
         named = isinstance(req.tool_choice, NamedToolChoice)
+        flat = self.flat(req)
         started = False
         async for _, out in sse.outputs([handle]):
             if not started:  # the role chunks name the weights: they wait for the first output
                 started = True
-                chunks.name_weights(out.weight_version)
+                chunks.name_weights(out)
                 first = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}' if ids else ""
                 for i in range(ereq.n):  # prompt_token_ids once, with the first chunk (vLLM)
                     yield choice(i, {"role": role, "content": ""}, "null", None, first * (i == 0))
@@ -146,12 +158,13 @@ class ChatServing:
             if out.text or out.reasoning_text or out.num_tokens or out.tool_calls:
                 extra = f',"token_ids":{json.dumps(out.token_ids.tolist())}' if ids else ""
                 delta = sections.delta(out, ereq.think, numbering[i].delta(out.tool_calls))
-                yield choice(i, delta, logprobs_json(p, out), None, extra)
+                yield choice(i, delta, logprobs_json(p, out, flat), None, extra)
             if out.finished:
                 finals[i] = out
                 reason = out.finish_reason.value if out.finish_reason else None
                 called = numbering[i].count > 0
-                yield choice(i, {}, "null", tools.finish_reason(reason, called, named))
+                finish = tools.finish_reason(reason, called, named)
+                yield choice(i, {}, "null", finish, weight_spans_json(out))
         if include_usage:
             done = [finals[i] for i in sorted(finals)]
             yield chunks.usage(usage(done, ereq.think is not ThinkStart.OFF))

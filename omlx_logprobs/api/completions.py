@@ -18,6 +18,7 @@ from omlx_logprobs.api.response import (
     head,
     prompt_logprobs_json,
     usage,
+    weight_spans_json,
     weight_version_json,
 )
 from omlx_logprobs.api.served import Served
@@ -96,9 +97,9 @@ class CompletionServing:
             finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
             parts.append(
                 f'{{"index":{c.index},"text":{text},"logprobs":{lp},'
-                f'"finish_reason":{finish}{extras}}}'
+                f'"finish_reason":{finish}{extras}{weight_spans_json(out)}}}'
             )
-        w = weight_version_json(outs[0].weight_version)
+        w = weight_version_json(outs[0].weight_version, outs[0].adapter)
         body = f'"choices":[{",".join(parts)}],"usage":{json.dumps(usage(outs))}{w}}}'
         return self._head(p) + body
 
@@ -114,7 +115,7 @@ class CompletionServing:
         chunks = sse.Chunks(self._head(p), include_usage)
         finals: dict[int, RequestOutput] = {}
         async for at, out in sse.outputs(handles):
-            chunks.name_weights(out.weight_version)
+            chunks.name_weights(out)
             i = at * req.n + out.index
             c = choices[i]
             if out.error:
@@ -134,7 +135,10 @@ class CompletionServing:
             if out.finished:
                 finals[i] = out
                 fin = json.dumps(out.finish_reason.value if out.finish_reason else None)
-                end = f'{{"index":{i},"text":"","logprobs":null,"finish_reason":{fin}}}'
+                end = (
+                    f'{{"index":{i},"text":"","logprobs":null,"finish_reason":{fin}'
+                    f"{weight_spans_json(out)}}}"
+                )
                 yield chunks.chunk(end)
         if include_usage:
             yield chunks.usage(usage([finals[c.index] for c in choices]))

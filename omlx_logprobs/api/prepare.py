@@ -20,7 +20,12 @@ from omlx_logprobs.api import tools
 from omlx_logprobs.api.constraints import constraint_field
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.prompts import chat_prompt, completion_prompts, encode
-from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from omlx_logprobs.api.protocol import (
+    ChatCompletionRequest,
+    ChatTokensRequest,
+    CompletionRequest,
+    SamplingKnobs,
+)
 from omlx_logprobs.api.served import Served
 from omlx_logprobs.engine.client import RequestHandle
 from omlx_logprobs.logprobs.wire import LogprobWriter
@@ -40,15 +45,18 @@ class Ask:
     request model, which every API's body is read into), its output budget, whether generated
     tokens get entries and how many alternatives, how many alternatives prompt positions get
     (None: no prompt logprobs), the request id's prefix, and the wire's names of the fields
-    (`{"max_tokens": "max_output_tokens"}`) for the 400s."""
+    (`{"max_tokens": "max_output_tokens"}`, and the prompt's: `token_ids`) for the 400s. The
+    token routes (vLLM's and SGLang's generate) ask with their sampling fields alone (`req` a
+    `SamplingKnobs`) and take only `sampling_params` of this path: their prompts are ids."""
 
-    req: ChatCompletionRequest | CompletionRequest
+    req: SamplingKnobs
     max_tokens: int | None
     logprobs: bool
     top: int
     prompt_top: int | None = None
     prefix: str = "chatcmpl-"
     names: Mapping[str, str] = field(default_factory=dict)
+    prompt_param: str | None = None
 
     @staticmethod
     def chat(
@@ -97,13 +105,14 @@ class Prepared:
 def prepare(ask: Ask, served: Served) -> Prepared:
     """Check, compile and tokenize once; a 400 names the wire's field."""
     rid = f"{ask.prefix}{uuid.uuid4().hex}"
-    with wire_names(ask.names):
-        served.check_model(ask.req.model)
-        if isinstance(ask.req, ChatCompletionRequest):
-            requests, constraint = _chat(ask, ask.req, served, rid)
-        else:
-            requests, constraint = _completion(ask, ask.req, served, rid)
     req = ask.req
+    assert isinstance(req, (ChatCompletionRequest, CompletionRequest))
+    with wire_names(ask.names):
+        served.check_model(req.model)
+        if isinstance(req, ChatCompletionRequest):
+            requests, constraint = _chat(ask, req, served, rid)
+        else:
+            requests, constraint = _completion(ask, req, served, rid)
     writer = served.writers.choose(req.logprobs_format, req.return_tokens_as_token_ids)
     model = served.adapter(req.model) or served.model.name
     return Prepared(rid, requests, constraint, writer, model)
@@ -115,7 +124,7 @@ def _chat(
     tokenizer = served.model.tokenizer
     content = served.checks.check_chat(req)
     parsing = tools.tool_parsing(req, served.tool_format, tokenizer)
-    prompt = chat_prompt(req, served.model, served.checks)
+    prompt = _chat_prompt(req, served)
     params = sampling_params(ask, served, len(prompt), content)
     # tool_choice required or named, or a constraint beside tools: the calls' grammar
     constraint = tools.tool_constraint(req, parsing, tokenizer, content)
@@ -145,6 +154,15 @@ def _chat(
     return (ereq,), constraint
 
 
+def _chat_prompt(req: ChatCompletionRequest, served: Served) -> list[int]:
+    """The chat template's ids of the messages, or, on /v1/chat/completions/tokens, the ids the
+    client sent (the conversation as its trainer holds it: never re-tokenized)."""
+    if not isinstance(req, ChatTokensRequest):
+        return chat_prompt(req, served.model, served.checks)
+    served.checks.check_token_ids(req.tokens, "tokens")
+    return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens)
+
+
 def _completion(
     ask: Ask, req: CompletionRequest, served: Served, rid: str
 ) -> tuple[tuple[EngineRequest, ...], Constraint | None]:
@@ -172,12 +190,12 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's fields as SamplingParams; a 400 for every value the engine cannot take
     (the checks live in api/validation.py; the top-K caps are checked there, once)."""
-    req: SamplingFields = ask.req
+    req = ask.req
     checks = served.checks
-    chat = isinstance(ask.req, ChatCompletionRequest)
+    chat = isinstance(req, ChatCompletionRequest)
     completion = getattr(req, "max_completion_tokens", None) is not None
     tokens_param = "max_completion_tokens" if completion else "max_tokens"
-    prompt_param = "messages" if chat else "prompt"
+    prompt_param = ask.prompt_param or ("messages" if chat else "prompt")
     room = checks.check_prompt(prompt_len, ask.max_tokens, prompt_param, tokens_param)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     any_logprobs = ask.logprobs or ask.prompt_top is not None

@@ -104,10 +104,11 @@ class StreamOptions(_Open):
 LogprobsModeName = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
 
-class SamplingFields(_Open):
-    """Fields shared by chat and text completions."""
+class SamplingKnobs(_Open):
+    """What a request asks of the sampler and of the logprobs, whatever carries it: the fields
+    chat and text completions share with vLLM's `SamplingParams` (which
+    /inference/v1/generate takes as `sampling_params`)."""
 
-    model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -122,14 +123,10 @@ class SamplingFields(_Open):
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     ignore_eos: bool = False
     n: int = Field(1, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None  # an end-user id: no effect on the answer
-    # vLLM's scoring and RL extensions, on both endpoints
-    prompt_logprobs: int | None = Field(None, ge=0)
+    # vLLM's scoring and RL extensions
+    prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM)
     logprob_token_ids: list[int] | None = None
     logprobs_mode: LogprobsModeName | None = None
-    return_tokens_as_token_ids: bool = False
     # vLLM's generation controls
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
@@ -140,17 +137,28 @@ class SamplingFields(_Open):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    # Refused unless they ask for nothing (validation.UNSUPPORTED says why).
-    priority: int = 0
-    use_beam_search: bool = False
-    length_penalty: float = 1.0  # beam search's
     structured_outputs: dict[str, Any] | None = None
+    # Refused unless they ask for nothing (validation.UNSUPPORTED says why).
+    logits_processors: list[Any] | None = None
+
+
+class SamplingFields(SamplingKnobs):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id: no effect on the answer
+    return_tokens_as_token_ids: bool = False
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None
-    logits_processors: list[Any] | None = None
+    # Refused unless they ask for nothing (validation.UNSUPPORTED says why).
+    priority: int = 0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search's
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
@@ -163,9 +171,13 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=-1)
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM: prompt_token_ids and choices[].token_ids
+    # Every generated token's entry in logprobs.content, in order (reasoning and tool-call
+    # tokens too, as vLLM writes them); None: the server's --flat-logprobs, or true when
+    # return_token_ids asks for the ids those entries align with (docs/specs/rl.md).
+    flat_logprobs: bool | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -201,15 +213,117 @@ class ChatCompletionRequest(SamplingFields):
     _tools_in_kwargs = model_validator(mode="before")(_template_tools)
 
 
+class ChatTokensRequest(ChatCompletionRequest):
+    """`/v1/chat/completions/tokens` (prime-rl's route, verifiers' token client): a chat
+    request whose prompt is `tokens`, the conversation so far as the client holds its ids;
+    the messages still name the tools and the reply's role."""
+
+    tokens: list[int] = Field(min_length=1)
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=-1)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
     return_token_ids: bool = False  # vLLM: choices[].prompt_token_ids and choices[].token_ids
     add_special_tokens: bool = True  # vLLM: BOS and the like when a prompt is text
+
+
+class GenerateSampling(SamplingKnobs):
+    """vLLM's `SamplingParams` as /inference/v1/generate takes them: `logprobs` is the top
+    count (0: only the sampled token's entry; None: no entries), `max_tokens` None takes
+    the rest of the context (vLLM's server default on this route)."""
+
+    max_tokens: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=-1)
+    detokenize: bool = True  # ids and entries are the answer; no text is returned anyway
+    # vLLM's storage of the entries (one flat list each): the JSON is the same either way
+    flat_logprobs: bool = False
+    output_kind: int | None = None  # vLLM's engine-side detail (the route sets it itself)
+
+
+class GenerateRequest(_Open):
+    """vLLM's `/inference/v1/generate` body (its tokens-in, tokens-out route): prompt ids and
+    sampling params, no chat template, no text."""
+
+    model: str | None = None
+    request_id: str | None = None
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: GenerateSampling = Field(
+        default_factory=lambda: GenerateSampling.model_validate({})
+    )
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Refused unless they ask for nothing (validation.UNSUPPORTED says why).
+    features: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class SglangSampling(_Open):
+    """SGLang's `sampling_params` (its names and defaults: 128 new tokens, top_k -1)."""
+
+    max_new_tokens: int | None = Field(128, ge=0)
+    min_new_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False  # the matched stop string stays in the text
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    n: int = Field(1, ge=1)
+    sampling_seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    stream_interval: int | None = None  # how often SGLang streams: every output here
+    # Refused unless they ask for nothing (validation.UNSUPPORTED says why).
+    custom_params: dict[str, Any] | None = None
+
+
+class SglangGenerateRequest(_Open):
+    """SGLang's `/generate` body (slime, Miles): one prompt or a batch, as `text` or
+    `input_ids`; each per-prompt field is a value for all or a list with one per prompt."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SglangSampling | list[SglangSampling] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1  # -1: the last prompt token (output tokens only)
+    top_logprobs_num: int | list[int] = 0
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    lora_path: str | list[str] | None = None  # a loaded LoRA adapter's name
+    model: str | None = None  # which served model (this server's extension)
+    logprobs_mode: LogprobsModeName = "processed_logprobs"  # SGLang's: after temperature
+    # Refused unless they ask for nothing (validation.UNSUPPORTED says why).
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    input_embeds: Any = None
+    return_hidden_states: bool = False
+    return_routed_experts: bool = False
+    session_params: dict[str, Any] | None = None
+
+    @property
+    def served_name(self) -> str | None:
+        """The served name it runs on: `model`, else its adapter's (whose base serves it)."""
+        lora = self.lora_path[0] if isinstance(self.lora_path, list) else self.lora_path
+        return self.model or lora
 
 
 class TokenizeRequest(_Open):
@@ -243,6 +357,23 @@ class UpdateWeightsRequest(_Model):
     weight_version: str | None = None
     flush_cache: bool = True
     load_format: str | None = None
+
+
+class PauseGenerationRequest(_Model):
+    """SGLang's `/pause_generation` body."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class UpdateWeightsDirRequest(_Model):
+    """prime-rl's `/update_weights` body: the directory of the new weights (the same files as
+    /update_weights_from_disk takes), and optionally their tag and which model."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    weight_dir: str = Field(min_length=1)
+    weight_version: str | None = None
+    model: str | None = None
 
 
 class LoadLoRAAdapterRequest(_Model):

@@ -13,10 +13,10 @@ from typing import Any
 from fastapi import Request
 
 from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.protocol import SamplingFields
+from omlx_logprobs.api.protocol import SamplingKnobs
 from omlx_logprobs.engine.client import RequestHandle
 from omlx_logprobs.logprobs.wire import LogprobWriter
-from omlx_logprobs.types import Entries, RequestOutput, WeightVersion
+from omlx_logprobs.types import AdapterVersion, Entries, RequestOutput, WeightVersion
 
 
 async def wait_or_disconnect(handles: list[RequestHandle], raw: Request) -> list[RequestOutput]:
@@ -80,10 +80,23 @@ def usage(outs: list[RequestOutput], reasoning: bool = False) -> dict[str, Any]:
 
 
 @lru_cache(maxsize=64)
-def weight_version_json(version: WeightVersion) -> str:
+def weight_version_json(version: WeightVersion, adapter: AdapterVersion | None = None) -> str:
     """`"weight_version":{...}`, the fragment every body and chunk carries: which weights made
-    it (one version for a whole response: the engine swaps weights only while nothing runs)."""
-    return f',"weight_version":{json.dumps(version.json())}'
+    it (one version for a whole response, unless an update came while it was paused in place:
+    then `weight_spans_json` says where each began), and beside it, for a response made with a
+    LoRA adapter, `"adapter":{"name","load"}`: which adapter and which load of its name."""
+    text = f',"weight_version":{json.dumps(version.json())}'
+    return text if adapter is None else f'{text},"adapter":{json.dumps(adapter.json())}'
+
+
+def weight_spans_json(out: RequestOutput) -> str:
+    """`,"weight_versions":[...]` for a choice whose tokens came from more than one version
+    (an update while it was paused in place): each version and the first token it made; ""
+    for the rest (one version made it all, `weight_version` says which)."""
+    if not out.weight_spans:
+        return ""
+    spans = [{**v.json(), "start": start} for start, v in out.weight_spans]
+    return f',"weight_versions":{json.dumps(spans)}'
 
 
 def raise_if_failed(outs: list[RequestOutput]) -> None:
@@ -101,7 +114,7 @@ def head(request_id: str, kind: str, model: str, fingerprint: str) -> str:
 
 
 def prompt_logprobs_json(
-    req: SamplingFields, e: Entries, writer: LogprobWriter, asked: int | None = None
+    req: SamplingKnobs, e: Entries, writer: LogprobWriter, asked: int | None = None
 ) -> str:
     """vLLM's `prompt_logprobs` (a list with null for the first position), or in the compact
     form one block of the positions after the first. `asked`: the alternatives wanted, when

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from omlx_logprobs.api import sse
 from omlx_logprobs.api.pool import ModelPool
-from omlx_logprobs.api.served import Served
+from omlx_logprobs.api.slot import ModelSlot
 from omlx_logprobs.api.validation import check_unknown
 
 
@@ -31,15 +31,16 @@ async def respond(
     pool: ModelPool,
     req: Any,
     raw: Request,
-    start: Callable[[Served], Run],
+    start: Callable[[ModelSlot], Run],
     media: str = sse.SSE,
+    name: str | None = None,
 ) -> Response:
+    """`name`: the model, when the body does not call it `model` (SGLang's)."""
     if not pool.ignore_unknown_fields:
         check_unknown(req, False)
-    async with pool.use(req.model) as slot:
-        assert slot.served is not None
-        headers = slot.served.fields_headers(req)
-        run = start(slot.served)
+    async with pool.use(name if name is not None else req.model) as slot:
+        headers = slot.live.fields_headers(req)
+        run = start(slot)
         if req.stream:  # submitted by now: the engine counts it as in flight until it ends
             return sse.streaming(run.events(), media, headers)
         try:

@@ -13,7 +13,9 @@ from typing import Any
 from omlx_logprobs.api.chat import ChatServing
 from omlx_logprobs.api.completions import CompletionServing
 from omlx_logprobs.api.served import Served
+from omlx_logprobs.api.sglang_generate import SglangServing
 from omlx_logprobs.api.validation import RequestLimits
+from omlx_logprobs.api.vllm_generate import GenerateServing
 from omlx_logprobs.types import INITIAL_WEIGHTS, WeightVersion
 
 
@@ -28,6 +30,8 @@ class ModelSlot:
     served: Served | None = None
     chat: ChatServing | None = None
     completions: CompletionServing | None = None
+    generate: GenerateServing | None = None  # /inference/v1/generate
+    sglang: SglangServing | None = None  # /generate
     leases: int = 0  # requests routed here whose work is not yet in the engine
     # When each request for it that waits for a busy model to go idle (so that it can be
     # loaded) arrived: later requests for the loaded models wait behind it, so those drain and
@@ -50,6 +54,12 @@ class ModelSlot:
     change: asyncio.Task[None] | None = field(default=None, repr=False)  # load or unload
 
     @property
+    def live(self) -> Served:
+        """Its Served, while loaded (a request's lease keeps it loaded)."""
+        assert self.served is not None
+        return self.served
+
+    @property
     def busy(self) -> bool:
         return self.leases > 0 or (self.served is not None and self.served.engine.in_flight > 0)
 
@@ -58,13 +68,14 @@ class ModelSlot:
         self.adapters = served.adapters
         self.served, self.state = served, "loaded"
         self.chat, self.completions = ChatServing(served), CompletionServing(served)
+        self.generate, self.sglang = GenerateServing(served), SglangServing(served)
         self.max_model_len = served.model.max_model_len
         self.last_used = self.loaded_at = time.monotonic()
 
     def detach(self) -> Served:
         served = self.served
         assert served is not None
-        self.served = self.chat = self.completions = None
+        self.served = self.chat = self.completions = self.generate = self.sglang = None
         self.tokenizer = (replace(served.model, model=None), served.checks)
         return served
 

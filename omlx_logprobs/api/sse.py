@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from omlx_logprobs.api.errors import error_body
 from omlx_logprobs.api.response import weight_version_json
 from omlx_logprobs.engine.client import RequestHandle, merged
-from omlx_logprobs.types import RequestOutput, WeightVersion
+from omlx_logprobs.types import RequestOutput
 
 SSE = "text/event-stream"
 NDJSON = "application/x-ndjson"
@@ -67,10 +67,10 @@ class Chunks:
         self.include_usage = include_usage
         self.weights = ""  # the weight_version fragment, known with the first output
 
-    def name_weights(self, version: WeightVersion) -> None:
-        """One version for the whole response (the engine swaps weights only when idle)."""
+    def name_weights(self, out: RequestOutput) -> None:
+        """The version the first output names, for the whole response (and its adapter)."""
         if not self.weights:
-            self.weights = weight_version_json(version)
+            self.weights = weight_version_json(out.weight_version, out.adapter)
 
     def chunk(self, choice: str) -> str:
         """A chunk with one choice."""

@@ -31,6 +31,8 @@ COUNT_FIELDS = ("top_logprobs", "logprobs", "prompt_logprobs")
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 # Below this, dividing a logit by the penalty can overflow float32 and poison the whole row.
 MIN_REPETITION_PENALTY = 0.01
+# Objects inside a body whose own unknown fields are named too.
+NESTED_BODIES = ("stream_options", "sampling_params")
 # What the template renderer itself passes to Jinja besides apply_chat_template's parameters.
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
@@ -73,16 +75,28 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     ),
     Unsupported("chat_template", given, "a chat template sent with the request"),
     Unsupported("mm_processor_kwargs", given, "multimodal input"),
+    Unsupported("features", given, "multimodal input"),
+    Unsupported("image_data", given, "multimodal input"),
+    Unsupported("video_data", given, "multimodal input"),
+    Unsupported("audio_data", given, "multimodal input"),
+    Unsupported("input_embeds", given, "input embeddings"),
+    Unsupported("return_hidden_states", given, "hidden states"),
+    Unsupported("return_routed_experts", given, "routed experts (no MoE replay)"),
+    Unsupported("session_params", given, "sessions"),
+    Unsupported("custom_params", given, "custom logit processors"),
 )
 
 
 def unknown_fields(req: BaseModel) -> list[str]:
-    """The fields a body sent that its model does not declare, as paths (`stream_options.x`);
+    """The fields a body sent that its model does not declare, as paths (`sampling_params.x`);
     message contents are not looked into (their extra keys are the template's)."""
     found = [str(k) for k in (req.model_extra or {})]
-    opts = getattr(req, "stream_options", None)
-    if isinstance(opts, BaseModel):
-        found += [f"stream_options.{k}" for k in (opts.model_extra or {})]
+    for name in NESTED_BODIES:
+        inner = getattr(req, name, None)
+        for i, part in enumerate(inner if isinstance(inner, list) else [inner]):
+            if isinstance(part, BaseModel):
+                at = f"{name}[{i}]" if isinstance(inner, list) else name
+                found += [f"{at}.{k}" for k in (part.model_extra or {})]
     return found
 
 
@@ -127,11 +141,13 @@ def model_bounds(model: Any, max_top_logprobs: int) -> ModelBounds:
     except (TypeError, ValueError, AttributeError):
         reserved = set()
     reserved |= TEMPLATE_VARIABLES
+    # --max-logprobs -1: the whole vocabulary; no list is longer than the vocabulary anyway
+    cap = len(vocab) if max_top_logprobs < 0 else min(max_top_logprobs, len(vocab))
     per_token, budget = _kv_memory(model)
     return ModelBounds(
         len(vocab),
         model.max_model_len,
-        max_top_logprobs,
+        cap,
         max(longest, 1),
         frozenset(reserved),
         per_token,
@@ -210,7 +226,10 @@ class RequestLimits:
         for name in COUNT_FIELDS:
             value = get(name)
             if isinstance(value, int) and not isinstance(value, bool):
-                _at_most(value, self.bounds.max_top_logprobs, name)
+                if value == -1:  # vLLM: the whole vocabulary (the cap decides whether it may)
+                    value = self.bounds.vocab_size
+                    setattr(req, name, value)
+                _at_most(value, self.bounds.max_top_logprobs, name, "(--max-logprobs)")
         penalty = get("repetition_penalty")
         if penalty is not None and penalty < MIN_REPETITION_PENALTY:
             raise APIError(

@@ -22,6 +22,8 @@ from omlx_logprobs.engine.messages import (
     AdapterChanged,
     BeginShutdown,
     ChangeAdapter,
+    ControlCommand,
+    Controlled,
     EngineSpec,
     Failed,
     Fault,
@@ -33,7 +35,7 @@ from omlx_logprobs.engine.messages import (
 )
 from omlx_logprobs.engine.model_runner import ModelRunner
 from omlx_logprobs.models.sharded import SplitRefused
-from omlx_logprobs.types import EngineRequest, RequestOutput, WeightUpdateResult
+from omlx_logprobs.types import ControlResult, EngineRequest, RequestOutput, WeightUpdateResult
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -131,6 +133,10 @@ def _answer_adapter(sink: _PipeSink, uid: int, done: Future[str | None]) -> None
     sink.reply(AdapterChanged(uid, done.result()))
 
 
+def _answer_control(sink: _PipeSink, uid: int, done: Future[ControlResult]) -> None:
+    sink.reply(Controlled(uid, done.result()))
+
+
 def _serve_inbox(engine: Engine, inbox: Connection, sink: _PipeSink) -> None:
     while True:
         try:
@@ -149,5 +155,7 @@ def _serve_inbox(engine: Engine, inbox: Connection, sink: _PipeSink) -> None:
             engine.change_adapter(msg.change).add_done_callback(
                 partial(_answer_adapter, sink, msg.uid)
             )
+        elif isinstance(msg, ControlCommand):
+            engine.control(msg.command).add_done_callback(partial(_answer_control, sink, msg.uid))
         elif isinstance(msg, Stop):
             return

@@ -17,6 +17,8 @@ from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.output.collector import RequestOutputCollector
 from omlx_logprobs.types import (
     AdapterChange,
+    Control,
+    ControlResult,
     EngineRequest,
     FinishReason,
     RequestOutput,
@@ -45,6 +47,8 @@ class Transport(Protocol):
     def update_weights(self, update: WeightUpdate) -> Future[WeightUpdateResult]: ...
 
     def change_adapter(self, change: AdapterChange) -> Future[str | None]: ...
+
+    def control(self, command: Control) -> Future[ControlResult]: ...
 
     @property
     def state(self) -> str:
@@ -82,6 +86,9 @@ class ThreadTransport:
 
     def change_adapter(self, change: AdapterChange) -> Future[str | None]:
         return self.engine.change_adapter(change)
+
+    def control(self, command: Control) -> Future[ControlResult]:
+        return self.engine.control(command)
 
     @property
     def state(self) -> str:
@@ -152,6 +159,10 @@ class EngineClient:
     async def change_adapter(self, change: AdapterChange) -> str | None:
         """Load, replace or unload a LoRA adapter: None once done, else why nothing changed."""
         return await asyncio.wrap_future(self.transport.change_adapter(change))
+
+    async def control(self, command: Control) -> ControlResult:
+        """Pause, resume or flush the engine: its answer once done (docs/specs/rl.md)."""
+        return await asyncio.wrap_future(self.transport.control(command))
 
     @property
     def state(self) -> str:

@@ -28,8 +28,11 @@ from omlx_logprobs.engine.weights import WeightsError
 from omlx_logprobs.types import (
     INITIAL_WEIGHTS,
     AdapterChange,
+    Control,
+    ControlResult,
     EngineRequest,
     FinishReason,
+    PauseMode,
     RequestOutput,
     WeightUpdate,
     WeightUpdateResult,
@@ -95,7 +98,13 @@ class Engine:
         self.overlap = Overlap(self._process, aside=self.runner.overlaps)
         self.stats = StepStats()
         self._inflight_first = False  # the step in flight samples some prompt's first token
-        self._live: dict[str, Sequence] = {}  # unfinished requests' first choices (aborts)
+        # Unfinished requests' choices (aborts), as submitted: a retraction splits a prompt's
+        # choices, which then prefill apart.
+        self._live: dict[str, list[Sequence]] = {}
+        # Paused (docs/specs/rl.md): the mode, and pauses waiting to be answered (a wait
+        # pause once nothing runs, a halting one once the step in flight is processed).
+        self._paused: PauseMode | None = None
+        self._pausing: list[tuple[PauseMode, int, Future[ControlResult]]] = []  # mode, aborted
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -136,6 +145,14 @@ class Engine:
         self._wake.set()
         return done
 
+    def control(self, command: Control) -> Future[ControlResult]:
+        """Pause, resume or flush between two steps; the future's result once done (a pause
+        that waits for its requests is answered when they have finished)."""
+        done: Future[ControlResult] = Future()
+        self._inbox.put(("control", (command, done)))
+        self._wake.set()
+        return done
+
     def change_adapter(self, change: AdapterChange) -> Future[str | None]:
         """Load, replace or unload a LoRA adapter between two steps; the future's result is
         None, or why nothing changed."""
@@ -164,6 +181,7 @@ class Engine:
             aborted_running=self._aborted[Status.RUNNING],
             weights=self.processor.weights,
             updating=bool(self._updates),
+            paused=self._paused.value if self._paused is not None else None,
             distributed=self.runner.health(),
         )
 
@@ -240,12 +258,16 @@ class Engine:
             self._drain_inbox()
             if self.runner.adapters.retiring:
                 self._release_adapters()
-            if self._updates and not self.has_work():
+            if self._halted and self.overlap.inflight is not None:
+                self._free(self.overlap.finish())  # the step in flight ends the run
+            if self._pausing:
+                self._answer_pauses()
+            if self._updates and (not self.has_work() or self._halted):
                 self._swap_weights()
             if self._closing_at is not None and time.monotonic() >= self._closing_at:
                 self._fail_all("the server is shutting down")
             self.flush()
-            if not self.has_work():
+            if not self.has_work() or self._halted:
                 if self._busy:  # just went idle: the batch's freed buffers go back to the OS
                     heap.trim()
                     self._busy, self._cached = False, True
@@ -277,21 +299,23 @@ class Engine:
                 return
             if kind == "add":
                 leader = Sequence.of(item)
-                self._live[item.request_id] = leader
+                self._live[item.request_id] = leader.group
                 if not self._constrain(leader) or not self._adapt(leader, item.adapter):
                     continue
-                if self._updates:  # it starts on the weights asked for
+                if self._updates or self._paused:  # it starts on the weights asked for
                     self._held.append(leader)
                 else:
                     self.scheduler.add(leader)
             elif kind == "adapter":
                 self._change_adapter(*item)
+            elif kind == "control":
+                self._control(*item)
             elif kind == "weights":
                 self._updates.append(item)
                 if item.update.abort_in_flight:
                     item.aborted = self._abort_in_flight()
-            elif (seq := self._live.get(item)) is not None:
-                for s in seq.group:
+            elif (members := self._live.get(item)) is not None:
+                for s in members:
                     if s.status is not Status.FINISHED:
                         self._aborted[s.status] += 1
                         self._end(s, FinishReason.ABORT, None)
@@ -321,7 +345,7 @@ class Engine:
             if slot is None:
                 self.processor.fail(s, f"the LoRA adapter {name!r} is not loaded (unloaded)")
             else:
-                s.adapter = slot
+                s.adapter, s.adapter_version = slot, self.runner.adapters.version(slot)
         return slot is not None
 
     def _change_adapter(self, change: AdapterChange, done: Future[str | None]) -> None:
@@ -341,8 +365,8 @@ class Engine:
     def _release_adapters(self) -> None:
         in_use = {
             s.adapter
-            for leader in self._live.values()
-            for s in leader.group
+            for members in self._live.values()
+            for s in members
             if s.status is not Status.FINISHED
         }
         self.runner.release_adapters(in_use)
@@ -352,11 +376,11 @@ class Engine:
         many."""
         held = {id(s) for s in self._held}
         ended = 0
-        for leader in list(self._live.values()):
-            if id(leader) in held:
+        for members in list(self._live.values()):
+            if id(members[0]) in held:
                 continue
             ended += 1
-            for s in leader.group:
+            for s in members:
                 if s.status is not Status.FINISHED:
                     self._aborted[s.status] += 1
                     self._end(s, FinishReason.ABORT, None)
@@ -365,6 +389,11 @@ class Engine:
     def _swap_weights(self) -> None:
         """Nothing runs: load the asked weights in order (a failed one leaves the weights before
         it), answer each, then start the requests that waited for them."""
+        if self.has_work():  # paused in place: the old weights' keys and values go
+            self._retract()
+        # retracted (now or by the pause): their tokens from here on are the new weights'
+        kept = [s for s in self.scheduler.waiting if s.num_output]
+        first = self.processor.weights
         for pending in self._updates:
             update, done, before = pending.update, pending.done, self.processor.weights
             try:
@@ -383,8 +412,76 @@ class Engine:
             log.info("weights version %d from %s in %.2f s", now.counter, update.path, took)
             done.set_result(WeightUpdateResult(now, None, pending.aborted, took))
         self._updates = []
+        now = self.processor.weights
+        for s in kept:
+            if s.num_output and (not s.weight_spans or s.weight_spans[-1][1] != now):
+                s.weight_spans = s.weight_spans or [(0, first)]
+                s.weight_spans.append((s.num_output, now))
+        if self._paused is None:
+            self._release_held()
+
+    # ---- pause, resume, flush (docs/specs/rl.md) ------------------------------------------------
+    @property
+    def _halted(self) -> bool:
+        """Paused in place (keep, retract): no step runs."""
+        return self._paused is not None and self._paused.halts
+
+    def _control(self, command: Control, done: Future[ControlResult]) -> None:
+        if command.action == "flush":
+            self.runner.flush_prefixes()
+            done.set_result(ControlResult(self._paused is not None))
+        elif command.action == "resume":
+            self._paused = None
+            for _, _, waiting in self._pausing:  # a pause not yet answered is overtaken
+                waiting.set_result(ControlResult(False, error="resumed before it took effect"))
+            self._pausing = []
+            if not self._updates:
+                self._release_held()
+            done.set_result(ControlResult(False))
+        else:
+            mode = command.mode
+            aborted = self._abort_in_flight() if mode is PauseMode.ABORT else 0
+            if self._paused is None or mode.halts or self._paused is PauseMode.WAIT:
+                self._paused = mode  # a later pause may only halt more
+            self._pausing.append((mode, aborted, done))
+
+    def _answer_pauses(self) -> None:
+        """Answer the pauses that took effect: halting ones once the step in flight was
+        processed (retract then frees the requests' keys and values), a wait pause once
+        nothing runs, an abort pause at once."""
+        left: list[tuple[PauseMode, int, Future[ControlResult]]] = []
+        for mode, aborted, done in self._pausing:
+            if mode is PauseMode.WAIT and self.has_work():
+                left.append((mode, aborted, done))
+                continue
+            held = len(self.scheduler.running) + len(self.scheduler.waiting)
+            if mode is PauseMode.RETRACT:
+                held = len(self._retract())
+            done.set_result(ControlResult(True, aborted=aborted, held=held if mode.halts else 0))
+        self._pausing = left
+
+    def _retract(self) -> list[Sequence]:
+        """Stop every request where it is and free its keys and values: prompts half
+        prefilled start again, running choices wait to be prefilled again from their prompt
+        and output (each on its own); the running ones, retracted."""
+        running = list(self.scheduler.running)
+        for s in self.scheduler.waiting:
+            if s.num_prefilled:
+                self.runner.release([s])
+                s.num_prefilled = 0
+        self.runner.release(running)  # their keys and values kept as prefixes (same weights)
+        for s in running:
+            self.scheduler.arrivals.pop(s.seq_id, None)
+            s.retract()
+        self.scheduler.requeue(running)
+        return running
+
+    def _release_held(self) -> None:
+        """Requests that waited for new weights or a resume start (those aborted meanwhile
+        are gone)."""
         for leader in self._held:
-            self.scheduler.add(leader)
+            if any(s.status is not Status.FINISHED for s in leader.group):
+                self.scheduler.add(leader)
         self._held = []
 
     def _end(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:
@@ -397,8 +494,8 @@ class Engine:
         t0 = time.perf_counter()
         outputs = self.processor.take()
         for out in outputs:
-            if out.finished and (seq := self._live.get(out.request_id)) is not None:
-                if all(s.status is Status.FINISHED for s in seq.group):
+            if out.finished and (members := self._live.get(out.request_id)) is not None:
+                if all(s.status is Status.FINISHED for s in members):
                     del self._live[out.request_id]
         self.sink(outputs)
         self.stats.flush_s += time.perf_counter() - t0

@@ -100,7 +100,7 @@ class LeaderRunner(_GroupRunner):
         s = c.seq
         new = None
         if s.seq_id not in self._known:  # its first chunk: what the followers need of it
-            new = (np.asarray(s.prompt_ids, np.int32), s.params, [f.seq_id for f in s.forks])
+            new = (np.asarray(s.context_ids, np.int32), s.params, [f.seq_id for f in s.forks])
             self._known.update(m.seq_id for m in s.group)
         joining = [m.seq_id for m in s.joining()] if c.is_last else None
         return (s.seq_id, c.start, c.end, new, joining)

@@ -27,6 +27,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from omlx_logprobs.types import AdapterVersion
+
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapters.safetensors"
 
@@ -44,6 +46,7 @@ class _Adapter:
     name: str
     path: str
     generation: int  # unique per load: kept prefixes of an older load never match
+    load: int  # the how-manieth load of this name (a response names it beside its weights)
     layers: dict[str, tuple[mx.array, mx.array]]  # layer path -> (A [in, r], B*scale [r, out])
 
 
@@ -177,6 +180,7 @@ class AdapterSet:
         self.stacks: dict[str, _Stack] = {}
         self.selection = _Selection()
         self._generations = itertools.count(1)
+        self.loads: dict[str, int] = {}  # name -> how often an adapter was loaded under it
 
     def __len__(self) -> int:
         return len(self.by_name)
@@ -213,7 +217,8 @@ class AdapterSet:
             layers[where] = (a.astype(dtype), (scale * b.astype(mx.float32)).astype(dtype))
         old = self.by_name.get(name)
         slot = self._free_slot()
-        self.slots[slot] = _Adapter(name, path, next(self._generations), layers)
+        self.loads[name] = self.loads.get(name, 0) + 1
+        self.slots[slot] = _Adapter(name, path, next(self._generations), self.loads[name], layers)
         self.by_name[name] = slot
         if old is not None:
             self.retiring.add(old)
@@ -288,6 +293,11 @@ class AdapterSet:
     # ---- per request and per forward -----------------------------------------------------------
     def slot_of(self, name: str) -> int | None:
         return self.by_name.get(name)
+
+    def version(self, slot: int) -> AdapterVersion | None:
+        """Which adapter a row on this slot runs on, and which load of its name."""
+        ad = self.slots[slot] if 0 < slot < len(self.slots) else None
+        return AdapterVersion(ad.name, ad.load) if ad is not None else None
 
     def key(self, slot: int) -> tuple[int, int]:
         """What kept prefixes of rows on this slot are keyed by (slot and load)."""

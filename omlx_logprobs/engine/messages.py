@@ -11,6 +11,8 @@ from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.types import (
     INITIAL_WEIGHTS,
     AdapterChange,
+    Control,
+    ControlResult,
     RequestOutput,
     WeightUpdate,
     WeightUpdateResult,
@@ -74,6 +76,18 @@ class ChangeAdapter:
 class AdapterChanged:
     uid: int
     error: str | None
+
+
+@dataclass(frozen=True)
+class ControlCommand:
+    uid: int
+    command: Control
+
+
+@dataclass(frozen=True)
+class Controlled:
+    uid: int
+    result: ControlResult
 
 
 @dataclass(frozen=True)

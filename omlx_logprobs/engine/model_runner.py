@@ -305,7 +305,7 @@ class ModelRunner:
         also needs the head apart from the body (to run it on its positions block by block)."""
         if not (c.start == 0 and c.is_last and not c.seq.forks):
             return False
-        return c.seq.prompt_store is None or self.split_head
+        return not c.seq.scored or self.split_head
 
     def _head(self, h: mx.array) -> mx.array:
         assert self.split is not None
@@ -324,12 +324,12 @@ class ModelRunner:
         all start with): their last logits, and their prompt entries when they are scored (a
         group is all scored or all plain, see `_groups`). Rows that will generate wait in the
         group's cache for admission."""
-        scored = group[0].seq.prompt_store is not None
+        scored = group[0].seq.scored
         start = len(prefix.tokens) if prefix is not None else 0
         width = max(c.end for c in group) - start  # the columns the forward computes
         width += -width % self.prefill_align + start
         pads = [width - c.end for c in group]
-        ids = mx.array([([0] * p + c.seq.prompt_ids)[start:] for p, c in zip(pads, group)])
+        ids = mx.array([([0] * p + c.seq.context_ids)[start:] for p, c in zip(pads, group)])
         if prefix is None:
             cache = BatchCache.for_prompts(self.templates, pads)
         else:
@@ -364,7 +364,7 @@ class ModelRunner:
         if self.prefixes is None or not plain:
             return {}
         keys = [self.adapters.key(c.seq.adapter) for c in plain]
-        found = self.prefixes.assign([c.seq.prompt_ids for c in plain], keys)
+        found = self.prefixes.assign([c.seq.context_ids for c in plain], keys)
         return {c.seq.seq_id: p for c, p in zip(plain, found) if p is not None}
 
     def cached_len(self, seq: Sequence) -> int:
@@ -372,7 +372,7 @@ class ModelRunner:
         prompt's own step are not foreseen)."""
         if self.prefixes is None or not self._uses_prefixes(seq):
             return 0
-        return self.prefixes.held(seq.prompt_ids, self.adapters.key(seq.adapter))
+        return self.prefixes.held(seq.context_ids, self.adapters.key(seq.adapter))
 
     def _make_prefix(self, tokens: tuple[int, ...], base: Prefix | None, key: Key) -> Prefix:
         self.adapters.select([key[0]])
@@ -381,7 +381,7 @@ class ModelRunner:
     @staticmethod
     def _uses_prefixes(seq: Sequence) -> bool:
         # Scored prompts need every position's logits.
-        return seq.prompt_store is None
+        return not seq.scored
 
     def _chunk_cache(self, chunk: PrefillChunk) -> tuple[list[Any], int]:
         """A prompt's one-row cache between its chunks, and where this chunk's forward starts.
@@ -396,7 +396,7 @@ class ModelRunner:
         start = 0
         if self.prefixes is not None and self._uses_prefixes(seq):
             key = self.adapters.key(seq.adapter)
-            found = self.prefixes.longest(seq.prompt_ids, chunk.end - 1, key)
+            found = self.prefixes.longest(seq.context_ids, chunk.end - 1, key)
             if found is not None:
                 seed(cache, found)
                 start = len(found.tokens)
@@ -409,11 +409,11 @@ class ModelRunner:
         and the chunk's prompt entries when the prompt asks for them."""
         seq = chunk.seq
         cache, start = self._chunk_cache(chunk)
-        ids = mx.array([seq.prompt_ids[start : chunk.end]])
+        ids = mx.array([seq.context_ids[start : chunk.end]])
         self.adapters.select_rows([seq])
         scored: Any = None
         unread: tuple[mx.array, ...] = ()
-        if seq.prompt_store is not None:  # every position's logits: the prompt is scored
+        if seq.scored:  # every position's logits: the prompt is scored
             out = self.model(ids, cache=cache)[0]
             rows = chunk_slice(seq, chunk.start, out.shape[0])
             scored = score([rows], lambda a, b: out[a:b], self.extractor)
@@ -538,6 +538,14 @@ class ModelRunner:
             if self._disk is not None:  # the new weights' own folder
                 self.attach_disk(*self._disk)
 
+    def flush_prefixes(self) -> None:
+        """Drop every kept prefix in memory (/flush_cache, /reset_prefix_cache); rows keep
+        theirs, and the disk tier (`--kv-cache-dir`, the same weights' folder) stays."""
+        if self.prefixes is not None:
+            self.prefixes.clear()
+            if self._disk is not None:
+                self.attach_disk(*self._disk)
+
     def change_adapter(self, change: AdapterChange) -> None:
         """Load, replace or unload a LoRA adapter between steps (engine/lora.py); AdapterError
         changes nothing. Rows running on an unloaded or replaced one finish on it."""
@@ -646,7 +654,7 @@ class ModelRunner:
             seq = self.rows[i]
             if seq.finish_reason is FinishReason.ERROR:
                 continue
-            n = seq.prompt_len + seq.num_output - 1
+            n = len(seq.prompt_ids) + seq.num_output - 1  # prompt_len is the last prefill's
             assert n <= cache.width - cache.pads[i]
             prefix = from_row(seq.prompt_ids, seq.output_ids, n, cache.layers, i, cache.pads[i])
             # The copies now, with the step: until then they would hold the batch's arrays.
@@ -662,7 +670,7 @@ def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[lis
     open_: dict[object, tuple[list[PrefillChunk], int, int]] = {}  # kind -> (group, width, total)
     for c in chunks:
         p = c.seq.params
-        if c.seq.prompt_store is not None:
+        if c.seq.scored:
             kind: object = score_key(p)
         else:
             prefix = prefixes.get(c.seq.seq_id)

@@ -30,6 +30,8 @@ from omlx_logprobs.engine.messages import (
     AdapterChanged,
     BeginShutdown,
     ChangeAdapter,
+    ControlCommand,
+    Controlled,
     EngineSpec,
     Failed,
     Fault,
@@ -42,6 +44,8 @@ from omlx_logprobs.engine.messages import (
 from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.types import (
     AdapterChange,
+    Control,
+    ControlResult,
     EngineRequest,
     WeightUpdate,
     WeightUpdateResult,
@@ -103,6 +107,7 @@ class ProcessTransport:
         self._threads: list[threading.Thread] = []
         self._updates: dict[int, tuple[WeightUpdate, Future[WeightUpdateResult]]] = {}
         self._adapter_changes: dict[int, tuple[AdapterChange, Future[str | None]]] = {}
+        self._controls: dict[int, Future[ControlResult]] = {}
         self._next_update = 0
         self._fault: str | None = None  # why the child said it cannot go on
         self._lost: Lost | None = None
@@ -190,6 +195,16 @@ class ProcessTransport:
         self._outgoing.put(ChangeAdapter(uid, change))
         return done
 
+    def control(self, command: Control) -> Future[ControlResult]:
+        """A restarted child starts unpaused: pause again after a restart (docs/specs/rl.md)."""
+        done: Future[ControlResult] = Future()
+        with self._lock:
+            self._next_update += 1
+            uid = self._next_update
+            self._controls[uid] = done
+        self._outgoing.put(ControlCommand(uid, command))
+        return done
+
     # ---- threads ------------------------------------------------------------------------------
     def _send_loop(self) -> None:
         """Sends in order; while no child is up, requests wait here for the next one."""
@@ -269,6 +284,10 @@ class ProcessTransport:
                 self._fault = msg.message
             if isinstance(msg, AdapterChanged):
                 self._adapter_changed(msg)
+            if isinstance(msg, Controlled):
+                with self._lock:
+                    answered = self._controls.pop(msg.uid)
+                answered.set_result(msg.result)
             if not isinstance(msg, StepOutputs):
                 continue
             with self._lock:
@@ -303,10 +322,13 @@ class ProcessTransport:
         with self._lock:
             pending, self._updates = list(self._updates.values()), {}
             changes, self._adapter_changes = list(self._adapter_changes.values()), {}
+            controls, self._controls = list(self._controls.values()), {}
         for _, done in pending:
             done.set_result(WeightUpdateResult(self.spec.weights, why))
         for _, changed in changes:
             changed.set_result(why)
+        for control in controls:
+            control.set_result(ControlResult(False, error=why))
 
     def _restart(self, delay: float) -> float:
         """Start children until one is ready (waiting `delay`, doubled after each failure);

@@ -171,12 +171,14 @@ class OutputProcessor:
             finished=done,
             finish_reason=seq.finish_reason,
             error=seq.error,
-            prompt_tokens=seq.prompt_len,
+            prompt_tokens=len(seq.prompt_ids),
             completion_tokens=seq.num_output,
             cached_tokens=seq.cached_tokens,
             reasoning_tokens=reasoning,
             tool_tokens=seq.num_output - tool_start,
-            weight_version=self.weights,
+            weight_version=seq.weight_spans[0][1] if seq.weight_spans else self.weights,
+            weight_spans=tuple(seq.weight_spans),
+            adapter=seq.adapter_version,
         )
         seq.released_tokens = end
         self._outputs.append(out)

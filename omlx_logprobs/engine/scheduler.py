@@ -133,6 +133,16 @@ class Scheduler:
                 s for s in self.waiting if any(m.status is not Status.FINISHED for m in s.group)
             )
 
+    def requeue(self, seqs: list[Sequence]) -> None:
+        """Retracted sequences (engine/engine.py: a pause, new weights) wait again, first in
+        line, in their old order."""
+        gone = {id(s) for s in seqs}
+        self.running = [s for s in self.running if id(s) not in gone]
+        self.waiting = deque([*seqs, *(s for s in self.waiting if id(s) not in gone)])
+        now = self.clock()
+        for s in seqs:
+            self.arrivals[s.seq_id] = now
+
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out wherever it is (abort or fault)."""
         if seq in self.waiting:

@@ -57,7 +57,10 @@ class Sequence:
             prompt_store = LogprobStore(params.num_prompt_top)
         self.prompt_store = prompt_store
         self.status = Status.WAITING
-        self.num_prefilled = 0  # prompt tokens already in the KV cache
+        # What its next prefill computes: the prompt, or after a retraction (a pause that
+        # dropped its keys and values, new weights) the prompt and the output so far.
+        self.context_ids = prompt_ids
+        self.num_prefilled = 0  # context tokens already in the KV cache
         self.cached_tokens = 0  # of those, taken from the prefix cache instead of computed
         self.output_ids = array("i")
         self.num_sampled = 0  # tokens sampled on the device, some perhaps not yet processed
@@ -82,6 +85,9 @@ class Sequence:
         # The LoRA adapter's slot it runs on (engine/lora.py; 0: the base model), the same for
         # every choice of a request.
         self.adapter = 0
+        self.adapter_version: Any = None  # its name and load (types.AdapterVersion), if any
+        # (first output token, weights) for each version its output met, when more than one
+        self.weight_spans: list[tuple[int, Any]] = []
 
     @classmethod
     def of(cls, req: EngineRequest) -> Sequence:
@@ -112,7 +118,7 @@ class Sequence:
             tools=self.tools,
             reasoning_tags=self.reasoning_tags,
         )
-        seq.adapter = self.adapter
+        seq.adapter, seq.adapter_version = self.adapter, self.adapter_version
         self.forks.append(seq)
         return seq
 
@@ -130,7 +136,22 @@ class Sequence:
 
     @property
     def prompt_len(self) -> int:
-        return len(self.prompt_ids)
+        """The length of what its prefill computes (the prompt, unless retracted)."""
+        return len(self.context_ids)
+
+    @property
+    def scored(self) -> bool:
+        """Its prefill computes prompt entries (never again after a retraction)."""
+        return self.prompt_store is not None and self.context_ids is self.prompt_ids
+
+    def retract(self) -> None:
+        """Back to waiting, to be prefilled again from its prompt and output (its cache rows
+        were freed): a choice of its own from here on, its sampling stream where it was."""
+        self.context_ids = self.prompt_ids + self.output_ids.tolist()
+        self.num_prefilled = 0
+        self.forks = []
+        self.seq_id = next(_ids)  # a new row everywhere (and for a split model's other ranks)
+        self.status = Status.WAITING
 
     @property
     def num_output(self) -> int:

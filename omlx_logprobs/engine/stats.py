@@ -53,6 +53,7 @@ class EngineStats:
     aborted_running: int  # ... and while decoding
     weights: WeightVersion = INITIAL_WEIGHTS  # the weights serving now
     updating: bool = False  # a weight update waits for the requests in flight
+    paused: str | None = None  # the pause mode while paused (docs/specs/rl.md)
     distributed: GroupHealth | None = None  # the processes the model is split over, if any
 
 

@@ -119,7 +119,9 @@ def device_step(tokens: mx.array, lse: mx.array, ask: EntryAsk | None, fused: bo
             return PackedStep(kernel.packed_step(lse, lse, lse, tokens, None), None)
         return pack_step(tokens, mx.isfinite(lse[:, 0]), None)
     src_lse = ask.lse(lse)
-    if fused:
+    # The kernel keeps at most KCAP natural candidates a thread; longer lists (--max-logprobs
+    # above it) take the MLX ops, which compute the same float32 values.
+    if fused and (ask.k <= kernel.KCAP or not ask.natural):
         fixed = ask.fixed if ask.k else None
         return PackedStep(kernel.packed_step(ask.src, src_lse, lse, tokens, ask.k, fixed), ask.k)
     parts = extract(log_softmax(ask.src, src_lse), tokens, ask.k, ask.fixed, ask.natural)

@@ -104,8 +104,8 @@ def serve(
             if r.abort_at == step:
                 engine.abort(r.rid)
         engine._drain_inbox()
-        for rid, seq in engine._live.items():
-            out.setdefault(rid, seq.group)
+        for rid, members in engine._live.items():
+            out.setdefault(rid, members)
         if step > max(r.at for r in reqs) and not engine.has_work():
             break
         engine.step()

@@ -50,7 +50,7 @@ def scripted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 def ask(s: Served, case: str, stream: bool, **kw: Any) -> dict[str, Any]:
     """One choice of the scripted case, as the non-streamed body (a stream joined into it)."""
-    extra = {"return_token_ids": True, **kw.pop("extra_body", {})}
+    extra = {"return_token_ids": True, "flat_logprobs": False, **kw.pop("extra_body", {})}
     body = dict(
         model="scripted-tools",
         messages=[{"role": "user", "content": f"Case: {case}"}],
@@ -222,7 +222,7 @@ def test_a_real_model_ends_its_forced_call(smol: Served, stream: bool) -> None:
             temperature=0,
             max_tokens=150,
             logprobs=True,
-            extra_body={"return_token_ids": True},
+            extra_body={"return_token_ids": True, "flat_logprobs": False},
         )
         got = joined(c, body) if stream else c.chat.completions.create(**body).model_dump()
         ch = got["choices"][0]

@@ -164,6 +164,7 @@ def test_every_response_is_a_valid_call(served: Served, stream: bool) -> None:
             top_logprobs=3,
             extra_body={
                 "return_token_ids": True,
+                "flat_logprobs": False,
                 "return_tokens_as_token_ids": True,
                 "logprobs_mode": "processed_logprobs",
             },
@@ -299,7 +300,7 @@ def test_a_scripted_call_passes_the_grammar(scripted_tools: Served, mode: str) -
             temperature=0,
             logprobs=True,
             top_logprobs=2,
-            extra_body={"return_token_ids": True, "logprobs_mode": mode},
+            extra_body={"return_token_ids": True, "flat_logprobs": False, "logprobs_mode": mode},
         )
         body = r.model_dump()
         ch = body["choices"][0]

@@ -9,8 +9,8 @@ feeds a tool's result back run on a scripted model (models/scripted.py), whose s
 the last token of the last message: "weather" and "two" call, and after a tool result it answers
 the JSON of `Weather`. Every test checks what the framework returns: the call's name and
 arguments as the framework parsed them (and as its tool received them), the final answer, the
-pydantic object. (instructor is not here: no release of it installs beside openai 3.x, see
-pyproject.toml.)"""
+pydantic object. instructor's `Mode.TOOLS` (a named forced call) runs on SmolLM2 too; it is
+installed by `make install` apart (see the Makefile)."""
 
 from __future__ import annotations
 
@@ -348,3 +348,35 @@ def test_a_lone_surrogate_in_a_call(scripted: Server) -> None:
     ) as r:
         lines = r.read().decode("utf-8").split("\n\n")  # every byte UTF-8, to the end
     assert lines[-2:] == ["data: [DONE]", ""]
+
+
+# instructor
+
+
+class City(BaseModel):
+    city: str
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_instructor_tools_mode(smol: Server, stream: bool) -> None:
+    """instructor's `Mode.TOOLS`: the response model as one function, forced by name (what ended
+    in IncompleteOutputException while a forced call never ended); the object it parsed, and
+    with `create_partial` the last partial streamed, equal."""
+    import instructor
+    import openai
+
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=smol.url, api_key="-", max_retries=0), mode=instructor.Mode.TOOLS
+    )
+    kw: dict[str, Any] = dict(
+        model=smol.model,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=48,
+        max_retries=0,
+    )
+    if stream:
+        *_, got = client.chat.completions.create_partial(response_model=City, **kw)
+    else:
+        got = client.chat.completions.create(response_model=City, **kw)
+    assert got.model_dump() == {"city": "Paris"}  # a streamed one is instructor's Partial[City]

@@ -240,3 +240,28 @@ def test_adapters_come_back_when_their_model_is_loaded_again(
         for name in ("two", "one", "tiny"):
             check(c, name, refs[name], PROMPTS[0])
         assert "model tiny loaded" in s.log()
+
+
+def test_a_response_names_its_adapter_and_load(
+    server: ServerProcess, adapters: dict[str, Path], refs: dict
+) -> None:
+    """An adapter reloaded in place under one name (prime-rl's way) is a new policy: each
+    response names the adapter and the load of its name beside the base weights' version; a
+    response of the base model names none."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 2, "logprobs": 1, "temperature": 0}
+    base = post(server, "/v1/completions", model="tiny", **body).json()
+    assert "adapter" not in base
+    for load, source in ((1, "two"), (2, "three")):
+        r = post(server, "/v1/load_lora_adapter", lora_name="policy",
+                 lora_path=str(adapters[source]), load_inplace=load > 1)  # fmt: skip
+        assert r.status_code == 200, r.text
+        got = post(server, "/v1/completions", model="policy", **body).json()
+        assert got["adapter"] == {"name": "policy", "load": load}
+        assert got["weight_version"] == base["weight_version"]
+        gen = post(server, "/inference/v1/generate", model="policy", token_ids=[1, 2, 3],
+                   sampling_params={"max_tokens": 2}).json()  # fmt: skip
+        assert gen["adapter"] == {"name": "policy", "load": load}
+        sg = post(server, "/generate", input_ids=[1, 2, 3], lora_path="policy",
+                  sampling_params={"max_new_tokens": 2}).json()  # fmt: skip
+        assert sg["meta_info"]["adapter"] == {"name": "policy", "load": load}
+    assert post(server, "/v1/unload_lora_adapter", lora_name="policy").status_code == 200

@@ -55,7 +55,7 @@ def request(name: str, k: int, pad: int = 0, **kw: Any) -> dict[str, Any]:
         temperature=0,
         logprobs=True,
         top_logprobs=k,
-        extra_body={"return_token_ids": True, **kw.pop("extra_body", {})},
+        extra_body={"return_token_ids": True, "flat_logprobs": False, **kw.pop("extra_body", {})},
         **kw,
     )
 

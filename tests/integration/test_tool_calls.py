@@ -77,7 +77,7 @@ def client(base: str) -> openai.OpenAI:
 
 
 def request(name: str, k: int = 3, **kw: Any) -> dict[str, Any]:
-    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True, "flat_logprobs": False}
     return dict(
         model=MODEL,
         messages=[{"role": "user", "content": f"Case: {name}"}],

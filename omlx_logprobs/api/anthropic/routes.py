@@ -67,7 +67,7 @@ def _dumps(obj: Any) -> str:
 def add_routes(app: FastAPI, pool: ModelPool) -> None:
     @app.post("/v1/messages")
     async def create_message(req: MessagesRequest, raw: Request) -> Response:
-        return await respond(pool, req, raw, lambda served: MessageRun(req, served))
+        return await respond(pool, req, raw, lambda slot: MessageRun(req, slot.live))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest) -> dict[str, int]:

@@ -89,7 +89,7 @@ def _card(slot: ModelSlot) -> dict[str, Any]:
 def add_routes(app: FastAPI, pool: ModelPool) -> None:
     async def run(req: OllamaChatRequest | OllamaGenerateRequest, raw: Request) -> Response:
         req.model = _name(pool, req.model)
-        return await respond(pool, req, raw, lambda served: OllamaRun(req, served), sse.NDJSON)
+        return await respond(pool, req, raw, lambda slot: OllamaRun(req, slot.live), sse.NDJSON)
 
     @app.post("/api/chat")
     async def chat(req: OllamaChatRequest, raw: Request) -> Response:

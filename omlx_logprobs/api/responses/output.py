@@ -54,7 +54,7 @@ class ResponseOutput:
 
     def created(self, out: RequestOutput) -> list[str]:
         """The first events, once the first output names the weights."""
-        self.weights = weight_version_json(out.weight_version)
+        self.weights = weight_version_json(out.weight_version, out.adapter)
         body = self.response("in_progress", None)
         return [
             self._event("response.created", {"response": body}),

@@ -124,7 +124,7 @@ def _echoed(req: ResponsesRequest) -> dict[str, Any]:
 def add_routes(app: FastAPI, pool: ModelPool, store: ResponseStore) -> None:
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request) -> Response:
-        return await respond(pool, req, raw, lambda served: ResponseRun(req, served, store))
+        return await respond(pool, req, raw, lambda slot: ResponseRun(req, slot.live, store))
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
