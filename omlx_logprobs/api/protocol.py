@@ -408,3 +408,21 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """What every rejection on `/v1/messages` says (Anthropic's shape)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class OllamaErrorResponse(BaseModel):
+    """What every rejection on `/api/` says (Ollama's shape)."""
+
+    error: str

@@ -21,6 +21,7 @@ from omlx_logprobs.api.constraints import given, request_constraint
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.config import Limits
 from omlx_logprobs.models.footprint import kv_memory
+from omlx_logprobs.types import Constraint
 
 # Fields that take a logprob count: chat's `top_logprobs`, completions' integer `logprobs`, vLLM's
 # `prompt_logprobs`. A boolean `logprobs` (chat) is not a count.
@@ -158,9 +159,9 @@ class RequestLimits:
         self.bounds = bounds
 
     # ---- before tokenizing ------------------------------------------------------------------
-    def check_chat(self, req: Any) -> None:
-        """A chat request, before its template is rendered."""
-        self.check(req)
+    def check_chat(self, req: Any) -> Constraint | None:
+        """A chat request, before its template is rendered; its output constraint, compiled."""
+        constraint = self.check(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if req.continue_final_message and req.add_generation_prompt:
@@ -171,10 +172,11 @@ class RequestLimits:
                 param="continue_final_message",
             )
         _no_streamed_prompt_logprobs(req)
+        return constraint
 
-    def check_completion(self, req: Any) -> None:
-        """A completions request, before its prompts are read."""
-        self.check(req)
+    def check_completion(self, req: Any) -> Constraint | None:
+        """A completions request, before its prompts are read; its output constraint."""
+        constraint = self.check(req)
         if req.suffix:
             raise APIError("suffix is not supported.", param="suffix")
         if req.n < 1:
@@ -182,9 +184,11 @@ class RequestLimits:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of must equal n (no server-side ranking of choices).", "best_of")
         _no_streamed_prompt_logprobs(req)
+        return constraint
 
-    def check(self, req: BaseModel) -> None:
-        """Every check that needs no tokenizer, on any request model."""
+    def check(self, req: BaseModel) -> Constraint | None:
+        """Every check that needs no tokenizer, on any request model; its output constraint,
+        compiled once here (a bad schema is refused before any template or tokenizer work)."""
         bad = first_unencodable(req, "")
         if bad is not None:
             raise APIError(f"{bad}: text must be valid Unicode (a lone surrogate)", param=bad)
@@ -243,7 +247,7 @@ class RequestLimits:
                 param="truncate_prompt_tokens",
             )
         self._template_kwargs(get("chat_template_kwargs"))
-        request_constraint(req)  # a bad schema is refused before any template or tokenizer work
+        return request_constraint(req)
 
     def _token_ids(self, ids: Iterable[int] | None, most: int, param: str) -> None:
         if ids is None:
