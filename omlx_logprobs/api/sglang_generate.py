@@ -48,9 +48,16 @@ class Item:
     token_ids: tuple[int, ...] | None  # token_ids_logprob
 
 
-def per_prompt(value: Any, i: int, batch: bool) -> Any:
-    """A per-prompt field's value for prompt i (a list gives one per prompt)."""
-    return value[i] if batch and isinstance(value, list) else value
+def per_prompt(value: Any, i: int, batch: bool, param: str = "input_ids") -> Any:
+    """A per-prompt field's value for prompt i (a list gives one a prompt; for one prompt, a
+    list of one); a 400 naming `param` when the list has no value for it."""
+    if not isinstance(value, list):
+        return value
+    if batch and i < len(value):
+        return value[i]
+    if not batch and len(value) == 1:
+        return value[0]
+    raise APIError(f"{param}: one value a prompt is needed, {len(value)} given", param=param)
 
 
 def weight_tag(version: WeightVersion) -> str:
@@ -91,12 +98,12 @@ class SglangServing:
 
     def _item(self, req: SglangGenerateRequest, i: int, ids: list[int], batch: bool) -> Item:
         sps = req.sampling_params
-        sp = per_prompt(sps, i, batch) if isinstance(sps, list) or batch else sps
+        sp = per_prompt(sps, i, batch, "sampling_params") if isinstance(sps, list) or batch else sps
         if isinstance(sp, list):  # one dict for one prompt, sent as a list
             sp = sp[0] if len(sp) == 1 else None
         sp = sp or SglangSampling.model_validate({})
-        rid = per_prompt(req.rid, i, batch) if req.rid is not None else None
-        start = per_prompt(req.logprob_start_len, i, batch)
+        rid = per_prompt(req.rid, i, batch, "rid") if req.rid is not None else None
+        start = per_prompt(req.logprob_start_len, i, batch, "logprob_start_len")
         if start == -1:
             start = len(ids) - 1
         if not 0 <= start < len(ids):
@@ -106,19 +113,26 @@ class SglangServing:
             )
         fixed = req.token_ids_logprob
         if fixed is not None and fixed and isinstance(fixed[0], list):
-            fixed = per_prompt(fixed, i, True)
-        top = per_prompt(req.top_logprobs_num, i, batch)
+            fixed = per_prompt(fixed, i, True, "token_ids_logprob")
+        top = per_prompt(req.top_logprobs_num, i, batch, "top_logprobs_num")
+        if top < 0 or top > len(self.served.model.vocab):
+            raise APIError("top_logprobs_num must be from 0 to the vocabulary's size",
+                           param="top_logprobs_num")  # fmt: skip
         if fixed and top:
             raise APIError(
                 "top_logprobs_num and token_ids_logprob together: this server reports one list"
                 " of alternatives a position (ask for them in two requests)",
                 param="token_ids_logprob",
             )
+        want = bool(per_prompt(req.return_logprob, i, batch, "return_logprob"))
+        if (top or fixed) and not want:
+            param = "top_logprobs_num" if top else "token_ids_logprob"
+            raise APIError(f"{param} needs return_logprob: true", param=param)
         return Item(
             str(rid) if rid is not None else uuid.uuid4().hex,
             ids,
             sp,
-            bool(per_prompt(req.return_logprob, i, batch)),
+            want,
             start,
             int(top or 0),
             tuple(fixed) if fixed else None,  # type: ignore[arg-type]

@@ -29,6 +29,7 @@ from omlx_logprobs.api.response import finished
 from omlx_logprobs.api.served import Served
 from omlx_logprobs.api.serving import respond
 from omlx_logprobs.api.slot import ModelSlot
+from omlx_logprobs.api.validation import check_unknown
 
 
 class OllamaRun:
@@ -115,6 +116,7 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
 
     @app.post("/api/show")
     async def show(req: OllamaShowRequest) -> dict[str, Any]:
+        check_unknown(req, pool.ignore_unknown_fields)  # a field is never silently ignored
         name = _name(pool, req.model or req.name or "")
         model, _ = await pool.tokenizer(name)
         slot = pool.slot(name)
