@@ -31,8 +31,8 @@ from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format  # noqa: 
 if TYPE_CHECKING:
     from omlx_logprobs.api.served import Served
     from omlx_logprobs.api.slot import ModelSlot
-    from omlx_logprobs.engine.client import EngineClient
     from omlx_logprobs.models.loader import LoadedModel
+    from omlx_logprobs.transport.client import EngineClient
     from omlx_logprobs.types import WeightVersion
 
 log = logging.getLogger("omlx_logprobs")
@@ -80,7 +80,7 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
     log.info("heap: %s", omlx_logprobs.HEAP)
     log.info("MLX: %s", mlx_settings(mlx_backend()))
     heap.set_switch_interval()
-    from omlx_logprobs.engine.lora import AdapterError, read_adapter
+    from omlx_logprobs.runner.lora import AdapterError, read_adapter
 
     for name, path in cfg.lora:  # the files, before any model loads (their fit: at the load)
         try:
@@ -194,18 +194,18 @@ def start_engine(
     of this one. `which`: (source, served name), default the first --model; `weights_path`
     and `weights`: weights loaded in place before, which a reload serves under their
     version; `adapters`: the LoRA adapters (name, path) it serves from the start."""
-    from omlx_logprobs.engine.client import EngineClient, ThreadTransport
     from omlx_logprobs.engine.engine import Engine
-    from omlx_logprobs.engine.messages import EngineSpec
-    from omlx_logprobs.engine.process import ProcessTransport
     from omlx_logprobs.models.loader import is_scripted, load_model, resolve_model_path
+    from omlx_logprobs.transport.client import EngineClient, ThreadTransport
+    from omlx_logprobs.transport.messages import EngineSpec
+    from omlx_logprobs.transport.process import ProcessTransport
     from omlx_logprobs.types import INITIAL_WEIGHTS
     from omlx_logprobs.vocab import build_vocabulary
 
     source, name = which or (cfg.model, cfg.served_model_name)
     version = weights or INITIAL_WEIGHTS
     if not cfg.engine_process and cfg.engine.parallel is not None:  # rank 0 of a group
-        from omlx_logprobs.engine.distributed import leader_parts
+        from omlx_logprobs.distributed.distributed import leader_parts
 
         path, default_name = resolve_model_path(source, cfg.offline)
         model, runner = leader_parts(str(path), name or default_name, cfg.engine)
@@ -223,7 +223,7 @@ def start_engine(
             source, name, cfg.engine.max_model_len, dtype=cfg.engine.dtype, offline=cfg.offline
         )
         if weights_path is not None:
-            from omlx_logprobs.engine.weights import load_into
+            from omlx_logprobs.runner.weights import load_into
 
             load_into(model.model, weights_path)
         engine = Engine(
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = config_from_args(args)
         except ValueError as e:
             parser.error(str(e))
-        from omlx_logprobs.engine.group import launched
+        from omlx_logprobs.distributed.group import launched
 
         if launched():  # one rank of a group started by mlx.launch
             group_cfg = _group_config(cfg, args, parser)
@@ -305,7 +305,7 @@ def _group_config(
 ) -> ServerConfig | None:
     """Under mlx.launch: rank 0's config (the model split over the group), or None on the
     other ranks."""
-    from omlx_logprobs.engine.group import rank_from_env
+    from omlx_logprobs.distributed.group import rank_from_env
 
     if cfg.other_models:
         parser.error("a model split over processes is served alone: give --model once")
@@ -321,8 +321,8 @@ def _group_config(
 
 def _follow(args: argparse.Namespace) -> int:
     """A rank other than 0: its share of the model, following rank 0 until rank 0 stops."""
-    from omlx_logprobs.engine.distributed import follower_main
-    from omlx_logprobs.engine.group import rank_from_env
+    from omlx_logprobs.distributed.distributed import follower_main
+    from omlx_logprobs.distributed.group import rank_from_env
     from omlx_logprobs.models.loader import resolve_model_path
 
     # Ctrl-C reaches every process of the group: rank 0 stops the others itself.

@@ -24,10 +24,10 @@ from omlx_logprobs.api.response import (
     weight_version_json,
 )
 from omlx_logprobs.api.served import Served
-from omlx_logprobs.engine.client import RequestHandle, merged
 from omlx_logprobs.logprobs.columnar import Encoding, encode_block
 from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
+from omlx_logprobs.transport.client import RequestHandle, merged
 from omlx_logprobs.types import EngineRequest, Entries, RequestOutput
 
 MAX_PROMPTS = 256  # prompts in one request (lm-eval batches several)

@@ -13,9 +13,9 @@ from fastapi import Request
 
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.protocol import SamplingFields
-from omlx_logprobs.engine.client import RequestHandle
 from omlx_logprobs.logprobs.columnar import encode_block
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
+from omlx_logprobs.transport.client import RequestHandle
 from omlx_logprobs.types import AdapterVersion, Entries, RequestOutput, WeightVersion
 
 

@@ -158,7 +158,7 @@ def _kv_memory(model: Any) -> tuple[int, int]:
     """(one token's keys and values at float32, the host's memory less the weights'): what a
     request's context is checked against at admission. float32 is the CPU's dtype and an upper
     bound elsewhere; the host's memory is a Mac's unified memory (on a GPU host, the card may
-    have less: its prefill is bounded by engine/query_blocks.py, its rows by max_num_seqs)."""
+    have less: its prefill is bounded by runner/query_blocks.py, its rows by max_num_seqs)."""
     path = getattr(model, "path", None)
     if not isinstance(path, Path):
         return 0, 0

@@ -1,6 +1,6 @@
 """The engine: one thread owns all MLX work and runs the step loop. Requests come in as
 `EngineRequest`s through a thread-safe inbox; what leaves is `RequestOutput`s, handed to a sink
-once a step (engine/client.py moves them to the API, from this process or from a child)."""
+once a step (transport/client.py moves them to the API, from this process or from a child)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from omlx_logprobs import heap
+from omlx_logprobs.batch.scheduler import Scheduler, SchedulerOutput
+from omlx_logprobs.batch.sequence import Sequence, Status
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine.grammar import GrammarError, Grammars
-from omlx_logprobs.engine.lora import AdapterError
-from omlx_logprobs.engine.model_runner import ModelRunner
 from omlx_logprobs.engine.overlap import Overlap
 from omlx_logprobs.engine.processor import OutputProcessor
-from omlx_logprobs.engine.scheduler import Scheduler, SchedulerOutput
-from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.engine.stats import EngineStats, StepStats
-from omlx_logprobs.engine.step import LaunchedStep
-from omlx_logprobs.engine.weights import WeightsError
+from omlx_logprobs.runner.grammar import GrammarError, Grammars
+from omlx_logprobs.runner.lora import AdapterError
+from omlx_logprobs.runner.model_runner import ModelRunner
+from omlx_logprobs.runner.step import LaunchedStep
+from omlx_logprobs.runner.weights import WeightsError
 from omlx_logprobs.types import (
     INITIAL_WEIGHTS,
     AdapterChange,
@@ -69,9 +69,9 @@ class Engine:
         adapters: tuple[tuple[str, str], ...] = (),
     ):
         """`runner`: the model runner's class, or a factory taking its arguments (a model
-        split over processes has its own: engine/distributed.py)."""
+        split over processes has its own: distributed/distributed.py)."""
         self.cfg = cfg
-        # Constrained decoding's matchers need the Hugging Face tokenizer (engine/grammar.py).
+        # Constrained decoding's matchers need the Hugging Face tokenizer (runner/grammar.py).
         self.grammars = Grammars(tokenizer, len(vocab), tuple(eos))
         self.runner = runner(
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
@@ -89,7 +89,7 @@ class Engine:
         self.processor = OutputProcessor(vocab, eos)
         self.processor.weights = weights
         # Weight updates asked for, oldest first, and the requests that arrived after one was:
-        # they start on the new weights (engine/weights.py; docs/specs/rl.md).
+        # they start on the new weights (runner/weights.py; docs/specs/rl.md).
         self._updates: list[_PendingUpdate] = []
         self._held: list[Sequence] = []
         # Called once a step (and once an idle wait) with the outputs made since the last call,

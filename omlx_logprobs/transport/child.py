@@ -1,4 +1,4 @@
-"""The engine child's side (engine/process.py): its main function, the spawn target, which loads
+"""The engine child's side (transport/process.py): its main function, the spawn target, which loads
 the model and runs the engine; the sink that sends each step's outputs over the pipe; the loop
 that reads the parent's messages."""
 
@@ -15,8 +15,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from omlx_logprobs import heap
+from omlx_logprobs.distributed.sharded import SplitRefused
 from omlx_logprobs.engine.engine import Engine
-from omlx_logprobs.engine.messages import (
+from omlx_logprobs.runner.model_runner import ModelRunner
+from omlx_logprobs.transport.messages import (
     NO_STATS,
     Abort,
     AdapterChanged,
@@ -33,8 +35,6 @@ from omlx_logprobs.engine.messages import (
     UpdateWeights,
     WeightsUpdated,
 )
-from omlx_logprobs.engine.model_runner import ModelRunner
-from omlx_logprobs.models.sharded import SplitRefused
 from omlx_logprobs.types import ControlResult, EngineRequest, RequestOutput, WeightUpdateResult
 
 log = logging.getLogger("omlx_logprobs")
@@ -76,7 +76,7 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
         from omlx_logprobs.models.loader import load_model
 
         if spec.engine.parallel is not None:  # rank 0 of a group started by mlx.launch
-            from omlx_logprobs.engine.distributed import leader_parts
+            from omlx_logprobs.distributed.distributed import leader_parts
 
             model, runner = leader_parts(spec.model, spec.name, spec.engine, partial(_fault, sink))
         else:
@@ -84,7 +84,7 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
                 spec.model, spec.name, spec.engine.max_model_len, dtype=spec.engine.dtype
             )
         if spec.weights_path is not None:
-            from omlx_logprobs.engine.weights import load_into
+            from omlx_logprobs.runner.weights import load_into
 
             load_into(model.model, spec.weights_path)
         engine = Engine(
