@@ -194,54 +194,25 @@ def start_engine(
     of this one. `which`: (source, served name), default the first --model; `weights_path`
     and `weights`: weights loaded in place before, which a reload serves under their
     version; `adapters`: the LoRA adapters (name, path) it serves from the start."""
-    from omlx_logprobs.engine.engine import Engine
     from omlx_logprobs.models.loader import is_scripted, load_model, resolve_model_path
+    from omlx_logprobs.transport.build import build_engine
     from omlx_logprobs.transport.client import EngineClient, ThreadTransport
     from omlx_logprobs.transport.messages import EngineSpec
     from omlx_logprobs.transport.process import ProcessTransport
     from omlx_logprobs.types import INITIAL_WEIGHTS
     from omlx_logprobs.vocab import build_vocabulary
 
+    # The model is resolved once, here (a GGUF converted before a child starts); the engine
+    # loads the weights from that directory, and with a child this process the tokenizer.
     source, name = which or (cfg.model, cfg.served_model_name)
-    version = weights or INITIAL_WEIGHTS
-    if not cfg.engine_process and cfg.engine.parallel is not None:  # rank 0 of a group
-        from omlx_logprobs.distributed.distributed import leader_parts
-
-        path, default_name = resolve_model_path(source, cfg.offline)
-        model, runner = leader_parts(str(path), name or default_name, cfg.engine)
-        engine = Engine(
-            model.model,
-            model.vocab,
-            model.eos_token_ids,
-            cfg.engine,
-            tokenizer=model.tokenizer,
-            runner=runner,
-        )
-        return model, EngineClient(ThreadTransport(engine))
-    if not cfg.engine_process:
-        model = load_model(
-            source, name, cfg.engine.max_model_len, dtype=cfg.engine.dtype, offline=cfg.offline
-        )
-        if weights_path is not None:
-            from omlx_logprobs.runner.weights import load_into
-
-            load_into(model.model, weights_path)
-        engine = Engine(
-            model.model,
-            model.vocab,
-            model.eos_token_ids,
-            cfg.engine,
-            weights=version,
-            tokenizer=model.tokenizer,
-            adapters=adapters,
-        )
-        return model, EngineClient(ThreadTransport(engine))
-    # The model is resolved once, here (a GGUF converted before the child starts); the child
-    # loads the weights from that directory while this process loads the tokenizer.
     if not is_scripted(source):
         path, default_name = resolve_model_path(source, cfg.offline)
         source, name = str(path), name or default_name
+    version = weights or INITIAL_WEIGHTS
     spec = EngineSpec(source, name, cfg.engine, log_level, weights_path, version, adapters=adapters)
+    if not cfg.engine_process:
+        model, engine = build_engine(spec)
+        return model, EngineClient(ThreadTransport(engine))
     proc = ProcessTransport(spec)
     proc.spawn()
     model = load_model(source, name, cfg.engine.max_model_len, weights=False)
