@@ -10,12 +10,14 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from omlx_logprobs.api import control, lora, page, render, weights
 from omlx_logprobs.api import tokenize as tok
+from omlx_logprobs.api.anthropic import routes as anthropic
 from omlx_logprobs.api.errors import error_response, install_error_handlers
 from omlx_logprobs.api.guard import install_guard
+from omlx_logprobs.api.ollama import routes as ollama
 from omlx_logprobs.api.openapi import install_openapi
 from omlx_logprobs.api.pool import ModelPool, Unavailable
 from omlx_logprobs.api.protocol import (
@@ -25,9 +27,11 @@ from omlx_logprobs.api.protocol import (
     GenerateRequest,
     SglangGenerateRequest,
 )
+from omlx_logprobs.api.responses import routes as responses
+from omlx_logprobs.api.responses.store import ResponseStore
 from omlx_logprobs.api.served import Served
+from omlx_logprobs.api.serving import respond
 from omlx_logprobs.api.slot import ModelSlot
-from omlx_logprobs.api.validation import check_unknown
 from omlx_logprobs.config import Access
 
 log = logging.getLogger("omlx_logprobs")
@@ -60,8 +64,8 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
     created = int(time.time())
 
     @app.exception_handler(Unavailable)
-    async def _unavailable(_: Request, e: Unavailable) -> JSONResponse:
-        response = error_response(e)
+    async def _unavailable(r: Request, e: Unavailable) -> JSONResponse:
+        response = error_response(e, r.url.path)
         response.headers["Retry-After"] = str(e.retry_after_s)
         return response
 
@@ -96,6 +100,9 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
     async def sglang_generate(req: SglangGenerateRequest, raw: Request) -> Response:
         return await _respond(pool, req, raw)
 
+    responses.add_routes(app, pool, ResponseStore())
+    anthropic.add_routes(app, pool)
+    ollama.add_routes(app, pool)
     tok.add_routes(app, pool)
     lora.add_routes(app, pool)
     render.add_routes(app, pool)
@@ -105,6 +112,19 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
 
 
 Routed = ChatCompletionRequest | CompletionRequest | GenerateRequest | SglangGenerateRequest
+
+
+class _Bound:
+    """A request of the OpenAI-shaped routes as a `Run`: started by `events` or `complete`."""
+
+    def __init__(self, serving: Any, req: Routed) -> None:
+        self.serving, self.req = serving, req
+
+    def events(self) -> AsyncIterator[str]:
+        return self.serving.stream(self.req)  # type: ignore[no-any-return]
+
+    async def complete(self, raw: Request) -> str:
+        return await self.serving.complete(self.req, raw)  # type: ignore[no-any-return]
 
 
 def _serving(slot: ModelSlot, req: Routed) -> Any:
@@ -119,20 +139,5 @@ def _serving(slot: ModelSlot, req: Routed) -> Any:
 
 
 async def _respond(pool: ModelPool, req: Routed, raw: Request) -> Response:
-    """The request's model (loaded first if need be), then SSE for a streamed request, else one
-    JSON body; 499 when the client left first. Unknown fields: a 400 before the model is
-    looked at (or loaded), or (--ignore-unknown-fields) a header naming them."""
-    if not pool.ignore_unknown_fields:
-        check_unknown(req, False)
     name = req.served_name if isinstance(req, SglangGenerateRequest) else req.model
-    async with pool.use(name) as slot:
-        serving = _serving(slot, req)
-        headers = serving.served.fields_headers(req)
-        if req.stream:  # submitted by now: the engine counts it as in flight until it ends
-            events = serving.stream(req)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        try:
-            body = await serving.complete(req, raw)
-        except ConnectionAbortedError:
-            return Response(status_code=499)
-    return Response(body, media_type="application/json", headers=headers)
+    return await respond(pool, req, raw, lambda slot: _Bound(_serving(slot, req), req), name=name)

@@ -5,9 +5,10 @@ every loaded model: a trainer pauses the server, not one of its models."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from omlx_logprobs.api.errors import APIError
@@ -31,12 +32,33 @@ async def run(pool: ModelPool, command: Control) -> list[ControlResult]:
     return results
 
 
+async def no_fields(request: Request) -> None:
+    """Routes that take no body: an empty one, or `{}`, as vLLM's and SGLang's clients send;
+    anything else is a 400 (a field is never silently ignored)."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        raise APIError("the body is not JSON (this route takes none)") from None
+    if body == {}:
+        return
+    if isinstance(body, dict):
+        name = next(iter(body))
+        raise APIError(
+            f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter"
+        )
+    raise APIError("this route takes no body (or an empty JSON object)")
+
+
+NO_FIELDS = [Depends(no_fields)]
+
+
 def summary(results: list[ControlResult]) -> dict[str, Any]:
     return {"aborted": sum(r.aborted for r in results), "held": sum(r.held for r in results)}
 
 
 def add_routes(app: FastAPI, pool: ModelPool) -> None:
-    @app.post("/pause")
+    @app.post("/pause", dependencies=NO_FIELDS)
     async def pause(
         mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True
     ) -> dict[str, Any]:
@@ -47,7 +69,7 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
             await run(pool, Control("flush"))
         return {"status": "paused", **summary(results)}
 
-    @app.post("/resume")
+    @app.post("/resume", dependencies=NO_FIELDS)
     async def resume() -> dict[str, Any]:
         await run(pool, Control("resume"))
         return {"status": "resumed"}
@@ -65,18 +87,18 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
         results = await run(pool, Control("pause", mode))
         return {"message": "Generation paused successfully.", "status": "ok", **summary(results)}
 
-    @app.post("/continue_generation")
+    @app.post("/continue_generation", dependencies=NO_FIELDS)
     async def continue_generation() -> dict[str, Any]:
         await run(pool, Control("resume"))
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=NO_FIELDS)
     async def flush_cache() -> PlainTextResponse:
         """SGLang's: the kept prompt prefixes go (requests running keep their own rows)."""
         await run(pool, Control("flush"))
         return PlainTextResponse("Cache flushed.\n")
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", dependencies=NO_FIELDS)
     async def reset_prefix_cache() -> Response:
         """vLLM's: the same, answered with an empty 200."""
         await run(pool, Control("flush"))

@@ -1,4 +1,7 @@
-"""OpenAI-shaped errors: every rejection is `{"error": {message, type, param, code}}`."""
+"""Errors in each API's own shape: OpenAI's `{"error": {message, type, param, code}}` (every
+route but these two), Anthropic's `{"type": "error", "error": {type, message}}` (`/v1/messages`)
+and Ollama's `{"error": message}` (`/api/`). The path decides, so a body that fails pydantic, a
+missing key or an unknown model is answered in the shape its client parses."""
 
 from __future__ import annotations
 
@@ -33,11 +36,41 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(e: APIError) -> JSONResponse:
+# Anthropic's error types by HTTP status (its API reference, "Errors").
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def wire(path: str) -> str:
+    """Which API a path belongs to, for the shape of its errors."""
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    return "ollama" if path.startswith("/api/") else "openai"
+
+
+def shaped_body(e: APIError, path: str) -> dict[str, Any]:
+    """The error body the API at `path` answers with."""
     # A message may quote request text; a lone surrogate in it must not break the error itself.
     message = e.message.encode("utf-8", "replace").decode("utf-8")
     param = e.param.encode("utf-8", "replace").decode("utf-8") if e.param else e.param
-    return JSONResponse(error_body(message, e.type, param, e.code), status_code=e.status)
+    if wire(path) == "anthropic":
+        kind = ANTHROPIC_TYPES.get(e.status, "api_error" if e.status >= 500 else e.type)
+        text = f"{param}: {message}" if param and not message.startswith(param) else message
+        return {"type": "error", "error": {"type": kind, "message": text}}
+    if wire(path) == "ollama":
+        return {"error": message}
+    return error_body(message, e.type, param, e.code)
+
+
+def error_response(e: APIError, path: str = "") -> JSONResponse:
+    return JSONResponse(shaped_body(e, path), status_code=e.status)
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -51,11 +84,11 @@ def _param(loc: tuple[Any, ...]) -> str | None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e)
+    async def _api(r: Request, e: APIError) -> JSONResponse:
+        return error_response(e, r.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _invalid(r: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
         param = _param(tuple(err.get("loc", ())))
         msg = str(err.get("msg", "invalid request"))
@@ -64,15 +97,15 @@ def install_error_handlers(app: FastAPI) -> None:
         elif param is None:  # the body as a whole: not an object, or not sent as JSON
             msg = f"The request body must be a JSON object sent as application/json ({msg})."
         text = f"{param}: {msg}" if param else msg
-        return error_response(APIError(text, param=param, code="invalid_value"))
+        return error_response(APIError(text, param=param, code="invalid_value"), r.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http(r: Request, e: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return error_response(APIError(str(e.detail), status=e.status_code, type_=type_))
+        err = APIError(str(e.detail), status=e.status_code, type_=type_)
+        return error_response(err, r.url.path)
 
     @app.exception_handler(Exception)
-    async def _crash(_: Request, e: Exception) -> JSONResponse:
-        return error_response(
-            APIError(f"internal error: {type(e).__name__}", status=500, type_="server_error")
-        )
+    async def _crash(r: Request, e: Exception) -> JSONResponse:
+        err = APIError(f"internal error: {type(e).__name__}", status=500, type_="server_error")
+        return error_response(err, r.url.path)

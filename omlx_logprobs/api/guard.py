@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from omlx_logprobs.api import openapi, page
-from omlx_logprobs.api.errors import APIError, error_body
+from omlx_logprobs.api.errors import APIError, shaped_body
 from omlx_logprobs.config import Access, Limits
 
 Message = MutableMapping[str, Any]
@@ -50,7 +50,7 @@ class Guard:
             self._check_declared_size(scope)
             self._admit()
         except APIError as e:
-            await send_error(send, e, self._headers_for(e))
+            await send_error(send, e, self._headers_for(e), scope["path"])
             return
         try:
             await self._forward_with_body(scope, receive, send)
@@ -63,10 +63,13 @@ class Guard:
             return
         given = _header(scope, b"authorization") or b""
         scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer":  # Anthropic's clients send the key as x-api-key
+            token = _header(scope, b"x-api-key") or b""
         # compare_digest: the time taken does not depend on how much of the key matched
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+        if not hmac.compare_digest(token.strip(), self.key):
             raise APIError(
-                "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                "Incorrect or missing API key: send `Authorization: Bearer <key>` (or"
+                " `x-api-key: <key>`).",
                 status=401,
                 code="invalid_api_key",
             )
@@ -113,7 +116,7 @@ class Guard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limits.max_body_bytes:
-                await send_error(send, self._too_large(), [])
+                await send_error(send, self._too_large(), [], scope["path"])
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -138,8 +141,10 @@ def _header(scope: Message, name: bytes) -> bytes | None:
     return None
 
 
-async def send_error(send: Send, e: APIError, extra: list[tuple[bytes, bytes]]) -> None:
-    body = json.dumps(error_body(e.message, e.type, e.param, e.code)).encode()
+async def send_error(
+    send: Send, e: APIError, extra: list[tuple[bytes, bytes]], path: str = ""
+) -> None:
+    body = json.dumps(shaped_body(e, path)).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -158,6 +163,6 @@ def install_guard(app: FastAPI, access: Access, limits: Limits, max_num_seqs: in
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(access.allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["authorization", "content-type"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
         )

@@ -1,5 +1,6 @@
-"""The OpenAPI document as the server behaves: a rejected request is a 400 in OpenAI's error
-shape (`api/errors.py`), so FastAPI's generated 422 `HTTPValidationError` is replaced by it.
+"""The OpenAPI document as the server behaves: a rejected request is a 400 in its API's error
+shape (`api/errors.py`: OpenAI's, Anthropic's or Ollama's), so FastAPI's generated 422
+`HTTPValidationError` is replaced by it.
 Swagger UI at /docs: our page (api/static/docs.html) with the assets of the
 `swagger-ui-bundle-v2` package, read once at start-up, never a CDN."""
 
@@ -11,9 +12,15 @@ from typing import Any
 from fastapi import FastAPI, Response
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
 
+from omlx_logprobs.api.errors import wire
 from omlx_logprobs.api.page import STATIC, Assets
-from omlx_logprobs.api.protocol import ErrorResponse
+from omlx_logprobs.api.protocol import (
+    AnthropicErrorResponse,
+    ErrorResponse,
+    OllamaErrorResponse,
+)
 
 _REF = "#/components/schemas/{model}"
 _FASTAPI_VALIDATION = ("HTTPValidationError", "ValidationError")
@@ -80,18 +87,24 @@ def with_bearer(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def with_openai_errors(spec: dict[str, Any]) -> dict[str, Any]:
-    """Every operation that takes input answers 400 with `ErrorResponse`; no 422 anywhere."""
+    """Every operation that takes input answers 400 with its API's error shape (OpenAI's
+    `ErrorResponse`; Anthropic's and Ollama's on their routes); no 422 anywhere."""
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
     for name in _FASTAPI_VALIDATION:
         schemas.pop(name, None)
-    error = ErrorResponse.model_json_schema(ref_template=_REF)
-    schemas.update(error.pop("$defs", {}))
-    schemas[ErrorResponse.__name__] = error
-    bad_request = {
-        "description": "Invalid request: a field, a value out of range or a limit exceeded",
-        "content": {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}},
-    }
-    for operations in spec.get("paths", {}).values():
+    shapes: dict[str, type[BaseModel]] = {"openai": ErrorResponse,
+                                          "anthropic": AnthropicErrorResponse,
+                                          "ollama": OllamaErrorResponse}  # fmt: skip
+    for model in shapes.values():
+        error = model.model_json_schema(ref_template=_REF)
+        schemas.update(error.pop("$defs", {}))
+        schemas[model.__name__] = error
+    for path, operations in spec.get("paths", {}).items():
+        ref = {"$ref": _REF.format(model=shapes[wire(path)].__name__)}
+        bad_request = {
+            "description": "Invalid request: a field, a value out of range or a limit exceeded",
+            "content": {"application/json": {"schema": ref}},
+        }
         for op in operations.values():
             responses = op.setdefault("responses", {})
             validated = responses.pop("422", None) is not None

@@ -322,7 +322,9 @@ class SglangGenerateRequest(_Open):
     @property
     def served_name(self) -> str | None:
         """The served name it runs on: `model`, else its adapter's (whose base serves it)."""
-        lora = self.lora_path[0] if isinstance(self.lora_path, list) else self.lora_path
+        lora = self.lora_path
+        if isinstance(lora, list):  # one a prompt: the first names the model ([] names none)
+            lora = lora[0] if lora else None
         return self.model or lora
 
 
@@ -406,3 +408,21 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """What every rejection on `/v1/messages` says (Anthropic's shape)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class OllamaErrorResponse(BaseModel):
+    """What every rejection on `/api/` says (Ollama's shape)."""
+
+    error: str

@@ -11,37 +11,32 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from omlx_logprobs.api.completions import parse_prompts
-from omlx_logprobs.api.inputs import sampling_params
 from omlx_logprobs.api.pool import ModelPool
+from omlx_logprobs.api.prepare import Ask, prepare
 from omlx_logprobs.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateSampling,
     SamplingFields,
 )
-from omlx_logprobs.api.served import Served
+from omlx_logprobs.types import EngineRequest
 
 
 def generate_body(
-    req: SamplingFields, served: Served, ids: list[int], prefix: str, top: int | None
+    req: SamplingFields, ereq: EngineRequest, prefix: str, top: int | None
 ) -> dict[str, Any]:
-    """The /inference/v1/generate body for one prompt: the request's sampling fields that the
-    route takes (checked as the request's own route checks them), max_tokens resolved against
-    the context, `logprobs` the top count (None: no entries)."""
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
-    params = sampling_params(
-        req, served, len(ids), max_tokens, top is not None, top or 0, req.prompt_logprobs
-    )
+    """The /inference/v1/generate body for one prepared prompt: the request's sampling fields
+    that the route takes, max_tokens resolved against the context, `logprobs` the top count
+    (None: no entries)."""
     known = GenerateSampling.model_fields
     fields = {k: v for k, v in req.__dict__.items() if k in known and v is not None}
-    fields.update(max_tokens=params.max_tokens, logprobs=top)
+    fields.update(max_tokens=ereq.params.max_tokens, logprobs=top)
     opts = req.stream_options
     options = opts.model_dump() if opts is not None and req.stream else None
     sp = GenerateSampling.model_validate(fields).model_dump(mode="json", exclude_none=True)
     return {
         "request_id": f"{prefix}-{uuid.uuid4().hex}",
-        "token_ids": ids,
+        "token_ids": ereq.prompt_ids,
         "features": None,
         "sampling_params": sp,
         "model": req.model,
@@ -54,28 +49,24 @@ def generate_body(
 
 
 def add_routes(app: FastAPI, pool: ModelPool) -> None:
+    """Each render is the request prepared as its route prepares it (api/prepare.py), not
+    submitted."""
+
     @app.post("/v1/chat/completions/render")
     async def render_chat(req: ChatCompletionRequest) -> JSONResponse:
         async with pool.use(req.model) as slot:
-            assert slot.served is not None and slot.chat is not None
-            served, chat = slot.served, slot.chat
+            served = slot.live
             headers = served.fields_headers(req)
-            served.check_model(req.model)
-            served.checks.check_chat(req)
+            p = prepare(Ask.chat(req), served)
             top = (req.top_logprobs or 0) if req.logprobs else None
-            body = generate_body(req, served, chat.prompt(req), "chatcmpl", top)
+            body = generate_body(req, p.first, "chatcmpl", top)
         return JSONResponse(body, headers=headers)
 
     @app.post("/v1/completions/render")
     async def render_completions(req: CompletionRequest) -> JSONResponse:
         async with pool.use(req.model) as slot:
-            assert slot.served is not None
-            served = slot.served
+            served = slot.live
             headers = served.fields_headers(req)
-            served.check_model(req.model)
-            served.checks.check_completion(req)
-            bodies = [
-                generate_body(req, served, ids, "cmpl", req.logprobs)
-                for ids in parse_prompts(req, served)
-            ]
+            p = prepare(Ask.completion(req), served)
+            bodies = [generate_body(req, r, "cmpl", req.logprobs) for r in p.requests]
         return JSONResponse(bodies, headers=headers)

@@ -1,20 +1,20 @@
 """What the chat and the legacy completions responses share: every choice awaited (unless the
-client leaves first), a failed choice as a 500, the `usage` object, the `weight_version`
-fragment and vLLM's `prompt_logprobs`."""
+client leaves first), a failed choice as a 500, the body's head, the `usage` object, the
+`weight_version` fragment and vLLM's `prompt_logprobs`."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from functools import lru_cache
 from typing import Any
 
 from fastapi import Request
 
 from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.protocol import SamplingFields
-from omlx_logprobs.logprobs.columnar import encode_block
-from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
+from omlx_logprobs.api.protocol import SamplingKnobs
+from omlx_logprobs.logprobs.wire import LogprobWriter
 from omlx_logprobs.transport.client import RequestHandle
 from omlx_logprobs.types import AdapterVersion, Entries, RequestOutput, WeightVersion
 
@@ -41,6 +41,18 @@ async def wait_or_disconnect(handles: list[RequestHandle], raw: Request) -> list
             task.cancel()
             raise ConnectionAbortedError("client disconnected")
     return task.result()
+
+
+async def finished(handles: list[RequestHandle], raw: Request) -> list[RequestOutput]:
+    """Every choice's merged outputs once all have finished; ConnectionAbortedError if the
+    client left first; whatever is unfinished aborted either way; a failed choice a 500."""
+    try:
+        outs = await wait_or_disconnect(handles, raw)
+    finally:
+        for h in handles:
+            h.abort()
+    raise_if_failed(outs)
+    return outs
 
 
 def usage(outs: list[RequestOutput], reasoning: bool = False) -> dict[str, Any]:
@@ -93,17 +105,20 @@ def raise_if_failed(outs: list[RequestOutput]) -> None:
             raise APIError(out.error, status=500, type_="server_error")
 
 
+def head(request_id: str, kind: str, model: str, fingerprint: str) -> str:
+    """The opening of a body or chunk, up to its `choices`."""
+    return (
+        f'{{"id":"{request_id}","object":"{kind}","created":{int(time.time())},'
+        f'"model":{json.dumps(model)},"system_fingerprint":"{fingerprint}",'
+    )
+
+
 def prompt_logprobs_json(
-    req: SamplingFields,
-    e: Entries,
-    fmts: tuple[PromptLogprobFormatter, ...],
-    asked: int | None = None,
+    req: SamplingKnobs, e: Entries, writer: LogprobWriter, asked: int | None = None
 ) -> str:
     """vLLM's `prompt_logprobs` (a list with null for the first position), or in the compact
     form one block of the positions after the first. `asked`: the alternatives wanted, when
     not the field's (chat echo asks for them)."""
     fixed = bool(req.logprob_token_ids)
     k = e.k if fixed else ((req.prompt_logprobs if asked is None else asked) or 0)
-    if req.logprobs_format != "openai":
-        return encode_block(e, k, req.logprobs_format)
-    return fmts[req.return_tokens_as_token_ids].json(e, k, fixed)
+    return writer.prompt(e, k, fixed)

@@ -9,10 +9,29 @@ and no text), as UTF-8 can carry them (`wire_call`).
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
-from omlx_logprobs.types import RequestOutput, ThinkStart
+from omlx_logprobs.types import Entries, RequestOutput, ThinkStart
+
+
+class Sections(NamedTuple):
+    """An output's entries by section: reasoning first, then content, then tool calls (every
+    API places each section's entries beside that section's text)."""
+
+    reasoning: Entries
+    content: Entries
+    tools: Entries
+
+
+def sections(out: RequestOutput) -> Sections | None:
+    """The entries of out's tokens, split where its sections meet; None without logprobs."""
+    e = out.logprobs
+    if e is None:
+        return None
+    r, t = out.num_reasoning, len(e) - out.num_tool
+    return Sections(e.rows(0, r), e.rows(r, t), e.rows(t, len(e)))
 
 
 def message(
@@ -59,3 +78,12 @@ def wire_call(call: dict[str, Any]) -> dict[str, Any]:
     args = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", args)
     fn = {**fn, "name": _SURROGATE.sub("\ufffd", name), "arguments": args}
     return {**call, "function": fn}
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON that UTF-8 can carry: non-ASCII as it is, unless a lone surrogate (a call's
+    arguments parsed from JSON that escaped half a pair) is in it: then escaped, all of it."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    if _SURROGATE.search(text):
+        return json.dumps(obj, separators=(",", ":"))
+    return text

@@ -15,6 +15,7 @@ import omlx_logprobs
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.validation import RequestLimits, check_unknown, model_bounds
 from omlx_logprobs.config import EngineConfig, Limits
+from omlx_logprobs.logprobs.wire import Writers
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.transport.client import EngineClient
 from omlx_logprobs.types import THINK_TAGS
@@ -42,6 +43,11 @@ class Served:
     @cached_property
     def checks(self) -> RequestLimits:
         return RequestLimits(self.limits, model_bounds(self.model, self.cfg.max_top_logprobs))
+
+    @cached_property
+    def writers(self) -> Writers:
+        """The logprob writers of this model's vocabulary, made once (logprobs/wire.py)."""
+        return Writers(self.model.vocab)
 
     @cached_property
     def fingerprint(self) -> str:

@@ -17,7 +17,8 @@ from typing import Any
 from fastapi import Request
 
 from omlx_logprobs.api.errors import APIError, error_body
-from omlx_logprobs.api.inputs import encode, sampling_params
+from omlx_logprobs.api.prepare import Ask, sampling_params
+from omlx_logprobs.api.prompts import encode
 from omlx_logprobs.api.protocol import GenerateSampling, SglangGenerateRequest, SglangSampling
 from omlx_logprobs.api.response import raise_if_failed, wait_or_disconnect
 from omlx_logprobs.api.served import Served
@@ -146,12 +147,11 @@ class SglangServing:
         )  # fmt: skip
         checks = self.served.checks
         checks.check(sp)
-        checks.check(knobs)
+        constraint = checks.check(knobs)
         scored = item.logprob and item.start < len(item.ids) - 1
-        params = sampling_params(
-            knobs, self.served, len(item.ids), sp.max_new_tokens, item.logprob, item.top,
-            item.top if scored else None, prompt_param="input_ids",
-        )  # fmt: skip
+        ask = Ask(knobs, sp.max_new_tokens, item.logprob, item.top,
+                  item.top if scored else None, prompt_param="input_ids")  # fmt: skip
+        params = sampling_params(ask, self.served, len(item.ids), constraint)
         rid = f"{item.rid}-{uuid.uuid4().hex[:8]}"  # unique in the engine whatever was sent
         return EngineRequest(rid, item.ids, params, sp.n, stream=req.stream, adapter=adapter)
 

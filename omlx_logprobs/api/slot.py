@@ -54,6 +54,12 @@ class ModelSlot:
     change: asyncio.Task[None] | None = field(default=None, repr=False)  # load or unload
 
     @property
+    def live(self) -> Served:
+        """Its Served, while loaded (a request's lease keeps it loaded)."""
+        assert self.served is not None
+        return self.served
+
+    @property
     def busy(self) -> bool:
         return self.leases > 0 or (self.served is not None and self.served.engine.in_flight > 0)
 

@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse
 
 from omlx_logprobs.api import tools
 from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.inputs import encode
 from omlx_logprobs.api.pool import ModelPool
+from omlx_logprobs.api.prompts import encode
 from omlx_logprobs.api.protocol import DetokenizeRequest, TokenizeRequest
 from omlx_logprobs.api.served import fields_headers
 from omlx_logprobs.api.validation import RequestLimits

@@ -30,12 +30,16 @@ _ALNUM = string.ascii_letters + string.digits
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as chat templates read them: an assistant's calls with their arguments as
     objects (templates write them with `tojson`; a string would be quoted twice), a tool
-    result with the id of the call it answers, content "" where a message has none."""
+    result with the id of the call it answers, content "" where a message has none, an
+    assistant's earlier reasoning as `reasoning_content` (what reasoning templates read)."""
     out = []
     for m in messages:
         d: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name is not None:
             d["name"] = m.name
+        reasoning = (m.model_extra or {}).get("reasoning_content")
+        if m.role == "assistant" and isinstance(reasoning, str) and reasoning:
+            d["reasoning_content"] = reasoning
         if m.tool_calls:
             d["tool_calls"] = [
                 {

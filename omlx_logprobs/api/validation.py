@@ -13,16 +13,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import psutil
 from pydantic import BaseModel
 
 from omlx_logprobs.api.constraints import given, request_constraint
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.config import Limits
-from omlx_logprobs.models.footprint import kv_bytes_per_token, weight_mib
+from omlx_logprobs.models.footprint import kv_memory
+from omlx_logprobs.types import Constraint
 
 # Fields that take a logprob count: chat's `top_logprobs`, completions' integer `logprobs`, vLLM's
 # `prompt_logprobs`. A boolean `logprobs` (chat) is not a count.
@@ -142,7 +141,7 @@ def model_bounds(model: Any, max_top_logprobs: int) -> ModelBounds:
     reserved |= TEMPLATE_VARIABLES
     # --max-logprobs -1: the whole vocabulary; no list is longer than the vocabulary anyway
     cap = len(vocab) if max_top_logprobs < 0 else min(max_top_logprobs, len(vocab))
-    per_token, budget = _kv_memory(model)
+    per_token, budget = kv_memory(model)
     return ModelBounds(
         len(vocab),
         model.max_model_len,
@@ -154,30 +153,15 @@ def model_bounds(model: Any, max_top_logprobs: int) -> ModelBounds:
     )
 
 
-def _kv_memory(model: Any) -> tuple[int, int]:
-    """(one token's keys and values at float32, the host's memory less the weights'): what a
-    request's context is checked against at admission. float32 is the CPU's dtype and an upper
-    bound elsewhere; the host's memory is a Mac's unified memory (on a GPU host, the card may
-    have less: its prefill is bounded by runner/query_blocks.py, its rows by max_num_seqs)."""
-    path = getattr(model, "path", None)
-    if not isinstance(path, Path):
-        return 0, 0
-    per_token = kv_bytes_per_token(path)
-    if not per_token:
-        return 0, 0
-    total = psutil.virtual_memory().total
-    return per_token, max(total - (weight_mib(path) << 20), 0)
-
-
 class RequestLimits:
     def __init__(self, limits: Limits, bounds: ModelBounds) -> None:
         self.limits = limits
         self.bounds = bounds
 
     # ---- before tokenizing ------------------------------------------------------------------
-    def check_chat(self, req: Any) -> None:
-        """A chat request, before its template is rendered."""
-        self.check(req)
+    def check_chat(self, req: Any) -> Constraint | None:
+        """A chat request, before its template is rendered; its output constraint, compiled."""
+        constraint = self.check(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if req.continue_final_message and req.add_generation_prompt:
@@ -188,10 +172,11 @@ class RequestLimits:
                 param="continue_final_message",
             )
         _no_streamed_prompt_logprobs(req)
+        return constraint
 
-    def check_completion(self, req: Any) -> None:
-        """A completions request, before its prompts are read."""
-        self.check(req)
+    def check_completion(self, req: Any) -> Constraint | None:
+        """A completions request, before its prompts are read; its output constraint."""
+        constraint = self.check(req)
         if req.suffix:
             raise APIError("suffix is not supported.", param="suffix")
         if req.n < 1:
@@ -199,9 +184,11 @@ class RequestLimits:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of must equal n (no server-side ranking of choices).", "best_of")
         _no_streamed_prompt_logprobs(req)
+        return constraint
 
-    def check(self, req: BaseModel) -> None:
-        """Every check that needs no tokenizer, on any request model."""
+    def check(self, req: BaseModel) -> Constraint | None:
+        """Every check that needs no tokenizer, on any request model; its output constraint,
+        compiled once here (a bad schema is refused before any template or tokenizer work)."""
         bad = first_unencodable(req, "")
         if bad is not None:
             raise APIError(f"{bad}: text must be valid Unicode (a lone surrogate)", param=bad)
@@ -260,7 +247,7 @@ class RequestLimits:
                 param="truncate_prompt_tokens",
             )
         self._template_kwargs(get("chat_template_kwargs"))
-        request_constraint(req)  # a bad schema is refused before any template or tokenizer work
+        return request_constraint(req)
 
     def _token_ids(self, ids: Iterable[int] | None, most: int, param: str) -> None:
         if ids is None:

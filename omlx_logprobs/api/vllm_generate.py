@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from omlx_logprobs.api.errors import error_body
-from omlx_logprobs.api.inputs import sampling_params
+from omlx_logprobs.api.prepare import Ask, sampling_params
 from omlx_logprobs.api.protocol import GenerateRequest
 from omlx_logprobs.api.response import (
     raise_if_failed,
@@ -42,13 +42,12 @@ class GenerateServing:
         name = req.model or served.model.name
         served.check_model(name)
         served.checks.check(req)
-        served.checks.check(sp)
+        constraint = served.checks.check(sp)
         served.checks.check_token_ids(req.token_ids, "token_ids")
         ids = served.checks.truncated(list(req.token_ids), sp.truncate_prompt_tokens)
-        params = sampling_params(
-            sp, served, len(ids), sp.max_tokens, sp.logprobs is not None, sp.logprobs or 0,
-            sp.prompt_logprobs, prompt_param="token_ids",
-        )  # fmt: skip
+        ask = Ask(sp, sp.max_tokens, sp.logprobs is not None, sp.logprobs or 0,
+                  sp.prompt_logprobs, prompt_param="token_ids")  # fmt: skip
+        params = sampling_params(ask, served, len(ids), constraint)
         rid = f"generate-tokens-{req.request_id or uuid.uuid4().hex}"
         # the engine's id is unique among requests in flight whatever the caller sent
         ereq = EngineRequest(

@@ -176,6 +176,7 @@ class Engine:
             cached_sequences=self.runner.num_cached,
             step_in_flight=self.overlap.inflight is not None,
             active_memory=self.runner.active_memory(),
+            prefix_cache_bytes=self.runner.prefixes.nbytes if self.runner.prefixes else 0,
             cache_memory=self.runner.cache_memory(),
             aborted_waiting=self._aborted[Status.WAITING],
             aborted_running=self._aborted[Status.RUNNING],

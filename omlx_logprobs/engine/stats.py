@@ -51,6 +51,8 @@ class EngineStats:
     cache_memory: int  # bytes MLX keeps from freed arrays for reuse
     aborted_waiting: int  # requests aborted (client gone) before their prompt was prefilled
     aborted_running: int  # ... and while decoding
+    # bytes of the prefix cache's kept sequences (in active_memory; bounded by its budget)
+    prefix_cache_bytes: int = 0
     weights: WeightVersion = INITIAL_WEIGHTS  # the weights serving now
     updating: bool = False  # a weight update waits for the requests in flight
     paused: str | None = None  # the pause mode while paused (docs/specs/rl.md)

@@ -50,6 +50,24 @@ def kv_bytes_per_token(path: Path, float_bytes: int = 4) -> int:
     return 2 * layers * kv_heads * head_dim * float_bytes
 
 
+def kv_memory(model: Any) -> tuple[int, int]:
+    """(one token's keys and values at float32, the host's memory less the weights') for a
+    LoadedModel: what a request's context is checked against at admission (api/validation.py).
+    float32 is the CPU's dtype and an upper bound elsewhere; the host's memory is a Mac's
+    unified memory (on a GPU host the card may have less: its prefill is bounded by
+    runner/query_blocks.py, its rows by max_num_seqs). (0, 0) where the config does not tell."""
+    import psutil
+
+    path = getattr(model, "path", None)
+    if not isinstance(path, Path):
+        return 0, 0
+    per_token = kv_bytes_per_token(path)
+    if not per_token:
+        return 0, 0
+    total = psutil.virtual_memory().total
+    return per_token, max(total - (weight_mib(path) << 20), 0)
+
+
 def _quantized_bits(path: Path) -> dict[str, int]:
     """Bits by packed weight's name: "" for the default, a layer's own where config.json names
     it (a converted GGUF mixes 4, 5 and 8 bits)."""

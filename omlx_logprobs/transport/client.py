@@ -217,7 +217,16 @@ class EngineClient:
 
 async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of every choice of several requests as they come: (position of the handle
-    in `handles`, output); the output's `index` names the choice."""
+    in `handles`, output); the output's `index` names the choice. One choice is read straight
+    from its collector (no task, no queue)."""
+    slots = [(i, slot) for i, h in enumerate(handles) for slot in h.choices]
+    if len(slots) == 1:
+        i, slot = slots[0]
+        while True:
+            out = await slot.get()
+            yield i, out
+            if out.finished:
+                return
     queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
     async def pump(i: int, slot: RequestOutputCollector) -> None:
@@ -227,9 +236,7 @@ async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Reque
             if out.finished:
                 return
 
-    tasks = [
-        asyncio.ensure_future(pump(i, slot)) for i, h in enumerate(handles) for slot in h.choices
-    ]
+    tasks = [asyncio.ensure_future(pump(i, slot)) for i, slot in slots]
     try:
         left = len(tasks)
         while left:

@@ -164,6 +164,23 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None) -> di
     return dict(err)
 
 
+def assert_api_error(r: httpx.Response, status: int, param: str | None, path: str) -> None:
+    """The error shape of the API `path` belongs to: OpenAI's (naming `param`), Anthropic's
+    (`/v1/messages`) or Ollama's (`/api/`), whose messages name the field."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        message = body["error"]["message"]
+    elif path.startswith("/api/"):
+        assert set(body) == {"error"}, body
+        message = body["error"]
+    else:
+        assert_openai_error(r, status, param)
+        return
+    assert isinstance(message, str) and (param is None or param.split("[")[0] in message), body
+
+
 def engine_child(pid: int) -> int:
     """The server's engine process (its multiprocessing spawn child, not the resource tracker)."""
     for status in Path("/proc").glob("[0-9]*/status"):

@@ -22,12 +22,23 @@ class Route:
         return dict(resolve(self.body_schema or {}, self.body_schema or {}).get("properties", {}))
 
 
+# The RL control plane (pause, resume, flush): each changes what every later request meets, so
+# fuzzing them would pause the server under the other tests; tests/integration/test_control.py
+# covers them, their refusals included.
+CONTROL = frozenset(
+    ["/pause", "/resume", "/pause_generation", "/continue_generation", "/flush_cache",
+     "/reset_prefix_cache"]
+)  # fmt: skip
+
+
 def routes(base: str, headers: dict[str, str] | None = None) -> list[Route]:
-    """Every (method, path) in the running server's /openapi.json."""
+    """Every (method, path) in the running server's /openapi.json, the control plane's aside."""
     spec = httpx.get(base + "/openapi.json", headers=headers or {}, timeout=30).json()
     components = spec.get("components", {})
     out = []
     for path, methods in sorted(spec["paths"].items()):
+        if path in CONTROL:
+            continue
         for method, op in methods.items():
             body = op.get("requestBody", {}).get("content", {}).get("application/json")
             schema = {**body["schema"], "components": components} if body else None

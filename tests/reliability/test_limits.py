@@ -14,7 +14,13 @@ import pytest
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.models.loader import LoadedModel
 from tests.helpers.lora import make_adapter
-from tests.helpers.server import TINY_NAME, assert_openai_error, thread_server, wait_idle
+from tests.helpers.server import (
+    TINY_NAME,
+    assert_api_error,
+    assert_openai_error,
+    thread_server,
+    wait_idle,
+)
 from tests.reliability.schema import Route, accepts_type, minimal_body, routes
 
 LIMITS = Limits(
@@ -43,7 +49,12 @@ OVER: dict[str, Any] = {
 }
 # Routes whose schema cannot say what their smallest accepted body is ("one of prompt and
 # messages"): the fields to add to the schema's required ones.
-EXTRA_MINIMAL: dict[str, dict[str, Any]] = {"/tokenize": {"prompt": "hi"}}
+EXTRA_MINIMAL: dict[str, dict[str, Any]] = {
+    "/tokenize": {"prompt": "hi"},
+    "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1}},
+    "/api/chat": {"messages": [{"role": "user", "content": "hi"}], "stream": False},
+    "/api/generate": {"stream": False},
+}
 # field -> (value, param): one bad element inside an otherwise allowed value
 BAD_ELEMENT: dict[str, tuple[Any, str]] = {
     "stop": (["ok", "123456789"], "stop[1]"),
@@ -85,6 +96,7 @@ def test_field_limits_on_every_route(
     extra = {
         **EXTRA_MINIMAL,
         "/update_weights_from_disk": {"model_path": str(tiny_served.path)},
+        "/update_weights": {"weight_dir": str(tiny_served.path)},
         "/v1/load_lora_adapter": {"lora_name": "limits", "lora_path": str(adapter)},
         "/v1/unload_lora_adapter": {"lora_name": "limits"},
     }
@@ -94,7 +106,7 @@ def test_field_limits_on_every_route(
         assert ok.status_code == 200, (route.path, ok.text)
         for field, value, param in cases(route):
             r = httpx.post(limited + route.path, json={**base, field: value}, timeout=60)
-            assert_openai_error(r, 400, param)
+            assert_api_error(r, 400, param, route.path)
             checked.append((route.path, field))
     chat = {f for p, f in checked if p == "/v1/chat/completions"}
     assert {"n", "max_tokens", "max_completion_tokens", "top_logprobs", "stop"} <= chat
@@ -110,13 +122,19 @@ def test_openapi_says_400_in_openai_shape(limited: str, post_routes: list[Route]
             assert "422" not in op["responses"], (method, path)
             if "requestBody" in op:
                 schema = op["responses"]["400"]["content"]["application/json"]["schema"]
-                assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, path
+                shape = ("AnthropicErrorResponse" if path.startswith("/v1/messages") else
+                         "OllamaErrorResponse" if path.startswith("/api/") else "ErrorResponse")
+                assert schema == {"$ref": f"#/components/schemas/{shape}"}, path
     schemas = spec["components"]["schemas"]
     assert schemas["ErrorResponse"]["required"] == ["error"]
     detail = schemas["ErrorDetail"]
     assert detail["required"] == ["message", "type", "param", "code"]
     for route in post_routes:  # the advertised shape is the one sent
-        r = httpx.post(limited + route.path, json={"model": []}, timeout=60)
+        body = {**minimal_body(route, TINY_NAME), **EXTRA_MINIMAL.get(route.path, {})}
+        r = httpx.post(limited + route.path, json={**body, "model": []}, timeout=60)
+        if route.path.startswith(("/v1/messages", "/api/")):  # their own shapes
+            assert_api_error(r, 400, "model" if "model" in route.properties else None, route.path)
+            continue
         if "model" in route.properties:
             err = assert_openai_error(r, 400, "model")
         else:  # the LoRA routes take no model: refused all the same, in the same shape
@@ -243,7 +261,7 @@ def test_a_context_past_the_memory_is_refused_at_admission(
 
     per_token = kv_bytes_per_token(tiny_served.path)
     assert per_token == 2 * 2 * 2 * 16 * 4
-    monkeypatch.setattr(validation, "_kv_memory", lambda model: (per_token, 300 * per_token))
+    monkeypatch.setattr(validation, "kv_memory", lambda model: (per_token, 300 * per_token))
     with thread_server(tiny_served) as (base, _):
         url = base + "/v1/completions"
         body = {"model": TINY_NAME, "prompt": [5] * 100, "max_tokens": 150}

@@ -1,0 +1,82 @@
+"""`POST /v1/messages` (JSON or Anthropic's event stream) and `POST /v1/messages/count_tokens`:
+the body read into a chat request (convert.py), prepared and submitted on the one request path
+(api/prepare.py), its outputs written as content blocks and events (output.py). Errors take
+Anthropic's shape (api/errors.py, by path); the key may come as `x-api-key` (api/guard.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from omlx_logprobs.api import sse
+from omlx_logprobs.api.anthropic.convert import NAMES, chat_request
+from omlx_logprobs.api.anthropic.output import MessageOutput
+from omlx_logprobs.api.anthropic.protocol import CountTokensRequest, MessagesRequest
+from omlx_logprobs.api.pool import ModelPool
+from omlx_logprobs.api.prepare import Ask, prepare, wire_names
+from omlx_logprobs.api.prompts import chat_prompt
+from omlx_logprobs.api.response import finished
+from omlx_logprobs.api.served import Served
+from omlx_logprobs.api.serving import respond
+from omlx_logprobs.api.validation import check_unknown
+from omlx_logprobs.types import RequestOutput
+
+
+class MessageRun:
+    """One message: prepared and submitted at once (a bad request raises here, before any byte
+    of a stream), then awaited whole or streamed."""
+
+    def __init__(self, req: MessagesRequest, served: Served) -> None:
+        self.p = prepare(Ask.chat(chat_request(req), prefix="msg_", names=NAMES), served)
+        stops = list(req.stop_sequences or [])
+        self.output = MessageOutput(self.p, req.stream, stops, served.model.vocab)
+        self.handle = self.p.submit(served)[0]
+
+    async def complete(self, raw: Request) -> str:
+        outs = await finished([self.handle], raw)
+        self.output.feed(outs[0])
+        self.output.finish(outs[0])
+        return self.output.body
+
+    async def events(self) -> AsyncIterator[str]:
+        last: RequestOutput | None = None
+        async for _, out in sse.outputs([self.handle]):
+            if last is None:
+                for e in self.output.start(out):
+                    yield e
+            last = out
+            if out.error:  # Anthropic's error event; the stream ends there
+                err = {"type": "error", "error": {"type": "api_error", "message": out.error}}
+                yield sse.event("error", _dumps(err))
+                return
+            for e in self.output.feed(out):
+                yield e
+        assert last is not None
+        for e in self.output.finish(last):
+            yield e
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def add_routes(app: FastAPI, pool: ModelPool) -> None:
+    @app.post("/v1/messages")
+    async def create_message(req: MessagesRequest, raw: Request) -> Response:
+        return await respond(pool, req, raw, lambda slot: MessageRun(req, slot.live))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: CountTokensRequest) -> dict[str, int]:
+        """The prompt's tokens as the chat template renders it (tools and system included);
+        the model's tokenizer alone is needed (a model not loaded is not loaded for it)."""
+        if not pool.ignore_unknown_fields:
+            check_unknown(req, False)
+        model, checks = await pool.tokenizer(req.model)
+        with wire_names(NAMES):
+            chat = chat_request(req)
+            checks.check(chat)
+            return {"input_tokens": len(chat_prompt(chat, model, checks))}

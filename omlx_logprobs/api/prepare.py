@@ -1,0 +1,252 @@
+"""One request, whatever API it came through, made ready for the engine.
+
+Every route reads its wire shape into a chat or completions request model and says, in an
+`Ask`, what it wants beyond those fields (how many tokens, which logprobs, what its own fields
+are called). `prepare` then does everything once: the checks (api/validation.py), the output
+constraint compiled (api/constraints.py; with tools, api/tools.py), the prompt's ids
+(api/prompts.py), the `SamplingParams`, the `EngineRequest`s and the writer of the request's
+logprobs (logprobs/wire.py). A 400 names the field as the client sent it (`Ask.names`).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+from omlx_logprobs.api import tools
+from omlx_logprobs.api.constraints import constraint_field
+from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.prompts import chat_prompt, completion_prompts, encode
+from omlx_logprobs.api.protocol import (
+    ChatCompletionRequest,
+    ChatTokensRequest,
+    CompletionRequest,
+    SamplingKnobs,
+)
+from omlx_logprobs.api.served import Served
+from omlx_logprobs.logprobs.wire import LogprobWriter
+from omlx_logprobs.parsing.thinking import think_start
+from omlx_logprobs.transport.client import RequestHandle
+from omlx_logprobs.types import (
+    Constraint,
+    EngineRequest,
+    LogprobsMode,
+    SamplingParams,
+    ThinkStart,
+)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a route asks, in no endpoint's words: the request's fields (a chat or completions
+    request model, which every API's body is read into), its output budget, whether generated
+    tokens get entries and how many alternatives, how many alternatives prompt positions get
+    (None: no prompt logprobs), the request id's prefix, and the wire's names of the fields
+    (`{"max_tokens": "max_output_tokens"}`, and the prompt's: `token_ids`) for the 400s. The
+    token routes (vLLM's and SGLang's generate) ask with their sampling fields alone (`req` a
+    `SamplingKnobs`) and take only `sampling_params` of this path: their prompts are ids."""
+
+    req: SamplingKnobs
+    max_tokens: int | None
+    logprobs: bool
+    top: int
+    prompt_top: int | None = None
+    prefix: str = "chatcmpl-"
+    names: Mapping[str, str] = field(default_factory=dict)
+    prompt_param: str | None = None
+
+    @staticmethod
+    def chat(
+        req: ChatCompletionRequest,
+        prefix: str = "chatcmpl-",
+        names: Mapping[str, str] | None = None,
+    ) -> Ask:
+        """vLLM: chat `echo` scores the prompt too (top_logprobs alternatives), unless
+        streamed (a stream has no place for them)."""
+        prompt_top = req.prompt_logprobs
+        if prompt_top is None and req.echo and not req.stream:
+            prompt_top = req.top_logprobs or 0
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        top = req.top_logprobs or 0
+        return Ask(req, max_tokens, req.logprobs, top, prompt_top, prefix, names or {})
+
+    @staticmethod
+    def completion(req: CompletionRequest) -> Ask:
+        """Echo with logprobs needs the prompt's entries, with as many alternatives."""
+        prompt_top = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            prompt_top = max(prompt_top or 0, req.logprobs)
+        logprobs = req.logprobs is not None
+        return Ask(req, req.max_tokens, logprobs, req.logprobs or 0, prompt_top, "cmpl-")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready to run: one `EngineRequest` per prompt (chat: one; its n choices are
+    prefilled once), the constraint they share as compiled, and the writer of its logprobs."""
+
+    request_id: str  # the response's id (completions: its prompts' requests add `-i`)
+    requests: tuple[EngineRequest, ...]
+    constraint: Constraint | None
+    writer: LogprobWriter
+    model: str  # the name its responses carry: the adapter's, or the model's
+
+    @property
+    def first(self) -> EngineRequest:
+        return self.requests[0]
+
+    def submit(self, served: Served) -> list[RequestHandle]:
+        return [served.engine.submit(r) for r in self.requests]
+
+
+def prepare(ask: Ask, served: Served) -> Prepared:
+    """Check, compile and tokenize once; a 400 names the wire's field."""
+    rid = f"{ask.prefix}{uuid.uuid4().hex}"
+    req = ask.req
+    assert isinstance(req, (ChatCompletionRequest, CompletionRequest))
+    with wire_names(ask.names):
+        served.check_model(req.model)
+        if isinstance(req, ChatCompletionRequest):
+            requests, constraint = _chat(ask, req, served, rid)
+        else:
+            requests, constraint = _completion(ask, req, served, rid)
+    writer = served.writers.choose(req.logprobs_format, req.return_tokens_as_token_ids)
+    model = served.adapter(req.model) or served.model.name
+    return Prepared(rid, requests, constraint, writer, model)
+
+
+def _chat(
+    ask: Ask, req: ChatCompletionRequest, served: Served, rid: str
+) -> tuple[tuple[EngineRequest, ...], Constraint | None]:
+    tokenizer = served.model.tokenizer
+    content = served.checks.check_chat(req)
+    parsing = tools.tool_parsing(req, served.tool_format, tokenizer)
+    prompt = _chat_prompt(req, served)
+    params = sampling_params(ask, served, len(prompt), content)
+    # tool_choice required or named, or a constraint beside tools: the calls' grammar
+    constraint = tools.tool_constraint(req, parsing, tokenizer, content)
+    if constraint is not content:
+        params = replace(params, constraint=constraint)
+    tail = tokenizer.decode(prompt[-8:])
+    think = think_start(served.reasoning, tail, served.reasoning_tags[0])
+    if constraint is not None and think is ThinkStart.INSIDE:
+        # The grammar applies from the first generated token: here that is reasoning.
+        raise APIError(
+            "Constrained output cannot follow reasoning yet: the prompt opens <think>, so"
+            " the constrained text would be the reasoning. Turn thinking off (for example"
+            ' chat_template_kwargs {"enable_thinking": false}).',
+            param=constraint_field(req) or "tool_choice",
+        )
+    ereq = EngineRequest(
+        rid,
+        prompt,
+        params,
+        req.n,
+        think=think,
+        stream=req.stream,
+        tools=parsing,
+        reasoning_tags=served.reasoning_tags,
+        adapter=served.adapter(req.model),
+    )
+    return (ereq,), constraint
+
+
+def _chat_prompt(req: ChatCompletionRequest, served: Served) -> list[int]:
+    """The chat template's ids of the messages, or, on /v1/chat/completions/tokens, the ids the
+    client sent (the conversation as its trainer holds it: never re-tokenized)."""
+    if not isinstance(req, ChatTokensRequest):
+        return chat_prompt(req, served.model, served.checks)
+    served.checks.check_token_ids(req.tokens, "tokens")
+    return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens)
+
+
+def _completion(
+    ask: Ask, req: CompletionRequest, served: Served, rid: str
+) -> tuple[tuple[EngineRequest, ...], Constraint | None]:
+    """Everything checked first, then one request per prompt (its n choices from one
+    prefill)."""
+    constraint = served.checks.check_completion(req)
+    prompts = completion_prompts(req, served.model, served.checks)
+    adapter = served.adapter(req.model)
+    requests = tuple(
+        EngineRequest(
+            f"{rid}-{i}",
+            ids,
+            sampling_params(ask, served, len(ids), constraint),
+            req.n,
+            stream=req.stream,
+            adapter=adapter,
+        )
+        for i, ids in enumerate(prompts)
+    )
+    return requests, constraint
+
+
+def sampling_params(
+    ask: Ask, served: Served, prompt_len: int, constraint: Constraint | None
+) -> SamplingParams:
+    """The request's fields as SamplingParams; a 400 for every value the engine cannot take
+    (the checks live in api/validation.py; the top-K caps are checked there, once)."""
+    req = ask.req
+    checks = served.checks
+    chat = isinstance(req, ChatCompletionRequest)
+    completion = getattr(req, "max_completion_tokens", None) is not None
+    tokens_param = "max_completion_tokens" if completion else "max_tokens"
+    prompt_param = ask.prompt_param or ("messages" if chat else "prompt")
+    room = checks.check_prompt(prompt_len, ask.max_tokens, prompt_param, tokens_param)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    any_logprobs = ask.logprobs or ask.prompt_top is not None
+    limit = ask.max_tokens if ask.max_tokens is not None else room
+    if req.min_tokens > limit:
+        raise APIError(
+            f"min_tokens ({req.min_tokens}) must be at most {tokens_param} ({limit})",
+            param="min_tokens",
+        )
+    return SamplingParams(
+        max_tokens=limit,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=min(max(req.top_k, 0), checks.bounds.vocab_size),
+        min_p=req.min_p,
+        seed=req.seed,
+        stop=tuple(s for s in stop if s),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logit_bias=checks.logit_bias(req.logit_bias or {}),
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logprobs=ask.logprobs,
+        top_logprobs=ask.top,
+        prompt_logprobs=ask.prompt_top,
+        logprob_token_ids=checks.logprob_token_ids(req.logprob_token_ids, any_logprobs),
+        logprobs_mode=LogprobsMode(req.logprobs_mode or served.cfg.logprobs_mode),
+        min_tokens=req.min_tokens,
+        allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
+        bad_words_ids=checks.bad_words_ids(
+            req.bad_words, lambda w: encode(served.model, w, "bad_words")
+        ),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        constraint=constraint,
+    )
+
+
+@contextmanager
+def wire_names(names: Mapping[str, str]) -> Iterator[None]:
+    """A 400 raised inside names the client's field: the request models' names (`max_tokens`)
+    become the wire's (`max_output_tokens`), in `param` and in the message."""
+    try:
+        yield
+    except APIError as e:
+        if not names:
+            raise
+        head = (e.param or "").split(".")[0].split("[")[0]
+        if head in names:
+            e.param = names[head] + (e.param or "")[len(head) :]
+        for ours, theirs in names.items():
+            e.message = re.sub(rf"\b{re.escape(ours)}\b", theirs, e.message)
+        raise

@@ -1,0 +1,83 @@
+"""A request's prompt as token ids: chat messages through the chat template, completions'
+prompts as text or ids (each a 400 when it cannot be read), and the tokenizer's encode with its
+failures as the request's 400."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omlx_logprobs.api import tools
+from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
+from omlx_logprobs.api.validation import RequestLimits
+from omlx_logprobs.models.loader import LoadedModel
+
+MAX_PROMPTS = 256  # prompts in one completions request (lm-eval batches several)
+
+
+def chat_prompt(
+    req: ChatCompletionRequest, model: LoadedModel, checks: RequestLimits | None = None
+) -> list[int]:
+    messages = tools.template_messages(req.messages)
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:  # a template variable, as vLLM passes it
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    try:
+        text = model.tokenizer.apply_chat_template(
+            messages,
+            tools=tools.template_tools(req.tools),
+            add_generation_prompt=req.add_generation_prompt,
+            tokenize=False,
+            **kwargs,
+        )
+    except Exception as e:  # a template error is the request's fault
+        raise APIError(
+            f"The chat template could not render these messages: {e}", param="messages"
+        ) from None
+    if checks is not None:
+        checks.check_text(text, "messages")
+    ids = encode(model, text, "messages", special=req.add_special_tokens)
+    return checks.truncated(ids, req.truncate_prompt_tokens) if checks is not None else ids
+
+
+def completion_prompts(
+    req: CompletionRequest, model: LoadedModel, checks: RequestLimits
+) -> list[list[int]]:
+    """Every accepted `prompt` form as a list of token id lists; a 400 for the rest."""
+    p = req.prompt
+    if isinstance(p, str):
+        prompts: list[Any] = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [p]
+    else:
+        prompts = list(p)
+    if not prompts:
+        raise APIError("prompt must not be empty", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(f"At most {MAX_PROMPTS} prompts are allowed.", param="prompt")
+    vocab = len(model.vocab)
+    out = []
+    for i, x in enumerate(prompts):
+        if isinstance(x, str):
+            checks.check_text(x, "prompt")
+            ids = encode(model, x, "prompt", special=req.add_special_tokens)
+        else:
+            ids = list(x)
+        if not ids:
+            raise APIError(f"prompt[{i}] has no tokens", param="prompt")
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(f"prompt[{i}] holds an id that is not a token of this model", "prompt")
+        out.append(checks.truncated(list(ids), req.truncate_prompt_tokens))
+    return out
+
+
+def encode(model: LoadedModel, text: str, param: str, special: bool = False) -> list[int]:
+    """Token ids of text; a tokenizer that fails on it fails this request alone, as a 400."""
+    try:
+        return list(model.tokenizer.encode(text, add_special_tokens=special))
+    except Exception as e:
+        raise APIError(f"The text could not be tokenized: {e}", param=param) from None

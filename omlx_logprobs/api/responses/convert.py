@@ -1,0 +1,221 @@
+"""A Responses body read into the chat request the one request path prepares: `instructions` as
+the system message, the stored conversation of `previous_response_id`, `input` items as chat
+messages (function calls and their outputs as the history's tool calls and results, reasoning
+items as the next assistant message's `reasoning_content`), function tools, `tool_choice`,
+`text.format` as `response_format`, `reasoning` as the template's variables, the sampling
+fields. Each item or field this server cannot honour is a 400 naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.protocol import ChatCompletionRequest
+from omlx_logprobs.api.responses.protocol import ResponsesRequest
+
+# The chat request's field names as a Responses client knows them (prepare.wire_names).
+NAMES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
+REFUSED = {
+    "background": "background responses",
+    "conversation": "conversations (send previous_response_id)",
+    "prompt": "stored prompts",
+    "context_management": "context management",
+    "max_tool_calls": "max_tool_calls",
+}
+
+
+def chat_request(
+    req: ResponsesRequest, conversation: list[dict[str, Any]]
+) -> ChatCompletionRequest:
+    """The chat request this Responses body asks for; `conversation`: the stored conversation
+    of its `previous_response_id` and its own `input` as messages (`input_messages`), to which
+    its instructions are put first (a stored response's are not carried over, as OpenAI's are
+    not)."""
+    for name, why in REFUSED.items():
+        value = getattr(req, name)
+        if value is not None and value is not False:
+            raise APIError(
+                f"{name}: {why} is not supported by this server.",
+                param=name,
+                code="unsupported_parameter",
+            )
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    messages += conversation
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": messages,
+        "stream": req.stream,
+        "max_completion_tokens": req.max_output_tokens,
+        "logprobs": req.wants_logprobs,
+        "top_logprobs": req.top_logprobs if req.wants_logprobs else None,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "chat_template_kwargs": _template_kwargs(req),
+        "reasoning_effort": _effort(req),
+        "response_format": _response_format(req),
+        **_tools(req),
+    }
+    for name in (
+        "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repetition_penalty",
+        "presence_penalty", "frequency_penalty", "logprobs_mode", "logprobs_format",
+        "return_tokens_as_token_ids",
+    ):  # fmt: skip
+        value = getattr(req, name)
+        if value is not None:
+            body[name] = value
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:  # an item's shape the chat messages cannot hold
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        raise APIError(f"input: {where}: {err.get('msg')}", param="input") from None
+
+
+def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as chat messages: text is one user message; items in order, an assistant's
+    message and the function calls after it one assistant message (with `tool_calls`), a
+    function call's output a `tool` message, a reasoning item's text the `reasoning_content`
+    of the assistant message that follows it."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    out: list[dict[str, Any]] = []
+    reasoning = ""
+    for i, item in enumerate(given):
+        kind = item.get("type", "message" if "role" in item else None)
+        where = f"input[{i}]"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise APIError(f"{where}.role: {role!r} is not a message role", param=where)
+            out.append({"role": role, "content": _text(item.get("content"), where)})
+            if role == "assistant" and reasoning:
+                out[-1]["reasoning_content"], reasoning = reasoning, ""
+        elif kind == "function_call":
+            call = {
+                "id": _string(item, "call_id", where),
+                "type": "function",
+                "function": {
+                    "name": _string(item, "name", where),
+                    "arguments": _string(item, "arguments", where),
+                },
+            }
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None}
+                out.append(last)
+            if reasoning:
+                last["reasoning_content"], reasoning = reasoning, ""
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text(output, f"{where}.output")
+            out.append(
+                {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text}
+            )
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            reasoning += "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+        else:
+            raise APIError(
+                f"{where}: items of type {kind!r} are not supported by this server (messages,"
+                " function_call, function_call_output and reasoning are)",
+                param=where,
+                code="unsupported_value",
+            )
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or its text parts joined (input_text,
+    output_text; a refusal's text)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(f"{where}.content must be a string or a list of parts", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            texts.append(str(part.get("text", "")))
+        elif kind == "refusal":
+            texts.append(str(part.get("refusal", "")))
+        else:
+            raise APIError(
+                f"{where}.content[{j}]: parts of type {kind!r} are not supported (text only)",
+                param=where,
+                code="unsupported_value",
+            )
+    return "".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise APIError(f"{where}.{key} must be a string", param=f"{where}.{key}")
+    return value
+
+
+def _tools(req: ResponsesRequest) -> dict[str, Any]:
+    """Function tools as chat's; any other kind of tool is a 400 (no hosted tools here)."""
+    out: dict[str, Any] = {}
+    tools = []
+    for i, t in enumerate(req.tools or []):
+        if t.get("type") != "function":
+            raise APIError(
+                f"tools[{i}]: tools of type {t.get('type')!r} are not supported by this server"
+                " (function tools are)",
+                param="tools",
+                code="unsupported_value",
+            )
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
+        tools.append({"type": "function", "function": fn})
+    if tools:
+        out["tools"] = tools
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise APIError(
+                "tool_choice: only none, auto, required or a function"
+                ' ({"type": "function", "name": ...}) are supported',
+                param="tool_choice",
+                code="unsupported_value",
+            )
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    if choice is not None:
+        out["tool_choice"] = choice
+    return out
+
+
+def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    spec: dict[str, Any] = {"name": fmt.name or "response", "strict": fmt.strict}
+    if fmt.schema_ is not None:
+        spec["schema"] = fmt.schema_
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def _effort(req: ResponsesRequest) -> str | None:
+    return req.reasoning.effort if req.reasoning is not None else None
+
+
+def _template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:
+    """`reasoning.effort: none` turns thinking off for templates that read `enable_thinking`
+    (the client's own chat_template_kwargs win)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if _effort(req) == "none":
+        kwargs.setdefault("enable_thinking", False)
+    return kwargs or None
+

@@ -1,0 +1,149 @@
+"""`POST /v1/responses` (JSON or the Responses event stream), `GET` and `DELETE
+/v1/responses/{id}`: the body read into a chat request (convert.py), prepared and submitted on
+the one request path (api/prepare.py), its outputs written as Responses items and events
+(output.py), the response stored (store.py) unless `store` is false."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from omlx_logprobs.api import sse
+from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.items import REASONING, TEXT, Item
+from omlx_logprobs.api.pool import ModelPool
+from omlx_logprobs.api.prepare import Ask, prepare
+from omlx_logprobs.api.response import finished
+from omlx_logprobs.api.responses.convert import NAMES, chat_request, input_messages
+from omlx_logprobs.api.responses.output import ResponseOutput, meta
+from omlx_logprobs.api.responses.protocol import ResponsesRequest
+from omlx_logprobs.api.responses.store import ResponseStore, Stored
+from omlx_logprobs.api.served import Served
+from omlx_logprobs.api.serving import respond
+from omlx_logprobs.types import RequestOutput
+
+
+class ResponseRun:
+    """One response: prepared and submitted at once (a bad request raises here, before any
+    byte of a stream), then awaited whole or streamed."""
+
+    def __init__(self, req: ResponsesRequest, served: Served, store: ResponseStore) -> None:
+        self.req, self.store = req, store
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            stored = store.get(req.previous_response_id)
+            if stored is None:
+                raise APIError(
+                    f"Previous response with id '{req.previous_response_id}' not found (this"
+                    f" server keeps the last {store.count} stored responses, in memory).",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
+            history = list(stored.conversation)
+        self.conversation = history + input_messages(req.input)
+        chat = chat_request(req, self.conversation)
+        self.p = prepare(Ask.chat(chat, prefix="resp_", names=NAMES), served)
+        self.output = ResponseOutput(self.p, meta(_echoed(req), self.p.request_id, self.p.model),
+                                     req.stream)  # fmt: skip
+        self.handle = self.p.submit(served)[0]
+
+    async def complete(self, raw: Request) -> str:
+        outs = await finished([self.handle], raw)
+        self.output.created(outs[0])
+        self.output.feed(outs[0])
+        self.output.finish(outs[0])
+        self._keep()
+        return self.output.body
+
+    async def events(self) -> AsyncIterator[str]:
+        last: RequestOutput | None = None
+        async for _, out in sse.outputs([self.handle]):
+            if last is None:
+                for e in self.output.created(out):
+                    yield e
+            last = out
+            if not out.error:
+                for e in self.output.feed(out):
+                    yield e
+        assert last is not None
+        for e in self.output.finish(last):
+            yield e
+        if not last.error:
+            self._keep()
+
+    def _keep(self) -> None:
+        if self.req.store is not False:
+            said = [*self.conversation, _assistant(self.output.items.items)]
+            self.store.put(self.p.request_id, Stored.of(self.output.body, said))
+
+
+def _assistant(items: list[Item]) -> dict[str, Any]:
+    """A response's output as the assistant message a continuation's template renders."""
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    for item in items:
+        if item.kind == REASONING:
+            message["reasoning_content"] = item.text
+        elif item.kind == TEXT:
+            message["content"] += item.text
+        elif item.call is not None:
+            call = {"name": item.call.name, "arguments": item.call.arguments}
+            message.setdefault("tool_calls", []).append(
+                {"id": item.call_id, "type": "function", "function": call}
+            )
+    if message.get("tool_calls") and not message["content"]:
+        message["content"] = None
+    return message
+
+
+def _echoed(req: ResponsesRequest) -> dict[str, Any]:
+    """The request's fields a response repeats."""
+    text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {}
+    reasoning = req.reasoning.model_dump(exclude_none=True) if req.reasoning else {}
+    return {
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "metadata": req.metadata or {},
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+        "store": req.store is not False,
+        "temperature": req.temperature if req.temperature is not None else 1.0,
+        "text": {"format": text.get("format", {"type": "text"})},
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": req.tools or [],
+        "top_logprobs": req.top_logprobs or 0,
+        "top_p": req.top_p if req.top_p is not None else 1.0,
+        "truncation": req.truncation or "disabled",
+        "user": req.user,
+    }
+
+
+def add_routes(app: FastAPI, pool: ModelPool, store: ResponseStore) -> None:
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw: Request) -> Response:
+        return await respond(pool, req, raw, lambda slot: ResponseRun(req, slot.live, store))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        stored = store.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        return Response(stored.body, media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        if not store.delete(response_id):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(
+        f"No response with id '{response_id}' is stored here.",
+        param="response_id",
+        status=404,
+        code="not_found",
+    )

@@ -1,0 +1,50 @@
+"""A generation route from its parsed body to its HTTP response, the same for every API: the
+fields no model declares named (a 400, or with --ignore-unknown-fields a header), the model
+leased (loaded first if need be), the request started (prepared and submitted: a bad request
+raises its 400 here, before any byte of a stream), then streamed (SSE or NDJSON) or awaited
+whole as one JSON body; 499 when the client left first. Each API says only how its request
+starts (`Run`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from omlx_logprobs.api import sse
+from omlx_logprobs.api.pool import ModelPool
+from omlx_logprobs.api.slot import ModelSlot
+from omlx_logprobs.api.validation import check_unknown
+
+
+class Run(Protocol):
+    """One started request: its stream, or its whole body."""
+
+    def events(self) -> AsyncIterator[str]: ...
+
+    async def complete(self, raw: Request) -> str: ...
+
+
+async def respond(
+    pool: ModelPool,
+    req: Any,
+    raw: Request,
+    start: Callable[[ModelSlot], Run],
+    media: str = sse.SSE,
+    name: str | None = None,
+) -> Response:
+    """`name`: the model, when the body does not call it `model` (SGLang's)."""
+    if not pool.ignore_unknown_fields:
+        check_unknown(req, False)
+    async with pool.use(name if name is not None else req.model) as slot:
+        headers = slot.live.fields_headers(req)
+        run = start(slot)
+        if req.stream:  # submitted by now: the engine counts it as in flight until it ends
+            return sse.streaming(run.events(), media, headers)
+        try:
+            body = await run.complete(raw)
+        except ConnectionAbortedError:
+            return Response(status_code=499)
+    return Response(body, media_type="application/json", headers=headers)
