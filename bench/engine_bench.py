@@ -26,7 +26,7 @@ from mlx_lm.generate import BatchGenerator
 
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import Engine
-from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.types import SamplingParams
 

@@ -31,8 +31,8 @@ from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format  # noqa: 
 if TYPE_CHECKING:
     from omlx_logprobs.api.served import Served
     from omlx_logprobs.api.slot import ModelSlot
-    from omlx_logprobs.engine.client import EngineClient
     from omlx_logprobs.models.loader import LoadedModel
+    from omlx_logprobs.transport.client import EngineClient
     from omlx_logprobs.types import WeightVersion
 
 log = logging.getLogger("omlx_logprobs")
@@ -80,7 +80,7 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
     log.info("heap: %s", omlx_logprobs.HEAP)
     log.info("MLX: %s", mlx_settings(mlx_backend()))
     heap.set_switch_interval()
-    from omlx_logprobs.engine.lora import AdapterError, read_adapter
+    from omlx_logprobs.runner.lora import AdapterError, read_adapter
 
     for name, path in cfg.lora:  # the files, before any model loads (their fit: at the load)
         try:
@@ -194,54 +194,25 @@ def start_engine(
     of this one. `which`: (source, served name), default the first --model; `weights_path`
     and `weights`: weights loaded in place before, which a reload serves under their
     version; `adapters`: the LoRA adapters (name, path) it serves from the start."""
-    from omlx_logprobs.engine.client import EngineClient, ThreadTransport
-    from omlx_logprobs.engine.engine import Engine
-    from omlx_logprobs.engine.messages import EngineSpec
-    from omlx_logprobs.engine.process import ProcessTransport
     from omlx_logprobs.models.loader import is_scripted, load_model, resolve_model_path
+    from omlx_logprobs.transport.build import build_engine
+    from omlx_logprobs.transport.client import EngineClient, ThreadTransport
+    from omlx_logprobs.transport.messages import EngineSpec
+    from omlx_logprobs.transport.process import ProcessTransport
     from omlx_logprobs.types import INITIAL_WEIGHTS
     from omlx_logprobs.vocab import build_vocabulary
 
+    # The model is resolved once, here (a GGUF converted before a child starts); the engine
+    # loads the weights from that directory, and with a child this process the tokenizer.
     source, name = which or (cfg.model, cfg.served_model_name)
-    version = weights or INITIAL_WEIGHTS
-    if not cfg.engine_process and cfg.engine.parallel is not None:  # rank 0 of a group
-        from omlx_logprobs.engine.distributed import leader_parts
-
-        path, default_name = resolve_model_path(source, cfg.offline)
-        model, runner = leader_parts(str(path), name or default_name, cfg.engine)
-        engine = Engine(
-            model.model,
-            model.vocab,
-            model.eos_token_ids,
-            cfg.engine,
-            tokenizer=model.tokenizer,
-            runner=runner,
-        )
-        return model, EngineClient(ThreadTransport(engine))
-    if not cfg.engine_process:
-        model = load_model(
-            source, name, cfg.engine.max_model_len, dtype=cfg.engine.dtype, offline=cfg.offline
-        )
-        if weights_path is not None:
-            from omlx_logprobs.engine.weights import load_into
-
-            load_into(model.model, weights_path)
-        engine = Engine(
-            model.model,
-            model.vocab,
-            model.eos_token_ids,
-            cfg.engine,
-            weights=version,
-            tokenizer=model.tokenizer,
-            adapters=adapters,
-        )
-        return model, EngineClient(ThreadTransport(engine))
-    # The model is resolved once, here (a GGUF converted before the child starts); the child
-    # loads the weights from that directory while this process loads the tokenizer.
     if not is_scripted(source):
         path, default_name = resolve_model_path(source, cfg.offline)
         source, name = str(path), name or default_name
+    version = weights or INITIAL_WEIGHTS
     spec = EngineSpec(source, name, cfg.engine, log_level, weights_path, version, adapters=adapters)
+    if not cfg.engine_process:
+        model, engine = build_engine(spec)
+        return model, EngineClient(ThreadTransport(engine))
     proc = ProcessTransport(spec)
     proc.spawn()
     model = load_model(source, name, cfg.engine.max_model_len, weights=False)
@@ -269,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = config_from_args(args)
         except ValueError as e:
             parser.error(str(e))
-        from omlx_logprobs.engine.group import launched
+        from omlx_logprobs.distributed.group import launched
 
         if launched():  # one rank of a group started by mlx.launch
             group_cfg = _group_config(cfg, args, parser)
@@ -305,7 +276,7 @@ def _group_config(
 ) -> ServerConfig | None:
     """Under mlx.launch: rank 0's config (the model split over the group), or None on the
     other ranks."""
-    from omlx_logprobs.engine.group import rank_from_env
+    from omlx_logprobs.distributed.group import rank_from_env
 
     if cfg.other_models:
         parser.error("a model split over processes is served alone: give --model once")
@@ -321,8 +292,8 @@ def _group_config(
 
 def _follow(args: argparse.Namespace) -> int:
     """A rank other than 0: its share of the model, following rank 0 until rank 0 stops."""
-    from omlx_logprobs.engine.distributed import follower_main
-    from omlx_logprobs.engine.group import rank_from_env
+    from omlx_logprobs.distributed.distributed import follower_main
+    from omlx_logprobs.distributed.group import rank_from_env
     from omlx_logprobs.models.loader import resolve_model_path
 
     # Ctrl-C reaches every process of the group: rank 0 stops the others itself.

@@ -25,17 +25,17 @@ class EngineConfig:
     flat_logprobs: bool = False
     # MLX's cache of freed buffers; None: 4 GiB on a GPU, MLX's own default on the CPU.
     cache_limit_mib: int | None = None
-    # Device memory for kept sequences' keys and values (engine/prefix_cache.py); 0 turns
+    # Device memory for kept sequences' keys and values (runner/prefix_cache.py); 0 turns
     # prefix caching off; None: a share of the memory left after the weights.
     prefix_cache_mib: int | None = None
-    # The prefix cache's disk tier (engine/disk_tier.py): a folder, and its size limit.
+    # The prefix cache's disk tier (runner/disk_tier.py): a folder, and its size limit.
     kv_cache_dir: str | None = None
     kv_cache_disk_mib: int = 32768
     # The activations' dtype: auto (float32 on the CPU, the stored dtype on a GPU), float32,
     # bfloat16 or float16; the log-softmax is float32 whatever this is.
     dtype: str = "auto"
     # Under mlx.launch: how the model is split over the processes ("auto", "tensor" or
-    # "pipeline"; engine/distributed.py), and how long rank 0 waits for the others at most.
+    # "pipeline"; distributed/distributed.py), and how long rank 0 waits for the others at most.
     parallel: str | None = None
     group_timeout_s: float = 60.0
 

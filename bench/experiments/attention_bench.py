@@ -1,4 +1,4 @@
-"""The decode attention kernel (engine/attention.py) against MLX's own path for a mask array
+"""The decode attention kernel (runner/fast/attention.py) against MLX's own path for a mask array
 (its fallback: matmuls, a select and a softmax), on a GPU: each call's host time (building and
 `async_eval`) and its time to done (host and device, synchronized every call), over batch
 sizes and key lengths, bfloat16: 32 query heads over 8 KV heads of 128 (an 8B llama's), and
@@ -18,7 +18,7 @@ import omlx_logprobs  # noqa: F401
 import mlx.core as mx
 
 from omlx_logprobs.cli import mlx_environment
-from omlx_logprobs.engine import attention
+from omlx_logprobs.runner.fast import attention
 
 
 def timed(fn, reps: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]

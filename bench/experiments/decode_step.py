@@ -17,7 +17,7 @@ import omlx_logprobs  # noqa: F401
 from omlx_logprobs.cli import mlx_environment
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import Engine
-from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.models.loader import load_model
 from omlx_logprobs.types import SamplingParams
 

@@ -14,7 +14,7 @@ primitive. Run it once per MLX setting (they are read once per process):
         --alternate fusion --steps 128
 
 `--drop-decode-mask` gives a decode step's attention no mask (wrong values; after the start-up
-probe): what a fused masked attention could save, before engine/attention.py existed.
+probe): what a fused masked attention could save, before runner/fast/attention.py existed.
 """
 
 # ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)
@@ -79,16 +79,16 @@ def count_primitives(arrays: list[mx.array]) -> int:
     return len(labels)
 
 
-LEAN_PATH = "omlx_logprobs/engine/lean_decode.py"
+LEAN_PATH = "omlx_logprobs/runner/fast/lean_decode.py"
 
 
 def engine_step(
     model: str, rows: int, steps: int, drop_mask: bool, alternate: str | None, old_tree: str
 ) -> None:
     from omlx_logprobs.config import EngineConfig
-    from omlx_logprobs.engine import attention, compiled, fusion
+    from omlx_logprobs.runner.fast import attention, compiled, fusion
     from omlx_logprobs.engine.engine import Engine
-    from omlx_logprobs.engine.sequence import Sequence
+    from omlx_logprobs.batch.sequence import Sequence
     from omlx_logprobs.models.loader import load_model
     from omlx_logprobs.types import SamplingParams
 
@@ -129,7 +129,7 @@ def engine_step(
         "tree": ("new", "old"),
     }
     old_lean = None
-    if alternate == "tree":  # the older tree's engine/lean_decode.py, on this model and fusion
+    if alternate == "tree":  # the older tree's runner/fast/lean_decode.py, on this model and fusion
         spec = importlib.util.spec_from_file_location("old_lean", f"{old_tree}/{LEAN_PATH}")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
@@ -153,11 +153,11 @@ def engine_step(
             mx.fast.scaled_dot_product_attention = (
                 attention._sdpa if route == "kernel" else attention._mlx_sdpa
             )
-        elif route in ("lean", "model"):  # engine/lean_decode.py's step or the model's forward
+        elif route in ("lean", "model"):  # runner/fast/lean_decode.py's step or the model's forward
             engine.runner.decode = lean if route == "lean" else None
         elif route in ("new", "old"):  # this tree's lean step or the older tree's
             engine.runner.decode = lean if route == "new" else old_lean
-        elif route == "compiled":  # the lean step traced by engine/compiled.py
+        elif route == "compiled":  # the lean step traced by runner/fast/compiled.py
             engine.runner.decode = traced
         elif route in ("split", "sliced"):  # the lean step's parts by split or by slices,
             # attention over the caches' full width or their written columns
@@ -219,12 +219,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skip-synthetic", action="store_true")
     alt_help = (
-        "waves alternate, in one process: engine/attention.py's kernel and MLX's attention"
-        " (attention), joined and separate projections (fusion, engine/fusion.py), or the lean"
-        " llama step and the model's forward (lean, engine/lean_decode.py), the lean step traced by"
-        " engine/compiled.py and as it is (compiled), the lean step's q/k/v and gate/up parts by"
-        " one split and attention over the caches' full width, or by slices (views), this tree's"
-        " lean step or --old-tree's (tree)"
+        "waves alternate, in one process: runner/fast/attention.py's kernel and MLX's attention"
+        " (attention), joined and separate projections (fusion, runner/fast/fusion.py), or the lean"
+        " llama step and the model's forward (lean, runner/fast/lean_decode.py), the lean step"
+        " traced by runner/fast/compiled.py and as it is (compiled), the lean step's q/k/v and"
+        " gate/up parts by one split and attention over the caches' full width, or by slices"
+        " (views), this tree's lean step or --old-tree's (tree)"
     )
     ap.add_argument(
         "--alternate",

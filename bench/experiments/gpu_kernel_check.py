@@ -23,7 +23,7 @@ import numpy as np
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.logprobs.extractor import DeviceExtractor
-from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.types import LogprobsMode, SamplingParams

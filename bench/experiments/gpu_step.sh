@@ -8,7 +8,7 @@
 # 1. bench/experiments/host_step.py in-process, 64 rows, 128 steps, off and top 20: the median
 #    launch per decode-only step and its graph-building part, for old, new, new with its decode
 #    forward compiled (OMLX_COMPILE_DECODE=1) and new with MLX's own attention
-#    (OMLX_DECODE_ATTENTION=mlx; engine/attention.py).
+#    (OMLX_DECODE_ATTENTION=mlx; runner/fast/attention.py).
 # 2. Both servers up, c=64, 128 new tokens: ROUNDS (3) rounds alternating build and mode, with
 #    16 client processes (bodies parsed after the clock) and with one process that parses every
 #    body in its loop; medians and ratios at the end, and each server's launch per step from its

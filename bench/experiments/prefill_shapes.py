@@ -17,7 +17,7 @@ import omlx_logprobs  # noqa: F401
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_logprobs.engine.batch_cache import BatchCache
+from omlx_logprobs.runner.batch_cache import BatchCache
 from omlx_logprobs.models.loader import load_model
 
 

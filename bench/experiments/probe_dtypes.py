@@ -1,5 +1,5 @@
 """Every tested family's tiny random model through the start-up probe in each activation dtype
-(engine/probe.py: the batch against each row alone, 16-bit tolerance for 16-bit types): which
+(runner/probe.py: the batch against each row alone, 16-bit tolerance for 16-bit types): which
 families pass, and the worst relative difference. Run on a GPU host, where `--dtype auto`
 keeps the stored 16-bit type:
 
@@ -21,10 +21,10 @@ mlx_environment()  # the server's settings (cuDNN's attention off), before MLX s
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from omlx_logprobs.engine.batch_cache import UnbatchableCache  # noqa: E402
-from omlx_logprobs.engine.probe import probe  # noqa: E402
 from omlx_logprobs.models.dtype import apply_dtype  # noqa: E402
 from omlx_logprobs.models.loader import load_model  # noqa: E402
+from omlx_logprobs.runner.batch_cache import UnbatchableCache  # noqa: E402
+from omlx_logprobs.runner.probe import probe  # noqa: E402
 from tests.helpers.families import FAMILIES, build_family  # noqa: E402
 
 

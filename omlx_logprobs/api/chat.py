@@ -21,7 +21,7 @@ from omlx_logprobs.api.response import (
     weight_version_json,
 )
 from omlx_logprobs.api.served import Served
-from omlx_logprobs.engine.client import RequestHandle
+from omlx_logprobs.transport.client import RequestHandle
 from omlx_logprobs.types import RequestOutput, ThinkStart
 
 

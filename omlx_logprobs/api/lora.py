@@ -1,7 +1,7 @@
 """LoRA adapters loaded and unloaded at run time, in vLLM's shapes: `POST /v1/load_lora_adapter`
 and `POST /v1/unload_lora_adapter` (docs/specs/rl.md, "LoRA adapters"). A request then names an
 adapter by `model`; the engine runs it beside the base model and the other adapters in one batch
-(engine/lora.py)."""
+(runner/lora.py)."""
 
 from __future__ import annotations
 

@@ -27,9 +27,9 @@ from omlx_logprobs.api.protocol import (
     SamplingKnobs,
 )
 from omlx_logprobs.api.served import Served
-from omlx_logprobs.engine.client import RequestHandle
 from omlx_logprobs.logprobs.wire import LogprobWriter
 from omlx_logprobs.parsing.thinking import think_start
+from omlx_logprobs.transport.client import RequestHandle
 from omlx_logprobs.types import (
     Constraint,
     EngineRequest,

@@ -14,8 +14,8 @@ from fastapi import Request
 
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.protocol import SamplingKnobs
-from omlx_logprobs.engine.client import RequestHandle
 from omlx_logprobs.logprobs.wire import LogprobWriter
+from omlx_logprobs.transport.client import RequestHandle
 from omlx_logprobs.types import AdapterVersion, Entries, RequestOutput, WeightVersion
 
 

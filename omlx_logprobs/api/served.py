@@ -15,9 +15,9 @@ import omlx_logprobs
 from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.validation import RequestLimits, check_unknown, model_bounds
 from omlx_logprobs.config import EngineConfig, Limits
-from omlx_logprobs.engine.client import EngineClient
 from omlx_logprobs.logprobs.wire import Writers
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.transport.client import EngineClient
 from omlx_logprobs.types import THINK_TAGS
 
 log = logging.getLogger("omlx_logprobs")

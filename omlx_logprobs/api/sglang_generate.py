@@ -22,8 +22,8 @@ from omlx_logprobs.api.prompts import encode
 from omlx_logprobs.api.protocol import GenerateSampling, SglangGenerateRequest, SglangSampling
 from omlx_logprobs.api.response import raise_if_failed, wait_or_disconnect
 from omlx_logprobs.api.served import Served
-from omlx_logprobs.engine.client import RequestHandle, merged
 from omlx_logprobs.logprobs.format import Pieces, float_numbers
+from omlx_logprobs.transport.client import RequestHandle, merged
 from omlx_logprobs.types import (
     EngineRequest,
     Entries,

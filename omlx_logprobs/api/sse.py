@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from omlx_logprobs.api.errors import error_body
 from omlx_logprobs.api.response import weight_version_json
-from omlx_logprobs.engine.client import RequestHandle, merged
+from omlx_logprobs.transport.client import RequestHandle, merged
 from omlx_logprobs.types import RequestOutput
 
 SSE = "text/event-stream"

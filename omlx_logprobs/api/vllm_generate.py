@@ -22,9 +22,9 @@ from omlx_logprobs.api.response import (
     weight_version_json,
 )
 from omlx_logprobs.api.served import Served
-from omlx_logprobs.engine.client import RequestHandle, merged
 from omlx_logprobs.logprobs.format import ChatLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
+from omlx_logprobs.transport.client import RequestHandle, merged
 from omlx_logprobs.types import EngineRequest, RequestOutput
 
 

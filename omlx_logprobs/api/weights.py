@@ -1,5 +1,5 @@
 """New weights in place, in SGLang's shape: `POST /update_weights_from_disk` (docs/specs/rl.md). The
-engine swaps them between two steps (engine/weights.py reads and checks them); the pool keeps
+engine swaps them between two steps (runner/weights.py reads and checks them); the pool keeps
 them for a later reload of the model."""
 
 from __future__ import annotations

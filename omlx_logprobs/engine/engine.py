@@ -1,6 +1,7 @@
-"""The engine: one thread owns all MLX work and runs the step loop. Requests come in as
-`EngineRequest`s through a thread-safe inbox; what leaves is `RequestOutput`s, handed to a sink
-once a step (engine/client.py moves them to the API, from this process or from a child)."""
+"""The engine: one thread owns all MLX work and runs the step loop. Requests, aborts, weight
+updates, adapters and pauses come in as typed commands (engine/commands.py) through a
+thread-safe inbox; what leaves is `RequestOutput`s, handed to a sink once a step
+(transport/client.py moves them to the API, from this process or from a child)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,28 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from omlx_logprobs import heap
+from omlx_logprobs.batch.scheduler import Scheduler, SchedulerOutput
+from omlx_logprobs.batch.sequence import Sequence, Status
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine.grammar import GrammarError, Grammars
-from omlx_logprobs.engine.lora import AdapterError
-from omlx_logprobs.engine.model_runner import ModelRunner
+from omlx_logprobs.engine.commands import (
+    Abort,
+    Command,
+    PendingAdapter,
+    PendingControl,
+    PendingUpdate,
+    Submit,
+)
 from omlx_logprobs.engine.overlap import Overlap
 from omlx_logprobs.engine.processor import OutputProcessor
-from omlx_logprobs.engine.scheduler import Scheduler, SchedulerOutput
-from omlx_logprobs.engine.sequence import Sequence, Status
 from omlx_logprobs.engine.stats import EngineStats, StepStats
-from omlx_logprobs.engine.step import LaunchedStep
-from omlx_logprobs.engine.weights import WeightsError
+from omlx_logprobs.runner.grammar import GrammarError, Grammars
+from omlx_logprobs.runner.lora import AdapterError
+from omlx_logprobs.runner.model_runner import ModelRunner
+from omlx_logprobs.runner.step import LaunchedStep
+from omlx_logprobs.runner.weights import WeightsError
 from omlx_logprobs.types import (
     INITIAL_WEIGHTS,
     AdapterChange,
@@ -47,14 +55,6 @@ IDLE_WAIT_S = 0.5  # an idle engine looks at its inbox at least this often
 Sink = Callable[[list[RequestOutput]], None]
 
 
-@dataclass
-class _PendingUpdate:
-    update: WeightUpdate
-    done: Future[WeightUpdateResult]
-    asked: float  # monotonic time of the request
-    aborted: int = 0  # requests it aborted
-
-
 class Engine:
     def __init__(
         self,
@@ -69,9 +69,9 @@ class Engine:
         adapters: tuple[tuple[str, str], ...] = (),
     ):
         """`runner`: the model runner's class, or a factory taking its arguments (a model
-        split over processes has its own: engine/distributed.py)."""
+        split over processes has its own: distributed/distributed.py)."""
         self.cfg = cfg
-        # Constrained decoding's matchers need the Hugging Face tokenizer (engine/grammar.py).
+        # Constrained decoding's matchers need the Hugging Face tokenizer (runner/grammar.py).
         self.grammars = Grammars(tokenizer, len(vocab), tuple(eos))
         self.runner = runner(
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
@@ -89,8 +89,8 @@ class Engine:
         self.processor = OutputProcessor(vocab, eos)
         self.processor.weights = weights
         # Weight updates asked for, oldest first, and the requests that arrived after one was:
-        # they start on the new weights (engine/weights.py; docs/specs/rl.md).
-        self._updates: list[_PendingUpdate] = []
+        # they start on the new weights (runner/weights.py; docs/specs/rl.md).
+        self._updates: list[PendingUpdate] = []
         self._held: list[Sequence] = []
         # Called once a step (and once an idle wait) with the outputs made since the last call,
         # perhaps none; on a GPU from the thread that processed the step.
@@ -105,7 +105,7 @@ class Engine:
         # pause once nothing runs, a halting one once the step in flight is processed).
         self._paused: PauseMode | None = None
         self._pausing: list[tuple[PauseMode, int, Future[ControlResult]]] = []  # mode, aborted
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._closing_at: float | None = None  # after this monotonic time, fail what is left
@@ -129,19 +129,19 @@ class Engine:
         self._wake.set()
 
     def submit(self, req: EngineRequest) -> None:
-        self._inbox.put(("add", req))
+        self._inbox.put(Submit(req))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
         """End every unfinished choice of the request (unknown or finished ids are ignored)."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(Abort(request_id))
         self._wake.set()
 
     def update_weights(self, update: WeightUpdate) -> Future[WeightUpdateResult]:
         """New weights once the requests in flight have finished (or been aborted, as the update
         asks); the future's result says which version serves from then on."""
         done: Future[WeightUpdateResult] = Future()
-        self._inbox.put(("weights", _PendingUpdate(update, done, time.monotonic())))
+        self._inbox.put(PendingUpdate(update, done, time.monotonic()))
         self._wake.set()
         return done
 
@@ -149,7 +149,7 @@ class Engine:
         """Pause, resume or flush between two steps; the future's result once done (a pause
         that waits for its requests is answered when they have finished)."""
         done: Future[ControlResult] = Future()
-        self._inbox.put(("control", (command, done)))
+        self._inbox.put(PendingControl(command, done))
         self._wake.set()
         return done
 
@@ -157,7 +157,7 @@ class Engine:
         """Load, replace or unload a LoRA adapter between two steps; the future's result is
         None, or why nothing changed."""
         done: Future[str | None] = Future()
-        self._inbox.put(("adapter", (change, done)))
+        self._inbox.put(PendingAdapter(change, done))
         self._wake.set()
         return done
 
@@ -295,31 +295,38 @@ class Engine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, item = self._inbox.get_nowait()
+                command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                leader = Sequence.of(item)
-                self._live[item.request_id] = leader.group
-                if not self._constrain(leader) or not self._adapt(leader, item.adapter):
-                    continue
-                if self._updates or self._paused:  # it starts on the weights asked for
-                    self._held.append(leader)
-                else:
-                    self.scheduler.add(leader)
-            elif kind == "adapter":
-                self._change_adapter(*item)
-            elif kind == "control":
-                self._control(*item)
-            elif kind == "weights":
-                self._updates.append(item)
-                if item.update.abort_in_flight:
-                    item.aborted = self._abort_in_flight()
-            elif (members := self._live.get(item)) is not None:
-                for s in members:
-                    if s.status is not Status.FINISHED:
-                        self._aborted[s.status] += 1
-                        self._end(s, FinishReason.ABORT, None)
+            match command:
+                case Submit(request=req):
+                    self._add(req)
+                case PendingAdapter(change=change, done=done):
+                    self._change_adapter(change, done)
+                case PendingControl(command=control, done=done):
+                    self._control(control, done)
+                case PendingUpdate():
+                    self._updates.append(command)
+                    if command.update.abort_in_flight:
+                        command.aborted = self._abort_in_flight()
+                case Abort(request_id=request_id):
+                    self._abort(request_id)
+
+    def _add(self, req: EngineRequest) -> None:
+        leader = Sequence.of(req)
+        self._live[req.request_id] = leader.group
+        if not self._constrain(leader) or not self._adapt(leader, req.adapter):
+            return
+        if self._updates or self._paused:  # it starts on the weights asked for
+            self._held.append(leader)
+        else:
+            self.scheduler.add(leader)
+
+    def _abort(self, request_id: str) -> None:
+        for s in self._live.get(request_id, ()):
+            if s.status is not Status.FINISHED:
+                self._aborted[s.status] += 1
+                self._end(s, FinishReason.ABORT, None)
 
     def _constrain(self, leader: Sequence) -> bool:
         """Give each choice of a constrained request its grammar matcher; a grammar that cannot

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
-from omlx_logprobs.engine.sequence import Sequence
-from omlx_logprobs.engine.step import LaunchedStep
+from omlx_logprobs.batch.sequence import Sequence
+from omlx_logprobs.runner.step import LaunchedStep
 
 W = TypeVar("W")
 Process = Callable[[LaunchedStep], list[Sequence]]

@@ -7,11 +7,11 @@ import logging
 
 import numpy as np
 
-from omlx_logprobs.engine.grammar import leaves
-from omlx_logprobs.engine.prompt_scoring import PromptSlice
-from omlx_logprobs.engine.sequence import Sequence, Status
-from omlx_logprobs.engine.step import StepResult
+from omlx_logprobs.batch.sequence import Sequence, Status
 from omlx_logprobs.output.sections import NO_TEXT, TextDelta
+from omlx_logprobs.runner.grammar import leaves
+from omlx_logprobs.runner.prompt_scoring import PromptSlice
+from omlx_logprobs.runner.step import StepResult
 from omlx_logprobs.types import (
     INITIAL_WEIGHTS,
     Entries,

@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
-from omlx_logprobs.engine.step import DeviceTime
+from omlx_logprobs.runner.step import DeviceTime
 from omlx_logprobs.types import INITIAL_WEIGHTS, WeightVersion
 
 log = logging.getLogger("omlx_logprobs")
@@ -61,7 +61,7 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class RankHealth:
-    """One process of a distributed group (engine/distributed.py), as rank 0 knows it."""
+    """One process of a distributed group (distributed/distributed.py), as rank 0 knows it."""
 
     rank: int
     host: str

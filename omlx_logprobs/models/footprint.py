@@ -55,7 +55,7 @@ def kv_memory(model: Any) -> tuple[int, int]:
     LoadedModel: what a request's context is checked against at admission (api/validation.py).
     float32 is the CPU's dtype and an upper bound elsewhere; the host's memory is a Mac's
     unified memory (on a GPU host the card may have less: its prefill is bounded by
-    engine/query_blocks.py, its rows by max_num_seqs). (0, 0) where the config does not tell."""
+    runner/query_blocks.py, its rows by max_num_seqs). (0, 0) where the config does not tell."""
     import psutil
 
     path = getattr(model, "path", None)

@@ -1,4 +1,4 @@
-"""The decode step's masked attention kernel (engine/attention.py) against a float32 softmax
+"""The decode step's masked attention kernel (runner/fast/attention.py) against a float32 softmax
 computed in numpy from the same inputs; the kernel itself runs on MLX's CUDA backend only."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from omlx_logprobs.engine import attention
+from omlx_logprobs.runner.fast import attention
 
 ON_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
 cuda = pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend")

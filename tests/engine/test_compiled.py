@@ -1,5 +1,5 @@
-"""The compiled decode forward (engine/compiled.py, the GPU's path) against a full forward pass:
-rows joining and leaving the batch, the cache growing past its first width, new weights."""
+"""The compiled decode forward (runner/fast/compiled.py, the GPU's path) against a full forward
+pass: rows joining and leaving the batch, the cache growing past its first width, new weights."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine import compiled, lean_decode, model_runner
 from omlx_logprobs.engine.engine import Engine
-from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel, load_model
+from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner.fast import compiled, lean_decode
 from omlx_logprobs.types import SamplingParams
 from tests.helpers.engine import check_against_reference, encode, moved_copy, run_engine
 
@@ -23,8 +24,8 @@ PROMPTS = ["Hello, how are you today?", "The quick brown fox", "1 2 3 4 5", "Onc
 
 @pytest.fixture(params=["lean", "model"])
 def calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """The GPU's path on the CPU backend, the traced step engine/lean_decode.py's or the model's
-    forward; each compiled decode call's batch size, recorded."""
+    """The GPU's path on the CPU backend, the traced step runner/fast/lean_decode.py's or the
+    model's forward; each compiled decode call's batch size, recorded."""
     monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
     monkeypatch.setattr(lean_decode, "ENABLED", request.param == "lean")
     monkeypatch.setattr(model_runner, "COMPILE_DECODE", True)  # opt-in (OMLX_COMPILE_DECODE=1)

@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier (`--kv-cache-dir`, engine/disk_tier.py): what the memory budget
+"""The prefix cache's disk tier (`--kv-cache-dir`, runner/disk_tier.py): what the memory budget
 evicts is written to disk and loaded back on a hit; at shutdown what memory holds is written too,
 and a restarted engine on the same weights continues the conversation from disk (equal to the
 cache-off engine), while a changed model never reads it; the size limit drops the least
@@ -12,9 +12,9 @@ import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine.disk_tier import DiskTier, fingerprint
-from omlx_logprobs.engine.prefix_cache import BASE_KEY, Prefix, PrefixCache
 from omlx_logprobs.models.loader import load_model
+from omlx_logprobs.runner.disk_tier import DiskTier, fingerprint
+from omlx_logprobs.runner.prefix_cache import BASE_KEY, Prefix, PrefixCache
 from tests.engine.test_conversation_cache import Chat, cached, greedy
 from tests.engine.test_prefix_cache import Maker
 from tests.helpers.engine import encode

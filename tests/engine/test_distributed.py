@@ -19,16 +19,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from omlx_logprobs.engine import liveness
-from omlx_logprobs.engine.group import (
+from omlx_logprobs.distributed import layer_pipeline, liveness, shard_check
+from omlx_logprobs.distributed.group import (
     BLOCK,
     Channel,
     RankInfo,
     backend_from_env,
     exchange_info,
 )
-from omlx_logprobs.models import layer_pipeline, shard_check
-from omlx_logprobs.models.sharded import SplitRefused, choose_mode, load_share
+from omlx_logprobs.distributed.sharded import SplitRefused, choose_mode, load_share
 from tests.helpers.families import FAMILIES, ODD_HEADS, build_family
 
 # DeepSeek-V3's multi-head latent attention: its query heads are cut, its KV heads are not.

@@ -13,11 +13,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine import model_runner
 from omlx_logprobs.engine.engine import Engine
-from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel, load_model
+from omlx_logprobs.runner import model_runner
 from omlx_logprobs.types import EngineRequest, FinishReason, LogprobsMode, SamplingParams
 from tests.helpers.engine import (
     check_against_reference,

@@ -15,12 +15,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine import model_runner, probe
-from omlx_logprobs.engine.batch_cache import UnbatchableCache
 from omlx_logprobs.engine.engine import Engine
-from omlx_logprobs.engine.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel, load_model
+from omlx_logprobs.runner import model_runner, probe
+from omlx_logprobs.runner.batch_cache import UnbatchableCache
 from omlx_logprobs.types import EngineRequest, FinishReason, SamplingParams
 from tests.helpers.engine import (
     StoreView,

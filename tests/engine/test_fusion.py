@@ -1,4 +1,4 @@
-"""engine/fusion.py: sibling projections joined into one matmul give every family the forward
+"""runner/fast/fusion.py: sibling projections joined into one matmul give every family the forward
 it had, keep the model's parameter names, follow replaced weights after `rejoin`, and leave
 alone layers that cannot join."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from omlx_logprobs.engine.fusion import Fusion
+from omlx_logprobs.runner.fast.fusion import Fusion
 from tests.helpers.families import FAMILIES, _model_class
 
 IDS = mx.array([[5, 17, 301, 4000, 12, 9, 77, 1024]])

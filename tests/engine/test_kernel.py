@@ -8,11 +8,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from omlx_logprobs.engine.prompt_scoring import PromptSlice, score
-from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs import kernel
 from omlx_logprobs.logprobs.extract import EntryAsk, device_step
 from omlx_logprobs.logprobs.extractor import DeviceExtractor
+from omlx_logprobs.runner.prompt_scoring import PromptSlice, score
 from omlx_logprobs.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="needs MLX's CUDA backend")

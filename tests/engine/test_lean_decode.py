@@ -1,4 +1,4 @@
-"""engine/lean_decode.py: the lean decode step gives the model's own logits and leaves the
+"""runner/fast/lean_decode.py: the lean decode step gives the model's own logits and leaves the
 caches as the model's forward does, step after step of a left-padded batch, in each family it
 serves (llama, qwen2 with its biases, qwen3 with its head norms); it follows new weights after
 `reset`, and stays off the families and batches it does not serve."""
@@ -14,10 +14,10 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_logprobs.engine import lean_decode
-from omlx_logprobs.engine.batch_cache import BatchCache
-from omlx_logprobs.engine.fusion import Fusion
-from omlx_logprobs.engine.lean_decode import LeanDecode
+from omlx_logprobs.runner.batch_cache import BatchCache
+from omlx_logprobs.runner.fast import lean_decode
+from omlx_logprobs.runner.fast.fusion import Fusion
+from omlx_logprobs.runner.fast.lean_decode import LeanDecode
 from tests.helpers.families import FAMILIES, _model_class
 
 PROMPTS = mx.array([[0, 5, 17, 301], [0, 0, 44, 9], [7, 8, 9, 10]])

@@ -10,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from omlx_logprobs.engine import model_runner
-from omlx_logprobs.engine.sampler import MaskState, _bad_word_condition
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner.sampler import MaskState, _bad_word_condition
 from omlx_logprobs.types import FinishReason, LogprobsMode, SamplingParams
 from tests.helpers.engine import encode, run_engine
 

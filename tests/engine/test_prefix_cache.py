@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine import model_runner
-from omlx_logprobs.engine.prefix_cache import (
+from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner.prefix_cache import (
     BASE_KEY,
     BLOCK,
     MIN_TOKENS,
@@ -17,7 +18,6 @@ from omlx_logprobs.engine.prefix_cache import (
     Prefix,
     PrefixCache,
 )
-from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.types import SamplingParams
 from tests.helpers.engine import (
     check_against_reference,

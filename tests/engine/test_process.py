@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine.client import EngineClient
-from omlx_logprobs.engine.messages import EngineSpec
-from omlx_logprobs.engine.process import ProcessTransport
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.transport.client import EngineClient
+from omlx_logprobs.transport.messages import EngineSpec
+from omlx_logprobs.transport.process import ProcessTransport
 from omlx_logprobs.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from tests.helpers.engine import Record, collect_outputs, reference_logprobs, run_engine
 

@@ -1,4 +1,4 @@
-"""Prefill attention in blocks of queries (engine/query_blocks.py): the same output as one call,
+"""Prefill attention in blocks of queries (runner/query_blocks.py): the same output as one call,
 causal, with a mask array and with none, and a prompt's logprobs through the engine equal a
 full forward pass when every prefill's attention is split; the peak memory of a long prefill
 stays bounded."""
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine import query_blocks
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.runner import query_blocks
 from omlx_logprobs.types import SamplingParams
 from tests.helpers.engine import check_against_reference, encode, run_engine
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine import model_runner
 from omlx_logprobs.engine.engine import Engine
-from omlx_logprobs.engine.prompt_scoring import block_sizes
 from omlx_logprobs.logprobs.extractor import HostExtractor
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner.prompt_scoring import block_sizes
 from omlx_logprobs.types import (
     EngineRequest,
     FinishReason,

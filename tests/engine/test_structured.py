@@ -18,10 +18,10 @@ import pydantic
 import pytest
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine import model_runner
-from omlx_logprobs.engine.grammar import PARALLEL_ROWS, Grammars, bitmask
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.parsing.grammar import calls_or_content, check, hermes_tool_calls
+from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner.grammar import PARALLEL_ROWS, Grammars, bitmask
 from omlx_logprobs.types import (
     Constraint,
     ConstraintKind,

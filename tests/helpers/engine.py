@@ -17,9 +17,9 @@ import numpy as np
 from mlx_lm.models import llama
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine.client import EngineClient, ThreadTransport
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.transport.client import EngineClient, ThreadTransport
 from omlx_logprobs.types import (
     THINK_TAGS,
     EngineRequest,

@@ -24,9 +24,9 @@ import uvicorn
 from omlx_logprobs.api.app import create_app
 from omlx_logprobs.api.served import Served
 from omlx_logprobs.config import Access, EngineConfig, Limits
-from omlx_logprobs.engine.client import EngineClient, ThreadTransport
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.transport.client import EngineClient, ThreadTransport
 from omlx_logprobs.types import THINK_TAGS
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""A model split over two processes (engine/distributed.py): `omlx-logprobs serve` under
+"""A model split over two processes (distributed/distributed.py): `omlx-logprobs serve` under
 `mlx.launch -n 2 --backend ring` on loopback, through the `openai` client, against the same
 model served by one process. Every token and every logprob (sampled, top lists, prompt
 logprobs, echo, streamed) equals the one-process server's within 1e-4 (float32), with the

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.engine.processor import OutputProcessor
-from omlx_logprobs.engine.sequence import Sequence
-from omlx_logprobs.engine.step import StepResult
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.parsing.thinking import ThinkStart
+from omlx_logprobs.runner.step import StepResult
 from omlx_logprobs.types import RequestOutput, SamplingParams
 
 OPEN, CLOSE = b"<think>", b"</think>"

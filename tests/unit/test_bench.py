@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from omlx_logprobs.engine.stats import StepStats
-from omlx_logprobs.engine.step import DeviceTime
+from omlx_logprobs.runner.step import DeviceTime
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # after every installed module
 

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from omlx_logprobs.output.collector import RequestOutputCollector
+from omlx_logprobs.transport.collector import RequestOutputCollector
 from omlx_logprobs.types import FinishReason, RequestOutput
 
 

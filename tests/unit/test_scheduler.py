@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from omlx_logprobs.engine.scheduler import Scheduler
-from omlx_logprobs.engine.sequence import Sequence, Status
+from omlx_logprobs.batch.scheduler import Scheduler
+from omlx_logprobs.batch.sequence import Sequence, Status
 from omlx_logprobs.types import FinishReason, SamplingParams
 
 

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from transformers import AddedToken, AutoTokenizer
 
+from omlx_logprobs.batch.sequence import Sequence, Status
 from omlx_logprobs.engine.processor import OutputProcessor
-from omlx_logprobs.engine.sequence import Sequence, Status
-from omlx_logprobs.engine.step import StepResult
 from omlx_logprobs.parsing.thinking import (
     ReasoningParser,
     ThinkStart,
@@ -21,6 +20,7 @@ from omlx_logprobs.parsing.thinking import (
     parser_enabled,
     think_start,
 )
+from omlx_logprobs.runner.step import StepResult
 from omlx_logprobs.types import FinishReason, RequestOutput, SamplingParams
 from omlx_logprobs.vocab import Vocabulary, build_vocabulary, token_display
 

@@ -24,8 +24,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from omlx_logprobs.engine.block_index import BlockIndex
-from omlx_logprobs.engine.prefix_cache import Prefix
+from omlx_logprobs.batch.block_index import BlockIndex
+from omlx_logprobs.runner.prefix_cache import Prefix
 
 log = logging.getLogger("omlx_logprobs")
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omlx_logprobs.engine.prompt_scoring import PendingPrompts, PromptSlice
-from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.extractor import PendingStep
+from omlx_logprobs.runner.prompt_scoring import PendingPrompts, PromptSlice
 from omlx_logprobs.types import Entries
 
 __all__ = ["DeviceTime", "LaunchedStep", "StepResult"]

@@ -10,7 +10,7 @@ stay [rows, width]; each weight's transpose is made once (a view, reused every s
 and keys rotate in one call (apart in qwen3, whose heads are normed apart first); one positions
 array is advanced for all layers. The arithmetic is the model's own: the same layers, norms,
 rotation module (phi3's partial or scaled one too), attention and activation, on the same
-weights (q/k/v and gate/up joined by engine/fusion.py; phi3's are one layer each already).
+weights (q/k/v and gate/up joined by runner/fast/fusion.py; phi3's are one layer each already).
 
 `check` compares one step with the model's own forward at start-up; anything else (LoRA
 adapters in use, a cache being grown, another family) takes the model's forward.
@@ -28,10 +28,10 @@ from mlx_lm.models import llama, phi3, qwen2, qwen3
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 
-from omlx_logprobs.engine import compiled
-from omlx_logprobs.engine.batch_cache import BatchCache
-from omlx_logprobs.engine.fusion import Fusion
-from omlx_logprobs.engine.probe import step_differs
+from omlx_logprobs.runner.batch_cache import BatchCache
+from omlx_logprobs.runner.fast import compiled
+from omlx_logprobs.runner.fast.fusion import Fusion
+from omlx_logprobs.runner.probe import step_differs
 
 ENABLED = os.environ.get("OMLX_LEAN_DECODE", "1") != "0"
 # A layer's cache write: (layer, keys, values) -> the keys and values its attention reads.
@@ -39,7 +39,7 @@ Write = Callable[[int, mx.array, mx.array], tuple[mx.array, mx.array]]
 # The families served: the model class, and the block, attention and MLP classes of its layers
 # (the same layout: input norm, attention, residual, post-attention norm, swiglu MLP, residual).
 FAMILIES = {m.Model: (m.TransformerBlock, m.Attention, m.MLP) for m in (llama, qwen2, qwen3, phi3)}
-# Families whose blocks hold q/k/v and gate/up as one layer each already (engine/fusion.py
+# Families whose blocks hold q/k/v and gate/up as one layer each already (runner/fast/fusion.py
 # joins the others').
 JOINED = {phi3.Model}
 
@@ -97,14 +97,14 @@ def eligible(model: Any, fusion: Fusion, templates: list[Any]) -> str | None:
     if not all((type(b), type(b.self_attn), type(b.mlp)) == classes for b in blocks):
         return "its blocks are not all its family's own"
     if type(model) not in JOINED and len(fusion) != 2 * len(blocks):
-        return "its projections are not all joined (engine/fusion.py)"
+        return "its projections are not all joined (runner/fast/fusion.py)"
     return None
 
 
 class LeanDecode:
     def __init__(self, model: Any, fusion: Fusion, full_width: bool = False) -> None:
         """`full_width`: attention reads each cache's whole allocated width, the columns not yet
-        written masked out, where a kernel skips masked keys (a GPU: engine/attention.py);
+        written masked out, where a kernel skips masked keys (a GPU: runner/fast/attention.py);
         that saves two slices a layer. On the CPU attention computes every column it is given,
         so it reads only the written ones."""
         self.model, self.fusion, self.full_width = model, fusion, full_width
@@ -175,7 +175,7 @@ class LeanDecode:
         return compiled.attended(self._cols, cache.left_padding, cache._idx)
 
     def slots_forward(self, inputs: mx.array, slots: list[Any]) -> mx.array:
-        """The step inside engine/compiled.py's traced function: its slots hold the caches'
+        """The step inside runner/fast/compiled.py's traced function: its slots hold the caches'
         full widths, the mask of the columns each row attends to and the rows' positions."""
         first = slots[0]
 

@@ -8,11 +8,11 @@ What is kept:
   the same MIN_TOKENS tokens), made by a forward of its own, a multiple of BLOCK long.
 
 A prompt finds the longest kept sequence it shares a start with, at any length
-(engine/block_index.py): a sequence's keys and values at position i depend only on the tokens
+(batch/block_index.py): a sequence's keys and values at position i depend only on the tokens
 up to i, so any start of a kept sequence is a prefix too. Entries are whole sequences, not
 blocks: MLX has no paged attention, and seeding a batch from one contiguous array per layer is
 one gather (BatchCache.seeded). Least recently used entries go first when the byte budget is
-spent, to the disk tier when there is one (engine/disk_tier.py), which a later lookup (or a
+spent, to the disk tier when there is one (runner/disk_tier.py), which a later lookup (or a
 later server) loads them back from.
 """
 
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from omlx_logprobs.engine.block_index import BLOCK, MIN_TOKENS, BlockIndex
+from omlx_logprobs.batch.block_index import BLOCK, MIN_TOKENS, BlockIndex
 
 if TYPE_CHECKING:
-    from omlx_logprobs.engine.disk_tier import DiskTier
+    from omlx_logprobs.runner.disk_tier import DiskTier
 
 __all__ = ["BLOCK", "MIN_TOKENS", "BASE_KEY", "Key", "Prefix", "PrefixCache", "make_prefix"]
 

@@ -39,7 +39,7 @@ def token_mask(
 ) -> mx.array:
     """The logits with every token a row may not sample at this step set to -inf: outside its
     grammar's next tokens (`grammar`: a [B, ceil(V/32)] int32 bitmask made on the host from
-    each constrained row's state, engine/grammar.py, unpacked on the device); outside its
+    each constrained row's state, runner/grammar.py, unpacked on the device); outside its
     `allowed_token_ids`; EOS (`stop_ids`) and its `stop_token_ids` while it has sampled fewer
     than `min_tokens`; the last token of a bad word whose other tokens end its output. A bad
     word whose last prefix token is still on the device is decided there (`prev` [B], the

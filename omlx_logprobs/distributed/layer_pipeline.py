@@ -95,7 +95,7 @@ def _gathering(group: Any) -> Any:
 
 def _wrap(module: Any, around: Any) -> None:
     """Give this one module a `__call__` that runs `around(its own call, ...)` (a subclass of
-    its class, as engine/group_model.py orders forwards: Python looks `__call__` up on the
+    its class, as distributed/group_model.py orders forwards: Python looks `__call__` up on the
     class)."""
     cls = type(module)
 

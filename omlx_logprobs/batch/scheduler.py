@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from omlx_logprobs.engine.sequence import Sequence, Status
+from omlx_logprobs.batch.sequence import Sequence, Status
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@ over the group, tensor parallel (`model.shard(group)`, the family's own mlx-lm c
 layer's attention heads and MLP columns split, an all-sum after each) or pipeline parallel
 (consecutive layers per process, hidden states sent from one to the next: mlx-lm's
 `model.model.pipeline(group)` where the family has it, else the runner's own layer ranges,
-models/layer_pipeline.py). `--tensor-parallel` or `--pipeline-parallel` picks one where a
+distributed/layer_pipeline.py). `--tensor-parallel` or `--pipeline-parallel` picks one where a
 family has both.
 
-A tensor split must divide every dimension it cuts (models/shard_check.py); where the group
+A tensor split must divide every dimension it cuts (distributed/shard_check.py); where the group
 size does not divide one (SmolLM2's 9 heads over 2 processes), the layers are split instead,
 unless `--tensor-parallel` was asked for: then, as for a family with neither split, start-up is
 refused with the reason (`SplitRefused`), on every rank and before any request.
@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from omlx_logprobs.models import layer_pipeline, shard_check
+from omlx_logprobs.distributed import layer_pipeline, shard_check
 from omlx_logprobs.models.dtype import apply_dtype
 
 log = logging.getLogger("omlx_logprobs")

@@ -1,7 +1,7 @@
 """What the model runner learns about a model at start-up, from a few tiny forwards: that it
 runs a left-padded batch of its caches' batch forms exactly (three rows prefilled together and
 one decode step, each row against its tokens alone), and where its body and head are
-(engine/head.py). A family whose batch gives other numbers is refused here rather than served
+(runner/head.py). A family whose batch gives other numbers is refused here rather than served
 wrong: mlx-lm's gemma2 attention as mlx-lm ships it, for one, broadcasts the batch's padding
 mask over its head axes (an error at most batch sizes, silently wrong ones where the batch size
 equals its number of KV heads); the loader fits it (models/padded_batch.py).
@@ -20,8 +20,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from omlx_logprobs.engine.batch_cache import BatchCache, UnbatchableCache, check_batchable
-from omlx_logprobs.engine.head import SplitForward, split_forward
+from omlx_logprobs.runner.batch_cache import BatchCache, UnbatchableCache, check_batchable
+from omlx_logprobs.runner.head import SplitForward, split_forward
 
 ROWS = [[1, 2], [3, 4, 5, 6, 7], [8, 9, 10, 11]]  # left-padded to the longest
 NEXT = [12, 13, 14]

@@ -1,4 +1,4 @@
-"""What crosses between the server and the engine child (engine/process.py): the spec the
+"""What crosses between the server and the engine child (transport/process.py): the spec the
 child is started with, the messages the parent sends besides the `EngineRequest`s themselves,
 and the child's answers."""
 
@@ -103,7 +103,7 @@ class Failed:
 @dataclass(frozen=True)
 class Fault:
     """The child cannot go on and is about to exit; the message says why (a model split over
-    processes whose group is lost: engine/distributed.py)."""
+    processes whose group is lost: distributed/distributed.py)."""
 
     message: str
 

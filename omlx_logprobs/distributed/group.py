@@ -1,6 +1,7 @@
-"""The process group a model is split over (engine/distributed.py has the whole design): whether
-this process is one rank of a group started by `mlx.launch`, joining the group, the one-way
-channel from rank 0 to every other rank over all-sums, and every rank's start-up record."""
+"""The process group a model is split over (distributed/distributed.py has the whole design):
+whether this process is one rank of a group started by `mlx.launch`, joining the group, the
+one-way channel from rank 0 to every other rank over all-sums, and every rank's start-up
+record."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def init_group() -> tuple[Any, str]:
 
 # ---- one-way messages over collectives -----------------------------------------------------------
 class Channel:
-    """Rank 0 to every other rank: a pickled object as all-sums (see engine/distributed.py's
+    """Rank 0 to every other rank: a pickled object as all-sums (see distributed/distributed.py's
     docstring). The bytes travel as int32 lanes, a type every backend sums (NCCL, MPI, ring,
     JACCL)."""
 
@@ -109,7 +110,7 @@ class RankInfo:
     host: str
     holds: str
     weight_mib: float
-    link_port: int = 0  # rank 0's liveness port (engine/liveness.py); 0: none
+    link_port: int = 0  # rank 0's liveness port (distributed/liveness.py); 0: none
 
 
 def exchange_info(group: Any, mine: RankInfo) -> list[RankInfo]:

@@ -79,10 +79,10 @@ class Sequence:
         self.prompt_released = False  # the prompt's entries went with an output
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
-        # Its llguidance matcher when the output is constrained (engine/grammar.py): advanced by
+        # Its llguidance matcher when the output is constrained (runner/grammar.py): advanced by
         # the output processor, read for the next step's token mask.
         self.grammar: Any = None
-        # The LoRA adapter's slot it runs on (engine/lora.py; 0: the base model), the same for
+        # The LoRA adapter's slot it runs on (runner/lora.py; 0: the base model), the same for
         # every choice of a request.
         self.adapter = 0
         self.adapter_version: Any = None  # its name and load (types.AdapterVersion), if any

@@ -23,8 +23,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from omlx_logprobs.engine.batch_cache import BatchCache
-from omlx_logprobs.engine.probe import step_differs
+from omlx_logprobs.runner.batch_cache import BatchCache
+from omlx_logprobs.runner.probe import step_differs
 
 # Columns a cache grows by, and what its width stays a multiple of (mlx-lm's own step: the
 # widths a GPU meets without compilation too).
@@ -78,7 +78,7 @@ class CompiledDecode:
     supports = staticmethod(supports)
 
     def __init__(self, model: Any, lean: Any = None) -> None:
-        """`lean`: engine/lean_decode.py's step, traced in place of the model's forward."""
+        """`lean`: runner/fast/lean_decode.py's step, traced in place of the model's forward."""
         self.model, self.lean = model, lean
         self._fn: Any = None
         self.reset()

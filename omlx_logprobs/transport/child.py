@@ -1,6 +1,6 @@
-"""The engine child's side (engine/process.py): its main function, the spawn target, which loads
-the model and runs the engine; the sink that sends each step's outputs over the pipe; the loop
-that reads the parent's messages."""
+"""The engine child's side (transport/process.py): its main function, the spawn target, which
+builds the engine (transport/build.py) and runs it; the sink that sends each step's outputs over
+the pipe; the loop that reads the parent's messages."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from omlx_logprobs import heap
+from omlx_logprobs.distributed.sharded import SplitRefused
 from omlx_logprobs.engine.engine import Engine
-from omlx_logprobs.engine.messages import (
+from omlx_logprobs.transport.messages import (
     NO_STATS,
     Abort,
     AdapterChanged,
@@ -33,8 +34,6 @@ from omlx_logprobs.engine.messages import (
     UpdateWeights,
     WeightsUpdated,
 )
-from omlx_logprobs.engine.model_runner import ModelRunner
-from omlx_logprobs.models.sharded import SplitRefused
 from omlx_logprobs.types import ControlResult, EngineRequest, RequestOutput, WeightUpdateResult
 
 log = logging.getLogger("omlx_logprobs")
@@ -71,33 +70,10 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
     )
     heap.set_switch_interval()
     sink = _PipeSink(outbox)
-    runner: Any = ModelRunner
     try:
-        from omlx_logprobs.models.loader import load_model
+        from omlx_logprobs.transport.build import build_engine
 
-        if spec.engine.parallel is not None:  # rank 0 of a group started by mlx.launch
-            from omlx_logprobs.engine.distributed import leader_parts
-
-            model, runner = leader_parts(spec.model, spec.name, spec.engine, partial(_fault, sink))
-        else:
-            model = load_model(
-                spec.model, spec.name, spec.engine.max_model_len, dtype=spec.engine.dtype
-            )
-        if spec.weights_path is not None:
-            from omlx_logprobs.engine.weights import load_into
-
-            load_into(model.model, spec.weights_path)
-        engine = Engine(
-            model.model,
-            model.vocab,
-            model.eos_token_ids,
-            spec.engine,
-            sink,
-            spec.weights,
-            tokenizer=model.tokenizer,
-            runner=runner,
-            adapters=spec.adapters,
-        )
+        model, engine = build_engine(spec, sink, on_hang=partial(_fault, sink))
     except SplitRefused as exc:  # said in the log already, on every rank: no traceback
         outbox.send(Failed(str(exc)))
         os._exit(2)

@@ -1,7 +1,7 @@
 """The API's one handle on the engine: submit an `EngineRequest`, read its `RequestOutput`s from
 one collector per choice, abort it. Two transports move the outputs into the collectors: the
 engine as a thread of this process (`ThreadTransport`), or in a child process of its own
-(engine/process.py); nothing above this module can tell which."""
+(transport/process.py); nothing above this module can tell which."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Protocol
 
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.stats import EngineStats
-from omlx_logprobs.output.collector import RequestOutputCollector
+from omlx_logprobs.transport.collector import RequestOutputCollector
 from omlx_logprobs.types import (
     AdapterChange,
     Control,
@@ -167,7 +167,7 @@ class EngineClient:
     @property
     def state(self) -> str:
         """The transport's state, or "failed" once the processes a model is split over can
-        no longer run it (engine/distributed.py): /health answers 503."""
+        no longer run it (distributed/distributed.py): /health answers 503."""
         group = self.transport.snapshot().distributed
         if group is not None and group.state != "ok":
             return "failed"

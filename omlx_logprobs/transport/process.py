@@ -7,7 +7,7 @@ way as the `EngineRequest`s themselves. When the child dies, the requests it hel
 error naming the cause, and the child is started again with a backoff; requests submitted
 meanwhile wait for it.
 
-The messages that cross: engine/messages.py; the child's side: engine/child.py.
+The messages that cross: transport/messages.py; the child's side: transport/child.py.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from omlx_logprobs.engine.child import child_main
-from omlx_logprobs.engine.client import Deliver, Lost
-from omlx_logprobs.engine.messages import (
+from omlx_logprobs.engine.stats import EngineStats
+from omlx_logprobs.transport.child import child_main
+from omlx_logprobs.transport.client import Deliver, Lost
+from omlx_logprobs.transport.messages import (
     NO_STATS,
     Abort,
     AdapterChanged,
@@ -41,7 +42,6 @@ from omlx_logprobs.engine.messages import (
     UpdateWeights,
     WeightsUpdated,
 )
-from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.types import (
     AdapterChange,
     Control,

@@ -1,6 +1,6 @@
 """The engine's side of constrained decoding: one llguidance matcher per constrained row,
 advanced by the output processor with each sampled token, and the batch's allowed-token bitmask
-that the model runner turns into the rows' token masks for the next step (engine/sampler.py).
+that the model runner turns into the rows' token masks for the next step (runner/sampler.py).
 Plain Python and numpy: llguidance computes a row's mask from its state in a few microseconds
 (bench/experiments/grammar_engines.py)."""
 

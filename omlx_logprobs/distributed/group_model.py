@@ -1,5 +1,5 @@
-"""Loading a model for a group (engine/distributed.py has the whole design): join the group,
-load this rank's share of the weights (models/sharded.py), order its forwards the same way on
+"""Loading a model for a group (distributed/distributed.py has the whole design): join the group,
+load this rank's share of the weights (distributed/sharded.py), order its forwards the same way on
 every rank, and learn every rank's share; what every rank's runner is built with."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 import mlx.core as mx
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine.group import RankInfo, exchange_info, init_group
-from omlx_logprobs.engine.liveness import Listener, rank0_address
+from omlx_logprobs.distributed.group import RankInfo, exchange_info, init_group
+from omlx_logprobs.distributed.liveness import Listener, rank0_address
+from omlx_logprobs.distributed.sharded import Share, SplitRefused, load_share
 from omlx_logprobs.models.loader import LoadedModel, load_model, logits_width
-from omlx_logprobs.models.sharded import Share, SplitRefused, load_share
 from omlx_logprobs.vocab import build_vocabulary
 
 log = logging.getLogger("omlx_logprobs")

@@ -1,4 +1,4 @@
-"""The model runners of a model split over processes (engine/distributed.py has the reasoning):
+"""The model runners of a model split over processes (distributed/distributed.py has the reasoning):
 rank 0's (`LeaderRunner`: sends each step's work to the other ranks before running it, samples,
 and watches the group) and the other ranks' (`FollowerRunner`, and `follow`, which rebuilds
 each of rank 0's steps and runs the same forwards)."""
@@ -15,14 +15,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from omlx_logprobs.engine.group import Channel, GroupLost
-from omlx_logprobs.engine.group_model import GroupModel
-from omlx_logprobs.engine.model_runner import ModelRunner
-from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
-from omlx_logprobs.engine.sequence import Sequence, Status
+from omlx_logprobs.batch.scheduler import PrefillChunk, SchedulerOutput
+from omlx_logprobs.batch.sequence import Sequence, Status
+from omlx_logprobs.distributed.group import Channel, GroupLost
+from omlx_logprobs.distributed.group_model import GroupModel
 from omlx_logprobs.engine.stats import GroupHealth, RankHealth
-from omlx_logprobs.engine.step import LaunchedStep, StepResult
-from omlx_logprobs.engine.weights import WeightsError
+from omlx_logprobs.runner.model_runner import ModelRunner
+from omlx_logprobs.runner.step import LaunchedStep, StepResult
+from omlx_logprobs.runner.weights import WeightsError
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -59,8 +59,8 @@ class LeaderRunner(_GroupRunner):
         timeout_s: float,
         on_hang: Callable[[str], None] | None = None,
     ) -> None:
-        # No prefix cache: every rank would keep different prefixes (see engine/distributed.py's
-        # docstring).
+        # No prefix cache: every rank would keep different prefixes (see
+        # distributed/distributed.py's docstring).
         super().__init__(model, vocab_size, cache_limit_mib, 0, stop_ids)
         self.group = gm.group
         self.gm = gm
@@ -191,7 +191,7 @@ class LeaderRunner(_GroupRunner):
             log.error("distributed group lost: %s", why)
 
     def _peer_lost(self, why: str) -> None:
-        """A liveness link broke (engine/liveness.py): a step in flight may never complete, so
+        """A liveness link broke (distributed/liveness.py): a step in flight may never complete, so
         the watchdog ends this process if a thread is inside the group."""
         if not self._closed.is_set():
             self._lose(why)

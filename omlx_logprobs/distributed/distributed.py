@@ -3,7 +3,7 @@ through MLX's own distributed backend (ring, JACCL, MPI, NCCL).
 
 Rank 0 is the server: HTTP, tokenization, the scheduler, sampling, logprob extraction and the
 answers, exactly as with one process. Every rank holds a share of the weights
-(models/sharded.py) and runs the same forwards on the same shapes, because each forward of a
+(distributed/sharded.py) and runs the same forwards on the same shapes, because each forward of a
 split model is itself a collective (an all-sum per layer half when tensor parallel, a send from
 each stage to the next when pipeline parallel).
 
@@ -30,7 +30,7 @@ it, which also orders its step after its last one.
 
 Faults: a collective with a dead peer may raise on rank 0 (the ring backend: "connection to a
 peer was lost"), but a step's graph holds many, and when one fails the array rank 0 waits on
-may never complete. So each follower also keeps a TCP link to rank 0 (engine/liveness.py): a
+may never complete. So each follower also keeps a TCP link to rank 0 (distributed/liveness.py): a
 link that closes or falls silent marks the group lost at once, and a watchdog thread ends rank
 0's engine process when a thread is inside the group then (it would never come back), or when
 one call into the group has waited `group_timeout_s` (a rank alive but stuck). Either way the
@@ -41,9 +41,9 @@ sends a ping every second. A clean stop of rank 0 sends "stop" and every followe
 Not supported split: prefix caching (each rank's budget would hold its own share's bytes and
 drop different prefixes), weight updates in place, and several models in one server.
 
-The parts: engine/group.py (the launch environment, joining the group, the channel over
-all-sums, every rank's record), engine/group_model.py (loading this rank's share and ordering
-its forwards), engine/group_runner.py (rank 0's runner and the other ranks'); this module, the
+The parts: distributed/group.py (the launch environment, joining the group, the channel over
+all-sums, every rank's record), distributed/group_model.py (loading this rank's share and ordering
+its forwards), distributed/group_runner.py (rank 0's runner and the other ranks'); this module, the
 processes' entry points (rank 0's model and runner factory, a follower's whole life).
 """
 
@@ -56,12 +56,12 @@ from collections.abc import Callable
 from functools import partial
 
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.engine.group_model import load_for_group, runner_args
-from omlx_logprobs.engine.group_runner import FollowerRunner, LeaderRunner, follow
-from omlx_logprobs.engine.liveness import keep_alive, rank0_address
-from omlx_logprobs.engine.model_runner import ModelRunner
+from omlx_logprobs.distributed.group_model import load_for_group, runner_args
+from omlx_logprobs.distributed.group_runner import FollowerRunner, LeaderRunner, follow
+from omlx_logprobs.distributed.liveness import keep_alive, rank0_address
+from omlx_logprobs.distributed.sharded import SplitRefused
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.models.sharded import SplitRefused
+from omlx_logprobs.runner.model_runner import ModelRunner
 
 log = logging.getLogger("omlx_logprobs")
 

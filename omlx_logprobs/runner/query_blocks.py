@@ -68,7 +68,7 @@ def _sdpa(
 
 def install() -> None:
     """Route every attention call through the wrapper (once per process, over whatever is
-    installed already: engine/attention.py's decode kernel stays in front of MLX's)."""
+    installed already: runner/fast/attention.py's decode kernel stays in front of MLX's)."""
     global _inner
     if _inner is not None:
         return

@@ -19,13 +19,18 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_logprobs.engine import attention, compiled, lean_decode, query_blocks
-from omlx_logprobs.engine.batch_cache import BatchCache, kinds
-from omlx_logprobs.engine.fusion import Fusion
-from omlx_logprobs.engine.grammar import bitmask, open_ended
-from omlx_logprobs.engine.lean_decode import LeanDecode
-from omlx_logprobs.engine.lora import AdapterSet
-from omlx_logprobs.engine.prefix_cache import (
+from omlx_logprobs.batch.scheduler import PrefillChunk, SchedulerOutput
+from omlx_logprobs.batch.sequence import Sequence
+from omlx_logprobs.logprobs.extract import release_scratch
+from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor, choose_extractor
+from omlx_logprobs.runner import query_blocks
+from omlx_logprobs.runner.batch_cache import BatchCache, kinds
+from omlx_logprobs.runner.fast import attention, compiled, lean_decode
+from omlx_logprobs.runner.fast.fusion import Fusion
+from omlx_logprobs.runner.fast.lean_decode import LeanDecode
+from omlx_logprobs.runner.grammar import bitmask, open_ended
+from omlx_logprobs.runner.lora import AdapterSet
+from omlx_logprobs.runner.prefix_cache import (
     Key,
     Prefix,
     PrefixCache,
@@ -36,9 +41,9 @@ from omlx_logprobs.engine.prefix_cache import (
     make_prefix,
     seed,
 )
-from omlx_logprobs.engine.probe import probe
-from omlx_logprobs.engine.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
-from omlx_logprobs.engine.sampler import (
+from omlx_logprobs.runner.probe import probe
+from omlx_logprobs.runner.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
+from omlx_logprobs.runner.sampler import (
     MaskState,
     apply_processors,
     sample,
@@ -46,12 +51,8 @@ from omlx_logprobs.engine.sampler import (
     step_key,
     token_mask,
 )
-from omlx_logprobs.engine.scheduler import PrefillChunk, SchedulerOutput
-from omlx_logprobs.engine.sequence import Sequence
-from omlx_logprobs.engine.step import DeviceTime, LaunchedStep, StepResult
-from omlx_logprobs.engine.weights import load_into
-from omlx_logprobs.logprobs.extract import release_scratch
-from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor, choose_extractor
+from omlx_logprobs.runner.step import DeviceTime, LaunchedStep, StepResult
+from omlx_logprobs.runner.weights import load_into
 from omlx_logprobs.types import AdapterChange, FinishReason
 
 __all__ = ["ModelRunner"]
@@ -81,7 +82,7 @@ SETTLE_PAIRS = 1 << 24
 # Tests set this to run the GPU's path (extraction on the device, one packed read a step, the
 # step processed beside the next launch) on the CPU backend.
 FORCE_GPU_PATH = False
-# The decode forward compiled (engine/compiled.py), on a GPU only, and only when asked
+# The decode forward compiled (runner/fast/compiled.py), on a GPU only, and only when asked
 # (OMLX_COMPILE_DECODE=1): on an H100 it cut the graph's Python (1.49 -> 0.96 ms a step at 64
 # rows) but not the launch (5.07 -> 5.61 ms), and a server at c=64 ran slower with it; the lean
 # step traced the same way was slower than the lean step as it is (docs/benchmarks.md,
@@ -91,7 +92,7 @@ COMPILE_DECODE = os.environ.get("OMLX_COMPILE_DECODE") == "1"
 
 class ModelRunner:
     # Whether this runner may compile its decode forward (COMPILE_DECODE); a split model's
-    # runner may not (engine/group_runner.py).
+    # runner may not (distributed/group_runner.py).
     compiles = True
 
     def __init__(
@@ -120,14 +121,14 @@ class ModelRunner:
         # On a GPU a decode step's masked attention is one kernel (attention.py), before the
         # probe below compares the batch with each row alone.
         if attention.install():
-            log.info("decode attention: one CUDA kernel per layer (engine/attention.py)")
-        query_blocks.install()  # prefill attention's memory bounded (engine/query_blocks.py)
+            log.info("decode attention: one CUDA kernel per layer (runner/fast/attention.py)")
+        query_blocks.install()  # prefill attention's memory bounded (runner/query_blocks.py)
         self.fusion = Fusion(model)  # q/k/v and gate/up projections as one matmul each
         # The model's own caches, one per layer: each batch cache is made of their batch forms
         # (batch_cache.py); a model with a cache mlx-lm cannot batch is refused here.
         self.templates = make_prompt_cache(model)
         self.split = probe(model, self.templates)  # the body/head split, if any (head.py)
-        # LoRA adapters (engine/lora.py): each forward first names its rows' adapters.
+        # LoRA adapters (runner/lora.py): each forward first names its rows' adapters.
         self.adapters = AdapterSet(model)
         # Shared prompt prefixes: plain KV and sliding-window caches only. A prefix's keys are
         # placed per row at its own padding; a recurrent state cannot be cut to that length.
@@ -147,7 +148,7 @@ class ModelRunner:
                 "in full",
                 ", ".join(kinds(self.templates)),
             )
-        # Body and head apart (engine/head.py), where the model has them: the head then runs on
+        # Body and head apart (runner/head.py), where the model has them: the head then runs on
         # the positions needed only. Else every forward computes every position's logits.
         self.split_head = self.split is not None
         if not self.split_head:
@@ -177,8 +178,8 @@ class ModelRunner:
             mx.set_cache_limit(cache_limit_mib << 20)
 
     def _decode_step(self, model: Any, cpu: bool) -> compiled.CompiledDecode | LeanDecode | None:
-        """The decode forward compiled (engine/compiled.py) where asked on a GPU, else the lean
-        step (engine/lean_decode.py) where it serves the model; each checked against the
+        """The decode forward compiled (runner/fast/compiled.py) where asked on a GPU, else the lean
+        step (runner/fast/lean_decode.py) where it serves the model; each checked against the
         model's own forward at start-up. None: the model's forward (a split model's runner
         always takes it)."""
         if not self.compiles:
@@ -188,13 +189,15 @@ class ModelRunner:
         if COMPILE_DECODE and not cpu:
             why_not = compiled.check(model, self.templates, lean)
             if why_not is None:
-                log.info("decode steps compiled (engine/compiled.py), lean: %s", lean is not None)
+                log.info(
+                    "decode steps compiled (runner/fast/compiled.py), lean: %s", lean is not None
+                )
                 return compiled.CompiledDecode(model, lean)
             log.info("decode steps not compiled for %s: %s", type(model).__module__, why_not)
         if lean is not None:
             why = lean_decode.check(lean, self.templates)
         if why is None:
-            log.info("decode steps: the lean step (engine/lean_decode.py)")
+            log.info("decode steps: the lean step (runner/fast/lean_decode.py)")
             return lean
         log.info("decode steps through the model's own forward: %s", why)
         return None
@@ -422,7 +425,7 @@ class ModelRunner:
             logits = self._last_logits(ids, cache)
         else:
             # Lazy: evaluating only the cache skips the head. Split over processes, the
-            # forward's output is evaluated too (engine/group_runner.py).
+            # forward's output is evaluated too (distributed/group_runner.py).
             unread = self._forward_unread(ids, cache)
         if not chunk.is_last:
             self._queue([c.state for c in cache], *unread)  # bound the lazy graph between chunks
@@ -465,7 +468,7 @@ class ModelRunner:
         return self._last_rows
 
     def _mask(self, logits: mx.array, seqs: list[Sequence]) -> mx.array:
-        """The rows' token masks (engine/sampler.py). A row whose last sampled token was not
+        """The rows' token masks (runner/sampler.py). A row whose last sampled token was not
         processed yet reads it from the last step's ids, on the device."""
         if not any(s.params.masks for s in seqs):
             return logits
@@ -491,7 +494,7 @@ class ModelRunner:
         )
         return token_mask(logits, [s.params for s in seqs], states, self.stop_ids, prev, bits)
 
-    # ---- hooks a runner split over processes overrides (engine/group_runner.py) ---------------
+    # ---- hooks a runner split over processes overrides (distributed/group_runner.py) ------------
     def _forward_unread(self, ids: mx.array, cache: list[Any]) -> tuple[mx.array, ...]:
         """A forward whose output nothing reads (a prompt's chunk before its last): what must
         be evaluated with the cache."""
@@ -512,7 +515,7 @@ class ModelRunner:
 
     def attach_disk(self, root: str, mib: int) -> None:
         """Give the prefix cache its disk tier (`--kv-cache-dir`), keyed by the weights."""
-        from omlx_logprobs.engine.disk_tier import DiskTier, fingerprint
+        from omlx_logprobs.runner.disk_tier import DiskTier, fingerprint
 
         if self.prefixes is None or not self.keeps_finished:
             log.info("--kv-cache-dir unused: this model's sequences are not kept (prefix cache"
@@ -526,7 +529,7 @@ class ModelRunner:
         return None
 
     def load_weights(self, path: str) -> None:
-        """New weights in place (engine/weights.py), with nothing running; the kept prefixes go:
+        """New weights in place (runner/weights.py), with nothing running; the kept prefixes go:
         their keys and values came from the old weights. WeightsError leaves the old ones."""
         assert not self.rows and not self.chunk_caches and not self.prefilled
         load_into(self.model, path)
@@ -547,7 +550,7 @@ class ModelRunner:
                 self.attach_disk(*self._disk)
 
     def change_adapter(self, change: AdapterChange) -> None:
-        """Load, replace or unload a LoRA adapter between steps (engine/lora.py); AdapterError
+        """Load, replace or unload a LoRA adapter between steps (runner/lora.py); AdapterError
         changes nothing. Rows running on an unloaded or replaced one finish on it."""
         if change.path is None:
             self.adapters.unload(change.name)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from omlx_logprobs.engine.sequence import Sequence
+from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Block, Extractor, PendingEntries
 from omlx_logprobs.types import Entries, SamplingParams
 

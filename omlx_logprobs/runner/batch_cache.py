@@ -39,7 +39,7 @@ MAX_GROWTH = BatchKVCache.step
 
 class UnbatchableCache(ValueError):
     """A model that cannot be served in a batch: a cache mlx-lm has no batch class for, or a
-    forward whose left-padded batch differs from its rows alone (engine/probe.py)."""
+    forward whose left-padded batch differs from its rows alone (runner/probe.py)."""
 
 
 def _aligned(n: int) -> int:
