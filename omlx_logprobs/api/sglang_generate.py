@@ -20,7 +20,7 @@ from omlx_logprobs.api.errors import APIError, error_body
 from omlx_logprobs.api.prepare import Ask, sampling_params
 from omlx_logprobs.api.prompts import encode
 from omlx_logprobs.api.protocol import GenerateSampling, SglangGenerateRequest, SglangSampling
-from omlx_logprobs.api.response import raise_if_failed, wait_or_disconnect
+from omlx_logprobs.api.response import finished
 from omlx_logprobs.api.served import Served
 from omlx_logprobs.logprobs.format import Pieces, float_numbers
 from omlx_logprobs.transport.client import RequestHandle, merged
@@ -283,12 +283,7 @@ class SglangServing:
 
     async def complete(self, req: SglangGenerateRequest, raw: Request) -> str:
         items, handles, many, began = self._start(req)
-        try:
-            outs = await wait_or_disconnect(handles, raw)
-        finally:
-            for h in handles:
-                h.abort()
-        raise_if_failed(outs)
+        outs = await finished(handles, raw)
         per_item = [item for item in items for _ in range(item.sp.n)]
         answers = [self._answer(req, item, out, began) for item, out in zip(per_item, outs)]
         return f"[{','.join(answers)}]" if many else answers[0]
