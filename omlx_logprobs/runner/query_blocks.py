@@ -31,21 +31,9 @@ def blocks(q: mx.array, k: mx.array) -> int:
 
 
 def _sdpa(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    *,
-    scale: float,
-    mask: Any = None,
-    sinks: Any = None,
-    stream: Any = None,
-    **kwargs: Any,
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None, **extra: Any
 ) -> mx.array:
-    extra: dict[str, Any] = dict(kwargs)
-    if sinks is not None:
-        extra["sinks"] = sinks
-    if stream is not None:
-        extra["stream"] = stream
+    """The caller's other arguments (sinks, stream) pass through as they came."""
     lq, lk = q.shape[2], k.shape[2]
     step = blocks(q, k) if lq > 1 else lq
     if step >= lq or not (mask is None or isinstance(mask, (str, mx.array))):

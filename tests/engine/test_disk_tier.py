@@ -17,7 +17,7 @@ from omlx_logprobs.runner.disk_tier import DiskTier, fingerprint
 from omlx_logprobs.runner.prefix_cache import BASE_KEY, Prefix, PrefixCache
 from tests.engine.test_conversation_cache import Chat, cached, greedy
 from tests.engine.test_prefix_cache import Maker
-from tests.helpers.engine import encode
+from tests.helpers.engine import check_against_reference, encode
 
 
 def seq(start: int, n: int = 40) -> Prefix:
@@ -76,6 +76,7 @@ def test_a_restart_continues_the_conversation_from_disk(tiny_dir: Path, tmp_path
         off.client.shutdown()
     assert cached(got) == len(prompt) + len(r.output_ids) - 1
     assert list(got.output_ids) == list(want.output_ids)
+    check_against_reference(model, turn, got, 3)  # and a full forward pass
     assert got.store is not None and want.store is not None
     np.testing.assert_allclose(got.store.logprobs, want.store.logprobs, atol=1e-4)
     other = load_model(str(tiny_dir))
