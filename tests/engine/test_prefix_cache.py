@@ -168,9 +168,12 @@ def test_prompts_from_a_kept_prefix_match_a_full_forward(
         np.testing.assert_allclose(seq.store.logprobs, ref.store.logprobs, atol=1e-4)
 
 
-def test_scored_prompts_skip_the_cache_and_mixed_groups_keep_their_rows(tiny: LoadedModel) -> None:
-    """Scored prompts (prompt_logprobs) need every position's logits, so they never start from a
-    prefix; interleaved with plain ones in one step, every row still gets its own cache."""
+def test_scored_prompts_skip_plain_prefixes_and_mixed_groups_keep_their_rows(
+    tiny: LoadedModel,
+) -> None:
+    """Scored prompts (prompt_logprobs) need every position's entries, so a prefix made for
+    plain prompts (keys and values only) never serves them; interleaved with plain ones in one
+    step, every row still gets its own cache."""
     system = encode(tiny, "System prompt shared by every request in this test, verbatim. " * 2)
     prompts = [system + encode(tiny, f"question {i} " * (1 + i)) for i in range(6)]
     params = [
