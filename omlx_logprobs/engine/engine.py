@@ -85,7 +85,7 @@ class Engine:
             cfg.prefill_chunk,
             cfg.prefill_delay_ms / 1e3,
             cached=self.runner.cached_len,
-            waits=self.runner.waits_for,
+            waits=self.runner.prompt_cache.waits,
         )
         self.processor = OutputProcessor(vocab, eos)
         self.processor.weights = weights

@@ -12,7 +12,6 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -45,14 +44,8 @@ from omlx_logprobs.runner.prefix_cache import (
     seed,
 )
 from omlx_logprobs.runner.probe import probe
-from omlx_logprobs.runner.prompt_scoring import (
-    PendingPrompts,
-    chunk_slice,
-    score,
-    score_key,
-    waits_for,
-    with_entries,
-)
+from omlx_logprobs.runner.prompt_cache import PromptCache
+from omlx_logprobs.runner.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
 from omlx_logprobs.runner.sampler import (
     MaskState,
     apply_processors,
@@ -158,6 +151,8 @@ class ModelRunner:
                 "in full",
                 ", ".join(kinds(self.templates)),
             )
+        # Scored prompts' kept starts, with their entries (runner/prompt_cache.py).
+        self.prompt_cache = PromptCache(self.prefixes, self.adapters.key, self.keeps_finished)
         # Body and head apart (runner/head.py), where the model has them: the head then runs on
         # the positions needed only. Else every forward computes every position's logits.
         self.split_head = self.split is not None
@@ -372,7 +367,7 @@ class ModelRunner:
         slices = [chunk_slice(c.seq, d, c.end) for c, d in zip(group, done)]
         kept = prefix.scores if prefix is not None else None
         served = tuple(kept.served(c.seq, d) for c, d in zip(group, done) if d and kept)
-        keep = [x for r, (c, p) in enumerate(zip(group, pads)) for x in self._keep_scored(
+        keep = [x for r, (c, p) in enumerate(zip(group, pads)) for x in self.prompt_cache.keep(
             c.seq, partial(from_row, c.seq.prompt_ids, np.zeros(0), c.end, cache.layers, r, p))]
         pending = score(
             slices, lambda a, b: self._head(hidden[a:b]), self.extractor, served, tuple(keep)
@@ -387,48 +382,19 @@ class ModelRunner:
             return {}
         plain = [c for c in chunks if not c.seq.scored]
         scored = [c for c in chunks if c.seq.scored]
-        found: list[Prefix | None] = []
-        if plain:
-            keys = [self.adapters.key(c.seq.adapter) for c in plain]
-            found += self.prefixes.assign([c.seq.context_ids for c in plain], keys)
-        if scored:
-            found += self.prefixes.assign_scored(
-                [c.seq.context_ids for c in scored],
-                [score_key(c.seq.params) for c in scored],
-                [self.adapters.key(c.seq.adapter) for c in scored],
-            )
+        keys = [self.adapters.key(c.seq.adapter) for c in plain]
+        found = self.prefixes.assign([c.seq.context_ids for c in plain], keys)
+        found += self.prompt_cache.starts([c.seq for c in scored])
         return {c.seq.seq_id: p for c, p in zip(plain + scored, found) if p is not None}
 
     def cached_len(self, seq: Sequence) -> int:
         """How many of a whole prompt's tokens a kept prefix holds now (prefixes made in the
         prompt's own step are not foreseen)."""
+        if seq.scored:
+            return self.prompt_cache.held(seq)
         if self.prefixes is None:
             return 0
-        if not seq.scored:
-            return self.prefixes.held(seq.context_ids, self.adapters.key(seq.adapter))
-        found = self._scored_start(seq, seq.prompt_len - 1, look=True)
-        return len(found.tokens) if found is not None else 0
-
-    def waits_for(self, seq: Sequence, busy: list[Sequence]) -> bool:
-        """Whether a scored prompt waits a step for the entries of one being prefilled now
-        (prompt_scoring.waits_for)."""
-        if self.prefixes is None or not self.keeps_finished:
-            return False
-        return waits_for(seq, busy, self.cached_len(seq), self.adapters.key)
-
-    def _scored_start(self, seq: Sequence, limit: int, look: bool = False) -> Prefix | None:
-        assert self.prefixes is not None
-        key = self.adapters.key(seq.adapter)
-        return self.prefixes.scored(seq.context_ids, limit, score_key(seq.params), key, look)
-
-    def _keep_scored(self, seq: Sequence, make: Callable[[], Prefix]) -> list[mx.array]:
-        """A scored prompt that generates nothing is kept at its prefill, with its entries (one
-        that generates is kept when it finishes): the copies to evaluate with the step."""
-        if self.prefixes is None or not self.keeps_finished or seq.params.max_tokens > 0:
-            return []
-        prefix = with_entries(seq, make())
-        self.prefixes.keep(self.adapters.key(seq.adapter), prefix)
-        return [*prefix.keys, *prefix.values]
+        return self.prefixes.held(seq.context_ids, self.adapters.key(seq.adapter))
 
     def _make_prefix(self, tokens: tuple[int, ...], base: Prefix | None, key: Key) -> Prefix:
         self.adapters.select([key[0]])
@@ -445,8 +411,8 @@ class ModelRunner:
             return cache, chunk.start, None
         cache = self.chunk_caches[seq.seq_id] = make_prompt_cache(self.model)
         found = None
-        if self.prefixes is not None and seq.scored:
-            found = self._scored_start(seq, chunk.end - 1)
+        if seq.scored:
+            found = self.prompt_cache.start(seq, chunk.end - 1)
         elif self.prefixes is not None:
             key = self.adapters.key(seq.adapter)
             found = self.prefixes.longest(seq.context_ids, chunk.end - 1, key)
@@ -470,8 +436,9 @@ class ModelRunner:
             out = self.model(ids, cache=cache)[0]
             rows = chunk_slice(seq, start, out.shape[0])
             served = (found.scores.served(seq, start),) if found and found.scores else ()
-            keep = self._keep_scored(seq, lambda: from_cache(seq.prompt_ids, cache))
-            keep = keep if chunk.is_last else []
+            keep = []
+            if chunk.is_last:  # the whole prompt's keys and values are in the cache now
+                keep = self.prompt_cache.keep(seq, lambda: from_cache(seq.prompt_ids, cache))
             scored = score([rows], lambda a, b: out[a:b], self.extractor, served, tuple(keep))
             logits = out[-1:, :]
         elif chunk.is_last:
@@ -713,17 +680,16 @@ class ModelRunner:
             n = len(seq.prompt_ids) + seq.num_output - 1  # prompt_len is the last prefill's
             assert n <= cache.width - cache.pads[i]
             prefix = from_row(seq.prompt_ids, seq.output_ids, n, cache.layers, i, cache.pads[i])
-            if seq.prompt_store is not None:  # a scored prompt's entries serve the next one's
-                prefix = with_entries(seq, prefix)
+            prefix = self.prompt_cache.finished(seq, prefix)  # a scored one's, with its entries
             # The copies now, with the step: until then they would hold the batch's arrays.
             mx.async_eval(prefix.keys, prefix.values)
             self.prefixes.keep(self.adapters.key(seq.adapter), prefix)
 
 
 def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[list[PrefillChunk]]:
-    """Split whole prompts into forward groups, in order: scored prompts apart from plain ones
-    and by `score_key`, plain ones by the cached prefix they start from, and so that left
-    padding never more than doubles a group's tokens."""
+    """Split whole prompts into forward groups, in order: by the cached prefix they start from,
+    scored prompts apart from plain ones and by `score_key`, and so that left padding never
+    more than doubles a group's tokens."""
     groups: list[list[PrefillChunk]] = []
     open_: dict[object, tuple[list[PrefillChunk], int, int]] = {}  # kind -> (group, width, total)
     for c in chunks:
