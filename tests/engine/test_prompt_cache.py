@@ -13,6 +13,7 @@ import pytest
 
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.models.loader import LoadedModel, load_model
+from omlx_logprobs.runner import model_runner
 from omlx_logprobs.types import SamplingParams, WeightUpdate
 from tests.engine.test_conversation_cache import Chat
 from tests.helpers.engine import (
@@ -59,18 +60,26 @@ def same_entries(on: Record, off: Record) -> None:
 
 
 @pytest.mark.parametrize(
-    "together,chunk,max_tokens",
-    [(False, 64, 0), (True, 512, 0), (True, 64, 1)],
-    ids=["one-by-one-chunked", "together-whole", "together-chunked-one-token"],
+    "together,chunk,max_tokens,gpu_path",
+    [(False, 64, 0, False), (True, 512, 0, False), (True, 64, 1, False), (True, 512, 1, True)],
+    ids=["one-by-one-chunked", "together-whole", "together-chunked-one-token", "gpu-path"],
 )
 def test_scoring_a_shared_context_equals_scoring_without_the_cache(
-    tiny: LoadedModel, together: bool, chunk: int, max_tokens: int
+    tiny: LoadedModel,
+    together: bool,
+    chunk: int,
+    max_tokens: int,
+    gpu_path: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Four continuations of one context, sent one by one or together (lm-eval's batch): the
     first computes every position, the others take the context (all but its last token, whose
     entry needs the logits of the token before) from it. Chunked (64) the first prompt goes in
     three steps and is kept at its last; `max_tokens` 1, as lm-eval asks, keeps it when its
-    token is generated. Sent together, the later ones wait a step for it."""
+    token is generated. Sent together, the later ones wait a step for it. `gpu_path`: entries
+    extracted as on a device, steps processed on a second thread (a step carrying first tokens
+    is processed before the next launch, so the wait still finds the entries)."""
+    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", gpu_path)
     ctx, ps = prompts(tiny)
     params = scoring(5, max_tokens)
     on = Chat(tiny, EngineConfig(prefill_chunk=chunk, prefix_cache_mib=64))
@@ -84,7 +93,12 @@ def test_scoring_a_shared_context_equals_scoring_without_the_cache(
     finally:
         on.client.shutdown()
         off.client.shutdown()
-    assert [r.cached_tokens for r in got] == [0] + [len(ctx) - 1] * 3
+    # On a GPU a group's width is rounded up: its left padding covers part of the kept start.
+    start = len(ctx) - 1
+    start -= -(len(ps[0]) - start) % model_runner.GPU_PREFILL_ALIGN if gpu_path else 0
+    assert [r.cached_tokens for r in got] == [0] + [start] * 3
+    for (_, tokens), kept in on.engine.runner.prefixes.entries.items():  # whole, never cut
+        assert all(k.shape[2] == len(tokens) for k in kept.keys + kept.values)
     for p, r, ref in zip(ps, got, want):
         assert r.error is None and ref.cached_tokens == 0
         same_entries(r, ref)
