@@ -47,9 +47,9 @@ MLX_ENVIRONMENT = {
     "MLX_USE_CUDA_GRAPHS": "0",
     "MLX_CUDA_GRAPH_CACHE_SIZE": "64",
     # cuDNN's attention builds a graph per new shape (60-80 ms, every stream waiting): it takes
-    # long prefills only (runner/query_blocks.py), 32 plans kept (bounded host memory).
+    # long prefills only, padded to a few shapes (runner/query_blocks.py); 64 plans kept.
     "MLX_CUDA_USE_CUDNN_SDPA": "1",
-    "MLX_CUDA_SDPA_CACHE_SIZE": "32",
+    "MLX_CUDA_SDPA_CACHE_SIZE": "64",
     # With bounded caches MLX would raise after 2x capacity misses in total.
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
 }

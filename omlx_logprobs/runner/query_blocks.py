@@ -9,10 +9,12 @@ pass MAX_SCORE_BYTES into blocks of queries under it. A causal block needs only 
 its last query, so it reads fewer keys too.
 
 On CUDA with cuDNN's attention on (the server's default), cuDNN builds a graph for every new
-shape (60-90 ms, the host waiting): worth it for long prefills, where the unfused blocks cost
-seconds, not for the many short shapes of a serving batch. So a call of FUSED_PAIRS query-key
-pairs a row or more goes to cuDNN (fused: its memory is the output's), and a shorter one to the
-same unfused ops MLX's own fallback runs (`_unfused`), in blocks as above.
+shape (100-250 ms at long prompts' shapes on an H200, the host waiting): a turn of a long
+conversation, whose context is a new length every time, paid it at every chunk. So a call of
+one row and FUSED_PAIRS query-key pairs or more goes to cuDNN (fused: its memory is the
+output's) padded up to a few bucket shapes (`bucket`), its padding masked out, so that a
+server builds a handful of graphs in its life; every other call runs the unfused ops MLX's own
+fallback runs (`_unfused`), in blocks as above.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ MAX_SCORE_BYTES = int(os.environ.get("OMLX_MAX_SCORE_MIB", "512")) << 20
 # Query-key pairs a row from which a prefill call takes cuDNN's fused attention, where it is on
 # (OMLX_FUSED_PAIRS overrides; docs/benchmarks.md, "Long conversations").
 FUSED_PAIRS = int(os.environ.get("OMLX_FUSED_PAIRS", str(1 << 22)))
+QUERY_BUCKET, KEY_BUCKET = 256, 4096  # the smallest padded shape (see `bucket`)
 
 _inner: Any = None
 _fused = False  # cuDNN's attention is on: calls under FUSED_PAIRS must keep away from it
@@ -39,18 +42,66 @@ def blocks(q: mx.array, k: mx.array) -> int:
     return max(1, min(lq, MAX_SCORE_BYTES // max(per_query, 1)))
 
 
+def bucket(n: int, least: int) -> int:
+    """The padded length of n: the next of least * 2^i and 1.5 * least * 2^i (a third wasted
+    at most; 7 buckets between 4k and 32k keys)."""
+    size = least
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
 def fuses(q: mx.array, k: mx.array, v: mx.array, mask: Any, extra: dict[str, Any]) -> bool:
-    """Whether cuDNN takes this call (MLX's own test, supports_sdpa_cudnn, and ours: long)."""
+    """Whether cuDNN takes this call (MLX's own test, supports_sdpa_cudnn, and ours: one row,
+    long)."""
     lq, lk = q.shape[2], k.shape[2]
     return (
         _fused
+        and q.shape[0] == 1
         and 1 < lq <= lk
         and lq * lk >= FUSED_PAIRS
         and q.dtype in (mx.float16, mx.bfloat16)
         and all(x.shape[-1] % 8 == 0 and x.shape[-1] <= 128 for x in (q, v))
         and "sinks" not in extra
-        and (mask is None or isinstance(mask, (str, mx.array)))
+        and (mask is None or isinstance(mask, str) or getattr(mask, "size", 0) == lq * lk)
     )
+
+
+def _padded(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None, **extra: Any
+) -> mx.array:
+    """One fused call at the bucket shape: queries and keys padded at their ends, an additive
+    mask in which padded keys take no weight and padded queries (dropped after) see the real
+    keys. The mask is made once per shape and reused by every layer of the forward."""
+    lq, lk = q.shape[2], k.shape[2]
+    bq, bk = bucket(lq, QUERY_BUCKET), bucket(lk, KEY_BUCKET)
+    q = mx.pad(q, [(0, 0), (0, 0), (0, bq - lq), (0, 0)])
+    k, v = (mx.pad(x, [(0, 0), (0, 0), (0, bk - lk), (0, 0)]) for x in (k, v))
+    out = _inner(q, k, v, scale=scale, mask=_bucket_mask(mask, lq, lk, bq, bk, q.dtype), **extra)
+    return out[:, :, :lq]
+
+
+_masks: dict[tuple[Any, ...], tuple[Any, mx.array]] = {}  # the last forward's padded masks
+
+
+def _bucket_mask(mask: Any, lq: int, lk: int, bq: int, bk: int, dtype: mx.Dtype) -> mx.array:
+    key = (id(mask) if isinstance(mask, mx.array) else mask, lq, lk, bq, bk, dtype)
+    if (hit := _masks.get(key)) is not None and hit[0] is mask:
+        return hit[1]
+    neg = mx.array(-float("inf"), dtype)
+    if isinstance(mask, mx.array):  # one row's own mask (`fuses`): bool, or added to scores
+        m = mask.reshape(lq, lk)
+        added = mx.where(m, mx.array(0, dtype), neg) if m.dtype == mx.bool_ else m.astype(dtype)
+    elif mask is not None:  # causal: the queries are the last lq positions of the keys
+        added = mx.where(mx.arange(lk - lq, lk)[:, None] >= mx.arange(lk)[None], 0, neg)
+    else:
+        added = mx.zeros((lq, lk), dtype)
+    added = mx.pad(added.astype(dtype), [(0, 0), (0, bk - lk)], constant_values=neg)
+    tail = mx.where(mx.arange(bk) < lk, mx.array(0, dtype), neg)  # padded queries: real keys
+    added = mx.concatenate([added, mx.broadcast_to(tail, (bq - lq, bk))], axis=0)[None, None]
+    _masks.clear()
+    _masks[key] = (mask, added)
+    return added
 
 
 def _unfused(
@@ -84,8 +135,10 @@ def _sdpa(
 ) -> mx.array:
     """The caller's other arguments (sinks, stream) pass through as they came."""
     lq, lk = q.shape[2], k.shape[2]
-    if lq == 1 or fuses(q, k, v, mask, extra):
+    if lq == 1:
         return _inner(q, k, v, scale=scale, mask=mask, **extra)
+    if fuses(q, k, v, mask, extra):
+        return _padded(q, k, v, scale=scale, mask=mask, **extra)
     # Under cuDNN, the short calls MLX would give it take the fallback's ops here instead.
     call = _unfused if _fused and "sinks" not in extra and "stream" not in extra else _inner
     step = blocks(q, k)

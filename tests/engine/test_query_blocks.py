@@ -100,3 +100,25 @@ def test_only_long_half_precision_calls_are_fused(monkeypatch: pytest.MonkeyPatc
     assert not fuses(20, sinks=mx.zeros(2))
     monkeypatch.setattr(query_blocks, "_fused", False)
     assert not fuses(100)
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "additive", None])
+def test_a_bucketed_call_equals_the_call(monkeypatch: pytest.MonkeyPatch, mask: str | None) -> None:
+    """A long one-row call padded to its bucket shape (queries and keys, the padding masked
+    out) gives the call's own values; padded queries never see only masked keys (no NaN)."""
+    query_blocks.install()
+    monkeypatch.setattr(query_blocks, "QUERY_BUCKET", 16)
+    monkeypatch.setattr(query_blocks, "KEY_BUCKET", 32)
+    mx.random.seed(2)
+    q = mx.random.normal((1, 4, 23, 16))
+    k, v = (mx.random.normal((1, 2, 50, 16)) for _ in range(2))
+    m: object = mask
+    if mask == "bool":
+        m = mx.random.uniform(shape=(1, 1, 23, 50)) > 0.3
+    elif mask == "additive":
+        m = mx.random.normal((1, 1, 23, 50))
+    got = query_blocks._padded(q, k, v, scale=0.25, mask=m)
+    assert query_blocks.bucket(23, 16) == 24 and query_blocks.bucket(50, 32) == 64
+    want = query_blocks._inner(q, k, v, scale=0.25, mask=m)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
