@@ -3,7 +3,8 @@ off, and mlx-lm's server, on the same weights in one run.
 
 Each turn resends the conversation so far (a system turn with tool definitions, then the user's
 task, each earlier answer and a tool's output after it) and streams an answer of up to 32 tokens
-at temperature 0. The conversation grows by about `--tool-words` a turn. Beside each turn, the
+at temperature 0 (timed: a request for its first token alone). The conversation grows by
+about `--tool-words` a turn. Beside each turn, the
 cache-off server is timed on the new tokens alone (the last answer and tool output as one
 message), and, after the servers stop, bare mlx-lm on the same weights in this process prefills
 the turn's uncached tokens over a cache already holding the rest ("new over context": what
@@ -51,6 +52,7 @@ SYSTEM = (
 
 
 HELLO = {"role": "user", "content": "Hello."}
+ANSWER_TOKENS = 32
 
 
 def tool_output(turn: int, words: int) -> str:
@@ -59,12 +61,16 @@ def tool_output(turn: int, words: int) -> str:
     return "\n".join(lines + body)
 
 
-def ttft(base: str, model: str, messages: list[dict[str, Any]]) -> tuple[float, str, int]:
-    """(seconds to the first content, the answer, the prompt tokens served from a cache)."""
+def ttft(
+    base: str, model: str, messages: list[dict[str, Any]], max_tokens: int = 1
+) -> tuple[float, str, int]:
+    """(seconds to the first token, the answer, the prompt tokens served from a cache). The
+    first token is timed as a request for one token: the first content of a random model's
+    answer may come many tokens in (whitespace, special tokens)."""
     body = {
         "model": model,
         "messages": messages,
-        "max_tokens": 32,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -85,7 +91,8 @@ def ttft(base: str, model: str, messages: list[dict[str, Any]]) -> tuple[float, 
                 text += piece
             usage = chunk.get("usage") or {}
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached
-    return (first if first is not None else time.perf_counter() - t0), text, cached
+    whole = time.perf_counter() - t0
+    return (whole if max_tokens == 1 or first is None else first), text, cached
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -120,8 +127,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             answer = ""
             for key, server in servers.items():
                 served = name if key != "mlx-lm" else model_dir
-                s, text, cached = ttft(server.base_url, served, messages)
+                s, _, cached = ttft(server.base_url, served, messages)
                 row[key], row[f"{key}_cached"] = s, cached
+                # The turn's answer, untimed, from each server (it keeps what it computed)
+                text = ttft(server.base_url, served, messages, ANSWER_TOKENS)[1]
                 answer = text if key == "on" else answer
             tokens = httpx.post(
                 servers["on"].base_url.removesuffix("/v1") + "/tokenize",
