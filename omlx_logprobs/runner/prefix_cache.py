@@ -237,9 +237,9 @@ class PrefixCache:
         """For a scored prompt: the longest start of ids[:limit] whose keys, values and prompt
         entries are kept, entries that answer `ask` (prompt_scoring.KeptEntries): n tokens
         whose positions 1..n have entries (so ids[n] is the kept sequence's too), n >=
-        MIN_TOKENS. Only the most recent kept
-        sequence with the longest shared start is looked at (one that asked for less: None,
-        the prompt is computed). `look`: not a use. The disk tier holds no entries."""
+        MIN_TOKENS. Only the most recent kept sequence with the longest shared start is looked
+        at (one that asked for less: None, the prompt is computed). `look`: not a use. The disk
+        tier holds no entries."""
         found = self._find_scored(ids, limit, ask, key, look)
         return found[0].start(found[1]) if found is not None else None
 

@@ -181,7 +181,8 @@ def waits_for(
             continue
         if not _answers(score_key(b.params), ask):
             continue
-        gain = min(shared_len(seq.context_ids, b.context_ids), seq.prompt_len - 1) - cached
+        # What it would take from b: the shared start but its last token (PrefixCache.scored)
+        gain = min(shared_len(seq.context_ids, b.context_ids) - 1, seq.prompt_len - 1) - cached
         if gain >= max(MIN_TOKENS, left // 2):
             return True
     return False
