@@ -110,7 +110,7 @@ class Scheduler:
             else:
                 chunk = PrefillChunk(seq, start + cached, start + cached + budget)
             out.prefill.append(chunk)
-            busy.append(seq)
+            busy += [seq] if start == 0 else []  # one between chunks is there already
             budget -= min(cost, budget)
             room -= rows
             if not chunk.is_last:

@@ -68,4 +68,4 @@ class PromptCache:
         """The scheduler's `waits` (prompt_scoring.waits_for)."""
         if self.prefixes is None or not seq.scored:
             return False
-        return waits_for(seq, busy, self.held(seq), self.key_of)
+        return waits_for(seq, busy, lambda: self.held(seq), self.key_of)

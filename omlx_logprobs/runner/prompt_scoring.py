@@ -16,7 +16,7 @@ import numpy as np
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Block, Extractor, PendingEntries
 from omlx_logprobs.logprobs.store import LogprobStore
-from omlx_logprobs.runner.prefix_cache import MIN_TOKENS, Prefix, shared_len
+from omlx_logprobs.runner.prefix_cache import MIN_TOKENS, Prefix
 from omlx_logprobs.types import Entries, SamplingParams
 
 # What a scored prompt asks of each position: its top count and its fixed ids (`score_key`).
@@ -166,23 +166,30 @@ def with_entries(seq: Sequence, prefix: Prefix) -> Prefix:
 
 
 def waits_for(
-    seq: Sequence, busy: list[Sequence], cached: int, key_of: Callable[[int], Hashable]
+    seq: Sequence,
+    busy: list[Sequence],
+    cached: Callable[[], int],
+    key_of: Callable[[int], Hashable],
 ) -> bool:
     """Whether a scored prompt should wait for a scored prompt being prefilled now (`busy`)
     that shares at least half of what it would compute: that one is kept with its entries
     once its last step is processed (when it generates at most one token), and this one then
     computes only what follows (lm-eval's multiple choice: one context, several continuations,
-    sent together). `cached`: what the prefix cache holds of it already."""
-    if not seq.scored:
+    sent together). `cached()`: what the prefix cache holds of it already."""
+    ask, key = score_key(seq.params), key_of(seq.adapter)
+    others = [
+        b for b in busy
+        if b is not seq and b.scored and b.params.max_tokens <= 1 and key_of(b.adapter) == key
+        and _answers(score_key(b.params), ask)
+    ]  # fmt: skip
+    if not seq.scored or not others:
         return False
-    ask, key, left = score_key(seq.params), key_of(seq.adapter), seq.prompt_len - cached
-    for b in busy:
-        if b is seq or not b.scored or b.params.max_tokens > 1 or key_of(b.adapter) != key:
-            continue
-        if not _answers(score_key(b.params), ask):
-            continue
-        # What it would take from b: the shared start but its last token (PrefixCache.scored)
-        gain = min(shared_len(seq.context_ids, b.context_ids) - 1, seq.prompt_len - 1) - cached
-        if gain >= max(MIN_TOKENS, left // 2):
-            return True
-    return False
+    held = cached()
+    # It would take from b the start they share but its last token (PrefixCache.scored): worth
+    # a step when that is `need` tokens more than is held. One list comparison each, in C (the
+    # scheduler asks this of every waiting prompt it reaches, every step).
+    need = held + max(MIN_TOKENS, (seq.prompt_len - held) // 2)
+    if need > seq.prompt_len - 1:
+        return False
+    start = seq.context_ids[: need + 1]
+    return any(b.context_ids[: need + 1] == start for b in others)
