@@ -256,10 +256,11 @@ def _grammar_trim(rows: list[Sequence], drafts: list[list[int]]) -> None:
 def _grammar_bits(
     rows: list[Sequence], drafts: list[list[int]], width: int, vocab: int
 ) -> np.ndarray | None:
-    """Each flat position's allowed-token bitmask (runner/grammar.py's layout): a constrained
-    row's matcher is advanced over its drafts (all valid: `_grammar_trim`) to read each
-    position's mask, then rolled back (the output processor advances it by what is
-    accepted)."""
+    """Each flat position's allowed-token bitmask (runner/grammar.py's layout): a copy of a
+    constrained row's matcher is advanced over its drafts (all valid: `_grammar_trim`) to read
+    each position's mask; the output processor advances the row's own by what is accepted.
+    (Not consume-then-rollback: after a rollback inside a string with a maxLength, llguidance
+    0.x allowed a token it then refused; tests/engine/test_speculation.py caught it.)"""
     if not any(s.grammar is not None for s in rows):
         return None
     n = width + 1
@@ -270,11 +271,11 @@ def _grammar_bits(
             continue
         if open_ended(s.params.constraint) and m.is_accepting():
             continue  # complete and open-ended: every token (its drafts are none)
+        if d:
+            m = m.deep_copy()
         for j in range(len(d) + 1):
             lln.fill_next_token_bitmask(m, bits, i * n + j)
             if j < len(d):
                 m.consume_token(d[j])
-        if d:
-            m.rollback(len(d))
     bits[~bits.any(axis=1)] = -1  # rows without a grammar, and padding: every token
     return bits
