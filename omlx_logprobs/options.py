@@ -206,12 +206,20 @@ def _add_batching(s: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--speculate",
-        choices=("off", "prediction", "lookup"),
-        default=EngineConfig.speculate,
+        choices=("off", "prediction", "lookup", "draft"),
+        default=None,
         help="speculative decoding, whose tokens and logprobs are exactly the model's own"
         " (docs/specs/speculation.md): 'prediction' drafts from a chat request's `prediction`"
         " (OpenAI's Predicted Outputs), 'lookup' also from n-grams of each request's own"
-        " prompt and output, 'off' never (default: %(default)s)",
+        " prompt and output, 'draft' from the prediction, else --draft-model's argmax; 'off'"
+        " never (default: draft with --draft-model, else prediction)",
+    )
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        help="a small model sharing the served model's tokenizer (a local mlx-lm directory,"
+        " or whatever --model takes) that drafts tokens for the served model to verify;"
+        " refused at start-up if its vocabulary differs",
     )
     g.add_argument(
         "--num-draft-tokens",
@@ -349,7 +357,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             dtype=args.dtype,
             prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
             group_timeout_s=args.group_timeout_s,
-            speculate=args.speculate,
+            speculate=args.speculate or ("draft" if args.draft_model else "prediction"),
+            draft_model=args.draft_model,
             num_draft_tokens=args.num_draft_tokens,
             speculate_max_batch=args.speculate_max_batch,
         ),

@@ -77,7 +77,7 @@ class Engine:
         self.runner = runner(
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
         )
-        self.runner.speculator = speculator(cfg, self.runner)
+        self.runner.speculator = speculator(cfg, self.runner, vocab)
         if cfg.kv_cache_dir is not None:
             self.runner.attach_disk(cfg.kv_cache_dir, cfg.kv_cache_disk_mib)
         for name, path in adapters:  # --lora, or those loaded before a restart or a reload

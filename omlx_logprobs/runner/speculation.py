@@ -34,6 +34,9 @@ import numpy as np
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.runner.batch_cache import kinds
+from omlx_logprobs.models.draft import vocabulary_mismatch
+from omlx_logprobs.models.loader import load_model
+from omlx_logprobs.runner.draft_model import DraftModel
 from omlx_logprobs.runner.drafts import RowDrafts
 from omlx_logprobs.runner.grammar import open_ended
 from omlx_logprobs.runner.sampler import (
@@ -46,6 +49,7 @@ from omlx_logprobs.runner.sampler import (
 )
 from omlx_logprobs.runner.step import LaunchedStep, StepResult
 from omlx_logprobs.types import Entries
+from omlx_logprobs.vocab import Vocabulary
 
 if TYPE_CHECKING:
     from omlx_logprobs.runner.model_runner import ModelRunner
@@ -54,7 +58,7 @@ __all__ = ["MODES", "SpecStep", "Speculator", "speculator", "unsupported"]
 
 log = logging.getLogger("omlx_logprobs")
 
-MODES = ("off", "prediction", "lookup")
+MODES = ("off", "prediction", "lookup", "draft")
 # A row keeps drafting while its running mean of tokens emitted per verify step stays at or
 # above this: a verify step's cost in plain steps (docs/benchmarks.md, "Speculation").
 BREAK_EVEN = 1.5
@@ -72,8 +76,9 @@ def unsupported(templates: list[Any]) -> str | None:
     return None
 
 
-def speculator(cfg: EngineConfig, runner: ModelRunner) -> Speculator | None:
-    """The runner's speculator as configured, or None (off, or a model that cannot)."""
+def speculator(cfg: EngineConfig, runner: ModelRunner, vocab: Vocabulary) -> Speculator | None:
+    """The runner's speculator as configured, or None (off, or a model that cannot); a draft
+    model that does not share the served model's tokenizer is a ValueError."""
     if cfg.speculate == "off":
         return None
     why = unsupported(runner.templates)
@@ -82,7 +87,15 @@ def speculator(cfg: EngineConfig, runner: ModelRunner) -> Speculator | None:
     if why is not None:
         log.info("speculative decoding off for this model: %s", why)
         return None
-    return Speculator(cfg.speculate, cfg.num_draft_tokens, cfg.speculate_max_batch)
+    draft = None
+    if cfg.draft_model is not None:
+        loaded = load_model(cfg.draft_model, dtype=cfg.dtype)
+        bad = vocabulary_mismatch(vocab, loaded.vocab, len(loaded.tokenizer))
+        if bad is not None:
+            raise ValueError(f"--draft-model {cfg.draft_model}: {bad}")
+        draft = DraftModel(loaded.model, len(vocab))
+        log.info("draft model: %s", cfg.draft_model)
+    return Speculator(cfg.speculate, cfg.num_draft_tokens, cfg.speculate_max_batch, draft)
 
 
 @dataclass(frozen=True)
@@ -104,15 +117,18 @@ class _Row:
 
 
 class Speculator:
-    def __init__(self, mode: str, num_draft: int, max_batch: int) -> None:
-        assert mode in MODES[1:]
+    def __init__(
+        self, mode: str, num_draft: int, max_batch: int, draft: DraftModel | None = None
+    ) -> None:
+        assert mode in MODES[1:] and (mode == "draft") == (draft is not None)
         self.lookup = mode == "lookup"
         self.k = num_draft
         self.max_batch = max_batch
+        self.draft = draft
         self._rows: dict[int, _Row] = {}
 
     def _may(self, s: Sequence) -> bool:
-        return self.lookup or bool(s.params.prediction)
+        return self.lookup or self.draft is not None or bool(s.params.prediction)
 
     def wants(self, running: list[Sequence]) -> bool:
         """Whether the next step may speculate (then the step in flight is processed first)."""
@@ -134,7 +150,10 @@ class Speculator:
             return [], False
         # Emitted tokens never pass max_tokens: K drafts emit at most K + 1.
         k = min(self.k, s.params.max_tokens - s.num_sampled - 1)
-        return row.drafts.draft(s.prompt_ids, s.output_ids, k)
+        drafts, predicted = row.drafts.draft(s.prompt_ids, s.output_ids, k)
+        if not drafts and self.draft is not None and k > 0:
+            drafts = self.draft.propose(s.seq_id, s.prompt_ids + s.output_ids.tolist(), k)
+        return drafts, predicted
 
     def launch(self, runner: ModelRunner) -> LaunchedStep | None:
         """A speculative step for the decoding rows, queued; None where a plain step is due (a
@@ -147,6 +166,8 @@ class Speculator:
         live = {s.seq_id for s in rows}
         for gone in [i for i in self._rows if i not in live]:
             del self._rows[gone]
+        if self.draft is not None:
+            self.draft.forget(live)
         made = [self._draft(s) for s in rows]
         drafts = [d for d, _ in made]
         if not any(drafts):

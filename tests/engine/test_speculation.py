@@ -5,6 +5,8 @@ target's distribution whatever the draft (a chi-square test on a scripted model)
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -277,3 +279,59 @@ def test_unseeded_samples_follow_the_target_distribution(
         assert (got[~live] == 0).all()
         if live.sum() > 1:
             assert _chi_square(got[live], probs[live]) < 13.8, (t, got, probs)
+
+
+# ---- a draft model ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft", ["itself", "qwen3"])
+def test_a_draft_model_s_drafts_change_nothing(
+    draft: str,
+    tiny: LoadedModel,
+    tiny_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    tokenizer_dir: Path,
+    verified: list[int],
+) -> None:
+    """The served model as its own draft (every greedy draft accepted: the mechanism's ceiling)
+    and another family's random model (drafts mostly rejected): the same tokens and entries."""
+    path = tiny_dir if draft == "itself" else built_dir("qwen3", tmp_path_factory, tokenizer_dir)
+    cfg = EngineConfig(speculate="draft", draft_model=str(path), num_draft_tokens=5)
+    prompts = [encode(tiny, "Once upon a time"), encode(tiny, "import numpy as np\n")]
+    sp = SamplingParams(max_tokens=30, temperature=0, logprobs=True, top_logprobs=5)
+    seeded = replace(sp, temperature=0.8, seed=11)
+    reqs = [(p, sp) for p in prompts] + [(prompts[0], seeded)]
+    plain = run_engine(tiny, reqs, OFF)
+    for (a, _), (b, _) in zip(plain, run_engine(tiny, reqs, cfg)):
+        same(a, b)
+    if draft == "itself":  # greedy rows: all accepted, 6 tokens a verify step
+        assert max(verified) >= 12
+        assert sum(verified) > 3 * len(verified)
+    else:
+        assert verified
+
+
+def built_dir(name: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    from tests.helpers.families import build_family
+
+    out = tmp_path_factory.getbasetemp() / f"draft-{name}"
+    if not (out / "model.safetensors").exists():
+        build_family(name, out, tokenizer_dir, seed=99)
+    return out
+
+
+def test_a_draft_model_of_another_tokenizer_is_refused_at_start_up(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    from tests.helpers.server import server_process
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dir, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = "hello", "world"
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: another tokenizer
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(RuntimeError, match="--draft-model: token id .* a draft model must share"):
+        with server_process(["--model", str(tiny_dir), "--draft-model", str(other)], start_s=60):
+            pass
