@@ -8,7 +8,7 @@ verifies them with the same test as a prediction's (runner/speculation.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -65,7 +65,7 @@ class DraftModel:
             logits = self.model(token[:, None], cache=row.layers)[:, -1, :]
             token = mx.argmax(logits, axis=-1)
             out.append(token)
-        drafts = mx.concatenate(out).tolist()
+        drafts = cast(list[int], mx.concatenate(out).tolist())
         row.fed, row.sure = context + drafts[:-1], len(context)
         cut = next((i for i, t in enumerate(drafts) if t >= self.vocab_size), len(drafts))
         return drafts[:cut]

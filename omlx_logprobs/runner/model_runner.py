@@ -43,7 +43,6 @@ from omlx_logprobs.runner.prefix_cache import (
 )
 from omlx_logprobs.runner.probe import probe
 from omlx_logprobs.runner.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
-from omlx_logprobs.runner.speculation import Speculator
 from omlx_logprobs.runner.sampler import (
     MaskState,
     apply_processors,
@@ -52,6 +51,7 @@ from omlx_logprobs.runner.sampler import (
     step_key,
     token_mask,
 )
+from omlx_logprobs.runner.speculation import Speculator
 from omlx_logprobs.runner.step import DeviceTime, LaunchedStep, StepResult
 from omlx_logprobs.runner.weights import load_into
 from omlx_logprobs.types import AdapterChange, FinishReason

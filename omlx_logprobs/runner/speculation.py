@@ -33,9 +33,9 @@ import numpy as np
 
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.runner.batch_cache import kinds
 from omlx_logprobs.models.draft import vocabulary_mismatch
 from omlx_logprobs.models.loader import load_model
+from omlx_logprobs.runner.batch_cache import kinds
 from omlx_logprobs.runner.draft_model import DraftModel
 from omlx_logprobs.runner.drafts import RowDrafts
 from omlx_logprobs.runner.grammar import open_ended

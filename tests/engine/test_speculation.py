@@ -105,9 +105,8 @@ def test_greedy_tokens_and_entries_equal_the_plain_run(
         assert outs[-1].rejected_prediction_tokens > 0  # the edit
     assert sum(verified) > 3 * 20 and len(verified) < 3 * 20
     # Each row alone: the cache's rollback is a trim; together, rows also shift.
-    for p, ask in zip(prompts[:1], asks[:1]):
-        (b, _), = run_engine(model, [ask], PREDICT)
-        same(plain[0][0], b)
+    (b, _), = run_engine(model, asks[:1], PREDICT)
+    same(plain[0][0], b)
     verified.clear()
     for (a, _), (b, _) in zip(plain, run_engine(model, [(p, sp) for p in prompts], LOOKUP)):
         same(a, b)
@@ -125,7 +124,8 @@ def test_seeded_sampling_with_processors_equals_the_plain_run(
         SamplingParams(temperature=1.0, min_p=0.05, seed=4, logprobs_mode=LogprobsMode.PROCESSED),
         SamplingParams(temperature=0.7, seed=5, presence_penalty=0.5, frequency_penalty=0.3,
                        repetition_penalty=1.2, logit_bias=((13, 3.0), (17, -2.0))),  # fmt: skip
-        SamplingParams(temperature=0, max_tokens=32, min_tokens=30, bad_words_ids=((13,), (198, 198))),
+        SamplingParams(temperature=0, max_tokens=32, min_tokens=30,
+                       bad_words_ids=((13,), (198, 198))),  # fmt: skip
         SamplingParams(temperature=0.9, seed=6, logprob_token_ids=(13, 17, 198),
                        logprobs_mode=LogprobsMode.PROCESSED_LOGITS),  # fmt: skip
     ]

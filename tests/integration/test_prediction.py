@@ -53,7 +53,8 @@ def test_a_prediction_changes_nothing_but_usage(client: openai.OpenAI) -> None:
     content = plain.choices[0].message.content
     assert content
     edited = content[: len(content) // 2] + "XYZ" + content[len(content) // 2 + 2 :]
-    fast = ask(client, prediction={"type": "content", "content": [{"type": "text", "text": edited}]})
+    parts = [{"type": "text", "text": edited}]
+    fast = ask(client, prediction={"type": "content", "content": parts})
     a, b = plain.choices[0], fast.choices[0]
     assert b.message.content == content and b.finish_reason == a.finish_reason
     assert b.model_extra["token_ids"] == a.model_extra["token_ids"]
