@@ -60,8 +60,12 @@ log = logging.getLogger("omlx_logprobs")
 
 MODES = ("off", "prediction", "lookup", "draft")
 # A row keeps drafting while its running mean of tokens emitted per verify step stays at or
-# above this: a verify step's cost in plain steps (docs/benchmarks.md, "Speculation").
-BREAK_EVEN = 1.5
+# above a verify step's cost in plain steps (8 drafts, one row, 1k context; docs/benchmarks.md,
+# "Speculation", bench/experiments/verify_cost.py). On MLX's CPU backend the forward is compute
+# bound: 9 positions cost 2.7 plain steps. On a GPU one row's step reads the weights whatever
+# its width: to be measured there (an estimate until then).
+CPU_BREAK_EVEN = 2.7
+GPU_BREAK_EVEN = 1.3
 # Below it, the row decodes plainly for this many steps, doubled at each further miss.
 COOLDOWN, MAX_COOLDOWN = 4, 256
 EMA = 0.3  # the weight of the last verify step in that mean
@@ -95,7 +99,9 @@ def speculator(cfg: EngineConfig, runner: ModelRunner, vocab: Vocabulary) -> Spe
             raise ValueError(f"--draft-model {cfg.draft_model}: {bad}")
         draft = DraftModel(loaded.model, len(vocab))
         log.info("draft model: %s", cfg.draft_model)
-    return Speculator(cfg.speculate, cfg.num_draft_tokens, cfg.speculate_max_batch, draft)
+    spec = Speculator(cfg.speculate, cfg.num_draft_tokens, cfg.speculate_max_batch, draft)
+    spec.break_even = GPU_BREAK_EVEN if runner.overlaps else CPU_BREAK_EVEN
+    return spec
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,7 @@ class Speculator:
         self.k = num_draft
         self.max_batch = max_batch
         self.draft = draft
+        self.break_even = CPU_BREAK_EVEN
         self._rows: dict[int, _Row] = {}
 
     def _may(self, s: Sequence) -> bool:
@@ -237,11 +244,11 @@ class Speculator:
         if row is None:
             return
         row.mean = (1 - EMA) * row.mean + EMA * emitted
-        if row.mean >= BREAK_EVEN:
+        if row.mean >= self.break_even:
             row.cooldown = COOLDOWN
             return
         row.pause, row.cooldown = row.cooldown, min(2 * row.cooldown, MAX_COOLDOWN)
-        row.mean = BREAK_EVEN  # a fresh start after the pause
+        row.mean = self.break_even  # a fresh start after the pause
 
 
 def _positions(
