@@ -85,5 +85,15 @@ class RowDrafts:
             # The most recent earlier occurrence: a start past every one.
             at = self.own.follow(tail, MIN_LOOKUP_NGRAM, len(self.own.tokens))
             if at >= 0:
-                return self.own.tokens[at : at + k], False
+                return _continued(self.own.tokens, at, k), False
         return [], False
+
+
+def _continued(tokens: list[int], at: int, k: int) -> list[int]:
+    """k tokens from `at`; past the end, the span from `at` to the end repeats (a match
+    `period` tokens back: the text is looping, and a loop's next tokens are its first ones)."""
+    period = len(tokens) - at
+    out = tokens[at : at + k]
+    while len(out) < k:
+        out.append(out[len(out) - period])
+    return out

@@ -69,6 +69,8 @@ GPU_BREAK_EVEN = 1.3
 # Below it, the row decodes plainly for this many steps, doubled at each further miss.
 COOLDOWN, MAX_COOLDOWN = 4, 256
 EMA = 0.3  # the weight of the last verify step in that mean
+# A row whose sources found no draft this many steps running rests as well.
+MAX_MISSES = 8
 
 
 def unsupported(templates: list[Any]) -> str | None:
@@ -120,6 +122,12 @@ class _Row:
     mean: float  # tokens emitted per verify step, running
     pause: int = 0  # plain steps left before it drafts again
     cooldown: int = COOLDOWN
+    misses: int = 0  # steps in a row with no draft found
+
+    def rest(self) -> None:
+        """Decode plainly for a while (on a GPU with the step overlap back), longer each time."""
+        self.pause, self.cooldown = self.cooldown, min(2 * self.cooldown, MAX_COOLDOWN)
+        self.misses = 0
 
 
 class Speculator:
@@ -139,7 +147,13 @@ class Speculator:
 
     def wants(self, running: list[Sequence]) -> bool:
         """Whether the next step may speculate (then the step in flight is processed first)."""
-        return 0 < len(running) <= self.max_batch and any(self._may(s) for s in running)
+        if not 0 < len(running) <= self.max_batch:
+            return False
+        return any(self._may(s) and not self._resting(s) for s in running)
+
+    def _resting(self, s: Sequence) -> bool:
+        row = self._rows.get(s.seq_id)
+        return row is not None and row.pause > 0
 
     def _row(self, s: Sequence) -> _Row:
         row = self._rows.get(s.seq_id)
@@ -153,13 +167,15 @@ class Speculator:
             return [], False
         row = self._row(s)
         if row.pause > 0:
-            row.pause -= 1
             return [], False
         # Emitted tokens never pass max_tokens: K drafts emit at most K + 1.
         k = min(self.k, s.params.max_tokens - s.num_sampled - 1)
         drafts, predicted = row.drafts.draft(s.prompt_ids, s.output_ids, k)
         if not drafts and self.draft is not None and k > 0:
             drafts = self.draft.propose(s.seq_id, s.prompt_ids + s.output_ids.tolist(), k)
+        row.misses = 0 if drafts or k <= 0 else row.misses + 1
+        if row.misses >= MAX_MISSES:
+            row.rest()
         return drafts, predicted
 
     def launch(self, runner: ModelRunner) -> LaunchedStep | None:
@@ -168,6 +184,10 @@ class Speculator:
         rows = runner.rows
         if not 0 < len(rows) <= self.max_batch:
             return None
+        for s in rows:  # a resting row's pause counts steps, plain ones included
+            row = self._rows.get(s.seq_id)
+            if row is not None and row.pause > 0:
+                row.pause -= 1
         if any(s.num_sampled != len(s.output_ids) for s in rows):
             return None
         live = {s.seq_id for s in rows}
@@ -247,7 +267,7 @@ class Speculator:
         if row.mean >= self.break_even:
             row.cooldown = COOLDOWN
             return
-        row.pause, row.cooldown = row.cooldown, min(2 * row.cooldown, MAX_COOLDOWN)
+        row.rest()
         row.mean = self.break_even  # a fresh start after the pause
 
 

@@ -110,7 +110,8 @@ def test_greedy_tokens_and_entries_equal_the_plain_run(
     verified.clear()
     for (a, _), (b, _) in zip(plain, run_engine(model, [(p, sp) for p in prompts], LOOKUP)):
         same(a, b)
-    assert verified  # the random model repeats itself: lookup finds drafts
+    if name == "llama":  # this random model loops from the third token: lookup drafts
+        assert sum(verified) > 2 * len(verified) > 0
 
 
 def test_seeded_sampling_with_processors_equals_the_plain_run(
@@ -206,6 +207,8 @@ def test_drafts_follow_the_prediction_past_an_edit_and_the_row_s_own_text() -> N
     own = RowDrafts([1, 2, 3, 4, 9, 1, 2], (), lookup=True)
     assert own.draft([1, 2, 3, 4, 9, 1, 2], [3], 2) == ([4, 9], False)
     assert own.draft([1, 2, 3, 4, 9, 1, 2], [3, 8], 2) == ([], False)
+    loop = RowDrafts([5, 6], (), lookup=True)  # a loop of period 2 continues as a loop
+    assert loop.draft([5, 6], [7, 8, 7, 8], 5) == ([7, 8, 7, 8, 7], False)
 
 
 # ---- the target's distribution, whatever the draft -------------------------------------------
