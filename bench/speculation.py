@@ -11,6 +11,7 @@ Requests (streamed; decode tokens/s = tokens after the first / time from the fir
   with a prediction mostly right, as an editing client's is).
 - repeat: the same file and "repeat it": prompt lookup's case.
 - chat: free chat (a draft model's case).
+mlx-lm's server gets top_logprobs 10 (it refuses more).
 
     .venv/bin/python bench/speculation.py                        # CPU: the embedded model
     python bench/speculation.py --model DIR --draft-model DIR2 --prediction self   # GPU host
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server import free_port, mlx_lm_command, omlx_command, start_server  # noqa: E402
 
 TOP = 20
+MLX_LM_TOP = 10  # mlx-lm's server refuses top_logprobs above 11
 
 
 def source_file(lines: int = 130) -> str:
@@ -52,17 +54,20 @@ PROMPTS = {
 }
 
 
-def body(model: str, prompt: str, max_tokens: int, prediction: str | None) -> dict[str, Any]:
+def body(
+    model: str, prompt: str, max_tokens: int, prediction: str | None, top: int = TOP
+) -> dict[str, Any]:
     b: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "logprobs": True,
-        "top_logprobs": TOP,
+        "top_logprobs": top,
         "stream": True,
-        "stream_options": {"include_usage": True},
     }
+    if top == TOP:  # ours: usage at the end of the stream
+        b["stream_options"] = {"include_usage": True}
     if prediction is not None:
         b["prediction"] = {"type": "content", "content": prediction}
     return b
@@ -123,6 +128,7 @@ def main() -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--no-mlx-lm", action="store_true")
+    ap.add_argument("--only-mlx-lm", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     k = ["--num-draft-tokens", str(args.num_draft_tokens)]
@@ -133,6 +139,8 @@ def main() -> None:
     }
     if args.draft_model:
         ours["draft"] = ["--draft-model", args.draft_model, *k]
+    if args.only_mlx_lm:
+        ours = {}
     results: dict[str, Any] = {"runs": {}, "throughput": {}}
     answers: dict[str, str] = {}
     for name, extra in ours.items():
@@ -175,7 +183,7 @@ def main() -> None:
             server = start_server(mlx_lm_command(port, model_dir, 1) + extra, port, "/v1/models")
             try:
                 for task in ("edit", "repeat", "chat"):
-                    req = body(model_dir, PROMPTS[task], args.max_tokens, None)
+                    req = body(model_dir, PROMPTS[task], args.max_tokens, None, MLX_LM_TOP)
                     out = stream(server.base_url, req)
                     results["runs"][f"{name}/{task}"] = {
                         "tokens": out["tokens"],
