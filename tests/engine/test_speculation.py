@@ -338,3 +338,23 @@ def test_a_draft_model_of_another_tokenizer_is_refused_at_start_up(
     with pytest.raises(RuntimeError, match="--draft-model: token id .* a draft model must share"):
         with server_process(["--model", str(tiny_dir), "--draft-model", str(other)], start_s=60):
             pass
+
+
+def test_the_gpu_path_speculates_the_same(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, verified: list[int]
+) -> None:
+    """On the GPU's path (entries extracted on the device, a step processed beside the next
+    launch, full-width caches) a speculating batch is processed before each launch; rows that
+    leave mid-run and the overlap coming back once nothing speculates."""
+    from omlx_logprobs.runner import model_runner
+
+    prompts = [encode(tiny, "Once upon a time"), encode(tiny, "A list of colours: red,")]
+    sp = SamplingParams(max_tokens=40, temperature=0, logprobs=True, top_logprobs=5)
+    plain = run_engine(tiny, [(p, sp) for p in prompts], OFF)
+    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    asks = [(prompts[0], replace(sp, prediction=predicted(plain[0][0], 8))),
+            (prompts[1], replace(sp, max_tokens=12))]  # fmt: skip
+    fast = run_engine(tiny, asks, PREDICT)
+    same(plain[0][0], fast[0][0])
+    assert list(fast[1][0].output_ids) == list(plain[1][0].output_ids)[:12]
+    assert sum(verified) > 2 * len(verified)
