@@ -358,3 +358,26 @@ def test_the_gpu_path_speculates_the_same(
     same(plain[0][0], fast[0][0])
     assert list(fast[1][0].output_ids) == list(plain[1][0].output_ids)[:12]
     assert sum(verified) > 2 * len(verified)
+
+
+def test_reasoning_sections_and_entries_with_a_prediction(
+    scripted: LoadedModel, verified: list[int]
+) -> None:
+    """The scripted thinker's cases, each predicted exactly: whole scripts accepted a step at a
+    time, the same reasoning and content split, the same entries (closed form)."""
+    from omlx_logprobs.parsing.thinking import think_start
+    from tests.engine.test_scripted import check_sections, prompt
+    from tests.helpers.scripted import CASES, case_ids
+
+    names = list(CASES)
+    prompts = [prompt(scripted, n, i % 3) for i, n in enumerate(names)]
+    thinks = [think_start(True, scripted.tokenizer.decode(p[-4:])) for p in prompts]
+    sp = SamplingParams(max_tokens=64, temperature=0, logprobs=True, top_logprobs=20)
+    asks = [(p, replace(sp, prediction=tuple(case_ids(scripted, n)[0]))) for p, n in
+            zip(prompts, names)]  # fmt: skip
+    plain = run_engine(scripted, [(p, sp) for p in prompts], OFF, thinks)
+    fast = run_engine(scripted, asks, PREDICT, thinks)
+    for name, (a, _), (b, outs) in zip(names, plain, fast):
+        same(a, b)
+        check_sections(outs, name, case_ids(scripted, name)[1])
+    assert max(verified) > 8
