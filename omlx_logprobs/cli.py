@@ -46,10 +46,10 @@ MLX_ENVIRONMENT = {
     # direct launches ran top-20 steps ~12% faster. If turned back on: 64 kept.
     "MLX_USE_CUDA_GRAPHS": "0",
     "MLX_CUDA_GRAPH_CACHE_SIZE": "64",
-    # cuDNN attention built a graph per new prefill shape, 60-80 ms each with every stream
-    # waiting. If turned back on: 32 plans kept (bounded host memory).
-    "MLX_CUDA_USE_CUDNN_SDPA": "0",
-    "MLX_CUDA_SDPA_CACHE_SIZE": "32",
+    # cuDNN's attention builds a graph per new shape (60-80 ms, every stream waiting): it takes
+    # long prefills only, padded to a few shapes (runner/query_blocks.py); 64 plans kept.
+    "MLX_CUDA_USE_CUDNN_SDPA": "1",
+    "MLX_CUDA_SDPA_CACHE_SIZE": "64",
     # With bounded caches MLX would raise after 2x capacity misses in total.
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
 }

@@ -1,13 +1,20 @@
-"""Prefill attention in blocks of queries, so that its memory stays bounded whatever the context.
+"""Prefill attention within bounded memory, and fused where it is long.
 
-Where MLX has no fused kernel for a prefill's attention (its CUDA backend with cuDNN off, which
-the server keeps off; the CPU), it computes every score of the chunk at once: heads x chunk x
-context floats, which grows with the context and ran an 80 GB card out of memory on 16k-24k
-token prompts. Each query's softmax is its own, so the chunk's queries can be taken a block at a
-time: `install` puts a wrapper in front of `mx.fast.scaled_dot_product_attention` that splits
-a call whose scores would pass MAX_SCORE_BYTES into blocks of queries under it, and passes
-every other call through unchanged. A causal block needs only the keys up to its last query,
-so it reads fewer keys too.
+Where MLX has no fused kernel for a prefill's attention (the CPU; its CUDA backend with cuDNN
+off), it computes every score of the chunk at once: heads x chunk x context floats, which grows
+with the context and ran an 80 GB card out of memory on 16k-24k token prompts. Each query's
+softmax is its own, so the chunk's queries can be taken a block at a time: `install` puts a
+wrapper in front of `mx.fast.scaled_dot_product_attention` that splits a call whose scores would
+pass MAX_SCORE_BYTES into blocks of queries under it. A causal block needs only the keys up to
+its last query, so it reads fewer keys too.
+
+On CUDA with cuDNN's attention on (the server's default), cuDNN builds a graph for every new
+shape (100-250 ms at long prompts' shapes on an H200, the host waiting): a turn of a long
+conversation, whose context is a new length every time, paid it at every chunk. So a call of
+one row and FUSED_PAIRS query-key pairs or more goes to cuDNN (fused: its memory is the
+output's) padded up to a few bucket shapes (`bucket`), its padding masked out, so that a
+server builds a handful of graphs in its life; every other call runs the unfused ops MLX's own
+fallback runs (`_unfused`), in blocks as above.
 """
 
 from __future__ import annotations
@@ -19,8 +26,13 @@ import mlx.core as mx
 
 # The scores one attention call may hold (float32), per call; OMLX_MAX_SCORE_MIB overrides it.
 MAX_SCORE_BYTES = int(os.environ.get("OMLX_MAX_SCORE_MIB", "512")) << 20
+# Query-key pairs a row from which a prefill call takes cuDNN's fused attention, where it is on
+# (OMLX_FUSED_PAIRS overrides; docs/benchmarks.md, "Long conversations").
+FUSED_PAIRS = int(os.environ.get("OMLX_FUSED_PAIRS", str(1 << 22)))
+QUERY_BUCKET, KEY_BUCKET = 256, 4096  # the smallest padded shape (see `bucket`)
 
 _inner: Any = None
+_fused = False  # cuDNN's attention is on: calls under FUSED_PAIRS must keep away from it
 
 
 def blocks(q: mx.array, k: mx.array) -> int:
@@ -30,14 +42,108 @@ def blocks(q: mx.array, k: mx.array) -> int:
     return max(1, min(lq, MAX_SCORE_BYTES // max(per_query, 1)))
 
 
+def bucket(n: int, least: int) -> int:
+    """The padded length of n: the next of least * 2^i and 1.5 * least * 2^i (a third wasted
+    at most; 7 buckets between 4k and 32k keys)."""
+    size = least
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
+def fuses(q: mx.array, k: mx.array, v: mx.array, mask: Any, extra: dict[str, Any]) -> bool:
+    """Whether cuDNN takes this call (MLX's own test, supports_sdpa_cudnn, and ours: one row,
+    long)."""
+    lq, lk = q.shape[2], k.shape[2]
+    return (
+        _fused
+        and q.shape[0] == 1
+        and 1 < lq <= lk
+        and lq * lk >= FUSED_PAIRS
+        and q.dtype in (mx.float16, mx.bfloat16)
+        and all(x.shape[-1] % 8 == 0 and x.shape[-1] <= 128 for x in (q, v))
+        and "sinks" not in extra
+        and (mask is None or isinstance(mask, str) or getattr(mask, "size", 0) == lq * lk)
+    )
+
+
+def _padded(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None, **extra: Any
+) -> mx.array:
+    """One fused call at the bucket shape: queries and keys padded at their ends, an additive
+    mask in which padded keys take no weight and padded queries (dropped after) see the real
+    keys. The mask is made once per shape and reused by every layer of the forward."""
+    lq, lk = q.shape[2], k.shape[2]
+    bq, bk = bucket(lq, QUERY_BUCKET), bucket(lk, KEY_BUCKET)
+    q = mx.pad(q, [(0, 0), (0, 0), (0, bq - lq), (0, 0)])
+    k, v = (mx.pad(x, [(0, 0), (0, 0), (0, bk - lk), (0, 0)]) for x in (k, v))
+    out = _inner(q, k, v, scale=scale, mask=_bucket_mask(mask, lq, lk, bq, bk, q.dtype), **extra)
+    return out[:, :, :lq]
+
+
+_masks: dict[tuple[Any, ...], tuple[Any, mx.array]] = {}  # the last forward's padded masks
+
+
+def _bucket_mask(mask: Any, lq: int, lk: int, bq: int, bk: int, dtype: mx.Dtype) -> mx.array:
+    key = (id(mask) if isinstance(mask, mx.array) else mask, lq, lk, bq, bk, dtype)
+    if (hit := _masks.get(key)) is not None and hit[0] is mask:
+        return hit[1]
+    neg = mx.array(-float("inf"), dtype)
+    if isinstance(mask, mx.array):  # one row's own mask (`fuses`): bool, or added to scores
+        m = mask.reshape(lq, lk)
+        added = mx.where(m, mx.array(0, dtype), neg) if m.dtype == mx.bool_ else m.astype(dtype)
+    elif mask is not None:  # causal: the queries are the last lq positions of the keys
+        added = mx.where(mx.arange(lk - lq, lk)[:, None] >= mx.arange(lk)[None], 0, neg)
+    else:
+        added = mx.zeros((lq, lk), dtype)
+    added = mx.pad(added.astype(dtype), [(0, 0), (0, bk - lk)], constant_values=neg)
+    tail = mx.where(mx.arange(bk) < lk, mx.array(0, dtype), neg)  # padded queries: real keys
+    added = mx.concatenate([added, mx.broadcast_to(tail, (bq - lq, bk))], axis=0)[None, None]
+    _masks.clear()
+    _masks[key] = (mask, added)
+    return added
+
+
+def _unfused(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None, **extra: Any
+) -> mx.array:
+    """The ops MLX's fallback runs (mlx/fast.cpp): scaled queries, scores, the mask, a precise
+    softmax, the values; query heads grouped over their key head."""
+    b, heads, lq, d = q.shape
+    kv_heads, lk = k.shape[1], k.shape[2]
+    rep = heads // kv_heads
+    q = q * mx.array(scale, q.dtype)
+    if rep > 1:
+        q = q.reshape(b, kv_heads, rep, lq, d)
+        k, v = k[:, :, None], v[:, :, None]
+    scores = q @ k.swapaxes(-1, -2)
+    if isinstance(mask, str):  # causal: the queries are the last lq positions of the keys
+        mask = mx.arange(lk - lq, lk)[:, None] >= mx.arange(lk)[None]
+    if mask is not None:
+        if rep > 1 and mask.ndim >= 3:
+            mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(-float("inf"), scores.dtype))
+        else:
+            scores = scores + mask
+    out = mx.softmax(scores, axis=-1, precise=True) @ v
+    return out.reshape(b, heads, lq, -1) if rep > 1 else out
+
+
 def _sdpa(
     q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None, **extra: Any
 ) -> mx.array:
     """The caller's other arguments (sinks, stream) pass through as they came."""
     lq, lk = q.shape[2], k.shape[2]
-    step = blocks(q, k) if lq > 1 else lq
-    if step >= lq or not (mask is None or isinstance(mask, (str, mx.array))):
+    if lq == 1:
         return _inner(q, k, v, scale=scale, mask=mask, **extra)
+    if fuses(q, k, v, mask, extra):
+        return _padded(q, k, v, scale=scale, mask=mask, **extra)
+    # Under cuDNN, the short calls MLX would give it take the fallback's ops here instead.
+    call = _unfused if _fused and "sinks" not in extra and "stream" not in extra else _inner
+    step = blocks(q, k)
+    if step >= lq or not (mask is None or isinstance(mask, (str, mx.array))):
+        return call(q, k, v, scale=scale, mask=mask, **extra)
     out: list[mx.array] = []
     for a in range(0, lq, step):
         b = min(a + step, lq)
@@ -46,19 +152,26 @@ def _sdpa(
             qb = mx.depends(qb, out[-1])
         if isinstance(mask, str):  # causal: queries are the last lq positions of the keys
             end = lk - lq + b
-            part = _inner(qb, k[:, :, :end], v[:, :, :end], scale=scale, mask=mask, **extra)
+            part = call(qb, k[:, :, :end], v[:, :, :end], scale=scale, mask=mask, **extra)
         else:
             m = mask[..., a:b, :] if mask is not None and mask.shape[-2] > 1 else mask
-            part = _inner(qb, k, v, scale=scale, mask=m, **extra)
+            part = call(qb, k, v, scale=scale, mask=m, **extra)
         out.append(part)
     return mx.concatenate(out, axis=2)
+
+
+def cudnn_on() -> bool:
+    """Whether MLX's CUDA backend will use cuDNN's attention here (it reads the variable once)."""
+    on_gpu = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return on_gpu and os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1") != "0"
 
 
 def install() -> None:
     """Route every attention call through the wrapper (once per process, over whatever is
     installed already: runner/fast/attention.py's decode kernel stays in front of MLX's)."""
-    global _inner
+    global _inner, _fused
     if _inner is not None:
         return
     _inner = mx.fast.scaled_dot_product_attention
+    _fused = cudnn_on()
     mx.fast.scaled_dot_product_attention = _sdpa

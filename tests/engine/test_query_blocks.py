@@ -63,3 +63,62 @@ def test_the_peak_memory_of_a_long_prefill_is_bounded(monkeypatch: pytest.Monkey
     monkeypatch.setattr(query_blocks, "MAX_SCORE_BYTES", 16 << 20)
     blocked = peak()
     assert whole >= 512 << 20 and blocked < whole / 4
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "additive", None])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_the_unfused_ops_equal_mlx_attention(mask: str | None, heads: tuple[int, int]) -> None:
+    """Under cuDNN, short prefill calls take `_unfused`: the same values as MLX's attention
+    (on the CPU, MLX's fallback), query heads grouped over key heads included."""
+    query_blocks.install()
+    mx.random.seed(1)
+    q = mx.random.normal((2, heads[0], 23, 16))
+    k, v = (mx.random.normal((2, heads[1], 40, 16)) for _ in range(2))
+    m: object = mask
+    if mask == "bool":
+        m = mx.random.uniform(shape=(2, 1, 23, 40)) > 0.3
+    elif mask == "additive":
+        m = mx.random.normal((2, 1, 23, 40))
+    got = query_blocks._unfused(q, k, v, scale=0.25, mask=m)
+    want = query_blocks._inner(q, k, v, scale=0.25, mask=m)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+
+def test_only_long_half_precision_calls_are_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(query_blocks, "_fused", True)
+    monkeypatch.setattr(query_blocks, "FUSED_PAIRS", 1000)
+    k = v = mx.zeros((1, 2, 100, 64), mx.bfloat16)
+
+    def fuses(lq: int, dtype: mx.Dtype = mx.bfloat16, **extra: object) -> bool:
+        q = mx.zeros((1, 2, lq, 64), dtype)
+        return query_blocks.fuses(q, k, v, "causal", extra)
+
+    assert fuses(10) and fuses(100)
+    assert not fuses(9)  # 900 pairs
+    assert not fuses(1)  # decode: MLX's own kernels
+    assert not fuses(20, mx.float32)  # cuDNN takes half precision only
+    assert not fuses(20, sinks=mx.zeros(2))
+    monkeypatch.setattr(query_blocks, "_fused", False)
+    assert not fuses(100)
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "additive", None])
+def test_a_bucketed_call_equals_the_call(monkeypatch: pytest.MonkeyPatch, mask: str | None) -> None:
+    """A long one-row call padded to its bucket shape (queries and keys, the padding masked
+    out) gives the call's own values; padded queries never see only masked keys (no NaN)."""
+    query_blocks.install()
+    monkeypatch.setattr(query_blocks, "QUERY_BUCKET", 16)
+    monkeypatch.setattr(query_blocks, "KEY_BUCKET", 32)
+    mx.random.seed(2)
+    q = mx.random.normal((1, 4, 23, 16))
+    k, v = (mx.random.normal((1, 2, 50, 16)) for _ in range(2))
+    m: object = mask
+    if mask == "bool":
+        m = mx.random.uniform(shape=(1, 1, 23, 50)) > 0.3
+    elif mask == "additive":
+        m = mx.random.normal((1, 1, 23, 50))
+    got = query_blocks._padded(q, k, v, scale=0.25, mask=m)
+    assert query_blocks.bucket(23, 16) == 24 and query_blocks.bucket(50, 32) == 64
+    want = query_blocks._inner(q, k, v, scale=0.25, mask=m)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
