@@ -89,6 +89,12 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
             read_adapter(path)
         except AdapterError as e:
             raise SystemExit(f"omlx-logprobs serve: error: --lora {name}: {e}") from None
+    if cfg.engine.draft_model is not None:  # before any weights load: the tokenizers alone
+        from omlx_logprobs.models.draft import draft_refusal
+
+        why = draft_refusal(cfg.model, cfg.engine.draft_model)
+        if why is not None:
+            raise SystemExit(f"omlx-logprobs serve: error: --draft-model: {why}")
     try:
         pool = ModelPool(
             model_slots(cfg),
