@@ -16,7 +16,7 @@ SOAK_SECONDS ?= 120
 VF_VENV := .venv-verifiers
 VF_PY := $(VF_VENV)/bin/python
 
-.PHONY: install verifiers-venv browser serve test integration check lint types bench fuzz soak distributed rl-example clean
+.PHONY: install verifiers-venv browser serve test integration check lint types bench fuzz soak distributed speculation rl-example clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,11 @@ fuzz: install
 
 soak: install
 	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/reliability/test_soak.py
+
+# Speculative decoding, every test: the chi-square tests of sampled outputs against the
+# scripted model's known distribution are behind @pytest.mark.slow (~40 s).
+speculation: install
+	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/engine/test_speculation.py
 
 # A model split over two processes (mlx.launch, ring over loopback), every test: the pipeline
 # family's is behind @pytest.mark.slow (docs/distributed.md).

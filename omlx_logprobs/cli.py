@@ -46,9 +46,11 @@ MLX_ENVIRONMENT = {
     # direct launches ran top-20 steps ~12% faster. If turned back on: 64 kept.
     "MLX_USE_CUDA_GRAPHS": "0",
     "MLX_CUDA_GRAPH_CACHE_SIZE": "64",
-    # cuDNN's attention builds a graph per new shape (60-80 ms, every stream waiting): it takes
-    # long prefills only, padded to a few shapes (runner/query_blocks.py); 64 plans kept.
-    "MLX_CUDA_USE_CUDNN_SDPA": "1",
+    # cuDNN's attention builds a graph per new shape (60-250 ms, every stream waiting). Turned
+    # on, it takes long one-row prefills only, padded to a few shapes (runner/query_blocks.py):
+    # cold 21k-token prompts ran 7-11% faster, but conversation turns met new shapes and ran
+    # slower (docs/benchmarks.md, "Long conversations"). 64 plans kept if on.
+    "MLX_CUDA_USE_CUDNN_SDPA": "0",
     "MLX_CUDA_SDPA_CACHE_SIZE": "64",
     # With bounded caches MLX would raise after 2x capacity misses in total.
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
@@ -87,6 +89,12 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
             read_adapter(path)
         except AdapterError as e:
             raise SystemExit(f"omlx-logprobs serve: error: --lora {name}: {e}") from None
+    if cfg.engine.draft_model is not None:  # before any weights load: the tokenizers alone
+        from omlx_logprobs.models.draft import draft_refusal
+
+        why = draft_refusal(cfg.model, cfg.engine.draft_model)
+        if why is not None:
+            raise SystemExit(f"omlx-logprobs serve: error: --draft-model: {why}")
     try:
         pool = ModelPool(
             model_slots(cfg),

@@ -38,6 +38,15 @@ class EngineConfig:
     # "pipeline"; distributed/distributed.py), and how long rank 0 waits for the others at most.
     parallel: str | None = None
     group_timeout_s: float = 60.0
+    # Speculative decoding (runner/speculation.py, docs/specs/speculation.md): "off",
+    # "prediction" (rows whose request sent a prediction), "lookup" (those, and every row
+    # from n-grams of its own prompt and output) or "draft" (a prediction, else the draft
+    # model's); drafts per step; the largest batch that speculates (beyond it a step is no
+    # longer bound by the host).
+    speculate: str = "prediction"
+    num_draft_tokens: int = 8
+    speculate_max_batch: int = 4
+    draft_model: str | None = None  # "draft": a local model directory sharing the tokenizer
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -48,6 +57,14 @@ class EngineConfig:
             raise ValueError("prefill_delay_ms must be in [0, 10000]")
         if self.max_top_logprobs < -1:
             raise ValueError("max_logprobs must be -1 (the vocabulary) or >= 0")
+        if self.speculate not in ("off", "prediction", "lookup", "draft"):
+            raise ValueError("speculate must be off, prediction, lookup or draft")
+        if (self.speculate == "draft") != (self.draft_model is not None):
+            raise ValueError("--speculate draft goes with --draft-model, and only it")
+        if not 1 <= self.num_draft_tokens <= 64:
+            raise ValueError("num_draft_tokens must be in [1, 64]")
+        if self.speculate_max_batch < 1:
+            raise ValueError("speculate_max_batch must be >= 1")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}")
         if self.max_model_len is not None and self.max_model_len < 1:

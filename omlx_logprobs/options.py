@@ -205,6 +205,36 @@ def _add_batching(s: argparse.ArgumentParser) -> None:
         " a quarter of the memory left after the weights, at most 16384)",
     )
     g.add_argument(
+        "--speculate",
+        choices=("off", "prediction", "lookup", "draft"),
+        default=None,
+        help="speculative decoding, whose tokens and logprobs are exactly the model's own"
+        " (docs/specs/speculation.md): 'prediction' drafts from a chat request's `prediction`"
+        " (OpenAI's Predicted Outputs), 'lookup' also from n-grams of each request's own"
+        " prompt and output, 'draft' from the prediction, else --draft-model's argmax; 'off'"
+        " never (default: draft with --draft-model, else prediction)",
+    )
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        help="a small model sharing the served model's tokenizer (a local mlx-lm directory,"
+        " or whatever --model takes) that drafts tokens for the served model to verify;"
+        " refused at start-up if its vocabulary differs",
+    )
+    g.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=EngineConfig.num_draft_tokens,
+        help="draft tokens verified per speculative step (default: %(default)s)",
+    )
+    g.add_argument(
+        "--speculate-max-batch",
+        type=int,
+        default=EngineConfig.speculate_max_batch,
+        help="the largest decoding batch that speculates: beyond it a step is no longer bound"
+        " by the host, and verifying drafts costs more than it saves (default: %(default)s)",
+    )
+    g.add_argument(
         "--kv-cache-dir",
         default=None,
         help="a folder (on an SSD) where the prefix cache keeps what its memory evicts, and at"
@@ -327,6 +357,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             dtype=args.dtype,
             prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
             group_timeout_s=args.group_timeout_s,
+            speculate=args.speculate or ("draft" if args.draft_model else "prediction"),
+            draft_model=args.draft_model,
+            num_draft_tokens=args.num_draft_tokens,
+            speculate_max_batch=args.speculate_max_batch,
         ),
         limits=Limits(
             max_body_bytes=args.max_body_bytes,

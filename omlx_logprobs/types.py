@@ -121,6 +121,9 @@ class SamplingParams:
     # Constrained decoding: every sampled token keeps the output a prefix of the grammar's
     # language; EOS only once it is complete (a token mask with the others).
     constraint: Constraint | None = None
+    # OpenAI's Predicted Outputs: the ids of the text the client expects, drafts that the model
+    # verifies (runner/speculation.py); they never change what is sampled.
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -418,6 +421,9 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     reasoning_tokens: int = 0
     tool_tokens: int = 0
+    # Prediction tokens the model accepted as drafts, and those it rejected (OpenAI's usage).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     weight_version: WeightVersion = INITIAL_WEIGHTS
     # Where the weights changed inside this choice's output (an update while it was paused in
     # place): (first token, version) from its first token on; empty when one version made it.

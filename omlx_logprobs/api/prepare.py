@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from omlx_logprobs.api import tools
 from omlx_logprobs.api.constraints import constraint_field
 from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.prediction import prediction_ids
 from omlx_logprobs.api.prompts import chat_prompt, completion_prompts, encode
 from omlx_logprobs.api.protocol import (
     ChatCompletionRequest,
@@ -126,6 +127,8 @@ def _chat(
     parsing = tools.tool_parsing(req, served.tool_format, tokenizer)
     prompt = _chat_prompt(req, served)
     params = sampling_params(ask, served, len(prompt), content)
+    if req.prediction is not None:
+        params = replace(params, prediction=prediction_ids(req.prediction, served.model))
     # tool_choice required or named, or a constraint beside tools: the calls' grammar
     constraint = tools.tool_constraint(req, parsing, tokenizer, content)
     if constraint is not content:

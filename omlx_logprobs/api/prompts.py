@@ -11,6 +11,7 @@ from omlx_logprobs.api.errors import APIError
 from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
 from omlx_logprobs.api.validation import RequestLimits
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.models.segments import segment_encoder
 
 MAX_PROMPTS = 256  # prompts in one completions request (lm-eval batches several)
 
@@ -76,8 +77,9 @@ def completion_prompts(
 
 
 def encode(model: LoadedModel, text: str, param: str, special: bool = False) -> list[int]:
-    """Token ids of text; a tokenizer that fails on it fails this request alone, as a 400."""
+    """Token ids of text; a tokenizer that fails on it fails this request alone, as a 400. Long
+    texts go by segments, whose ids are kept (models/segments.py: a resent conversation)."""
     try:
-        return list(model.tokenizer.encode(text, add_special_tokens=special))
+        return segment_encoder(model.tokenizer).encode(text, special)
     except Exception as e:
         raise APIError(f"The text could not be tokenized: {e}", param=param) from None

@@ -73,8 +73,8 @@ def usage(outs: list[RequestOutput], reasoning: bool = False) -> dict[str, Any]:
         "completion_tokens_details": {  # OpenAI's keys, always present
             "reasoning_tokens": sum(o.reasoning_tokens for o in outs) if reasoning else 0,
             "audio_tokens": 0,
-            "accepted_prediction_tokens": 0,
-            "rejected_prediction_tokens": 0,
+            "accepted_prediction_tokens": sum(o.accepted_prediction_tokens for o in outs),
+            "rejected_prediction_tokens": sum(o.rejected_prediction_tokens for o in outs),
         },
     }
 

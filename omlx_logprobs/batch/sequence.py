@@ -88,6 +88,9 @@ class Sequence:
         self.adapter_version: Any = None  # its name and load (types.AdapterVersion), if any
         # (first output token, weights) for each version its output met, when more than one
         self.weight_spans: list[tuple[int, Any]] = []
+        # Drafts from its prediction the target accepted and rejected (runner/speculation.py).
+        self.accepted_prediction_tokens = 0
+        self.rejected_prediction_tokens = 0
 
     @classmethod
     def of(cls, req: EngineRequest) -> Sequence:

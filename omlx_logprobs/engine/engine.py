@@ -31,6 +31,7 @@ from omlx_logprobs.engine.stats import EngineStats, StepStats
 from omlx_logprobs.runner.grammar import GrammarError, Grammars
 from omlx_logprobs.runner.lora import AdapterError
 from omlx_logprobs.runner.model_runner import ModelRunner
+from omlx_logprobs.runner.speculation import speculator
 from omlx_logprobs.runner.step import LaunchedStep
 from omlx_logprobs.runner.weights import WeightsError
 from omlx_logprobs.types import (
@@ -76,6 +77,7 @@ class Engine:
         self.runner = runner(
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
         )
+        self.runner.speculator = speculator(cfg, self.runner, vocab)
         if cfg.kv_cache_dir is not None:
             self.runner.attach_disk(cfg.kv_cache_dir, cfg.kv_cache_disk_mib)
         for name, path in adapters:  # --lora, or those loaded before a restart or a reload
@@ -252,8 +254,12 @@ class Engine:
 
     def _needs_history(self) -> bool:
         # Penalties read every earlier token, and a grammar's next mask follows from the last
-        # token, so the step in flight must be processed first.
-        return any(s.params.penalizes or s.grammar is not None for s in self.scheduler.running)
+        # token, so the step in flight must be processed first; so do drafts.
+        running = self.scheduler.running
+        spec = self.runner.speculator
+        if spec is not None and spec.wants(running):
+            return True
+        return any(s.params.penalizes or s.grammar is not None for s in running)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

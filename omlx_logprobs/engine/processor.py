@@ -176,6 +176,8 @@ class OutputProcessor:
             cached_tokens=seq.cached_tokens,
             reasoning_tokens=reasoning,
             tool_tokens=seq.num_output - tool_start,
+            accepted_prediction_tokens=seq.accepted_prediction_tokens,
+            rejected_prediction_tokens=seq.rejected_prediction_tokens,
             weight_version=seq.weight_spans[0][1] if seq.weight_spans else self.weights,
             weight_spans=tuple(seq.weight_spans),
             adapter=seq.adapter_version,

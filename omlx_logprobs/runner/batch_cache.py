@@ -25,6 +25,7 @@ from mlx_lm.models.cache import (
     CacheList,
     KVCache,
     RotatingKVCache,
+    dynamic_roll,
 )
 
 # mlx-lm's BatchKVCache allocates `step` (256) columns whenever it runs out: for short requests
@@ -187,6 +188,24 @@ class BatchCache:
         out = BatchCache([_copy(c) for c in self.layers], list(self.pads))
         out.filter(keep)
         return out
+
+    def rollback(self, unused: list[int]) -> None:
+        """Drop each row's last unused[i] columns (a speculative step's rejected positions;
+        plain KV layers only, runner/speculation.py): the columns every row drops are
+        trimmed, and a row that drops more is shifted right by the difference, which joins its
+        left padding (masked; mlx-lm's own right-padding `finalize` does the same)."""
+        common = min(unused)
+        shift = [u - common for u in unused]
+        moved = mx.array(shift) if any(shift) else None
+        for c in self._kv:
+            if common:
+                c.trim(common)
+            if moved is not None:
+                c.keys = dynamic_roll(c.keys, moved[:, None], axis=2)
+                c.values = dynamic_roll(c.values, moved[:, None], axis=2)
+                c.left_padding = c.left_padding + moved
+                c.offset = c.offset - moved
+        self.pads = [p + s for p, s in zip(self.pads, shift)]
 
     def filter(self, keep: list[int], align: int = 1) -> None:
         """Keep only these rows, and drop the padding columns every remaining row shares (a

@@ -54,6 +54,7 @@ from omlx_logprobs.runner.sampler import (
     step_key,
     token_mask,
 )
+from omlx_logprobs.runner.speculation import Speculator
 from omlx_logprobs.runner.step import DeviceTime, LaunchedStep, StepResult
 from omlx_logprobs.runner.weights import load_into
 from omlx_logprobs.types import AdapterChange, FinishReason
@@ -121,6 +122,7 @@ class ModelRunner:
         self.failed: list[tuple[Sequence, str]] = []
         self._disk: tuple[str, int] | None = None  # the disk tier's folder and size limit
         self.time = DeviceTime()
+        self.speculator: Speculator | None = None  # set by the engine (runner/speculation.py)
         # On a GPU a decode step's masked attention is one kernel (attention.py), before the
         # probe below compares the batch with each row alone.
         if attention.install():
@@ -210,6 +212,9 @@ class ModelRunner:
     def launch(self, work: SchedulerOutput) -> LaunchedStep | None:
         """Queue one step on the device and return at once."""
         assert [s.seq_id for s in work.decode] == [s.seq_id for s in self.rows]
+        if self.speculator is not None and not work.prefill:
+            if (spec := self.speculator.launch(self)) is not None:
+                return spec
         parts: list[mx.array] = []
         seqs: list[Sequence] = []
         if self.rows:
@@ -617,6 +622,11 @@ class ModelRunner:
     def collect(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step; one copy of its small arrays to the host."""
         t0 = time.perf_counter()
+        if step.spec is not None:
+            assert self.speculator is not None
+            result = self.speculator.collect(self, step, step.spec)
+            self.time.read_s += time.perf_counter() - t0
+            return result
         if step.sampled is not None:
             tokens, finite, logprobs = step.sampled.to_host()
         else:

@@ -4,6 +4,7 @@ what `ModelRunner.collect` read back for the output processor, and the host time
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -34,11 +35,13 @@ class LaunchedStep:
     sampled: PendingStep | None  # None: the step sampled nothing (prompts only)
     prompt: list[PendingPrompts] = field(default_factory=list)  # scored prompt positions
     prompt_only: list[Sequence] = field(default_factory=list)  # prefilled with max_tokens 0
+    spec: Any = None  # a speculative step's drafts (runner/speculation.py's SpecStep)
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """One step's sampled tokens; row i belongs to seqs[i]."""
+    """One step's sampled tokens; row i belongs to seqs[i] (after a speculative step a
+    sequence has a row per token it emits, in order)."""
 
     seqs: list[Sequence]
     token_ids: np.ndarray  # [B] int

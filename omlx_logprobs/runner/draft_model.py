@@ -1,0 +1,71 @@
+"""Drafts from a small model that shares the served model's tokenizer (`--draft-model`).
+
+Each speculating row has its own one-row cache in the draft model, holding the ids it was fed.
+A proposal first brings that cache to the row's prompt and output (trimming what the target
+rejected since, feeding what is new), then takes the draft model's argmax k times, lazily, with
+one read at the end. Its drafts are deterministic (a one-hot draft distribution), so the target
+verifies them with the same test as a prediction's (runner/speculation.py)."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from omlx_logprobs.runner.batch_cache import kinds
+
+__all__ = ["DraftModel"]
+
+
+class _RowCache:
+    def __init__(self, model: Any) -> None:
+        self.layers = make_prompt_cache(model)
+        self.fed: list[int] = []  # the ids whose keys and values the layers hold, in order
+        self.sure = 0  # of those, how many were the row's own (not drafts) when last fed
+
+
+class DraftModel:
+    def __init__(self, model: Any, vocab_size: int) -> None:
+        found = kinds(make_prompt_cache(model))
+        if found != ["KVCache"]:
+            raise ValueError(
+                f"the draft model's caches ({', '.join(found)}) cannot drop rejected positions:"
+                " a draft model needs plain attention layers"
+            )
+        self.model = model
+        self.vocab_size = vocab_size  # the served model's: a draft past it is never proposed
+        self._rows: dict[int, _RowCache] = {}
+
+    def forget(self, live: set[int]) -> None:
+        """Drop the caches of rows that are gone."""
+        for gone in [i for i in self._rows if i not in live]:
+            del self._rows[gone]
+
+    def propose(self, seq_id: int, context: list[int], k: int) -> list[int]:
+        """Up to k greedy tokens of the draft model after `context` (the row's prompt and
+        output)."""
+        row = self._rows.get(seq_id)
+        if row is None:
+            row = self._rows[seq_id] = _RowCache(self.model)
+        same = row.sure  # drafts after it may have been rejected since
+        for a, b in zip(row.fed[same:], context[same:]):
+            if a != b:
+                break
+            same += 1
+        same = min(same, len(context) - 1)  # the last token is fed again: its logits are needed
+        if same < len(row.fed):
+            for c in row.layers:
+                c.trim(len(row.fed) - same)
+        new = context[same:]
+        logits = self.model(mx.array([new]), cache=row.layers)[:, -1, :]
+        token = mx.argmax(logits, axis=-1)
+        out = [token]
+        for _ in range(k - 1):
+            logits = self.model(token[:, None], cache=row.layers)[:, -1, :]
+            token = mx.argmax(logits, axis=-1)
+            out.append(token)
+        drafts = cast(list[int], mx.concatenate(out).tolist())
+        row.fed, row.sure = context + drafts[:-1], len(context)
+        cut = next((i for i, t in enumerate(drafts) if t >= self.vocab_size), len(drafts))
+        return drafts[:cut]

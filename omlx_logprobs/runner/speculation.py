@@ -1,0 +1,329 @@
+"""Speculative decoding whose every emitted token and logprob entry is the target model's own
+(docs/specs/speculation.md).
+
+A speculative step feeds each decoding row `[last token, d1..dK]` through the target in one
+forward (rows padded to the step's K; a row without a draft pads too). Each of the K+1 positions
+is then processed exactly as a plain step would process it with the drafts before it taken as
+sampled: the token mask (grammar, min_tokens, bad words), logit bias and penalties over the
+extended history, temperature and truncation, and the sample itself with the key of that
+position's step (`step_key(seed, num_sampled + j, choice)`). A draft token is accepted while it
+equals the target's own sample at its position; the first position where they differ emits the
+target's sample, as does the position after the last draft (the bonus token).
+
+Drafts here are deterministic (a prediction, prompt lookup): for a one-hot draft distribution
+this is rejection sampling exactly (accept d with probability p(d); on rejection, p with d
+removed), and more: with a seed, the output is the very one the request gets without
+speculation, since every position draws with the same key from the same distribution. Every
+emitted token's entries come from the same extraction over the same logits as a plain step's.
+
+The step is synchronous: drafts follow from the last processed token, so the engine processes
+the step in flight before launching one (Engine._needs_history), and the rows' rejected
+positions leave the KV cache when it is collected (BatchCache.rollback).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import llguidance.numpy as lln
+import mlx.core as mx
+import numpy as np
+
+from omlx_logprobs.batch.sequence import Sequence
+from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.models.draft import vocabulary_mismatch
+from omlx_logprobs.models.loader import load_model
+from omlx_logprobs.runner.batch_cache import kinds
+from omlx_logprobs.runner.draft_model import DraftModel
+from omlx_logprobs.runner.drafts import RowDrafts
+from omlx_logprobs.runner.grammar import open_ended
+from omlx_logprobs.runner.sampler import (
+    MaskState,
+    apply_processors,
+    sample,
+    sampling_logits,
+    step_key,
+    token_mask,
+)
+from omlx_logprobs.runner.step import LaunchedStep, StepResult
+from omlx_logprobs.types import Entries
+from omlx_logprobs.vocab import Vocabulary
+
+if TYPE_CHECKING:
+    from omlx_logprobs.runner.model_runner import ModelRunner
+
+__all__ = ["MODES", "SpecStep", "Speculator", "speculator", "unsupported"]
+
+log = logging.getLogger("omlx_logprobs")
+
+MODES = ("off", "prediction", "lookup", "draft")
+# A row keeps drafting while its running mean of tokens emitted per verify step stays at or
+# above a verify step's cost in plain steps (8 drafts, one row, 1k context; docs/benchmarks.md,
+# "Speculation", bench/experiments/verify_cost.py). On MLX's CPU backend the forward is compute
+# bound: 9 positions cost 2.7 plain steps. On a GPU one row's step reads the weights whatever
+# its width: to be measured there (an estimate until then).
+CPU_BREAK_EVEN = 2.7
+GPU_BREAK_EVEN = 1.3
+# Below it, the row decodes plainly for this many steps, doubled at each further miss.
+COOLDOWN, MAX_COOLDOWN = 4, 256
+EMA = 0.3  # the weight of the last verify step in that mean
+# A row whose sources found no draft this many steps running rests as well.
+MAX_MISSES = 8
+
+
+def unsupported(templates: list[Any]) -> str | None:
+    """Why this model's caches cannot speculate (None: they can): rejected positions leave a
+    plain KV cache by trimming; a sliding window or a recurrent state cannot give them back."""
+    found = kinds(templates)
+    if found != ["KVCache"]:
+        return f"its caches ({', '.join(found)}) cannot drop rejected positions"
+    return None
+
+
+def speculator(cfg: EngineConfig, runner: ModelRunner, vocab: Vocabulary) -> Speculator | None:
+    """The runner's speculator as configured, or None (off, or a model that cannot); a draft
+    model that does not share the served model's tokenizer is a ValueError."""
+    if cfg.speculate == "off":
+        return None
+    why = unsupported(runner.templates)
+    if why is None and not runner.compiles:
+        why = "its runner is split over processes"
+    if why is not None:
+        log.info("speculative decoding off for this model: %s", why)
+        return None
+    draft = None
+    if cfg.draft_model is not None:
+        loaded = load_model(cfg.draft_model, dtype=cfg.dtype)
+        bad = vocabulary_mismatch(vocab, loaded.vocab, len(loaded.tokenizer))
+        if bad is not None:
+            raise ValueError(f"--draft-model {cfg.draft_model}: {bad}")
+        draft = DraftModel(loaded.model, len(vocab))
+        log.info("draft model: %s", cfg.draft_model)
+    spec = Speculator(cfg.speculate, cfg.num_draft_tokens, cfg.speculate_max_batch, draft)
+    spec.break_even = GPU_BREAK_EVEN if runner.overlaps else CPU_BREAK_EVEN
+    return spec
+
+
+@dataclass(frozen=True)
+class SpecStep:
+    """What a speculative step's collection needs: each row's drafts, the padded width K, and
+    which rows drafted from their prediction."""
+
+    drafts: list[list[int]]
+    width: int
+    predicted: list[bool]
+
+
+@dataclass
+class _Row:
+    drafts: RowDrafts
+    mean: float  # tokens emitted per verify step, running
+    pause: int = 0  # plain steps left before it drafts again
+    cooldown: int = COOLDOWN
+    misses: int = 0  # steps in a row with no draft found
+
+    def rest(self) -> None:
+        """Decode plainly for a while (on a GPU with the step overlap back), longer each time."""
+        self.pause, self.cooldown = self.cooldown, min(2 * self.cooldown, MAX_COOLDOWN)
+        self.misses = 0
+
+
+class Speculator:
+    def __init__(
+        self, mode: str, num_draft: int, max_batch: int, draft: DraftModel | None = None
+    ) -> None:
+        assert mode in MODES[1:] and (mode == "draft") == (draft is not None)
+        self.lookup = mode == "lookup"
+        self.k = num_draft
+        self.max_batch = max_batch
+        self.draft = draft
+        self.break_even = CPU_BREAK_EVEN
+        self._rows: dict[int, _Row] = {}
+
+    def _may(self, s: Sequence) -> bool:
+        return self.lookup or self.draft is not None or bool(s.params.prediction)
+
+    def wants(self, running: list[Sequence]) -> bool:
+        """Whether the next step may speculate (then the step in flight is processed first)."""
+        if not 0 < len(running) <= self.max_batch:
+            return False
+        return any(self._may(s) and not self._resting(s) for s in running)
+
+    def _resting(self, s: Sequence) -> bool:
+        row = self._rows.get(s.seq_id)
+        return row is not None and row.pause > 0
+
+    def _row(self, s: Sequence) -> _Row:
+        row = self._rows.get(s.seq_id)
+        if row is None:
+            drafts = RowDrafts(s.prompt_ids, s.params.prediction, self.lookup)
+            row = self._rows[s.seq_id] = _Row(drafts, float(self.k + 1))
+        return row
+
+    def _draft(self, s: Sequence) -> tuple[list[int], bool]:
+        if not self._may(s) or open_ended(s.params.constraint):
+            return [], False
+        row = self._row(s)
+        if row.pause > 0:
+            return [], False
+        # Emitted tokens never pass max_tokens: K drafts emit at most K + 1.
+        k = min(self.k, s.params.max_tokens - s.num_sampled - 1)
+        drafts, predicted = row.drafts.draft(s.prompt_ids, s.output_ids, k)
+        if not drafts and self.draft is not None and k > 0:
+            drafts = self.draft.propose(s.seq_id, s.prompt_ids + s.output_ids.tolist(), k)
+        row.misses = 0 if drafts or k <= 0 else row.misses + 1
+        if row.misses >= MAX_MISSES:
+            row.rest()
+        return drafts, predicted
+
+    def launch(self, runner: ModelRunner) -> LaunchedStep | None:
+        """A speculative step for the decoding rows, queued; None where a plain step is due (a
+        large batch, a step not processed yet, no row with a draft)."""
+        rows = runner.rows
+        if not 0 < len(rows) <= self.max_batch:
+            return None
+        for s in rows:  # a resting row's pause counts steps, plain ones included
+            row = self._rows.get(s.seq_id)
+            if row is not None and row.pause > 0:
+                row.pause -= 1
+        if any(s.num_sampled != len(s.output_ids) for s in rows):
+            return None
+        live = {s.seq_id for s in rows}
+        for gone in [i for i in self._rows if i not in live]:
+            del self._rows[gone]
+        if self.draft is not None:
+            self.draft.forget(live)
+        made = [self._draft(s) for s in rows]
+        drafts = [d for d, _ in made]
+        if not any(drafts):
+            return None
+        _grammar_trim(rows, drafts)
+        width = max(len(d) for d in drafts)
+        if width == 0:
+            return None
+        bits = _grammar_bits(rows, drafts, width, runner.vocab_size)
+        n = width + 1
+        inputs = [[s.output_ids[-1], *d, *[s.output_ids[-1]] * (width - len(d))]
+                  for s, d in zip(rows, drafts)]  # fmt: skip
+        cache = runner.batch_cache
+        assert cache is not None
+        if runner.tight_cache:
+            cache.reserve(max(s.to_write for s in rows), n)
+        runner.adapters.select_rows(rows)
+        logits = runner.model(mx.array(inputs), cache=cache.layers)
+        raw = logits.reshape(len(rows) * n, logits.shape[-1]).astype(mx.float32)
+        params = [s.params for s in rows for _ in range(n)]
+        states, histories, keys = _positions(rows, drafts, n)
+        masked = token_mask(raw, params, states, runner.stop_ids, None, bits)
+        processed = apply_processors(masked, params, histories)
+        dist = sampling_logits(processed, params)
+        tokens = sample(processed, dist, params, keys)
+        pending = runner.extractor.step(tokens, raw, dist, params)
+        runner._queue(tokens, *pending.arrays())
+        spec = SpecStep(drafts, width, [p for _, p in made])
+        return LaunchedStep(list(rows), pending, spec=spec)
+
+    def collect(self, runner: ModelRunner, step: LaunchedStep, spec: SpecStep) -> StepResult:
+        """The accepted drafts and each row's next token, as one result row per emitted token
+        (a row's tokens in order); rejected positions leave the cache."""
+        assert step.sampled is not None
+        tokens, finite, entries = step.sampled.to_host()
+        n = spec.width + 1
+        picked: list[int] = []
+        seqs: list[Sequence] = []
+        unused: list[int] = []
+        last: list[int] = []
+        for i, s in enumerate(step.seqs):
+            d, base = spec.drafts[i], i * n
+            m = 0
+            while m < len(d) and finite[base + m] and tokens[base + m] == d[m]:
+                m += 1
+            picked += range(base, base + m + 1)
+            seqs += [s] * (m + 1)
+            unused.append(spec.width - m)
+            last.append(int(tokens[base + m]))
+            s.num_sampled += m + 1
+            if d:
+                self._score(s, m + 1)
+                if spec.predicted[i]:
+                    s.accepted_prediction_tokens += m
+                    s.rejected_prediction_tokens += len(d) - m
+        assert runner.batch_cache is not None
+        runner.batch_cache.rollback(unused)
+        runner.last_tokens = mx.array(last, dtype=mx.int32)
+        runner.last_seqs, runner._last_rows = list(step.seqs), None
+        sel = np.array(picked, dtype=np.int64)
+        lp = None if entries is None else Entries(*(a[sel] for a in entries.arrays()))
+        return StepResult(seqs, tokens[sel], finite[sel], lp)
+
+    def _score(self, s: Sequence, emitted: int) -> None:
+        """The per-row off rule: a row whose drafts stop paying pauses, longer each time."""
+        row = self._rows.get(s.seq_id)
+        if row is None:
+            return
+        row.mean = (1 - EMA) * row.mean + EMA * emitted
+        if row.mean >= self.break_even:
+            row.cooldown = COOLDOWN
+            return
+        row.rest()
+        row.mean = self.break_even  # a fresh start after the pause
+
+
+def _positions(
+    rows: list[Sequence], drafts: list[list[int]], n: int
+) -> tuple[list[MaskState], list[tuple[Any, Any]], list[mx.array | None]]:
+    """Each flat position's mask state, penalty history and sampling key: the row's state with
+    the drafts before that position taken as sampled."""
+    states: list[MaskState] = []
+    histories: list[tuple[Any, Any]] = []
+    keys: list[mx.array | None] = []
+    for s, d in zip(rows, drafts):
+        p = s.params
+        longest = max((len(w) for w in p.bad_words_ids), default=1)
+        tail = s.output_ids[-longest:].tolist() if p.masks else []
+        output = s.output_ids.tolist() if p.penalizes else []
+        for j in range(n):
+            ahead = d[: min(j, len(d))]
+            states.append(MaskState(s.num_sampled + j, tail + ahead, False))
+            histories.append((s.prompt_ids, output + ahead) if p.penalizes else ((), ()))
+            keys.append(step_key(p.seed, s.num_sampled + j, s.choice_index))
+    return states, histories, keys
+
+
+def _grammar_trim(rows: list[Sequence], drafts: list[list[int]]) -> None:
+    """A constrained row's draft ends (in place) before the first token its grammar refuses
+    there: the target could never sample it."""
+    for s, d in zip(rows, drafts):
+        m = s.grammar
+        if m is not None and d:
+            del d[0 if m.is_error() else m.validate_tokens(d) :]
+
+
+def _grammar_bits(
+    rows: list[Sequence], drafts: list[list[int]], width: int, vocab: int
+) -> np.ndarray | None:
+    """Each flat position's allowed-token bitmask (runner/grammar.py's layout): a copy of a
+    constrained row's matcher is advanced over its drafts (all valid: `_grammar_trim`) to read
+    each position's mask; the output processor advances the row's own by what is accepted.
+    (Not consume-then-rollback: after a rollback inside a string with a maxLength, llguidance
+    0.x allowed a token it then refused; tests/engine/test_speculation.py caught it.)"""
+    if not any(s.grammar is not None for s in rows):
+        return None
+    n = width + 1
+    bits = lln.allocate_token_bitmask(len(rows) * n, vocab)
+    for i, (s, d) in enumerate(zip(rows, drafts)):
+        m = s.grammar
+        if m is None or m.is_error():
+            continue
+        if open_ended(s.params.constraint) and m.is_accepting():
+            continue  # complete and open-ended: every token (its drafts are none)
+        if d:
+            m = m.deep_copy()
+        for j in range(len(d) + 1):
+            lln.fill_next_token_bitmask(m, bits, i * n + j)
+            if j < len(d):
+                m.consume_token(d[j])
+    bits[~bits.any(axis=1)] = -1  # rows without a grammar, and padding: every token
+    return bits

@@ -1,0 +1,383 @@
+"""Speculative decoding (runner/speculation.py): every emitted token and every logprob field is
+the one the same request gets without speculation, on several families, greedy and seeded;
+cuts (stops, grammars, max_tokens) inside an accepted draft; and unseeded samples follow the
+target's distribution whatever the draft (a chi-square test on a scripted model)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.models.loader import LoadedModel, load_model
+from omlx_logprobs.models.scripted import ALT_STRIDE
+from omlx_logprobs.runner.batch_cache import BatchCache
+from omlx_logprobs.runner.drafts import NgramIndex, RowDrafts
+from omlx_logprobs.runner.speculation import Speculator
+from omlx_logprobs.types import (
+    FinishReason,
+    LogprobsMode,
+    RequestOutput,
+    SamplingParams,
+)
+from tests.engine.test_families import built
+from tests.engine.test_structured import PET
+from tests.helpers.engine import Record, encode, run_engine
+from tests.helpers.scripted import write_description
+
+OFF = EngineConfig(speculate="off")
+PREDICT = EngineConfig(speculate="prediction", speculate_max_batch=8)
+LOOKUP = EngineConfig(speculate="lookup", speculate_max_batch=8)
+FIELDS = ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
+
+
+@pytest.fixture
+def verified(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Tokens emitted by speculative steps, counted as they are collected."""
+    counts: list[int] = []
+    collect = Speculator.collect
+
+    def counting(self: Speculator, runner: Any, step: Any, spec: Any) -> Any:
+        result = collect(self, runner, step, spec)
+        counts.append(len(result.seqs))
+        return result
+
+    monkeypatch.setattr(Speculator, "collect", counting)
+    return counts
+
+
+def same(a: Record, b: Record) -> None:
+    """Two runs of one request: the same tokens, finish and entries (float rounding apart:
+    a verify forward computes a position among others, a plain step alone)."""
+    assert list(a.output_ids) == list(b.output_ids)
+    assert a.finish_reason is b.finish_reason and a.error is None and b.error is None
+    if a.store is None:
+        assert b.store is None
+        return
+    assert b.store is not None
+    for f in FIELDS:
+        x, y = getattr(a.store.entries, f), getattr(b.store.entries, f)
+        assert x.shape == y.shape, f
+        if f in ("logprobs", "top_logprobs"):
+            np.testing.assert_allclose(x, y, atol=1e-4, rtol=0)
+        elif f == "ranks":
+            # A sampled token deep in the tail sits among near-equal logprobs: float rounding
+            # moves its rank by the few within ~1e-5 of it (never near the top).
+            bad = np.flatnonzero(x != y)
+            assert (np.abs(x - y)[bad] <= 3).all() and (x[bad] > 20).all(), (x[bad], y[bad])
+        else:
+            assert np.array_equal(x, y), f
+
+
+def text(outs: list[RequestOutput]) -> str:
+    return "".join(o.text for o in outs)
+
+
+def predicted(rec: Record, edit_at: int = 10) -> tuple[int, ...]:
+    """The plain run's output with a few tokens replaced in the middle: an edited file."""
+    out = list(rec.output_ids)
+    return tuple(out[:edit_at] + [11, 12, 13] + out[edit_at + 2 :])
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3"])
+def test_greedy_tokens_and_entries_equal_the_plain_run(
+    name: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, verified: list[int]
+) -> None:
+    model = built(name, tmp_path_factory, tokenizer_dir)
+    prompts = [
+        encode(model, "def add(a, b):\n    return a + b\n" * 3),
+        encode(model, "The quick brown fox jumps over the lazy dog."),
+        encode(model, "one two three"),
+    ]
+    sp = SamplingParams(max_tokens=40, temperature=0, logprobs=True, top_logprobs=5)
+    plain = run_engine(model, [(p, sp) for p in prompts], OFF)
+    asks = [(p, replace(sp, prediction=predicted(r))) for p, (r, _) in zip(prompts, plain)]
+    fast = run_engine(model, asks, PREDICT)
+    for (a, _), (b, outs) in zip(plain, fast):
+        same(a, b)
+        assert outs[-1].accepted_prediction_tokens >= 20  # the unedited parts
+        assert outs[-1].rejected_prediction_tokens > 0  # the edit
+    assert sum(verified) > 3 * 20 and len(verified) < 3 * 20
+    # Each row alone: the cache's rollback is a trim; together, rows also shift.
+    (b, _), = run_engine(model, asks[:1], PREDICT)
+    same(plain[0][0], b)
+    verified.clear()
+    for (a, _), (b, _) in zip(plain, run_engine(model, [(p, sp) for p in prompts], LOOKUP)):
+        same(a, b)
+    if name == "llama":  # this random model loops from the third token: lookup drafts
+        assert sum(verified) > 2 * len(verified) > 0
+
+
+def test_seeded_sampling_with_processors_equals_the_plain_run(
+    tiny: LoadedModel, verified: list[int]
+) -> None:
+    """Temperature, top-k/top-p/min-p, penalties, logit bias, bad words, min_tokens, fixed ids,
+    processed logprobs and n choices: each drafted position is processed as a plain step."""
+    p = encode(tiny, "Once upon a time, there was a little robot named")
+    kinds = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3),
+        SamplingParams(temperature=1.0, min_p=0.05, seed=4, logprobs_mode=LogprobsMode.PROCESSED),
+        SamplingParams(temperature=0.7, seed=5, presence_penalty=0.5, frequency_penalty=0.3,
+                       repetition_penalty=1.2, logit_bias=((13, 3.0), (17, -2.0))),  # fmt: skip
+        SamplingParams(temperature=0, max_tokens=32, min_tokens=30,
+                       bad_words_ids=((13,), (198, 198))),  # fmt: skip
+        SamplingParams(temperature=0.9, seed=6, logprob_token_ids=(13, 17, 198),
+                       logprobs_mode=LogprobsMode.PROCESSED_LOGITS),  # fmt: skip
+    ]
+    reqs = [
+        (p, replace(k, max_tokens=32, logprobs=True, top_logprobs=0 if k.logprob_token_ids else 4))
+        for k in kinds
+    ]
+    plain = run_engine(tiny, reqs, OFF)
+    asks = [(q, replace(sp, prediction=predicted(r, 6))) for (q, sp), (r, _) in zip(reqs, plain)]
+    for (a, _), (b, _) in zip(plain, run_engine(tiny, asks, PREDICT)):
+        same(a, b)
+    assert sum(verified) > 2 * len(verified)
+
+
+def test_a_grammar_and_its_end_inside_an_accepted_draft(
+    tiny: LoadedModel, verified: list[int]
+) -> None:
+    p = encode(tiny, "Describe a pet as JSON:")
+    sp = SamplingParams(max_tokens=160, temperature=1.0, seed=2, constraint=PET, logprobs=True,
+                        top_logprobs=5, logprobs_mode=LogprobsMode.PROCESSED)  # fmt: skip
+    plain = run_engine(tiny, [(p, replace(sp, seed=s)) for s in range(3)], OFF)
+    assert any(r.finish_reason is FinishReason.STOP for r, _ in plain)
+    asks = [(p, replace(sp, seed=s, prediction=predicted(r, 4))) for s, (r, _) in enumerate(plain)]
+    for (a, ao), (b, bo) in zip(plain, run_engine(tiny, asks, PREDICT)):
+        same(a, b)
+        assert text(ao) == text(bo)
+    assert sum(verified) > 2 * len(verified)
+
+
+def test_stops_and_max_tokens_cut_inside_an_accepted_draft(
+    tiny: LoadedModel, verified: list[int]
+) -> None:
+    p = encode(tiny, "A list of colours: red, green,")
+    sp = SamplingParams(max_tokens=48, temperature=0, logprobs=True, top_logprobs=3)
+    (full, outs), = run_engine(tiny, [(p, sp)], OFF)
+    out, whole = list(full.output_ids), text(outs)
+    cut_text = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    token = out[21]
+    kinds = [
+        replace(sp, max_tokens=19),
+        replace(sp, stop=(cut_text,)),
+        replace(sp, stop=(cut_text,), include_stop_str_in_output=True),
+        replace(sp, stop_token_ids=(token,)),
+    ]
+    plain = run_engine(tiny, [(p, k) for k in kinds], OFF)
+    fast = run_engine(tiny, [(p, replace(k, prediction=tuple(out))) for k in kinds], PREDICT)
+    for (a, ao), (b, bo) in zip(plain, fast):
+        same(a, b)
+        assert text(ao) == text(bo)
+        assert b.num_output < len(out)
+    assert max(verified) > 4  # several tokens a step, cut where the plain run stopped
+
+
+def test_rollback_shifts_each_row_by_what_it_rejected() -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    layer = BatchKVCache([1, 0])
+    k = mx.arange(2 * 6, dtype=mx.float32).reshape(2, 1, 6, 1)
+    layer.update_and_fetch(k, k)
+    cache = BatchCache([layer], [1, 0])
+    cache.rollback([1, 3])  # row 0 keeps 6 - 1 columns, row 1 keeps 6 - 3
+    keys, _ = layer.keys_and_values()
+    assert layer._idx == 5 and cache.pads == [1, 2]
+    assert layer.left_padding.tolist() == [1, 2] and layer.offset.tolist() == [4, 3]
+    assert keys[0, 0, 1:, 0].tolist() == [1, 2, 3, 4]
+    assert keys[1, 0, 2:, 0].tolist() == [6, 7, 8]
+
+
+def test_drafts_follow_the_prediction_past_an_edit_and_the_row_s_own_text() -> None:
+    idx = NgramIndex([1, 2, 3, 4, 1, 2, 5])
+    assert idx.follow([9, 1, 2], 1, 0) == 2  # the first [1, 2] at or after 0
+    assert idx.follow([9, 1, 2], 1, 3) == 6  # the next one
+    assert idx.follow([7, 8], 1, 0) == -1
+    rows = RowDrafts([5, 6, 7], (10, 11, 12, 13, 14, 15), lookup=False)
+    assert rows.draft([5, 6, 7], [10, 11], 3) == ([12, 13, 14], True)
+    assert rows.draft([5, 6, 7], [10, 11, 99, 13], 2) == ([14, 15], True)  # past a replaced token
+    own = RowDrafts([1, 2, 3, 4, 9, 1, 2], (), lookup=True)
+    assert own.draft([1, 2, 3, 4, 9, 1, 2], [3], 2) == ([4, 9], False)
+    assert own.draft([1, 2, 3, 4, 9, 1, 2], [3, 8], 2) == ([], False)
+    loop = RowDrafts([5, 6], (), lookup=True)  # a loop of period 2 continues as a loop
+    assert loop.draft([5, 6], [7, 8, 7, 8], 5) == ([7, 8, 7, 8, 7], False)
+
+
+# ---- the target's distribution, whatever the draft -------------------------------------------
+
+LOGITS = (1.0, 0.5, 0.0)  # the scripted token's logit, then two alternatives'; the rest -30
+
+
+@pytest.fixture(scope="module")
+def dice(tmp_path_factory: pytest.TempPathFactory, embedded_dir: Path) -> LoadedModel:
+    path = tmp_path_factory.mktemp("dice") / "dice.json"
+    desc = write_description(path, chosen_logit=LOGITS[0], other_logits=list(LOGITS[1:]),
+                             rest_logit=-30.0, chosen_slope=0.0)  # fmt: skip
+    return load_model(str(desc))
+
+
+def _dice_prompt(model: LoadedModel) -> list[int]:
+    rendered = model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Case: plain"}], add_generation_prompt=True, tokenize=False
+    )
+    return list(model.tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    want = probs * counts.sum()
+    return float(((counts - want) ** 2 / want).sum())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "draft"),
+    [(1.0, 0, 1.0, "alternative"), (0.6, 0, 1.0, "scripted"), (1.0, 2, 1.0, "alternative"),
+     (1.3, 0, 0.6, "alternative"), (1.0, 0, 1.0, "outside")],  # fmt: skip
+)
+def test_unseeded_samples_follow_the_target_distribution(
+    dice: LoadedModel, temperature: float, top_k: int, top_p: float, draft: str, verified: list[int]
+) -> None:
+    """At each step the model's three tokens have known probabilities. Drafts: always the first
+    alternative (accepted a third of the time), the scripted token, or a token outside all
+    three (never accepted); the emitted tokens' frequencies at steps 1..3 must fit the target's
+    processed distribution (chi-square, 2 degrees of freedom, p = 0.001: 13.8)."""
+    v = len(dice.vocab)
+    prompt = _dice_prompt(dice)
+    (ref, _), = run_engine(dice, [(prompt, SamplingParams(max_tokens=8, temperature=0))], OFF)
+    script = list(ref.output_ids)
+    alt = [(c + 1) % v for c in script]
+    # Drafts follow a match of the output's last token in the prediction: "outside" matches
+    # after a first scripted token, then proposes tokens the model never samples.
+    outside = script[:1] + [(c + 5) % v for c in script[1:]]
+    guess = {"alternative": alt, "scripted": script, "outside": outside}
+    n, steps = 600, 4
+    sp = SamplingParams(max_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p,
+                        prediction=tuple(guess[draft]))  # fmt: skip
+    cfg = EngineConfig(speculate="prediction", speculate_max_batch=64, num_draft_tokens=3)
+    results = run_engine(dice, [(prompt, sp)] * n, cfg)
+    logits = np.array(LOGITS) / temperature
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    if top_k:
+        probs[top_k:] = 0
+    if top_p < 1:
+        keep = np.concatenate([[0.0], np.cumsum(probs)[:-1]]) < top_p
+        probs[~keep] = 0
+    probs /= probs.sum()
+    assert sum(verified) > len(verified)  # drafts went through verify steps
+    for t in range(1, steps):
+        c = script[t]
+        ids = [c, (c + 1) % v, (c + 1 + ALT_STRIDE) % v]
+        got = np.array([sum(list(r.output_ids)[t] == i for r, _ in results) for i in ids])
+        assert got.sum() == n  # the rest of the vocabulary never came up
+        live = probs > 0
+        assert (got[~live] == 0).all()
+        if live.sum() > 1:
+            assert _chi_square(got[live], probs[live]) < 13.8, (t, got, probs)
+
+
+# ---- a draft model ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft", ["itself", "qwen3"])
+def test_a_draft_model_s_drafts_change_nothing(
+    draft: str,
+    tiny: LoadedModel,
+    tiny_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    tokenizer_dir: Path,
+    verified: list[int],
+) -> None:
+    """The served model as its own draft (every greedy draft accepted: the mechanism's ceiling)
+    and another family's random model (drafts mostly rejected): the same tokens and entries."""
+    path = tiny_dir if draft == "itself" else built_dir("qwen3", tmp_path_factory, tokenizer_dir)
+    cfg = EngineConfig(speculate="draft", draft_model=str(path), num_draft_tokens=5)
+    prompts = [encode(tiny, "Once upon a time"), encode(tiny, "import numpy as np\n")]
+    sp = SamplingParams(max_tokens=30, temperature=0, logprobs=True, top_logprobs=5)
+    seeded = replace(sp, temperature=0.8, seed=11)
+    reqs = [(p, sp) for p in prompts] + [(prompts[0], seeded)]
+    plain = run_engine(tiny, reqs, OFF)
+    for (a, _), (b, _) in zip(plain, run_engine(tiny, reqs, cfg)):
+        same(a, b)
+    if draft == "itself":  # greedy rows: all accepted, 6 tokens a verify step
+        assert max(verified) >= 12
+        assert sum(verified) > 3 * len(verified)
+    else:
+        assert verified
+
+
+def built_dir(name: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    from tests.helpers.families import build_family
+
+    out = tmp_path_factory.getbasetemp() / f"draft-{name}"
+    if not (out / "model.safetensors").exists():
+        build_family(name, out, tokenizer_dir, seed=99)
+    return out
+
+
+def test_a_draft_model_of_another_tokenizer_is_refused_at_start_up(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    from tests.helpers.server import server_process
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dir, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = "hello", "world"
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: another tokenizer
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(RuntimeError, match="--draft-model: token id .* a draft model must share"):
+        with server_process(["--model", str(tiny_dir), "--draft-model", str(other)], start_s=60):
+            pass
+
+
+def test_the_gpu_path_speculates_the_same(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, verified: list[int]
+) -> None:
+    """On the GPU's path (entries extracted on the device, a step processed beside the next
+    launch, full-width caches) a speculating batch is processed before each launch; rows that
+    leave mid-run and the overlap coming back once nothing speculates."""
+    from omlx_logprobs.runner import model_runner
+
+    prompts = [encode(tiny, "Once upon a time"), encode(tiny, "A list of colours: red,")]
+    sp = SamplingParams(max_tokens=40, temperature=0, logprobs=True, top_logprobs=5)
+    plain = run_engine(tiny, [(p, sp) for p in prompts], OFF)
+    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    asks = [(prompts[0], replace(sp, prediction=predicted(plain[0][0], 8))),
+            (prompts[1], replace(sp, max_tokens=12))]  # fmt: skip
+    fast = run_engine(tiny, asks, PREDICT)
+    same(plain[0][0], fast[0][0])
+    assert list(fast[1][0].output_ids) == list(plain[1][0].output_ids)[:12]
+    assert sum(verified) > 2 * len(verified)
+
+
+def test_reasoning_sections_and_entries_with_a_prediction(
+    scripted: LoadedModel, verified: list[int]
+) -> None:
+    """The scripted thinker's cases, each predicted exactly: whole scripts accepted a step at a
+    time, the same reasoning and content split, the same entries (closed form)."""
+    from omlx_logprobs.parsing.thinking import think_start
+    from tests.engine.test_scripted import check_sections, prompt
+    from tests.helpers.scripted import CASES, case_ids
+
+    names = list(CASES)
+    prompts = [prompt(scripted, n, i % 3) for i, n in enumerate(names)]
+    thinks = [think_start(True, scripted.tokenizer.decode(p[-4:])) for p in prompts]
+    sp = SamplingParams(max_tokens=64, temperature=0, logprobs=True, top_logprobs=20)
+    asks = [(p, replace(sp, prediction=tuple(case_ids(scripted, n)[0]))) for p, n in
+            zip(prompts, names)]  # fmt: skip
+    plain = run_engine(scripted, [(p, sp) for p in prompts], OFF, thinks)
+    fast = run_engine(scripted, asks, PREDICT, thinks)
+    for name, (a, _), (b, outs) in zip(names, plain, fast):
+        same(a, b)
+        check_sections(outs, name, case_ids(scripted, name)[1])
+    assert max(verified) > 8
