@@ -43,10 +43,14 @@ class Scheduler:
         prefill_delay_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         cached: Callable[[Sequence], int] = lambda seq: 0,
+        waits: Callable[[Sequence, list[Sequence]], bool] = lambda seq, busy: False,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         # Prompt tokens a whole prompt would take from the runner's prefix cache, not compute.
         self.cached = cached
+        # Whether a prompt is better off a step later, when prompts prefilling now (the second
+        # argument) are kept in the runner's prefix cache (a scored prompt: with their entries).
+        self.waits = waits
         self.prefill_chunk = prefill_chunk
         self.prefill_delay_s = prefill_delay_s
         self.clock = clock
@@ -87,12 +91,15 @@ class Scheduler:
         out = SchedulerOutput(decode=list(self.running))
         budget = self.prefill_chunk if self.prefill_due() else 0
         room = self.max_num_seqs - len(self.running)
+        busy = [s for s in self.waiting if s.num_prefilled]  # prompts between chunks
         for seq in self.waiting:
             # A prompt with n choices joins as n rows; too many for any room, it goes alone.
             rows = len(seq.group)
             if budget <= 0 or (rows > room and (self.running or out.prefill)):
                 break
             start = seq.num_prefilled
+            if start == 0 and self.waits(seq, busy):
+                continue
             # The budget counts computed tokens: a prompt's cached start is free. A whole
             # prompt starts at 0 (its prefill group is seeded with that start); a prompt in
             # chunks starts its first chunk past it.
@@ -103,6 +110,7 @@ class Scheduler:
             else:
                 chunk = PrefillChunk(seq, start + cached, start + cached + budget)
             out.prefill.append(chunk)
+            busy += [seq] if start == 0 else []  # one between chunks is there already
             budget -= min(cost, budget)
             room -= rows
             if not chunk.is_last:

@@ -87,6 +87,7 @@ class Engine:
             cfg.prefill_chunk,
             cfg.prefill_delay_ms / 1e3,
             cached=self.runner.cached_len,
+            waits=self.runner.prompt_cache.waits,
         )
         self.processor = OutputProcessor(vocab, eos)
         self.processor.weights = weights

@@ -13,6 +13,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -35,6 +36,7 @@ from omlx_logprobs.runner.prefix_cache import (
     Prefix,
     PrefixCache,
     default_budget_mib,
+    from_cache,
     from_row,
     keeps_prefixes,
     keeps_sequences,
@@ -42,6 +44,7 @@ from omlx_logprobs.runner.prefix_cache import (
     seed,
 )
 from omlx_logprobs.runner.probe import probe
+from omlx_logprobs.runner.prompt_cache import PromptCache
 from omlx_logprobs.runner.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
 from omlx_logprobs.runner.sampler import (
     MaskState,
@@ -150,6 +153,8 @@ class ModelRunner:
                 "in full",
                 ", ".join(kinds(self.templates)),
             )
+        # Scored prompts' kept starts, with their entries (runner/prompt_cache.py).
+        self.prompt_cache = PromptCache(self.prefixes, self.adapters.key, self.keeps_finished)
         # Body and head apart (runner/head.py), where the model has them: the head then runs on
         # the positions needed only. Else every forward computes every position's logits.
         self.split_head = self.split is not None
@@ -356,29 +361,43 @@ class ModelRunner:
         assert self.split is not None
         h = self.split.body(ids, cache=cache.layers)
         cache.finish_prefill()
-        # Every row's real positions but its last, rows in group order: one flat [N, H] block.
-        flat = np.concatenate([r * width + np.arange(p, width - 1) for r, p in enumerate(pads)])
+        # Every row's computed positions but its last, rows in group order: one flat [N, H]
+        # block. A row's first `done` positions came with the prefix, their entries too.
+        cols, done = width - start, [c.seq.cached_tokens for c in group]
+        flat = np.concatenate([r * cols + np.arange(p + d - start, cols - 1)
+                               for r, (p, d) in enumerate(zip(pads, done))])  # fmt: skip
         if self.extractor.pads_blocks:  # whole blocks on the device: see prompt_scoring
             flat = np.pad(flat, (0, -len(flat) % PROMPT_BLOCK))
         hidden = h.reshape(-1, h.shape[-1])[mx.array(flat)]
-        slices = [chunk_slice(c.seq, 0, c.end) for c in group]
-        pending = score(slices, lambda a, b: self._head(hidden[a:b]), self.extractor)
+        slices = [chunk_slice(c.seq, d, c.end) for c, d in zip(group, done)]
+        kept = prefix.scores if prefix is not None else None
+        served = tuple(kept.served(c.seq, d) for c, d in zip(group, done) if d and kept)
+        keep = [x for r, (c, p) in enumerate(zip(group, pads)) for x in self.prompt_cache.keep(
+            c.seq, partial(from_row, c.seq.prompt_ids, np.zeros(0), c.end, cache.layers, r, p))]
+        pending = score(
+            slices, lambda a, b: self._head(hidden[a:b]), self.extractor, served, tuple(keep)
+        )
         return self._head(h[:, -1, :]), pending
 
     def _prefixes(self, chunks: list[PrefillChunk]) -> dict[int, Prefix]:
-        """By seq_id, the kept prefix each whole prompt that may use one starts from (made here
-        where two prompts that began alike share one; evaluated with the step)."""
-        plain = [c for c in chunks if self._uses_prefixes(c.seq)]
-        if self.prefixes is None or not plain:
+        """By seq_id, the kept prefix each whole prompt starts from: for plain prompts, made
+        here where two prompts that began alike share one (evaluated with the step); for
+        scored ones, one that keeps their prompt entries too."""
+        if self.prefixes is None:
             return {}
+        plain = [c for c in chunks if not c.seq.scored]
+        scored = [c for c in chunks if c.seq.scored]
         keys = [self.adapters.key(c.seq.adapter) for c in plain]
         found = self.prefixes.assign([c.seq.context_ids for c in plain], keys)
-        return {c.seq.seq_id: p for c, p in zip(plain, found) if p is not None}
+        found += self.prompt_cache.starts([c.seq for c in scored])
+        return {c.seq.seq_id: p for c, p in zip(plain + scored, found) if p is not None}
 
     def cached_len(self, seq: Sequence) -> int:
         """How many of a whole prompt's tokens a kept prefix holds now (prefixes made in the
         prompt's own step are not foreseen)."""
-        if self.prefixes is None or not self._uses_prefixes(seq):
+        if seq.scored:
+            return self.prompt_cache.held(seq)
+        if self.prefixes is None:
             return 0
         return self.prefixes.held(seq.context_ids, self.adapters.key(seq.adapter))
 
@@ -386,45 +405,46 @@ class ModelRunner:
         self.adapters.select([key[0]])
         return make_prefix(self.model, tokens, base)
 
-    @staticmethod
-    def _uses_prefixes(seq: Sequence) -> bool:
-        # Scored prompts need every position's logits.
-        return not seq.scored
-
-    def _chunk_cache(self, chunk: PrefillChunk) -> tuple[list[Any], int]:
-        """A prompt's one-row cache between its chunks, and where this chunk's forward starts.
-        At the prompt's first chunk, the cache is seeded with the longest kept start (the
-        scheduler started the chunk there; should that prefix be gone since, the forward
-        starts from what is kept)."""
+    def _chunk_cache(self, chunk: PrefillChunk) -> tuple[list[Any], int, Prefix | None]:
+        """A prompt's one-row cache between its chunks, where this chunk's forward starts, and
+        the kept prefix it started from. At the prompt's first chunk, the cache is seeded with
+        the longest kept start (a scored prompt's: with its entries; the scheduler started the
+        chunk there; should that prefix be gone since, the forward starts from what is kept)."""
         seq = chunk.seq
         cache = self.chunk_caches.get(seq.seq_id)
         if cache is not None:
-            return cache, chunk.start
+            return cache, chunk.start, None
         cache = self.chunk_caches[seq.seq_id] = make_prompt_cache(self.model)
-        start = 0
-        if self.prefixes is not None and self._uses_prefixes(seq):
+        found = None
+        if seq.scored:
+            found = self.prompt_cache.start(seq, chunk.end - 1)
+        elif self.prefixes is not None:
             key = self.adapters.key(seq.adapter)
             found = self.prefixes.longest(seq.context_ids, chunk.end - 1, key)
-            if found is not None:
-                seed(cache, found)
-                start = len(found.tokens)
+        if found is not None:
+            seed(cache, found)
+        start = len(found.tokens) if found is not None else 0
         for s in seq.group:
             s.cached_tokens = start
-        return cache, start
+        return cache, start, found
 
     def _prefill_chunk(self, chunk: PrefillChunk) -> tuple[mx.array | None, PendingPrompts | None]:
         """One chunk of one prompt in its own cache: the last chunk's last logits (else None),
         and the chunk's prompt entries when the prompt asks for them."""
         seq = chunk.seq
-        cache, start = self._chunk_cache(chunk)
+        cache, start, found = self._chunk_cache(chunk)
         ids = mx.array([seq.context_ids[start : chunk.end]])
         self.adapters.select_rows([seq])
         scored: Any = None
         unread: tuple[mx.array, ...] = ()
-        if seq.scored:  # every position's logits: the prompt is scored
+        if seq.scored:  # every position's logits but those of a kept start: the prompt is scored
             out = self.model(ids, cache=cache)[0]
-            rows = chunk_slice(seq, chunk.start, out.shape[0])
-            scored = score([rows], lambda a, b: out[a:b], self.extractor)
+            rows = chunk_slice(seq, start, out.shape[0])
+            served = (found.scores.served(seq, start),) if found and found.scores else ()
+            keep = []
+            if chunk.is_last:  # the whole prompt's keys and values are in the cache now
+                keep = self.prompt_cache.keep(seq, lambda: from_cache(seq.prompt_ids, cache))
+            scored = score([rows], lambda a, b: out[a:b], self.extractor, served, tuple(keep))
             logits = out[-1:, :]
         elif chunk.is_last:
             logits = self._last_logits(ids, cache)
@@ -670,26 +690,26 @@ class ModelRunner:
             n = len(seq.prompt_ids) + seq.num_output - 1  # prompt_len is the last prefill's
             assert n <= cache.width - cache.pads[i]
             prefix = from_row(seq.prompt_ids, seq.output_ids, n, cache.layers, i, cache.pads[i])
+            prefix = self.prompt_cache.finished(seq, prefix)  # a scored one's, with its entries
             # The copies now, with the step: until then they would hold the batch's arrays.
             mx.async_eval(prefix.keys, prefix.values)
             self.prefixes.keep(self.adapters.key(seq.adapter), prefix)
 
 
 def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[list[PrefillChunk]]:
-    """Split whole prompts into forward groups, in order: scored prompts apart from plain ones
-    and by `score_key`, plain ones by the cached prefix they start from, and so that left
-    padding never more than doubles a group's tokens."""
+    """Split whole prompts into forward groups, in order: by the cached prefix they start from,
+    scored prompts apart from plain ones and by `score_key`, and so that left padding never
+    more than doubles a group's tokens."""
     groups: list[list[PrefillChunk]] = []
     open_: dict[object, tuple[list[PrefillChunk], int, int]] = {}  # kind -> (group, width, total)
     for c in chunks:
         p = c.seq.params
+        # One kept prefix seeds a whole group (prefixes of different adapters may hold the same
+        # tokens, so the prefix itself is the kind)
+        prefix = prefixes.get(c.seq.seq_id)
+        kind: object = ("prefix", id(prefix) if prefix is not None else None)
         if c.seq.scored:
-            kind: object = score_key(p)
-        else:
-            prefix = prefixes.get(c.seq.seq_id)
-            # One kept prefix seeds a whole group (prefixes of different adapters may hold the
-            # same tokens, so the prefix itself is the kind)
-            kind = ("prefix", id(prefix) if prefix is not None else None)
+            kind = (score_key(p), kind)
         n = c.end
         group, width, total = open_.get(kind, ([], 0, 0))
         if group and max(width, n) * (len(group) + 1) <= 2 * (total + n):

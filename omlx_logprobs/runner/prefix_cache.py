@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -30,6 +30,7 @@ from omlx_logprobs.batch.block_index import BLOCK, MIN_TOKENS, BlockIndex
 
 if TYPE_CHECKING:
     from omlx_logprobs.runner.disk_tier import DiskTier
+    from omlx_logprobs.runner.prompt_scoring import Ask, KeptEntries
 
 __all__ = ["BLOCK", "MIN_TOKENS", "BASE_KEY", "Key", "Prefix", "PrefixCache", "make_prefix"]
 
@@ -43,6 +44,9 @@ class Prefix:
     # layers' included.
     keys: list[mx.array]
     values: list[mx.array]
+    # Prompt entries of its first positions, where a scored prompt made it (prompt_scoring.py);
+    # what a scored prompt may start from. Never on disk: the disk tier keeps keys and values.
+    scores: KeptEntries | None = None
 
     @property
     def nbytes(self) -> int:
@@ -56,6 +60,7 @@ class Prefix:
             self.tokens[:n],
             [k[..., :n, :] for k in self.keys],
             [v[..., :n, :] for v in self.values],
+            self.scores,
         )
 
 
@@ -120,6 +125,15 @@ def from_row(
     keys = [mx.contiguous(c.keys[row : row + 1, :, pad:end, :]) for c in layers]
     values = [mx.contiguous(c.values[row : row + 1, :, pad:end, :]) for c in layers]
     return Prefix(tokens, keys, values)
+
+
+def from_cache(tokens: Sequence[int], cache: list[Any]) -> Prefix:
+    """A one-row cache's (`make_prompt_cache`'s plain KV layers) keys and values of `tokens`,
+    copied (lazy): its buffers are allocated in steps of 256 tokens."""
+    n = len(tokens)
+    keys = [mx.contiguous(c.keys[..., :n, :]) for c in cache]
+    values = [mx.contiguous(c.values[..., :n, :]) for c in cache]
+    return Prefix(tuple(tokens), keys, values)
 
 
 def make_prefix(model: Any, tokens: tuple[int, ...], base: Prefix | None) -> Prefix:
@@ -217,16 +231,66 @@ class PrefixCache:
         found = self._find(ids, len(ids) - 1, key, look=True)
         return found[1] if found is not None else 0
 
+    def scored(
+        self, ids: Sequence[int], limit: int, ask: Ask, key: Key = BASE_KEY, look: bool = False
+    ) -> Prefix | None:
+        """For a scored prompt: the longest start of ids[:limit] whose keys, values and prompt
+        entries are kept, entries that answer `ask` (prompt_scoring.KeptEntries): n tokens
+        whose positions 1..n have entries (so ids[n] is the kept sequence's too), n >=
+        MIN_TOKENS. Only the most recent kept sequence with the longest shared start is looked
+        at (one that asked for less: None, the prompt is computed). `look`: not a use. The disk
+        tier holds no entries."""
+        found = self._find_scored(ids, limit, ask, key, look)
+        return found[0].start(found[1]) if found is not None else None
+
+    def assign_scored(
+        self, prompts: list[Sequence[int]], asks: list[Ask], keys: list[Key]
+    ) -> list[Prefix | None]:
+        """`scored` for each prompt but its last token; prompts given the same start get the
+        same object (one seeds a whole prefill group)."""
+        starts: dict[tuple[int, int], Prefix] = {}
+        out: list[Prefix | None] = []
+        for p, ask, key in zip(prompts, asks, keys):
+            found = self._find_scored(p, len(p) - 1, ask, key)
+            if found is None:
+                out.append(None)
+                continue
+            entry, n = found
+            out.append(starts.setdefault((id(entry), n), entry.start(n)))
+        return out
+
+    def _find_scored(
+        self, ids: Sequence[int], limit: int, ask: Ask, key: Key, look: bool = False
+    ) -> tuple[Prefix, int] | None:
+        # Position i's entry is token i's given those before it: it serves a prompt that
+        # shares tokens 0..i, one more than the keys and values of tokens 0..i-1 need.
+        found = self._index.find(_scored(key), ids, min(limit + 1, len(ids)))
+        if found is None:
+            return None
+        tokens, entry, shared = found
+        assert entry.scores is not None
+        n = min(shared - 1, limit, entry.scores.count())
+        if n < MIN_TOKENS or not entry.scores.serves(ask):
+            return None
+        if not look:
+            self.entries.move_to_end((key, tokens))
+        return entry, n
+
     def keep(self, key: Key, prefix: Prefix) -> None:
-        """Keep a sequence's keys and values (the least recently used go, past the budget)."""
+        """Keep a sequence's keys and values (the least recently used go, past the budget); the
+        same tokens kept again keep the prompt entries they had."""
         if len(prefix.tokens) < MIN_TOKENS or prefix.nbytes > self.max_bytes:
             return
         old = self.entries.pop((key, prefix.tokens), None)
         if old is not None:
             self._forget(key, old)
+            if prefix.scores is None and old.scores is not None:
+                prefix = replace(prefix, scores=old.scores)
         self.entries[(key, prefix.tokens)] = prefix
         self.nbytes += prefix.nbytes
         self._index.add(key, prefix.tokens, prefix)
+        if prefix.scores is not None:
+            self._index.add(_scored(key), prefix.tokens, prefix)
         while self.nbytes > self.max_bytes:
             (k, _), gone = self.entries.popitem(last=False)
             self._forget(k, gone)
@@ -279,3 +343,10 @@ class PrefixCache:
     def _forget(self, key: Key, old: Prefix) -> None:
         self.nbytes -= old.nbytes
         self._index.remove(key, old.tokens, old)
+        if old.scores is not None:
+            self._index.remove(_scored(key), old.tokens, old)
+
+
+def _scored(key: Key) -> tuple[str, Key]:
+    """Where the index lists a key's sequences that keep prompt entries (besides `key`)."""
+    return ("scored", key)

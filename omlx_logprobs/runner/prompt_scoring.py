@@ -7,15 +7,20 @@ generated tokens (on the device, or in numpy on the CPU backend).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Block, Extractor, PendingEntries
+from omlx_logprobs.logprobs.store import LogprobStore
+from omlx_logprobs.runner.prefix_cache import MIN_TOKENS, Prefix
 from omlx_logprobs.types import Entries, SamplingParams
+
+# What a scored prompt asks of each position: its top count and its fixed ids (`score_key`).
+Ask = tuple[int, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -29,18 +34,25 @@ class PromptSlice:
 
 @dataclass(frozen=True)
 class PendingPrompts:
-    """The entries of one or more slices, rows concatenated in slice order, still lazy."""
+    """The entries of one or more slices, rows concatenated in slice order, still lazy; entries
+    served from kept prefixes (`served`: on the host already, each a prompt's first positions,
+    so recorded before the slices); arrays to evaluate with the step (`keep`: the copies of
+    keys and values a kept prefix holds)."""
 
     slices: list[PromptSlice]
-    pending: PendingEntries
+    pending: PendingEntries | None
+    served: tuple[tuple[PromptSlice, Entries], ...] = ()
+    keep: tuple[mx.array, ...] = ()
 
     def arrays(self) -> list[mx.array]:
-        return self.pending.arrays()
+        return [*(self.pending.arrays() if self.pending is not None else ()), *self.keep]
 
     def to_host(self) -> list[tuple[PromptSlice, Entries]]:
         """Each slice with its rows' entries (surplus padding rows dropped)."""
-        host = self.pending.to_host()
-        out, a = [], 0
+        out = list(self.served)
+        if self.pending is None:
+            return out
+        host, a = self.pending.to_host(), 0
         for s in self.slices:
             b = a + len(s.token_ids)
             out.append((s, host.rows(a, b)))
@@ -48,9 +60,34 @@ class PendingPrompts:
         return out
 
 
-def score_key(params: SamplingParams) -> tuple[int, tuple[int, ...]]:
+def score_key(params: SamplingParams) -> Ask:
     """Prompts whose entries can be extracted together: same top count, same fixed ids."""
     return params.num_prompt_top, tuple(params.logprob_token_ids or ())
+
+
+@dataclass(frozen=True)
+class KeptEntries:
+    """A kept prefix's prompt entries: positions 1..count() of its tokens, as a scored prompt
+    asked for them (`ask`), in that prompt's own store. Prompt entries are the model's own
+    distribution whatever else the request asked, so only the ask decides what they serve."""
+
+    ask: Ask
+    store: LogprobStore  # filled by the output processor as the prompt's steps are collected
+
+    def count(self) -> int:
+        """Positions whose entries are whole. The store's columns grow in order, the top lists
+        last (one `frombytes` each, atomic under the GIL): a store being filled on the GPU's
+        processing thread is read up to what is complete."""
+        s = self.store
+        return len(s.top_logprobs) // s.k if s.k else len(s.ranks)
+
+    def serves(self, ask: Ask) -> bool:
+        return _answers(self.ask, ask)
+
+    def served(self, seq: Sequence, n: int) -> tuple[PromptSlice, Entries]:
+        """Prompt positions 1..n of `seq` (which starts with these tokens), from here."""
+        entries = self.store.block(0, n)
+        return PromptSlice(seq, 1, np.array(seq.prompt_ids[1 : n + 1], np.int32)), entries
 
 
 def block_sizes(n: int, max_block: int = PROMPT_BLOCK) -> list[int]:
@@ -71,14 +108,16 @@ def score(
     slices: list[PromptSlice],
     logits_of: Callable[[int, int], mx.array],
     extractor: Extractor,
+    served: tuple[tuple[PromptSlice, Entries], ...] = (),
+    keep: tuple[mx.array, ...] = (),
 ) -> PendingPrompts | None:
     """Entries for the slices' rows; `logits_of(a, b)` gives rows [a, b) of their logits, rows
     in slice order (past the last row it may return fewer rows, or filler). All slices share
     one `score_key`. Prompt entries are the model's own distribution: no processors, no
-    temperature."""
+    temperature. `served` and `keep`: see PendingPrompts."""
     slices = [s for s in slices if len(s.token_ids)]
     if not slices:
-        return None
+        return PendingPrompts([], None, served, keep) if served or keep else None
     p = slices[0].seq.params
     k = p.num_prompt_top
     wanted = mx.array(list(p.logprob_token_ids), mx.int32) if p.logprob_token_ids else None
@@ -101,7 +140,7 @@ def score(
         fixed = None if wanted is None else mx.broadcast_to(wanted, (r, k))
         blocks.append(Block(rows, chosen[a : a + r], k, fixed))
         a += size
-    return PendingPrompts(slices, extractor.prompt(blocks))
+    return PendingPrompts(slices, extractor.prompt(blocks), served, keep)
 
 
 def chunk_slice(seq: Sequence, start: int, rows: int) -> PromptSlice:
@@ -109,3 +148,48 @@ def chunk_slice(seq: Sequence, start: int, rows: int) -> PromptSlice:
     token start+j+1; a prompt's last row predicts output and has no entry."""
     stop = min(start + rows, seq.prompt_len - 1)
     return PromptSlice(seq, start + 1, np.array(seq.prompt_ids[start + 1 : stop + 1], np.int32))
+
+
+def _answers(kept: Ask, ask: Ask) -> bool:
+    """Whether entries extracted for `kept` answer `ask`: a natural top list at least as long
+    (its first k are the top k), or fixed ids that begin with the ones asked, in that order."""
+    (k, fixed), (kept_k, kept_fixed) = ask, kept
+    if fixed:
+        return kept_fixed[: len(fixed)] == fixed
+    return not kept_fixed and kept_k >= k
+
+
+def with_entries(seq: Sequence, prefix: Prefix) -> Prefix:
+    """A scored prompt's kept sequence (it starts with the prompt) with the prompt's entries."""
+    assert seq.prompt_store is not None
+    return replace(prefix, scores=KeptEntries(score_key(seq.params), seq.prompt_store))
+
+
+def waits_for(
+    seq: Sequence,
+    busy: list[Sequence],
+    cached: Callable[[], int],
+    key_of: Callable[[int], Hashable],
+) -> bool:
+    """Whether a scored prompt should wait for a scored prompt being prefilled now (`busy`)
+    that shares at least half of what it would compute: that one is kept with its entries
+    once its last step is processed (when it generates at most one token), and this one then
+    computes only what follows (lm-eval's multiple choice: one context, several continuations,
+    sent together). `cached()`: what the prefix cache holds of it already."""
+    ask, key = score_key(seq.params), key_of(seq.adapter)
+    others = [
+        b for b in busy
+        if b is not seq and b.scored and b.params.max_tokens <= 1 and key_of(b.adapter) == key
+        and _answers(score_key(b.params), ask)
+    ]  # fmt: skip
+    if not seq.scored or not others:
+        return False
+    held = cached()
+    # It would take from b the start they share but its last token (PrefixCache.scored): worth
+    # a step when that is `need` tokens more than is held. One list comparison each, in C (the
+    # scheduler asks this of every waiting prompt it reaches, every step).
+    need = held + max(MIN_TOKENS, (seq.prompt_len - held) // 2)
+    if need > seq.prompt_len - 1:
+        return False
+    start = seq.context_ids[: need + 1]
+    return any(b.context_ids[: need + 1] == start for b in others)

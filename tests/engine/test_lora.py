@@ -1,7 +1,8 @@
 """LoRA adapters served as adapters: requests on two adapters and on the base model in one batch,
 each equal to an independent full forward pass of its own model (the adapter fused into the
-weights by mlx-lm; the base alone), within 1e-4; kept prefixes never shared across adapters;
-unloading and replacing while requests run; adapters that cannot be served refused."""
+weights by mlx-lm; the base alone), within 1e-4; kept prefixes (and prompt entries) never shared
+across adapters; unloading and replacing while requests run; adapters that cannot be served
+refused."""
 
 from __future__ import annotations
 
@@ -156,6 +157,33 @@ def test_kept_prefixes_are_never_shared_across_adapters(
         check_against_reference(refs[name], rec.prompt_ids, rec, 0)
     # Each adapter's second prompt found the prefix its first one shared; the base's too.
     assert [r.cached_tokens > 0 for r in records] == [False, False, True, False, True, True]
+
+
+def test_kept_prompt_entries_are_never_shared_across_adapters(
+    tiny_dir: Path, adapters: dict[str, Path], refs: dict
+) -> None:
+    """Scored prompts sharing a context, one by one: each adapter's (and the base's) second
+    takes the context's entries from its own first, never from another's."""
+    model, engine = engine_with(tiny_dir, adapters, EngineConfig(prefix_cache_mib=64))
+    head = encode(model, "Answer the question about the passage. " * 5)
+    params = SamplingParams(max_tokens=0, prompt_logprobs=3)
+    order = [None, "one", "two", "one", None, "two"]
+    client = client_of(engine)
+
+    async def one_by_one() -> list[Record]:
+        out = []
+        for i, name in enumerate(order):
+            req = EngineRequest(f"s{i}", head + [100 + i, 200 + i], params, adapter=name)
+            out.append(Record(req, (await collect_outputs(client, req))[0]))
+        return out
+
+    try:
+        records = asyncio.run(one_by_one())
+    finally:
+        client.shutdown()
+    assert [r.cached_tokens for r in records] == [0, 0, 0] + [len(head) - 1] * 3
+    for name, rec in zip(order, records):
+        check_prompt_store(rec, reference_logprobs(refs[name], rec.prompt_ids), 3)
 
 
 def test_unload_and_replace_while_running(

@@ -3,11 +3,14 @@ start from kept prefixes against a full forward pass of the same model."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.runner import model_runner
 from omlx_logprobs.runner.prefix_cache import (
@@ -18,6 +21,7 @@ from omlx_logprobs.runner.prefix_cache import (
     Prefix,
     PrefixCache,
 )
+from omlx_logprobs.runner.prompt_scoring import KeptEntries
 from omlx_logprobs.types import SamplingParams
 from tests.helpers.engine import (
     check_against_reference,
@@ -168,9 +172,12 @@ def test_prompts_from_a_kept_prefix_match_a_full_forward(
         np.testing.assert_allclose(seq.store.logprobs, ref.store.logprobs, atol=1e-4)
 
 
-def test_scored_prompts_skip_the_cache_and_mixed_groups_keep_their_rows(tiny: LoadedModel) -> None:
-    """Scored prompts (prompt_logprobs) need every position's logits, so they never start from a
-    prefix; interleaved with plain ones in one step, every row still gets its own cache."""
+def test_scored_prompts_skip_plain_prefixes_and_mixed_groups_keep_their_rows(
+    tiny: LoadedModel,
+) -> None:
+    """Scored prompts (prompt_logprobs) need every position's entries, so a prefix made for
+    plain prompts (keys and values only) never serves them; interleaved with plain ones in one
+    step, every row still gets its own cache."""
     system = encode(tiny, "System prompt shared by every request in this test, verbatim. " * 2)
     prompts = [system + encode(tiny, f"question {i} " * (1 + i)) for i in range(6)]
     params = [
@@ -236,3 +243,37 @@ def test_the_most_recent_of_several_sequences_and_eviction_of_the_index() -> Non
     cache.keep(BASE_KEY, kept(list(range(900, 940))))  # over the budget: a goes
     assert cache.held(a + [5]) == 24 and cache.held(b + [5]) == 40
     assert cache.nbytes == 2 * size and len(cache.entries) == 2
+
+
+def scored_kept(tokens: list[int], entries: int, k: int = 2) -> Prefix:
+    """A kept scored prompt whose store has its first `entries` positions' entries."""
+    store = LogprobStore(k)
+    for i in range(entries):
+        store.append(tokens[i + 1], -1.0, 1, bytes(4 * k), bytes(4 * k))
+    return replace(kept(tokens), scores=KeptEntries((k, ()), store))
+
+
+def test_a_scored_start_serves_entries_it_has_for_the_asks_they_answer() -> None:
+    """A scored prompt takes n tokens of a kept scored sequence where it shares n + 1 (position
+    n's entry is token n's), at most as many as the store holds entries for, and only where
+    they answer its ask; a plain sequence never serves it, and keeping the same tokens again
+    without entries keeps the entries."""
+    cache = PrefixCache(1 << 20, Maker())
+    turn = list(range(500, 540))
+    cache.keep(BASE_KEY, kept(list(range(500, 560))))  # plain, longer: not looked at
+    cache.keep(BASE_KEY, scored_kept(turn, 30))
+    parted = turn[:25] + [1] * 10
+    found = cache.scored(parted, len(parted) - 1, (2, ()))
+    assert found is not None and len(found.tokens) == 24 and found.scores is not None
+    found = cache.scored(turn + [1], len(turn), (1, ()))  # a top 2 serves a top 1
+    assert found is not None and len(found.tokens) == 30  # the entries kept so far
+    assert cache.scored(turn + [1], len(turn), (3, ())) is None  # more than kept
+    assert cache.scored(turn + [1], len(turn), (0, (5,))) is None  # fixed ids
+    assert cache.scored(turn[:16] + [1] * 4, 19, (1, ())) is None  # < MIN_TOKENS
+    cache.keep(BASE_KEY, kept(turn))
+    found = cache.scored(turn + [1], len(turn), (2, ()))
+    assert found is not None and found.scores is not None and len(found.tokens) == 30
+    # A store being filled on another thread: a position counts once its top list is there.
+    found.scores.store.token_ids.append(1)
+    found.scores.store.logprobs.append(0.0)
+    assert found.scores.count() == 30

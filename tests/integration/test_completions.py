@@ -55,6 +55,34 @@ def test_lm_eval_loglikelihood_request(
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 1
 
 
+def test_multiple_choice_shares_its_context_through_the_prefix_cache(
+    client: openai.OpenAI, embedded: LoadedModel
+) -> None:
+    """lm-eval's multiple choice: one context, four continuations, in one batched request and
+    then one more alone. Every continuation after the first takes the context's keys, values
+    and prompt entries from the cache (all of it but its last token, whose entry needs the
+    logits before it); every entry equals a full forward pass."""
+    passage = "Mira kept seventeen lanterns on the pier at Oskarhamn, one for each ship. " * 4
+    ctx = encode(embedded, passage + "Question: Who came?\nAnswer:", True)
+    texts = [" the red fox", " a blue cat", " one old dog", " two big pigs"]
+    choices = [encode(embedded, c) for c in texts]
+    assert len({len(c) for c in choices}) == 1 and len({c[0] for c in choices}) == 4
+    kw = dict(echo=True, logprobs=5, max_tokens=1, temperature=0)
+    together = complete(client, [ctx + c for c in choices], **kw)
+    alone = complete(client, [ctx + choices[0][::-1]], **kw)  # another first token: the context
+    assert together.usage.prompt_tokens_details.cached_tokens == 3 * (len(ctx) - 1)
+    assert alone.usage.prompt_tokens_details.cached_tokens == len(ctx) - 1
+    for ids, choice in zip(
+        [ctx + c for c in choices] + [ctx + choices[0][::-1]], together.choices + alone.choices
+    ):
+        lp, ref = choice.logprobs, reference_logprobs(embedded, ids)
+        assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids) + 1
+        for i in range(1, len(ids)):
+            assert abs(lp.token_logprobs[i] - float(ref[i - 1][ids[i]])) < 1e-4
+            top = sorted(lp.top_logprobs[i].values(), reverse=True)[:5]
+            np.testing.assert_allclose(top, np.sort(ref[i - 1])[::-1][:5], atol=1e-4)
+
+
 def test_string_prompt_scores_like_its_token_ids(
     client: openai.OpenAI, embedded: LoadedModel
 ) -> None:

@@ -139,3 +139,28 @@ def test_prompts_wait_for_company_while_a_batch_decodes() -> None:
     for q in many:
         s.add(q)
     assert [c.seq for c in s.schedule().prefill] == many
+
+
+def test_a_prompt_that_waits_for_one_prefilling_now_goes_a_step_later() -> None:
+    """`waits` sees the prompts scheduled before it in the step and those between chunks; a
+    prompt that waits takes no budget, and those behind it go on."""
+    asked: list[tuple[int, list[int]]] = []
+    waiters = {12, 13}  # prompt lengths that wait while a 20-token prompt is being prefilled
+
+    def waits(q: Sequence, busy: list[Sequence]) -> bool:
+        asked.append((q.prompt_len, [b.prompt_len for b in busy]))
+        return q.prompt_len in waiters and any(b.prompt_len == 20 for b in busy)
+
+    s = Scheduler(max_num_seqs=8, prefill_chunk=16, waits=waits)
+    first, a, b, c = seq(20), seq(12), seq(3), seq(13)
+    for q in (first, a, b, c):
+        s.add(q)
+    work = s.schedule()  # the first takes the whole budget, in a chunk
+    assert [(w.seq, w.start, w.end) for w in work.prefill] == [(first, 0, 16)]
+    s.update(work)
+    work = s.schedule()  # between its chunks it is busy: a and c wait, b goes
+    assert [(w.seq, w.start, w.end) for w in work.prefill] == [(first, 16, 20), (b, 0, 3)]
+    assert asked[-3:] == [(12, [20]), (3, [20]), (13, [20, 3])]
+    s.update(work)
+    work = s.schedule()
+    assert [w.seq for w in work.prefill] == [a, c]
