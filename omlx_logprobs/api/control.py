@@ -92,11 +92,20 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
         await run(pool, Control("resume"))
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=NO_FIELDS)
     async def flush_cache() -> PlainTextResponse:
         """SGLang's: the kept prompt prefixes go (requests running keep their own rows)."""
         await run(pool, Control("flush"))
         return PlainTextResponse("Cache flushed.\n")
+
+    # One route per method: OpenAPI names each operation once.
+    for method in ("GET", "POST"):
+        app.add_api_route(
+            "/flush_cache",
+            flush_cache,
+            methods=[method],
+            dependencies=NO_FIELDS,
+            operation_id=f"flush_cache_{method.lower()}",
+        )
 
     @app.post("/reset_prefix_cache", dependencies=NO_FIELDS)
     async def reset_prefix_cache() -> Response:
