@@ -54,6 +54,7 @@ class OutputProcessor:
             chosen, ranks = lp.logprobs.tolist(), lp.ranks.tolist()
             k = lp.k
             top_ids, top_lps = lp.top_ids.tobytes(), lp.top_logprobs.tobytes()
+        predicted = result.predicted.tolist() if result.predicted is not None else None
         for i, seq in enumerate(result.seqs):
             if seq.status is Status.FINISHED:
                 continue  # finished (or aborted) while this step ran: its row is surplus
@@ -63,6 +64,8 @@ class OutputProcessor:
                 else:
                     token = tokens[i]
                     seq.output_ids.append(token)
+                    if predicted is not None and predicted[i]:  # not past a stop: in the output
+                        seq.accepted_prediction_tokens += 1
                     if seq.store is not None and lp is not None:
                         a, b = 4 * k * i, 4 * (k * i + seq.store.k)  # 4-byte items, row i's k
                         seq.store.append(token, chosen[i], ranks[i], top_ids[a:b], top_lps[a:b])

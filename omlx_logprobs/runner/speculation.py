@@ -233,6 +233,7 @@ class Speculator:
         n = spec.width + 1
         picked: list[int] = []
         seqs: list[Sequence] = []
+        predicted: list[bool] = []
         unused: list[int] = []
         last: list[int] = []
         for i, s in enumerate(step.seqs):
@@ -242,13 +243,13 @@ class Speculator:
                 m += 1
             picked += range(base, base + m + 1)
             seqs += [s] * (m + 1)
+            predicted += [bool(d) and spec.predicted[i]] * m + [False]
             unused.append(spec.width - m)
             last.append(int(tokens[base + m]))
             s.num_sampled += m + 1
             if d:
                 self._score(s, m + 1)
-                if spec.predicted[i]:
-                    s.accepted_prediction_tokens += m
+                if spec.predicted[i]:  # accepted ones: as the output takes them
                     s.rejected_prediction_tokens += len(d) - m
         assert runner.batch_cache is not None
         runner.batch_cache.rollback(unused)
@@ -256,7 +257,7 @@ class Speculator:
         runner.last_seqs, runner._last_rows = list(step.seqs), None
         sel = np.array(picked, dtype=np.int64)
         lp = None if entries is None else Entries(*(a[sel] for a in entries.arrays()))
-        return StepResult(seqs, tokens[sel], finite[sel], lp)
+        return StepResult(seqs, tokens[sel], finite[sel], lp, predicted=np.array(predicted))
 
     def _score(self, s: Sequence, emitted: int) -> None:
         """The per-row off rule: a row whose drafts stop paying pauses, longer each time."""

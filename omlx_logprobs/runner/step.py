@@ -49,3 +49,6 @@ class StepResult:
     logprobs: Entries | None  # None when no sequence in the step asked for logprobs
     prompt: list[tuple[PromptSlice, Entries]] = field(default_factory=list)
     prompt_only: list[Sequence] = field(default_factory=list)
+    # Speculative steps: True where the row is an accepted draft from the request's prediction
+    # (counted as accepted once the output takes it: drafts past a stop are in neither count).
+    predicted: np.ndarray | None = None

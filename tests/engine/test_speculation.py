@@ -177,6 +177,11 @@ def test_stops_and_max_tokens_cut_inside_an_accepted_draft(
         same(a, b)
         assert text(ao) == text(bo)
         assert b.num_output < len(out)
+        # The prediction is the output itself: every output token but the steps' own samples
+        # was an accepted draft, and drafts past the cut are counted in neither
+        accepted = bo[-1].accepted_prediction_tokens
+        assert accepted < b.num_output and (b.num_output < 8 or accepted > b.num_output // 2)
+        assert bo[-1].rejected_prediction_tokens == 0
     assert max(verified) > 4  # several tokens a step, cut where the plain run stopped
 
 
