@@ -73,12 +73,12 @@ class DiskTier:
 
     def put(self, prefix: Prefix) -> None:
         """Keep a sequence on disk (written by the background thread)."""
-        if prefix.tokens in self.files or prefix.nbytes > self.max_bytes:
+        if prefix.tokens in self.files or prefix.kv_nbytes > self.max_bytes:
             return
         name = hashlib.sha256(repr(prefix.tokens).encode()).hexdigest()[:32]
         # Evaluated here: the writer thread has no MLX stream of its own to compute on.
         mx.eval(prefix.keys, prefix.values)
-        self._add(prefix.tokens, name, prefix.nbytes)
+        self._add(prefix.tokens, name, prefix.kv_nbytes)
         self._pending[name] = self._writer.submit(self._write, name, prefix)
         self._evict()
 

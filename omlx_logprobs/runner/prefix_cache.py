@@ -49,8 +49,16 @@ class Prefix:
     scores: KeptEntries | None = None
 
     @property
-    def nbytes(self) -> int:
+    def kv_nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+    @property
+    def nbytes(self) -> int:
+        """Keys and values, and the prompt entries it holds (counted at their full length: a
+        store still filling grows to the prompt's): what the byte budget counts."""
+        if self.scores is None:
+            return self.kv_nbytes
+        return self.kv_nbytes + len(self.tokens) * (12 + 8 * self.scores.store.k)
 
     def start(self, n: int) -> Prefix:
         """Its first n tokens' keys and values (views)."""
