@@ -16,7 +16,7 @@ SOAK_SECONDS ?= 120
 VF_VENV := .venv-verifiers
 VF_PY := $(VF_VENV)/bin/python
 
-.PHONY: install verifiers-venv browser serve test integration check lint types bench fuzz soak distributed speculation rl-example clean
+.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-conversation bench-speculation bench-scoring fuzz soak distributed speculation rl-example clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,17 @@ check: lint types test
 # its section of docs/bench-results.md. Other presets and the GPU run: docs/benchmarks.md.
 bench: install
 	$(PY) bench/run.py --preset cpu
+
+# The scenario benchmarks, each against its peers in one run (docs/benchmarks.md): a growing
+# agent conversation (prefix cache on/off, mlx-lm's server), one stream with speculation, and
+# lm-eval-style multiple choice with the prefix cache on and off. CPU presets here; the GPU
+# host runs bench/experiments/gpu_*.sh.
+bench-conversation: install
+	$(PY) bench/conversation.py
+bench-speculation: install
+	$(PY) bench/speculation.py --max-tokens 200
+bench-scoring: install
+	$(PY) bench/experiments/multiple_choice.py --questions 3 --context-words 1300
 
 # The long runs behind @pytest.mark.slow; results go into docs/reliability.md.
 fuzz: install
