@@ -1,4 +1,5 @@
-"""All MLX and KV-cache work: prefill chunks, batched decode, sampling and logprob extraction.
+"""All MLX and KV-cache work: batched decode, sampling and logprob extraction, and prefill
+(runner/prefill.py, a part of this class kept in a module of its own).
 
 The runner keeps one batched KV cache whose rows are the running sequences in admission order
 (the scheduler's `running` order). A step is launched (its graph queued on the device) and
@@ -11,19 +12,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_logprobs.batch.scheduler import PrefillChunk, SchedulerOutput
+from omlx_logprobs.batch.scheduler import SchedulerOutput
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.extract import release_scratch
-from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor, choose_extractor
+from omlx_logprobs.logprobs.extractor import Extractor, choose_extractor
 from omlx_logprobs.runner import query_blocks
 from omlx_logprobs.runner.batch_cache import BatchCache, kinds
 from omlx_logprobs.runner.fast import attention, compiled, lean_decode
@@ -31,21 +30,16 @@ from omlx_logprobs.runner.fast.fusion import Fusion
 from omlx_logprobs.runner.fast.lean_decode import LeanDecode
 from omlx_logprobs.runner.grammar import bitmask, open_ended
 from omlx_logprobs.runner.lora import AdapterSet
+from omlx_logprobs.runner.prefill import Prefill, Prefilled
 from omlx_logprobs.runner.prefix_cache import (
-    Key,
-    Prefix,
     PrefixCache,
     default_budget_mib,
-    from_cache,
     from_row,
     keeps_prefixes,
     keeps_sequences,
-    make_prefix,
-    seed,
 )
 from omlx_logprobs.runner.probe import probe
 from omlx_logprobs.runner.prompt_cache import PromptCache
-from omlx_logprobs.runner.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
 from omlx_logprobs.runner.sampler import (
     MaskState,
     apply_processors,
@@ -64,14 +58,6 @@ __all__ = ["ModelRunner"]
 log = logging.getLogger("omlx_logprobs")
 
 
-@dataclass(frozen=True)
-class _Prefilled:
-    """Where a prefilled sequence's keys and values wait for admission: a row of a batch cache."""
-
-    cache: BatchCache
-    row: int
-
-
 # On a GPU, MLX keeps every freed buffer for reuse up to about the device's memory: with batch
 # and prompt sizes changing every step that grew to ~100 GB on an H200, and host RSS with it.
 GPU_CACHE_LIMIT_MIB = 4096
@@ -80,9 +66,6 @@ GPU_CACHE_LIMIT_MIB = 4096
 # caches), which grew RSS with every new (rows, width) pair. On the CPU padding is real compute.
 GPU_PREFILL_ALIGN = 32
 CPU_PREFILL_ALIGN = 1
-# A prefill whose attention spans this many (query, key) pairs or more is evaluated apart from
-# the step (`_settle`): its failure then ends its own requests only.
-SETTLE_PAIRS = 1 << 24
 # Tests set this to run the GPU's path (extraction on the device, one packed read a step, the
 # step processed beside the next launch) on the CPU backend.
 FORCE_GPU_PATH = False
@@ -94,7 +77,7 @@ FORCE_GPU_PATH = False
 COMPILE_DECODE = os.environ.get("OMLX_COMPILE_DECODE") == "1"
 
 
-class ModelRunner:
+class ModelRunner(Prefill):
     # Whether this runner may compile its decode forward (COMPILE_DECODE); a split model's
     # runner may not (distributed/group_runner.py).
     compiles = True
@@ -116,7 +99,7 @@ class ModelRunner:
         self.last_seqs: list[Sequence] = []  # their rows' sequences, in order
         self._last_rows: dict[int, int] | None = None  # seq_id -> its row, made when asked
         self.chunk_caches: dict[int, list[Any]] = {}  # long prompts between their chunks
-        self.prefilled: dict[int, _Prefilled] = {}  # prompts done, not yet in the batch
+        self.prefilled: dict[int, Prefilled] = {}  # prompts done, not yet in the batch
         # Prompts whose prefill failed in the last launch (an allocation, say), with why: the
         # engine ends them alone; the step goes on without them.
         self.failed: list[tuple[Sequence, str]] = []
@@ -240,48 +223,9 @@ class ModelRunner:
             else:
                 parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
             seqs += self.rows
-        # Whole prompts prefill together in left-padded groups, scored ones in groups of their
-        # own; partial chunks and prompts with forks take the one-prompt path.
-        grouped = [c for c in work.prefill if self._groupable(c)]
-        prefixes = self._prefixes(grouped)
-        prompt: list[PendingPrompts] = []
-        prompt_only: list[Sequence] = []
-        todo = deque(_groups(grouped, prefixes))
-        while todo:
-            group = todo.popleft()
-            try:
-                logits, pending = self._prefill_group(group, prefixes.get(group[0].seq.seq_id))
-                self._settle([c.seq for c in group], logits)
-            except Exception as exc:
-                if len(group) > 1:  # each prompt alone, next: only the one at fault fails
-                    todo.extendleft([c] for c in reversed(group))
-                else:
-                    self._prefill_failed([group[0].seq], exc)
-                continue
-            prompt += [pending] if pending is not None else []
-            sampled = [i for i, c in enumerate(group) if c.seq.params.max_tokens > 0]
-            prompt_only += [c.seq for c in group if c.seq.params.max_tokens == 0]
-            if sampled:
-                part = logits if len(sampled) == len(group) else logits[mx.array(sampled)]
-                parts.append(part)
-                seqs += [group[i].seq for i in sampled]
-        for chunk in work.prefill:
-            if chunk in grouped:
-                continue
-            try:
-                last, scored = self._prefill_chunk(chunk)
-                self._settle([chunk.seq], last)
-            except Exception as exc:
-                self._prefill_failed([chunk.seq], exc)
-                continue
-            prompt += [scored] if scored is not None else []
-            if last is None:
-                continue
-            if chunk.seq.params.max_tokens == 0:
-                prompt_only += chunk.seq.group
-            elif members := chunk.seq.joining():  # one row per choice: forks sample here too
-                parts.append(mx.broadcast_to(last, (len(members), last.shape[-1])))
-                seqs += members
+        more, chosen, prompt, prompt_only = self._prefill(work)
+        parts += more
+        seqs += chosen
         if prompt:  # queued now, collected with the step: no sync per scored block
             self._queue(*(x for p in prompt for x in p.arrays()))
         if not seqs:
@@ -290,178 +234,6 @@ class ModelRunner:
             return LaunchedStep([], None, prompt, prompt_only)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
         return replace(self._sample(logits, seqs), prompt=prompt, prompt_only=prompt_only)
-
-    def _settle(self, seqs: list[Sequence], logits: mx.array | None) -> None:
-        """Evaluate a large prefill now, apart from the step: an allocation that fails then
-        fails these prompts alone, not every row of the batch. Small ones stay in the step's
-        one graph (on a GPU its launch overlaps the previous step's processing)."""
-        context = max(s.prompt_len for s in seqs)
-        if context * sum(s.prompt_len - s.cached_tokens for s in seqs) < SETTLE_PAIRS:
-            return
-        arrays: list[Any] = [logits] if logits is not None else []
-        for s in seqs:
-            if (p := self.prefilled.get(s.seq_id)) is not None:
-                arrays += [c.state for c in p.cache.layers]
-            arrays += [c.state for c in self.chunk_caches.get(s.seq_id, ())]
-        mx.eval(*arrays)
-
-    def _prefill_failed(self, seqs: list[Sequence], exc: Exception) -> None:
-        log.error("prefill of %d prompt(s) failed: %s", len(seqs), exc)
-        for s in seqs:
-            for m in s.group:
-                self.prefilled.pop(m.seq_id, None)
-            self.chunk_caches.pop(s.seq_id, None)
-            self.failed.append((s, f"the prompt could not be prefilled: {exc}"))
-
-    def _groupable(self, c: PrefillChunk) -> bool:
-        """A whole prompt with one choice (every batch form takes left padding); a scored one
-        also needs the head apart from the body (to run it on its positions block by block)."""
-        if not (c.start == 0 and c.is_last and not c.seq.forks):
-            return False
-        return not c.seq.scored or self.split_head
-
-    def _head(self, h: mx.array) -> mx.array:
-        assert self.split is not None
-        return self.split.head(h)
-
-    def _last_logits(self, ids: mx.array, cache: list[Any]) -> mx.array:
-        """[B, V] logits of the last position only."""
-        if self.split is None:
-            return self.model(ids, cache=cache)[:, -1, :]
-        return self._head(self.split.body(ids, cache=cache)[:, -1:, :])[:, 0, :]
-
-    def _prefill_group(
-        self, group: list[PrefillChunk], prefix: Prefix | None
-    ) -> tuple[mx.array, PendingPrompts | None]:
-        """Whole prompts in one left-padded forward, computed from after `prefix` (which they
-        all start with): their last logits, and their prompt entries when they are scored (a
-        group is all scored or all plain, see `_groups`). Rows that will generate wait in the
-        group's cache for admission."""
-        scored = group[0].seq.scored
-        start = len(prefix.tokens) if prefix is not None else 0
-        width = max(c.end for c in group) - start  # the columns the forward computes
-        width += -width % self.prefill_align + start
-        pads = [width - c.end for c in group]
-        ids = mx.array([([0] * p + c.seq.context_ids)[start:] for p, c in zip(pads, group)])
-        if prefix is None:
-            cache = BatchCache.for_prompts(self.templates, pads)
-        else:
-            cache = BatchCache.seeded(self.templates, prefix.keys, prefix.values, pads)
-        if self.tight_cache:
-            cache.reserve(max(c.seq.to_write for c in group), width - start)
-        self.adapters.select_rows([c.seq for c in group])
-        for row, c in enumerate(group):
-            c.seq.cached_tokens = max(start - pads[row], 0)
-            if c.seq.params.max_tokens > 0:
-                self.prefilled[c.seq.seq_id] = _Prefilled(cache, row)
-        if not scored:
-            logits = self._last_logits(ids, cache.layers)
-            cache.finish_prefill()
-            return logits, None
-        assert self.split is not None
-        h = self.split.body(ids, cache=cache.layers)
-        cache.finish_prefill()
-        # Every row's computed positions but its last, rows in group order: one flat [N, H]
-        # block. A row's first `done` positions came with the prefix, their entries too.
-        cols, done = width - start, [c.seq.cached_tokens for c in group]
-        flat = np.concatenate([r * cols + np.arange(p + d - start, cols - 1)
-                               for r, (p, d) in enumerate(zip(pads, done))])  # fmt: skip
-        if self.extractor.pads_blocks:  # whole blocks on the device: see prompt_scoring
-            flat = np.pad(flat, (0, -len(flat) % PROMPT_BLOCK))
-        hidden = h.reshape(-1, h.shape[-1])[mx.array(flat)]
-        slices = [chunk_slice(c.seq, d, c.end) for c, d in zip(group, done)]
-        kept = prefix.scores if prefix is not None else None
-        served = tuple(kept.served(c.seq, d) for c, d in zip(group, done) if d and kept)
-        keep = [x for r, (c, p) in enumerate(zip(group, pads)) for x in self.prompt_cache.keep(
-            c.seq, partial(from_row, c.seq.prompt_ids, np.zeros(0), c.end, cache.layers, r, p))]
-        pending = score(
-            slices, lambda a, b: self._head(hidden[a:b]), self.extractor, served, tuple(keep)
-        )
-        return self._head(h[:, -1, :]), pending
-
-    def _prefixes(self, chunks: list[PrefillChunk]) -> dict[int, Prefix]:
-        """By seq_id, the kept prefix each whole prompt starts from: for plain prompts, made
-        here where two prompts that began alike share one (evaluated with the step); for
-        scored ones, one that keeps their prompt entries too."""
-        if self.prefixes is None:
-            return {}
-        plain = [c for c in chunks if not c.seq.scored]
-        scored = [c for c in chunks if c.seq.scored]
-        keys = [self.adapters.key(c.seq.adapter) for c in plain]
-        found = self.prefixes.assign([c.seq.context_ids for c in plain], keys)
-        found += self.prompt_cache.starts([c.seq for c in scored])
-        return {c.seq.seq_id: p for c, p in zip(plain + scored, found) if p is not None}
-
-    def cached_len(self, seq: Sequence) -> int:
-        """How many of a whole prompt's tokens a kept prefix holds now (prefixes made in the
-        prompt's own step are not foreseen)."""
-        if seq.scored:
-            return self.prompt_cache.held(seq)
-        if self.prefixes is None:
-            return 0
-        return self.prefixes.held(seq.context_ids, self.adapters.key(seq.adapter))
-
-    def _make_prefix(self, tokens: tuple[int, ...], base: Prefix | None, key: Key) -> Prefix:
-        self.adapters.select([key[0]])
-        return make_prefix(self.model, tokens, base)
-
-    def _chunk_cache(self, chunk: PrefillChunk) -> tuple[list[Any], int, Prefix | None]:
-        """A prompt's one-row cache between its chunks, where this chunk's forward starts, and
-        the kept prefix it started from. At the prompt's first chunk, the cache is seeded with
-        the longest kept start (a scored prompt's: with its entries; the scheduler started the
-        chunk there; should that prefix be gone since, the forward starts from what is kept)."""
-        seq = chunk.seq
-        cache = self.chunk_caches.get(seq.seq_id)
-        if cache is not None:
-            return cache, chunk.start, None
-        cache = self.chunk_caches[seq.seq_id] = make_prompt_cache(self.model)
-        found = None
-        if seq.scored:
-            found = self.prompt_cache.start(seq, chunk.end - 1)
-        elif self.prefixes is not None:
-            key = self.adapters.key(seq.adapter)
-            found = self.prefixes.longest(seq.context_ids, chunk.end - 1, key)
-        if found is not None:
-            seed(cache, found)
-        start = len(found.tokens) if found is not None else 0
-        for s in seq.group:
-            s.cached_tokens = start
-        return cache, start, found
-
-    def _prefill_chunk(self, chunk: PrefillChunk) -> tuple[mx.array | None, PendingPrompts | None]:
-        """One chunk of one prompt in its own cache: the last chunk's last logits (else None),
-        and the chunk's prompt entries when the prompt asks for them."""
-        seq = chunk.seq
-        cache, start, found = self._chunk_cache(chunk)
-        ids = mx.array([seq.context_ids[start : chunk.end]])
-        self.adapters.select_rows([seq])
-        scored: Any = None
-        unread: tuple[mx.array, ...] = ()
-        if seq.scored:  # every position's logits but those of a kept start: the prompt is scored
-            out = self.model(ids, cache=cache)[0]
-            rows = chunk_slice(seq, start, out.shape[0])
-            served = (found.scores.served(seq, start),) if found and found.scores else ()
-            keep = []
-            if chunk.is_last:  # the whole prompt's keys and values are in the cache now
-                keep = self.prompt_cache.keep(seq, lambda: from_cache(seq.prompt_ids, cache))
-            scored = score([rows], lambda a, b: out[a:b], self.extractor, served, tuple(keep))
-            logits = out[-1:, :]
-        elif chunk.is_last:
-            logits = self._last_logits(ids, cache)
-        else:
-            # Lazy: evaluating only the cache skips the head. Split over processes, the
-            # forward's output is evaluated too (distributed/group_runner.py).
-            unread = self._forward_unread(ids, cache)
-        if not chunk.is_last:
-            self._queue([c.state for c in cache], *unread)  # bound the lazy graph between chunks
-            return None, scored
-        del self.chunk_caches[seq.seq_id]
-        members = seq.joining()
-        if members:  # one copy of the prompt's cache per choice, rows in choice order
-            rows_cache = BatchCache.of_copies(cache, len(members))
-            for row, m in enumerate(members):
-                self.prefilled[m.seq_id] = _Prefilled(rows_cache, row)
-        return logits, scored
 
     def _sample(self, logits: mx.array, seqs: list[Sequence]) -> LaunchedStep:
         params = [s.params for s in seqs]
@@ -695,27 +467,3 @@ class ModelRunner:
             mx.async_eval(prefix.keys, prefix.values)
             self.prefixes.keep(self.adapters.key(seq.adapter), prefix)
 
-
-def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[list[PrefillChunk]]:
-    """Split whole prompts into forward groups, in order: by the cached prefix they start from,
-    scored prompts apart from plain ones and by `score_key`, and so that left padding never
-    more than doubles a group's tokens."""
-    groups: list[list[PrefillChunk]] = []
-    open_: dict[object, tuple[list[PrefillChunk], int, int]] = {}  # kind -> (group, width, total)
-    for c in chunks:
-        p = c.seq.params
-        # One kept prefix seeds a whole group (prefixes of different adapters may hold the same
-        # tokens, so the prefix itself is the kind)
-        prefix = prefixes.get(c.seq.seq_id)
-        kind: object = ("prefix", id(prefix) if prefix is not None else None)
-        if c.seq.scored:
-            kind = (score_key(p), kind)
-        n = c.end
-        group, width, total = open_.get(kind, ([], 0, 0))
-        if group and max(width, n) * (len(group) + 1) <= 2 * (total + n):
-            group.append(c)
-            open_[kind] = (group, max(width, n), total + n)
-        else:
-            groups.append([c])
-            open_[kind] = (groups[-1], n, n)
-    return groups

@@ -23,6 +23,7 @@ import os
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 # The scores one attention call may hold (float32), per call; OMLX_MAX_SCORE_MIB overrides it.
 MAX_SCORE_BYTES = int(os.environ.get("OMLX_MAX_SCORE_MIB", "512")) << 20
@@ -31,8 +32,13 @@ MAX_SCORE_BYTES = int(os.environ.get("OMLX_MAX_SCORE_MIB", "512")) << 20
 FUSED_PAIRS = int(os.environ.get("OMLX_FUSED_PAIRS", str(1 << 22)))
 QUERY_BUCKET, KEY_BUCKET = 256, 4096  # the smallest padded shape (see `bucket`)
 
+# The CPU backend's prefill calls of this many scores or more take numpy (`_host`); under it
+# the numpy round trip costs more than MLX's own ops.
+HOST_ELEMENTS = 1 << 16
+
 _inner: Any = None
 _fused = False  # cuDNN's attention is on: calls under FUSED_PAIRS must keep away from it
+_host_side = False  # MLX computes on the CPU here: long prefill calls take numpy
 
 
 def blocks(q: mx.array, k: mx.array) -> int:
@@ -130,6 +136,40 @@ def _unfused(
     return out.reshape(b, heads, lq, -1) if rep > 1 else out
 
 
+def _host(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None, **extra: Any
+) -> mx.array:
+    """The CPU backend's prefill attention in numpy, float32: MLX's CPU `exp` is scalar (380 ms
+    for a 700 x 5.5k-key call of SmolLM2's 9 heads, against numpy's 19 ms), and it was most of
+    a long conversation's turn (docs/benchmarks.md, "Long conversations"). Masks as MLX reads
+    them; a row whose additive mask is -inf everywhere comes out zero, not NaN."""
+    b, heads, lq, d = q.shape
+    kv_heads, lk = k.shape[1], k.shape[2]
+    rep = heads // kv_heads
+    f32 = mx.float32
+    qn = np.asarray(q.astype(f32)).reshape(b, kv_heads, rep * lq, d) * np.float32(scale)
+    kn, vn = np.asarray(k.astype(f32)), np.asarray(v.astype(f32))
+    s = (qn @ kn.swapaxes(-1, -2)).reshape(b, kv_heads, rep, lq, lk)
+    if isinstance(mask, str):  # causal: the queries are the last lq positions of the keys
+        m: np.ndarray | None = np.arange(lk - lq, lk)[:, None] >= np.arange(lk)[None]
+    else:
+        m = None if mask is None else np.asarray(mask)
+    if m is not None:
+        if m.ndim == 4:  # [B or 1, heads or 1, lq, lk]
+            m = m.reshape(m.shape[0], kv_heads, rep, lq, lk) if m.shape[1] > 1 else m[:, :, None]
+        if m.dtype == np.bool_:  # as MLX: the lowest float, so a row masked whole is uniform
+            np.copyto(s, np.finfo(np.float32).min, where=~m)
+        else:
+            s += m.astype(np.float32)
+    top = s.max(axis=-1, keepdims=True)
+    top[~np.isfinite(top)] = 0  # -inf everywhere: all weights zero
+    s -= top
+    np.exp(s, out=s)
+    s /= np.maximum(s.sum(axis=-1, keepdims=True), np.finfo(np.float32).tiny)
+    out = s.reshape(b, kv_heads, rep * lq, lk) @ vn
+    return mx.array(out.reshape(b, heads, lq, d)).astype(q.dtype)
+
+
 def _sdpa(
     q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None, **extra: Any
 ) -> mx.array:
@@ -139,8 +179,14 @@ def _sdpa(
         return _inner(q, k, v, scale=scale, mask=mask, **extra)
     if fuses(q, k, v, mask, extra):
         return _padded(q, k, v, scale=scale, mask=mask, **extra)
-    # Under cuDNN, the short calls MLX would give it take the fallback's ops here instead.
-    call = _unfused if _fused and "sinks" not in extra and "stream" not in extra else _inner
+    # Under cuDNN, the short calls MLX would give it take the fallback's ops here instead; on
+    # the CPU backend, numpy's (see `_host`).
+    plain = "sinks" not in extra and "stream" not in extra
+    call = _inner
+    if plain and _fused:
+        call = _unfused
+    elif plain and _host_side and q.size // q.shape[-1] * lk >= HOST_ELEMENTS:
+        call = _host
     step = blocks(q, k)
     if step >= lq or not (mask is None or isinstance(mask, (str, mx.array))):
         return call(q, k, v, scale=scale, mask=mask, **extra)
@@ -169,9 +215,10 @@ def cudnn_on() -> bool:
 def install() -> None:
     """Route every attention call through the wrapper (once per process, over whatever is
     installed already: runner/fast/attention.py's decode kernel stays in front of MLX's)."""
-    global _inner, _fused
+    global _inner, _fused, _host_side
     if _inner is not None:
         return
     _inner = mx.fast.scaled_dot_product_attention
     _fused = cudnn_on()
+    _host_side = mx.default_device() == mx.cpu
     mx.fast.scaled_dot_product_attention = _sdpa

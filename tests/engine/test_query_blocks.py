@@ -5,6 +5,8 @@ stays bounded."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -58,11 +60,34 @@ def test_the_peak_memory_of_a_long_prefill_is_bounded(monkeypatch: pytest.Monkey
         mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal"))
         return mx.get_peak_memory() - base
 
+    monkeypatch.setattr(query_blocks, "_host_side", False)  # MLX's ops (numpy's: below)
     monkeypatch.setattr(query_blocks, "MAX_SCORE_BYTES", 1 << 40)
     whole = peak()
     monkeypatch.setattr(query_blocks, "MAX_SCORE_BYTES", 16 << 20)
     blocked = peak()
     assert whole >= 512 << 20 and blocked < whole / 4
+
+
+def test_the_numpy_attention_s_peak_is_bounded_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU backend's numpy attention (`_host`) in blocks: numpy's own allocations, as
+    tracemalloc counts them, a fraction of one whole call's."""
+    query_blocks.install()
+    monkeypatch.setattr(query_blocks, "_host_side", True)
+    q = k = v = mx.zeros((1, 8, 2048, 64))
+    mx.eval(q)
+
+    def peak() -> int:
+        tracemalloc.start()
+        mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal"))
+        most = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return most
+
+    monkeypatch.setattr(query_blocks, "MAX_SCORE_BYTES", 1 << 40)
+    whole = peak()
+    monkeypatch.setattr(query_blocks, "MAX_SCORE_BYTES", 8 << 20)
+    blocked = peak()
+    assert whole >= 128 << 20 and blocked < whole / 4
 
 
 @pytest.mark.parametrize("mask", ["causal", "bool", "additive", None])
@@ -122,3 +147,40 @@ def test_a_bucketed_call_equals_the_call(monkeypatch: pytest.MonkeyPatch, mask: 
     want = query_blocks._inner(q, k, v, scale=0.25, mask=m)
     assert got.shape == want.shape
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "additive", "heads", None])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_the_cpu_s_numpy_attention_equals_mlx_s(mask: str | None, heads: tuple[int, int]) -> None:
+    """Long prefill calls on the CPU backend take numpy (`_host`): MLX's values, query heads
+    grouped over key heads, masks of every form; a query row with every key masked (a left-
+    padded row's padding) is the values' mean, as MLX's."""
+    query_blocks.install()
+    mx.random.seed(3)
+    q = mx.random.normal((2, heads[0], 23, 16))
+    k, v = (mx.random.normal((2, heads[1], 40, 16)) for _ in range(2))
+    m: object = mask
+    if mask == "bool":
+        m = mx.random.uniform(shape=(2, 1, 23, 40)) > 0.3
+        m = mx.concatenate([mx.zeros((2, 1, 1, 40), mx.bool_), m[:, :, 1:]], axis=2)
+    elif mask == "additive":
+        m = mx.random.normal((2, 1, 23, 40))
+    elif mask == "heads":
+        m = mx.random.uniform(shape=(2, heads[0], 23, 40)) > 0.2
+    got = np.array(query_blocks._host(q, k, v, scale=0.25, mask=m))
+    want = np.array(query_blocks._inner(q, k, v, scale=0.25, mask=m))
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_long_cpu_calls_take_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    query_blocks.install()
+    taken: list[int] = []
+    host = query_blocks._host
+    monkeypatch.setattr(query_blocks, "_host", lambda *a, **kw: taken.append(1) or host(*a, **kw))
+    monkeypatch.setattr(query_blocks, "HOST_ELEMENTS", 4 * 23 * 40)
+    q = mx.random.normal((1, 4, 23, 16))
+    k = v = mx.random.normal((1, 4, 40, 16))
+    mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    mx.fast.scaled_dot_product_attention(q[:, :, :22], k, v, scale=0.25, mask="causal")
+    mx.fast.scaled_dot_product_attention(q[:, :, :1], k, v, scale=0.25)
+    assert taken == [1]
