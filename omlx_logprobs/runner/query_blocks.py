@@ -174,6 +174,8 @@ def _sdpa(
     q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None, **extra: Any
 ) -> mx.array:
     """The caller's other arguments (sinks, stream) pass through as they came."""
+    if "sinks" in extra and extra["sinks"] is None:  # mlx-lm passes sinks=None on every call
+        del extra["sinks"]
     lq, lk = q.shape[2], k.shape[2]
     if lq == 1:
         return _inner(q, k, v, scale=scale, mask=mask, **extra)

@@ -180,7 +180,9 @@ def test_long_cpu_calls_take_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(query_blocks, "HOST_ELEMENTS", 4 * 23 * 40)
     q = mx.random.normal((1, 4, 23, 16))
     k = v = mx.random.normal((1, 4, 40, 16))
-    mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    # as mlx-lm's models call it (sinks=None on every call)
+    mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal", sinks=None)
     mx.fast.scaled_dot_product_attention(q[:, :, :22], k, v, scale=0.25, mask="causal")
     mx.fast.scaled_dot_product_attention(q[:, :, :1], k, v, scale=0.25)
+    mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, sinks=mx.zeros(4))
     assert taken == [1]
