@@ -46,10 +46,10 @@ MLX_ENVIRONMENT = {
     # direct launches ran top-20 steps ~12% faster. If turned back on: 64 kept.
     "MLX_USE_CUDA_GRAPHS": "0",
     "MLX_CUDA_GRAPH_CACHE_SIZE": "64",
-    # cuDNN's attention builds a graph per new shape (60-250 ms, every stream waiting). Turned
-    # on, it takes long one-row prefills only, padded to a few shapes (runner/query_blocks.py):
-    # cold 21k-token prompts ran 7-11% faster, but conversation turns met new shapes and ran
-    # slower (docs/benchmarks.md, "Long conversations"). 64 plans kept if on.
+    # cuDNN's attention builds a graph per new shape (60-250 ms, every stream waiting): on for
+    # every prefill call, cold 21k-token prompts ran 7-11% faster but conversation turns slower
+    # (docs/benchmarks.md, "Long conversations"). Turned on, long one-row prefills take it at
+    # a few padded shapes (runner/query_blocks.py; not measured on a GPU yet). 64 plans kept.
     "MLX_CUDA_USE_CUDNN_SDPA": "0",
     "MLX_CUDA_SDPA_CACHE_SIZE": "64",
     # With bounded caches MLX would raise after 2x capacity misses in total.
