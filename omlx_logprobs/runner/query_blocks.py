@@ -126,10 +126,14 @@ def _unfused(
     if isinstance(mask, str):  # causal: the queries are the last lq positions of the keys
         mask = mx.arange(lk - lq, lk)[:, None] >= mx.arange(lk)[None]
     if mask is not None:
-        if rep > 1 and mask.ndim >= 3:
-            mask = mx.expand_dims(mask, -3)
+        if rep > 1 and mask.ndim >= 3:  # a mask per query head: grouped as the queries are
+            if mask.shape[-3] == 1:
+                mask = mx.expand_dims(mask, -3)
+            else:
+                mask = mask.reshape(*mask.shape[:-3], kv_heads, rep, lq, lk)
         if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.array(-float("inf"), scores.dtype))
+            # as MLX: the lowest float, so a row masked whole is uniform (not NaN)
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
         else:
             scores = scores + mask
     out = mx.softmax(scores, axis=-1, precise=True) @ v

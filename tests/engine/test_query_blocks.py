@@ -90,25 +90,6 @@ def test_the_numpy_attention_s_peak_is_bounded_too(monkeypatch: pytest.MonkeyPat
     assert whole >= 128 << 20 and blocked < whole / 4
 
 
-@pytest.mark.parametrize("mask", ["causal", "bool", "additive", None])
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
-def test_the_unfused_ops_equal_mlx_attention(mask: str | None, heads: tuple[int, int]) -> None:
-    """Under cuDNN, short prefill calls take `_unfused`: the same values as MLX's attention
-    (on the CPU, MLX's fallback), query heads grouped over key heads included."""
-    query_blocks.install()
-    mx.random.seed(1)
-    q = mx.random.normal((2, heads[0], 23, 16))
-    k, v = (mx.random.normal((2, heads[1], 40, 16)) for _ in range(2))
-    m: object = mask
-    if mask == "bool":
-        m = mx.random.uniform(shape=(2, 1, 23, 40)) > 0.3
-    elif mask == "additive":
-        m = mx.random.normal((2, 1, 23, 40))
-    got = query_blocks._unfused(q, k, v, scale=0.25, mask=m)
-    want = query_blocks._inner(q, k, v, scale=0.25, mask=m)
-    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
-
-
 def test_only_long_half_precision_calls_are_fused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(query_blocks, "_fused", True)
     monkeypatch.setattr(query_blocks, "FUSED_PAIRS", 1000)
@@ -151,10 +132,12 @@ def test_a_bucketed_call_equals_the_call(monkeypatch: pytest.MonkeyPatch, mask: 
 
 @pytest.mark.parametrize("mask", ["causal", "bool", "additive", "heads", None])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
-def test_the_cpu_s_numpy_attention_equals_mlx_s(mask: str | None, heads: tuple[int, int]) -> None:
-    """Long prefill calls on the CPU backend take numpy (`_host`): MLX's values, query heads
-    grouped over key heads, masks of every form; a query row with every key masked (a left-
-    padded row's padding) is the values' mean, as MLX's."""
+@pytest.mark.parametrize("ours", ["_host", "_unfused"])
+def test_our_attention_equals_mlx_s(ours: str, mask: str | None, heads: tuple[int, int]) -> None:
+    """Long prefill calls on the CPU backend take numpy (`_host`), short ones under cuDNN the
+    fallback's ops (`_unfused`): MLX's values, query heads grouped over key heads, masks of
+    every form; a query row with every key masked (a left-padded row's padding) is the values'
+    mean, as MLX's."""
     query_blocks.install()
     mx.random.seed(3)
     q = mx.random.normal((2, heads[0], 23, 16))
@@ -167,7 +150,7 @@ def test_the_cpu_s_numpy_attention_equals_mlx_s(mask: str | None, heads: tuple[i
         m = mx.random.normal((2, 1, 23, 40))
     elif mask == "heads":
         m = mx.random.uniform(shape=(2, heads[0], 23, 40)) > 0.2
-    got = np.array(query_blocks._host(q, k, v, scale=0.25, mask=m))
+    got = np.array(getattr(query_blocks, ours)(q, k, v, scale=0.25, mask=m))
     want = np.array(query_blocks._inner(q, k, v, scale=0.25, mask=m))
     np.testing.assert_allclose(got, want, atol=1e-5)
 
