@@ -8,11 +8,14 @@ misses, then compares tokens one by one past the last hit. Plain Python: no mode
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 BLOCK = 8  # the index's granularity
 MIN_TOKENS = 16  # shorter shared starts are not worth keeping or looking up
+# Items of one block compared past it for the longest start (many conversations may share a
+# system turn: the most recent ones are the likely continuations).
+CANDIDATES = 64
 
 T = TypeVar("T")
 
@@ -50,22 +53,40 @@ class BlockIndex(Generic[T]):
         self._index.clear()
 
     def find(
-        self, key: Hashable, ids: Sequence[int], limit: int
+        self,
+        key: Hashable,
+        ids: Sequence[int],
+        limit: int,
+        accept: Callable[[T], bool] | None = None,
     ) -> tuple[tuple[int, ...], T, int] | None:
-        """(tokens, item, n): the most recent item sharing the longest start with ids[:limit],
-        n tokens long (at least MIN_TOKENS); None if there is none."""
-        best: tuple[tuple[int, ...], T] | None = None
-        n = 0
-        for j, h in enumerate(block_hashes(ids, limit)):
-            found = self._index.get((key, h))
-            if not found:
+        """(tokens, item, n): the item (of those `accept` takes) sharing the longest start with
+        ids[:limit], n tokens long (at least MIN_TOKENS), the most recent among equals; None if
+        there is none."""
+        hits: list[list[tuple[tuple[int, ...], T]]] = []  # the items sharing each block
+        for h in block_hashes(ids, limit):
+            hit = self._index.get((key, h))
+            if not hit:
                 break
-            best, n = found[-1], (j + 1) * BLOCK
-        if best is None or best[0][:n] != tuple(ids[:n]):  # none, or a hash collision
-            return None
-        tokens = best[0]
-        # Past the last whole block: token by token, within the sequence and the limit.
-        end = min(len(tokens), limit)
-        while n < end and tokens[n] == ids[n]:
-            n += 1
-        return (tokens, best[1], n) if n >= MIN_TOKENS else None
+            hits.append(hit)
+        # From the deepest block that hit: its items share n tokens, then token by token (within
+        # one block: the next block missed for them all), the longest winning, the most recent of
+        # the latest CANDIDATES first. A block with no item `accept` takes gives way to the one
+        # before it.
+        for depth in range(len(hits), 0, -1):
+            n = depth * BLOCK
+            best: tuple[tuple[int, ...], T] | None = None
+            most = n
+            for tokens, item in reversed(hits[depth - 1][-CANDIDATES:]):
+                if accept is not None and not accept(item):
+                    continue
+                m, end = n, min(len(tokens), limit)
+                while m < end and tokens[m] == ids[m]:
+                    m += 1
+                if best is None or m > most:
+                    best, most = (tokens, item), m
+            if best is None:
+                continue
+            if best[0][:n] != tuple(ids[:n]) or most < MIN_TOKENS:  # a hash collision, or short
+                return None
+            return best[0], best[1], most
+        return None

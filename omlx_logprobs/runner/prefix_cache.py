@@ -272,13 +272,16 @@ class PrefixCache:
     ) -> tuple[Prefix, int] | None:
         # Position i's entry is token i's given those before it: it serves a prompt that
         # shares tokens 0..i, one more than the keys and values of tokens 0..i-1 need.
-        found = self._index.find(_scored(key), ids, min(limit + 1, len(ids)))
+        def answers(e: Prefix) -> bool:
+            return e.scores is not None and e.scores.serves(ask)
+
+        found = self._index.find(_scored(key), ids, min(limit + 1, len(ids)), answers)
         if found is None:
             return None
         tokens, entry, shared = found
         assert entry.scores is not None
         n = min(shared - 1, limit, entry.scores.count())
-        if n < MIN_TOKENS or not entry.scores.serves(ask):
+        if n < MIN_TOKENS:
             return None
         if not look:
             self.entries.move_to_end((key, tokens))

@@ -245,6 +245,20 @@ def test_the_most_recent_of_several_sequences_and_eviction_of_the_index() -> Non
     assert cache.nbytes == 2 * size and len(cache.entries) == 2
 
 
+def test_the_longest_start_wins_inside_a_block_over_the_most_recent() -> None:
+    """Two kept sequences share 3 blocks and part inside the 4th at different tokens: a prompt
+    that follows the older one further takes the older one; among equals, the most recent."""
+    cache = PrefixCache(1 << 20, Maker())
+    common = list(range(300, 324))
+    older, newer = common + [1, 2, 3, 4, 5, 6, 7, 8], common + [1, 2, 9, 9, 9, 9, 9, 9]
+    cache.keep(BASE_KEY, kept(older))
+    cache.keep(BASE_KEY, kept(newer))
+    assert cache.held(common + [1, 2, 3, 4, 5, 0]) == 29  # the older one's 29 tokens
+    assert cache.held(common + [1, 2, 9, 0]) == 27
+    found = cache.longest(common + [1, 0], 26)
+    assert found is not None and len(found.tokens) == 25
+
+
 def scored_kept(tokens: list[int], entries: int, k: int = 2) -> Prefix:
     """A kept scored prompt whose store has its first `entries` positions' entries."""
     store = LogprobStore(k)
