@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +116,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     ids: dict[int, list[int]] = {}  # each turn's prompt, for new_over_context
     try:
-        for key, server in servers.items():  # each server's first request warms it up
-            ttft(server.base_url, name if key != "mlx-lm" else model_dir, [HELLO])
+        # Each server's first request warms it up (on a GPU, MLX compiles its kernels then:
+        # tens of seconds), all at once.
+        with ThreadPoolExecutor(len(servers)) as pool:
+            warming = [
+                pool.submit(ttft, s.base_url, name if key != "mlx-lm" else model_dir, [HELLO])
+                for key, s in servers.items()
+            ]
+            for w in warming:
+                w.result()
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": "Find why test_parser fails and fix it."},

@@ -49,9 +49,10 @@ MLX_ENVIRONMENT = {
     # cuDNN's attention builds a graph per new shape (60-250 ms, every stream waiting): on for
     # every prefill call, cold 21k-token prompts ran 7-11% faster but conversation turns slower
     # (docs/benchmarks.md, "Long conversations"). Turned on, long one-row prefills take it at
-    # a few padded shapes (runner/query_blocks.py; not measured on a GPU yet). 64 plans kept.
+    # a few padded shapes (runner/query_blocks.py; not measured on a GPU yet), their graphs
+    # built at start-up: 39 for 2,048-token chunks over 32k, 67 over 128k; 128 kept.
     "MLX_CUDA_USE_CUDNN_SDPA": "0",
-    "MLX_CUDA_SDPA_CACHE_SIZE": "64",
+    "MLX_CUDA_SDPA_CACHE_SIZE": "128",
     # With bounded caches MLX would raise after 2x capacity misses in total.
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
 }

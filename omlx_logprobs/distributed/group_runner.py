@@ -43,6 +43,9 @@ class _GroupRunner(ModelRunner):
             return (self.split.body(ids, cache=cache),)
         return (self.model(ids, cache=cache),)
 
+    def warm_attention(self, chunk: int, context: int) -> None:
+        """Not on a group: its probe forward would be a collective the other ranks never run."""
+
 
 class LeaderRunner(_GroupRunner):
     """Rank 0's runner: sends each step's work to the other ranks, then runs it itself."""

@@ -68,9 +68,11 @@ class Engine:
         tokenizer: Any = None,
         runner: type[ModelRunner] | Callable[..., ModelRunner] = ModelRunner,
         adapters: tuple[tuple[str, str], ...] = (),
+        context: int = 0,
     ):
         """`runner`: the model runner's class, or a factory taking its arguments (a model
-        split over processes has its own: distributed/distributed.py)."""
+        split over processes has its own: distributed/distributed.py). `context`: the longest
+        prompt and output the model serves (0: `cfg.max_model_len`, else 32k)."""
         self.cfg = cfg
         # Constrained decoding's matchers need the Hugging Face tokenizer (runner/grammar.py).
         self.grammars = Grammars(tokenizer, len(vocab), tuple(eos))
@@ -78,6 +80,7 @@ class Engine:
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
         )
         self.runner.speculator = speculator(cfg, self.runner, vocab)
+        self.runner.warm_attention(cfg.prefill_chunk, context or cfg.max_model_len or 1 << 15)
         if cfg.kv_cache_dir is not None:
             self.runner.attach_disk(cfg.kv_cache_dir, cfg.kv_cache_disk_mib)
         for name, path in adapters:  # --lora, or those loaded before a restart or a reload

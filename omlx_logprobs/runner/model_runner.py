@@ -310,6 +310,19 @@ class ModelRunner(Prefill):
         if self.prefixes is not None:
             self.prefixes.persist()
 
+    def warm_attention(self, chunk: int, context: int) -> None:
+        """On CUDA with cuDNN's attention on: its graphs for the padded shapes long prefills
+        take, built now rather than inside a request (runner/query_blocks.py). Before any
+        adapter is loaded: the probe forward is the plain model's."""
+        t0 = time.perf_counter()
+
+        def forward() -> None:
+            mx.eval(self.model(mx.array([[0, 1]]), cache=make_prompt_cache(self.model)))
+
+        if built := query_blocks.warm(forward, chunk, context):
+            log.info("cuDNN attention: %d graphs built for prefills of up to %d tokens over "
+                     "%d in %.1f s", built, chunk, context, time.perf_counter() - t0)  # fmt: skip
+
     def attach_disk(self, root: str, mib: int) -> None:
         """Give the prefix cache its disk tier (`--kv-cache-dir`), keyed by the weights."""
         from omlx_logprobs.runner.disk_tier import DiskTier, fingerprint
@@ -447,7 +460,6 @@ class ModelRunner(Prefill):
         assert self.batch_cache is not None
         self.batch_cache.filter(keep, self.trim_align)
 
-
     def _keep_finished(self, rows: list[int]) -> None:
         """Keep these batch rows' keys and values, each under its tokens: the prompt and the
         output but its last token (every other output token was fed back; whether the last
@@ -466,4 +478,3 @@ class ModelRunner(Prefill):
             # The copies now, with the step: until then they would hold the batch's arrays.
             mx.async_eval(prefix.keys, prefix.values)
             self.prefixes.keep(self.adapters.key(seq.adapter), prefix)
-

@@ -15,11 +15,13 @@ length every time, paid it at every chunk. So a call of one row and FUSED_PAIRS 
 pairs or more goes to cuDNN (fused: its memory is the output's) padded up to a few bucket
 shapes (`bucket`), its padding masked out, so that a server builds a bounded number of graphs;
 every other call runs the unfused ops MLX's own fallback runs (`_unfused`), in blocks as above.
+`warm` builds those graphs at start-up (`shapes`), so that no request waits for one.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -39,6 +41,9 @@ HOST_ELEMENTS = 1 << 16
 _inner: Any = None
 _fused = False  # cuDNN's attention is on: calls under FUSED_PAIRS must keep away from it
 _host_side = False  # MLX computes on the CPU here: long prefill calls take numpy
+# While `warm` runs its probe forward: the head shapes (heads, key heads, query and value
+# widths, dtype) of the prefill calls seen.
+_heads: set[tuple[int, int, int, int, mx.Dtype]] | None = None
 
 
 def blocks(q: mx.array, k: mx.array) -> int:
@@ -55,6 +60,51 @@ def bucket(n: int, least: int) -> int:
     while size < n:
         size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
     return size
+
+
+def ladder(least: int, top: int) -> list[int]:
+    """The bucket sizes from `least` up to the bucket of `top`."""
+    sizes = [least]
+    while sizes[-1] < top:
+        sizes.append(bucket(sizes[-1] + 1, least))
+    return sizes
+
+
+def shapes(chunk: int, context: int) -> list[tuple[int, int]]:
+    """The padded (queries, keys) shapes a fused call can take where prefill chunks are at most
+    `chunk` tokens and contexts at most `context`: 39 for 2,048 and 32k."""
+    return [
+        (bq, bk)
+        for bq in ladder(QUERY_BUCKET, min(chunk, context))
+        for bk in ladder(KEY_BUCKET, context)
+        if bq <= bk and bq * bk >= FUSED_PAIRS
+    ]
+
+
+def warm(forward: Callable[[], None], chunk: int, context: int) -> int:
+    """Where cuDNN's attention is on, build its graph for every bucket shape (`shapes`) of every
+    head shape the model's attention calls have (`forward` runs a short prefill that shows
+    them), so that no request waits 100-250 ms for one. The graphs are keyed by the shapes and
+    strides of q, k, v and the mask (MLX's SDPACacheKey), which `_padded`'s contiguous inputs
+    and [1, 1, bq, bk] mask match. Returns the number of graphs built."""
+    global _heads
+    if not _fused:
+        return 0
+    _heads = set()
+    try:
+        forward()
+        heads = sorted(_heads, key=str)
+    finally:
+        _heads = None
+    built = 0
+    for h, kv_h, d, dv, dtype in heads:
+        for bq, bk in shapes(chunk, context):
+            q = mx.zeros((1, h, bq, d), dtype)
+            k, v = mx.zeros((1, kv_h, bk, d), dtype), mx.zeros((1, kv_h, bk, dv), dtype)
+            mask = mx.zeros((1, 1, bq, bk), dtype)
+            mx.eval(_inner(q, k, v, scale=d**-0.5, mask=mask))
+            built += 1
+    return built
 
 
 def fuses(q: mx.array, k: mx.array, v: mx.array, mask: Any, extra: dict[str, Any]) -> bool:
@@ -183,6 +233,8 @@ def _sdpa(
     lq, lk = q.shape[2], k.shape[2]
     if lq == 1:
         return _inner(q, k, v, scale=scale, mask=mask, **extra)
+    if _heads is not None:
+        _heads.add((q.shape[1], k.shape[1], q.shape[3], v.shape[3], q.dtype))
     if fuses(q, k, v, mask, extra):
         return _padded(q, k, v, scale=scale, mask=mask, **extra)
     # Under cuDNN, the short calls MLX would give it take the fallback's ops here instead; on

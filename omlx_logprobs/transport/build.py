@@ -42,5 +42,6 @@ def build_engine(
         tokenizer=model.tokenizer,
         runner=runner,
         adapters=spec.adapters,
+        context=model.max_model_len,
     )
     return model, engine

@@ -169,3 +169,41 @@ def test_long_cpu_calls_take_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
     mx.fast.scaled_dot_product_attention(q[:, :, :1], k, v, scale=0.25)
     mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, sinks=mx.zeros(4))
     assert taken == [1]
+
+
+def test_warming_builds_every_padded_shape_a_fused_call_takes(
+    monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel
+) -> None:
+    """Where cuDNN is on, start-up runs every bucket shape of the model's heads once (a probe
+    forward names them): every fused call a prefill of up to a chunk over up to the context
+    can make then finds its graph built (the same q, k, v and mask shapes)."""
+    query_blocks.install()
+    calls: list[tuple[tuple[int, ...], ...]] = []
+
+    def inner(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: object = None,
+              **extra: object) -> mx.array:  # fmt: skip
+        shape = getattr(mask, "shape", None)
+        calls.append((q.shape, k.shape, v.shape, shape if shape is not None else ()))
+        return mx.zeros((*q.shape[:3], v.shape[-1]), q.dtype)
+
+    monkeypatch.setattr(query_blocks, "_inner", inner)
+    monkeypatch.setattr(query_blocks, "_fused", True)
+    monkeypatch.setattr(query_blocks, "QUERY_BUCKET", 16)
+    monkeypatch.setattr(query_blocks, "KEY_BUCKET", 32)
+    monkeypatch.setattr(query_blocks, "FUSED_PAIRS", 1000)
+    model = tiny.model
+    built = query_blocks.warm(lambda: mx.eval(model(mx.array([[0, 1]]))), chunk=64, context=256)
+    warmed = set(calls)  # the probe's own calls (2 queries) take the fallback's ops
+    assert built == len(calls) == len(warmed) == len(query_blocks.shapes(64, 256)) > 10
+    _, heads, _, d = calls[0][0]
+    kv_heads = calls[0][1][1]
+    calls.clear()
+    for lq in range(2, 65, 3):
+        for lk in range(lq, 257, 7):
+            q = mx.zeros((1, heads, lq, d), mx.bfloat16)
+            k = v = mx.zeros((1, kv_heads, lk, d), mx.bfloat16)
+            if query_blocks.fuses(q, k, v, "causal", {}):
+                query_blocks._padded(q, k, v, scale=0.1, mask="causal")
+    assert calls and set(calls) <= warmed
+    monkeypatch.setattr(query_blocks, "_fused", False)
+    assert query_blocks.warm(lambda: None, 64, 256) == 0  # no cuDNN: nothing to build
