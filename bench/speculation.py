@@ -129,6 +129,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--no-mlx-lm", action="store_true")
     ap.add_argument("--only-mlx-lm", action="store_true")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="ours: a subset of off, prediction, lookup, draft",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     k = ["--num-draft-tokens", str(args.num_draft_tokens)]
@@ -141,6 +147,8 @@ def main() -> None:
         ours["draft"] = ["--draft-model", args.draft_model, *k]
     if args.only_mlx_lm:
         ours = {}
+    if args.variants:
+        ours = {k: v for k, v in ours.items() if k in args.variants}
     results: dict[str, Any] = {"runs": {}, "throughput": {}}
     answers: dict[str, str] = {}
     for name, extra in ours.items():

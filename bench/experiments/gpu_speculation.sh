@@ -10,24 +10,28 @@
 # Also the verify step's cost against a plain step (the per-row rule's BREAK_EVEN, and where
 # --speculate-max-batch should be), and c=32 throughput with speculation on and off.
 # Needs MLX (../shared/gpu/README.md), the web wheels in .whl/ and SmolLM2's tokenizer files in
-# .gpu/tok/; writes $OUT/spec_*.json and the printed tables to stdout.
+# .gpu/tok/; writes $OUT/spec_*.json and the printed tables to stdout. PART=1 (draft A, mlx-lm,
+# the verify cost) and PART=2 (draft B) each fit in one 10-minute job.
 set -eu
 source /root/mlxenv.sh
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH
+export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH CUDA_CACHE_MAXSIZE=4294967296
 [ -f /tmp/r8q/config.json ] || {
   python3 bench/randmodel.py --out /tmp/r8 --tokenizer-from .gpu/tok --size 8b --context 32768
   python3 -m mlx_lm convert --hf-path /tmp/r8 --mlx-path /tmp/r8q -q --q-bits 4
   rm -rf /tmp/r8
 }
-[ -f /tmp/r1q/config.json ] || {
-  python3 bench/randmodel.py --out /tmp/r1 --tokenizer-from .gpu/tok --size 1b --context 32768
-  python3 -m mlx_lm convert --hf-path /tmp/r1 --mlx-path /tmp/r1q -q --q-bits 4
-  rm -rf /tmp/r1
-}
-python3 bench/experiments/verify_cost.py --model /tmp/r8q --rows 1 4 8 16 32 \
-  --drafts 0 2 4 8 16 --context 1024 --json $OUT/spec_verify_cost.json
-python3 bench/speculation.py --model /tmp/r8q --draft-model /tmp/r8q --max-tokens ${TOKENS:-256} \
-  --json $OUT/spec_self_draft.json
-python3 bench/speculation.py --model /tmp/r8q --draft-model /tmp/r1q --max-tokens ${TOKENS:-256} \
-  --no-mlx-lm --json $OUT/spec_small_draft.json
+if [ "${PART:-1}" = 1 ]; then
+  python3 bench/speculation.py --model /tmp/r8q --draft-model /tmp/r8q --max-tokens ${TOKENS:-128} \
+    --json $OUT/spec_self_draft.json
+  python3 bench/experiments/verify_cost.py --model /tmp/r8q --rows 1 4 8 16 32 \
+    --drafts 0 2 4 8 16 --context 1024 --json $OUT/spec_verify_cost.json
+else
+  [ -f /tmp/r1q/config.json ] || {
+    python3 bench/randmodel.py --out /tmp/r1 --tokenizer-from .gpu/tok --size 1b --context 32768
+    python3 -m mlx_lm convert --hf-path /tmp/r1 --mlx-path /tmp/r1q -q --q-bits 4
+    rm -rf /tmp/r1
+  }
+  python3 bench/speculation.py --model /tmp/r8q --draft-model /tmp/r1q --max-tokens ${TOKENS:-128} \
+    --no-mlx-lm --variants off draft --json $OUT/spec_small_draft.json
+fi
