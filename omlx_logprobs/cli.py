@@ -46,13 +46,13 @@ MLX_ENVIRONMENT = {
     # direct launches ran top-20 steps ~12% faster. If turned back on: 64 kept.
     "MLX_USE_CUDA_GRAPHS": "0",
     "MLX_CUDA_GRAPH_CACHE_SIZE": "64",
-    # cuDNN's attention builds a graph per new shape (60-250 ms, every stream waiting): on for
-    # every prefill call, cold 21k-token prompts ran 7-11% faster but conversation turns slower
-    # (docs/benchmarks.md, "Long conversations"). Turned on, long one-row prefills take it at
-    # a few padded shapes (runner/query_blocks.py; not measured on a GPU yet), their graphs
-    # built at start-up: 39 for 2,048-token chunks over 32k, 67 over 128k; 128 kept.
-    "MLX_CUDA_USE_CUDNN_SDPA": "0",
-    "MLX_CUDA_SDPA_CACHE_SIZE": "128",
+    # cuDNN's attention for long one-row prefills, at a few padded shapes whose graphs are built
+    # at start-up (runner/query_blocks.py; a graph per new shape had cost 60-250 ms). H200, 8B
+    # 4-bit, conversation to 21k tokens: turns 0.47-0.66 s against 0.50-1.21 off, a cold 21k
+    # prompt 2.95 s against 4.76; one row's decode the same (docs/benchmarks.md). MLX's 256
+    # graphs kept: decode keeps a graph per cache length, and the start-up ones must stay.
+    "MLX_CUDA_USE_CUDNN_SDPA": "1",
+    "MLX_CUDA_SDPA_CACHE_SIZE": "256",
     # With bounded caches MLX would raise after 2x capacity misses in total.
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
 }

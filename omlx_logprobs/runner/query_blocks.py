@@ -8,13 +8,13 @@ wrapper in front of `mx.fast.scaled_dot_product_attention` that splits a call wh
 pass MAX_SCORE_BYTES into blocks of queries under it. A causal block needs only the keys up to
 its last query, so it reads fewer keys too.
 
-On CUDA with cuDNN's attention turned on (`MLX_CUDA_USE_CUDNN_SDPA=1`; the server keeps it off
-by default, see cli.py), cuDNN builds a graph for every new shape (100-250 ms at long prompts'
-shapes on an H200, the host waiting): a turn of a long conversation, whose context is a new
-length every time, paid it at every chunk. So a call of one row and FUSED_PAIRS query-key
-pairs or more goes to cuDNN (fused: its memory is the output's) padded up to a few bucket
-shapes (`bucket`), its padding masked out, so that a server builds a bounded number of graphs;
-every other call runs the unfused ops MLX's own fallback runs (`_unfused`), in blocks as above.
+On CUDA, cuDNN's attention is on (cli.py; `MLX_CUDA_USE_CUDNN_SDPA=0` turns it off), and cuDNN
+builds a graph for every new shape (100-250 ms at long prompts' shapes on an H200, the host
+waiting): a turn of a long conversation, whose context is a new length every time, paid it at
+every chunk. So a call of one row and FUSED_PAIRS query-key pairs or more goes to cuDNN (fused:
+its memory is the output's) padded up to a few bucket shapes (`bucket`), its padding masked
+out, so that a server builds a bounded number of graphs; every other call runs the unfused ops
+MLX's own fallback runs (`_unfused`), in blocks as above.
 `warm` builds those graphs at start-up (`shapes`), so that no request waits for one.
 """
 
