@@ -40,14 +40,7 @@ from omlx_logprobs.runner.prefix_cache import (
 )
 from omlx_logprobs.runner.probe import probe
 from omlx_logprobs.runner.prompt_cache import PromptCache
-from omlx_logprobs.runner.sampler import (
-    MaskState,
-    apply_processors,
-    sample,
-    sampling_logits,
-    step_key,
-    token_mask,
-)
+from omlx_logprobs.runner.sampler import MaskState, draw, step_key, token_mask
 from omlx_logprobs.runner.speculation import Speculator
 from omlx_logprobs.runner.step import DeviceTime, LaunchedStep, StepResult
 from omlx_logprobs.runner.weights import load_into
@@ -245,10 +238,8 @@ class ModelRunner(Prefill):
                 for s in seqs
             ]
         raw = logits.astype(mx.float32)  # the model's own: raw logprobs and finiteness
-        logits = self._mask(raw, seqs)
-        logits = apply_processors(logits, params, histories)
-        dist = sampling_logits(logits, params)
-        tokens = self._shared(sample(logits, dist, params, keys))
+        sampled, dist = draw(self._mask(raw, seqs), params, histories, keys)
+        tokens = self._shared(sampled)
         for s in seqs:
             s.num_sampled += 1
         self.last_tokens = tokens

@@ -202,6 +202,20 @@ def sample(
     return mx.where(mx.array(greedy), argmax, sampled)
 
 
+def draw(
+    masked: mx.array,
+    params: Seq[SamplingParams],
+    histories: Seq[History],
+    keys: Seq[mx.array | None],
+) -> tuple[mx.array, mx.array]:
+    """A step's rows from masked float32 logits to sampled ids: logit bias and penalties, then
+    the sampling distribution and the draw. The one path of a plain step's rows and of a
+    speculative step's positions (runner/speculation.py). Returns (ids [B], the distribution)."""
+    processed = apply_processors(masked, params, histories)
+    dist = sampling_logits(processed, params)
+    return sample(processed, dist, params, keys), dist
+
+
 def step_key(seed: int | None, step: int, index: int = 0) -> mx.array | None:
     """A seeded request's key for choice `index`'s n-th token: a function of (seed + index, n)
     alone, so the same request samples the same tokens whatever else shares its batch, the

@@ -39,14 +39,7 @@ from omlx_logprobs.runner.batch_cache import kinds
 from omlx_logprobs.runner.draft_model import DraftModel
 from omlx_logprobs.runner.drafts import RowDrafts
 from omlx_logprobs.runner.grammar import open_ended
-from omlx_logprobs.runner.sampler import (
-    MaskState,
-    apply_processors,
-    sample,
-    sampling_logits,
-    step_key,
-    token_mask,
-)
+from omlx_logprobs.runner.sampler import MaskState, draw, step_key, token_mask
 from omlx_logprobs.runner.step import LaunchedStep, StepResult
 from omlx_logprobs.types import Entries
 from omlx_logprobs.vocab import Vocabulary
@@ -218,9 +211,7 @@ class Speculator:
         params = [s.params for s in rows for _ in range(n)]
         states, histories, keys = _positions(rows, drafts, n)
         masked = token_mask(raw, params, states, runner.stop_ids, None, bits)
-        processed = apply_processors(masked, params, histories)
-        dist = sampling_logits(processed, params)
-        tokens = sample(processed, dist, params, keys)
+        tokens, dist = draw(masked, params, histories, keys)
         pending = runner.extractor.step(tokens, raw, dist, params)
         runner._queue(tokens, *pending.arrays())
         spec = SpecStep(drafts, width, [p for _, p in made])
