@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +63,9 @@ def tool_output(turn: int, words: int) -> str:
     return "\n".join(lines + body)
 
 
+TRACE = os.environ.get("OMLX_STEP_TRACE", "") not in ("", "0")
+
+
 def ttft(
     base: str, model: str, messages: list[dict[str, Any]], max_tokens: int = 1
 ) -> tuple[float, str, int]:
@@ -77,6 +81,8 @@ def ttft(
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
+    if TRACE:  # on the engine's step-trace clock (OMLX_STEP_TRACE=1): a turn's steps lined up
+        print(f"request-trace: {t0:.6f} {model} {len(json.dumps(messages))} {max_tokens}")
     first: float | None = None
     text, cached = "", 0
     with httpx.stream("POST", base + "/chat/completions", json=body, timeout=600) as r:
@@ -108,8 +114,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     ports = {k: free_port() for k in ("on", "off", "mlx-lm")}
     extra = ["--prefix-cache-mib", "0"]
     servers["on"] = start_server(omlx_command(ports["on"], args.model, 8), ports["on"])
-    servers["off"] = start_server(omlx_command(ports["off"], args.model, 8) + extra, ports["off"])
-    if not args.no_mlx_lm:
+    if not args.only_ours:
+        servers["off"] = start_server(
+            omlx_command(ports["off"], args.model, 8) + extra, ports["off"]
+        )
+    if not (args.no_mlx_lm or args.only_ours):
         servers["mlx-lm"] = start_server(
             mlx_lm_command(ports["mlx-lm"], model_dir, 8), ports["mlx-lm"], "/v1/models"
         )
@@ -148,7 +157,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             row["prompt_tokens"] = len(tokens)
             ids[turn] = tokens
             new = tool_output(turn, args.tool_words)
-            if turn > 1:  # the new tokens alone, cold: what the cache leaves to compute
+            if (
+                turn > 1 and "off" in servers
+            ):  # the new tokens alone, cold: what the cache leaves to compute
                 row["new_alone"], _, _ = ttft(
                     servers["off"].base_url, name, [{"role": "user", "content": last_new}]
                 )
@@ -221,7 +232,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         mlx_s = f"{mlx:.3f} s" if mlx else "-"
         out.append(
             f"| {r['turn']} | {r['prompt_tokens']} | {on:.3f} s | {r['on_cached']} |"
-            f" {r['off']:.3f} s | {alone_s} | {ratio} | {over_s} | {over_r} | {mlx_s} | {vs_mlx} |"
+            f" {r.get('off', 0):.3f} s | {alone_s} | {ratio} | {over_s} | {over_r} | {mlx_s} |"
+            f" {vs_mlx} |"
         )
     return "\n".join(out)
 
@@ -233,6 +245,7 @@ def main() -> None:
     # ~3.5 tokens a word: the default grows the conversation to ~6k tokens in 8 turns
     p.add_argument("--tool-words", type=int, default=200, help="a tool output's size, in words")
     p.add_argument("--no-mlx-lm", action="store_true")
+    p.add_argument("--only-ours", action="store_true", help="ours with the cache on alone")
     p.add_argument("--json", default=None, help="write the rows here too")
     p.add_argument("--logs", default=None, help="a folder for the servers' logs")
     args = p.parse_args()
