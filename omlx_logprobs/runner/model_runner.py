@@ -111,24 +111,9 @@ class ModelRunner(Prefill):
         self.split = probe(model, self.templates)  # the body/head split, if any (head.py)
         # LoRA adapters (runner/lora.py): each forward first names its rows' adapters.
         self.adapters = AdapterSet(model)
-        # Shared prompt prefixes: plain KV and sliding-window caches only. A prefix's keys are
-        # placed per row at its own padding; a recurrent state cannot be cut to that length.
-        self.prefixes: PrefixCache | None = None
-        # Finished sequences (prompt and output) are kept too: plain KV layers only.
-        self.keeps_finished = keeps_sequences(self.templates)
-        if prefix_cache_mib is None:
-            prefix_cache_mib = default_budget_mib()
-            log.info("prefix cache: %d MiB (a quarter of the memory left after the weights)",
-                     prefix_cache_mib)  # fmt: skip
-        if prefix_cache_mib > 0 and keeps_prefixes(self.templates):
-            self.prefixes = PrefixCache(prefix_cache_mib << 20, self._make_prefix)
-        elif prefix_cache_mib > 0:
-            log.info(
-                "prefix cache off for this model: its caches (%s) hold a recurrent state, which "
-                "a kept prefix cannot be cut from at each row's padding; every prompt prefills "
-                "in full",
-                ", ".join(kinds(self.templates)),
-            )
+        # Shared prompt prefixes and finished sequences (runner/prefix_cache.py), or None.
+        self.prefixes: PrefixCache | None = self._prefix_cache(prefix_cache_mib)
+        self.keeps_finished = keeps_sequences(self.templates)  # plain KV layers only
         # Scored prompts' kept starts, with their entries (runner/prompt_cache.py).
         self.prompt_cache = PromptCache(self.prefixes, self.adapters.key, self.keeps_finished)
         # Body and head apart (runner/head.py), where the model has them: the head then runs on
@@ -159,6 +144,24 @@ class ModelRunner(Prefill):
             cache_limit_mib = GPU_CACHE_LIMIT_MIB
         if cache_limit_mib is not None:
             mx.set_cache_limit(cache_limit_mib << 20)
+
+    def _prefix_cache(self, mib: int | None) -> PrefixCache | None:
+        """Plain KV and sliding-window caches only: a prefix's keys are placed per row at its
+        own padding, and a recurrent state cannot be cut to that length. `mib` None: a share
+        of the memory left after the weights."""
+        if mib is None:
+            mib = default_budget_mib()
+            log.info("prefix cache: %d MiB (a quarter of the memory left after the weights)", mib)
+        if mib > 0 and keeps_prefixes(self.templates):
+            return PrefixCache(mib << 20, self._make_prefix)
+        if mib > 0:
+            log.info(
+                "prefix cache off for this model: its caches (%s) hold a recurrent state, which "
+                "a kept prefix cannot be cut from at each row's padding; every prompt prefills "
+                "in full",
+                ", ".join(kinds(self.templates)),
+            )
+        return None
 
     def _decode_step(self, model: Any, cpu: bool) -> compiled.CompiledDecode | LeanDecode | None:
         """The decode forward compiled (runner/fast/compiled.py) where asked on a GPU, else the lean

@@ -27,7 +27,8 @@ def test_server_sets_mlx_cuda_settings_unless_told(monkeypatch: pytest.MonkeyPat
     assert os.environ["MLX_USE_CUDA_GRAPHS"] == "0"
     assert os.environ["MLX_ENABLE_TF32"] == "0"
     assert os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"] == "64"
-    assert os.environ["MLX_CUDA_SDPA_CACHE_SIZE"] == "64"
+    assert os.environ["MLX_CUDA_USE_CUDNN_SDPA"] == "1"  # long prefills bucketed (query_blocks)
+    assert os.environ["MLX_CUDA_SDPA_CACHE_SIZE"] == "256"
     assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
     monkeypatch.setenv("MLX_CUDA_GRAPH_CACHE_SIZE", "400")
     monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "1")
