@@ -8,6 +8,7 @@ verifies them with the same test as a prediction's (runner/speculation.py)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, cast
 
 import mlx.core as mx
@@ -15,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from omlx_logprobs.runner.batch_cache import kinds
 
-__all__ = ["DraftModel"]
+__all__ = ["DraftModel", "step_seconds"]
 
 
 class _RowCache:
@@ -69,3 +70,17 @@ class DraftModel:
         row.fed, row.sure = context + drafts[:-1], len(context)
         cut = next((i for i, t in enumerate(drafts) if t >= self.vocab_size), len(drafts))
         return drafts[:cut]
+
+
+def step_seconds(model: Any, reps: int = 5) -> float:
+    """A one-token forward's time over a short cache, evaluated: the median of `reps` after two
+    that compile. The draft model's against the served model's prices its drafts in the
+    per-row off rule (runner/speculation.py)."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, 32), mx.int32), cache=cache))
+    times = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        mx.eval(model(mx.zeros((1, 1), mx.int32), cache=cache))
+        times.append(time.perf_counter() - t0)
+    return sorted(times[2:])[reps // 2]

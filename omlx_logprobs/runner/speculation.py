@@ -36,7 +36,7 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.models.draft import vocabulary_mismatch
 from omlx_logprobs.models.loader import load_model
 from omlx_logprobs.runner.batch_cache import kinds
-from omlx_logprobs.runner.draft_model import DraftModel
+from omlx_logprobs.runner.draft_model import DraftModel, step_seconds
 from omlx_logprobs.runner.drafts import RowDrafts
 from omlx_logprobs.runner.grammar import open_ended
 from omlx_logprobs.runner.sampler import MaskState, draw, step_key, token_mask
@@ -97,6 +97,9 @@ def speculator(cfg: EngineConfig, runner: ModelRunner, vocab: Vocabulary) -> Spe
         log.info("draft model: %s", cfg.draft_model)
     spec = Speculator(cfg.speculate, cfg.num_draft_tokens, cfg.speculate_max_batch, draft)
     spec.break_even = GPU_BREAK_EVEN if runner.overlaps else CPU_BREAK_EVEN
+    if draft is not None:
+        spec.draft_cost = step_seconds(draft.model) / step_seconds(runner.model)
+        log.info("draft model: a step costs %.2f of the served model's", spec.draft_cost)
     return spec
 
 
@@ -117,6 +120,10 @@ class _Row:
     pause: int = 0  # plain steps left before it drafts again
     cooldown: int = COOLDOWN
     misses: int = 0  # steps in a row with no draft found
+    # A draft model's drafts cost one of its steps each: it proposes as many as it last got
+    # right and one more, doubling while it gets them all (up to K). 0: K.
+    k: int = 0
+    modeled: bool = False  # the last drafts came from the draft model
 
     def rest(self) -> None:
         """Decode plainly for a while (on a GPU with the step overlap back), longer each time."""
@@ -134,6 +141,7 @@ class Speculator:
         self.max_batch = max_batch
         self.draft = draft
         self.break_even = CPU_BREAK_EVEN
+        self.draft_cost = 0.0  # a draft model's step in plain steps of the target (`speculator`)
         self._rows: dict[int, _Row] = {}
 
     def _may(self, s: Sequence) -> bool:
@@ -165,8 +173,11 @@ class Speculator:
         # Emitted tokens never pass max_tokens: K drafts emit at most K + 1.
         k = min(self.k, s.params.max_tokens - s.num_sampled - 1)
         drafts, predicted = row.drafts.draft(s.prompt_ids, s.output_ids, k)
-        if not drafts and self.draft is not None and k > 0:
-            drafts = self.draft.propose(s.seq_id, s.prompt_ids + s.output_ids.tolist(), k)
+        row.modeled = not drafts and self.draft is not None and k > 0
+        if row.modeled:
+            assert self.draft is not None
+            context = s.prompt_ids + s.output_ids.tolist()
+            drafts = self.draft.propose(s.seq_id, context, min(k, row.k or self.k))
         row.misses = 0 if drafts or k <= 0 else row.misses + 1
         if row.misses >= MAX_MISSES:
             row.rest()
@@ -240,7 +251,7 @@ class Speculator:
             last.append(int(tokens[base + m]))
             s.num_sampled += m + 1
             if d:
-                self._score(s, m + 1)
+                self._score(s, m + 1, len(d))
                 if spec.predicted[i]:  # accepted ones: as the output takes them
                     s.rejected_prediction_tokens += len(d) - m
         assert runner.batch_cache is not None
@@ -251,17 +262,26 @@ class Speculator:
         lp = None if entries is None else Entries(*(a[sel] for a in entries.arrays()))
         return StepResult(seqs, tokens[sel], finite[sel], lp, predicted=np.array(predicted))
 
-    def _score(self, s: Sequence, emitted: int) -> None:
-        """The per-row off rule: a row whose drafts stop paying pauses, longer each time."""
+    def _cost(self, drafted: int, modeled: bool) -> float:
+        """A verify step of `drafted` drafts in plain steps: 1 + (break_even - 1) d / K (as
+        measured at K), and a draft model's d steps on top."""
+        return 1 + (self.break_even - 1) * drafted / self.k + modeled * drafted * self.draft_cost
+
+    def _score(self, s: Sequence, emitted: int, drafted: int) -> None:
+        """The per-row off rule: a row whose drafts stop paying their cost pauses, longer each
+        time, and starts again even (its mean at the cost of its next try)."""
         row = self._rows.get(s.seq_id)
         if row is None:
             return
+        cost = self._cost(drafted, row.modeled)
+        if row.modeled:
+            row.k = min(self.k, 2 * drafted) if emitted > drafted else emitted
         row.mean = (1 - EMA) * row.mean + EMA * emitted
-        if row.mean >= self.break_even:
+        if row.mean >= cost:
             row.cooldown = COOLDOWN
             return
         row.rest()
-        row.mean = self.break_even  # a fresh start after the pause
+        row.mean = self._cost(row.k or self.k, row.modeled)
 
 
 def _positions(

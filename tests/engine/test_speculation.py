@@ -386,3 +386,51 @@ def test_reasoning_sections_and_entries_with_a_prediction(
         same(a, b)
         check_sections(outs, name, case_ids(scripted, name)[1])
     assert max(verified) > 8
+
+
+class _Draft:
+    """The draft model's place in the off rule's test: the rule reads only what it proposed."""
+
+    def forget(self, live: set[int]) -> None:
+        pass
+
+
+def test_the_off_rule_prices_a_draft_model_s_steps() -> None:
+    """A draft model's drafts each cost one of its steps: all rejected, the row rests at once
+    and tries one draft next (then rests twice as long); all accepted, it keeps K drafts while
+    they pay (a cheap draft model), and rests where its steps cost more than they save. A
+    prediction's drafts cost only the verify's positions."""
+    from types import SimpleNamespace
+
+    from omlx_logprobs.runner import speculation
+
+    spec = Speculator("draft", 8, 4, draft=_Draft())  # type: ignore[arg-type]
+    spec.break_even, spec.draft_cost = 3.4, 0.5  # the H200's verify, a 1.1B draft of an 8B
+    seq: Any = SimpleNamespace(seq_id=1)
+
+    def row(modeled: bool = True) -> Any:
+        r = speculation._Row(RowDrafts((1, 2, 3), None, False), float(spec.k + 1))
+        r.modeled = modeled
+        spec._rows[1] = r
+        return r
+
+    r = row()
+    spec._score(seq, 1, 8)  # 8 drafts, none taken: 7.4 plain steps for one token
+    assert (r.k, r.pause) == (1, 4)
+    pauses = []
+    for _ in range(3):
+        r.pause = 0
+        spec._score(seq, 1, r.k or 8)  # one draft, rejected: 1.8 steps for one token
+        pauses.append(r.pause)
+    assert pauses == [8, 16, 32] and r.k == 1
+    r = row()
+    for _ in range(20):
+        spec._score(seq, 9, 8)  # every draft taken: 9 tokens for 7.4 steps
+    assert (r.k, r.pause) == (8, 0)
+    spec.draft_cost = 1.0  # the target as its own draft: 11.4 steps for 9 tokens
+    spec._score(seq, 9, 8)
+    assert r.pause == 4
+    r = row(modeled=False)
+    for _ in range(20):
+        spec._score(seq, 3, 2)  # a prediction's two drafts taken: 3 tokens for 1.6 steps
+    assert r.pause == 0 and r.k == 0
