@@ -53,11 +53,12 @@ log = logging.getLogger("omlx_logprobs")
 
 MODES = ("off", "prediction", "lookup", "draft")
 # A row keeps drafting while its running mean of tokens emitted per verify step stays at or
-# above a verify step's cost in plain steps (8 drafts, one row; docs/benchmarks.md,
-# "Speculation"). On MLX's CPU backend the forward is compute bound: 9 positions cost 2.7 plain
-# steps (bench/experiments/verify_cost.py, 1k context). On an H200 (8B, 4-bit, top 20, in the
+# above that step's cost in plain steps (`Speculator._cost`), which scales this one: the cost of
+# a verify of 8 drafts in one row (docs/benchmarks.md, "Speculation"). On MLX's CPU backend the
+# forward is compute bound: 9 positions cost 2.7 plain steps (bench/experiments/verify_cost.py,
+# 1k context). On an H200 (8B, 4-bit, top 20, in the
 # server): a plain step 6.6 ms (150.8 tok/s), a verify step of 9 positions all accepted 23 ms
-# (391 tok/s): 3.4. A draft model's own steps are not counted in it.
+# (391 tok/s): 3.4. A draft model's own steps are priced apart (`step_seconds`).
 CPU_BREAK_EVEN = 2.7
 GPU_BREAK_EVEN = 3.4
 # Below it, the row decodes plainly for this many steps, doubled at each further miss.
