@@ -98,6 +98,8 @@ def warm(forward: Callable[[], None], chunk: int, context: int) -> int:
         _heads = None
     built = 0
     for h, kv_h, d, dv, dtype in heads:
+        if not cudnn_heads(d, dv, dtype):  # MLX's unfused ops at these shapes: gigabytes
+            continue
         for bq, bk in shapes(chunk, context):
             q = mx.zeros((1, h, bq, d), dtype)
             k, v = mx.zeros((1, kv_h, bk, d), dtype), mx.zeros((1, kv_h, bk, dv), dtype)
@@ -105,6 +107,12 @@ def warm(forward: Callable[[], None], chunk: int, context: int) -> int:
             mx.eval(_inner(q, k, v, scale=d**-0.5, mask=mask))
             built += 1
     return built
+
+
+def cudnn_heads(d: int, dv: int, dtype: mx.Dtype) -> bool:
+    """Whether cuDNN's attention takes heads this wide in this dtype (MLX's
+    supports_sdpa_cudnn): half precision, widths multiples of 8 up to 128."""
+    return dtype in (mx.float16, mx.bfloat16) and all(x % 8 == 0 and x <= 128 for x in (d, dv))
 
 
 def fuses(q: mx.array, k: mx.array, v: mx.array, mask: Any, extra: dict[str, Any]) -> bool:
@@ -116,8 +124,7 @@ def fuses(q: mx.array, k: mx.array, v: mx.array, mask: Any, extra: dict[str, Any
         and q.shape[0] == 1
         and 1 < lq <= lk
         and lq * lk >= FUSED_PAIRS
-        and q.dtype in (mx.float16, mx.bfloat16)
-        and all(x.shape[-1] % 8 == 0 and x.shape[-1] <= 128 for x in (q, v))
+        and cudnn_heads(q.shape[-1], v.shape[-1], q.dtype)
         and "sinks" not in extra
         and (mask is None or isinstance(mask, str) or getattr(mask, "size", 0) == lq * lk)
     )
