@@ -168,10 +168,17 @@ def _bucket_mask(mask: Any, lq: int, lk: int, bq: int, bk: int, dtype: mx.Dtype)
 
 
 def _unfused(
-    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None, **extra: Any
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: Any = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
-    """The ops MLX's fallback runs (mlx/fast.cpp): scaled queries, scores, the mask, a precise
-    softmax, the values; query heads grouped over their key head."""
+    """The ops MLX's fallback runs (mlx/fast.cpp): scaled queries, scores, the mask, the sinks
+    (a logit per query head that takes weight and gives no value), a precise softmax, the
+    values; query heads grouped over their key head."""
     b, heads, lq, d = q.shape
     kv_heads, lk = k.shape[1], k.shape[2]
     rep = heads // kv_heads
@@ -193,7 +200,15 @@ def _unfused(
             scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
         else:
             scores = scores + mask
-    out = mx.softmax(scores, axis=-1, precise=True) @ v
+    if sinks is not None:
+        column = sinks.astype(scores.dtype).reshape(
+            (1, kv_heads, rep, 1, 1) if rep > 1 else (1, heads, 1, 1)
+        )
+        column = mx.broadcast_to(column, (*scores.shape[:-1], 1))
+        weights = mx.softmax(mx.concatenate([column, scores], axis=-1), axis=-1, precise=True)
+        out = weights[..., 1:] @ v
+    else:
+        out = mx.softmax(scores, axis=-1, precise=True) @ v
     return out.reshape(b, heads, lq, -1) if rep > 1 else out
 
 
@@ -244,13 +259,12 @@ def _sdpa(
         _heads.add((q.shape[1], k.shape[1], q.shape[3], v.shape[3], q.dtype))
     if fuses(q, k, v, mask, extra):
         return _padded(q, k, v, scale=scale, mask=mask, **extra)
-    # Under cuDNN, the short calls MLX would give it take the fallback's ops here instead; on
-    # the CPU backend, numpy's (see `_host`).
-    plain = "sinks" not in extra and "stream" not in extra
+    # Under cuDNN, the calls MLX would give it at a new shape each (short ones, batches, with
+    # sinks) take the fallback's ops here instead; on the CPU backend, numpy's (see `_host`).
     call = _inner
-    if plain and _fused:
+    if _fused and "stream" not in extra:
         call = _unfused
-    elif plain and _host_side and q.size // q.shape[-1] * lk >= HOST_ELEMENTS:
+    elif not extra and _host_side and q.size // q.shape[-1] * lk >= HOST_ELEMENTS:
         call = _host
     step = blocks(q, k)
     if step >= lq or not (mask is None or isinstance(mask, (str, mx.array))):

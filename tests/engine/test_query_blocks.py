@@ -156,6 +156,21 @@ def test_our_attention_equals_mlx_s(ours: str, mask: str | None, heads: tuple[in
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("mask", ["causal", None])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_sinks_in_the_fallback_s_ops_equal_mlx_s(mask: str | None, heads: tuple[int, int]) -> None:
+    """Under cuDNN a call with sinks (gpt-oss) takes `_unfused` (MLX would build a cuDNN graph
+    for each new shape): a logit per query head in the softmax, as MLX's fallback adds it."""
+    query_blocks.install()
+    mx.random.seed(4)
+    q = mx.random.normal((2, heads[0], 23, 16))
+    k, v = (mx.random.normal((2, heads[1], 40, 16)) for _ in range(2))
+    sinks = mx.random.normal((heads[0],))
+    got = query_blocks._unfused(q, k, v, scale=0.25, mask=mask, sinks=sinks)
+    want = query_blocks._inner(q, k, v, scale=0.25, mask=mask, sinks=sinks)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+
 def test_long_cpu_calls_take_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
     query_blocks.install()
     taken: list[int] = []
