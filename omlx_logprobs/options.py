@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         " vocabulary (vLLM's flag; default: %(default)s)",
     )
     _add_batching(s)
+    _add_speculation(s)
     _add_pool(s)
     _add_output(s)
     s.add_argument(
@@ -205,6 +206,24 @@ def _add_batching(s: argparse.ArgumentParser) -> None:
         " a quarter of the memory left after the weights, at most 16384)",
     )
     g.add_argument(
+        "--kv-cache-dir",
+        default=None,
+        help="a folder (on an SSD) where the prefix cache keeps what its memory evicts, and at"
+        " shutdown what it holds: found again by later requests, and by the server after a"
+        " restart; one subfolder per model, keyed by its weights",
+    )
+    g.add_argument(
+        "--kv-cache-disk-mib",
+        type=int,
+        default=EngineConfig.kv_cache_disk_mib,
+        help="the size limit of --kv-cache-dir in MiB; the least recently used go first"
+        " (default: %(default)s)",
+    )
+
+
+def _add_speculation(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group("speculative decoding")
+    g.add_argument(
         "--speculate",
         choices=("off", "prediction", "lookup", "draft"),
         default=None,
@@ -233,20 +252,6 @@ def _add_batching(s: argparse.ArgumentParser) -> None:
         default=EngineConfig.speculate_max_batch,
         help="the largest decoding batch that speculates: beyond it a step is no longer bound"
         " by the host, and verifying drafts costs more than it saves (default: %(default)s)",
-    )
-    g.add_argument(
-        "--kv-cache-dir",
-        default=None,
-        help="a folder (on an SSD) where the prefix cache keeps what its memory evicts, and at"
-        " shutdown what it holds: found again by later requests, and by the server after a"
-        " restart; one subfolder per model, keyed by its weights",
-    )
-    g.add_argument(
-        "--kv-cache-disk-mib",
-        type=int,
-        default=EngineConfig.kv_cache_disk_mib,
-        help="the size limit of --kv-cache-dir in MiB; the least recently used go first"
-        " (default: %(default)s)",
     )
 
 
@@ -317,16 +322,6 @@ def _add_limits(s: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Raises ValueError for any value out of range."""
-    import mlx.core as mx
-
-    # On a GPU a prefill forward costs about as much host time as a decode step, so prompts
-    # are gathered; on the CPU the step itself is far longer than any useful delay.
-    # A GPU step of 2048 prompt tokens still takes milliseconds, and fewer, larger prefill
-    # steps cost less host time. On the CPU 1024 tokens take seconds, but fewer, fuller
-    # prefill steps keep a closed loop's wave together: +19% tokens/s at c=64 against 512.
-    cpu = mx.default_device() == mx.cpu
-    gpu_delay = 0.0 if cpu else 20.0
-    chunk = (1024 if cpu else 2048) if args.prefill_chunk is None else args.prefill_chunk
     models: list[str | None] = list(args.model or [None])
     names: list[str | None] = list(args.served_model_name or [])
     if len(names) > len(models):
@@ -343,25 +338,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ),
         host=args.host,
         port=args.port,
-        engine=EngineConfig(
-            max_num_seqs=args.max_num_seqs,
-            prefill_chunk=chunk,
-            max_top_logprobs=args.max_logprobs,
-            flat_logprobs=args.flat_logprobs,
-            max_model_len=args.max_model_len,
-            logprobs_mode=args.logprobs_mode,
-            cache_limit_mib=args.mlx_cache_limit_mib,
-            prefix_cache_mib=args.prefix_cache_mib,
-            kv_cache_dir=args.kv_cache_dir,
-            kv_cache_disk_mib=args.kv_cache_disk_mib,
-            dtype=args.dtype,
-            prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
-            group_timeout_s=args.group_timeout_s,
-            speculate=args.speculate or ("draft" if args.draft_model else "prediction"),
-            draft_model=args.draft_model,
-            num_draft_tokens=args.num_draft_tokens,
-            speculate_max_batch=args.speculate_max_batch,
-        ),
+        engine=engine_config(args),
         limits=Limits(
             max_body_bytes=args.max_body_bytes,
             max_queued=args.max_queued_requests,
@@ -378,6 +355,39 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ),
         shutdown_grace_s=args.shutdown_grace,
         engine_process=args.engine == "process",
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's part of the flags, with the defaults that depend on the device."""
+    import mlx.core as mx
+
+    # On a GPU a prefill forward costs about as much host time as a decode step, so prompts
+    # are gathered; on the CPU the step itself is far longer than any useful delay.
+    # A GPU step of 2048 prompt tokens still takes milliseconds, and fewer, larger prefill
+    # steps cost less host time. On the CPU 1024 tokens take seconds, but fewer, fuller
+    # prefill steps keep a closed loop's wave together: +19% tokens/s at c=64 against 512.
+    cpu = mx.default_device() == mx.cpu
+    gpu_delay = 0.0 if cpu else 20.0
+    chunk = (1024 if cpu else 2048) if args.prefill_chunk is None else args.prefill_chunk
+    return EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        prefill_chunk=chunk,
+        max_top_logprobs=args.max_logprobs,
+        flat_logprobs=args.flat_logprobs,
+        max_model_len=args.max_model_len,
+        logprobs_mode=args.logprobs_mode,
+        cache_limit_mib=args.mlx_cache_limit_mib,
+        prefix_cache_mib=args.prefix_cache_mib,
+        kv_cache_dir=args.kv_cache_dir,
+        kv_cache_disk_mib=args.kv_cache_disk_mib,
+        dtype=args.dtype,
+        prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
+        group_timeout_s=args.group_timeout_s,
+        speculate=args.speculate or ("draft" if args.draft_model else "prediction"),
+        draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
+        speculate_max_batch=args.speculate_max_batch,
     )
 
 

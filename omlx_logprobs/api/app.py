@@ -61,7 +61,6 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
     install_error_handlers(app)
     install_openapi(app, access.api_key is not None)
     install_guard(app, access, pool.limits, pool.engine.max_num_seqs)
-    created = int(time.time())
 
     @app.exception_handler(Unavailable)
     async def _unavailable(r: Request, e: Unavailable) -> JSONResponse:
@@ -75,6 +74,22 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
         return body if status == 200 else JSONResponse(body, status_code=status)
 
     weights.add_routes(app, pool)
+
+    _add_routes(app, pool, int(time.time()))
+    responses.add_routes(app, pool, ResponseStore())
+    anthropic.add_routes(app, pool)
+    ollama.add_routes(app, pool)
+    tok.add_routes(app, pool)
+    lora.add_routes(app, pool)
+    render.add_routes(app, pool)
+    control.add_routes(app, pool)
+    page.add_routes(app, access.api_key is not None)
+    return app
+
+
+def _add_routes(app: FastAPI, pool: ModelPool, created: int) -> None:
+    """The model list and the OpenAI-shaped routes, with the token routes RL frameworks call
+    (vLLM's /inference/v1/generate, SGLang's /generate; docs/specs/rl.md)."""
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -99,16 +114,6 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
     @app.post("/generate")
     async def sglang_generate(req: SglangGenerateRequest, raw: Request) -> Response:
         return await _respond(pool, req, raw)
-
-    responses.add_routes(app, pool, ResponseStore())
-    anthropic.add_routes(app, pool)
-    ollama.add_routes(app, pool)
-    tok.add_routes(app, pool)
-    lora.add_routes(app, pool)
-    render.add_routes(app, pool)
-    control.add_routes(app, pool)
-    page.add_routes(app, access.api_key is not None)
-    return app
 
 
 Routed = ChatCompletionRequest | CompletionRequest | GenerateRequest | SglangGenerateRequest

@@ -192,13 +192,43 @@ class RequestLimits:
         bad = first_unencodable(req, "")
         if bad is not None:
             raise APIError(f"{bad}: text must be valid Unicode (a lone surrogate)", param=bad)
-        lim, get = self.limits, req.__dict__.get
+        get = req.__dict__.get
         for u in UNSUPPORTED:
             if u.field in req.__dict__ and u.asks(get(u.field)):
                 when = "not supported yet" if u.soon else "not supported by this server"
                 raise APIError(
                     f"{u.field}: {u.why} is {when}.", param=u.field, code="unsupported_parameter"
                 )
+        self._counts(req)
+        penalty = get("repetition_penalty")
+        if penalty is not None and penalty < MIN_REPETITION_PENALTY:
+            raise APIError(
+                f"repetition_penalty must be at least {MIN_REPETITION_PENALTY}",
+                param="repetition_penalty",
+            )
+        self._words(get("stop"), get("bad_words"))
+        self._token_ids(get("stop_token_ids"), self.limits.max_stop_token_ids, "stop_token_ids")
+        self._token_ids(
+            get("logprob_token_ids"), self.limits.max_logprob_token_ids, "logprob_token_ids"
+        )
+        allowed = get("allowed_token_ids")
+        if allowed is not None:
+            if not allowed:
+                raise APIError("allowed_token_ids must not be empty", param="allowed_token_ids")
+            self._token_ids(allowed, self.bounds.vocab_size, "allowed_token_ids")
+        truncate = get("truncate_prompt_tokens")
+        if truncate is not None and (truncate == 0 or truncate > self.bounds.max_model_len):
+            raise APIError(
+                f"truncate_prompt_tokens must be -1 (the context, {self.bounds.max_model_len})"
+                f" or from 1 to {self.bounds.max_model_len}, got {truncate}",
+                param="truncate_prompt_tokens",
+            )
+        self._template_kwargs(get("chat_template_kwargs"))
+        return request_constraint(req)
+
+    def _counts(self, req: BaseModel) -> None:
+        """n, the output token limits as sent, and the logprob counts (-1: the vocabulary)."""
+        lim, get = self.limits, req.__dict__.get
         n = get("n")
         if n is not None:
             _at_most(n, lim.max_n, "n")
@@ -213,41 +243,21 @@ class RequestLimits:
                     value = self.bounds.vocab_size
                     setattr(req, name, value)
                 _at_most(value, self.bounds.max_top_logprobs, name, "(--max-logprobs)")
-        penalty = get("repetition_penalty")
-        if penalty is not None and penalty < MIN_REPETITION_PENALTY:
-            raise APIError(
-                f"repetition_penalty must be at least {MIN_REPETITION_PENALTY}",
-                param="repetition_penalty",
-            )
-        stop = get("stop")
+
+    def _words(self, stop: str | list[str] | None, words: list[str] | None) -> None:
+        """Stop strings and bad words: how many, how long, none empty."""
+        lim = self.limits
         if stop is not None:
             stops = [stop] if isinstance(stop, str) else list(stop)
             _at_most(len(stops), lim.max_stop, "stop", "stop strings")
             for i, s in enumerate(stops):
                 _at_most(len(s), lim.max_stop_chars, f"stop[{i}]", "characters")
-        self._token_ids(get("stop_token_ids"), lim.max_stop_token_ids, "stop_token_ids")
-        self._token_ids(get("logprob_token_ids"), lim.max_logprob_token_ids, "logprob_token_ids")
-        allowed = get("allowed_token_ids")
-        if allowed is not None:
-            if not allowed:
-                raise APIError("allowed_token_ids must not be empty", param="allowed_token_ids")
-            self._token_ids(allowed, self.bounds.vocab_size, "allowed_token_ids")
-        words = get("bad_words")
         if words:
             _at_most(len(words), lim.max_bad_words, "bad_words", "words")
             for i, w in enumerate(words):
                 if not w.strip():
                     raise APIError(f"bad_words[{i}] must not be empty", param="bad_words")
                 _at_most(len(w), lim.max_stop_chars, f"bad_words[{i}]", "characters")
-        truncate = get("truncate_prompt_tokens")
-        if truncate is not None and (truncate == 0 or truncate > self.bounds.max_model_len):
-            raise APIError(
-                f"truncate_prompt_tokens must be -1 (the context, {self.bounds.max_model_len})"
-                f" or from 1 to {self.bounds.max_model_len}, got {truncate}",
-                param="truncate_prompt_tokens",
-            )
-        self._template_kwargs(get("chat_template_kwargs"))
-        return request_constraint(req)
 
     def _token_ids(self, ids: Iterable[int] | None, most: int, param: str) -> None:
         if ids is None:
@@ -317,7 +327,8 @@ class RequestLimits:
             f" ({prompt} prompt tokens + {more} {tokens_param}, {b.kv_bytes_per_token} bytes a"
             f" token), more than the {b.kv_budget_bytes >> 20} MiB this machine has beside the"
             " model's weights: send a shorter prompt or ask for fewer tokens.",
-            param=prompt_param if prompt * b.kv_bytes_per_token > b.kv_budget_bytes
+            param=prompt_param
+            if prompt * b.kv_bytes_per_token > b.kv_budget_bytes
             else tokens_param,
             code="context_length_exceeded",
         )
