@@ -313,7 +313,13 @@ class ModelRunner(Prefill):
         def forward() -> None:
             mx.eval(self.model(mx.array([[0, 1]]), cache=make_prompt_cache(self.model)))
 
-        if built := query_blocks.warm(forward, chunk, context):
+        try:
+            built = query_blocks.warm(forward, chunk, context)
+        except Exception as e:  # an optimisation: a model it cannot probe still serves
+            log.warning("cuDNN attention: graphs not built at start-up (%s): the first prefill "
+                        "of each padded shape builds its own", e)  # fmt: skip
+            return
+        if built:
             log.info("cuDNN attention: %d graphs built for prefills of up to %d tokens over "
                      "%d in %.1f s", built, chunk, context, time.perf_counter() - t0)  # fmt: skip
 

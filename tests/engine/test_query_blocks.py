@@ -226,3 +226,20 @@ def test_warming_builds_every_padded_shape_a_fused_call_takes(
     assert query_blocks.warm(lambda: mx.eval(float32(mx.array([[0, 1]]))), 64, 256) == 0
     monkeypatch.setattr(query_blocks, "_fused", False)
     assert query_blocks.warm(lambda: None, 64, 256) == 0  # no cuDNN: nothing to build
+
+
+def test_a_model_the_warm_up_cannot_probe_still_serves(
+    monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start-up graphs are an optimisation: a probe forward that fails is logged, and the
+    runner is built all the same."""
+    from omlx_logprobs.runner.model_runner import ModelRunner
+
+    def fails(*args: object) -> int:
+        raise RuntimeError("no forward here")
+
+    monkeypatch.setattr(query_blocks, "warm", fails)
+    runner = ModelRunner(tiny.model, len(tiny.vocab), prefix_cache_mib=0)
+    with caplog.at_level("WARNING", logger="omlx_logprobs"):
+        runner.warm_attention(64, 256)
+    assert "no forward here" in caplog.text
