@@ -58,9 +58,14 @@ MODES = ("off", "prediction", "lookup", "draft")
 # forward is compute bound: 9 positions cost 2.7 plain steps (bench/experiments/verify_cost.py,
 # 1k context). On an H200 (8B, 4-bit, top 20, in the
 # server): a plain step 6.6 ms (150.8 tok/s), a verify step of 9 positions all accepted 23 ms
-# (391 tok/s): 3.4. A draft model's own steps are priced apart (`step_seconds`).
+# (391 tok/s): 3.4. There MLX's CUDA backend (sm90) takes its one-row quantized kernel (qmv)
+# for exactly one row and a tiled matmul for two or more: the verify pays for the tiles. On
+# Metal, MLX takes qmv up to 12-33 rows (get_qmv_batch_limit), so a verify of 9 positions reads
+# the weights once, as a plain step does: 1.3, an estimate until measured on a Mac. A draft
+# model's own steps are priced apart (`step_seconds`).
 CPU_BREAK_EVEN = 2.7
-GPU_BREAK_EVEN = 3.4
+CUDA_BREAK_EVEN = 3.4
+METAL_BREAK_EVEN = 1.3
 # Below it, the row decodes plainly for this many steps, doubled at each further miss.
 COOLDOWN, MAX_COOLDOWN = 4, 256
 EMA = 0.3  # the weight of the last verify step in that mean
@@ -97,11 +102,18 @@ def speculator(cfg: EngineConfig, runner: ModelRunner, vocab: Vocabulary) -> Spe
         draft = DraftModel(loaded.model, len(vocab))
         log.info("draft model: %s", cfg.draft_model)
     spec = Speculator(cfg.speculate, cfg.num_draft_tokens, cfg.speculate_max_batch, draft)
-    spec.break_even = GPU_BREAK_EVEN if runner.overlaps else CPU_BREAK_EVEN
+    spec.break_even = break_even(runner.overlaps)
     if draft is not None:
         spec.draft_cost = step_seconds(draft.model) / step_seconds(runner.model)
         log.info("draft model: a step costs %.2f of the served model's", spec.draft_cost)
     return spec
+
+
+def break_even(gpu: bool) -> float:
+    """A verify of K drafts in plain steps, by backend (see CPU_BREAK_EVEN)."""
+    if not gpu:
+        return CPU_BREAK_EVEN
+    return CUDA_BREAK_EVEN if mx.cuda.is_available() else METAL_BREAK_EVEN
 
 
 @dataclass(frozen=True)

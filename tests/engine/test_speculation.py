@@ -105,7 +105,7 @@ def test_greedy_tokens_and_entries_equal_the_plain_run(
         assert outs[-1].rejected_prediction_tokens > 0  # the edit
     assert sum(verified) > 3 * 20 and len(verified) < 3 * 20
     # Each row alone: the cache's rollback is a trim; together, rows also shift.
-    (b, _), = run_engine(model, asks[:1], PREDICT)
+    ((b, _),) = run_engine(model, asks[:1], PREDICT)
     same(plain[0][0], b)
     verified.clear()
     for (a, _), (b, _) in zip(plain, run_engine(model, [(p, sp) for p in prompts], LOOKUP)):
@@ -123,12 +123,23 @@ def test_seeded_sampling_with_processors_equals_the_plain_run(
     kinds = [
         SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3),
         SamplingParams(temperature=1.0, min_p=0.05, seed=4, logprobs_mode=LogprobsMode.PROCESSED),
-        SamplingParams(temperature=0.7, seed=5, presence_penalty=0.5, frequency_penalty=0.3,
-                       repetition_penalty=1.2, logit_bias=((13, 3.0), (17, -2.0))),  # fmt: skip
-        SamplingParams(temperature=0, max_tokens=32, min_tokens=30,
-                       bad_words_ids=((13,), (198, 198))),  # fmt: skip
-        SamplingParams(temperature=0.9, seed=6, logprob_token_ids=(13, 17, 198),
-                       logprobs_mode=LogprobsMode.PROCESSED_LOGITS),  # fmt: skip
+        SamplingParams(
+            temperature=0.7,
+            seed=5,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            repetition_penalty=1.2,
+            logit_bias=((13, 3.0), (17, -2.0)),
+        ),  # fmt: skip
+        SamplingParams(
+            temperature=0, max_tokens=32, min_tokens=30, bad_words_ids=((13,), (198, 198))
+        ),  # fmt: skip
+        SamplingParams(
+            temperature=0.9,
+            seed=6,
+            logprob_token_ids=(13, 17, 198),
+            logprobs_mode=LogprobsMode.PROCESSED_LOGITS,
+        ),  # fmt: skip
     ]
     reqs = [
         (p, replace(k, max_tokens=32, logprobs=True, top_logprobs=0 if k.logprob_token_ids else 4))
@@ -161,7 +172,7 @@ def test_stops_and_max_tokens_cut_inside_an_accepted_draft(
 ) -> None:
     p = encode(tiny, "A list of colours: red, green,")
     sp = SamplingParams(max_tokens=48, temperature=0, logprobs=True, top_logprobs=3)
-    (full, outs), = run_engine(tiny, [(p, sp)], OFF)
+    ((full, outs),) = run_engine(tiny, [(p, sp)], OFF)
     out, whole = list(full.output_ids), text(outs)
     cut_text = whole[len(whole) // 2 : len(whole) // 2 + 3]
     token = out[21]
@@ -244,8 +255,13 @@ def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p", "draft"),
-    [(1.0, 0, 1.0, "alternative"), (0.6, 0, 1.0, "scripted"), (1.0, 2, 1.0, "alternative"),
-     (1.3, 0, 0.6, "alternative"), (1.0, 0, 1.0, "outside")],  # fmt: skip
+    [
+        (1.0, 0, 1.0, "alternative"),
+        (0.6, 0, 1.0, "scripted"),
+        (1.0, 2, 1.0, "alternative"),
+        (1.3, 0, 0.6, "alternative"),
+        (1.0, 0, 1.0, "outside"),
+    ],  # fmt: skip
 )
 def test_unseeded_samples_follow_the_target_distribution(
     dice: LoadedModel, temperature: float, top_k: int, top_p: float, draft: str, verified: list[int]
@@ -256,7 +272,7 @@ def test_unseeded_samples_follow_the_target_distribution(
     processed distribution (chi-square, 2 degrees of freedom, p = 0.001: 13.8)."""
     v = len(dice.vocab)
     prompt = _dice_prompt(dice)
-    (ref, _), = run_engine(dice, [(prompt, SamplingParams(max_tokens=8, temperature=0))], OFF)
+    ((ref, _),) = run_engine(dice, [(prompt, SamplingParams(max_tokens=8, temperature=0))], OFF)
     script = list(ref.output_ids)
     alt = [(c + 1) % v for c in script]
     # Drafts follow a match of the output's last token in the prediction: "outside" matches
@@ -434,3 +450,17 @@ def test_the_off_rule_prices_a_draft_model_s_steps() -> None:
     for _ in range(20):
         spec._score(seq, 3, 2)  # a prediction's two drafts taken: 3 tokens for 1.6 steps
     assert r.pause == 0 and r.k == 0
+
+
+def test_the_break_even_follows_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's verify pays for a tiled matmul from two rows on (measured 3.4 plain steps); Metal
+    serves a verify's rows with its one-row kernel (estimated 1.3); the CPU computes them (2.7)."""
+    import mlx.core as mx
+
+    from omlx_logprobs.runner import speculation
+
+    assert speculation.break_even(gpu=False) == speculation.CPU_BREAK_EVEN == 2.7
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert speculation.break_even(gpu=True) == speculation.CUDA_BREAK_EVEN == 3.4
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert speculation.break_even(gpu=True) == speculation.METAL_BREAK_EVEN == 1.3
