@@ -136,6 +136,11 @@ def main() -> None:
         help="ours: a subset of off, prediction, lookup, draft",
     )
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--server-flags",
+        default="",
+        help="more flags for our servers, e.g. '--speculate-max-batch 32'",
+    )
     args = ap.parse_args()
     k = ["--num-draft-tokens", str(args.num_draft_tokens)]
     ours: dict[str, list[str]] = {
@@ -153,7 +158,9 @@ def main() -> None:
     answers: dict[str, str] = {}
     for name, extra in ours.items():
         port = free_port()
-        server = start_server(omlx_command(port, args.model, 64) + extra, port)
+        server = start_server(
+            omlx_command(port, args.model, 64) + extra + args.server_flags.split(), port
+        )
         base = server.base_url
         model = httpx.get(base + "/models").json()["data"][0]["id"]
         try:
