@@ -72,12 +72,13 @@ def ladder(least: int, top: int) -> list[int]:
 
 def shapes(chunk: int, context: int) -> list[tuple[int, int]]:
     """The padded (queries, keys) shapes a fused call can take where prefill chunks are at most
-    `chunk` tokens and contexts at most `context`: 39 for 2,048 and 32k."""
+    `chunk` tokens and contexts at most `context`: 39 for 2,048 and 32k (a half-precision mask
+    within MAX_SCORE_BYTES: at most 2,048 x 128k)."""
     return [
         (bq, bk)
         for bq in ladder(QUERY_BUCKET, min(chunk, context))
         for bk in ladder(KEY_BUCKET, context)
-        if bq <= bk and bq * bk >= FUSED_PAIRS
+        if bq <= bk and bq * bk >= FUSED_PAIRS and bq * bk * 2 <= MAX_SCORE_BYTES
     ]
 
 
@@ -117,13 +118,14 @@ def cudnn_heads(d: int, dv: int, dtype: mx.Dtype) -> bool:
 
 def fuses(q: mx.array, k: mx.array, v: mx.array, mask: Any, extra: dict[str, Any]) -> bool:
     """Whether cuDNN takes this call (MLX's own test, supports_sdpa_cudnn, and ours: one row,
-    long)."""
+    long, and a padded mask within MAX_SCORE_BYTES, as the unfused blocks' scores are)."""
     lq, lk = q.shape[2], k.shape[2]
     return (
         _fused
         and q.shape[0] == 1
         and 1 < lq <= lk
         and lq * lk >= FUSED_PAIRS
+        and bucket(lq, QUERY_BUCKET) * bucket(lk, KEY_BUCKET) * q.dtype.size <= MAX_SCORE_BYTES
         and cudnn_heads(q.shape[-1], v.shape[-1], q.dtype)
         and "sinks" not in extra
         and (mask is None or isinstance(mask, str) or getattr(mask, "size", 0) == lq * lk)

@@ -105,6 +105,10 @@ def test_only_long_half_precision_calls_are_fused(monkeypatch: pytest.MonkeyPatc
     assert not fuses(1)  # decode: MLX's own kernels
     assert not fuses(20, mx.float32)  # cuDNN takes half precision only
     assert not fuses(20, sinks=mx.zeros(2))
+    # the padded mask (256 x 4,096 in bfloat16: 2 MiB) past the scores' bound: blocks instead
+    monkeypatch.setattr(query_blocks, "MAX_SCORE_BYTES", 1 << 20)
+    assert not fuses(100)
+    assert query_blocks.shapes(2048, 1 << 20) == []
     monkeypatch.setattr(query_blocks, "_fused", False)
     assert not fuses(100)
 
