@@ -56,13 +56,13 @@ MODES = ("off", "prediction", "lookup", "draft")
 # above that step's cost in plain steps (`Speculator._cost`), which scales this one: the cost of
 # a verify of 8 drafts in one row (docs/benchmarks.md, "Speculation"). On MLX's CPU backend the
 # forward is compute bound: 9 positions cost 2.7 plain steps (bench/experiments/verify_cost.py,
-# 1k context). On an H200 (8B, 4-bit, top 20, in the
-# server): a plain step 6.6 ms (150.8 tok/s), a verify step of 9 positions all accepted 23 ms
-# (391 tok/s): 3.4. There MLX's CUDA backend (sm90) takes its one-row quantized kernel (qmv)
-# for exactly one row and a tiled matmul for two or more: the verify pays for the tiles. On
-# Metal, MLX takes qmv up to 12-33 rows (get_qmv_batch_limit), so a verify of 9 positions reads
-# the weights once, as a plain step does: 1.3, an estimate until measured on a Mac. A draft
-# model's own steps are priced apart (`step_seconds`).
+# 1k context). On an H200 (8B, 4-bit, top 20, in the server): a plain step 6.6 ms (150.8
+# tok/s), a verify step of 9 positions all accepted 23 ms (391 tok/s): 3.4. There MLX's CUDA
+# backend (sm90) takes its one-row quantized kernel (qmv) for exactly one row and a tiled
+# matmul for two or more: the verify pays for the tiles. On Metal, MLX takes qmv up to 12-33
+# rows (get_qmv_batch_limit), so a verify of 9 positions reads the weights once, as a plain
+# step does: 1.3, an estimate until measured on a Mac. A draft model's own steps are priced
+# apart (`step_seconds`).
 CPU_BREAK_EVEN = 2.7
 CUDA_BREAK_EVEN = 3.4
 METAL_BREAK_EVEN = 1.3
