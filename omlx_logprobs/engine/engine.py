@@ -80,7 +80,8 @@ class Engine:
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
         )
         self.runner.speculator = speculator(cfg, self.runner, vocab)
-        self.runner.warm_attention(cfg.prefill_chunk, context or cfg.max_model_len or 1 << 15)
+        # Built on the engine's thread as it starts (`_loop`): MLX keeps cuDNN's graphs per thread.
+        self._warm = (cfg.prefill_chunk, context or cfg.max_model_len or 1 << 15)
         if cfg.kv_cache_dir is not None:
             self.runner.attach_disk(cfg.kv_cache_dir, cfg.kv_cache_disk_mib)
         for name, path in adapters:  # --lora, or those loaded before a restart or a reload
@@ -265,6 +266,7 @@ class Engine:
         return any(s.params.penalizes or s.grammar is not None for s in running)
 
     def _loop(self) -> None:
+        self.runner.warm_attention(*self._warm)
         while not self._stop.is_set():
             self._drain_inbox()
             if self.runner.adapters.retiring:

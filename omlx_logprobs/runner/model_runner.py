@@ -29,7 +29,7 @@ from omlx_logprobs.runner.fast import attention, compiled, lean_decode
 from omlx_logprobs.runner.fast.fusion import Fusion
 from omlx_logprobs.runner.fast.lean_decode import LeanDecode
 from omlx_logprobs.runner.grammar import bitmask, open_ended
-from omlx_logprobs.runner.lora import AdapterSet
+from omlx_logprobs.runner.lora import BASE, AdapterSet
 from omlx_logprobs.runner.prefill import Prefill, Prefilled
 from omlx_logprobs.runner.prefix_cache import (
     PrefixCache,
@@ -306,11 +306,13 @@ class ModelRunner(Prefill):
 
     def warm_attention(self, chunk: int, context: int) -> None:
         """On CUDA with cuDNN's attention on: its graphs for the padded shapes long prefills
-        take, built now rather than inside a request (runner/query_blocks.py). Before any
-        adapter is loaded: the probe forward is the plain model's."""
+        take, built on the thread that will launch the steps (MLX keeps them per thread)
+        rather than inside a request (runner/query_blocks.py). The probe forward is the base
+        model's, whatever adapters are loaded."""
         t0 = time.perf_counter()
 
         def forward() -> None:
+            self.adapters.select([BASE])
             mx.eval(self.model(mx.array([[0, 1]]), cache=make_prompt_cache(self.model)))
 
         try:

@@ -247,3 +247,24 @@ def test_a_model_the_warm_up_cannot_probe_still_serves(
     with caplog.at_level("WARNING", logger="omlx_logprobs"):
         runner.warm_attention(64, 256)
     assert "no forward here" in caplog.text
+
+
+def test_the_graphs_are_built_on_the_thread_that_launches_the_steps(
+    monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel
+) -> None:
+    """MLX keeps cuDNN's graphs per thread (a thread_local cache): built on the thread that
+    constructs the engine, no step would find them (every turn of a long conversation built
+    its own, 40-100 ms). The engine's own thread builds them as it starts."""
+    import threading
+
+    from omlx_logprobs.engine.engine import Engine
+    from omlx_logprobs.runner.model_runner import ModelRunner
+
+    seen: list[threading.Thread] = []
+    monkeypatch.setattr(ModelRunner, "warm_attention", lambda self, chunk, context:
+                        seen.append(threading.current_thread()))  # fmt: skip
+    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, EngineConfig(prefill_chunk=64))
+    assert seen == []
+    engine.start()
+    engine.shutdown()
+    assert seen == [engine._thread]
