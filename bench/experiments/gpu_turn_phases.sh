@@ -14,6 +14,6 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} CUDA_CACHE_MAXSIZE=4294967296
 }
 python3 bench/experiments/turn_phases.py --model /tmp/r8q --turns ${TURNS:-8} --mlx-attention \
   --json $OUT/phases.json 2>&1 | grep -v "^INFO" | tail -20
-[ -n "${SECOND:-1}" ] && python3 bench/experiments/turn_phases.py --model /tmp/r8q \
+[ "${SECOND:-1}" = 1 ] && python3 bench/experiments/turn_phases.py --model /tmp/r8q \
   --turns ${TURNS:-8} --eval-kept --no-bare --json $OUT/phases_kept.json 2>&1 \
   | grep -v "^INFO" | tail -10
