@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import time
 from collections import defaultdict
 from typing import Any
@@ -144,6 +145,8 @@ def main() -> None:
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("omlx_logprobs").setLevel(logging.INFO)  # the warm-up's line
     model = load_model(args.model)
     rng = np.random.default_rng(0)
     low, high = 1000, len(model.vocab) - 1000

@@ -52,6 +52,16 @@ class BlockIndex(Generic[T]):
     def clear(self) -> None:
         self._index.clear()
 
+    def starts_of(self, key: Hashable, tokens: tuple[int, ...]) -> list[tuple[tuple[int, ...], T]]:
+        """The items (with their tokens) whose tokens are a shorter start of `tokens`: an
+        item n tokens long is listed under each of its whole blocks, the last at n // BLOCK."""
+        out = []
+        for depth, h in enumerate(block_hashes(tokens, len(tokens)), start=1):
+            for t, item in self._index.get((key, h), ()):
+                if len(t) // BLOCK == depth and len(t) < len(tokens) and tokens[: len(t)] == t:
+                    out.append((t, item))
+        return out
+
     def find(
         self,
         key: Hashable,

@@ -40,8 +40,8 @@ __all__ = ["Prefill", "Prefilled"]
 
 log = logging.getLogger("omlx_logprobs")
 
-# A prefill whose attention spans this many (query, key) pairs or more is evaluated apart from
-# the step (`_settle`): its failure then ends its own requests only.
+# A prefill whose attention spans this many (query, key) pairs or more is queued apart from the
+# step (`_settle`): its failure then ends its own requests only.
 SETTLE_PAIRS = 1 << 24
 
 
@@ -127,9 +127,10 @@ class Prefill:
         return parts, seqs, prompt, prompt_only
 
     def _settle(self, seqs: list[Sequence], logits: mx.array | None) -> None:
-        """Evaluate a large prefill now, apart from the step: an allocation that fails then
-        fails these prompts alone, not every row of the batch. Small ones stay in the step's
-        one graph (on a GPU its launch overlaps the previous step's processing)."""
+        """Queue a large prefill now, apart from the step: MLX allocates an op's buffers as it
+        queues it, so an allocation that fails raises here and fails these prompts alone, not
+        every row of the batch. Queued, not waited for: the host builds the next chunk while
+        the device runs this one. Small ones stay in the step's one graph."""
         context = max(s.prompt_len for s in seqs)
         if context * sum(s.prompt_len - s.cached_tokens for s in seqs) < SETTLE_PAIRS:
             return
@@ -138,7 +139,7 @@ class Prefill:
             if (p := self.prefilled.get(s.seq_id)) is not None:
                 arrays += [c.state for c in p.cache.layers]
             arrays += [c.state for c in self.chunk_caches.get(s.seq_id, ())]
-        mx.eval(*arrays)
+        self._queue(*arrays)
 
     def _prefill_failed(self, seqs: list[Sequence], exc: Exception) -> None:
         log.error("prefill of %d prompt(s) failed: %s", len(seqs), exc)

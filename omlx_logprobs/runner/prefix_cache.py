@@ -3,7 +3,8 @@ prefills only what follows it: a chat template's system turn shared by many prom
 conversation's earlier turns (its prompt and the answer generated to it) resent with the next.
 
 What is kept:
-- every finished sequence, its prompt and its output (a conversation's next turn resends both);
+- every finished sequence, its prompt and its output (a conversation's next turn resends both),
+  in place of any kept sequence it starts with;
 - a prompt start that two prompts have shared (a prompt and the last one seen that began with
   the same MIN_TOKENS tokens), made by a forward of its own, a multiple of BLOCK long.
 
@@ -297,6 +298,11 @@ class PrefixCache:
             self._forget(key, old)
             if prefix.scores is None and old.scores is not None:
                 prefix = replace(prefix, scores=old.scores)
+        # A kept start of these tokens serves nothing they do not (a conversation's last turn
+        # within its next): it goes, unless it keeps prompt entries.
+        for tokens, start in self._index.starts_of(key, prefix.tokens):
+            if start.scores is None and self.entries.pop((key, tokens), None) is not None:
+                self._forget(key, start)
         self.entries[(key, prefix.tokens)] = prefix
         self.nbytes += prefix.nbytes
         self._index.add(key, prefix.tokens, prefix)

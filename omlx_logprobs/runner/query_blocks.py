@@ -20,6 +20,7 @@ MLX's own fallback runs (`_unfused`), in blocks as above.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,7 @@ MAX_SCORE_BYTES = int(os.environ.get("OMLX_MAX_SCORE_MIB", "512")) << 20
 # (OMLX_FUSED_PAIRS overrides; docs/benchmarks.md, "Long conversations").
 FUSED_PAIRS = int(os.environ.get("OMLX_FUSED_PAIRS", str(1 << 22)))
 QUERY_BUCKET, KEY_BUCKET = 256, 4096  # the smallest padded shape (see `bucket`)
+KEY_STEPS = 4  # key buckets to the octave
 
 # The CPU backend's prefill calls of this many scores or more take numpy (`_host`); under it
 # the numpy round trip costs more than MLX's own ops.
@@ -53,31 +55,40 @@ def blocks(q: mx.array, k: mx.array) -> int:
     return max(1, min(lq, MAX_SCORE_BYTES // max(per_query, 1)))
 
 
-def bucket(n: int, least: int) -> int:
-    """The padded length of n: the next of least * 2^i and 1.5 * least * 2^i (a third wasted
-    at most; 7 buckets between 4k and 32k keys)."""
-    size = least
+def bucket(n: int, least: int, per_octave: int = 2) -> int:
+    """The padded length of n: the next of least * 2^i * (per_octave + j) / per_octave, for
+    j < per_octave (queries: 2 to the octave, a third wasted at most; keys: 4, a fifth at
+    most, as the keys' count sets what a chunk's attention costs)."""
+    size, step = least, least // per_octave
     while size < n:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+        if size + step > 2 * least:
+            least, step = 2 * least, 2 * step
+        size += step
     return size
 
 
-def ladder(least: int, top: int) -> list[int]:
+def padded_shape(lq: int, lk: int) -> tuple[int, int]:
+    """A fused call's (queries, keys) at its bucket: at least as many keys as queries."""
+    bq = bucket(lq, QUERY_BUCKET)
+    return bq, bucket(max(lk, bq), KEY_BUCKET, KEY_STEPS)
+
+
+def ladder(least: int, top: int, per_octave: int = 2) -> list[int]:
     """The bucket sizes from `least` up to the bucket of `top`."""
     sizes = [least]
     while sizes[-1] < top:
-        sizes.append(bucket(sizes[-1] + 1, least))
+        sizes.append(bucket(sizes[-1] + 1, least, per_octave))
     return sizes
 
 
 def shapes(chunk: int, context: int) -> list[tuple[int, int]]:
     """The padded (queries, keys) shapes a fused call can take where prefill chunks are at most
-    `chunk` tokens and contexts at most `context`: 39 for 2,048 and 32k (a half-precision mask
+    `chunk` tokens and contexts at most `context`: 71 for 2,048 and 32k (a half-precision mask
     within MAX_SCORE_BYTES: at most 2,048 x 128k)."""
     return [
         (bq, bk)
         for bq in ladder(QUERY_BUCKET, min(chunk, context))
-        for bk in ladder(KEY_BUCKET, context)
+        for bk in ladder(KEY_BUCKET, context, KEY_STEPS)
         if bq <= bk and bq * bk >= FUSED_PAIRS and bq * bk * 2 <= MAX_SCORE_BYTES
     ]
 
@@ -125,7 +136,7 @@ def fuses(q: mx.array, k: mx.array, v: mx.array, mask: Any, extra: dict[str, Any
         and q.shape[0] == 1
         and 1 < lq <= lk
         and lq * lk >= FUSED_PAIRS
-        and bucket(lq, QUERY_BUCKET) * bucket(lk, KEY_BUCKET) * q.dtype.size <= MAX_SCORE_BYTES
+        and math.prod(padded_shape(lq, lk)) * q.dtype.size <= MAX_SCORE_BYTES
         and cudnn_heads(q.shape[-1], v.shape[-1], q.dtype)
         and "sinks" not in extra
         and (mask is None or isinstance(mask, str) or getattr(mask, "size", 0) == lq * lk)
@@ -139,7 +150,7 @@ def _padded(
     mask in which padded keys take no weight and padded queries (dropped after) see the real
     keys. The mask is made once per shape and reused by every layer of the forward."""
     lq, lk = q.shape[2], k.shape[2]
-    bq, bk = bucket(lq, QUERY_BUCKET), bucket(lk, KEY_BUCKET)
+    bq, bk = padded_shape(lq, lk)
     q = mx.pad(q, [(0, 0), (0, 0), (0, bq - lq), (0, 0)])
     k, v = (mx.pad(x, [(0, 0), (0, 0), (0, bk - lk), (0, 0)]) for x in (k, v))
     out = _inner(q, k, v, scale=scale, mask=_bucket_mask(mask, lq, lk, bq, bk, q.dtype), **extra)

@@ -229,6 +229,29 @@ def test_a_kept_sequence_serves_any_start_of_itself() -> None:
     assert cache.held([7] + turn) == 0 and cache.held(turn[:10] + [0]) == 0  # < MIN_TOKENS
 
 
+def test_a_conversation_s_next_turn_takes_the_place_of_its_last() -> None:
+    """A kept sequence that starts another one being kept serves nothing the longer one does
+    not: it goes (a conversation keeps one entry, not one a turn), unless it keeps prompt
+    entries; another key's, or one that parts from it, stays."""
+    cache = PrefixCache(1 << 20, Maker())
+    turn1 = list(range(500, 537))
+    turn2 = turn1 + list(range(40, 60))
+    other = turn1[:30] + [1] * 10
+    lora = (1, 1)
+    cache.keep(BASE_KEY, kept(turn1))
+    cache.keep(lora, kept(turn1))
+    cache.keep(BASE_KEY, kept(other))
+    cache.keep(BASE_KEY, kept(turn2))
+    assert sorted((k, len(t)) for k, t in cache.entries) == [(BASE_KEY, 40), (BASE_KEY, 57),
+                                                             (lora, 37)]  # fmt: skip
+    assert cache.nbytes == (40 + 57 + 37) * 4 * 2
+    assert cache.held(turn1 + [9]) == 37 and cache.held(turn2 + [9]) == 57
+    scored = scored_kept(turn2, entries=len(turn2) - 1)
+    cache.keep(BASE_KEY, scored)
+    cache.keep(BASE_KEY, kept(turn2 + [7] * 8))
+    assert (BASE_KEY, tuple(turn2)) in cache.entries  # its prompt entries serve scoring
+
+
 def test_the_most_recent_of_several_sequences_and_eviction_of_the_index() -> None:
     """Two conversations share a system turn: each one's next turn finds its own; evicting one
     leaves the other findable through the blocks they shared."""

@@ -129,7 +129,7 @@ def test_a_bucketed_call_equals_the_call(monkeypatch: pytest.MonkeyPatch, mask: 
     elif mask == "additive":
         m = mx.random.normal((1, 1, 23, 50))
     got = query_blocks._padded(q, k, v, scale=0.25, mask=m)
-    assert query_blocks.bucket(23, 16) == 24 and query_blocks.bucket(50, 32) == 64
+    assert query_blocks.bucket(23, 16) == 24 and query_blocks.bucket(50, 32, 4) == 56
     want = query_blocks._inner(q, k, v, scale=0.25, mask=m)
     assert got.shape == want.shape
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
@@ -225,7 +225,7 @@ def test_warming_builds_every_padded_shape_a_fused_call_takes(
             k = v = mx.zeros((1, kv_heads, lk, d), mx.bfloat16)
             if query_blocks.fuses(q, k, v, "causal", {}):
                 query_blocks._padded(q, k, v, scale=0.1, mask="causal")
-    assert calls and set(calls) <= warmed
+    assert calls and set(calls) <= warmed, set(calls) - warmed
     float32 = load_model(str(tiny_dir), dtype="float32").model
     assert query_blocks.warm(lambda: mx.eval(float32(mx.array([[0, 1]]))), 64, 256) == 0
     monkeypatch.setattr(query_blocks, "_fused", False)
