@@ -13,7 +13,7 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} CUDA_CACHE_MAXSIZE=4294967296
   rm -rf /tmp/r8
 }
 python3 bench/experiments/turn_phases.py --model /tmp/r8q --turns ${TURNS:-8} --mlx-attention \
-  --json $OUT/phases.json 2>&1 | grep -E "cuDNN|CUDA|^turn|^bare|rror" | tail -40
+  --json $OUT/phases.json 2>&1 | grep -E "cuDNN|^turn|^bare|rror" | tail -40
 [ "${SECOND:-1}" = 1 ] && python3 bench/experiments/turn_phases.py --model /tmp/r8q \
   --turns ${TURNS:-8} --eval-kept --no-bare --json $OUT/phases_kept.json 2>&1 \
   | grep -E "cuDNN|^turn|rror" | tail -20

@@ -23,7 +23,7 @@ from omlx_logprobs.batch.scheduler import SchedulerOutput
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.extract import release_scratch
 from omlx_logprobs.logprobs.extractor import Extractor, choose_extractor
-from omlx_logprobs.runner import cuda_pool, query_blocks
+from omlx_logprobs.runner import query_blocks
 from omlx_logprobs.runner.batch_cache import BatchCache, kinds
 from omlx_logprobs.runner.fast import attention, compiled, lean_decode
 from omlx_logprobs.runner.fast.fusion import Fusion
@@ -54,9 +54,6 @@ log = logging.getLogger("omlx_logprobs")
 # On a GPU, MLX keeps every freed buffer for reuse up to about the device's memory: with batch
 # and prompt sizes changing every step that grew to ~100 GB on an H200, and host RSS with it.
 GPU_CACHE_LIMIT_MIB = 4096
-# Past it, freed memory CUDA's pool keeps mapped for any later allocation (runner/cuda_pool.py:
-# unmapped at once, a turn's next large allocation stalled ~290 ms on an H100).
-GPU_POOL_RETAIN_MIB = 16384
 # A left-padded prefill group's width is rounded up to this many tokens on a GPU: MLX's CUDA
 # backend keeps host state per kernel shape (CUDA graphs, cuDNN attention plans, in bounded
 # caches), which grew RSS with every new (rows, width) pair. On the CPU padding is real compute.
@@ -147,8 +144,6 @@ class ModelRunner(Prefill):
             cache_limit_mib = GPU_CACHE_LIMIT_MIB
         if cache_limit_mib is not None:
             mx.set_cache_limit(cache_limit_mib << 20)
-        if not cpu:
-            cuda_pool.retain(GPU_POOL_RETAIN_MIB << 20)
 
     def _prefix_cache(self, mib: int | None) -> PrefixCache | None:
         """Plain KV and sliding-window caches only: a prefix's keys are placed per row at its
