@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from omlx_logprobs import heap
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import load_model
@@ -74,6 +75,10 @@ def instrument(engine: Engine, eval_kept: bool) -> None:
                  "_queue", "collect", "admit", "release", "_sample", "_prefixes"):  # fmt: skip
         if hasattr(r, name):
             timed(r, name)
+    timed(r, "_keep_finished")
+    if r.prefixes is not None:
+        timed(r.prefixes, "keep", "prefixes.keep")
+    timed(mx, "async_eval")  # every caller's, the engine thread's included
     timed(engine, "_free")
     timed(engine, "_process")
 
@@ -160,6 +165,7 @@ def main() -> None:
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg, tokenizer=model.tokenizer,
                     context=model.max_model_len)  # fmt: skip
     instrument(engine, args.eval_kept)
+    heap.freeze_startup_objects()  # as the server does: collections skip the start-up heap
     client = EngineClient(ThreadTransport(engine))
     client.start()
     turns: list[list[int]] = []
