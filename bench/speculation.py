@@ -126,7 +126,8 @@ def main() -> None:
     ap.add_argument("--prediction", choices=("file", "self"), default="self")
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--num-draft-tokens", type=int, default=8)
-    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=32, help="0: no throughput runs")
+    ap.add_argument("--tasks", nargs="+", default=["edit", "repeat", "chat"])
     ap.add_argument("--no-mlx-lm", action="store_true")
     ap.add_argument("--only-mlx-lm", action="store_true")
     ap.add_argument(
@@ -164,7 +165,7 @@ def main() -> None:
         base = server.base_url
         model = httpx.get(base + "/models").json()["data"][0]["id"]
         try:
-            for task in ("edit", "repeat", "chat"):
+            for task in args.tasks:
                 prediction = None
                 if task == "edit" and name != "off":
                     own = answers[task]
@@ -182,7 +183,7 @@ def main() -> None:
                     "same_answer": out["text"] == answers[task],
                 }
                 print(f"ours-{name:10s} {task:6s} {out['tok_s']:7.2f} tok/s", flush=True)
-            if name in ("off", "lookup", "draft"):
+            if name in ("off", "lookup", "draft") and args.concurrency:
                 asyncio.run(throughput(base, model, args.concurrency, 16))  # batch shapes compiled
                 tput = asyncio.run(throughput(base, model, args.concurrency, 128))
                 results["throughput"][f"ours-{name}"] = round(tput, 1)
@@ -198,7 +199,7 @@ def main() -> None:
             port = free_port()
             server = start_server(mlx_lm_command(port, model_dir, 1) + extra, port, "/v1/models")
             try:
-                for task in ("edit", "repeat", "chat"):
+                for task in args.tasks:
                     req = body(model_dir, PROMPTS[task], args.max_tokens, None, MLX_LM_TOP)
                     out = stream(server.base_url, req)
                     results["runs"][f"{name}/{task}"] = {
