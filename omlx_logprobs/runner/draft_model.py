@@ -72,15 +72,19 @@ class DraftModel:
         return drafts[:cut]
 
 
-def step_seconds(model: Any, reps: int = 5) -> float:
-    """A one-token forward's time over a short cache, evaluated: the median of `reps` after two
-    that compile. The draft model's against the served model's prices its drafts in the
-    per-row off rule (runner/speculation.py)."""
+def step_seconds(model: Any, reps: int = 5, width: int = 1) -> float:
+    """A forward's time over a short cache for `width` new tokens of one row, evaluated: the
+    median of `reps` after two that compile (each call's tokens are trimmed off again). The
+    per-row off rule (runner/speculation.py) prices a verify of K drafts (width K + 1) and a
+    draft model's step in steps of the served model (width 1)."""
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, 32), mx.int32), cache=cache))
     times = []
     for _ in range(reps + 2):
         t0 = time.perf_counter()
-        mx.eval(model(mx.zeros((1, 1), mx.int32), cache=cache))
+        mx.eval(model(mx.zeros((1, width), mx.int32), cache=cache))
         times.append(time.perf_counter() - t0)
+        for c in cache:
+            if c.is_trimmable():
+                c.trim(width)
     return sorted(times[2:])[reps // 2]

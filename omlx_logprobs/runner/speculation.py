@@ -53,19 +53,13 @@ log = logging.getLogger("omlx_logprobs")
 
 MODES = ("off", "prediction", "lookup", "draft")
 # A row keeps drafting while its running mean of tokens emitted per verify step stays at or
-# above that step's cost in plain steps (`Speculator._cost`), which scales this one: the cost of
-# a verify of 8 drafts in one row (docs/benchmarks.md, "Speculation"). On MLX's CPU backend the
-# forward is compute bound: 9 positions cost 2.7 plain steps (bench/experiments/verify_cost.py,
-# 1k context). On an H200 (8B, 4-bit, top 20, in the server): a plain step 6.6 ms (150.8
-# tok/s), a verify step of 9 positions all accepted 23 ms (391 tok/s): 3.4. There MLX's CUDA
-# backend (sm90) takes its one-row quantized kernel (qmv) for exactly one row and a tiled
-# matmul for two or more: the verify pays for the tiles. On Metal, MLX takes qmv up to 12-33
-# rows (get_qmv_batch_limit), so a verify of 9 positions reads the weights once, as a plain
-# step does: 1.3, an estimate until measured on a Mac. A draft model's own steps are priced
-# apart (`step_seconds`).
-CPU_BREAK_EVEN = 2.7
-CUDA_BREAK_EVEN = 3.4
-METAL_BREAK_EVEN = 1.3
+# above that step's cost in plain steps (`Speculator._cost`), which scales the cost of a verify
+# of K drafts in one row, measured at start-up on the served model (`speculator`): it depends
+# on the backend and on the weights' format. MLX's CPU backend computes every position (2.7 for
+# 9 positions); MLX's CUDA backend on sm90 takes its one-row quantized kernel for exactly one
+# row and a tiled matmul from two (4 bits: 2.4 bare, 3.4 in the server on an H200), while a
+# bfloat16 model's matmul reads the weights once for every position; MLX's Metal backend serves
+# up to 12-33 rows with its one-row quantized kernel (docs/specs/speculation.md).
 # Below it, the row decodes plainly for this many steps, doubled at each further miss.
 COOLDOWN, MAX_COOLDOWN = 4, 256
 EMA = 0.3  # the weight of the last verify step in that mean
@@ -102,18 +96,16 @@ def speculator(cfg: EngineConfig, runner: ModelRunner, vocab: Vocabulary) -> Spe
         draft = DraftModel(loaded.model, len(vocab))
         log.info("draft model: %s", cfg.draft_model)
     spec = Speculator(cfg.speculate, cfg.num_draft_tokens, cfg.speculate_max_batch, draft)
-    spec.break_even = break_even(runner.overlaps)
+    # What a one-row verify of K drafts (K + 1 positions) and a draft model's step cost in plain
+    # steps here, each timed as a forward over a short cache.
+    plain = step_seconds(runner.model)
+    k = cfg.num_draft_tokens
+    spec.break_even = max(1.0, step_seconds(runner.model, width=k + 1) / plain)
+    log.info("speculation: a verify of %d drafts costs %.2f plain steps", k, spec.break_even)
     if draft is not None:
-        spec.draft_cost = step_seconds(draft.model) / step_seconds(runner.model)
+        spec.draft_cost = step_seconds(draft.model) / plain
         log.info("draft model: a step costs %.2f of the served model's", spec.draft_cost)
     return spec
-
-
-def break_even(gpu: bool) -> float:
-    """A verify of K drafts in plain steps, by backend (see CPU_BREAK_EVEN)."""
-    if not gpu:
-        return CPU_BREAK_EVEN
-    return CUDA_BREAK_EVEN if mx.cuda.is_available() else METAL_BREAK_EVEN
 
 
 @dataclass(frozen=True)
@@ -153,7 +145,7 @@ class Speculator:
         self.k = num_draft
         self.max_batch = max_batch
         self.draft = draft
-        self.break_even = CPU_BREAK_EVEN
+        self.break_even = 2.7  # measured by `speculator` (this: the CPU's, 9 positions)
         self.draft_cost = 0.0  # a draft model's step in plain steps of the target (`speculator`)
         self._rows: dict[int, _Row] = {}
 
