@@ -60,6 +60,7 @@ MODES = ("off", "prediction", "lookup", "draft")
 # row and a tiled matmul from two (4 bits: 2.4 bare, 3.4 in the server on an H200), while a
 # bfloat16 model's matmul reads the weights once for every position; MLX's Metal backend serves
 # up to 12-33 rows with its one-row quantized kernel (docs/specs/speculation.md).
+CPU_BREAK_EVEN = 2.7  # 9 positions, bench/experiments/verify_cost.py
 # Below it, the row decodes plainly for this many steps, doubled at each further miss.
 COOLDOWN, MAX_COOLDOWN = 4, 256
 EMA = 0.3  # the weight of the last verify step in that mean
@@ -97,13 +98,15 @@ def speculator(cfg: EngineConfig, runner: ModelRunner, vocab: Vocabulary) -> Spe
         log.info("draft model: %s", cfg.draft_model)
     spec = Speculator(cfg.speculate, cfg.num_draft_tokens, cfg.speculate_max_batch, draft)
     # What a one-row verify of K drafts (K + 1 positions) and a draft model's step cost in plain
-    # steps here, each timed as a forward over a short cache.
-    plain = step_seconds(runner.model)
+    # steps here, each timed as a forward over a short cache; on MLX's CPU backend the verify's
+    # is CPU_BREAK_EVEN (it computes every position, whatever the weights' format).
     k = cfg.num_draft_tokens
-    spec.break_even = max(1.0, step_seconds(runner.model, width=k + 1) / plain)
-    log.info("speculation: a verify of %d drafts costs %.2f plain steps", k, spec.break_even)
+    if mx.default_device() == mx.gpu:
+        plain = step_seconds(runner.model)
+        spec.break_even = max(1.0, step_seconds(runner.model, width=k + 1) / plain)
+        log.info("speculation: a verify of %d drafts costs %.2f plain steps", k, spec.break_even)
     if draft is not None:
-        spec.draft_cost = step_seconds(draft.model) / plain
+        spec.draft_cost = step_seconds(draft.model) / step_seconds(runner.model)
         log.info("draft model: a step costs %.2f of the served model's", spec.draft_cost)
     return spec
 
@@ -145,7 +148,7 @@ class Speculator:
         self.k = num_draft
         self.max_batch = max_batch
         self.draft = draft
-        self.break_even = 2.7  # measured by `speculator` (this: the CPU's, 9 positions)
+        self.break_even = CPU_BREAK_EVEN  # a GPU's is timed by `speculator`
         self.draft_cost = 0.0  # a draft model's step in plain steps of the target (`speculator`)
         self._rows: dict[int, _Row] = {}
 

@@ -466,6 +466,9 @@ def test_the_verify_s_cost_is_measured_on_the_served_model(
         return seconds if model is tiny.model else seconds / 4  # the draft: a quarter
 
     monkeypatch.setattr(speculation, "step_seconds", timed)
+    import mlx.core as mx
+
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)  # timed on a GPU only
     from mlx_lm.models.cache import make_prompt_cache
 
     templates = make_prompt_cache(tiny.model)
