@@ -100,13 +100,13 @@ def speculator(cfg: EngineConfig, runner: ModelRunner, vocab: Vocabulary) -> Spe
     # What a one-row verify of K drafts (K + 1 positions) and a draft model's step cost in plain
     # steps here, each timed as a forward over a short cache; on MLX's CPU backend the verify's
     # is CPU_BREAK_EVEN (it computes every position, whatever the weights' format).
-    k = cfg.num_draft_tokens
-    if mx.default_device() == mx.gpu:
-        plain = step_seconds(runner.model)
+    k, gpu = cfg.num_draft_tokens, mx.default_device() == mx.gpu
+    plain = step_seconds(runner.model) if gpu or draft is not None else 0.0
+    if gpu:
         spec.break_even = max(1.0, step_seconds(runner.model, width=k + 1) / plain)
         log.info("speculation: a verify of %d drafts costs %.2f plain steps", k, spec.break_even)
     if draft is not None:
-        spec.draft_cost = step_seconds(draft.model) / step_seconds(runner.model)
+        spec.draft_cost = step_seconds(draft.model) / plain
         log.info("draft model: a step costs %.2f of the served model's", spec.draft_cost)
     return spec
 

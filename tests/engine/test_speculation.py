@@ -478,7 +478,18 @@ def test_the_verify_s_cost_is_measured_on_the_served_model(
     spec = speculation.speculator(cfg, runner, tiny.vocab)
     assert spec is not None
     assert spec.break_even == pytest.approx(2.4) and spec.draft_cost == pytest.approx(0.25)
-    # Timed for real, a call's tokens are trimmed off again: the cache stays short.
-    assert draft_model.step_seconds(tiny.model, reps=1, width=9) > 0
+    # Timed for real, each call's tokens are trimmed off again: every timed forward of the 9
+    # positions starts from the same 32-token cache.
+    offsets: list[int] = []
+
+    class Recording:
+        layers = tiny.model.layers
+
+        def __call__(self, ids: Any, cache: Any) -> Any:
+            offsets.append(cache[0].offset)
+            return tiny.model(ids, cache=cache)
+
+    assert draft_model.step_seconds(Recording(), reps=3, width=9) > 0
+    assert offsets == [0] + [32] * 5
 
 
