@@ -36,9 +36,20 @@ class BlockIndex(Generic[T]):
         # (key, chain hash of a start) -> (tokens, item) that start so, the most recent last
         self._index: dict[tuple[Hashable, int], list[tuple[tuple[int, ...], T]]] = {}
 
-    def add(self, key: Hashable, tokens: tuple[int, ...], item: T) -> None:
-        for h in block_hashes(tokens, len(tokens)):
-            self._index.setdefault((key, h), []).append((tokens, item))
+    def add(
+        self, key: Hashable, tokens: tuple[int, ...], item: T
+    ) -> list[tuple[tuple[int, ...], T]]:
+        """List `item` under each whole block of `tokens`; returns the items (with their
+        tokens) already listed whose tokens are a shorter start of `tokens` (an item n tokens
+        long is listed under each of its whole blocks, the last at n // BLOCK)."""
+        starts = []
+        for depth, h in enumerate(block_hashes(tokens, len(tokens)), start=1):
+            listed = self._index.setdefault((key, h), [])
+            for t, other in listed:
+                if len(t) // BLOCK == depth and len(t) < len(tokens) and tokens[: len(t)] == t:
+                    starts.append((t, other))
+            listed.append((tokens, item))
+        return starts
 
     def remove(self, key: Hashable, tokens: tuple[int, ...], item: T) -> None:
         for h in block_hashes(tokens, len(tokens)):
@@ -51,16 +62,6 @@ class BlockIndex(Generic[T]):
 
     def clear(self) -> None:
         self._index.clear()
-
-    def starts_of(self, key: Hashable, tokens: tuple[int, ...]) -> list[tuple[tuple[int, ...], T]]:
-        """The items (with their tokens) whose tokens are a shorter start of `tokens`: an
-        item n tokens long is listed under each of its whole blocks, the last at n // BLOCK."""
-        out = []
-        for depth, h in enumerate(block_hashes(tokens, len(tokens)), start=1):
-            for t, item in self._index.get((key, h), ()):
-                if len(t) // BLOCK == depth and len(t) < len(tokens) and tokens[: len(t)] == t:
-                    out.append((t, item))
-        return out
 
     def find(
         self,

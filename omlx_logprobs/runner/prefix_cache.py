@@ -298,14 +298,13 @@ class PrefixCache:
             self._forget(key, old)
             if prefix.scores is None and old.scores is not None:
                 prefix = replace(prefix, scores=old.scores)
-        # A kept start of these tokens serves nothing they do not (a conversation's last turn
-        # within its next): it goes, unless it keeps prompt entries.
-        for tokens, start in self._index.starts_of(key, prefix.tokens):
-            if start.scores is None and self.entries.pop((key, tokens), None) is not None:
-                self._forget(key, start)
         self.entries[(key, prefix.tokens)] = prefix
         self.nbytes += prefix.nbytes
-        self._index.add(key, prefix.tokens, prefix)
+        # A kept start of these tokens serves nothing they do not (a conversation's last turn
+        # within its next): it goes, unless it keeps prompt entries.
+        for tokens, start in self._index.add(key, prefix.tokens, prefix):
+            if start.scores is None and self.entries.pop((key, tokens), None) is not None:
+                self._forget(key, start)
         if prefix.scores is not None:
             self._index.add(_scored(key), prefix.tokens, prefix)
         while self.nbytes > self.max_bytes:
