@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bench/experiments/turn_phases.py on the GPU host: a random llama in Llama-3-8B's shape, 4-bit,
-# 8 turns growing by 2,900 tokens to ~23k; the server's defaults (bare mlx-lm on MLX's own
-# attention), then the kept sequences evaluated as they are kept. Needs MLX
-# (../shared/gpu/README.md) and SmolLM2's tokenizer files in .gpu/tok/; writes $OUT/*.json.
+# 8 turns growing by 2,900 tokens to ~23k; the server's defaults, bare mlx-lm on MLX's own
+# attention. Needs MLX (../shared/gpu/README.md) and SmolLM2's tokenizer files in .gpu/tok/;
+# writes $OUT/phases.json.
 set -eu
 source /root/mlxenv.sh
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
@@ -14,6 +14,3 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} CUDA_CACHE_MAXSIZE=4294967296
 }
 python3 bench/experiments/turn_phases.py --model /tmp/r8q --turns ${TURNS:-8} --mlx-attention \
   --json $OUT/phases.json 2>&1 | grep -E "cuDNN|^turn|^bare|rror" | tail -40
-[ "${SECOND:-1}" = 1 ] && python3 bench/experiments/turn_phases.py --model /tmp/r8q \
-  --turns ${TURNS:-8} --eval-kept --no-bare --json $OUT/phases_kept.json 2>&1 \
-  | grep -E "cuDNN|^turn|rror" | tail -20

@@ -58,18 +58,8 @@ def timed(obj: Any, name: str, label: str | None = None) -> None:
     setattr(obj, name, wrapper)
 
 
-def instrument(engine: Engine, eval_kept: bool) -> None:
+def instrument(engine: Engine) -> None:
     r = engine.runner
-    if eval_kept:  # kept sequences evaluated as they are kept, not in the next turn's graph
-        release = r.release
-
-        def evaluated(*a: Any, **k: Any) -> Any:
-            out = release(*a, **k)
-            if r.prefixes is not None:
-                mx.eval([x for p in r.prefixes.entries.values() for x in p.keys + p.values])
-            return out
-
-        r.release = evaluated  # type: ignore[method-assign]
     timed(engine.scheduler, "schedule")
     for name in ("launch", "_chunk_cache", "_last_logits", "_forward_unread", "_settle",
                  "_queue", "collect", "admit", "release", "_sample", "_prefixes"):  # fmt: skip
@@ -142,7 +132,6 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--cache-limit-mib", type=int, default=None)
     ap.add_argument("--no-bare", action="store_true")
-    ap.add_argument("--eval-kept", action="store_true")
     ap.add_argument(
         "--mlx-attention",
         action="store_true",
@@ -164,7 +153,7 @@ def main() -> None:
         cfg = EngineConfig(prefill_chunk=args.chunk, cache_limit_mib=args.cache_limit_mib)
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg, tokenizer=model.tokenizer,
                     context=model.max_model_len)  # fmt: skip
-    instrument(engine, args.eval_kept)
+    instrument(engine)
     heap.freeze_startup_objects()  # as the server does: collections skip the start-up heap
     client = EngineClient(ThreadTransport(engine))
     client.start()
