@@ -130,15 +130,17 @@ class Prefill:
         """Queue a large prefill now, apart from the step: MLX allocates an op's buffers as it
         queues it, so an allocation that fails raises here and fails these prompts alone, not
         every row of the batch. Queued, not waited for: the host builds the next chunk while
-        the device runs this one. Small ones stay in the step's one graph."""
+        the device runs this one. Small ones stay in the step's one graph; a chunk before a
+        prompt's last (no logits) was queued apart already (`_prefill_chunk`)."""
+        if logits is None:
+            return
         context = max(s.prompt_len for s in seqs)
         if context * sum(s.prompt_len - s.cached_tokens for s in seqs) < SETTLE_PAIRS:
             return
-        arrays: list[Any] = [logits] if logits is not None else []
-        for s in seqs:
+        arrays: list[Any] = [logits]
+        for s in seqs:  # a last chunk's one-row cache is gone by now: its rows' caches hold it
             if (p := self.prefilled.get(s.seq_id)) is not None:
                 arrays += [c.state for c in p.cache.layers]
-            arrays += [c.state for c in self.chunk_caches.get(s.seq_id, ())]
         self._queue(*arrays)
 
     def _prefill_failed(self, seqs: list[Sequence], exc: Exception) -> None:
