@@ -11,7 +11,10 @@ Requests (streamed; decode tokens/s = tokens after the first / time from the fir
   with a prediction mostly right, as an editing client's is).
 - repeat: the same file and "repeat it": prompt lookup's case.
 - chat: free chat (a draft model's case).
-mlx-lm's server gets top_logprobs 10 (it refuses more).
+mlx-lm's server gets top_logprobs 10 (it refuses more). Each server first answers one other
+request of as many tokens (`WARMUP`), unmeasured: the measured requests see a running server,
+with the kernels and plans of its step shapes made (on MLX's CUDA backend, compiling them cost
+the first request of a speculating server most of its time); `--no-warmup` leaves it out.
 
     .venv/bin/python bench/speculation.py                        # CPU: the embedded model
     python bench/speculation.py --model DIR --draft-model DIR2 --prediction self   # GPU host
@@ -52,6 +55,7 @@ PROMPTS = {
     "repeat": f"Repeat this file exactly, nothing else:\n```python\n{FILE}\n```",
     "chat": "Explain how a hash map works, with an example, in about 300 words.",
 }
+WARMUP = "Describe the water cycle, step by step, in about 300 words."
 
 
 def body(
@@ -137,6 +141,7 @@ def main() -> None:
         help="ours: a subset of off, prediction, lookup, draft",
     )
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument(
         "--server-flags",
         default="",
@@ -165,6 +170,8 @@ def main() -> None:
         base = server.base_url
         model = httpx.get(base + "/models").json()["data"][0]["id"]
         try:
+            if not args.no_warmup:
+                stream(base, body(model, WARMUP, args.max_tokens, None))
             for task in args.tasks:
                 prediction = None
                 if task == "edit" and name != "off":
@@ -199,6 +206,10 @@ def main() -> None:
             port = free_port()
             server = start_server(mlx_lm_command(port, model_dir, 1) + extra, port, "/v1/models")
             try:
+                if not args.no_warmup:
+                    stream(
+                        server.base_url, body(model_dir, WARMUP, args.max_tokens, None, MLX_LM_TOP)
+                    )
                 for task in args.tasks:
                     req = body(model_dir, PROMPTS[task], args.max_tokens, None, MLX_LM_TOP)
                     out = stream(server.base_url, req)

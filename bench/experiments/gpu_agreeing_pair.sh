@@ -4,7 +4,9 @@
 # its first layer, embedding, norm and head): free chat, one stream, top 20, ours without
 # speculation, with the draft model and with prompt lookup, and mlx-lm's server without and with
 # --draft-model. Needs MLX (../shared/gpu/README.md), the web wheels in .whl/ and SmolLM2's
-# tokenizer files in .gpu/tok/; writes $OUT/pair.json.
+# tokenizer files in .gpu/tok/; writes $OUT/pair.json. Then the servers' lines on speculation's
+# measured costs, and the draft case in-process with its phases timed (spec_engine.py --phases).
+# MLX_LM=0 leaves mlx-lm's servers out.
 set -eu
 source /root/mlxenv.sh
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
@@ -12,5 +14,8 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} CUDA_CACHE_MAXSIZE=4294967296
 python3 bench/experiments/agreeing_pair.py --tokenizer-from .gpu/tok --size 8b \
   --layer-scale ${SCALE:-0.0025} --target /tmp/t8 --draft /tmp/d8 --measure
 python3 bench/speculation.py --model /tmp/t8 --draft-model /tmp/d8 --max-tokens ${TOKENS:-128} \
-  --tasks chat --concurrency 0 --variants off draft lookup --json $OUT/pair.json 2>&1 \
-  | grep -E "tok/s|rror"
+  --tasks chat --concurrency 0 --variants off draft lookup --json $OUT/pair.json \
+  $([ "${MLX_LM:-1}" = 0 ] && echo --no-mlx-lm) 2>&1 | grep -E "tok/s|rror"
+grep -h "speculation:\|draft model:" /tmp/bench-server-*.log || true
+python3 bench/experiments/spec_engine.py --model /tmp/t8 --draft-model /tmp/d8 --rounds 2 \
+  --max-tokens ${TOKENS:-128} --cases chat/draft --phases 2>&1 | grep -v Warning

@@ -1,7 +1,8 @@
 """runner/fast/lean_decode.py: the lean decode step gives the model's own logits and leaves the
 caches as the model's forward does, step after step of a left-padded batch, in each family it
 serves (llama, qwen2 with its biases, qwen3 with its head norms); it follows new weights after
-`reset`, and stays off the families and batches it does not serve."""
+`reset`, and stays off the families and batches it does not serve. It takes several positions
+a row too (a speculative step's verify), with the same logits and caches."""
 
 from __future__ import annotations
 
@@ -83,6 +84,45 @@ def test_lean_steps_are_the_models_own(model_type: str, full_width: bool) -> Non
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
     _same_caches(leaned, plain)
+
+
+def _verifies(model: Any, lean: LeanDecode | None) -> tuple[list[np.ndarray], Any]:
+    """A plain step, then verify steps of 4, 2 and 9 positions a row, through the lean step or
+    the model's forward: [B, n, V] logits each."""
+    cache = _prefilled(model)
+    out = []
+    for i, n in enumerate((1, 4, 2, 9)):
+        ids = mx.array([[(7 * i + 3 * r + j) % 50 for j in range(n)] for r in range(3)])
+        if lean is not None:
+            assert lean.supports(cache, n)
+            logits = lean(ids, cache)
+            logits = logits[:, None] if n == 1 else logits
+        else:
+            logits = model(ids, cache=cache.layers)
+        out.append(np.array(logits.astype(mx.float32)))
+    return out, cache
+
+
+@pytest.mark.parametrize("full_width", [False, True], ids=["written columns", "full width"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "phi3"])
+def test_several_positions_a_row_are_the_models_own(model_type: str, full_width: bool) -> None:
+    """Each row's n positions attend to its earlier columns and to each other causally, never
+    to its padding or to columns not written yet."""
+    model = _model(model_type)
+    want, plain = _verifies(model, None)
+    got, leaned = _verifies(model, _lean(model, full_width))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+    _same_caches(leaned, plain)
+
+
+def test_a_cache_without_room_for_the_positions_is_not_served() -> None:
+    model = _model()
+    cache = _prefilled(model)
+    room = cache.layers[0].keys.shape[2] - cache.layers[0]._idx
+    lean = _lean(model)
+    assert lean.supports(cache, room) and not lean.supports(cache, room + 1)
 
 
 @pytest.mark.parametrize("variant", ["tied head and biases", "4-bit weights"])

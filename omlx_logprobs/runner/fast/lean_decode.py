@@ -136,43 +136,49 @@ class LeanDecode:
         return self._blocks
 
     @staticmethod
-    def supports(cache: BatchCache) -> bool:
-        """A decoding batch of plain KV caches with room for this step's column (a cache about
-        to grow takes the model's forward, which allocates)."""
+    def supports(cache: BatchCache, n: int = 1) -> bool:
+        """A decoding batch of plain KV caches with room for this step's n columns (a cache
+        about to grow takes the model's forward, which allocates)."""
         first = cache.layers[0]
-        return compiled.supports(cache) and first._idx < first.keys.shape[2]
+        return compiled.supports(cache) and first._idx + n <= first.keys.shape[2]
 
     def __call__(self, inputs: mx.array, cache: BatchCache) -> mx.array:
-        """[B, V] logits of the batch's next position; every layer's cache advanced by one."""
+        """[B, V] logits of the batch's next position ([B, n, V] for n positions a row, a
+        speculative step's verify); every layer's cache advanced by n."""
         layers: list[Any] = cache.layers
         first = layers[0]
         idx, offset = first._idx, first.offset  # equal in every layer of a decoding batch
+        n = inputs.shape[1]
 
         full = self.full_width
 
         def write(i: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
             c = layers[i]
-            c.keys[..., idx : idx + 1, :] = k
-            c.values[..., idx : idx + 1, :] = v
+            c.keys[..., idx : idx + n, :] = k
+            c.values[..., idx : idx + n, :] = v
             if full:
                 return c.keys, c.values
-            return c.keys[..., : idx + 1, :], c.values[..., : idx + 1, :]
+            return c.keys[..., : idx + n, :], c.values[..., : idx + n, :]
 
-        mask = self._mask(first) if full else first.make_mask(1, return_array=True)
+        mask = self._mask(first, n) if full else first.make_mask(n, return_array=True)
         logits = self.forward(inputs, offset, mask, write)
-        advanced = offset + 1  # one array for every layer: each is only ever replaced
+        advanced = offset + n  # one array for every layer: each is only ever replaced
         for c in layers:
-            c.offset, c._idx = advanced, idx + 1
+            c.offset, c._idx = advanced, idx + n
         return logits
 
-    def _mask(self, cache: Any) -> mx.array:
-        """[B, 1, 1, width]: the columns each row attends to at this step, over the whole
-        allocated width (from its left padding to the column written now)."""
+    def _mask(self, cache: Any, n: int) -> mx.array:
+        """[B, 1, n, width]: the columns each row's n new positions attend to, over the whole
+        allocated width (from its left padding to the position's own column)."""
         width = cache.keys.shape[2]
         if self._cols is None or self._cols.shape[0] != width:
             self._cols = mx.arange(width)
             mx.eval(self._cols)
-        return compiled.attended(self._cols, cache.left_padding, cache._idx)
+        if n == 1:
+            return compiled.attended(self._cols, cache.left_padding, cache._idx)
+        cols = self._cols
+        seen = cols[None] <= (cache._idx + mx.arange(n))[:, None]  # [n, width]: causal
+        return (cols >= cache.left_padding[:, None])[:, None, None, :] & seen[None, None]
 
     def slots_forward(self, inputs: mx.array, slots: list[Any]) -> mx.array:
         """The step inside runner/fast/compiled.py's traced function: its slots hold the caches'
@@ -185,18 +191,26 @@ class LeanDecode:
         return self.forward(inputs, first.offset, first.make_mask(1), write)
 
     def forward(self, inputs: mx.array, offset: mx.array, mask: mx.array, write: Write) -> mx.array:
-        """[B, V] logits of one position per row at `offset`; `write(layer, keys, values)` puts
-        the position's keys and values in that layer's cache and returns what it attends to."""
+        """[B, V] logits of one position per row at `offset` ([B, n, V] for n positions a row
+        from `offset` on); `write(layer, keys, values)` puts the positions' keys and values in
+        that layer's cache and returns what they attend to."""
         blocks = self.blocks()
         inner = self.model.model
-        h = inner.embed_tokens(inputs[:, 0])  # [B, D]
+        n = inputs.shape[1]
+        # One position: hidden states [B, D], its heads [B, heads, 1, size] with no transpose.
+        # n positions: [B, n, D], the heads moved in front of the positions and back.
+        h = inner.embed_tokens(inputs[:, 0] if n == 1 else inputs)
         rows = h.shape[0]
         for i, blk in enumerate(blocks):
             a = blk.attn
             # Heads first, while the product is contiguous (a view); parted afterwards, a part
             # is a strided view that rope and the cache write read as it is. Reshaping a part
             # instead would copy it. One `split` is one graph node whatever its parts.
-            y = blk.qkv(blk.block.input_layernorm(h)).reshape(rows, blk.all_heads, 1, -1)
+            y = blk.qkv(blk.block.input_layernorm(h))
+            if n == 1:
+                y = y.reshape(rows, blk.all_heads, 1, -1)
+            else:
+                y = y.reshape(rows, n, blk.all_heads, -1).transpose(0, 2, 1, 3)
             if blk.qk_norms is None:  # queries and keys rotate together: the same positions
                 qk, v = mx.split(y, [blk.heads + blk.kv_heads], axis=1)
                 q, k = mx.split(a.rope(qk, offset), [blk.heads], axis=1)
@@ -206,9 +220,10 @@ class LeanDecode:
                 q, k = a.rope(q_norm(q), offset), a.rope(k_norm(k), offset)
             keys, values = write(i, k, v)
             o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=a.scale, mask=mask)
-            h = h + blk.o(o.reshape(rows, -1))
+            o = o.reshape(rows, -1) if n == 1 else o.transpose(0, 2, 1, 3).reshape(rows, n, -1)
+            h = h + blk.o(o)
             gu = blk.gate_up(blk.block.post_attention_layernorm(h))
-            h = h + blk.down(swiglu(*mx.split(gu, [blk.hidden], axis=1)))
+            h = h + blk.down(swiglu(*mx.split(gu, [blk.hidden], axis=-1)))
         h = inner.norm(h)
         return self._head(h) if self._head is not None else inner.embed_tokens.as_linear(h)
 
