@@ -17,5 +17,5 @@ python3 bench/speculation.py --model /tmp/t8 --draft-model /tmp/d8 --max-tokens 
   --tasks chat --concurrency 0 --variants off draft lookup --json $OUT/pair.json \
   $([ "${MLX_LM:-1}" = 0 ] && echo --no-mlx-lm) 2>&1 | grep -E "tok/s|rror"
 grep -h "speculation:\|draft model:" /tmp/bench-server-*.log || true
-python3 bench/experiments/spec_engine.py --model /tmp/t8 --draft-model /tmp/d8 --rounds 2 \
+python3 bench/experiments/spec_engine.py --model /tmp/t8 --draft-model /tmp/d8 --rounds ${ROUNDS:-2} \
   --max-tokens ${TOKENS:-128} --cases chat/draft --phases 2>&1 | grep -v Warning

@@ -67,6 +67,10 @@ COOLDOWN, MAX_COOLDOWN = 4, 256
 EMA = 0.3  # the weight of the last verify step in that mean
 # A row whose sources found no draft this many steps running rests as well.
 MAX_MISSES = 8
+# A draft model's acceptance rate per row, before its first verify: 4 of 5 (taken, tried);
+# and the weight of the last verify in its running sums.
+PRIOR_TAKEN, PRIOR_TRIED = 4.0, 5.0
+RATE_EMA = 0.2
 
 
 def unsupported(templates: list[Any]) -> str | None:
@@ -129,9 +133,11 @@ class _Row:
     pause: int = 0  # plain steps left before it drafts again
     cooldown: int = COOLDOWN
     misses: int = 0  # steps in a row with no draft found
-    # A draft model's drafts cost one of its steps each: it proposes as many as it last got
-    # right and one more, doubling while it gets them all (up to K). 0: K.
-    k: int = 0
+    # A draft model's drafts cost one of its steps each; how many it proposes follows from
+    # its running rate of taken drafts in this row (`Speculator._length`): drafts taken, and
+    # tried (taken ones and the rejection that ended a verify).
+    taken: float = PRIOR_TAKEN
+    tried: float = PRIOR_TRIED
     modeled: bool = False  # the last drafts came from the draft model
 
     def rest(self) -> None:
@@ -186,7 +192,7 @@ class Speculator:
         if row.modeled:
             assert self.draft is not None
             context = s.prompt_ids + s.output_ids.tolist()
-            drafts = self.draft.propose(s.seq_id, context, min(k, row.k or self.k))
+            drafts = self.draft.propose(s.seq_id, context, min(k, self._length(row)))
         row.misses = 0 if drafts or k <= 0 else row.misses + 1
         if row.misses >= MAX_MISSES:
             row.rest()
@@ -276,6 +282,17 @@ class Speculator:
         measured at K), and a draft model's d steps on top."""
         return 1 + (self.break_even - 1) * drafted / self.k + modeled * drafted * self.draft_cost
 
+    def _length(self, row: _Row) -> int:
+        """A draft model's proposal length for this row: the k that makes the most tokens per
+        plain step of cost, (1 - a^(k+1)) / (1 - a) / cost(k), where a is the row's running
+        rate of taken drafts (a draft is taken with probability a once all before it were).
+        A draft model that is always wrong proposes one draft a try."""
+        a = min(row.taken / row.tried, 0.99)
+        rates = [
+            ((1 - a ** (k + 1)) / (1 - a) / self._cost(k, True), k) for k in range(1, self.k + 1)
+        ]
+        return max(rates)[1]
+
     def _score(self, s: Sequence, emitted: int, drafted: int) -> None:
         """The per-row off rule: a row whose drafts stop paying their cost pauses, longer each
         time, and starts again even (its mean at the cost of its next try)."""
@@ -284,13 +301,15 @@ class Speculator:
             return
         cost = self._cost(drafted, row.modeled)
         if row.modeled:
-            row.k = min(self.k, 2 * drafted) if emitted > drafted else emitted
+            taken = emitted - 1
+            row.taken = (1 - RATE_EMA) * row.taken + RATE_EMA * taken
+            row.tried = (1 - RATE_EMA) * row.tried + RATE_EMA * (taken + (taken < drafted))
         row.mean = (1 - EMA) * row.mean + EMA * emitted
         if row.mean >= cost:
             row.cooldown = COOLDOWN
             return
         row.rest()
-        row.mean = self._cost(row.k or self.k, row.modeled)
+        row.mean = self._cost(self._length(row) if row.modeled else self.k, row.modeled)
 
 
 def _verify_forward(runner: ModelRunner, ids: mx.array, cache: BatchCache) -> mx.array:

@@ -316,6 +316,7 @@ def test_a_draft_model_s_drafts_change_nothing(
     tmp_path_factory: pytest.TempPathFactory,
     tokenizer_dir: Path,
     verified: list[int],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The served model as its own draft (every greedy draft accepted: the mechanism's ceiling)
     and another family's random model (drafts mostly rejected): the same tokens and entries."""
@@ -326,6 +327,8 @@ def test_a_draft_model_s_drafts_change_nothing(
     seeded = replace(sp, temperature=0.8, seed=11)
     reqs = [(p, sp) for p in prompts] + [(prompts[0], seeded)]
     plain = run_engine(tiny, reqs, OFF)
+    if draft == "itself":  # all K proposed: its cost (a step as dear as the target's) says one
+        monkeypatch.setattr(Speculator, "_length", lambda self, row: self.k)
     for (a, _), (b, _) in zip(plain, run_engine(tiny, reqs, cfg)):
         same(a, b)
     if draft == "itself":  # greedy rows: all accepted, 6 tokens a verify step
@@ -413,8 +416,9 @@ class _Draft:
 
 def test_the_off_rule_prices_a_draft_model_s_steps() -> None:
     """A draft model's drafts each cost one of its steps: all rejected, the row rests at once
-    and tries one draft next (then rests twice as long); all accepted, it keeps K drafts while
-    they pay (a cheap draft model), and rests where its steps cost more than they save. A
+    and tries one draft next (then rests twice as long); all accepted, it proposes as many as
+    pay (6 of 8 where its step costs half a plain one), and rests where its steps cost more
+    than they save. A
     prediction's drafts cost only the verify's positions."""
     from types import SimpleNamespace
 
@@ -432,24 +436,49 @@ def test_the_off_rule_prices_a_draft_model_s_steps() -> None:
 
     r = row()
     spec._score(seq, 1, 8)  # 8 drafts, none taken: 7.4 plain steps for one token
-    assert (r.k, r.pause) == (1, 4)
+    assert (spec._length(r), r.pause) == (1, 4)
     pauses = []
     for _ in range(3):
         r.pause = 0
-        spec._score(seq, 1, r.k or 8)  # one draft, rejected: 1.8 steps for one token
+        spec._score(seq, 1, spec._length(r))  # one draft, rejected: 1.8 steps for one token
         pauses.append(r.pause)
-    assert pauses == [8, 16, 32] and r.k == 1
+    assert pauses == [8, 16, 32] and spec._length(r) == 1
     r = row()
     for _ in range(20):
         spec._score(seq, 9, 8)  # every draft taken: 9 tokens for 7.4 steps
-    assert (r.k, r.pause) == (8, 0)
+    assert (spec._length(r), r.pause) == (6, 0)
     spec.draft_cost = 1.0  # the target as its own draft: 11.4 steps for 9 tokens
     spec._score(seq, 9, 8)
     assert r.pause == 4
     r = row(modeled=False)
     for _ in range(20):
         spec._score(seq, 3, 2)  # a prediction's two drafts taken: 3 tokens for 1.6 steps
-    assert r.pause == 0 and r.k == 0
+    assert r.pause == 0
+
+
+def test_a_draft_model_proposes_what_pays_at_its_rate() -> None:
+    """The proposal length maximizes the expected tokens per plain step of cost at the row's
+    running rate of taken drafts: the longer, the cheaper the verify and the draft model's
+    steps and the likelier each draft is taken."""
+    from types import SimpleNamespace
+
+    from omlx_logprobs.runner import speculation
+
+    spec = Speculator("draft", 8, 4, draft=_Draft())  # type: ignore[arg-type]
+    r = speculation._Row(RowDrafts((1, 2, 3), None, False), 9.0)
+    lengths = {}
+    for rate in (0.3, 0.6, 0.75, 0.9):
+        r.taken, r.tried = rate, 1.0
+        # a bfloat16 8B on an H100 with its one-layer draft; a 4-bit one with a 1B draft
+        spec.break_even, spec.draft_cost = 1.3, 0.06
+        cheap = spec._length(r)
+        spec.break_even, spec.draft_cost = 3.4, 0.15
+        lengths[rate] = (cheap, spec._length(r))
+    assert lengths == {0.3: (1, 1), 0.6: (3, 1), 0.75: (5, 2), 0.9: (8, 3)}
+    spec._rows[1] = r
+    r.modeled, r.taken, r.tried = True, 0.75, 1.0
+    spec._score(SimpleNamespace(seq_id=1), 4, 8)  # 3 of 8 taken, the 4th rejected
+    assert (r.taken, r.tried) == pytest.approx((0.8 * 0.75 + 0.2 * 3, 0.8 + 0.2 * 4))
 
 
 def test_the_verify_s_cost_is_measured_on_the_served_model(
@@ -491,5 +520,3 @@ def test_the_verify_s_cost_is_measured_on_the_served_model(
 
     assert draft_model.step_seconds(Recording(), reps=3, width=9) > 0
     assert offsets == [0] + [32] * 5
-
-
