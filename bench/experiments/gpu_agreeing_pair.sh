@@ -6,7 +6,7 @@
 # --draft-model. Needs MLX (../shared/gpu/README.md), the web wheels in .whl/ and SmolLM2's
 # tokenizer files in .gpu/tok/; writes $OUT/pair.json. Then the servers' lines on speculation's
 # measured costs, and the draft case in-process with its phases timed (spec_engine.py --phases).
-# MLX_LM=0 leaves mlx-lm's servers out.
+# MLX_LM=0 leaves mlx-lm's servers out; PHASES=0 the in-process run.
 set -eu
 source /root/mlxenv.sh
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
@@ -17,5 +17,5 @@ python3 bench/speculation.py --model /tmp/t8 --draft-model /tmp/d8 --max-tokens 
   --tasks chat --concurrency 0 --variants off draft lookup --json $OUT/pair.json \
   $([ "${MLX_LM:-1}" = 0 ] && echo --no-mlx-lm) 2>&1 | grep -E "tok/s|rror"
 grep -h "speculation:\|draft model:" /tmp/bench-server-*.log || true
-python3 bench/experiments/spec_engine.py --model /tmp/t8 --draft-model /tmp/d8 --rounds ${ROUNDS:-2} \
+[ "${PHASES:-1}" = 0 ] || python3 bench/experiments/spec_engine.py --model /tmp/t8 --draft-model /tmp/d8 --rounds ${ROUNDS:-2} \
   --max-tokens ${TOKENS:-128} --cases chat/draft --phases 2>&1 | grep -v Warning
