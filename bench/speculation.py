@@ -10,7 +10,9 @@ Requests (streamed; decode tokens/s = tokens after the first / time from the fir
   (`--prediction self`: a random model, which follows no task; then it measures the mechanism
   with a prediction mostly right, as an editing client's is).
 - repeat: the same file and "repeat it": prompt lookup's case.
-- chat: free chat (a draft model's case).
+- chat: free chat (a draft model's case); chats: three free-chat requests, one after the other
+  (tokens/s over the three: a speculating run's rate follows its text, and in half precision
+  near-ties part a speculating run's text from a plain one's at random places).
 mlx-lm's server gets top_logprobs 10 (it refuses more). Each server first answers one other
 request of as many tokens (`WARMUP`), unmeasured: the measured requests see a running server,
 with the kernels and plans of its step shapes made (on MLX's CUDA backend, compiling them cost
@@ -27,6 +29,7 @@ import asyncio
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,11 @@ PROMPTS = {
     "repeat": f"Repeat this file exactly, nothing else:\n```python\n{FILE}\n```",
     "chat": "Explain how a hash map works, with an example, in about 300 words.",
 }
+CHATS = [
+    PROMPTS["chat"],
+    "Tell me a short story about a lighthouse keeper and a storm.",
+    "What are the pros and cons of remote work? Answer in a few paragraphs.",
+]
 WARMUP = "Describe the water cycle, step by step, in about 300 words."
 
 
@@ -97,6 +105,19 @@ def stream(base: str, req: dict[str, Any]) -> dict[str, Any]:
                 text += (c.get("delta") or {}).get("content") or ""
     rate = (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else 0.0
     return {"tokens": n, "tok_s": rate, "text": text, "usage": usage}
+
+
+def measure(base: str, task: str, make: Any) -> dict[str, Any]:
+    """`stream` for one task: its request (`make(prompt)` builds it), or the three of "chats"
+    with their tokens and texts joined and tokens/s over the three."""
+    if task != "chats":
+        return stream(base, make(PROMPTS[task]))
+    outs = [stream(base, make(p)) for p in CHATS]
+    seconds = sum((o["tokens"] - 1) / o["tok_s"] for o in outs if o["tok_s"])
+    tokens = sum(o["tokens"] for o in outs)
+    rate = sum(o["tokens"] - 1 for o in outs) / seconds if seconds else 0.0
+    text = "\n".join(o["text"] for o in outs)
+    return {"tokens": tokens, "tok_s": rate, "text": text, "usage": outs[-1]["usage"]}
 
 
 def self_prediction(text: str, every: int = 160) -> str:
@@ -177,7 +198,8 @@ def main() -> None:
                 if task == "edit" and name != "off":
                     own = answers[task]
                     prediction = RENAMED if args.prediction == "file" else self_prediction(own)
-                out = stream(base, body(model, PROMPTS[task], args.max_tokens, prediction))
+                ask = partial(body, model, max_tokens=args.max_tokens, prediction=prediction)
+                out = measure(base, task, ask)
                 answers.setdefault(task, out["text"])
                 if out["text"] != answers[task]:
                     out["differs_from_off"] = True  # speculation must never change the answer
@@ -211,8 +233,17 @@ def main() -> None:
                         server.base_url, body(model_dir, WARMUP, args.max_tokens, None, MLX_LM_TOP)
                     )
                 for task in args.tasks:
-                    req = body(model_dir, PROMPTS[task], args.max_tokens, None, MLX_LM_TOP)
-                    out = stream(server.base_url, req)
+                    out = measure(
+                        server.base_url,
+                        task,
+                        partial(
+                            body,
+                            model_dir,
+                            max_tokens=args.max_tokens,
+                            prediction=None,
+                            top=MLX_LM_TOP,
+                        ),
+                    )
                     results["runs"][f"{name}/{task}"] = {
                         "tokens": out["tokens"],
                         "tok_s": round(out["tok_s"], 2),

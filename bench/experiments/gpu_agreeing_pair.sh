@@ -14,7 +14,7 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} CUDA_CACHE_MAXSIZE=4294967296
 python3 bench/experiments/agreeing_pair.py --tokenizer-from .gpu/tok --size 8b \
   --layer-scale ${SCALE:-0.0025} --target /tmp/t8 --draft /tmp/d8 --measure
 python3 bench/speculation.py --model /tmp/t8 --draft-model /tmp/d8 --max-tokens ${TOKENS:-128} \
-  --tasks chat --concurrency 0 --variants off draft lookup --json $OUT/pair.json \
+  --tasks ${TASKS:-chats} --concurrency 0 --variants off draft lookup --json $OUT/pair.json \
   $([ "${MLX_LM:-1}" = 0 ] && echo --no-mlx-lm) 2>&1 | grep -E "tok/s|rror"
 grep -h "speculation:\|draft model:" /tmp/bench-server-*.log || true
 [ "${PHASES:-1}" = 0 ] || python3 bench/experiments/spec_engine.py --model /tmp/t8 --draft-model /tmp/d8 --rounds ${ROUNDS:-2} \
