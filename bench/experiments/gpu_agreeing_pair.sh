@@ -18,4 +18,4 @@ python3 bench/speculation.py --model /tmp/t8 --draft-model /tmp/d8 --max-tokens 
   $([ "${MLX_LM:-1}" = 0 ] && echo --no-mlx-lm) 2>&1 | grep -E "tok/s|rror"
 grep -h "speculation:\|draft model:" /tmp/bench-server-*.log || true
 [ "${PHASES:-1}" = 0 ] || python3 bench/experiments/spec_engine.py --model /tmp/t8 --draft-model /tmp/d8 --rounds ${ROUNDS:-2} \
-  --max-tokens ${TOKENS:-128} --cases chat/draft --phases 2>&1 | grep -v Warning
+  --max-tokens ${TOKENS:-128} --cases ${CASES:-chat/draft} --phases 2>&1 | grep -v Warning

@@ -38,7 +38,7 @@ from omlx_logprobs.runner.draft_model import DraftModel
 from omlx_logprobs.runner.model_runner import ModelRunner
 from omlx_logprobs.transport.client import EngineClient, ThreadTransport
 from omlx_logprobs.types import EngineRequest, SamplingParams
-from speculation import PROMPTS
+from speculation import CHATS, PROMPTS
 
 
 phases: dict[str, float] = defaultdict(float)
@@ -171,10 +171,13 @@ def main() -> None:
     if args.draft_model:
         cfg = replace(off, speculate="draft", draft_model=args.draft_model, num_draft_tokens=k)
         cases["chat/draft"] = ("chat", cfg)
+        for i in (2, 3):  # bench/speculation.py's other free-chat requests ("chats")
+            cases[f"chat{i}/draft"] = (f"chat{i}", cfg)
+    texts = PROMPTS | {f"chat{i}": CHATS[i - 1] for i in (2, 3)}
     for name, (task, cfg) in cases.items():
         if args.cases and name not in args.cases:
             continue
-        prompt = chat(PROMPTS[task])
+        prompt = chat(texts[task])
         rates: dict[str, list[float]] = {"off": [], "on": []}
         base_ids: list[int] = []
         for _ in range(args.rounds):
