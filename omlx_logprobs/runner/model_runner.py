@@ -208,16 +208,7 @@ class ModelRunner(Prefill):
             if self.tight_cache:
                 self.batch_cache.reserve(max(s.to_write for s in self.rows))
             self.adapters.select_rows(self.rows)
-            # With adapters loaded, the model's forward: a compiled one would keep the selection
-            # it was traced with, the lean one calls the joined projections without them.
-            if (
-                self.decode is not None
-                and not self.adapters.stacks
-                and self.decode.supports(self.batch_cache)
-            ):
-                parts.append(self.decode(inputs, self.batch_cache))
-            else:
-                parts.append(self.model(inputs, cache=self.batch_cache.layers)[:, -1, :])
+            parts.append(self.forward_rows(inputs))
             seqs += self.rows
         more, chosen, prompt, prompt_only = self._prefill(work)
         parts += more
@@ -230,6 +221,24 @@ class ModelRunner(Prefill):
             return LaunchedStep([], None, prompt, prompt_only)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
         return replace(self._sample(logits, seqs), prompt=prompt, prompt_only=prompt_only)
+
+    def forward_rows(self, inputs: mx.array) -> mx.array:
+        """The decoding rows' logits for `inputs` [B, n]: [B, V] for one position (a plain
+        step), [B, n, V] for more (a speculative step's verify, where the lean step launches
+        about half the graph nodes of the model's forward). Through the decode step chosen at
+        start-up where it serves the batch, else the model's forward; with adapters loaded,
+        the model's forward (a compiled step would keep the selection it was traced with, the
+        lean one calls the joined projections without them)."""
+        cache = self.batch_cache
+        assert cache is not None
+        n = inputs.shape[1]
+        if not self.adapters.stacks:
+            if n == 1 and self.decode is not None and self.decode.supports(cache):
+                return self.decode(inputs, cache)
+            if isinstance(self.decode, LeanDecode) and self.decode.supports(cache, n):
+                return self.decode(inputs, cache)
+        logits = self.model(inputs, cache=cache.layers)
+        return logits[:, -1, :] if n == 1 else logits
 
     def _sample(self, logits: mx.array, seqs: list[Sequence]) -> LaunchedStep:
         params = [s.params for s in seqs]

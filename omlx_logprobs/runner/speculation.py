@@ -35,10 +35,9 @@ from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.models.draft import vocabulary_mismatch
 from omlx_logprobs.models.loader import load_model
-from omlx_logprobs.runner.batch_cache import BatchCache, kinds
+from omlx_logprobs.runner.batch_cache import kinds
 from omlx_logprobs.runner.draft_model import DraftModel, step_seconds
 from omlx_logprobs.runner.drafts import RowDrafts
-from omlx_logprobs.runner.fast.lean_decode import LeanDecode
 from omlx_logprobs.runner.grammar import open_ended
 from omlx_logprobs.runner.sampler import MaskState, draw, step_key, token_mask
 from omlx_logprobs.runner.step import LaunchedStep, StepResult
@@ -232,7 +231,7 @@ class Speculator:
         if runner.tight_cache:
             cache.reserve(max(s.to_write for s in rows), n)
         runner.adapters.select_rows(rows)
-        logits = _verify_forward(runner, mx.array(inputs), cache)
+        logits = runner.forward_rows(mx.array(inputs))
         raw = logits.reshape(len(rows) * n, logits.shape[-1]).astype(mx.float32)
         params = [s.params for s in rows for _ in range(n)]
         states, histories, keys = _positions(rows, drafts, n)
@@ -310,21 +309,6 @@ class Speculator:
             return
         row.rest()
         row.mean = self._cost(self._length(row) if row.modeled else self.k, row.modeled)
-
-
-def _verify_forward(runner: ModelRunner, ids: mx.array, cache: BatchCache) -> mx.array:
-    """[B, n, V] logits of the rows' n positions: through the lean step where it serves the
-    model and the cache has room (on a GPU it launches about half the graph nodes of the
-    model's forward, and a verify's launch was most of its time), else the model's forward
-    (with adapters loaded, as a plain step: the lean step's joined projections have none)."""
-    lean = runner.decode
-    if (
-        isinstance(lean, LeanDecode)
-        and not runner.adapters.stacks
-        and lean.supports(cache, ids.shape[1])
-    ):
-        return lean(ids, cache)
-    return runner.model(ids, cache=cache.layers)
 
 
 def _positions(
