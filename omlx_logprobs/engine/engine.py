@@ -43,6 +43,7 @@ from omlx_logprobs.types import (
     FinishReason,
     PauseMode,
     RequestOutput,
+    SamplingParams,
     WeightUpdate,
     WeightUpdateResult,
     WeightVersion,
@@ -267,6 +268,7 @@ class Engine:
 
     def _loop(self) -> None:
         self.runner.warm_attention(*self._warm)
+        self._warm_speculation()
         while not self._stop.is_set():
             self._drain_inbox()
             if self.runner.adapters.retiring:
@@ -303,6 +305,31 @@ class Engine:
         self.flush()
         self.overlap.shutdown()
         self.runner.close()
+
+    def _warm_speculation(self) -> None:
+        """On a GPU, before any request: the draft model's feeds, and one internal request
+        through a verify of every draft width (`Speculator.force`), its outputs dropped and
+        its sequence not kept. MLX's CUDA backend builds kernels and plans for each shape it
+        meets first: a speculating server's first request ran at a fifth of the second's."""
+        spec = self.runner.speculator
+        if spec is None or not spec.warms:
+            return
+        t0 = time.perf_counter()
+        spec.warm_draft()
+        tokens = spec.force()
+        top = 20 if self.cfg.max_top_logprobs < 0 else min(20, self.cfg.max_top_logprobs)
+        params = SamplingParams(
+            max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=top
+        )
+        sink, keeps = self.sink, self.runner.keeps_finished
+        self.sink, self.runner.keeps_finished = (lambda outputs: None), False
+        try:
+            self._add(EngineRequest("warm-speculation", [1] * 16, params))
+            while self.has_work():
+                self.step()
+        finally:
+            self.sink, self.runner.keeps_finished = sink, keeps
+        log.info("speculation: verify shapes warmed in %.1f s", time.perf_counter() - t0)
 
     def _drain_inbox(self) -> None:
         while True:

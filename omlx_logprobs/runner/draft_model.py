@@ -71,6 +71,16 @@ class DraftModel:
         cut = next((i for i, t in enumerate(drafts) if t >= self.vocab_size), len(drafts))
         return drafts[:cut]
 
+    def warm(self, k: int) -> None:
+        """Feed every length a proposal may feed first (1 to k + 1 new ids, as rejected drafts
+        leave) after a short context, and take a step: MLX's CUDA backend builds kernels for
+        each shape it meets first, which a request would otherwise wait for."""
+        context = [0] * 8
+        for n in range(1, k + 2):
+            self.propose(-1, context, 1)
+            self.propose(-1, context + [1] * n, 2)
+        self.forget(set())
+
 
 def step_seconds(model: Any, reps: int = 5, width: int = 1) -> float:
     """A forward's time over a short cache for `width` new tokens of one row, evaluated: the

@@ -66,6 +66,9 @@ COOLDOWN, MAX_COOLDOWN = 4, 256
 EMA = 0.3  # the weight of the last verify step in that mean
 # A row whose sources found no draft this many steps running rests as well.
 MAX_MISSES = 8
+# Tests set this to warm the speculative shapes at start-up on the CPU too (Engine's
+# `_warm_speculation`; on a GPU it always runs).
+WARM_ON_CPU = False
 # A draft model's acceptance rate per row, before its first verify: 4 of 5 (taken, tried);
 # and the weight of the last verify in its running sums.
 PRIOR_TAKEN, PRIOR_TRIED = 4.0, 5.0
@@ -105,6 +108,7 @@ def speculator(cfg: EngineConfig, runner: ModelRunner, vocab: Vocabulary) -> Spe
     # steps here, each timed as a forward over a short cache; on MLX's CPU backend the verify's
     # is CPU_BREAK_EVEN (it computes every position, whatever the weights' format).
     k, gpu = cfg.num_draft_tokens, mx.default_device() == mx.gpu
+    spec.warms = gpu or WARM_ON_CPU
     plain = step_seconds(runner.model) if gpu or draft is not None else 0.0
     if gpu:
         spec.break_even = max(1.0, step_seconds(runner.model, width=k + 1) / plain)
@@ -157,6 +161,21 @@ class Speculator:
         self.break_even = CPU_BREAK_EVEN  # a GPU's is timed by `speculator`
         self.draft_cost = 0.0  # a draft model's step in plain steps of the target (`speculator`)
         self._rows: dict[int, _Row] = {}
+        self.warms = False  # whether the engine warms the speculative shapes (`speculator`)
+        self._forced: list[int] = []  # draft widths the next verifies take (`force`)
+
+    def force(self) -> int:
+        """Have the next verifies draft K, K-1, ..., 1 tokens, whatever row drafts (the
+        engine's start-up warm runs one request alone): a verify of every width meets its
+        shapes once. Returns the tokens a request needs to reach them all (each verify emits
+        at most its width and one)."""
+        self._forced = list(range(1, self.k + 1))
+        return self.k * (self.k + 3) // 2 + 2
+
+    def warm_draft(self) -> None:
+        """The draft model's every first feed (1 to K + 1 new ids) and a step, once each."""
+        if self.draft is not None:
+            self.draft.warm(self.k)
 
     def _may(self, s: Sequence) -> bool:
         return self.lookup or self.draft is not None or bool(s.params.prediction)
@@ -165,7 +184,7 @@ class Speculator:
         """Whether the next step may speculate (then the step in flight is processed first)."""
         if not 0 < len(running) <= self.max_batch:
             return False
-        return any(self._may(s) and not self._resting(s) for s in running)
+        return bool(self._forced) or any(self._may(s) and not self._resting(s) for s in running)
 
     def _resting(self, s: Sequence) -> bool:
         row = self._rows.get(s.seq_id)
@@ -179,6 +198,9 @@ class Speculator:
         return row
 
     def _draft(self, s: Sequence) -> tuple[list[int], bool]:
+        if self._forced:  # the last token repeated: what the drafts are does not matter
+            width = min(self._forced.pop(), s.params.max_tokens - s.num_sampled - 1)
+            return [s.output_ids[-1]] * width, False
         if not self._may(s) or open_ended(s.params.constraint):
             return [], False
         row = self._row(s)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.models.scripted import ALT_STRIDE
 from omlx_logprobs.runner.batch_cache import BatchCache
@@ -28,7 +29,7 @@ from omlx_logprobs.types import (
 )
 from tests.engine.test_families import built
 from tests.engine.test_structured import PET
-from tests.helpers.engine import Record, encode, run_engine
+from tests.helpers.engine import Record, encode, run_engine, run_on
 from tests.helpers.scripted import write_description
 
 OFF = EngineConfig(speculate="off")
@@ -336,6 +337,58 @@ def test_a_draft_model_s_drafts_change_nothing(
         assert sum(verified) > 3 * len(verified)
     else:
         assert verified
+
+
+def test_the_start_up_warm_meets_every_verify_width_and_leaves_nothing(
+    tiny: LoadedModel, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the engine first runs an internal request through a verify of every draft width
+    and feeds the draft model every first length (MLX's CUDA backend builds kernels for each
+    shape it meets first): here forced on the CPU. The first client request then takes no
+    warm's tokens, finds no kept sequence of it, and gets what an engine without the warm
+    gives."""
+    from omlx_logprobs.runner import speculation
+    from omlx_logprobs.runner.draft_model import DraftModel
+    from omlx_logprobs.runner.model_runner import ModelRunner
+
+    cfg = EngineConfig(speculate="draft", draft_model=str(tiny_dir), num_draft_tokens=4)
+    prompt = encode(tiny, "Once upon a time")
+    sp = SamplingParams(max_tokens=12, temperature=0, logprobs=True, top_logprobs=5)
+    plain = run_engine(tiny, [(prompt, sp)], cfg)
+    widths: list[tuple[str, int]] = []  # (the request, positions a row) of each forward
+    forward_rows = ModelRunner.forward_rows
+
+    def recording(self: ModelRunner, inputs: Any) -> Any:
+        widths.append((self.rows[0].request_id, inputs.shape[1]))
+        return forward_rows(self, inputs)
+
+    fed: list[int] = []  # ids each proposal fed the draft model first
+    propose = DraftModel.propose
+
+    def feeding(self: DraftModel, seq_id: int, context: list[int], k: int) -> list[int]:
+        row = self._rows.get(seq_id)
+        fed.append(len(context) - (min(row.sure, len(context) - 1) if row else 0))
+        return propose(self, seq_id, context, k)
+
+    kept: list[str] = []
+    keep_finished = ModelRunner._keep_finished
+
+    def keeping(self: ModelRunner, rows: list[int]) -> None:
+        if self.keeps_finished:
+            kept.extend(self.rows[i].request_id for i in rows)
+        keep_finished(self, rows)
+
+    monkeypatch.setattr(ModelRunner, "forward_rows", recording)
+    monkeypatch.setattr(DraftModel, "propose", feeding)
+    monkeypatch.setattr(ModelRunner, "_keep_finished", keeping)
+    monkeypatch.setattr(speculation, "WARM_ON_CPU", True)
+    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, cfg, tokenizer=tiny.tokenizer)
+    warmed = run_on(engine, [(prompt, sp)])
+    warm = {n for r, n in widths if r == "warm-speculation"}
+    assert set(range(2, 6)) <= warm  # verifies of 1 to 4 drafts: 2 to 5 positions
+    assert set(range(1, 6)) <= set(fed[:10])  # first feeds of 1 to K + 1 ids, before any request
+    assert kept == ["r0"]
+    same(plain[0][0], warmed[0][0])
 
 
 def built_dir(name: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:

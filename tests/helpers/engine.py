@@ -129,6 +129,17 @@ def run_engine(
         cfg or EngineConfig(),
         tokenizer=model.tokenizer,
     )
+    return run_on(engine, requests, thinks, tools, tags)
+
+
+def run_on(
+    engine: Engine,
+    requests: list[tuple[list[int], SamplingParams]],
+    thinks: list[ThinkStart] | None = None,
+    tools: list[ToolParsing | None] | None = None,
+    tags: list[tuple[str, str]] | None = None,
+) -> list[tuple[Record, list[RequestOutput]]]:
+    """`run_engine` on an engine made by the caller (shut down after)."""
     client = client_of(engine)
     thinks = thinks or [ThinkStart.OFF] * len(requests)
     tools = tools or [None] * len(requests)
