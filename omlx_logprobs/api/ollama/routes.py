@@ -130,10 +130,8 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
             "parameters": "",
             "template": str(getattr(model.tokenizer, "chat_template", None) or ""),
             "details": _details(slot),
-            "model_info": {
-                "general.context_length": model.max_model_len,
-                "general.vocab_size": len(model.vocab),
-            },  # fmt: skip
+            "model_info": {"general.context_length": model.max_model_len,
+                           "general.vocab_size": len(model.vocab)},  # fmt: skip
             "capabilities": caps,
             "modified_at": now(),
         }
