@@ -327,6 +327,11 @@ class Engine:
             self._add(EngineRequest("warm-speculation", [1] * 16, params))
             while self.has_work():
                 self.step()
+        except Exception:  # a speed-up: a fault in it must not keep the server from serving
+            log.exception("speculation: the warm failed (shapes are built at first use)")
+            self.overlap.inflight = None
+            self._fail_all("the warm failed")
+            self.flush()
         finally:
             self.sink, self.runner.keeps_finished = sink, keeps
         log.info("speculation: verify shapes warmed in %.1f s", time.perf_counter() - t0)

@@ -391,6 +391,30 @@ def test_the_start_up_warm_meets_every_verify_width_and_leaves_nothing(
     same(plain[0][0], warmed[0][0])
 
 
+def test_a_fault_in_the_warm_leaves_the_engine_serving(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The warm is a speed-up: a fault in it is logged and the engine serves as without it."""
+    from omlx_logprobs.runner import speculation
+
+    collect = Speculator.collect
+
+    def failing(self: Speculator, runner: Any, step: Any, spec: Any) -> Any:
+        if step.seqs[0].request_id == "warm-speculation":
+            raise RuntimeError("a fault in the warm")
+        return collect(self, runner, step, spec)
+
+    monkeypatch.setattr(Speculator, "collect", failing)
+    monkeypatch.setattr(speculation, "WARM_ON_CPU", True)
+    prompt = encode(tiny, "Once upon a time")
+    sp = SamplingParams(max_tokens=12, temperature=0, logprobs=True, top_logprobs=5)
+    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, LOOKUP, tokenizer=tiny.tokenizer)
+    served = run_on(engine, [(prompt, sp)])
+    assert "the warm failed" in caplog.text
+    monkeypatch.setattr(speculation, "WARM_ON_CPU", False)
+    same(run_engine(tiny, [(prompt, sp)], LOOKUP)[0][0], served[0][0])
+
+
 def built_dir(name: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     from tests.helpers.families import build_family
 
