@@ -308,7 +308,7 @@ class Engine:
 
     def _warm_speculation(self) -> None:
         """On a GPU, before any request: the draft model's feeds, and one internal request
-        through a verify of every draft width (`Speculator.force`), its outputs dropped and
+        through a verify of every draft width (`Speculator.forcing`), its outputs dropped and
         its sequence not kept. MLX's CUDA backend builds kernels and plans for each shape it
         meets first: a speculating server's first request ran at a fifth of the second's."""
         spec = self.runner.speculator
@@ -316,17 +316,18 @@ class Engine:
             return
         t0 = time.perf_counter()
         spec.warm_draft()
-        tokens = spec.force()
         top = 20 if self.cfg.max_top_logprobs < 0 else min(20, self.cfg.max_top_logprobs)
-        params = SamplingParams(
-            max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=top
-        )
         sink, keeps = self.sink, self.runner.keeps_finished
         self.sink, self.runner.keeps_finished = (lambda outputs: None), False
         try:
-            self._add(EngineRequest("warm-speculation", [1] * 16, params))
-            while self.has_work():
-                self.step()
+            with spec.forcing() as tokens:
+                params = SamplingParams(
+                    max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=True,
+                    top_logprobs=top,
+                )  # fmt: skip
+                self._add(EngineRequest("warm-speculation", [1] * 16, params))
+                while self.has_work():
+                    self.step()
         except Exception:  # a speed-up: a fault in it must not keep the server from serving
             log.exception("speculation: the warm failed (shapes are built at first use)")
             self.overlap.inflight = None

@@ -24,6 +24,8 @@ positions leave the KV cache when it is collected (BatchCache.rollback).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -164,13 +166,18 @@ class Speculator:
         self.warms = False  # whether the engine warms the speculative shapes (`speculator`)
         self._forced: list[int] = []  # draft widths the next verifies take (`force`)
 
-    def force(self) -> int:
-        """Have the next verifies draft K, K-1, ..., 1 tokens, whatever row drafts (the
+    @contextmanager
+    def forcing(self) -> Iterator[int]:
+        """Within it, the next verifies draft K, K-1, ..., 1 tokens, whatever row drafts (the
         engine's start-up warm runs one request alone): a verify of every width meets its
-        shapes once. Returns the tokens a request needs to reach them all (each verify emits
-        at most its width and one)."""
+        shapes once. Yields the tokens a request needs to reach them all (each verify emits
+        at most its width and one); widths left at its end (a fault) are dropped, so no
+        client's row takes them."""
         self._forced = list(range(1, self.k + 1))
-        return self.k * (self.k + 3) // 2 + 2
+        try:
+            yield self.k * (self.k + 3) // 2 + 2
+        finally:
+            self._forced = []
 
     def warm_draft(self) -> None:
         """The draft model's every first feed (1 to K + 1 new ids) and a step, once each."""

@@ -411,6 +411,7 @@ def test_a_fault_in_the_warm_leaves_the_engine_serving(
     engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, LOOKUP, tokenizer=tiny.tokenizer)
     served = run_on(engine, [(prompt, sp)])
     assert "the warm failed" in caplog.text
+    assert engine.runner.speculator is not None and not engine.runner.speculator._forced
     monkeypatch.setattr(speculation, "WARM_ON_CPU", False)
     same(run_engine(tiny, [(prompt, sp)], LOOKUP)[0][0], served[0][0])
 
