@@ -40,25 +40,17 @@ from omlx_logprobs.transport.client import EngineClient, ThreadTransport
 from omlx_logprobs.types import EngineRequest, SamplingParams
 from speculation import CHATS, PROMPTS
 
+import clock  # bench/experiments/clock.py (this script's folder is on the path)
+
 
 phases: dict[str, float] = defaultdict(float)
-counts: Counter[str] = Counter()
+calls: dict[str, list[float]] = defaultdict(list)  # each call's ms
+counts: Counter[str] = Counter()  # what the verify steps drafted and emitted, and rests
 
 
 def timed(owner: Any, name: str, label: str | None = None) -> None:
     """Wrap owner.name so that its calls' wall time adds to phases[label or name]."""
-    inner = getattr(owner, name)
-    key = label or name
-
-    def wrapper(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            phases[key] += time.perf_counter() - t0
-            counts[key] += 1
-
-    setattr(owner, name, wrapper)
+    clock.timed(owner, name, phases, calls, label)
 
 
 def instrument() -> None:
@@ -89,13 +81,14 @@ def instrument() -> None:
 
 
 def report(name: str, tokens: int, rate: float) -> None:
-    ms = {k: f"{v * 1e3:.0f} ms/{counts[k]}" for k, v in phases.items()}
+    ms = {k: f"{v * 1e3:.0f} ms/{len(calls[k])}" for k, v in phases.items()}
     print(
         f"  {name}: {tokens} tokens, {rate:.1f} tok/s; {ms}; verifies {counts['verifies']}, "
         f"drafted {counts['drafted']}, emitted {counts['emitted']}, rests {counts['rests']}",
         flush=True,
     )
     phases.clear()
+    calls.clear()
     counts.clear()
 
 

@@ -35,27 +35,17 @@ from omlx_logprobs.models.loader import load_model
 from omlx_logprobs.transport.client import EngineClient, ThreadTransport
 from omlx_logprobs.types import EngineRequest, SamplingParams
 
+import clock  # bench/experiments/clock.py (this script's folder is on the path)
+
 phases: dict[str, float] = defaultdict(float)
 calls: dict[str, list[float]] = defaultdict(list)  # each call's ms, for LISTED names
 LISTED = ("_settle", "_queue", "bare_chunk")
 
 
 def timed(obj: Any, name: str, label: str | None = None) -> None:
-    """Wrap obj.name so that its wall time adds to phases[label]."""
-    inner = getattr(obj, name)
-    key = label or name
-
-    def wrapper(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            dt = time.perf_counter() - t0
-            phases[key] += dt
-            if key in LISTED:
-                calls[key].append(round(dt * 1e3, 1))
-
-    setattr(obj, name, wrapper)
+    """Wrap obj.name so that its wall time adds to phases[label] (and each call's ms to calls,
+    for LISTED names)."""
+    clock.timed(obj, name, phases, calls, label, LISTED)
 
 
 def instrument(engine: Engine) -> None:
