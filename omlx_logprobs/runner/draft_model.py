@@ -2,9 +2,12 @@
 
 Each speculating row has its own one-row cache in the draft model, holding the ids it was fed.
 A proposal first brings that cache to the row's prompt and output (trimming what the target
-rejected since, feeding what is new), then takes the draft model's argmax k times, lazily, with
-one read at the end. Its drafts are deterministic (a one-hot draft distribution), so the target
-verifies them with the same test as a prediction's (runner/speculation.py)."""
+rejected since, feeding what is new), then takes the draft model's argmax k times, lazily. The
+drafts are queued on the device and not read: the verify takes them as its input, so the device
+runs the draft steps and the verify back to back while the host builds the verify, and the
+host reads the drafts with the verify's result. They are deterministic (a one-hot draft
+distribution), so the target verifies them with the same test as a prediction's
+(runner/speculation.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,14 @@ class _RowCache:
         self.layers = make_prompt_cache(model)
         self.fed: list[int] = []  # the ids whose keys and values the layers hold, in order
         self.sure = 0  # of those, how many were the row's own (not drafts) when last fed
+        # The last proposal's drafts, not read yet: all but the last were fed after `fed`.
+        self.unread: mx.array | None = None
+
+    def settle(self) -> None:
+        """Take the last drafts into `fed` (read with their verify's result by now: no wait)."""
+        if self.unread is not None:
+            self.fed = self.fed + cast(list[int], self.unread.tolist())[:-1]
+            self.unread = None
 
 
 class DraftModel:
@@ -43,12 +54,14 @@ class DraftModel:
         for gone in [i for i in self._rows if i not in live]:
             del self._rows[gone]
 
-    def propose(self, seq_id: int, context: list[int], k: int) -> list[int]:
-        """Up to k greedy tokens of the draft model after `context` (the row's prompt and
-        output)."""
+    def propose(self, seq_id: int, context: list[int], k: int) -> mx.array:
+        """k greedy tokens of the draft model after `context` (the row's prompt and output),
+        as an int32 array queued on the device and not read. Only ids of the served model's
+        vocabulary are proposed (the draft model's may be larger)."""
         row = self._rows.get(seq_id)
         if row is None:
             row = self._rows[seq_id] = _RowCache(self.model)
+        row.settle()
         same = row.sure  # drafts after it may have been rejected since
         for a, b in zip(row.fed[same:], context[same:]):
             if a != b:
@@ -59,17 +72,20 @@ class DraftModel:
             for c in row.layers:
                 c.trim(len(row.fed) - same)
         new = context[same:]
-        logits = self.model(mx.array([new]), cache=row.layers)[:, -1, :]
-        token = mx.argmax(logits, axis=-1)
+        token = self._next(mx.array([new]), row)
+        mx.async_eval(token)  # the device starts while the host builds the other steps
         out = [token]
         for _ in range(k - 1):
-            logits = self.model(token[:, None], cache=row.layers)[:, -1, :]
-            token = mx.argmax(logits, axis=-1)
+            token = self._next(token[:, None], row)
             out.append(token)
-        drafts = cast(list[int], mx.concatenate(out).tolist())
-        row.fed, row.sure = context + drafts[:-1], len(context)
-        cut = next((i for i, t in enumerate(drafts) if t >= self.vocab_size), len(drafts))
-        return drafts[:cut]
+        drafts = mx.concatenate(out).astype(mx.int32)
+        mx.async_eval(drafts)
+        row.fed, row.sure, row.unread = context, len(context), drafts
+        return drafts
+
+    def _next(self, ids: mx.array, row: _RowCache) -> mx.array:
+        logits = self.model(ids, cache=row.layers)[:, -1, : self.vocab_size]
+        return mx.argmax(logits, axis=-1)
 
     def warm(self, k: int) -> None:
         """Feed every length a proposal may feed first (1 to k + 1 new ids, as rejected drafts
@@ -78,7 +94,7 @@ class DraftModel:
         context = [0] * 8
         for n in range(1, k + 2):
             self.propose(-1, context, 1)
-            self.propose(-1, context + [1] * n, 2)
+            mx.eval(self.propose(-1, context + [1] * n, 2))
         self.forget(set())
 
 

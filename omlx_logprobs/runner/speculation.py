@@ -27,7 +27,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import llguidance.numpy as lln
 import mlx.core as mx
@@ -121,12 +121,17 @@ def speculator(cfg: EngineConfig, runner: ModelRunner, vocab: Vocabulary) -> Spe
     return spec
 
 
+# A row's drafts: ids on the host, or a draft model's still on the device (DraftModel.propose),
+# read with the verify's result.
+Drafts = list[int] | mx.array
+
+
 @dataclass(frozen=True)
 class SpecStep:
     """What a speculative step's collection needs: each row's drafts, the padded width K, and
     which rows drafted from their prediction."""
 
-    drafts: list[list[int]]
+    drafts: list[Drafts]
     width: int
     predicted: list[bool]
 
@@ -204,7 +209,7 @@ class Speculator:
             row = self._rows[s.seq_id] = _Row(drafts, float(self.k + 1))
         return row
 
-    def _draft(self, s: Sequence) -> tuple[list[int], bool]:
+    def _draft(self, s: Sequence) -> tuple[Drafts, bool]:
         if self._forced:  # the last token repeated: what the drafts are does not matter
             width = min(self._forced.pop(), s.params.max_tokens - s.num_sampled - 1)
             return [s.output_ids[-1]] * width, False
@@ -220,7 +225,13 @@ class Speculator:
         if row.modeled:
             assert self.draft is not None
             context = s.prompt_ids + s.output_ids.tolist()
-            drafts = self.draft.propose(s.seq_id, context, min(k, self._length(row)))
+            proposed = self.draft.propose(s.seq_id, context, min(k, self._length(row)))
+            # Left on the device unless the host needs their values to mask or penalize.
+            p = s.params
+            if s.grammar is None and not p.bad_words_ids and not p.penalizes:
+                row.misses = 0
+                return proposed, predicted
+            drafts = _read(proposed)
         row.misses = 0 if drafts or k <= 0 else row.misses + 1
         if row.misses >= MAX_MISSES:
             row.rest()
@@ -245,25 +256,25 @@ class Speculator:
             self.draft.forget(live)
         made = [self._draft(s) for s in rows]
         drafts = [d for d, _ in made]
-        if not any(drafts):
+        if not any(len(d) for d in drafts):
             return None
-        _grammar_trim(rows, drafts)
+        known = [d if isinstance(d, list) else [] for d in drafts]  # what the host reads
+        _grammar_trim(rows, known)
         width = max(len(d) for d in drafts)
         if width == 0:
             return None
-        bits = _grammar_bits(rows, drafts, width, runner.vocab_size)
+        bits = _grammar_bits(rows, known, width, runner.vocab_size)
         n = width + 1
-        inputs = [[s.output_ids[-1], *d, *[s.output_ids[-1]] * (width - len(d))]
-                  for s, d in zip(rows, drafts)]  # fmt: skip
+        inputs = _inputs(rows, drafts, width)
         cache = runner.batch_cache
         assert cache is not None
         if runner.tight_cache:
             cache.reserve(max(s.to_write for s in rows), n)
         runner.adapters.select_rows(rows)
-        logits = runner.forward_rows(mx.array(inputs))
+        logits = runner.forward_rows(inputs)
         raw = logits.reshape(len(rows) * n, logits.shape[-1]).astype(mx.float32)
         params = [s.params for s in rows for _ in range(n)]
-        states, histories, keys = _positions(rows, drafts, n)
+        states, histories, keys = _positions(rows, known, n)
         masked = token_mask(raw, params, states, runner.stop_ids, None, bits)
         tokens, dist = draw(masked, params, histories, keys)
         pending = runner.extractor.step(tokens, raw, dist, params)
@@ -283,7 +294,7 @@ class Speculator:
         unused: list[int] = []
         last: list[int] = []
         for i, s in enumerate(step.seqs):
-            d, base = spec.drafts[i], i * n
+            d, base = _read(spec.drafts[i]), i * n
             m = 0
             while m < len(d) and finite[base + m] and tokens[base + m] == d[m]:
                 m += 1
@@ -338,6 +349,29 @@ class Speculator:
             return
         row.rest()
         row.mean = self._cost(self._length(row) if row.modeled else self.k, row.modeled)
+
+
+def _inputs(rows: list[Sequence], drafts: list[Drafts], width: int) -> mx.array:
+    """The verify's ids, [rows, width + 1]: each row's last token and drafts, padded with its
+    last token; drafts still on the device join without being read."""
+    if all(isinstance(d, list) for d in drafts):
+        return mx.array(
+            [
+                [s.output_ids[-1], *d, *[s.output_ids[-1]] * (width - len(d))]
+                for s, d in zip(rows, drafts)
+            ]
+        )
+    parts = []
+    for s, d in zip(rows, drafts):
+        last = int(s.output_ids[-1])
+        ids = mx.array(d, dtype=mx.int32) if isinstance(d, list) else d
+        pad = mx.full((width - len(d) + 1,), last, dtype=mx.int32)
+        parts.append(mx.concatenate([pad[:1], ids, pad[1:]]))
+    return mx.stack(parts)
+
+
+def _read(drafts: Drafts) -> list[int]:
+    return drafts if isinstance(drafts, list) else cast(list[int], drafts.tolist())
 
 
 def _positions(

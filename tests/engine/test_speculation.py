@@ -320,18 +320,37 @@ def test_a_draft_model_s_drafts_change_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The served model as its own draft (every greedy draft accepted: the mechanism's ceiling)
-    and another family's random model (drafts mostly rejected): the same tokens and entries."""
+    and another family's random model (drafts mostly rejected): the same tokens and entries.
+    A row with a penalty and a bad word reads its drafts on the host to process them; the
+    others' reach the verify still on the device, in the same batch."""
     path = tiny_dir if draft == "itself" else built_dir("qwen3", tmp_path_factory, tokenizer_dir)
     cfg = EngineConfig(speculate="draft", draft_model=str(path), num_draft_tokens=5)
     prompts = [encode(tiny, "Once upon a time"), encode(tiny, "import numpy as np\n")]
     sp = SamplingParams(max_tokens=30, temperature=0, logprobs=True, top_logprobs=5)
     seeded = replace(sp, temperature=0.8, seed=11)
-    reqs = [(p, sp) for p in prompts] + [(prompts[0], seeded)]
+    read = replace(
+        sp, frequency_penalty=0.5, bad_words_ids=((13,), (198, 198)),
+        logprobs_mode=LogprobsMode.PROCESSED,
+    )  # fmt: skip
+    reqs = [(p, sp) for p in prompts] + [(prompts[0], seeded), (prompts[1], read)]
     plain = run_engine(tiny, reqs, OFF)
     if draft == "itself":  # all K proposed: its cost (a step as dear as the target's) says one
         monkeypatch.setattr(Speculator, "_length", lambda self, row: self.k)
+    on_host: set[tuple[str, bool]] = set()  # (request, whether its drafts were read at launch)
+    launch = Speculator.launch
+
+    def launching(self: Speculator, runner: Any) -> Any:
+        step = launch(self, runner)
+        if step is not None and step.spec is not None:
+            on_host.update(
+                (s.request_id, isinstance(d, list)) for s, d in zip(step.seqs, step.spec.drafts)
+            )
+        return step
+
+    monkeypatch.setattr(Speculator, "launch", launching)
     for (a, _), (b, _) in zip(plain, run_engine(tiny, reqs, cfg)):
         same(a, b)
+    assert on_host == {("r0", False), ("r1", False), ("r2", False), ("r3", True)}
     if draft == "itself":  # greedy rows: all accepted, 6 tokens a verify step
         assert max(verified) >= 12
         assert sum(verified) > 3 * len(verified)
