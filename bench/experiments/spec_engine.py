@@ -186,6 +186,7 @@ def main() -> None:
             if ids != base_ids:  # bfloat16 near-ties may part them (docs/specs/speculation.md)
                 at = next((i for i, (a, b) in enumerate(zip(ids, base_ids)) if a != b), None)
                 print(f"  {name}: speculation's answer parts from the plain one at {at}")
+        print(f"  {name} text: {tok.decode(ids[:40])!r}")
         a, b = statistics.median(rates["off"]), statistics.median(rates["on"])
         print(
             f"{name:16s} off {a:6.2f} tok/s  on {b:6.2f} tok/s  {b / a:4.2f}x  "

@@ -13,6 +13,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 import httpx
 
@@ -20,17 +21,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from speculation import PROMPTS, WARMUP, body  # noqa: E402
 
 
-def arrivals(base: str, req: dict) -> list[tuple[float, int]]:
+def arrivals(base: str, req: dict, text: list[str] | None = None) -> list[tuple[float, int]]:
+    """Each chunk's arrival time and tokens; the tokens' text appended to `text` if given."""
     out = []
     with httpx.stream("POST", base + "/chat/completions", json=req, timeout=600) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             for ch in json.loads(line[6:]).get("choices", []):
-                n = len((ch.get("logprobs") or {}).get("content") or [])
+                content = (ch.get("logprobs") or {}).get("content") or []
+                n = len(content)
+                if text is not None:
+                    text += [e["token"] for e in content]
                 if n:
                     out.append((time.perf_counter(), n))
     return out
+
+
+def rate(got: list[tuple[float, int]]) -> float:
+    """Tokens/s after the first chunk (the time to first token left out)."""
+    n = sum(k for _, k in got)
+    return (n - got[0][1]) / max(got[-1][0] - got[0][0], 1e-9)
 
 
 def main() -> None:
@@ -40,16 +51,29 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     args = ap.parse_args()
     model = httpx.get(args.base + "/models").json()["data"][0]["id"]
-    arrivals(args.base, body(model, WARMUP, args.max_tokens, None))
-    got = arrivals(args.base, body(model, PROMPTS["chat"], args.max_tokens, None))
+    first = arrivals(args.base, body(model, WARMUP, args.max_tokens, None))
+    print(f"warm-up (the server's first request): {rate(first):.1f} tok/s")
+    text: list[str] = []
+    got = arrivals(args.base, body(model, PROMPTS["chat"], args.max_tokens, None), text)
     t0, t1 = got[0][0], got[-1][0]
     n = sum(k for _, k in got)
-    print(f"chat: {len(got)} chunks, {n} tokens, {(n - got[0][1]) / (t1 - t0):.1f} tok/s")
+    print(f"chat: {len(got)} chunks, {n} tokens, {rate(got):.1f} tok/s")
+    print("  text:", repr("".join(text[:40])))
     print("  chunk gaps ms:", [round(1e3 * (b[0] - a[0]), 1) for a, b in zip(got, got[1:])])
     if args.log:
-        ends = [float(ln.split("step-trace:")[1].split()[0])
-                for ln in open(args.log, errors="replace") if "step-trace:" in ln]  # fmt: skip
-        inside = [e for e in ends if t0 - 0.05 <= e <= t1]
+        steps = [[float(x) for x in ln.split("step-trace:")[1].split()]
+                 for ln in open(args.log, errors="replace") if "step-trace:" in ln]  # fmt: skip
+        within = [s for s in steps if t0 - 0.05 <= s[0] <= t1]
+        inside = [s[0] for s in within]
+        if within:
+            # Medians over the stream's steps: the interval between step ends, the launch,
+            # the completion and the wait on the device (stats.py's trace fields).
+            gaps = [b - a for a, b in zip(inside, inside[1:])] or [0.0]
+            print(
+                f"  step medians ms: interval {1e3 * median(gaps):.2f}, launch "
+                f"{median([s[1] for s in within]):.2f}, complete "
+                f"{median([s[2] for s in within]):.2f}, queue {median([s[5] for s in within]):.2f}"
+            )
         print(
             f"  steps ending within the stream: {len(inside)}; the last "
             f"{1e3 * (t1 - inside[-1]):.1f} ms before the last chunk"
