@@ -121,10 +121,15 @@ class Engine:
         self._busy = False  # stepped since the engine was last idle
         self._cached = False  # MLX may hold freed buffers from the last busy spell
         self._thread = threading.Thread(target=self._loop, name="omlx-engine", daemon=True)
+        self._warmed = threading.Event()  # the start-up warms are done (`start`)
 
     # ---- any thread ---------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread; return once its start-up warms (cuDNN's attention graphs,
+        speculation's shapes) are done, so that a server says it is ready only when a first
+        request no longer waits behind them."""
         self._thread.start()
+        self._warmed.wait()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -267,8 +272,13 @@ class Engine:
         return any(s.params.penalizes or s.grammar is not None for s in running)
 
     def _loop(self) -> None:
-        self.runner.warm_attention(*self._warm)
-        self._warm_speculation()
+        try:
+            self.runner.warm_attention(*self._warm)
+            self._warm_speculation()
+        except Exception:  # speed-ups: a fault in one must not keep the engine from serving
+            log.exception("engine: the start-up warm failed")
+        finally:
+            self._warmed.set()
         while not self._stop.is_set():
             self._drain_inbox()
             if self.runner.adapters.retiring:
@@ -315,11 +325,11 @@ class Engine:
         if spec is None or not spec.warms:
             return
         t0 = time.perf_counter()
-        spec.warm_draft()
         top = 20 if self.cfg.max_top_logprobs < 0 else min(20, self.cfg.max_top_logprobs)
         sink, keeps = self.sink, self.runner.keeps_finished
         self.sink, self.runner.keeps_finished = (lambda outputs: None), False
         try:
+            spec.warm_draft()
             with spec.forcing() as tokens:
                 params = SamplingParams(
                     max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=True,

@@ -49,7 +49,8 @@ class _PipeSink:
         self._lock = threading.Lock()  # replies may come from the inbox thread
 
     def __call__(self, outputs: list[RequestOutput]) -> None:
-        assert self.engine is not None
+        if self.engine is None:  # before `Ready`: the start-up warm's steps, nobody's request
+            return
         stats = self.engine.snapshot()
         if outputs or stats != self._stats:
             self.reply(StepOutputs(outputs, stats))
@@ -81,10 +82,10 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
         log.exception("the engine process could not start")
         outbox.send(Failed(f"{type(exc).__name__}: {exc}"))
         os._exit(1)
-    sink.engine = engine
     heap.freeze_startup_objects()
+    engine.start()  # returns once the engine's start-up warms are done: ready means ready
     outbox.send(Ready(len(model.vocab)))  # first: from here on the engine thread sends
-    engine.start()
+    sink.engine = engine
     _serve_inbox(engine, inbox, sink)
     engine.shutdown()
     logging.shutdown()

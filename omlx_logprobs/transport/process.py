@@ -77,7 +77,7 @@ class _Child:
         except EOFError:
             self.proc.join(5)
             msg = Failed(self.cause())
-        if isinstance(msg, Failed):
+        if isinstance(msg, (Failed, Fault)):
             raise RuntimeError(f"the engine process failed to start: {msg.message}")
         assert isinstance(msg, Ready)
         log.info("engine process %d ready", self.proc.pid)

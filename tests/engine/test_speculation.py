@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -408,6 +409,37 @@ def test_the_start_up_warm_meets_every_verify_width_and_leaves_nothing(
     assert set(range(1, 6)) <= set(fed[:10])  # first feeds of 1 to K + 1 ids, before any request
     assert kept == ["r0"]
     same(plain[0][0], warmed[0][0])
+
+
+def test_an_engine_starts_once_its_warm_is_done(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`Engine.start` returns after the start-up warm (a server then says it is ready), so a
+    first request does not wait behind it; a fault in the warm is logged and the engine
+    serves."""
+    done: list[str] = []
+    started: list[list[str]] = []  # what was done when `start` returned
+
+    def warm(self: Engine) -> None:
+        time.sleep(0.3)
+        done.append("warmed")
+        raise RuntimeError("a fault after the warm")
+
+    start = Engine.start
+
+    def starting(self: Engine) -> None:
+        start(self)
+        started.append(list(done))
+
+    monkeypatch.setattr(Engine, "_warm_speculation", warm)
+    monkeypatch.setattr(Engine, "start", starting)
+    prompt = encode(tiny, "Once upon a time")
+    sp = SamplingParams(max_tokens=12, temperature=0, logprobs=True, top_logprobs=5)
+    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, LOOKUP, tokenizer=tiny.tokenizer)
+    served = run_on(engine, [(prompt, sp)])
+    assert started == [["warmed"]]
+    assert "the start-up warm failed" in caplog.text
+    same(run_engine(tiny, [(prompt, sp)], OFF)[0][0], served[0][0])
 
 
 def test_a_fault_in_the_warm_leaves_the_engine_serving(
