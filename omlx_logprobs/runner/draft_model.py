@@ -22,6 +22,14 @@ from omlx_logprobs.runner.batch_cache import kinds
 __all__ = ["DraftModel", "step_seconds"]
 
 
+# MLX's CUDA backend hands a one-position attention over a cache whose capacity is a multiple
+# of 256 (mlx-lm's step) to cuDNN, which builds a graph for each new capacity: a request's draft
+# steps stalled 1.2-1.6 s (H100) when its context passed 256. A capacity that is not a multiple
+# of 256 stays one as mlx-lm grows it (by 256, from the old capacity or the used length, which
+# is not a multiple of 256 when it trims), so each row's first one is made so (`_off_cudnn`).
+CUDNN_STEP = 256
+
+
 class _RowCache:
     def __init__(self, model: Any) -> None:
         self.layers = make_prompt_cache(model)
@@ -73,6 +81,7 @@ class DraftModel:
                 c.trim(len(row.fed) - same)
         new = context[same:]
         token = self._next(mx.array([new]), row)
+        _off_cudnn(row.layers)
         mx.async_eval(token)  # the device starts while the host builds the other steps
         out = [token]
         for _ in range(k - 1):
@@ -80,7 +89,7 @@ class DraftModel:
             out.append(token)
         drafts = mx.concatenate(out).astype(mx.int32)
         mx.async_eval(drafts)
-        row.fed, row.sure, row.unread = context, len(context), drafts
+        row.fed, row.sure, row.unread = list(context), len(context), drafts
         return drafts
 
     def _next(self, ids: mx.array, row: _RowCache) -> mx.array:
@@ -96,6 +105,15 @@ class DraftModel:
             self.propose(-1, context, 1)
             mx.eval(self.propose(-1, context + [1] * n, 2))
         self.forget(set())
+
+
+def _off_cudnn(layers: list[Any]) -> None:
+    """One more position in each cache whose capacity is a multiple of CUDNN_STEP (a row's
+    first; see CUDNN_STEP)."""
+    for c in layers:
+        if c.keys is not None and c.keys.shape[2] % CUDNN_STEP == 0:
+            c.keys = mx.concatenate([c.keys, mx.zeros_like(c.keys[..., :1, :])], axis=2)
+            c.values = mx.concatenate([c.values, mx.zeros_like(c.values[..., :1, :])], axis=2)
 
 
 def step_seconds(model: Any, reps: int = 5, width: int = 1) -> float:

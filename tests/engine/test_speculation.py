@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -357,6 +358,27 @@ def test_a_draft_model_s_drafts_change_nothing(
         assert sum(verified) > 3 * len(verified)
     else:
         assert verified
+
+
+def test_a_draft_row_s_cache_capacity_is_never_a_multiple_of_256(tiny: LoadedModel) -> None:
+    """MLX's CUDA backend builds a cuDNN graph for a one-position attention over each new
+    cache capacity that is a multiple of 256 (seconds each): a draft row's capacity never is,
+    from a first feed of exactly 256 ids on, through drafts taken, rejected and fed again."""
+    from omlx_logprobs.runner.draft_model import DraftModel
+
+    draft = DraftModel(tiny.model, len(tiny.vocab))
+    rng = np.random.default_rng(0)
+    context = [int(t) for t in rng.integers(0, 1000, 256)]
+    capacities = set()
+    while len(context) < 900:
+        drafts = draft.propose(7, context, int(rng.integers(1, 9))).tolist()
+        taken = int(rng.integers(0, len(drafts) + 1))
+        context += drafts[:taken] + [int(rng.integers(0, 1000))]
+        for c in draft._rows[7].layers:
+            mx.eval(c.keys)
+            capacities.add(c.keys.shape[2])
+            assert c.keys.shape[2] % 256 != 0
+    assert len(capacities) >= 3  # it grew twice at least
 
 
 def test_the_start_up_warm_meets_every_verify_width_and_leaves_nothing(
