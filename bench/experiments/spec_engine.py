@@ -26,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import omlx_logprobs  # noqa: F401
+import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from omlx_logprobs.cli import mlx_environment
@@ -54,6 +55,14 @@ def timed(owner: Any, name: str, label: str | None = None) -> None:
 
 
 def instrument() -> None:
+    propose = DraftModel.propose
+
+    def settled(self: Any, *a: Any) -> Any:  # evaluated here: its device time counts in it
+        out = propose(self, *a)
+        mx.eval(out)
+        return out
+
+    DraftModel.propose = settled  # type: ignore[method-assign]
     timed(speculation.Speculator, "launch")
     timed(speculation.Speculator, "collect")
     timed(DraftModel, "propose")
@@ -62,6 +71,7 @@ def instrument() -> None:
     timed(speculation, "_positions", "launch.positions")
     timed(DeviceExtractor, "step", "extract")
     timed(ModelRunner, "_queue")
+    timed(ModelRunner, "forward_rows")
     score = speculation.Speculator._score
 
     def scored(self: Any, s: Any, emitted: int, drafted: int) -> None:
@@ -81,7 +91,9 @@ def instrument() -> None:
 
 
 def report(name: str, tokens: int, rate: float) -> None:
-    ms = {k: f"{v * 1e3:.0f} ms/{len(calls[k])}" for k, v in phases.items()}
+    ms = {
+        k: f"{v * 1e3:.0f} ms/{len(calls[k])} (longest {max(calls[k])})" for k, v in phases.items()
+    }
     print(
         f"  {name}: {tokens} tokens, {rate:.1f} tok/s; {ms}; verifies {counts['verifies']}, "
         f"drafted {counts['drafted']}, emitted {counts['emitted']}, rests {counts['rests']}",
