@@ -455,13 +455,10 @@ def test_an_engine_starts_once_its_warm_is_done(
 
     monkeypatch.setattr(Engine, "_warm_speculation", warm)
     monkeypatch.setattr(Engine, "start", starting)
-    prompt = encode(tiny, "Once upon a time")
-    sp = SamplingParams(max_tokens=12, temperature=0, logprobs=True, top_logprobs=5)
-    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, LOOKUP, tokenizer=tiny.tokenizer)
-    served = run_on(engine, [(prompt, sp)])
+    prompt, sp, served, _ = _serve_one(tiny)
     assert started == [["warmed"]]
     assert "the start-up warm failed" in caplog.text
-    same(run_engine(tiny, [(prompt, sp)], OFF)[0][0], served[0][0])
+    same(run_engine(tiny, [(prompt, sp)], OFF)[0][0], served)
 
 
 def test_a_fault_in_the_warm_leaves_the_engine_serving(
@@ -479,14 +476,20 @@ def test_a_fault_in_the_warm_leaves_the_engine_serving(
 
     monkeypatch.setattr(Speculator, "collect", failing)
     monkeypatch.setattr(speculation, "WARM_ON_CPU", True)
-    prompt = encode(tiny, "Once upon a time")
-    sp = SamplingParams(max_tokens=12, temperature=0, logprobs=True, top_logprobs=5)
-    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, LOOKUP, tokenizer=tiny.tokenizer)
-    served = run_on(engine, [(prompt, sp)])
+    prompt, sp, served, engine = _serve_one(tiny)
     assert "the warm failed" in caplog.text
     assert engine.runner.speculator is not None and not engine.runner.speculator._forced
     monkeypatch.setattr(speculation, "WARM_ON_CPU", False)
-    same(run_engine(tiny, [(prompt, sp)], LOOKUP)[0][0], served[0][0])
+    same(run_engine(tiny, [(prompt, sp)], LOOKUP)[0][0], served)
+
+
+def _serve_one(tiny: LoadedModel) -> tuple[list[int], SamplingParams, Record, Engine]:
+    """One greedy request served by a new engine with prompt lookup: the prompt, its
+    parameters, what it got, and the engine."""
+    prompt = encode(tiny, "Once upon a time")
+    sp = SamplingParams(max_tokens=12, temperature=0, logprobs=True, top_logprobs=5)
+    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, LOOKUP, tokenizer=tiny.tokenizer)
+    return prompt, sp, run_on(engine, [(prompt, sp)])[0][0], engine
 
 
 def built_dir(name: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
