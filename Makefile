@@ -69,11 +69,14 @@ bench: install
 # The scenario benchmarks, each against its peers in one run (docs/benchmarks.md): a growing
 # agent conversation (prefix cache on/off, mlx-lm's server), one stream with speculation, and
 # lm-eval-style multiple choice with the prefix cache on and off. CPU presets here; the GPU
-# host runs bench/experiments/gpu_*.sh.
+# host runs bench/experiments/gpu_*.sh, and speculation's GPU run takes
+# SPECULATION_ARGS="--pair 8b --max-tokens 256 --tasks edit repeat chats" (docs/benchmarks.md:
+# an 8B target and a draft that agree 82% of the time, built once; the targets it reads last).
+SPECULATION_ARGS ?= --max-tokens 200
 bench-conversation: install
 	$(PY) bench/conversation.py
 bench-speculation: install
-	$(PY) bench/speculation.py --max-tokens 200
+	$(PY) bench/speculation.py $(SPECULATION_ARGS)
 bench-scoring: install
 	$(PY) bench/experiments/multiple_choice.py --questions 3 --context-words 1300
 

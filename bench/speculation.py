@@ -18,8 +18,14 @@ request of as many tokens (`WARMUP`), unmeasured: the measured requests see a ru
 with the kernels and plans of its step shapes made (on MLX's CUDA backend, compiling them cost
 the first request of a speculating server most of its time); `--no-warmup` leaves it out.
 
+With `--pair SIZE` the model and draft model are bench/agreeing_pair.py's pair of that size
+(built into bench/.cache once): no trained pair can be downloaded here, and random weights agree
+with nothing. The run ends with the targets it reads: editing with a prediction at least 2x of
+off, free chat with the draft model at least 1.4x, c=32 with speculation not lower than
+without (within 5%, the run-to-run spread).
+
     .venv/bin/python bench/speculation.py                        # CPU: the embedded model
-    python bench/speculation.py --model DIR --draft-model DIR2 --prediction self   # GPU host
+    python bench/speculation.py --pair 8b --max-tokens 256 --tasks edit repeat chats  # GPU host
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server import free_port, mlx_lm_command, omlx_command, start_server  # noqa: E402
+
+CACHE = Path(__file__).resolve().parent / ".cache"  # built models (bench/.gitignore)
 
 TOP = 20
 MLX_LM_TOP = 10  # mlx-lm's server refuses top_logprobs above 11
@@ -148,6 +156,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the embedded model")
     ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--pair", default=None, help="e.g. 8b: agreeing_pair.py's pair as both")
     ap.add_argument("--prediction", choices=("file", "self"), default="self")
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--num-draft-tokens", type=int, default=8)
@@ -169,6 +178,11 @@ def main() -> None:
         help="more flags for our servers, e.g. '--speculate-max-batch 32'",
     )
     args = ap.parse_args()
+    if args.pair:
+        from agreeing_pair import ensure
+
+        target, draft = ensure(args.pair, CACHE, Path(_embedded_dir()))
+        args.model, args.draft_model = str(target), str(draft)
     k = ["--num-draft-tokens", str(args.num_draft_tokens)]
     ours: dict[str, list[str]] = {
         "off": ["--speculate", "off"],
@@ -251,8 +265,38 @@ def main() -> None:
                     print(f"{name:15s} {task:6s} {out['tok_s']:7.2f} tok/s", flush=True)
             finally:
                 server.stop()
+    results["targets"] = targets(results)
+    for line in results["targets"]:
+        print(line, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def targets(results: dict[str, Any]) -> list[str]:
+    """Each target the run can read, its ratio and whether it is met."""
+    runs, tput = results["runs"], results["throughput"]
+    lines = []
+
+    def ratio(name: str, variant: str, task: str, goal: float) -> None:
+        on, off = runs.get(f"ours-{variant}/{task}"), runs.get(f"ours-off/{task}")
+        if on and off and off["tok_s"]:
+            r = on["tok_s"] / off["tok_s"]
+            lines.append(f"target: {name}: {r:.2f}x of off (goal {goal}x): {_met(r >= goal)}")
+
+    ratio("editing with a prediction", "prediction", "edit", 2.0)
+    for task in ("chats", "chat"):
+        ratio(f"free chat ({task}) with the draft model", "draft", task, 1.4)
+    for variant in ("lookup", "draft"):
+        on, off = tput.get(f"ours-{variant}"), tput.get("ours-off")
+        if on and off:
+            r = on / off
+            met = _met(r >= 0.95)
+            lines.append(f"target: throughput with {variant}: {r:.2f}x of off (goal 0.95x): {met}")
+    return lines
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT MET"
 
 
 def _embedded_dir() -> str:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Speculation with a draft model that agrees with its target (bench/experiments/agreeing_pair.py:
+# Speculation with a draft model that agrees with its target (bench/agreeing_pair.py:
 # a random llama in Llama-3-8B's shape, bfloat16, its layers' writes scaled by $SCALE; the draft
 # its first layer, embedding, norm and head): free chat, one stream, top 20, ours without
 # speculation, with the draft model and with prompt lookup, and mlx-lm's server without and with
@@ -11,7 +11,7 @@ set -eu
 source /root/mlxenv.sh
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} CUDA_CACHE_MAXSIZE=4294967296
-python3 bench/experiments/agreeing_pair.py --tokenizer-from .gpu/tok --size 8b \
+python3 bench/agreeing_pair.py --tokenizer-from .gpu/tok --size 8b \
   --layer-scale ${SCALE:-0.0025} --target /tmp/t8 --draft /tmp/d8 --measure
 python3 bench/speculation.py --model /tmp/t8 --draft-model /tmp/d8 --max-tokens ${TOKENS:-128} \
   --tasks ${TASKS:-chats} --concurrency 0 --variants off draft lookup --json $OUT/pair.json \

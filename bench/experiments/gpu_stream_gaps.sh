@@ -7,7 +7,7 @@ set -eu
 source /root/mlxenv.sh
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} CUDA_CACHE_MAXSIZE=4294967296
-[ -f /tmp/t8/config.json ] || python3 bench/experiments/agreeing_pair.py --tokenizer-from .gpu/tok \
+[ -f /tmp/t8/config.json ] || python3 bench/agreeing_pair.py --tokenizer-from .gpu/tok \
   --size 8b --layer-scale ${SCALE:-0.0025} --target /tmp/t8 --draft /tmp/d8 >/dev/null
 for engine in ${ENGINES:-process thread}; do
   echo "== engine in a $engine"
