@@ -161,3 +161,23 @@ def test_the_device_floor_reads_the_weights_at_the_gpus_bandwidth(tmp_path: Path
     assert device_floor(tmp_path, "NVIDIA H100 PCIe, 81559 MiB", None)[0] == pytest.approx(1.675e-3)
     assert device_floor(tmp_path, None, None) == (None, "")  # the CPU box
     assert device_floor(tmp_path, None, 1000.0)[0] == pytest.approx(3.35e-3)
+
+
+def test_the_speculation_bench_reads_the_issue_s_targets() -> None:
+    """bench/speculation.py's last lines: each target's ratio against off, met or not; a target
+    whose runs are missing is not claimed."""
+    from speculation import targets
+
+    runs = {
+        "ours-off/edit": {"tok_s": 100.0},
+        "ours-prediction/edit": {"tok_s": 350.0},
+        "ours-off/chats": {"tok_s": 128.0},
+        "ours-draft/chats": {"tok_s": 160.0},
+    }
+    tput = {"ours-off": 1000.0, "ours-lookup": 990.0, "ours-draft": 900.0}
+    assert targets({"runs": runs, "throughput": tput}) == [
+        "target: editing with a prediction: 3.50x of off (goal 2.0x): met",
+        "target: free chat (chats) with the draft model: 1.25x of off (goal 1.4x): NOT MET",
+        "target: throughput with lookup: 0.99x of off (goal 0.95x): met",
+        "target: throughput with draft: 0.90x of off (goal 0.95x): NOT MET",
+    ]
