@@ -27,9 +27,8 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-import llguidance.numpy as lln
 import mlx.core as mx
 import numpy as np
 
@@ -37,11 +36,12 @@ from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.models.draft import vocabulary_mismatch
 from omlx_logprobs.models.loader import load_model
+from omlx_logprobs.runner import verify
 from omlx_logprobs.runner.batch_cache import kinds
 from omlx_logprobs.runner.draft_model import DraftModel, step_seconds
 from omlx_logprobs.runner.drafts import RowDrafts
 from omlx_logprobs.runner.grammar import open_ended
-from omlx_logprobs.runner.sampler import MaskState, draw, step_key, token_mask
+from omlx_logprobs.runner.sampler import draw, token_mask
 from omlx_logprobs.runner.step import LaunchedStep, StepResult
 from omlx_logprobs.types import Entries
 from omlx_logprobs.vocab import Vocabulary
@@ -121,17 +121,12 @@ def speculator(cfg: EngineConfig, runner: ModelRunner, vocab: Vocabulary) -> Spe
     return spec
 
 
-# A row's drafts: ids on the host, or a draft model's still on the device (DraftModel.propose),
-# read with the verify's result.
-Drafts = list[int] | mx.array
-
-
 @dataclass(frozen=True)
 class SpecStep:
     """What a speculative step's collection needs: each row's drafts, the padded width K, and
     which rows drafted from their prediction."""
 
-    drafts: list[Drafts]
+    drafts: list[verify.Drafts]
     width: int
     predicted: list[bool]
 
@@ -209,7 +204,7 @@ class Speculator:
             row = self._rows[s.seq_id] = _Row(drafts, float(self.k + 1))
         return row
 
-    def _draft(self, s: Sequence) -> tuple[Drafts, bool]:
+    def _draft(self, s: Sequence) -> tuple[verify.Drafts, bool]:
         if self._forced:  # the last token repeated: what the drafts are does not matter
             width = min(self._forced.pop(), s.params.max_tokens - s.num_sampled - 1)
             return [s.output_ids[-1]] * width, False
@@ -226,12 +221,10 @@ class Speculator:
             assert self.draft is not None
             context = s.prompt_ids + s.output_ids.tolist()
             proposed = self.draft.propose(s.seq_id, context, min(k, self._length(row)))
-            # Left on the device unless the host needs their values to mask or penalize.
-            p = s.params
-            if s.grammar is None and not p.bad_words_ids and not p.penalizes:
+            if not verify.reads_drafts(s):  # left on the device, read with the verify's result
                 row.misses = 0
                 return proposed, predicted
-            drafts = _read(proposed)
+            drafts = verify.read(proposed)
         row.misses = 0 if drafts or k <= 0 else row.misses + 1
         if row.misses >= MAX_MISSES:
             row.rest()
@@ -259,13 +252,13 @@ class Speculator:
         if not any(len(d) for d in drafts):
             return None
         known = [d if isinstance(d, list) else [] for d in drafts]  # what the host reads
-        _grammar_trim(rows, known)
+        verify.grammar_trim(rows, known)
         width = max(len(d) for d in drafts)
         if width == 0:
             return None
-        bits = _grammar_bits(rows, known, width, runner.vocab_size)
+        bits = verify.grammar_bits(rows, known, width, runner.vocab_size)
         n = width + 1
-        inputs = _inputs(rows, drafts, width)
+        inputs = verify.ids(rows, drafts, width)
         cache = runner.batch_cache
         assert cache is not None
         if runner.tight_cache:
@@ -274,7 +267,7 @@ class Speculator:
         logits = runner.forward_rows(inputs)
         raw = logits.reshape(len(rows) * n, logits.shape[-1]).astype(mx.float32)
         params = [s.params for s in rows for _ in range(n)]
-        states, histories, keys = _positions(rows, known, n)
+        states, histories, keys = verify.positions(rows, known, n)
         masked = token_mask(raw, params, states, runner.stop_ids, None, bits)
         tokens, dist = draw(masked, params, histories, keys)
         pending = runner.extractor.step(tokens, raw, dist, params)
@@ -294,7 +287,7 @@ class Speculator:
         unused: list[int] = []
         last: list[int] = []
         for i, s in enumerate(step.seqs):
-            d, base = _read(spec.drafts[i]), i * n
+            d, base = verify.read(spec.drafts[i]), i * n
             m = 0
             while m < len(d) and finite[base + m] and tokens[base + m] == d[m]:
                 m += 1
@@ -349,84 +342,3 @@ class Speculator:
             return
         row.rest()
         row.mean = self._cost(self._length(row) if row.modeled else self.k, row.modeled)
-
-
-def _inputs(rows: list[Sequence], drafts: list[Drafts], width: int) -> mx.array:
-    """The verify's ids, [rows, width + 1]: each row's last token and drafts, padded with its
-    last token; drafts still on the device join without being read."""
-    if all(isinstance(d, list) for d in drafts):
-        return mx.array(
-            [
-                [s.output_ids[-1], *d, *[s.output_ids[-1]] * (width - len(d))]
-                for s, d in zip(rows, drafts)
-            ]
-        )
-    parts = []
-    for s, d in zip(rows, drafts):
-        last = int(s.output_ids[-1])
-        ids = mx.array(d, dtype=mx.int32) if isinstance(d, list) else d
-        pad = mx.full((width - len(d) + 1,), last, dtype=mx.int32)
-        parts.append(mx.concatenate([pad[:1], ids, pad[1:]]))
-    return mx.stack(parts)
-
-
-def _read(drafts: Drafts) -> list[int]:
-    return drafts if isinstance(drafts, list) else cast(list[int], drafts.tolist())
-
-
-def _positions(
-    rows: list[Sequence], drafts: list[list[int]], n: int
-) -> tuple[list[MaskState], list[tuple[Any, Any]], list[mx.array | None]]:
-    """Each flat position's mask state, penalty history and sampling key: the row's state with
-    the drafts before that position taken as sampled."""
-    states: list[MaskState] = []
-    histories: list[tuple[Any, Any]] = []
-    keys: list[mx.array | None] = []
-    for s, d in zip(rows, drafts):
-        p = s.params
-        longest = max((len(w) for w in p.bad_words_ids), default=1)
-        tail = s.output_ids[-longest:].tolist() if p.masks else []
-        output = s.output_ids.tolist() if p.penalizes else []
-        for j in range(n):
-            ahead = d[: min(j, len(d))]
-            states.append(MaskState(s.num_sampled + j, tail + ahead, False))
-            histories.append((s.prompt_ids, output + ahead) if p.penalizes else ((), ()))
-            keys.append(step_key(p.seed, s.num_sampled + j, s.choice_index))
-    return states, histories, keys
-
-
-def _grammar_trim(rows: list[Sequence], drafts: list[list[int]]) -> None:
-    """A constrained row's draft ends (in place) before the first token its grammar refuses
-    there: the target could never sample it."""
-    for s, d in zip(rows, drafts):
-        m = s.grammar
-        if m is not None and d:
-            del d[0 if m.is_error() else m.validate_tokens(d) :]
-
-
-def _grammar_bits(
-    rows: list[Sequence], drafts: list[list[int]], width: int, vocab: int
-) -> np.ndarray | None:
-    """Each flat position's allowed-token bitmask (runner/grammar.py's layout): a copy of a
-    constrained row's matcher is advanced over its drafts (all valid: `_grammar_trim`) to read
-    each position's mask; the output processor advances the row's own by what is accepted.
-    (Not consume-then-rollback: after a rollback inside a string with a maxLength, llguidance
-    0.x allowed a token it then refused; tests/engine/test_speculation.py caught it.)"""
-    if not any(s.grammar is not None for s in rows):
-        return None
-    n = width + 1
-    bits = lln.allocate_token_bitmask(len(rows) * n, vocab)
-    for i, (s, d) in enumerate(zip(rows, drafts)):
-        m = s.grammar
-        if m is None or m.is_error():
-            continue
-        if open_ended(s.params.constraint) and m.is_accepting():
-            continue  # complete and open-ended: every token (its drafts are none)
-        if d:
-            m = m.deep_copy()
-        for j in range(len(d) + 1):
-            lln.fill_next_token_bitmask(m, bits, i * n + j)
-            if j < len(d):
-                m.consume_token(d[j])
-    bits[~bits.any(axis=1)] = -1  # rows without a grammar, and padding: every token
-    return bits
