@@ -9,7 +9,11 @@ request (prompt lookup) and free chat (lookup; and a draft model with --draft-mo
 `--phases` also prints, per case, the wall time of the speculator's phases (a proposal from the
 draft model, a verify's launch, the parts of it, and its collection) and what its verify steps
 drafted and emitted, for the request's first run in its engine and for a second one after it
-(shapes and kernels first met in the first).
+(shapes and kernels first met in the first), with each phase's longest call. With
+`--settle-drafts` each proposal is evaluated inside its timing, so that the draft model's device
+time (a kernel or graph built at a new shape) counts in `propose` rather than in the verify's
+wait; the drafts then no longer run on the device while the verify is built, so the rates are
+lower than the engine's.
 """
 
 # ruff: noqa: I001, E402  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)
@@ -33,7 +37,7 @@ from omlx_logprobs.cli import mlx_environment
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from omlx_logprobs.runner import speculation
+from omlx_logprobs.runner import speculation, verify
 from omlx_logprobs.logprobs.extractor import DeviceExtractor
 from omlx_logprobs.runner.draft_model import DraftModel
 from omlx_logprobs.runner.model_runner import ModelRunner
@@ -54,21 +58,27 @@ def timed(owner: Any, name: str, label: str | None = None) -> None:
     clock.timed(owner, name, phases, calls, label)
 
 
-def instrument() -> None:
+def settle_drafts() -> None:
+    """Each proposal evaluated before it returns (`--settle-drafts`)."""
     propose = DraftModel.propose
 
-    def settled(self: Any, *a: Any) -> Any:  # evaluated here: its device time counts in it
+    def settled(self: Any, *a: Any) -> Any:
         out = propose(self, *a)
         mx.eval(out)
         return out
 
     DraftModel.propose = settled  # type: ignore[method-assign]
+
+
+def instrument(settle: bool) -> None:
+    if settle:
+        settle_drafts()
     timed(speculation.Speculator, "launch")
     timed(speculation.Speculator, "collect")
     timed(DraftModel, "propose")
     timed(speculation, "token_mask", "launch.mask")
     timed(speculation, "draw", "launch.draw")
-    timed(speculation, "_positions", "launch.positions")
+    timed(verify, "positions", "launch.positions")
     timed(DeviceExtractor, "step", "extract")
     timed(ModelRunner, "_queue")
     timed(ModelRunner, "forward_rows")
@@ -152,10 +162,11 @@ def main() -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=8)
     ap.add_argument("--cases", nargs="+", default=None, help="e.g. chat/draft (default: all)")
     ap.add_argument("--phases", action="store_true")
+    ap.add_argument("--settle-drafts", action="store_true", help="with --phases: see above")
     args = ap.parse_args()
     mlx_environment()
     if args.phases:
-        instrument()
+        instrument(args.settle_drafts)
     model = load_model(args.model)
     tok = model.tokenizer
 
