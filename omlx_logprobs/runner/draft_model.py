@@ -41,7 +41,7 @@ class _RowCache:
     def settle(self) -> None:
         """Take the last drafts into `fed` (read with their verify's result by now: no wait)."""
         if self.unread is not None:
-            self.fed = self.fed + cast(list[int], self.unread.tolist())[:-1]
+            self.fed += cast(list[int], self.unread.tolist())[:-1]  # `fed` is the row's own list
             self.unread = None
 
 
