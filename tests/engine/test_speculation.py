@@ -31,7 +31,7 @@ from omlx_logprobs.types import (
 )
 from tests.engine.test_families import built
 from tests.engine.test_structured import PET
-from tests.helpers.engine import Record, encode, run_engine, run_on
+from tests.helpers.engine import Record, count_verifies, encode, run_engine, run_on
 from tests.helpers.scripted import write_description
 
 OFF = EngineConfig(speculate="off")
@@ -43,16 +43,7 @@ FIELDS = ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
 @pytest.fixture
 def verified(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Tokens emitted by speculative steps, counted as they are collected."""
-    counts: list[int] = []
-    collect = Speculator.collect
-
-    def counting(self: Speculator, runner: Any, step: Any, spec: Any) -> Any:
-        result = collect(self, runner, step, spec)
-        counts.append(len(result.seqs))
-        return result
-
-    monkeypatch.setattr(Speculator, "collect", counting)
-    return counts
+    return count_verifies(monkeypatch)
 
 
 def same(a: Record, b: Record) -> None:

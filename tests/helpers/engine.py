@@ -260,3 +260,20 @@ def completion_difference(choice: Any, prompt: list[int], ref: np.ndarray, k: in
         np.testing.assert_allclose(top, np.sort(row)[::-1][:k], atol=1e-4)
     print(f"max |logprob difference| {worst:.2e}")
     return worst
+
+
+def count_verifies(monkeypatch: Any) -> list[int]:
+    """Tokens each speculative step emits, appended as the steps are collected (Speculator's
+    `collect` wrapped for the test)."""
+    from omlx_logprobs.runner.speculation import Speculator
+
+    counts: list[int] = []
+    collect = Speculator.collect
+
+    def counting(self: Speculator, runner: Any, step: Any, spec: Any) -> Any:
+        result = collect(self, runner, step, spec)
+        counts.append(len(result.seqs))
+        return result
+
+    monkeypatch.setattr(Speculator, "collect", counting)
+    return counts

@@ -16,7 +16,7 @@ import pytest
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.runner.speculation import Speculator
-from tests.helpers.engine import encode, reference_logprobs
+from tests.helpers.engine import count_verifies, encode, reference_logprobs
 from tests.helpers.server import thread_server
 
 PROMPT = "The three primary colors are"
@@ -26,15 +26,7 @@ PROMPT = "The three primary colors are"
 def emitted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Tokens each speculative step emitted, as collected; the served model proposes all K
     (its draft costs as much as a step of its own, for which the length rule would say one)."""
-    counts: list[int] = []
-    collect = Speculator.collect
-
-    def counting(self: Speculator, runner: Any, step: Any, spec: Any) -> Any:
-        result = collect(self, runner, step, spec)
-        counts.append(len(result.seqs))
-        return result
-
-    monkeypatch.setattr(Speculator, "collect", counting)
+    counts = count_verifies(monkeypatch)
     monkeypatch.setattr(Speculator, "_length", lambda self, row: self.k)
     return counts
 
