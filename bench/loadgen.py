@@ -73,6 +73,9 @@ class LoadConfig:
     # no answer can complete within max_tokens, so output lengths stay pinned.
     json_schema: bool = False
     first_index: int = 0  # the first request's index (prompts are a function of it)
+    # A Predicted Output sent with every request (`prediction`, OpenAI's field): only its
+    # speed changes, so the guard sends one that never matches (bench/guard.py).
+    prediction: str | None = None
 
 
 @dataclass
@@ -168,6 +171,8 @@ def request_body(cfg: LoadConfig, index: int) -> dict[str, Any]:
         body["top_logprobs"] = cfg.logprobs
         if cfg.logprobs_format != "openai":
             body["logprobs_format"] = cfg.logprobs_format
+    if cfg.prediction is not None:
+        body["prediction"] = {"type": "content", "content": cfg.prediction}
     if cfg.ban_token_ids:
         body["logit_bias"] = {str(t): -100 for t in cfg.ban_token_ids}
     if cfg.json_schema:

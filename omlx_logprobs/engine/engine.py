@@ -203,8 +203,14 @@ class Engine:
     def step(self) -> None:
         """Schedule -> launch -> process the previous step while the device runs this one (on a
         GPU beside the launch, on a second thread) -> admit the new prompts -> free."""
-        if self.overlap.inflight is not None and (self._needs_history() or self._first_waits()):
-            self._free(self.overlap.finish())  # a first token goes out before the next launch
+        inflight = self.overlap.inflight
+        if inflight is not None and (
+            inflight.spec is not None or self._needs_history() or self._first_waits()
+        ):
+            # A first token goes out before the next launch. A speculative step's collect rolls
+            # the cache back and sets the next inputs: MLX arrays, which the thread that
+            # launches must make (a lazy array of another thread's stream fails there).
+            self._free(self.overlap.finish())
         t0 = time.perf_counter()
         work = self.scheduler.schedule()
         launched = self.overlap.launch(self.runner.launch, work)

@@ -71,9 +71,7 @@ class RowDrafts:
         """Up to k tokens to follow `output`, and whether they came from the prediction."""
         if k <= 0:
             return [], False
-        tail = list(output[-MAX_NGRAM:])
-        if len(tail) < MAX_NGRAM:
-            tail = list(prompt[len(prompt) - (MAX_NGRAM - len(tail)) :]) + tail
+        tail = _tail(prompt, output)
         if self.prediction is not None:
             at = self.prediction.follow(output[-MAX_NGRAM:], 1, self.cursor)
             if at >= 0:
@@ -87,6 +85,30 @@ class RowDrafts:
             if at >= 0:
                 return _continued(self.own.tokens, at, k), False
         return [], False
+
+    def promising(self, prompt: Sequence[int], output: Sequence[int]) -> bool:
+        """Whether the text so far is where drafts come from: its last tokens continue in the
+        prediction, or occurred before in the row's own text. A step in flight is processed
+        before the next launch only for such a row (its next drafts follow that step's
+        token); elsewhere the steps overlap, and a prediction or lookup that never matches
+        costs nothing."""
+        if self.prediction is not None:
+            if self.prediction.follow(output[-MAX_NGRAM:], 1, self.cursor) >= 0:
+                return True
+        if self.own is not None:
+            self.own.extend(output[self.seen :])
+            self.seen = len(output)
+            at = self.own.follow(_tail(prompt, output), MIN_LOOKUP_NGRAM, len(self.own.tokens))
+            return at >= 0
+        return False
+
+
+def _tail(prompt: Sequence[int], output: Sequence[int]) -> list[int]:
+    """The text's last MAX_NGRAM tokens, the prompt's end first where the output is shorter."""
+    tail = list(output[-MAX_NGRAM:])
+    if len(tail) < MAX_NGRAM:
+        tail = list(prompt[len(prompt) - (MAX_NGRAM - len(tail)) :]) + tail
+    return tail
 
 
 def _continued(tokens: list[int], at: int, k: int) -> list[int]:

@@ -32,7 +32,9 @@ from omlx_logprobs.runner.grammar import bitmask, open_ended
 from omlx_logprobs.runner.lora import BASE, AdapterSet
 from omlx_logprobs.runner.prefill import Prefill, Prefilled
 from omlx_logprobs.runner.prefix_cache import (
+    MIN_TOKENS,
     PrefixCache,
+    break_even,
     default_budget_mib,
     from_row,
     keeps_prefixes,
@@ -153,7 +155,15 @@ class ModelRunner(Prefill):
             mib = default_budget_mib()
             log.info("prefix cache: %d MiB (a quarter of the memory left after the weights)", mib)
         if mib > 0 and keeps_prefixes(self.templates):
-            return PrefixCache(mib << 20, self._make_prefix)
+            cache = PrefixCache(mib << 20, self._make_prefix)
+            cache.min_use = break_even(self.model)
+            if cache.min_use > MIN_TOKENS:
+                log.info(
+                    "prefix cache: kept starts of %d tokens or more (a forward's fixed cost here "
+                    "is that many tokens' compute; shorter ones are computed)",
+                    cache.min_use,
+                )
+            return cache
         if mib > 0:
             log.info(
                 "prefix cache off for this model: its caches (%s) hold a recurrent state, which "
@@ -484,6 +494,8 @@ class ModelRunner(Prefill):
                 continue
             n = len(seq.prompt_ids) + seq.num_output - 1  # prompt_len is the last prefill's
             assert n <= cache.width - cache.pads[i]
+            if n < self.prefixes.min_use and not seq.scored:  # too short to pay: no copy
+                continue
             prefix = from_row(seq.prompt_ids, seq.output_ids, n, cache.layers, i, cache.pads[i])
             prefix = self.prompt_cache.finished(seq, prefix)  # a scored one's, with its entries
             # The copies now, with the step: until then they would hold the batch's arrays.

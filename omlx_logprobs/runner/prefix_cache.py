@@ -36,6 +36,12 @@ if TYPE_CHECKING:
 __all__ = ["BLOCK", "MIN_TOKENS", "BASE_KEY", "Key", "Prefix", "PrefixCache", "make_prefix"]
 
 RECENT = 256  # prompt starts remembered, each with the last prompt that began with it
+# A kept start pays only where its tokens' compute costs more than what taking it costs: a
+# seeded prompt prefills in a forward of its own (a group per kept start), and a shared start
+# is made by one. On a GPU the host's cost of a forward is that of hundreds of tokens' compute
+# (`break_even`); there the chat template's start alone was a loss (docs/benchmarks.md).
+BREAK_EVEN_WIDTH = 256  # the prefill width timed against one token
+MAX_BREAK_EVEN = 2048
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,23 @@ def make_prefix(model: Any, tokens: tuple[int, ...], base: Prefix | None) -> Pre
     return Prefix(tokens, keys, values)
 
 
+def break_even(model: Any) -> int:
+    """The fewest tokens a kept start must hold to pay here (a multiple of BLOCK, at least
+    MIN_TOKENS): the host's fixed cost of a forward (one token's, timed) in tokens of prefill
+    compute (a BREAK_EVEN_WIDTH-token forward's time beyond it, per token). Timed on a GPU,
+    where the host bounds a short forward; MLX's CPU backend computes every token on the host,
+    where any start of MIN_TOKENS pays."""
+    if mx.default_device() != mx.gpu:
+        return MIN_TOKENS
+    from omlx_logprobs.runner.draft_model import step_seconds
+
+    one = step_seconds(model)
+    wide = step_seconds(model, width=BREAK_EVEN_WIDTH)
+    per_token = max(wide - one, 1e-9) / (BREAK_EVEN_WIDTH - 1)
+    n = min(max(int(one / per_token), MIN_TOKENS), MAX_BREAK_EVEN)
+    return -(-n // BLOCK) * BLOCK
+
+
 def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
     """The length of a's and b's common prefix."""
     n = min(len(a), len(b))
@@ -187,6 +210,9 @@ class PrefixCache:
         self._index: BlockIndex[Prefix] = BlockIndex()
         # (key, first MIN_TOKENS tokens) -> the last prompt assigned that began with them.
         self._recent: OrderedDict[tuple[Key, tuple[int, ...]], Sequence[int]] = OrderedDict()
+        # The fewest tokens a start must hold to be taken, made or kept (`break_even`): a
+        # shorter one costs more than it saves. Scored prompts' entries keep MIN_TOKENS.
+        self.min_use = MIN_TOKENS
 
     def assign(
         self, prompts: list[Sequence[int]], keys: list[Key] | None = None
@@ -211,7 +237,7 @@ class PrefixCache:
             seen = min(len(p) - 1, shared_len(p, before))
             want = seen - seen % BLOCK
             have = self.longest(p, want, key)
-            if have is None or len(have.tokens) < want:
+            if want - (len(have.tokens) if have is not None else 0) >= self.min_use:
                 self.keep(key, self.make(tuple(p[:want]), have, key))
         starts: dict[tuple[int, int], Prefix] = {}
         out: list[Prefix | None] = []
@@ -291,7 +317,8 @@ class PrefixCache:
     def keep(self, key: Key, prefix: Prefix) -> None:
         """Keep a sequence's keys and values (the least recently used go, past the budget); the
         same tokens kept again keep the prompt entries they had."""
-        if len(prefix.tokens) < MIN_TOKENS or prefix.nbytes > self.max_bytes:
+        least = MIN_TOKENS if prefix.scores is not None else self.min_use
+        if len(prefix.tokens) < least or prefix.nbytes > self.max_bytes:
             return
         old = self.entries.pop((key, prefix.tokens), None)
         if old is not None:
@@ -342,8 +369,9 @@ class PrefixCache:
     def _find(
         self, ids: Sequence[int], limit: int, key: Key, look: bool = False
     ) -> tuple[Prefix, int] | None:
-        """The most recent entry sharing the longest start with ids[:limit], and that length;
-        from the disk tier (loaded into memory, unless `look`) when it holds a longer one."""
+        """The most recent entry sharing the longest start with ids[:limit], and that length
+        (None under `min_use` tokens); from the disk tier (loaded into memory, unless `look`)
+        when it holds a longer one."""
         found = self._index.find(key, ids, limit)
         n = found[2] if found is not None else 0
         if self.disk is not None and key == BASE_KEY:
@@ -354,7 +382,7 @@ class PrefixCache:
                 self.keep(key, self.disk.load(on_disk[0]))
                 found = self._index.find(key, ids, limit)
                 n = found[2] if found is not None else 0
-        return (found[1], n) if found is not None else None
+        return (found[1], n) if found is not None and n >= self.min_use else None
 
     def _forget(self, key: Key, old: Prefix) -> None:
         self.nbytes -= old.nbytes

@@ -191,7 +191,15 @@ class Speculator:
         """Whether the next step may speculate (then the step in flight is processed first)."""
         if not 0 < len(running) <= self.max_batch:
             return False
-        return bool(self._forced) or any(self._may(s) and not self._resting(s) for s in running)
+        return bool(self._forced) or any(
+            self._may(s) and not self._resting(s) and self._promising(s) for s in running
+        )
+
+    def _promising(self, s: Sequence) -> bool:
+        """A draft model always proposes; a prediction or lookup where its last tokens match."""
+        if self.draft is not None:
+            return True
+        return self._row(s).drafts.promising(s.prompt_ids, s.output_ids)
 
     def _resting(self, s: Sequence) -> bool:
         row = self._rows.get(s.seq_id)

@@ -97,6 +97,38 @@ def test_short_shared_starts_and_whole_prompts_are_not_cached() -> None:
     assert found is not None and found.tokens == tuple(same[:39]) and len(make.calls) == 1
 
 
+def test_starts_under_the_break_even_are_neither_made_taken_nor_kept() -> None:
+    """Where a forward's fixed cost is that of `min_use` tokens' compute (a GPU's, timed at
+    start-up), a shorter shared start is computed: not made, not taken, a shorter finished
+    sequence not kept; a longer one is."""
+    make = Maker()
+    cache = PrefixCache(1 << 20, make)
+    cache.min_use = 32
+    assert cache.assign([prompt(1), prompt(2), prompt(3)]) == [None] * 3  # 24 shared < 32
+    assert make.calls == []
+    kv = [mx.zeros((1, 1, 40, 4))]
+    cache.keep(BASE_KEY, Prefix(tuple(prompt(4, 14)), kv, kv))  # 40 tokens: kept
+    short = [mx.zeros((1, 1, 30, 4))]
+    cache.keep(BASE_KEY, Prefix(tuple(prompt(5, 4)), short, short))  # 30: not
+    assert [tokens for _, tokens in cache.entries] == [tuple(prompt(4, 14))]
+    assert cache.held(prompt(4, 20)) == 40 and cache.held(prompt(5, 20)) == 0  # shares 26
+    [found] = cache.assign([prompt(4, 20)])
+    assert found is not None and len(found.tokens) == 40
+    # Two prompts sharing 48 tokens beyond nothing kept: made, as it adds 48 >= 32.
+    long = list(range(2000, 2048))
+    cache.assign([long + [1], long + [2]])
+    assert make.calls == [(48, 0)]
+
+
+def test_a_cpu_takes_any_start_of_min_tokens(tiny: LoadedModel) -> None:
+    """MLX's CPU backend computes every prompt token on the host: any kept start pays."""
+    from omlx_logprobs.runner.prefix_cache import break_even
+
+    assert break_even(tiny.model) == MIN_TOKENS
+    runner = model_runner.ModelRunner(tiny.model, len(tiny.vocab), prefix_cache_mib=64)
+    assert runner.prefixes is not None and runner.prefixes.min_use == MIN_TOKENS
+
+
 def test_a_longer_shared_prefix_extends_the_kept_one() -> None:
     make = Maker()
     cache = PrefixCache(1 << 20, make)

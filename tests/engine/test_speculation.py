@@ -6,6 +6,7 @@ target's distribution whatever the draft (a chi-square test on a scripted model)
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from dataclasses import replace
@@ -426,6 +427,38 @@ def test_the_start_up_warm_meets_every_verify_width_and_leaves_nothing(
     same(plain[0][0], warmed[0][0])
 
 
+def test_the_warm_without_a_draft_model_runs_on_the_gpu_path(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start-up warm of a server with neither a draft model nor `--speculate` (the
+    prediction mode), on the GPU's path: its last verify is processed on the engine's thread
+    like every speculative step. Processed on the second thread, its rollback's arrays were
+    that thread's, and the next launch failed ("There is no Stream(gpu, 2) in current
+    thread"): the warm was lost, and the first predictions paid the shapes."""
+    from omlx_logprobs.runner import model_runner, speculation
+
+    prompt = encode(tiny, "Once upon a time")
+    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=True, top_logprobs=5)
+    plain = run_engine(tiny, [(prompt, sp)], OFF)
+    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    monkeypatch.setattr(speculation, "WARM_ON_CPU", True)
+    caplog.set_level(logging.INFO, logger="omlx_logprobs")
+    draft = Speculator._draft
+
+    def rejected(self: Speculator, s: Any) -> tuple[Any, bool]:
+        if self._forced:  # drafts the target never takes: every verify rolls back
+            width = min(self._forced.pop(), s.params.max_tokens - s.num_sampled - 1)
+            return [len(tiny.vocab) - 1] * width, False
+        return draft(self, s)
+
+    monkeypatch.setattr(Speculator, "_draft", rejected)
+    cfg = EngineConfig(speculate="prediction", num_draft_tokens=4)
+    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, cfg, tokenizer=tiny.tokenizer)
+    served = run_on(engine, [(prompt, sp)])
+    assert "verify shapes warmed" in caplog.text and "the warm failed" not in caplog.text
+    same(plain[0][0], served[0][0])
+
+
 def test_an_engine_starts_once_its_warm_is_done(
     tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -529,6 +562,44 @@ def test_the_gpu_path_speculates_the_same(
     same(plain[0][0], fast[0][0])
     assert list(fast[1][0].output_ids) == list(plain[1][0].output_ids)[:12]
     assert sum(verified) > 2 * len(verified)
+
+
+def test_a_prediction_that_never_matches_keeps_the_overlapped_plain_step(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, verified: list[int]
+) -> None:
+    """On the GPU's path a row whose prediction never matches its text costs nothing: no step
+    in flight is processed before the next launch for it, no verify runs, and its tokens and
+    entries are the plain run's (a wrong prediction made requests 7-11% slower on a GPU)."""
+    from omlx_logprobs.runner import model_runner
+
+    prompt = encode(tiny, "Once upon a time")
+    sp = SamplingParams(max_tokens=40, temperature=0, logprobs=True, top_logprobs=5)
+    plain = run_engine(tiny, [(prompt, sp)], OFF)
+    seen = set(plain[0][0].output_ids.tolist()) | set(prompt)
+    wrong = tuple(t for t in range(len(tiny.vocab)) if t not in seen)[:64]
+    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    synced: list[bool] = []
+    needs = Engine._needs_history
+
+    def recorded(self: Engine) -> bool:
+        synced.append(needs(self))
+        return synced[-1]
+
+    monkeypatch.setattr(Engine, "_needs_history", recorded)
+    fast = run_engine(tiny, [(prompt, replace(sp, prediction=wrong))], PREDICT)
+    same(plain[0][0], fast[0][0])
+    assert verified == [] and len(synced) > 30 and not any(synced)
+
+
+def test_a_row_is_promising_only_where_its_last_tokens_match() -> None:
+    """A prediction's row syncs where its output's last token continues in the prediction;
+    a lookup row where its last two tokens occurred before."""
+    row = RowDrafts([9, 9], [1, 2, 3, 4, 5], lookup=False)
+    assert not row.promising([9, 9], [7, 8])
+    assert row.promising([9, 9], [7, 2]) and not row.promising([9, 9], [5])  # 5: nothing after
+    own = RowDrafts([10, 11, 12, 13], (), lookup=True)
+    assert not own.promising([10, 11, 12, 13], [14, 11])
+    assert own.promising([10, 11, 12, 13], [14, 10, 11])
 
 
 def test_reasoning_sections_and_entries_with_a_prediction(

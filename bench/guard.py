@@ -1,0 +1,255 @@
+"""The guard: every feature on by default costs nothing on the requests it does not help.
+
+One run: servers of this tree side by side (the defaults, and each feature switched off), the
+same requests to each, in rounds whose order turns every round, so that the machine's speed
+phases fall on every side alike. For each feature, the ratio of its on and unused side to its
+off side (higher is faster), the median over the rounds, at each concurrency; the run fails
+(exit 1) when one falls under the floor (0.97).
+
+- prefix cache: the defaults against `--prefix-cache-mib 0` (prompts that share only the chat
+  template's start, nothing reused);
+- prediction mode: the defaults (`--speculate prediction`) against `--speculate off`, on
+  requests that send no prediction;
+- a wrong prediction: the defaults, requests with a `prediction` no output ever matches against
+  the same requests without one;
+- prompt lookup: `--speculate lookup` against `--speculate off` on free chat;
+- process engine: the defaults (the engine in a process of its own) against `--engine thread`.
+
+c = 1: one stream, streamed requests one after another, the per-token latency after the first
+token (median over the requests), as ms per token; higher concurrency: a closed loop of
+non-streamed requests, completion tokens/s. Top-20 logprobs on every request (`--top`).
+
+    .venv/bin/python bench/guard.py                  # make bench-guard: the CPU preset (~10 min)
+    python3 bench/guard.py --preset gpu --model /root/m1b  # GPU host
+
+Timing is no test: this is not in `make test`. Run it before a change to the step loop is
+called done, and put its table in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loadgen import LoadConfig, run_load  # noqa: E402
+from server import Server, free_port, omlx_command, start_server  # noqa: E402
+
+FLOOR = 0.97
+EMBEDDED = "SmolLM2-135M-Instruct"
+# Text in a script the served models never answer these prompts in: its tokens are never
+# drafted (a prediction drafts from a one-token match), so it is a prediction that is wrong.
+WRONG_PREDICTION = "ぁぃぅぇぉかきくけこさしすせそ" * 12
+
+# Servers: name -> the flags that differ from the defaults.
+SERVERS: dict[str, list[str]] = {
+    "default": [],
+    "no-prefix-cache": ["--prefix-cache-mib", "0"],
+    "no-speculation": ["--speculate", "off"],
+    "lookup": ["--speculate", "lookup"],
+    "thread-engine": ["--engine", "thread"],
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """What one measurement sends where: a server, and whether its requests carry the wrong
+    prediction."""
+
+    server: str
+    wrong_prediction: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.server + (" + wrong prediction" if self.wrong_prediction else "")
+
+
+@dataclass(frozen=True)
+class Pair:
+    feature: str
+    on: Cell  # the feature on (and unused by these requests)
+    off: Cell  # the feature off
+
+
+PAIRS = (
+    Pair("prefix cache on / off", Cell("default"), Cell("no-prefix-cache")),
+    Pair("prediction mode, none sent / speculation off", Cell("default"), Cell("no-speculation")),
+    Pair("a wrong prediction / none", Cell("default", True), Cell("default")),
+    Pair("prompt lookup / speculation off", Cell("lookup"), Cell("no-speculation")),
+    Pair("process engine / thread engine", Cell("default"), Cell("thread-engine")),
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    model: str | None  # None: the embedded model
+    concurrencies: tuple[int, ...]
+    max_tokens: int
+    prompt_words: int
+    stream_requests: int  # a c=1 measurement's requests
+    waves: int  # a higher concurrency's requests, in waves of it
+    rounds: int
+
+
+PRESETS = {
+    "cpu": Preset(None, (1, 32), 32, 16, 2, 1, 5),
+    "gpu": Preset(None, (1, 64), 128, 32, 4, 2, 5),
+}
+
+
+@dataclass
+class Results:
+    # (concurrency, cell name) -> each round's value: ms per token at c = 1, else tokens/s
+    values: dict[tuple[int, str], list[float]] = field(default_factory=dict)
+
+    def add(self, c: int, cell: Cell, value: float) -> None:
+        self.values.setdefault((c, cell.name), []).append(value)
+
+    def ratios(self, c: int, pair: Pair) -> list[float]:
+        """Each round's on / off speed (at c = 1 the latencies' inverse ratio)."""
+        on, off = self.values[(c, pair.on.name)], self.values[(c, pair.off.name)]
+        if c == 1:
+            return [b / a for a, b in zip(on, off)]
+        return [a / b for a, b in zip(on, off)]
+
+
+def cells() -> list[Cell]:
+    seen: dict[str, Cell] = {}
+    for p in PAIRS:
+        for c in (p.on, p.off):
+            seen.setdefault(c.name, c)
+    return list(seen.values())
+
+
+async def measure(server: Server, cell: Cell, c: int, preset: Preset, top: int, seed: int) -> float:
+    """One measurement: ms per token of one stream (c = 1), else completion tokens/s."""
+    one = c == 1
+    cfg = LoadConfig(
+        base_url=server.base_url,
+        model=Path(preset.model).name if preset.model else EMBEDDED,
+        concurrency=c,
+        requests=preset.stream_requests if one else c * preset.waves,
+        max_tokens=preset.max_tokens,
+        logprobs=top,
+        stream=one,
+        prompt_words=preset.prompt_words,
+        seed=seed,
+        prediction=WRONG_PREDICTION if cell.wrong_prediction else None,
+    )
+    res = await run_load(cfg)
+    if res.errors:
+        raise RuntimeError(f"{cell.name}, c={c}: {res.errors} errors: {res.error_samples}")
+    if not one:
+        return res.tokens_per_s
+    per_token = [
+        (r.latency_s - r.ttft_s) / (r.completion_tokens - 1) * 1e3
+        for r in res.records
+        if r.ttft_s is not None and r.completion_tokens > 1
+    ]
+    return statistics.median(per_token)
+
+
+async def run(preset: Preset, servers: dict[str, Server], top: int) -> Results:
+    results = Results()
+    order = cells()
+    for c in preset.concurrencies:
+        for cell in order:  # unmeasured: each server's shapes at this concurrency built
+            await measure(servers[cell.server], cell, c, preset, top, seed=999)
+        for r in range(preset.rounds):
+            turn = order[r % len(order) :] + order[: r % len(order)]
+            for cell in turn if r % 2 == 0 else turn[::-1]:
+                # The same prompts for every cell of a round, new ones each round.
+                value = await measure(servers[cell.server], cell, c, preset, top, seed=r)
+                results.add(c, cell, value)
+            print(
+                f"c={c} round {r + 1}: "
+                + ", ".join(f"{cl.name} {results.values[(c, cl.name)][-1]:.2f}" for cl in order),
+                flush=True,
+            )
+    return results
+
+
+def report(preset: Preset, results: Results, floor: float) -> tuple[str, bool]:
+    """The table (markdown) and whether every ratio is at or above the floor."""
+    lines = [
+        "| feature (on and unused / off) | c | median | round by round | met |",
+        "|---|---:|---:|---|---|",
+    ]
+    ok = True
+    for c in preset.concurrencies:
+        for pair in PAIRS:
+            ratios = results.ratios(c, pair)
+            med = statistics.median(ratios)
+            met = med >= floor
+            ok = ok and met
+            rounds = " ".join(f"{x:.2f}" for x in ratios)
+            lines.append(
+                f"| {pair.feature} | {c} | {med:.3f} | {rounds} | {'yes' if met else '**no**'} |"
+            )
+    lines += ["", "| cell | c | median | unit |", "|---|---:|---:|---|"]
+    for (c, name), values in results.values.items():
+        unit = "ms per token" if c == 1 else "tokens/s"
+        lines.append(f"| {name} | {c} | {statistics.median(values):.2f} | {unit} |")
+    return "\n".join(lines), ok
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--model", default=None, help="a model directory (default: the embedded model)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=None)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--top", type=int, default=20, help="top logprobs on every request")
+    ap.add_argument("--floor", type=float, default=FLOOR)
+    ap.add_argument("--json", type=Path, default=None, help="write every round's values here")
+    ap.add_argument(
+        "--logs", type=Path, default=None, help="copy each server's log into this folder"
+    )
+    a = ap.parse_args()
+    preset = PRESETS[a.preset]
+    preset = Preset(
+        a.model or preset.model,
+        tuple(a.concurrency or preset.concurrencies),
+        a.max_tokens or preset.max_tokens,
+        preset.prompt_words,
+        preset.stream_requests,
+        preset.waves,
+        a.rounds or preset.rounds,
+    )
+    max_seqs = max(max(preset.concurrencies), 64)
+    servers: dict[str, Server] = {}
+    try:
+        for name, flags in SERVERS.items():
+            port = free_port()
+            command = omlx_command(port, preset.model, max_seqs) + flags
+            servers[name] = start_server(command, port)
+            print(
+                f"{name}: ready in {servers[name].startup_s:.1f} s ({' '.join(flags)})", flush=True
+            )
+        results = asyncio.run(run(preset, servers, a.top))
+        problems = {n: s.log_problems() for n, s in servers.items() if s.log_problems()}
+    finally:
+        for name, s in servers.items():
+            s.stop()
+            if a.logs is not None:
+                a.logs.mkdir(parents=True, exist_ok=True)
+                (a.logs / f"{name}.log").write_text(s.log_text())
+    table, ok = report(preset, results, a.floor)
+    print(table)
+    for name, lines in problems.items():
+        print(f"{name}: server log problems: {lines[:5]}")
+    if a.json is not None:
+        values = {f"c={c} {name}": v for (c, name), v in results.values.items()}
+        a.json.write_text(json.dumps({"preset": a.preset, "values": values}, indent=1))
+    print("guard: every feature within the floor" if ok else f"guard: FAILED (floor {a.floor})")
+    return 0 if ok and not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
