@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ class Preset:
 
 PRESETS = {
     "cpu": Preset(None, (1, 32), 32, 16, 2, 1, 5),
-    "gpu": Preset(None, (1, 64), 128, 32, 4, 2, 5),
+    "gpu": Preset(None, (1, 64), 128, 32, 6, 2, 5),
 }
 
 
@@ -198,6 +199,17 @@ def report(preset: Preset, results: Results, floor: float) -> tuple[str, bool]:
     return "\n".join(lines), ok
 
 
+def pinned(n: int) -> list[list[int] | None]:
+    """n disjoint sets of this process's cores, one a server, the rest left to this process
+    (the clients); no pinning where there are too few cores for it."""
+    cores = sorted(os.sched_getaffinity(0))
+    each = (len(cores) - 2) // n
+    if each < 2:
+        return [None] * n
+    os.sched_setaffinity(0, cores[n * each :])
+    return [cores[i * each : (i + 1) * each] for i in range(n)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -208,6 +220,12 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=20, help="top logprobs on every request")
     ap.add_argument("--floor", type=float, default=FLOOR)
     ap.add_argument("--json", type=Path, default=None, help="write every round's values here")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="each server on cores of its own, the clients on the rest (a GPU host: each"
+        " server's threads then stay where they are; on the 2-core CPU box all share both)",
+    )
     ap.add_argument(
         "--logs", type=Path, default=None, help="copy each server's log into this folder"
     )
@@ -224,11 +242,12 @@ def main() -> int:
     )
     max_seqs = max(max(preset.concurrencies), 64)
     servers: dict[str, Server] = {}
+    cores = pinned(len(SERVERS)) if a.pin else [None] * len(SERVERS)
     try:
-        for name, flags in SERVERS.items():
+        for (name, flags), cpus in zip(SERVERS.items(), cores):
             port = free_port()
             command = omlx_command(port, preset.model, max_seqs) + flags
-            servers[name] = start_server(command, port)
+            servers[name] = start_server(command, port, cpus=cpus)
             print(
                 f"{name}: ready in {servers[name].startup_s:.1f} s ({' '.join(flags)})", flush=True
             )

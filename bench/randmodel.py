@@ -63,6 +63,7 @@ def build(
     dtype: str = "bfloat16",
     vocab: int = 49152,
     context: int = 8192,
+    bits: int = 0,
 ) -> Path:
     """`vocab` may exceed the tokenizer's (Qwen's 151,936): ids past it are never prompted but
     are sampled and extracted like any other."""
@@ -87,6 +88,9 @@ def build(
     # Embeddings scaled so the logits are neither flat nor one-hot.
     model.model.embed_tokens.weight = mx.random.normal((vocab, config["hidden_size"])) * 0.02
     model.set_dtype(getattr(mx, dtype))
+    if bits:  # as `mlx_lm convert -q` writes it, without the full-precision copy on disk
+        nn.quantize(model, group_size=64, bits=bits)
+        config["quantization"] = {"group_size": 64, "bits": bits}
     weights = dict(nn.utils.tree_flatten(model.parameters()))  # type: ignore[attr-defined]
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     (out / "config.json").write_text(json.dumps(config, indent=1))
@@ -101,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--context", type=int, default=8192, help="max_position_embeddings")
+    ap.add_argument("--bits", type=int, default=0, help="quantized to this many bits (0: not)")
     a = ap.parse_args(argv)
-    print(build(a.out, a.tokenizer_from, a.size, a.dtype, a.vocab, a.context))
+    print(build(a.out, a.tokenizer_from, a.size, a.dtype, a.vocab, a.context, a.bits))
     return 0
 
 

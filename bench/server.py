@@ -127,16 +127,20 @@ class Server:
 
 
 def start_server(
-    command: list[str], port: int, health_path: str = "/health", timeout_s: float = 600.0
+    command: list[str],
+    port: int,
+    health_path: str = "/health",
+    timeout_s: float = 600.0,
+    cpus: list[int] | None = None,
 ) -> Server:
     """Launch `command` and wait until `health_path` answers 200. The first start of our server
-    converts the embedded GGUF (seconds), hence the generous timeout."""
+    converts the embedded GGUF (seconds), hence the generous timeout. `cpus`: the cores it runs
+    on (else the --pin half's, if set)."""
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else server_affinity()
     fd, name = tempfile.mkstemp(prefix="bench-server-", suffix=".log")
     log = os.fdopen(fd, "wb")
     # The server runs from the repo root so `-m omlx_logprobs` resolves to this checkout.
-    proc = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=server_affinity()
-    )
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=pin)
     log.close()
     server = Server(command, port, Path(name), proc)
     t0 = time.perf_counter()
