@@ -16,7 +16,7 @@ SOAK_SECONDS ?= 120
 VF_VENV := .venv-verifiers
 VF_PY := $(VF_VENV)/bin/python
 
-.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-conversation bench-speculation bench-scoring fuzz soak distributed speculation rl-example clean
+.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-guard bench-conversation bench-speculation bench-scoring fuzz soak distributed speculation rl-example clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,14 @@ check: lint types test
 # its section of docs/bench-results.md. Other presets and the GPU run: docs/benchmarks.md.
 bench: install
 	$(PY) bench/run.py --preset cpu
+
+# The guard: the default server against each feature off (prefix cache, prediction mode, a wrong
+# prediction, lookup, the process engine) at c=1 and c=32, every ratio printed; it fails when one
+# falls under 0.97 (~10 min on the 2-core box). Run before a change to the step loop is done;
+# the GPU preset: docs/benchmarks.md. Timing is no test: not in `make test`.
+GUARD_ARGS ?=
+bench-guard: install
+	$(PY) bench/guard.py --preset cpu $(GUARD_ARGS)
 
 # The scenario benchmarks, each against its peers in one run (docs/benchmarks.md): a growing
 # agent conversation (prefix cache on/off, mlx-lm's server), one stream with speculation, and

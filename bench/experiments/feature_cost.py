@@ -20,8 +20,10 @@ import dataclasses
 import logging
 import pstats
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import omlx_logprobs  # noqa: F401
@@ -29,10 +31,13 @@ from omlx_logprobs.cli import mlx_environment
 
 mlx_environment()
 
-from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.options import build_parser, engine_config
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import load_model
 from omlx_logprobs.types import EngineRequest, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from loadgen import make_prompt  # noqa: E402  (bench/loadgen.py)
 
 VARIANTS = {
     "default": {},
@@ -43,9 +48,9 @@ VARIANTS = {
 
 
 def prompt(tok: Any, i: int, words: int) -> list[int]:
-    """A chat-templated prompt: the template's system turn shared, the user turn distinct."""
-    text = " ".join(f"w{(i * 7919 + j * 31) % 997}" for j in range(words))
-    msgs = [{"role": "user", "content": f"Request {i}: {text}"}]
+    """bench/loadgen.py's prompt i, chat-templated: the template's system turn shared, the user
+    turn distinct."""
+    msgs = [{"role": "user", "content": make_prompt(i, words)}]
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     return list(tok.encode(text, add_special_tokens=False))
 
@@ -114,7 +119,8 @@ def main() -> None:
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     loaded = load_model(a.model)
-    cfg = dataclasses.replace(EngineConfig(max_num_seqs=max(a.rows, 1)), **VARIANTS[a.variant])
+    serve = build_parser().parse_args(["serve", "--max-num-seqs", str(max(a.rows, 64))])
+    cfg = dataclasses.replace(engine_config(serve), **VARIANTS[a.variant])  # as `serve` makes it
     engine = Engine(
         loaded.model, loaded.vocab, loaded.eos_token_ids, cfg, tokenizer=loaded.tokenizer
     )
