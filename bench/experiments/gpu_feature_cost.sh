@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# feature_cost.py on the GPU host's 1.1B: variants alternating.
+# feature_cost.py on the GPU host's random 1.1B, each variant a fresh process, alternating
+# (VARIANTS, FC_ARGS); needs MLX, .whl/ and .gpu/tok/ as gpu_one_stream.sh. OUT=... bash THIS
 set -u
 source /root/mlxenv.sh
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
