@@ -240,16 +240,30 @@ class PrefixCache:
             have = self.longest(p, want, key)
             if want - (len(have.tokens) if have is not None else 0) >= self.min_use:
                 self.keep(key, self.make(tuple(p[:want]), have, key))
-        starts: dict[tuple[int, int], Prefix] = {}
-        out: list[Prefix | None] = []
-        for p, key in zip(prompts, keys):
-            found = self._find(p, len(p) - 1, key)
-            if found is None:
-                out.append(None)
+        found = [self._find(p, len(p) - 1, key) for p, key in zip(prompts, keys)]
+        # Each distinct start seeds a prefill group of its own (a forward), so prompts whose
+        # starts differ by fewer tokens than `min_use` share their common start: "Request 3"
+        # and "Request 4" after one system turn had each found a kept sequence a token longer
+        # than their common part, and prefilled in groups of their own.
+        shared: list[tuple[Key, Prefix, list[int]]] = []  # a start and the prompts it seeds
+        for i in sorted(range(len(prompts)), key=lambda i: _length(found[i])):
+            hit, p, key = found[i], prompts[i], keys[i]
+            if hit is None:
                 continue
-            entry, n = found
+            entry, n = hit
             self.entries.move_to_end((key, entry.tokens))
-            out.append(starts.setdefault((id(entry), n), entry.start(n)))
+            for j, (k, start, members) in enumerate(shared):
+                common = shared_len(start.tokens, p)
+                # Shorter starts came first: no member loses min_use tokens either.
+                if k == key and common >= self.min_use and n - common < self.min_use:
+                    shared[j] = (k, start.start(common), members + [i])
+                    break
+            else:
+                shared.append((key, entry.start(n), [i]))
+        out: list[Prefix | None] = [None] * len(prompts)
+        for _, start, members in shared:
+            for i in members:
+                out[i] = start
         return out
 
     def longest(self, ids: Sequence[int], limit: int, key: Key = BASE_KEY) -> Prefix | None:
@@ -390,6 +404,10 @@ class PrefixCache:
         self._index.remove(key, old.tokens, old)
         if old.scores is not None:
             self._index.remove(_scored(key), old.tokens, old)
+
+
+def _length(hit: tuple[Prefix, int] | None) -> int:
+    return hit[1] if hit is not None else 0
 
 
 def _scored(key: Key) -> tuple[str, Key]:

@@ -93,12 +93,13 @@ def test_concurrent_rows_and_a_parted_conversation(
 ) -> None:
     """Three conversations on one system turn, sent together; then each goes on, and a fourth
     parts from the first halfway through its answer: each takes the longest start it shares
-    with what is kept."""
+    with what is kept. Answers of 24 tokens: starts of one step closer than MIN_TOKENS would
+    share their common start (PrefixCache.assign)."""
     on, off = chats
     system = encode(tiny, "System: answer briefly and politely, always. " * 4)
     firsts = [system + encode(tiny, f"User: question number {i}\n") for i in range(3)]
-    rs = on.send(firsts, greedy(8))
-    off.send(firsts, greedy(8))
+    rs = on.send(firsts, greedy(24))
+    off.send(firsts, greedy(24))
     nexts = [p + list(r.output_ids) + encode(tiny, "\nUser: more\n") for p, r in zip(firsts, rs)]
     parted = firsts[0] + list(rs[0].output_ids[:4]) + encode(tiny, " instead, tell me")
     got = on.send([*nexts, parted], greedy(6))

@@ -82,6 +82,23 @@ def test_interleaved_templates_each_get_their_prefix() -> None:
     assert f is not None and f.tokens[0] == 2000 and len(make.calls) == 2
 
 
+def test_a_step_s_prompts_whose_starts_differ_by_a_few_tokens_share_their_common_start() -> None:
+    # Kept finished sequences "Request 1..." and "Request 2...": a prompt "Request 12..." finds
+    # the first a token longer than one "Request 21..." finds the second. Each distinct start
+    # is a prefill forward of its own, so both take the template they share; a start longer by
+    # min_use tokens or more keeps its own.
+    make = Maker()
+    cache = PrefixCache(1 << 20, make)
+    for i in (1, 2):
+        cache.keep(BASE_KEY, make(tuple(TEMPLATE + [i] * 30), None))
+    long = TEMPLATE + [3] * 40
+    cache.keep(BASE_KEY, make(tuple(long), None))
+    found = cache.assign([TEMPLATE + [1, 2, 5], TEMPLATE + [2, 1, 5], long[:-1] + [9]])
+    assert found[0] is found[1] and found[0] is not None
+    assert found[0].tokens == tuple(TEMPLATE)
+    assert found[2] is not None and found[2].tokens == tuple(long[:-1])
+
+
 def test_short_shared_starts_and_whole_prompts_are_not_cached() -> None:
     make = Maker()
     cache = PrefixCache(1 << 20, make)
