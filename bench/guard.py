@@ -20,7 +20,7 @@ token (median over the requests), as ms per token; higher concurrency: a closed 
 non-streamed requests, completion tokens/s. Top-20 logprobs on every request (`--top`).
 
     .venv/bin/python bench/guard.py                  # make bench-guard: the CPU preset (~10 min)
-    python3 bench/guard.py --preset gpu --model /root/m1b  # GPU host
+    python3 bench/guard.py --preset gpu --model /root/m1b --share-cores  # GPU host
 
 Timing is no test: this is not in `make test`. Run it before a change to the step loop is
 called done, and put its table in docs/benchmarks.md.
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_halves import halves  # noqa: E402
 from loadgen import LoadConfig, run_load  # noqa: E402
 from server import Server, free_port, omlx_command, start_server  # noqa: E402
 
@@ -99,7 +100,9 @@ class Preset:
 
 PRESETS = {
     "cpu": Preset(None, (1, 32), 32, 16, 2, 1, 5),
-    "gpu": Preset(None, (1, 64), 128, 32, 6, 6, 5),
+    # Cells of two requests or waves and 15 rounds: each vCPU of a GPU host switches between two
+    # speeds for seconds at a time; short cells keep the two sides of a ratio in one phase.
+    "gpu": Preset(None, (1, 64), 128, 32, 2, 2, 15),
 }
 
 
@@ -239,6 +242,12 @@ def main() -> int:
         " server's threads then stay where they are; on the 2-core CPU box all share both)",
     )
     ap.add_argument(
+        "--share-cores",
+        action="store_true",
+        help="every server on the same half of the cores, the clients on the other (servers"
+        " compared then meet the same vCPU speed phases; one runs at a time)",
+    )
+    ap.add_argument(
         "--logs", type=Path, default=None, help="copy each server's log into this folder"
     )
     a = ap.parse_args()
@@ -257,6 +266,10 @@ def main() -> int:
     max_seqs = max(max(preset.concurrencies), 64)
     servers: dict[str, Server] = {}
     cores = pinned(len(SERVERS)) if a.pin else [None] * len(SERVERS)
+    if a.share_cores:
+        first, second = halves()
+        os.sched_setaffinity(0, second)
+        cores = [first] * len(SERVERS)
     try:
         for (name, flags), cpus in zip(SERVERS.items(), cores):
             if name not in wanted:
