@@ -69,10 +69,12 @@ class BlockIndex(Generic[T]):
         ids: Sequence[int],
         limit: int,
         accept: Callable[[T], bool] | None = None,
+        whole: bool = False,
     ) -> tuple[tuple[int, ...], T, int] | None:
         """(tokens, item, n): the item (of those `accept` takes) sharing the longest start with
         ids[:limit], n tokens long (at least MIN_TOKENS), the most recent among equals; None if
-        there is none."""
+        there is none. `whole`: only items all of whose tokens ids[:limit] starts with (a
+        recurrent state is kept at its sequence's end only)."""
         hits: list[list[tuple[tuple[int, ...], T]]] = []  # the items sharing each block
         for h in block_hashes(ids, limit):
             hit = self._index.get((key, h))
@@ -93,6 +95,8 @@ class BlockIndex(Generic[T]):
                 m, end = n, min(len(tokens), limit)
                 while m < end and tokens[m] == ids[m]:
                     m += 1
+                if whole and m < len(tokens):
+                    continue
                 if best is None or m > most:
                     best, most = (tokens, item), m
             if best is None:

@@ -73,18 +73,21 @@ class DiskTier:
 
     def put(self, prefix: Prefix) -> None:
         """Keep a sequence on disk (written by the background thread)."""
-        if prefix.tokens in self.files or prefix.kv_nbytes > self.max_bytes:
+        if prefix.tokens in self.files or prefix.array_nbytes > self.max_bytes:
             return
         name = hashlib.sha256(repr(prefix.tokens).encode()).hexdigest()[:32]
         # Evaluated here: the writer thread has no MLX stream of its own to compute on.
-        mx.eval(prefix.keys, prefix.values)
-        self._add(prefix.tokens, name, prefix.kv_nbytes)
+        mx.eval(prefix.keys, prefix.values, prefix.states)
+        self._add(prefix.tokens, name, prefix.array_nbytes)
         self._pending[name] = self._writer.submit(self._write, name, prefix)
         self._evict()
 
-    def find(self, ids: Sequence[int], limit: int) -> tuple[tuple[int, ...], int] | None:
-        """The kept sequence sharing the longest start with ids[:limit], and that length."""
-        found = self._index.find(None, ids, limit)
+    def find(
+        self, ids: Sequence[int], limit: int, whole: bool = False
+    ) -> tuple[tuple[int, ...], int] | None:
+        """The kept sequence sharing the longest start with ids[:limit], and that length
+        (`whole`: of those ids[:limit] starts with whole, BlockIndex.find)."""
+        found = self._index.find(None, ids, limit, whole=whole)
         return (found[0], found[2]) if found is not None else None
 
     def load(self, tokens: tuple[int, ...]) -> Prefix:
@@ -96,13 +99,14 @@ class DiskTier:
         t0 = time.perf_counter()
         arrays = mx.load(str(self.dir / f"{name}.safetensors"))
         assert isinstance(arrays, dict)
-        n = len(arrays) // 2
+        n = sum(1 for name in arrays if name.startswith("k"))
         keys = [arrays[f"k{i}"] for i in range(n)]
         values = [arrays[f"v{i}"] for i in range(n)]
-        mx.eval(keys, values)
+        states = _states(arrays)
+        mx.eval(keys, values, states)
         (self.dir / f"{name}.json").touch()  # recently used, across restarts too
         log.debug("kv cache dir: %d tokens read in %.3f s", len(tokens), time.perf_counter() - t0)
-        return Prefix(tokens, keys, values)
+        return Prefix(tokens, keys, values, states=states)
 
     def flush(self) -> None:
         """Wait for every write and removal submitted (one thread: they run in order)."""
@@ -112,6 +116,8 @@ class DiskTier:
     def _write(self, name: str, prefix: Prefix) -> None:
         arrays = {f"k{i}": k for i, k in enumerate(prefix.keys)}
         arrays |= {f"v{i}": v for i, v in enumerate(prefix.values)}
+        for i, state in enumerate(prefix.states or ()):
+            arrays |= {f"s{i}.{j}": a for j, a in enumerate(state)}
         mx.save_safetensors(str(self.dir / f"{name}.safetensors"), arrays)
         # The tokens last: a sequence is listed only once its arrays are whole.
         (self.dir / f"{name}.json").write_text(json.dumps({"tokens": list(prefix.tokens)}))
@@ -134,3 +140,15 @@ class DiskTier:
             pending.result()
         for suffix in (".json", ".safetensors"):
             (self.dir / f"{name}{suffix}").unlink(missing_ok=True)
+
+
+def _states(arrays: dict[str, mx.array]) -> tuple[tuple[mx.array, ...], ...] | None:
+    """A recurrent model's states as `_write` named them: s{layer}.{slot}."""
+    layers: dict[int, dict[int, mx.array]] = {}
+    for name, a in arrays.items():
+        if name.startswith("s"):
+            layer, slot = name[1:].split(".")
+            layers.setdefault(int(layer), {})[int(slot)] = a
+    if not layers:
+        return None
+    return tuple(tuple(s[j] for j in sorted(s)) for _, s in sorted(layers.items()))

@@ -36,13 +36,11 @@ from omlx_logprobs.runner.prefix_cache import (
     PrefixCache,
     break_even,
     default_budget_mib,
-    from_row,
-    keeps_prefixes,
-    keeps_sequences,
 )
 from omlx_logprobs.runner.probe import probe
 from omlx_logprobs.runner.prompt_cache import PromptCache
 from omlx_logprobs.runner.sampler import MaskState, draw, step_key, token_mask
+from omlx_logprobs.runner.snapshot import from_row, keeps_prefixes, keeps_sequences, keeps_states
 from omlx_logprobs.runner.speculation import Speculator
 from omlx_logprobs.runner.step import DeviceTime, LaunchedStep, StepResult
 from omlx_logprobs.runner.weights import load_into
@@ -115,9 +113,13 @@ class ModelRunner(Prefill):
         self.adapters = AdapterSet(model)
         # Shared prompt prefixes and finished sequences (runner/prefix_cache.py), or None.
         self.prefixes: PrefixCache | None = self._prefix_cache(prefix_cache_mib)
-        self.keeps_finished = keeps_sequences(self.templates)  # plain KV layers only
-        # Scored prompts' kept starts, with their entries (runner/prompt_cache.py).
-        self.prompt_cache = PromptCache(self.prefixes, self.adapters.key, self.keeps_finished)
+        # Finished sequences kept: plain KV layers, or whole with their states (snapshot.py).
+        self.whole = self.prefixes is not None and self.prefixes.whole
+        self.keeps_finished = keeps_sequences(self.templates) or self.whole
+        # Scored prompts' kept starts, with their entries (runner/prompt_cache.py); not from a
+        # state (a scored prompt's entries are kept at every position, a state at one).
+        scored = self.keeps_finished and not self.whole
+        self.prompt_cache = PromptCache(self.prefixes, self.adapters.key, scored)
         # Body and head apart (runner/head.py), where the model has them: the head then runs on
         # the positions needed only. Else every forward computes every position's logits.
         self.split_head = self.split is not None
@@ -148,14 +150,21 @@ class ModelRunner(Prefill):
             mx.set_cache_limit(cache_limit_mib << 20)
 
     def _prefix_cache(self, mib: int | None) -> PrefixCache | None:
-        """Plain KV and sliding-window caches only: a prefix's keys are placed per row at its
-        own padding, and a recurrent state cannot be cut to that length. `mib` None: a share
-        of the memory left after the weights."""
+        """Plain KV and sliding-window caches: any start of a kept sequence; plain KV and
+        recurrent states: whole kept sequences (runner/snapshot.py). `mib` None: a share of
+        the memory left after the weights."""
         if mib is None:
             mib = default_budget_mib()
             log.info("prefix cache: %d MiB (a quarter of the memory left after the weights)", mib)
-        if mib > 0 and keeps_prefixes(self.templates):
-            cache = PrefixCache(mib << 20, self._make_prefix)
+        whole = keeps_states(self.templates)
+        if mib > 0 and (keeps_prefixes(self.templates) or whole):
+            cache = PrefixCache(mib << 20, self._make_prefix, whole=whole)
+            if whole:
+                log.info(
+                    "prefix cache: sequences kept whole with their recurrent states (%s); a "
+                    "prompt resumes from one it starts with",
+                    ", ".join(kinds(self.templates)),
+                )
             cache.min_use = break_even(self.model)
             if cache.min_use > MIN_TOKENS:
                 log.info(
@@ -166,9 +175,8 @@ class ModelRunner(Prefill):
             return cache
         if mib > 0:
             log.info(
-                "prefix cache off for this model: its caches (%s) hold a recurrent state, which "
-                "a kept prefix cannot be cut from at each row's padding; every prompt prefills "
-                "in full",
+                "prefix cache off for this model: its caches (%s) are neither keys and values "
+                "nor recurrent states beside them; every prompt prefills in full",
                 ", ".join(kinds(self.templates)),
             )
         return None
@@ -493,6 +501,8 @@ class ModelRunner(Prefill):
             if seq.finish_reason is FinishReason.ERROR:
                 continue
             n = len(seq.prompt_ids) + seq.num_output - 1  # prompt_len is the last prefill's
+            if self.whole:  # a state is the row's after every token fed: all of them
+                n = min(cache.width - cache.pads[i], n + 1)
             assert n <= cache.width - cache.pads[i]
             if n < self.prefixes.min_use and not seq.scored:  # too short to pay: no copy
                 continue

@@ -24,17 +24,10 @@ from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor
 from omlx_logprobs.runner.batch_cache import BatchCache
 from omlx_logprobs.runner.lora import AdapterSet
-from omlx_logprobs.runner.prefix_cache import (
-    Key,
-    Prefix,
-    PrefixCache,
-    from_cache,
-    from_row,
-    make_prefix,
-    seed,
-)
+from omlx_logprobs.runner.prefix_cache import Key, Prefix, PrefixCache
 from omlx_logprobs.runner.prompt_cache import PromptCache
 from omlx_logprobs.runner.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
+from omlx_logprobs.runner.snapshot import from_cache, from_row, make_prefix, seed
 
 __all__ = ["Prefill", "Prefilled"]
 
@@ -86,6 +79,11 @@ class Prefill:
         # own; partial chunks and prompts with forks take the one-prompt path.
         grouped = [c for c in work.prefill if self._groupable(c)]
         prefixes = self._prefixes(grouped)
+        if self.prefixes is not None and self.prefixes.whole and prefixes:
+            # A row resumed from a state cannot be left-padded (its padding would fall between
+            # the state and its tokens): it prefills alone, from the state.
+            grouped = [c for c in grouped if c.seq.seq_id not in prefixes]
+            prefixes = {}
         prompt: list[PendingPrompts] = []
         prompt_only: list[Sequence] = []
         todo = deque(_groups(grouped, prefixes))

@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from omlx_logprobs.batch.block_index import BLOCK, MIN_TOKENS, BlockIndex
 
@@ -33,7 +32,7 @@ if TYPE_CHECKING:
     from omlx_logprobs.runner.disk_tier import DiskTier
     from omlx_logprobs.runner.prompt_scoring import Ask, KeptEntries
 
-__all__ = ["BLOCK", "MIN_TOKENS", "BASE_KEY", "Key", "Prefix", "PrefixCache", "make_prefix"]
+__all__ = ["BLOCK", "MIN_TOKENS", "BASE_KEY", "Key", "Prefix", "PrefixCache"]
 
 RECENT = 256  # prompt starts remembered, each with the last prompt that began with it
 # A kept start pays only where its tokens' compute costs more than what taking it costs: a
@@ -54,23 +53,30 @@ class Prefix:
     # Prompt entries of its first positions, where a scored prompt made it (prompt_scoring.py);
     # what a scored prompt may start from. Never on disk: the disk tier keeps keys and values.
     scores: KeptEntries | None = None
+    # A recurrent model's (runner/snapshot.py): each state layer's arrays after exactly these
+    # tokens, so that only the whole sequence is a start; None for attention models.
+    states: tuple[tuple[mx.array, ...], ...] | None = None
 
     @property
-    def kv_nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+    def array_nbytes(self) -> int:
+        """Its keys, values and states: what a copy of it holds."""
+        kv = sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+        return kv + sum(a.nbytes for state in self.states or () for a in state)
 
     @property
     def nbytes(self) -> int:
         """Keys and values, and the prompt entries it holds (counted at their full length: a
         store still filling grows to the prompt's): what the byte budget counts."""
         if self.scores is None:
-            return self.kv_nbytes
-        return self.kv_nbytes + len(self.tokens) * (12 + 8 * self.scores.store.k)
+            return self.array_nbytes
+        return self.array_nbytes + len(self.tokens) * (12 + 8 * self.scores.store.k)
 
     def start(self, n: int) -> Prefix:
-        """Its first n tokens' keys and values (views)."""
+        """Its first n tokens' keys and values (views); a sequence with states only whole."""
         if n == len(self.tokens):
             return self
+        if self.states is not None:
+            raise ValueError("a recurrent state is kept at its sequence's end only")
         return Prefix(
             self.tokens[:n],
             [k[..., :n, :] for k in self.keys],
@@ -105,74 +111,6 @@ def default_budget_mib() -> int:
     return int(min(max(left * BUDGET_SHARE / 2**20, low), high))
 
 
-def keeps_prefixes(caches: list[Any]) -> bool:
-    """Whether a model with these caches (`make_prompt_cache`'s) can start from a kept prefix:
-    plain KV and sliding-window layers, whose keys a prefix keeps for every one of its tokens
-    (a sliding window's rows are seeded as if their whole left-padded prompt had been prefilled
-    at once, see BatchCache.seeded). A recurrent state holds no per-token record: it cannot be
-    cut at each row's padding."""
-    return all(type(c) is KVCache or (type(c) is RotatingKVCache and c.keep == 0) for c in caches)
-
-
-def keeps_sequences(caches: list[Any]) -> bool:
-    """Whether a finished sequence's keys and values can be kept: plain KV layers only (a
-    sliding window has dropped its oldest tokens' keys by then)."""
-    return all(type(c) is KVCache for c in caches)
-
-
-def seed(cache: list[Any], prefix: Prefix) -> None:
-    """Fill a one-row cache (`make_prompt_cache`'s) with a prefix's keys and values."""
-    n = len(prefix.tokens)
-    for c, k, v in zip(cache, prefix.keys, prefix.values):
-        if type(c) is RotatingKVCache:
-            c.state = (k, v, n, c.keep, c.max_size, n)
-        else:
-            c.state = (k, v, n)
-
-
-def from_row(
-    prompt: Sequence[int], output: Any, n: int, layers: list[Any], row: int, pad: int
-) -> Prefix:
-    """A batch row's first n tokens (its prompt, then its output) and their keys and values,
-    copied out of the batch's plain KV layers (lazy)."""
-    tokens = (*prompt, *output.tolist())[:n]
-    end = pad + n
-    keys = [mx.contiguous(c.keys[row : row + 1, :, pad:end, :]) for c in layers]
-    values = [mx.contiguous(c.values[row : row + 1, :, pad:end, :]) for c in layers]
-    return Prefix(tokens, keys, values)
-
-
-def from_cache(tokens: Sequence[int], cache: list[Any]) -> Prefix:
-    """A one-row cache's (`make_prompt_cache`'s plain KV layers) keys and values of `tokens`,
-    copied (lazy): its buffers are allocated in steps of 256 tokens."""
-    n = len(tokens)
-    keys = [mx.contiguous(c.keys[..., :n, :]) for c in cache]
-    values = [mx.contiguous(c.values[..., :n, :]) for c in cache]
-    return Prefix(tuple(tokens), keys, values)
-
-
-def make_prefix(model: Any, tokens: tuple[int, ...], base: Prefix | None) -> Prefix:
-    """`tokens`' keys and values (lazy): a one-row forward, from `base`'s when given."""
-    cache = make_prompt_cache(model)
-    done = 0
-    if base is not None:
-        done = len(base.tokens)
-        seed(cache, base)
-    model(mx.array([tokens[done:]]), cache=cache)  # lazy: the head is never evaluated
-    keys, values = [], []
-    for i, c in enumerate(cache):
-        k, v = c.keys_and_values()
-        if type(c) is RotatingKVCache and base is not None:
-            # The window dropped the base's older keys: the new tokens' keys follow the base's.
-            new = len(tokens) - done
-            k = mx.concatenate([base.keys[i], k[..., -new:, :]], axis=2)
-            v = mx.concatenate([base.values[i], v[..., -new:, :]], axis=2)
-        # Copies: the cache's buffers are allocated in steps of 256 tokens.
-        keys.append(mx.contiguous(k))
-        values.append(mx.contiguous(v))
-    return Prefix(tokens, keys, values)
-
-
 def break_even(model: Any) -> int:
     """The fewest tokens a kept start must hold to pay here (a multiple of BLOCK, at least
     MIN_TOKENS): the host's fixed cost of a forward (one token's, timed) in tokens of prefill
@@ -201,8 +139,13 @@ def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int, make: Make, disk: DiskTier | None = None) -> None:
+    def __init__(
+        self, max_bytes: int, make: Make, disk: DiskTier | None = None, whole: bool = False
+    ) -> None:
         self.max_bytes = max_bytes
+        # Entries with recurrent states (runner/snapshot.py): a prompt takes only a kept
+        # sequence it starts with whole, and a sequence kept keeps those it starts with.
+        self.whole = whole
         self.make = make
         self.disk = disk  # where the base model's evicted entries go, and come back from
         # (key, tokens) -> prefix, oldest use first
@@ -241,6 +184,11 @@ class PrefixCache:
             if want - (len(have.tokens) if have is not None else 0) >= self.min_use:
                 self.keep(key, self.make(tuple(p[:want]), have, key))
         found = [self._find(p, len(p) - 1, key) for p, key in zip(prompts, keys)]
+        if self.whole:  # each seeded prompt prefills alone (ModelRunner: no padding in a state)
+            for hit, key in zip(found, keys):
+                if hit is not None:
+                    self.entries.move_to_end((key, hit[0].tokens))
+            return [hit[0] if hit is not None else None for hit in found]
         # Each distinct start seeds a prefill group of its own (a forward), so prompts whose
         # starts differ by fewer tokens than `min_use` share their common start: "Request 3"
         # and "Request 4" after one system turn had each found a kept sequence a token longer
@@ -345,6 +293,8 @@ class PrefixCache:
         # A kept start of these tokens serves nothing they do not (a conversation's last turn
         # within its next): it goes, unless it keeps prompt entries.
         for tokens, start in self._index.add(key, prefix.tokens, prefix):
+            if self.whole:  # its state serves prompts that part from this one before its end
+                continue
             if start.scores is None and self.entries.pop((key, tokens), None) is not None:
                 self._forget(key, start)
         if prefix.scores is not None:
@@ -387,15 +337,15 @@ class PrefixCache:
         """The most recent entry sharing the longest start with ids[:limit], and that length
         (None under `min_use` tokens); from the disk tier (loaded into memory, unless `look`)
         when it holds a longer one."""
-        found = self._index.find(key, ids, limit)
+        found = self._index.find(key, ids, limit, whole=self.whole)
         n = found[2] if found is not None else 0
         if self.disk is not None and key == BASE_KEY:
-            on_disk = self.disk.find(ids, limit)
+            on_disk = self.disk.find(ids, limit, whole=self.whole)
             if on_disk is not None and on_disk[1] > n:
                 if look:  # what a lookup would find, without loading it
                     return Prefix(on_disk[0], [], []), on_disk[1]
                 self.keep(key, self.disk.load(on_disk[0]))
-                found = self._index.find(key, ids, limit)
+                found = self._index.find(key, ids, limit, whole=self.whole)
                 n = found[2] if found is not None else 0
         return (found[1], n) if found is not None and n >= self.min_use else None
 

@@ -30,8 +30,8 @@ from tests.helpers.engine import (
 )
 from tests.helpers.families import FAMILIES, WINDOW, build_family
 
-# Families whose every layer is a plain KV or sliding-window cache: the ones that keep prompt
-# prefixes (the others hold a recurrent state).
+# Families whose every layer is a plain KV or sliding-window cache: the ones that take any start
+# of a kept sequence (the others hold a recurrent state, kept at a sequence's end).
 KEEPS_PREFIXES = {
     *("llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "gpt2", "gemma2"),
     *("gemma3_text", "gpt_oss", "ministral3"),
@@ -162,10 +162,9 @@ def test_a_request_alone_equals_it_inside_a_batch(family: tuple[str, LoadedModel
 def test_a_prefix_cache_hit_equals_a_miss(
     family: tuple[str, LoadedModel], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Prompts sharing a 24-token start (three windows), two of them 40 tokens: families of KV
-    and sliding-window caches start the later ones from a kept prefix (the 40-token one made
-    from the 24-token one), with the same numbers as without; the others say at start-up that
-    they keep none, and compute every prompt in full."""
+    """Prompts sharing a 24-token start (three windows), two of them 40 tokens: every family
+    starts the later ones from a kept prefix (the 40-token one made from the 24-token one),
+    with the same numbers as without; those with recurrent states from starts kept whole."""
     name, model = family
     system, more = prompt(10, 24), prompt(11, 16)
     starts = [system, system, system + more, system + more]
@@ -183,9 +182,11 @@ def test_a_prefix_cache_hit_equals_a_miss(
             assert cached == [0, 24, 24, 40]
         else:  # a GPU processes steps beside the launch: prefixes are kept a step later
             assert cached[0] == 0 and sum(cached) > 0
-    else:
-        assert engine.runner.prefixes is None and cached == [0, 0, 0, 0]
-        assert "prefix cache off for this model" in caplog.text
+    else:  # recurrent states: the made starts, kept whole, and taken whole
+        assert engine.runner.prefixes is not None and engine.runner.prefixes.whole
+        assert "kept whole with their recurrent states" in caplog.text
+        if mx.default_device() == mx.cpu:
+            assert cached == [0, 24, 24, 40]
     for r in reqs:
         a, b = on[r.rid][0], off[r.rid][0]
         check_choice(model, a)

@@ -1,0 +1,147 @@
+"""A kept sequence (a `Prefix`) taken out of mlx-lm's caches and put back into them: which models'
+caches can be kept, a one-row cache seeded from a kept sequence, a batch row's or a one-row
+cache's layers copied out, and a shared start made by a forward of its own.
+
+Attention layers keep every token's keys and values, so any start of a kept sequence is a
+prefix too. A recurrent layer (mlx-lm's `ArraysCache`: a conv window and a state, the linear
+layers of Qwen3.5 / Qwen3-Next, LFM2, Granite 4, Nemotron-H, Falcon-H1, Mamba 2) keeps one
+state, valid after exactly the tokens fed: a sequence of such a model is kept whole, its
+states at its end, and only a prompt that starts with all of it resumes from it
+(`Prefix.states`). Copies everywhere: `KVCache` writes into its buffers in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
+from omlx_logprobs.runner.batch_cache import leaves
+from omlx_logprobs.runner.prefix_cache import Prefix
+
+__all__ = [
+    "keeps_prefixes",
+    "keeps_sequences",
+    "keeps_states",
+    "seed",
+    "from_row",
+    "from_cache",
+    "make_prefix",
+]
+
+
+def keeps_prefixes(caches: list[Any]) -> bool:
+    """Whether a model with these caches (`make_prompt_cache`'s) can start from any start of a
+    kept sequence: plain KV and sliding-window layers, whose keys a prefix keeps for every one
+    of its tokens (a sliding window's rows are seeded as if their whole left-padded prompt had
+    been prefilled at once, see BatchCache.seeded)."""
+    return all(type(c) is KVCache or (type(c) is RotatingKVCache and c.keep == 0) for c in caches)
+
+
+def keeps_sequences(caches: list[Any]) -> bool:
+    """Whether a finished sequence's keys and values can be kept: plain KV layers only (a
+    sliding window has dropped its oldest tokens' keys by then)."""
+    return all(type(c) is KVCache for c in caches)
+
+
+def keeps_states(caches: list[Any]) -> bool:
+    """Whether the model's sequences can be kept whole with their recurrent states: plain KV
+    and `ArraysCache` layers (CacheLists of them too), at least one of them a state (mlx-lm's
+    sliding window beside a state, recurrent_gemma's, is left out: its zero state is not a
+    cold one)."""
+    kinds = {type(c) for c in leaves(caches)}
+    return ArraysCache in kinds and kinds <= {ArraysCache, KVCache}
+
+
+def seed(cache: list[Any], prefix: Prefix) -> None:
+    """Fill a one-row cache (`make_prompt_cache`'s) with a prefix's keys, values and states."""
+    n = len(prefix.tokens)
+    kv = iter(zip(prefix.keys, prefix.values))
+    states = iter(prefix.states or ())
+    for c in leaves(cache):
+        if _is_state(c):
+            # Layers rebind their slots, never write into them: the kept arrays stay as kept.
+            c.cache = list(next(states))
+            continue
+        k, v = next(kv)
+        if type(c) is RotatingKVCache:
+            c.state = (k, v, n, c.keep, c.max_size, n)
+        else:
+            c.state = (k, v, n)
+
+
+def from_row(
+    prompt: Sequence[int], output: Any, n: int, layers: list[Any], row: int, pad: int
+) -> Prefix:
+    """A batch row's first n tokens (its prompt, then its output), their keys and values copied
+    out of the batch's plain KV layers, and its recurrent states (lazy). A state is the row's
+    after every token fed: where there is one, n must be that count (`ModelRunner.fed`)."""
+    tokens = (*prompt, *output.tolist())[:n]
+    end = pad + n
+    keys, values, states = [], [], []
+    for c in leaves(layers):
+        if _is_state(c):
+            states.append(tuple(mx.contiguous(s[row : row + 1]) for s in c.cache))
+        elif _is_batch_kv(c):
+            keys.append(mx.contiguous(c.keys[row : row + 1, :, pad:end, :]))
+            values.append(mx.contiguous(c.values[row : row + 1, :, pad:end, :]))
+    return Prefix(tokens, keys, values, states=tuple(states) if states else None)
+
+
+def from_cache(tokens: Sequence[int], cache: list[Any]) -> Prefix:
+    """A one-row cache's (`make_prompt_cache`'s) keys and values of `tokens`, copied (lazy):
+    its buffers are allocated in steps of 256 tokens; its states, where it has them, after
+    exactly these tokens."""
+    n = len(tokens)
+    keys, values, states = [], [], []
+    for c in leaves(cache):
+        if _is_state(c):
+            states.append(tuple(mx.contiguous(s) for s in c.cache))
+        else:
+            keys.append(mx.contiguous(c.keys[..., :n, :]))
+            values.append(mx.contiguous(c.values[..., :n, :]))
+    return Prefix(tuple(tokens), keys, values, states=tuple(states) if states else None)
+
+
+def make_prefix(model: Any, tokens: tuple[int, ...], base: Prefix | None) -> Prefix:
+    """`tokens`' keys, values and states (lazy): a one-row forward, from `base`'s when given."""
+    cache = make_prompt_cache(model)
+    done = 0
+    if base is not None:
+        done = len(base.tokens)
+        seed(cache, base)
+    model(mx.array([tokens[done:]]), cache=cache)  # lazy: the head is never evaluated
+    keys, values, states = [], [], []
+    attention = (c for c in leaves(cache) if not _is_state(c))
+    for i, c in enumerate(attention):
+        k, v = c.keys_and_values()
+        if type(c) is RotatingKVCache and base is not None:
+            # The window dropped the base's older keys: the new tokens' keys follow the base's.
+            new = len(tokens) - done
+            k = mx.concatenate([base.keys[i], k[..., -new:, :]], axis=2)
+            v = mx.concatenate([base.values[i], v[..., -new:, :]], axis=2)
+        # Copies: the cache's buffers are allocated in steps of 256 tokens.
+        keys.append(mx.contiguous(k))
+        values.append(mx.contiguous(v))
+    for c in leaves(cache):
+        if _is_state(c):
+            states.append(tuple(c.cache))
+    return Prefix(tokens, keys, values, states=tuple(states) if states else None)
+
+
+# Predicates, not `type(c) is ...` in place: mlx-lm's annotations would narrow `c` to classes
+# whose arrays they type as None.
+def _is_state(c: Any) -> bool:
+    return type(c) is ArraysCache
+
+
+def _is_batch_kv(c: Any) -> bool:
+    return type(c) is BatchKVCache

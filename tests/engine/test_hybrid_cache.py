@@ -1,0 +1,113 @@
+"""Conversations on the hybrid families (recurrent layers beside attention: Qwen3-Next, Qwen3.5,
+LFM2, Granite 4, Falcon-H1, Nemotron-H): each turn resumes from the last turn's kept sequence,
+its attention layers' keys and values and its recurrent states at its end, and gives the same
+tokens and logprobs as an engine with the cache off (1e-4, float32 on the CPU); resumed and
+cold rows share a batch; a restart takes the states back from the disk tier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.models.loader import LoadedModel
+from tests.engine.test_conversation_cache import Chat, cached, greedy
+from tests.engine.test_families import built
+from tests.helpers.engine import Record, encode
+
+HYBRIDS = ["qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid", "falcon_h1", "nemotron_h"]
+
+pytestmark = pytest.mark.skipif(
+    mx.default_device() != mx.cpu, reason="cached counts as the CPU's steps leave them"
+)
+
+
+def same(got: Record, want: Record) -> None:
+    assert list(got.output_ids) == list(want.output_ids)
+    assert got.store is not None and want.store is not None
+    np.testing.assert_allclose(got.store.logprobs, want.store.logprobs, atol=1e-4)
+
+
+def pair(model: LoadedModel) -> tuple[Chat, Chat]:
+    on = Chat(model, EngineConfig(prefill_chunk=64, prefix_cache_mib=64))
+    off = Chat(model, EngineConfig(prefill_chunk=64, prefix_cache_mib=0))
+    return on, off
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("system_words", [3, 30], ids=["short", "chunked"])
+def test_each_turn_resumes_from_the_last(
+    name: str, system_words: int, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> None:
+    """Four turns, each the last turn's prompt, its answer and a new message: from the second
+    on, every token the last turn fed comes from the cache."""
+    model = built(name, tmp_path_factory, tokenizer_dir)
+    on, off = pair(model)
+    prompt = encode(model, "You are a terse assistant. " * system_words + "User: hello\n")
+    last = 0
+    try:
+        for turn in range(4):
+            [r] = on.send([prompt], greedy(10))
+            [ref] = off.send([prompt], greedy(10))
+            same(r, ref)
+            # Every token the last turn fed: its answer's last too where a step fed it before
+            # the row was dropped (a state cannot be cut back to the prompt and answer's last).
+            assert cached(r) in ((last - 1, last) if turn else (0,))
+            last = len(prompt) + len(r.output_ids)
+            prompt = prompt + list(r.output_ids) + encode(model, f"\nUser: and {turn}?\n")
+    finally:
+        on.client.shutdown()
+        off.client.shutdown()
+
+
+def test_resumed_and_cold_rows_share_a_batch(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> None:
+    """Two conversations' second turns (each resumed from its own state) sent with two new
+    prompts (left-padded together, cold): every row as the cache-off engine's; a prompt that
+    parts from a conversation inside its last answer finds no state there and is cold too."""
+    model = built("qwen3_5", tmp_path_factory, tokenizer_dir)
+    on, off = pair(model)
+    firsts = [encode(model, f"System: be brief. User: question {i}\n") for i in range(2)]
+    try:
+        rs = on.send(firsts, greedy(8))
+        off.send(firsts, greedy(8))
+        more = encode(model, "\nUser: more\n")
+        nexts = [p + list(r.output_ids) + more for p, r in zip(firsts, rs)]
+        cold = [encode(model, f"Another topic entirely, number {i}.") for i in range(2)]
+        parted = firsts[0] + list(rs[0].output_ids[:3]) + encode(model, " no")
+        sent = [*nexts, *cold, parted]
+        got, want = on.send(sent, greedy(6)), off.send(sent, greedy(6))
+    finally:
+        on.client.shutdown()
+        off.client.shutdown()
+    for g, w in zip(got, want):
+        same(g, w)
+    assert all(cached(g) >= len(p) + 7 for g, p in zip(got, firsts))
+    assert [cached(g) for g in got[2:]] == [0, 0, 0]
+
+
+def test_a_restart_resumes_from_the_disk_tier(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """Turn one on an engine that then shuts down (its kept sequences go to disk, states and
+    all); turn two on a new engine resumes from them."""
+    model = built("lfm2", tmp_path_factory, tokenizer_dir)
+    cfg = EngineConfig(prefill_chunk=64, prefix_cache_mib=64, kv_cache_dir=str(tmp_path))
+    prompt = encode(model, "A long system turn for the disk. " * 4 + "User: hi\n")
+    first = Chat(model, cfg)
+    [r] = first.send([prompt], greedy(8))
+    first.client.shutdown()
+    turn = prompt + list(r.output_ids) + encode(model, "\nUser: more\n")
+    again, off = Chat(model, cfg), Chat(model, EngineConfig(prefill_chunk=64, prefix_cache_mib=0))
+    try:
+        [got] = again.send([turn], greedy(6))
+        [want] = off.send([turn], greedy(6))
+    finally:
+        again.client.shutdown()
+        off.client.shutdown()
+    assert cached(got) >= len(prompt) + len(r.output_ids) - 1
+    same(got, want)
