@@ -91,11 +91,14 @@ def _copy(c: Any) -> Any:
 
 
 class BatchCache:
-    def __init__(self, layers: list[Any], pads: list[int]) -> None:
+    def __init__(self, layers: list[Any], pads: list[int], fed: list[int] | None = None) -> None:
         self.layers = layers  # one batch cache per layer, all with the same rows
         # Left padding of each row, as in every plain KV layer's `left_padding` (all those
         # layers share one width); unused where a model has none.
         self.pads = pads
+        # The tokens each row's caches hold: what a recurrent state is the state after (a
+        # model of states alone has no KV width to tell it; runner/snapshot.py).
+        self.fed = fed if fed is not None else [0] * len(pads)
         self._kv = [c for c in leaves(layers) if type(c) is BatchKVCache]
         self._grow = [c for c in leaves(layers) if type(c) in (BatchKVCache, BatchRotatingKVCache)]
 
@@ -141,10 +144,17 @@ class BatchCache:
         return cls(layers, list(pads))
 
     @classmethod
-    def of_copies(cls, caches: list[Any], n: int) -> BatchCache:
-        """One sequence's caches (of `make_prompt_cache`'s kinds) as n identical rows (the n
-        choices of one prompt), each layer merged by its own class's `merge`."""
-        return cls([type(c).merge([c] * n) for c in caches], [0] * n)
+    def of_copies(cls, caches: list[Any], n: int, tokens: int) -> BatchCache:
+        """One sequence's caches (of `make_prompt_cache`'s kinds, holding `tokens`) as n
+        identical rows (the n choices of one prompt), each layer merged by its own class's
+        `merge`."""
+        rows = cls([type(c).merge([c] * n) for c in caches], [0] * n)
+        rows.fed = [tokens] * n
+        return rows
+
+    def advance(self, fed: list[int]) -> None:
+        """Each row's caches took fed[i] more tokens (a prefill, a decode step)."""
+        self.fed = [f + n for f, n in zip(self.fed, fed)]
 
     def __len__(self) -> int:
         return len(self.pads)
@@ -182,10 +192,11 @@ class BatchCache:
         for c, o in zip(self.layers, other.layers):
             c.extend(o)
         self.pads = pads
+        self.fed = self.fed + other.fed
 
     def select(self, keep: list[int]) -> BatchCache:
         """These rows as a cache of their own; this one is left as it is."""
-        out = BatchCache([_copy(c) for c in self.layers], list(self.pads))
+        out = BatchCache([_copy(c) for c in self.layers], list(self.pads), list(self.fed))
         out.filter(keep)
         return out
 
@@ -206,6 +217,7 @@ class BatchCache:
                 c.left_padding = c.left_padding + moved
                 c.offset = c.offset - moved
         self.pads = [p + s for p, s in zip(self.pads, shift)]
+        self.fed = [f - u for f, u in zip(self.fed, unused)]
 
     def filter(self, keep: list[int], align: int = 1) -> None:
         """Keep only these rows, and drop the padding columns every remaining row shares (a
@@ -225,3 +237,4 @@ class BatchCache:
             else:
                 c.filter(idx)
         self.pads = [p - trim for p in pads]
+        self.fed = [self.fed[i] for i in keep]

@@ -250,6 +250,7 @@ class ModelRunner(Prefill):
         cache = self.batch_cache
         assert cache is not None
         n = inputs.shape[1]
+        cache.advance([n] * len(cache))
         if not self.adapters.stacks:
             if n == 1 and self.decode is not None and self.decode.supports(cache):
                 return self.decode(inputs, cache)
@@ -502,8 +503,8 @@ class ModelRunner(Prefill):
                 continue
             n = len(seq.prompt_ids) + seq.num_output - 1  # prompt_len is the last prefill's
             if self.whole:  # a state is the row's after every token fed: all of them
-                n = min(cache.width - cache.pads[i], n + 1)
-            assert n <= cache.width - cache.pads[i]
+                n = min(cache.fed[i], n + 1)
+            assert n <= cache.fed[i]
             if n < self.prefixes.min_use and not seq.scored:  # too short to pay: no copy
                 continue
             prefix = from_row(seq.prompt_ids, seq.output_ids, n, cache.layers, i, cache.pads[i])

@@ -185,6 +185,7 @@ class Prefill:
             cache = BatchCache.seeded(self.templates, prefix.keys, prefix.values, pads)
         if self.tight_cache:
             cache.reserve(max(c.seq.to_write for c in group), width - start)
+        cache.advance([c.end for c in group])
         self.adapters.select_rows([c.seq for c in group])
         for row, c in enumerate(group):
             c.seq.cached_tokens = max(start - pads[row], 0)
@@ -299,7 +300,7 @@ class Prefill:
         del self.chunk_caches[seq.seq_id]
         members = seq.joining()
         if members:  # one copy of the prompt's cache per choice, rows in choice order
-            rows_cache = BatchCache.of_copies(cache, len(members))
+            rows_cache = BatchCache.of_copies(cache, len(members), chunk.end)
             for row, m in enumerate(members):
                 self.prefilled[m.seq_id] = Prefilled(rows_cache, row)
         return logits, scored

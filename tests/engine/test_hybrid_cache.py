@@ -18,7 +18,7 @@ from tests.engine.test_conversation_cache import Chat, cached, greedy
 from tests.engine.test_families import built
 from tests.helpers.engine import Record, encode
 
-HYBRIDS = ["qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid", "falcon_h1", "nemotron_h"]
+HYBRIDS = ["qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid", "falcon_h1", "nemotron_h", "mamba2"]
 
 pytestmark = pytest.mark.skipif(
     mx.default_device() != mx.cpu, reason="cached counts as the CPU's steps leave them"
