@@ -6,6 +6,7 @@ cold rows share a batch; a restart takes the states back from the disk tier."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,7 +16,7 @@ import pytest
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.models.loader import LoadedModel
 from tests.engine.test_conversation_cache import Chat, cached, greedy
-from tests.engine.test_families import built
+from tests.engine.test_families import GREEDY, Req, built, check_choice, prompt, serve, view
 from tests.helpers.engine import Record, encode
 
 HYBRIDS = ["qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid", "falcon_h1", "nemotron_h", "mamba2"]
@@ -111,3 +112,26 @@ def test_a_restart_resumes_from_the_disk_tier(
         off.client.shutdown()
     assert cached(got) >= len(prompt) + len(r.output_ids) - 1
     same(got, want)
+
+
+def test_choices_of_a_resumed_prompt_fork_from_its_state(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> None:
+    """A second turn asking for three sampled choices: the prompt resumes from the first turn's
+    state once, and each choice forks from it (its own copy of the state); every choice as the
+    cache-off engine's, checked against the model's full forward too."""
+    model = built("qwen3_next", tmp_path_factory, tokenizer_dir)
+    first = prompt(1, 30)
+    sampled = replace(GREEDY, temperature=0.9, seed=7, top_logprobs=4, max_tokens=6)
+    _, ref = serve(model, [Req("a", first, GREEDY)], EngineConfig(prefix_cache_mib=0))
+    second = first + list(ref["a"][0].output_ids) + prompt(2, 5)
+    reqs = [Req("a", first, GREEDY), Req("b", second, sampled, n=3, at=30)]
+    _, on = serve(model, reqs, EngineConfig(prefill_chunk=64, prefix_cache_mib=64))
+    _, off = serve(model, reqs, EngineConfig(prefill_chunk=64, prefix_cache_mib=0))
+    assert len({s.cached_tokens for s in on["b"]}) == 1
+    assert on["b"][0].cached_tokens >= len(first) + 9  # the first turn's answer's last too
+    assert len({tuple(s.output_ids) for s in on["b"]}) > 1  # the choices differ
+    for a, b in zip(on["b"], off["b"]):
+        check_choice(model, a)
+        assert list(a.output_ids) == list(b.output_ids)
+        np.testing.assert_allclose(view(a.store).logprobs, view(b.store).logprobs, atol=1e-4)
