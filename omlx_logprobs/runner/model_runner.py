@@ -34,6 +34,7 @@ from omlx_logprobs.runner.prefill import Prefill, Prefilled
 from omlx_logprobs.runner.prefix_cache import (
     MIN_TOKENS,
     PrefixCache,
+    State,
     break_even,
     default_budget_mib,
 )
@@ -92,6 +93,7 @@ class ModelRunner(Prefill):
         self.last_seqs: list[Sequence] = []  # their rows' sequences, in order
         self._last_rows: dict[int, int] | None = None  # seq_id -> its row, made when asked
         self.chunk_caches: dict[int, list[Any]] = {}  # long prompts between their chunks
+        self.boundaries: dict[int, list[tuple[int, State]]] = {}  # their states (prefill.py)
         self.prefilled: dict[int, Prefilled] = {}  # prompts done, not yet in the batch
         # Prompts whose prefill failed in the last launch (an allocation, say), with why: the
         # engine ends them alone; the step goes on without them.
@@ -481,6 +483,8 @@ class ModelRunner(Prefill):
         if len(keep) == len(self.rows):
             return
         self._keep_finished([i for i, s in enumerate(self.rows) if s.seq_id in gone])
+        for s in seqs:
+            self.boundaries.pop(s.seq_id, None)
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.batch_cache = None
@@ -512,3 +516,5 @@ class ModelRunner(Prefill):
             # The copies now, with the step: until then they would hold the batch's arrays.
             mx.async_eval(prefix.keys, prefix.values)
             self.prefixes.keep(self.adapters.key(seq.adapter), prefix)
+            if at := self.boundaries.get(seq.seq_id):
+                self.prefixes.keep_boundaries(self.adapters.key(seq.adapter), prefix, at)

@@ -24,10 +24,17 @@ from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor
 from omlx_logprobs.runner.batch_cache import BatchCache
 from omlx_logprobs.runner.lora import AdapterSet
-from omlx_logprobs.runner.prefix_cache import Key, Prefix, PrefixCache
+from omlx_logprobs.runner.prefix_cache import Key, Prefix, PrefixCache, State
 from omlx_logprobs.runner.prompt_cache import PromptCache
 from omlx_logprobs.runner.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
-from omlx_logprobs.runner.snapshot import from_cache, from_row, make_prefix, seed
+from omlx_logprobs.runner.snapshot import (
+    from_cache,
+    from_row,
+    kv_bytes_per_token,
+    make_prefix,
+    seed,
+    states_of,
+)
 
 __all__ = ["Prefill", "Prefilled"]
 
@@ -59,6 +66,9 @@ class Prefill:
     prefill_align: int
     tight_cache: bool
     chunk_caches: dict[int, list[Any]]
+    # A recurrent model's long prompts: their states at chunk boundaries (tokens, states), kept
+    # with the sequence when it finishes (PrefixCache.keep_boundaries).
+    boundaries: dict[int, list[tuple[int, State]]]
     prefilled: dict[int, Prefilled]
     failed: list[tuple[Sequence, str]]
 
@@ -295,7 +305,9 @@ class Prefill:
             # forward's output is evaluated too (distributed/group_runner.py).
             unread = self._forward_unread(ids, cache)
         if not chunk.is_last:
-            self._queue([c.state for c in cache], *unread)  # bound the lazy graph between chunks
+            kept = self._boundary(seq, cache, chunk.end)
+            # Bound the lazy graph between chunks.
+            self._queue([c.state for c in cache], *unread, *kept)
             return None, scored
         del self.chunk_caches[seq.seq_id]
         members = seq.joining()
@@ -304,6 +316,22 @@ class Prefill:
             for row, m in enumerate(members):
                 self.prefilled[m.seq_id] = Prefilled(rows_cache, row)
         return logits, scored
+
+
+    def _boundary(self, seq: Sequence, cache: list[Any], n: int) -> list[mx.array]:
+        """A recurrent model's states after a chunk, n tokens into the prompt (copies), where
+        the keys and values since the last kept boundary weigh at least as much as the states:
+        what the prompt keeps beside its sequence (pure state models keep none)."""
+        if self.prefixes is None or not self.prefixes.whole:
+            return []
+        states, per_token = states_of(cache), kv_bytes_per_token(cache)
+        kept = self.boundaries.setdefault(seq.seq_id, [])
+        since = n - (kept[-1][0] if kept else 0)
+        weight = sum(a.nbytes for s in states for a in s)
+        if per_token == 0 or since * per_token < weight:
+            return []
+        kept.append((n, states))
+        return [a for s in states for a in s]
 
 
 def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[list[PrefillChunk]]:

@@ -56,6 +56,9 @@ class Prefix:
     # A recurrent model's (runner/snapshot.py): each state layer's arrays after exactly these
     # tokens, so that only the whole sequence is a start; None for attention models.
     states: tuple[tuple[mx.array, ...], ...] | None = None
+    # A state kept at a chunk boundary of a longer kept sequence, whose keys and values these
+    # are views of (`PrefixCache.keep_boundaries`): counted and gone with that one.
+    within: tuple[int, ...] | None = None
 
     @property
     def array_nbytes(self) -> int:
@@ -67,9 +70,16 @@ class Prefix:
     def nbytes(self) -> int:
         """Keys and values, and the prompt entries it holds (counted at their full length: a
         store still filling grows to the prompt's): what the byte budget counts."""
+        if self.within is not None:
+            return sum(a.nbytes for state in self.states or () for a in state)
         if self.scores is None:
             return self.array_nbytes
         return self.array_nbytes + len(self.tokens) * (12 + 8 * self.scores.store.k)
+
+    def kv_start(self, n: int) -> Prefix:
+        """Its first n tokens' keys and values (views), without its states."""
+        keys = [k[..., :n, :] for k in self.keys]
+        return Prefix(self.tokens[:n], keys, [v[..., :n, :] for v in self.values])
 
     def start(self, n: int) -> Prefix:
         """Its first n tokens' keys and values (views); a sequence with states only whole."""
@@ -88,6 +98,8 @@ class Prefix:
 # Whose keys and values a prefix holds: the base model's or a LoRA adapter's (slot, load). A
 # prefix is never shared across keys: an adapter changes every layer's keys and values.
 Key = tuple[int, int]
+# A recurrent model's states after some tokens: each state layer's arrays.
+State = tuple[tuple[mx.array, ...], ...]
 BASE_KEY: Key = (0, 0)
 # Makes the prefix `tokens` (a forward of the model), from a shorter kept one when there is one,
 # for the rows of a key.
@@ -349,11 +361,28 @@ class PrefixCache:
                 n = found[2] if found is not None else 0
         return (found[1], n) if found is not None and n >= self.min_use else None
 
+    def keep_boundaries(self, key: Key, whole: Prefix, at: list[tuple[int, State]]) -> None:
+        """Keep the states a kept sequence's prompt had at its chunk boundaries (n tokens, the
+        states after them), each with views of its keys and values: a prompt that shares the
+        sequence's start up to one of them (a document, a system turn) resumes there."""
+        if self.entries.get((key, whole.tokens)) is not whole:
+            return  # not kept (too large): nothing to be views of
+        for n, states in at:
+            if n < self.min_use:
+                continue
+            views = whole.kv_start(n)
+            self.keep(key, replace(views, states=states, within=whole.tokens))
+
     def _forget(self, key: Key, old: Prefix) -> None:
         self.nbytes -= old.nbytes
         self._index.remove(key, old.tokens, old)
         if old.scores is not None:
             self._index.remove(_scored(key), old.tokens, old)
+        # Its boundaries' states go with it: their keys and values are views of its.
+        for tokens, entry in list(self.entries.items()) if self.whole else ():
+            if tokens[0] == key and entry.within == old.tokens:
+                del self.entries[tokens]
+                self._forget(key, entry)
 
 
 def _length(hit: tuple[Prefix, int] | None) -> int:

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import (
 )
 
 from omlx_logprobs.runner.batch_cache import leaves
-from omlx_logprobs.runner.prefix_cache import Prefix
+from omlx_logprobs.runner.prefix_cache import Prefix, State
 
 __all__ = [
     "keeps_prefixes",
@@ -35,6 +35,8 @@ __all__ = [
     "from_row",
     "from_cache",
     "make_prefix",
+    "states_of",
+    "kv_bytes_per_token",
 ]
 
 
@@ -109,6 +111,17 @@ def from_cache(tokens: Sequence[int], cache: list[Any]) -> Prefix:
             keys.append(mx.contiguous(c.keys[..., :n, :]))
             values.append(mx.contiguous(c.values[..., :n, :]))
     return Prefix(tuple(tokens), keys, values, states=tuple(states) if states else None)
+
+
+def states_of(cache: list[Any]) -> State:
+    """A one-row cache's recurrent states, copied (lazy)."""
+    return tuple(tuple(mx.contiguous(a) for a in c.cache) for c in leaves(cache) if _is_state(c))
+
+
+def kv_bytes_per_token(cache: list[Any]) -> int:
+    """What a token's keys and values take in a one-row cache's plain KV layers (0: none)."""
+    kv: list[Any] = [c for c in leaves(cache) if type(c) is KVCache and c.keys is not None]
+    return sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in kv)
 
 
 def make_prefix(model: Any, tokens: tuple[int, ...], base: Prefix | None) -> Prefix:

@@ -135,3 +135,29 @@ def test_choices_of_a_resumed_prompt_fork_from_its_state(
         check_choice(model, a)
         assert list(a.output_ids) == list(b.output_ids)
         np.testing.assert_allclose(view(a.store).logprobs, view(b.store).logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
+def test_a_shared_document_resumes_from_a_chunk_boundary(
+    name: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> None:
+    """A 150-token document and a question, prefilled in chunks of 64: the prompt's states at
+    64 and 128 tokens are kept with its finished sequence; a second question on the document
+    resumes at 128 (the last boundary it shares), as the cache-off engine computes it."""
+    model = built(name, tmp_path_factory, tokenizer_dir)
+    document = prompt(3, 150)
+    reqs = [
+        Req("a", document + prompt(4, 6), GREEDY),
+        Req("b", document + prompt(5, 9), replace(GREEDY, top_logprobs=3), at=30),
+    ]
+    engine, on = serve(model, reqs, EngineConfig(prefill_chunk=64, prefix_cache_mib=64))
+    _, off = serve(model, reqs, EngineConfig(prefill_chunk=64, prefix_cache_mib=0))
+    assert on["b"][0].cached_tokens == 128
+    assert engine.runner.prefixes is not None
+    kept = sorted(len(t) for _, t in engine.runner.prefixes.entries)
+    assert kept[:2] == [64, 128]  # the boundaries, beside the two whole sequences
+    for r in reqs:
+        a, b = on[r.rid][0], off[r.rid][0]
+        check_choice(model, a)
+        assert list(a.output_ids) == list(b.output_ids)
+        np.testing.assert_allclose(view(a.store).logprobs, view(b.store).logprobs, atol=1e-4)

@@ -363,3 +363,31 @@ def test_a_scored_start_serves_entries_it_has_for_the_asks_they_answer() -> None
     found.scores.store.token_ids.append(1)
     found.scores.store.logprobs.append(0.0)
     assert found.scores.count() == 30
+
+
+def test_boundary_states_count_their_states_alone_and_go_with_their_sequence() -> None:
+    """Whole mode (recurrent states): a sequence's chunk-boundary states are kept as views of
+    its keys and values, the budget counting only their states; a prompt takes the longest
+    boundary or sequence it starts with whole; evicting the sequence drops its boundaries."""
+
+    def kept(tokens: list[int]) -> Prefix:
+        kv = [mx.zeros((1, 1, len(tokens), 4))]  # 16 bytes a token
+        return Prefix(tuple(tokens), kv, kv, states=((mx.zeros((8,)),),))  # 32 bytes
+
+    cache = PrefixCache(200 * 16 * 2 + 3 * 32, Maker(), whole=True)
+    seq = kept(list(range(100)))
+    cache.keep(BASE_KEY, seq)
+    cache.keep_boundaries(BASE_KEY, seq, [(32, ((mx.ones((8,)),),)), (64, ((mx.ones((8,)),),))])
+    assert cache.nbytes == 100 * 32 + 32 + 2 * 32
+    # Starts with all 100: the sequence; parts at 70: the boundary at 64; at 50: at 32.
+    for ids, n in (
+        (list(range(120)), 100),
+        (list(range(70)) + [7] * 9, 64),
+        (list(range(50)) + [1], 32),
+    ):
+        found = cache.longest(ids, len(ids) - 1)
+        assert found is not None and len(found.tokens) == n and found.states is not None
+    assert cache.longest(list(range(30)) + [5] * 9, 38) is None  # parts before 32: nothing
+    cache.keep(BASE_KEY, kept(list(range(1000, 1150))))  # past the budget: the first goes
+    assert sorted(len(t) for _, t in cache.entries) == [150]
+    assert cache.nbytes == 150 * 32 + 32
