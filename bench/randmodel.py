@@ -1,9 +1,10 @@
-"""Build a random-weight llama as an mlx-lm model directory, with SmolLM2's tokenizer.
+"""Build a random-weight llama (or Qwen3.5 hybrid) as an mlx-lm model directory, with SmolLM2's
+tokenizer.
 
 The GPU benchmark's model (about 1.1B parameters, bfloat16) has no weights anyone can download
 here, and needs none: throughput depends on shapes, not values.
 
-    python bench/randmodel.py --out /tmp/rand-1b --tokenizer-from DIR [--size 1b|tiny]
+    python bench/randmodel.py --out /tmp/rand-1b --tokenizer-from DIR [--size 1b|tiny|hybrid-9b]
 """
 
 # ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)
@@ -18,7 +19,7 @@ from pathlib import Path
 import omlx_logprobs  # noqa: F401  (loads OpenBLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama
+from mlx_lm.utils import _get_classes
 
 SIZES = {
     # hidden 2048, 16 layers, vocab 49,152: the GPU preset's model (1.07B parameters).
@@ -53,6 +54,31 @@ SIZES = {
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
     },
+    # A Qwen3.5-shaped hybrid (the family most Mac users run): gated delta (linear attention)
+    # layers, every fourth layer full attention, 9B parameters at Qwen3.5's head shapes: the
+    # hybrid conversation benchmark's model (docs/benchmarks.md).
+    "hybrid-9b": {
+        "model_type": "qwen3_5",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "intermediate_size": 12288,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "full_attention_interval": 4,
+        "linear_num_value_heads": 32,
+        "linear_num_key_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "type": "default",
+            "mrope_section": [11, 11, 10],
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    },
 }
 
 
@@ -75,18 +101,21 @@ def build(
             shutil.copy(f, out / f.name)
     config = {
         "model_type": "llama",
-        **SIZES[size],
         "rms_norm_eps": 1e-5,
-        "vocab_size": vocab,
         "rope_theta": 10000.0,
-        "max_position_embeddings": context,
         "tie_word_embeddings": True,
+        **SIZES[size],
+        "vocab_size": vocab,
+        "max_position_embeddings": context,
         "eos_token_id": [2],
     }
     mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    # Embeddings scaled so the logits are neither flat nor one-hot.
-    model.model.embed_tokens.weight = mx.random.normal((vocab, config["hidden_size"])) * 0.02
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    # Embeddings (and an untied head) scaled so the logits are neither flat nor one-hot.
+    for name, w in nn.utils.tree_flatten(model.parameters()):  # type: ignore[attr-defined]
+        if w.ndim == 2 and w.shape[0] == vocab:
+            model.load_weights([(name, mx.random.normal(w.shape) * 0.02)], strict=False)
     model.set_dtype(getattr(mx, dtype))
     if bits:  # as `mlx_lm convert -q` writes it, without the full-precision copy on disk
         nn.quantize(model, group_size=64, bits=bits)
