@@ -6,6 +6,7 @@ cold rows share a batch; a restart takes the states back from the disk tier."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -161,3 +162,39 @@ def test_a_shared_document_resumes_from_a_chunk_boundary(
         check_choice(model, a)
         assert list(a.output_ids) == list(b.output_ids)
         np.testing.assert_allclose(view(a.store).logprobs, view(b.store).logprobs, atol=1e-4)
+
+
+def test_an_evicted_state_comes_back_from_disk(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """A budget that holds one conversation: the second evicts the first to disk, whose next
+    turn loads it back (states and all) and resumes, as the cache-off engine computes it."""
+    model = built("granitemoehybrid", tmp_path_factory, tokenizer_dir)
+    cfg = EngineConfig(prefill_chunk=256, prefix_cache_mib=1, kv_cache_dir=str(tmp_path))
+    on, off = Chat(model, cfg), Chat(model, EngineConfig(prefill_chunk=256, prefix_cache_mib=0))
+    firsts = [encode(model, f"Conversation {i}: " + "tell me more. " * 60) for i in range(2)]
+    try:
+        runner = on.engine.runner
+        assert runner.prefixes is not None
+        [a] = on.send(firsts[:1], greedy(6))
+        for _ in range(100):  # the engine's thread keeps it as the row leaves
+            if runner.prefixes.nbytes:
+                break
+            time.sleep(0.05)
+        runner.prefixes.max_bytes = runner.prefixes.nbytes * 3 // 2  # room for one
+        on.send(firsts[1:], greedy(6))
+        disk = runner.prefixes.disk
+        assert disk is not None
+        for _ in range(100):  # the second, kept as its row leaves, evicts the first
+            if disk.files:
+                break
+            time.sleep(0.05)
+        [(on_disk, _)] = disk.files.items()
+        assert on_disk[: len(firsts[0])] == tuple(firsts[0])
+        turn = firsts[0] + list(a.output_ids) + encode(model, "\nUser: and?\n")
+        [got], [want] = on.send([turn], greedy(6)), off.send([turn], greedy(6))
+    finally:
+        on.client.shutdown()
+        off.client.shutdown()
+    assert cached(got) >= len(firsts[0]) + 5
+    same(got, want)
