@@ -38,7 +38,7 @@ from omlx_logprobs.runner.prefix_cache import (
     break_even,
     default_budget_mib,
 )
-from omlx_logprobs.runner.probe import probe
+from omlx_logprobs.runner.probe import probe, resumes_in_a_batch
 from omlx_logprobs.runner.prompt_cache import PromptCache
 from omlx_logprobs.runner.sampler import MaskState, draw, step_key, token_mask
 from omlx_logprobs.runner.snapshot import from_row, keeps_prefixes, keeps_sequences, keeps_states
@@ -117,6 +117,12 @@ class ModelRunner(Prefill):
         self.prefixes: PrefixCache | None = self._prefix_cache(prefix_cache_mib)
         # Finished sequences kept: plain KV layers, or whole with their states (snapshot.py).
         self.whole = self.prefixes is not None and self.prefixes.whole
+        # Rows resumed from states prefill in one right-padded forward where the family's
+        # recurrent layers take each row's length (probe.py), else one at a time.
+        self.resumes_batched = self.whole and resumes_in_a_batch(model, self.templates, model)
+        if self.whole:
+            how = "together, right-padded" if self.resumes_batched else "one at a time"
+            log.info("prefix cache: prompts resumed from kept states prefill %s", how)
         self.keeps_finished = keeps_sequences(self.templates) or self.whole
         # Scored prompts' kept starts, with their entries (runner/prompt_cache.py); not from a
         # state (a scored prompt's entries are kept at every position, a state at one).

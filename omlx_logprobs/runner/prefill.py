@@ -32,6 +32,7 @@ from omlx_logprobs.runner.snapshot import (
     from_row,
     kv_bytes_per_token,
     make_prefix,
+    resume_rows,
     seed,
     states_of,
 )
@@ -66,6 +67,7 @@ class Prefill:
     prefill_align: int
     tight_cache: bool
     chunk_caches: dict[int, list[Any]]
+    resumes_batched: bool
     # A recurrent model's long prompts: their states at chunk boundaries (tokens, states), kept
     # with the sequence when it finishes (PrefixCache.keep_boundaries).
     boundaries: dict[int, list[tuple[int, State]]]
@@ -89,18 +91,27 @@ class Prefill:
         # own; partial chunks and prompts with forks take the one-prompt path.
         grouped = [c for c in work.prefill if self._groupable(c)]
         prefixes = self._prefixes(grouped)
+        resumed: dict[int, Prefix] = {}
         if self.prefixes is not None and self.prefixes.whole and prefixes:
             # A row resumed from a state cannot be left-padded (its padding would fall between
-            # the state and its tokens): it prefills alone, from the state.
+            # the state and its tokens): rows resumed prefill right-padded together where the
+            # family allows it, else each alone from its state.
             grouped = [c for c in grouped if c.seq.seq_id not in prefixes]
+            resumed = prefixes if self.resumes_batched else {}
             prefixes = {}
         prompt: list[PendingPrompts] = []
         prompt_only: list[Sequence] = []
         todo = deque(_groups(grouped, prefixes))
+        todo += _groups([c for c in work.prefill if c.seq.seq_id in resumed], {})
         while todo:
             group = todo.popleft()
             try:
-                logits, pending = self._prefill_group(group, prefixes.get(group[0].seq.seq_id))
+                if group[0].seq.seq_id in resumed:
+                    logits = self._resume_group(group, [resumed[c.seq.seq_id] for c in group])
+                    pending = None
+                else:
+                    prefix = prefixes.get(group[0].seq.seq_id)
+                    logits, pending = self._prefill_group(group, prefix)
                 self._settle([c.seq for c in group], logits)
             except Exception as exc:
                 if len(group) > 1:  # each prompt alone, next: only the one at fault fails
@@ -116,7 +127,7 @@ class Prefill:
                 parts.append(part)
                 seqs += [group[i].seq for i in sampled]
         for chunk in work.prefill:
-            if chunk in grouped:
+            if chunk in grouped or chunk.seq.seq_id in resumed:
                 continue
             try:
                 last, scored = self._prefill_chunk(chunk)
@@ -231,6 +242,27 @@ class Prefill:
         )
         return self._head(h[:, -1, :]), pending
 
+    def _resume_group(self, group: list[PrefillChunk], starts: list[Prefix]) -> mx.array:
+        """Whole prompts, each resumed from the kept state it starts with, in one right-padded
+        forward (snapshot.resume_rows): their last logits; the rows wait in the group's cache
+        for admission."""
+        news = [c.seq.context_ids[len(p.tokens) : c.end] for c, p in zip(group, starts)]
+        rows = resume_rows(self.model, self.templates, starts, news)
+        self.adapters.select_rows([c.seq for c in group])
+        idx = mx.arange(len(group))
+        if self.split is None:
+            logits = self.model(rows.ids, cache=rows.layers)[idx, rows.last]
+        else:
+            h = self.split.body(rows.ids, cache=rows.layers)[idx, rows.last]
+            logits = self._head(h[:, None, :])[:, 0, :]
+        rows.finish()
+        cache = BatchCache(rows.layers, rows.pads, rows.fed)
+        for row, (c, p) in enumerate(zip(group, starts)):
+            c.seq.cached_tokens = len(p.tokens)
+            if c.seq.params.max_tokens > 0:
+                self.prefilled[c.seq.seq_id] = Prefilled(cache, row)
+        return logits
+
     def _prefixes(self, chunks: list[PrefillChunk]) -> dict[int, Prefix]:
         """By seq_id, the kept prefix each whole prompt starts from: for plain prompts, made
         here where two prompts that began alike share one (evaluated with the step); for
@@ -316,7 +348,6 @@ class Prefill:
             for row, m in enumerate(members):
                 self.prefilled[m.seq_id] = Prefilled(rows_cache, row)
         return logits, scored
-
 
     def _boundary(self, seq: Sequence, cache: list[Any], n: int) -> list[mx.array]:
         """A recurrent model's states after a chunk, n tokens into the prompt (copies), where

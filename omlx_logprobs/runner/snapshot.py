@@ -13,6 +13,7 @@ states at its end, and only a prompt that starts with all of it resumes from it
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -37,6 +38,8 @@ __all__ = [
     "make_prefix",
     "states_of",
     "kv_bytes_per_token",
+    "Resumed",
+    "resume_rows",
 ]
 
 
@@ -111,6 +114,45 @@ def from_cache(tokens: Sequence[int], cache: list[Any]) -> Prefix:
             keys.append(mx.contiguous(c.keys[..., :n, :]))
             values.append(mx.contiguous(c.values[..., :n, :]))
     return Prefix(tuple(tokens), keys, values, states=tuple(states) if states else None)
+
+
+@dataclass
+class Resumed:
+    """Rows resumed from kept states in one forward, right-padded as mlx-lm's own batched prefill
+    pads them: each layer prepared with the rows' lengths (a recurrent layer keeps each row's
+    state at its last token; attention's pads follow a row's tokens, where its queries never
+    look), then `finish` turns the right padding into left padding (BatchKVCache.finalize)."""
+
+    layers: list[Any]  # per layer, the rows' caches merged by the layer's own class
+    ids: mx.array  # [B, W] each row's new tokens, right-padded
+    last: mx.array  # [B] each row's last new position
+    pads: list[int]  # each row's left padding after `finish`
+    fed: list[int]  # the tokens each row's caches hold after the forward
+
+    def finish(self) -> None:
+        for c in self.layers:
+            c.finalize()
+
+
+def resume_rows(
+    model: Any, templates: list[Any], starts: list[Prefix], news: list[list[int]]
+) -> Resumed:
+    """A batch of rows, row i seeded from starts[i] (kept whole with its states), to be fed
+    news[i] in one forward (`Resumed`); only for models whose recurrent layers take each row's
+    length (`probe.resumes_in_a_batch`)."""
+    rows = []
+    for p in starts:
+        cache = make_prompt_cache(model)
+        seed(cache, p)
+        rows.append(cache)
+    layers = [type(t).merge([r[i] for r in rows]) for i, t in enumerate(templates)]
+    held, lens = [len(p.tokens) for p in starts], [len(n) for n in news]
+    right = [max(lens) - n for n in lens]
+    for c in layers:
+        c.prepare(lengths=lens, right_padding=right)
+    ids = mx.array([n + [0] * r for n, r in zip(news, right)])
+    pads = [max(held) - h + r for h, r in zip(held, right)]
+    return Resumed(layers, ids, mx.array(lens) - 1, pads, [h + n for h, n in zip(held, lens)])
 
 
 def states_of(cache: list[Any]) -> State:

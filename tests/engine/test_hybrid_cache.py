@@ -65,14 +65,22 @@ def test_each_turn_resumes_from_the_last(
         off.client.shutdown()
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "mamba2", "nemotron_h"])
 def test_resumed_and_cold_rows_share_a_batch(
-    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+    name: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 ) -> None:
     """Two conversations' second turns (each resumed from its own state) sent with two new
-    prompts (left-padded together, cold): every row as the cache-off engine's; a prompt that
-    parts from a conversation inside its last answer finds no state there and is cold too."""
-    model = built("qwen3_5", tmp_path_factory, tokenizer_dir)
+    prompts (left-padded together, cold): every row as the cache-off engine's; the resumed
+    rows prefill in one right-padded forward where the family's recurrent layers take each
+    row's length (not nemotron_h's: one at a time); a prompt that parts from a conversation
+    inside its last answer finds no state there and is cold too."""
+    model = built(name, tmp_path_factory, tokenizer_dir)
     on, off = pair(model)
+    runner = on.engine.runner
+    assert runner.resumes_batched == (name != "nemotron_h")
+    together: list[int] = []
+    resume = runner._resume_group
+    runner._resume_group = lambda g, s: together.append(len(g)) or resume(g, s)  # type: ignore[method-assign]
     firsts = [encode(model, f"System: be brief. User: question {i}\n") for i in range(2)]
     try:
         rs = on.send(firsts, greedy(8))
@@ -89,6 +97,7 @@ def test_resumed_and_cold_rows_share_a_batch(
     for g, w in zip(got, want):
         same(g, w)
     assert all(cached(g) >= len(p) + 7 for g, p in zip(got, firsts))
+    assert together == ([2] if name != "nemotron_h" else [])
     assert [cached(g) for g in got[2:]] == [0, 0, 0]
 
 
