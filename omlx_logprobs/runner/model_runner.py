@@ -514,7 +514,7 @@ class ModelRunner(Prefill):
             n = len(seq.prompt_ids) + seq.num_output - 1  # prompt_len is the last prefill's
             if self.whole:  # a state is the row's after every token fed: all of them
                 n = min(cache.fed[i], n + 1)
-            assert n <= cache.fed[i]
+            assert n <= cache.width - cache.pads[i] or not cache.width
             if n < self.prefixes.min_use and not seq.scored:  # too short to pay: no copy
                 continue
             prefix = from_row(seq.prompt_ids, seq.output_ids, n, cache.layers, i, cache.pads[i])
