@@ -15,6 +15,11 @@ blocks: MLX has no paged attention, and seeding a batch from one contiguous arra
 one gather (BatchCache.seeded). Least recently used entries go first when the byte budget is
 spent, to the disk tier when there is one (runner/disk_tier.py), which a later lookup (or a
 later server) loads them back from.
+
+A model with recurrent states (`whole`) keeps each sequence whole, its states at its end
+(runner/snapshot.py): a prompt takes only a kept sequence it starts with all of, a sequence
+kept leaves those it starts with in place (a prompt that parts from it earlier resumes there),
+and a long prompt's states at its chunk boundaries are kept beside it.
 """
 
 from __future__ import annotations
