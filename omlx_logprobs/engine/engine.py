@@ -354,6 +354,15 @@ class Engine:
         log.info("speculation: verify shapes warmed in %.1f s", time.perf_counter() - t0)
 
     def _drain_inbox(self) -> None:
+        aborts: list[str] = []
+        try:
+            self._read_inbox(aborts)
+        finally:
+            # Together: each release filters the batch's caches (and keeps a finished row's),
+            # which cost a 64-row batch on the CPU ~0.45 s an abort when taken one by one.
+            self._abort(aborts)
+
+    def _read_inbox(self, aborts: list[str]) -> None:
         while True:
             try:
                 command = self._inbox.get_nowait()
@@ -371,7 +380,7 @@ class Engine:
                     if command.update.abort_in_flight:
                         command.aborted = self._abort_in_flight()
                 case Abort(request_id=request_id):
-                    self._abort(request_id)
+                    aborts.append(request_id)
 
     def _add(self, req: EngineRequest) -> None:
         leader = Sequence.of(req)
@@ -383,11 +392,18 @@ class Engine:
         else:
             self.scheduler.add(leader)
 
-    def _abort(self, request_id: str) -> None:
-        for s in self._live.get(request_id, ()):
-            if s.status is not Status.FINISHED:
-                self._aborted[s.status] += 1
-                self._end(s, FinishReason.ABORT, None)
+    def _abort(self, request_ids: list[str]) -> None:
+        """End every unfinished choice of these requests, their rows released at once."""
+        ended = []
+        for request_id in request_ids:
+            for s in self._live.get(request_id, ()):
+                if s.status is not Status.FINISHED:
+                    self._aborted[s.status] += 1
+                    self.processor.end(s, FinishReason.ABORT, None)
+                    self.scheduler.remove(s)
+                    ended.append(s)
+        if ended:
+            self.runner.release(ended)
 
     def _constrain(self, leader: Sequence) -> bool:
         """Give each choice of a constrained request its grammar matcher; a grammar that cannot
