@@ -117,12 +117,7 @@ class ModelRunner(Prefill):
         self.prefixes: PrefixCache | None = self._prefix_cache(prefix_cache_mib)
         # Finished sequences kept: plain KV layers, or whole with their states (snapshot.py).
         self.whole = self.prefixes is not None and self.prefixes.whole
-        # Rows resumed from states prefill in one right-padded forward where the family's
-        # recurrent layers take each row's length (probe.py), else one at a time.
-        self.resumes_batched = self.whole and resumes_in_a_batch(model, self.templates, model)
-        if self.whole:
-            how = "together, right-padded" if self.resumes_batched else "one at a time"
-            log.info("prefix cache: prompts resumed from kept states prefill %s", how)
+        self.resumes_batched = self._resumes_batched()
         self.keeps_finished = keeps_sequences(self.templates) or self.whole
         # Scored prompts' kept starts, with their entries (runner/prompt_cache.py); not from a
         # state (a scored prompt's entries are kept at every position, a state at one).
@@ -188,6 +183,16 @@ class ModelRunner(Prefill):
                 ", ".join(kinds(self.templates)),
             )
         return None
+
+    def _resumes_batched(self) -> bool:
+        """Rows resumed from states prefill in one right-padded forward where the family's
+        recurrent layers take each row's length (probe.py), else one at a time."""
+        if not self.whole:
+            return False
+        together = resumes_in_a_batch(self.model, self.templates, self.model)
+        how = "together, right-padded" if together else "one at a time"
+        log.info("prefix cache: prompts resumed from kept states prefill %s", how)
+        return together
 
     def _decode_step(self, model: Any, cpu: bool) -> compiled.CompiledDecode | LeanDecode | None:
         """The decode forward compiled (runner/fast/compiled.py) where asked on a GPU, else the lean

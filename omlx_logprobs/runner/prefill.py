@@ -34,6 +34,7 @@ from omlx_logprobs.runner.snapshot import (
     make_prefix,
     resume_rows,
     seed,
+    states_nbytes,
     states_of,
 )
 
@@ -90,15 +91,7 @@ class Prefill:
         # Whole prompts prefill together in left-padded groups, scored ones in groups of their
         # own; partial chunks and prompts with forks take the one-prompt path.
         grouped = [c for c in work.prefill if self._groupable(c)]
-        prefixes = self._prefixes(grouped)
-        resumed: dict[int, Prefix] = {}
-        if self.prefixes is not None and self.prefixes.whole and prefixes:
-            # A row resumed from a state cannot be left-padded (its padding would fall between
-            # the state and its tokens): rows resumed prefill right-padded together where the
-            # family allows it, else each alone from its state.
-            grouped = [c for c in grouped if c.seq.seq_id not in prefixes]
-            resumed = prefixes if self.resumes_batched else {}
-            prefixes = {}
+        grouped, prefixes, resumed = self._resumed(grouped, self._prefixes(grouped))
         prompt: list[PendingPrompts] = []
         prompt_only: list[Sequence] = []
         todo = deque(_groups(grouped, prefixes))
@@ -242,6 +235,18 @@ class Prefill:
         )
         return self._head(h[:, -1, :]), pending
 
+    def _resumed(
+        self, grouped: list[PrefillChunk], prefixes: dict[int, Prefix]
+    ) -> tuple[list[PrefillChunk], dict[int, Prefix], dict[int, Prefix]]:
+        """(left-padded prompts, their kept starts, prompts resumed from states together). A
+        row resumed from a state cannot be left-padded (its padding would fall between the
+        state and its tokens): rows resumed prefill right-padded together where the family
+        allows it, else each alone from its state (the one-prompt path)."""
+        if self.prefixes is None or not self.prefixes.whole or not prefixes:
+            return grouped, prefixes, {}
+        cold = [c for c in grouped if c.seq.seq_id not in prefixes]
+        return cold, {}, prefixes if self.resumes_batched else {}
+
     def _resume_group(self, group: list[PrefillChunk], starts: list[Prefix]) -> mx.array:
         """Whole prompts, each resumed from the kept state it starts with, in one right-padded
         forward (snapshot.resume_rows): their last logits; the rows wait in the group's cache
@@ -355,12 +360,12 @@ class Prefill:
         what the prompt keeps beside its sequence (pure state models keep none)."""
         if self.prefixes is None or not self.prefixes.whole:
             return []
-        states, per_token = states_of(cache), kv_bytes_per_token(cache)
+        per_token, weight = kv_bytes_per_token(cache), states_nbytes(cache)
         kept = self.boundaries.setdefault(seq.seq_id, [])
         since = n - (kept[-1][0] if kept else 0)
-        weight = sum(a.nbytes for s in states for a in s)
         if per_token == 0 or since * per_token < weight:
             return []
+        states = states_of(cache)  # copies only of what is kept
         kept.append((n, states))
         return [a for s in states for a in s]
 

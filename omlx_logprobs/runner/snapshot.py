@@ -37,6 +37,7 @@ __all__ = [
     "from_cache",
     "make_prefix",
     "states_of",
+    "states_nbytes",
     "kv_bytes_per_token",
     "Resumed",
     "resume_rows",
@@ -158,6 +159,11 @@ def resume_rows(
 def states_of(cache: list[Any]) -> State:
     """A one-row cache's recurrent states, copied (lazy)."""
     return tuple(tuple(mx.contiguous(a) for a in c.cache) for c in leaves(cache) if _is_state(c))
+
+
+def states_nbytes(cache: list[Any]) -> int:
+    """What a one-row cache's recurrent states take."""
+    return sum(a.nbytes for c in leaves(cache) if _is_state(c) for a in c.cache)
 
 
 def kv_bytes_per_token(cache: list[Any]) -> int:
