@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         model_dir = args.model
     name = "SmolLM2-135M-Instruct" if args.model is None else Path(args.model).name
     servers: dict[str, Server] = {}
+    started = time.perf_counter()
     ports = {k: free_port() for k in ("on", "off", "mlx-lm")}
     extra = ["--prefix-cache-mib", "0"]
     servers["on"] = start_server(omlx_command(ports["on"], args.model, 8), ports["on"])
@@ -134,6 +136,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             ]
             for w in warming:
                 w.result()
+        print(f"servers up and warm after {time.perf_counter() - started:.0f} s", flush=True)
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": "Find why test_parser fails and fix it."},
@@ -143,6 +146,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"turn": turn}
             answer = ""
             for key, server in servers.items():
+                if key == "off" and args.alone_only:
+                    continue
                 served = name if key != "mlx-lm" else model_dir
                 s, _, cached = ttft(server.base_url, served, messages)
                 row[key], row[f"{key}_cached"] = s, cached
@@ -175,7 +180,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             server.stop()
             if args.logs:
                 Path(args.logs, f"{key}.log").write_text(server.log_text())
-    if args.model is not None:
+    if args.model is not None and not args.no_bare:
         new_over_context(model_dir, rows, ids)
     return rows
 
@@ -246,9 +251,17 @@ def main() -> None:
     p.add_argument("--tool-words", type=int, default=200, help="a tool output's size, in words")
     p.add_argument("--no-mlx-lm", action="store_true")
     p.add_argument("--only-ours", action="store_true", help="ours with the cache on alone")
+    p.add_argument(
+        "--alone-only",
+        action="store_true",
+        help="the cache-off server times the new tokens alone, not each whole turn",
+    )
+    p.add_argument("--no-bare", action="store_true", help="skip bare mlx-lm's new over context")
     p.add_argument("--json", default=None, help="write the rows here too")
     p.add_argument("--logs", default=None, help="a folder for the servers' logs")
     args = p.parse_args()
+    # A timeout's TERM still stops the servers and writes their logs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows = run(args)
     print(table(rows))
     if args.json:

@@ -8,7 +8,7 @@ set -eu
 source /root/mlxenv.sh
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH
-python3 bench/randmodel.py --out /root/h9q --tokenizer-from .gpu/tok --size hybrid-9b --bits 4 \
+date +"model: %T"; python3 bench/randmodel.py --out /root/h9q --tokenizer-from .gpu/tok --size hybrid-9b --bits 4 \
   --context 32768 > /dev/null
-python3 bench/conversation.py --model /root/h9q --turns ${TURNS:-8} --tool-words ${WORDS:-800} \
-  --json $OUT/hybrid_conversation.json --logs $OUT
+date +"servers: %T"; python3 bench/conversation.py --model /root/h9q --turns ${TURNS:-8} --tool-words ${WORDS:-800} \
+  --json $OUT/hybrid_conversation.json --logs $OUT ${FLAGS:-}
