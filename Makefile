@@ -86,7 +86,7 @@ bench-conversation: install
 bench-speculation: install
 	$(PY) bench/speculation.py $(SPECULATION_ARGS)
 bench-scoring: install
-	$(PY) bench/experiments/multiple_choice.py --questions 3 --context-words 1300
+	$(PY) -m bench.experiments.multiple_choice --questions 3 --context-words 1300
 
 # The long runs behind @pytest.mark.slow; results go into docs/reliability.md.
 fuzz: install

@@ -4,7 +4,7 @@
 sizes and key lengths, bfloat16: 32 query heads over 8 KV heads of 128 (an 8B llama's), and
 32 over 4 of 64 (the GPU preset's random 1.1B llama).
 
-    python3 bench/experiments/attention_bench.py [--reps 50]
+    python3 -m bench.experiments.attention_bench [--reps 50]
 """
 
 # ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)

@@ -2,7 +2,7 @@
 the per-token latency after the first token, median over runs; the floor a server's one stream
 is held to (bench/experiments/gpu_one_stream.sh).
 
-    python3 bench/experiments/bare_stream.py --model /tmp/r8q --tokens 128 --runs 4
+    python3 -m bench.experiments.bare_stream --model $R8Q --tokens 128 --runs 4
 """
 
 from __future__ import annotations

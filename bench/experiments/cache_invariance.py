@@ -2,25 +2,21 @@
 on the CPU; a directory with --model elsewhere) continued turn after turn with the prefix cache
 on and off, greedy, top 5; the largest difference of any chosen-token and top-list logprob.
 
-    .venv/bin/python bench/experiments/cache_invariance.py [--model DIR] [--turns 4]
+    .venv/bin/python -m bench.experiments.cache_invariance [--model DIR] [--turns 4]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from omlx_logprobs.config import EngineConfig  # noqa: E402
-from omlx_logprobs.models.embedded import ensure_embedded_model  # noqa: E402
-from omlx_logprobs.models.loader import load_model  # noqa: E402
-from omlx_logprobs.types import SamplingParams  # noqa: E402
-from tests.engine.test_conversation_cache import Chat  # noqa: E402
-from tests.helpers.engine import encode  # noqa: E402
+from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.models.embedded import ensure_embedded_model
+from omlx_logprobs.models.loader import load_model
+from omlx_logprobs.types import SamplingParams
+from tests.engine.test_conversation_cache import Chat
+from tests.helpers.engine import encode
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 `runner/query_blocks._host`), at a long conversation's turn: SmolLM2-135M's heads (9 query, 3
 key and value, 64 wide), 700 new queries over 5.5k keys; and MLX's `exp` alone against numpy's.
 
-    .venv/bin/python bench/experiments/cpu_attention.py [--queries 700 --keys 5544]
+    .venv/bin/python -m bench.experiments.cpu_attention [--queries 700 --keys 5544]
 """
 
 # ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)

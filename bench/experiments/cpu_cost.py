@@ -5,7 +5,7 @@ Runs bench/loadgen.py against each server in turn (rounds alternate the build an
 reads the CPU time (user + system) of each server's API process and of its engine child from
 /proc around every run:
 
-    python3 bench/experiments/cpu_cost.py --servers old=8201:PID new=8202:PID --model NAME \\
+    python3 -m bench.experiments.cpu_cost --servers old=8201:PID new=8202:PID --model NAME \\
         --concurrency 64 --requests 256 --rounds 4 --modes off,20,20:columnar --processes 16
 
 A mode is `off` or a top list size, with `:FORMAT` for a `logprobs_format`; `--parse-in-loop`

@@ -4,7 +4,7 @@ growing across 256-key boundaries on the way), with MLX's attention as the envir
 with `--unfused` the fallback's ops (runner/query_blocks.py `_unfused`). The question: where
 cuDNN's attention is on for prefill, what a single stream's decode should take.
 
-    MLX_CUDA_USE_CUDNN_SDPA=1 python3 bench/experiments/decode_context.py --model DIR [--unfused]
+    MLX_CUDA_USE_CUDNN_SDPA=1 python3 -m bench.experiments.decode_context --model DIR [--unfused]
 """
 
 # ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)

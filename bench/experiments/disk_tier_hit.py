@@ -3,21 +3,19 @@
 folder, then the conversation's next turn: its time to first token from disk, again from memory,
 and on a server with the prefix cache off (the whole prompt computed).
 
-    python bench/experiments/disk_tier_hit.py --model DIR --tool-words 3000 --turns 5
+    python -m bench.experiments.disk_tier_hit --model DIR --tool-words 3000 --turns 5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conversation import HELLO, SYSTEM, tool_output, ttft  # noqa: E402
-from server import free_port, omlx_command, start_server  # noqa: E402
+from conversation import HELLO, SYSTEM, tool_output, ttft
+from server import free_port, omlx_command, start_server
 
 
 def main() -> None:

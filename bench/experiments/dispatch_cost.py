@@ -5,12 +5,12 @@ the device (as the engine's overlap has it). Then the engine's own decode step a
 many primitives its graph holds, so that the step's `async_eval` time divides into a cost per
 primitive. Run it once per MLX setting (they are read once per process):
 
-    python3 bench/experiments/dispatch_cost.py --model /root/m1b
-    MLX_USE_CUDA_GRAPHS=1 python3 bench/experiments/dispatch_cost.py --model /root/m1b
-    MLX_MAX_OPS_PER_BUFFER=2000 python3 bench/experiments/dispatch_cost.py --model /root/m1b
-    OMLX_DECODE_ATTENTION=mlx python3 bench/experiments/dispatch_cost.py --model /root/m1b \
+    python3 -m bench.experiments.dispatch_cost --model $M1B
+    MLX_USE_CUDA_GRAPHS=1 python3 -m bench.experiments.dispatch_cost --model $M1B
+    MLX_MAX_OPS_PER_BUFFER=2000 python3 -m bench.experiments.dispatch_cost --model $M1B
+    OMLX_DECODE_ATTENTION=mlx python3 -m bench.experiments.dispatch_cost --model $M1B \
         --skip-synthetic
-    python3 bench/experiments/dispatch_cost.py --model /root/m1b --skip-synthetic \
+    python3 -m bench.experiments.dispatch_cost --model $M1B --skip-synthetic \
         --alternate fusion --steps 128
 
 `--drop-decode-mask` gives a decode step's attention no mask (wrong values; after the start-up

@@ -8,7 +8,7 @@ logprob is compared with the float32 model's (log-softmax in float64). "bfloat16
 head": the body in bfloat16, its last hidden state widened to float32 and multiplied by the
 float32 head.
 
-    python bench/experiments/dtype_error.py [--model DIR] [--prompts 8] [--tokens 64]
+    python -m bench.experiments.dtype_error [--model DIR] [--prompts 8] [--tokens 64]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 # ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)
 """Device time of the logprob extraction's parts, each timed alone with its own sync (median).
 
-python bench/experiments/extract_bench.py --batch 8 64 --vocab 49152 --k 20
+python -m bench.experiments.extract_bench --batch 8 64 --vocab 49152 --k 20
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ one engine built as `serve` builds it (a config of its defaults, one flag change
 requests one after another, then waves of C rows; the step period and the engine's launch,
 queue and complete times per decode step. Each run is one process: alternate the variants.
 
-    python3 bench/experiments/feature_cost.py --model /root/m1b --variant default
-    python3 bench/experiments/feature_cost.py --model /root/m1b --variant no-prefix-cache
+    python3 -m bench.experiments.feature_cost --model $M1B --variant default
+    python3 -m bench.experiments.feature_cost --model $M1B --variant no-prefix-cache
 
 Variants: default; no-prefix-cache (--prefix-cache-mib 0); no-keep (the cache on, finished
 sequences not kept); no-speculate (--speculate off). `--profile` prints a cProfile of the one
@@ -20,10 +20,8 @@ import dataclasses
 import logging
 import pstats
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import omlx_logprobs  # noqa: F401
@@ -36,8 +34,7 @@ from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import load_model
 from omlx_logprobs.types import EngineRequest, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from loadgen import make_prompt  # noqa: E402  (bench/loadgen.py)
+from loadgen import make_prompt  # bench/loadgen.py
 
 VARIANTS = {
     "default": {},

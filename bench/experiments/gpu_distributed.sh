@@ -6,14 +6,16 @@
 # and one request's logprobs side by side. About 5 minutes with the model built.
 # Usage: bash bench/experiments/gpu_distributed.sh TOKENIZER_DIR [MODEL_DIR]
 # (TOKENIZER_DIR: SmolLM2's tokenizer files, as OMLX_TEST_TOKENIZER_DIR; the model is built there
-# once, in MODEL_DIR, default /tmp/rand-8b.)
+# once, in MODEL_DIR, default $MODELS/rand-8b, MODELS as in gpu_env.sh; logs in $OUT, default
+# $TMPDIR/omlx-bench.)
 # SIZE=tiny BACKEND=ring PY=.venv/bin/python try it on a CPU.
 set -u
 py=${PY:-python3}
 size=${SIZE:-8b}
 backend=${BACKEND:-nccl}
 tok=$1
-model=${2:-/tmp/rand-8b}
+model=${2:-${MODELS:-$HOME/.cache/omlx-bench}/rand-8b}
+out=${OUT:-${TMPDIR:-/tmp}/omlx-bench}; mkdir -p $out
 port=8109
 name=$(basename $model)
 launch=($py -c "from mlx._distributed_utils.launch import main; main()")
@@ -42,7 +44,7 @@ rank0() {  # the serving process without MLX_RANK, or with MLX_RANK=0
 }
 run() {  # label, then the command that serves
   local label=$1; shift
-  "$@" > /tmp/dist-$label.log 2>&1 &
+  "$@" > $out/dist-$label.log 2>&1 &
   local pid=$!
   local t=$(date +%s)
   for _ in $(seq 240); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
@@ -52,8 +54,8 @@ run() {  # label, then the command that serves
   load 2 4 >/dev/null  # warm-up: first shapes
   echo "c=1:  $(load 1 6)"
   echo "c=16: $(load 16 48)"
-  grep "engine:" /tmp/dist-$label.log | tail -1 | cut -c1-240
-  grep -E "ERROR|Traceback" /tmp/dist-$label.log | head -5
+  grep "engine:" $out/dist-$label.log | tail -1 | cut -c1-240
+  grep -E "ERROR|Traceback" $out/dist-$label.log | head -5
   # SIGTERM to the server, rank 0 (it stops the other rank itself); not to mlx.launch
   kill $(rank0) 2>/dev/null
   for _ in $(seq 40); do kill -0 $pid 2>/dev/null || break; sleep 1; done
@@ -63,5 +65,5 @@ run() {  # label, then the command that serves
 serve=(-m omlx_logprobs.cli serve --model $model --port $port --max-num-seqs 32 --log-level info)
 run one env CUDA_VISIBLE_DEVICES=0 $py "${serve[@]}"
 run two "${launch[@]}" -n 2 --backend $backend --python $py -- "${serve[@]}"
-grep -E "rank [01] on|distributed:" /tmp/dist-two.log | head -4
+grep -E "rank [01] on|distributed:" $out/dist-two.log | head -4
 echo "total $(( $(date +%s) - t0 )) s"

@@ -2,7 +2,7 @@
 """On a GPU host: the engine with the CUDA step kernel against the engine with MLX ops, on a
 real model and a mixed batch, then the kernel's rows against a full forward pass.
 
-    python bench/experiments/gpu_kernel_check.py --model DIR
+    python -m bench.experiments.gpu_kernel_check --model DIR
 
 Half the prompts share a 30-token start (prefix caching on the device path). Same tokens
 everywhere; the same logprobs and ranks bit for bit; the same top lists (ids may

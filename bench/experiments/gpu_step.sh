@@ -5,6 +5,7 @@
 #   TREE holds the older omlx_logprobs/ (`mkdir -p .gpu/old && git archive REV omlx_logprobs |
 #   tar -x -C .gpu/old`); MODEL_DIR: the gpu preset's model (`bench/randmodel.py --size 1b`).
 #   STEPS and MAX_TOKENS (128 each) shorten it for a check of the script on a CPU.
+# host_step.py runs as a file, not with -m, so that PYTHONPATH=TREE picks the package it times.
 # 1. bench/experiments/host_step.py in-process, 64 rows, 128 steps, off and top 20: the median
 #    launch per decode-only step and its graph-building part, for old, new, new with its decode
 #    forward compiled (OMLX_COMPILE_DECODE=1) and new with MLX's own attention
@@ -14,7 +15,7 @@
 #    body in its loop; medians and ratios at the end, and each server's launch per step from its
 #    stats lines with 48 rows a step or more.
 set -u
-model=$(realpath $1); rounds=${2:-3}; out=${3:-/tmp/gpu_step}
+model=$(realpath $1); rounds=${2:-3}; out=${3:-${TMPDIR:-/tmp}/gpu_step}
 old=$(realpath ${TREE:?TREE: a tree with the older omlx_logprobs/}); new=$PWD
 py=${PY:-python3}
 mkdir -p $out; rm -f $out/runs.tsv

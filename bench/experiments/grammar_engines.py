@@ -4,7 +4,7 @@ walk a valid answer token by token, each row at its own place in it (flexible wh
 engines' default). Measured: tokenizer setup, schema compile, and per step the host time to
 fill the whole batch's allowed-token bitmask and to advance every row by its token.
 
-    python bench/experiments/grammar_engines.py [--batch 8 64] [--steps 40]
+    python -m bench.experiments.grammar_engines [--batch 8 64] [--steps 40]
 
 xgrammar is optional (it pulls in torch): without it only llguidance is measured.
 """

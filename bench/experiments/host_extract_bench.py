@@ -2,7 +2,7 @@
 """The CPU backend's extraction as the engine pays it when a step is collected
 (`HostExtraction.to_host`: numpy log-softmax, rank, top k) on random logits; medians in ms.
 
-python bench/experiments/host_extract_bench.py --batch 8 32 64 --k 0 5 20
+python -m bench.experiments.host_extract_bench --batch 8 32 64 --k 0 5 20
 """
 
 from __future__ import annotations

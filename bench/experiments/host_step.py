@@ -7,7 +7,7 @@ returns, so there the graph-building part, with a model whose graph is large bes
 decompose into more nodes than a GPU's, so a compiled graph's replay weighs more here).
 
     PYTHONPATH=TREE python bench/experiments/host_step.py --rows 64 --top -1 20 [--gpu-path]
-    python3 bench/experiments/host_step.py --model /root/m1b --rows 64 --top -1 20   # GPU host
+    python3 bench/experiments/host_step.py --model $M1B --rows 64 --top -1 20   # GPU host
 
 `--gpu-path` runs the GPU's path on the CPU (extraction on the device, the step processed on a
 second thread beside the next launch). `--profile` prints a cProfile of the launches.

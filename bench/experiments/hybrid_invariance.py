@@ -2,7 +2,7 @@
 each the last turn's prompt, answer and a new message (top 5, greedy, float32), the largest
 difference of any chosen or top-list logprob, and the tokens each turn took from the cache.
 
-    PYTHONPATH=. .venv/bin/python bench/experiments/hybrid_invariance.py
+    .venv/bin/python -m bench.experiments.hybrid_invariance
 
 The families' tiny seeded random models are the tests' (tests/helpers/families.py).
 """

@@ -2,7 +2,7 @@
 """The GPU step extraction, one CUDA kernel against the MLX ops it replaced (median ms): host
 time to build and queue it (`async_eval`), and the whole call with its sync (queue + device).
 
-    python bench/experiments/kernel_bench.py --reps 50
+    python -m bench.experiments.kernel_bench --reps 50
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 and the server's `/health` every half second: how many have left, and the engine's running and
 waiting rows (a request whose client left should be aborted within a second).
 
-    .venv/bin/python bench/experiments/leaving_clients.py --port 8000 --model NAME [--no-stream]
+    .venv/bin/python -m bench.experiments.leaving_clients --port 8000 --model NAME [--no-stream]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ holding EOS back the whole way, and with a strict JSON schema (bench/loadgen.py'
 answer completes within the budget). Tokens per second, best of `--rounds`; with `--profile`,
 where the engine's time goes in the none and JSON runs (cProfile, top functions).
 
-    python bench/experiments/mask_cost.py --batch 8 32 --max-tokens 64
+    python -m bench.experiments.mask_cost --batch 8 32 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.types import Constraint, ConstraintKind, SamplingParams
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-from loadgen import JSON_SCHEMA  # noqa: E402
+from loadgen import JSON_SCHEMA  # bench/loadgen.py
 
 
 def variants(vocab: int, max_tokens: int) -> dict[str, SamplingParams]:

@@ -1,6 +1,6 @@
 """Where does the server's resident memory go? A diagnosis tool, not a test.
 
-`python bench/experiments/memdiag.py serve` runs the real server (embedded SmolLM2-135M, uvicorn in
+`python -m bench.experiments.memdiag serve` runs the real server (embedded SmolLM2-135M, uvicorn in
 the main thread as `omlx-logprobs serve` does) and, from a side thread, sends waves of soak-like
 requests from a separate client process. At each idle point between waves it prints one JSON line:
 RSS, glibc's heap accounting (mallinfo2: bytes in use vs bytes free but kept), Python's live blocks
@@ -8,8 +8,8 @@ and gc objects by type (growth since the first wave), MLX's active and cache mem
 `--tracemalloc` the top allocation-site diffs. `--trim` calls malloc_trim(0) at each idle point and
 records RSS after it: what it gives back is heap fragmentation, not a leak.
 
-    .venv/bin/python bench/experiments/memdiag.py serve --waves 6 --requests 128 --concurrency 64
-    MALLOC_ARENA_MAX=2 .venv/bin/python bench/experiments/memdiag.py serve ...
+    .venv/bin/python -m bench.experiments.memdiag serve --waves 6 --requests 128 --concurrency 64
+    MALLOC_ARENA_MAX=2 .venv/bin/python -m bench.experiments.memdiag serve ...
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: omlx_logprobs
-
-import omlx_logprobs  # noqa: E402,F401  (before mlx: OpenBLAS)
+import omlx_logprobs  # noqa: F401  (before mlx: OpenBLAS)
 
 
 class MallInfo2(ctypes.Structure):

@@ -10,7 +10,7 @@ Reported per form: the seconds for all questions on each server (the servers alt
 question), off / on, the prompt tokens served from the cache, and the largest difference of a
 prompt logprob between the two servers.
 
-    .venv/bin/python bench/experiments/multiple_choice.py --questions 3   # CPU, embedded model
+    .venv/bin/python -m bench.experiments.multiple_choice --questions 3   # CPU, embedded model
 """
 
 from __future__ import annotations
@@ -18,17 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from loadgen import WORDS  # noqa: E402
-from server import Server, free_port, omlx_command, start_server  # noqa: E402
+from loadgen import WORDS
+from server import Server, free_port, omlx_command, start_server
 
 FORMS = ("batch", "concurrent", "chat")
 

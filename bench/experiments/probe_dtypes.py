@@ -3,18 +3,16 @@
 families pass, and the worst relative difference. Run on a GPU host, where `--dtype auto`
 keeps the stored 16-bit type:
 
-    OMLX_TEST_TOKENIZER_DIR=<SmolLM2 tokenizer dir> python3 bench/experiments/probe_dtypes.py
+    OMLX_TEST_TOKENIZER_DIR=<SmolLM2 tokenizer dir> python3 -m bench.experiments.probe_dtypes
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from omlx_logprobs.cli import mlx_environment  # noqa: E402
+from omlx_logprobs.cli import mlx_environment
 
 mlx_environment()  # the server's settings (cuDNN's attention off), before MLX starts
 

@@ -3,11 +3,11 @@
 quantized matmul) against the same model dequantized to float32 at load (OpenBLAS), and how far
 apart their logprobs are.
 
-    python bench/experiments/quantized_cpu.py QUANTIZED_DIR [--rows 8] [--context 256] [--reps 5]
+    python -m bench.experiments.quantized_cpu QUANTIZED_DIR [--rows 8] [--context 256] [--reps 5]
 
 A quantized directory of the embedded model: `python -m mlx_lm convert --hf-path
 "$(python -c 'from omlx_logprobs.models.embedded import ensure_embedded_model as e; print(e())')"
--q --mlx-path /tmp/smollm2-4bit`.
+-q --mlx-path QUANTIZED_DIR`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Does our server's resident memory grow with requests, or with distinct kernel shapes?
 
-    python bench/experiments/rss_shapes.py MODEL_DIR [REQUESTS_PER_PHASE [SERVER FLAGS...]]
+    python -m bench.experiments.rss_shapes MODEL_DIR [REQUESTS_PER_PHASE [SERVER FLAGS...]]
 
 Starts the server, then sends phases of closed-loop top-20 completions (concurrency 64, 16 new
 tokens) whose prompts are token-id lists: `fixed` phases repeat one prompt length (the same
@@ -16,12 +16,9 @@ import random
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: server
-from server import tree_rss_mib  # noqa: E402
+from server import tree_rss_mib  # bench/server.py
 
 PORT = 8109
 

@@ -4,28 +4,23 @@ four at a time to in-process engines of the embedded model, float32 on the CPU: 
 cache on, on without the wait (the later continuations start with the first, in the same
 step), and off. Engines alternate per question; seconds and prompt tokens taken from the cache.
 
-    .venv/bin/python bench/experiments/score_wait.py --questions 3 --context-words 1300
+    .venv/bin/python -m bench.experiments.score_wait --questions 3 --context-words 1300
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from loadgen import WORDS
 
-from loadgen import WORDS  # noqa: E402
-
-from omlx_logprobs.config import EngineConfig  # noqa: E402
-from omlx_logprobs.models.embedded import ensure_embedded_model  # noqa: E402
-from omlx_logprobs.models.loader import load_model  # noqa: E402
-from omlx_logprobs.types import SamplingParams  # noqa: E402
-from tests.engine.test_conversation_cache import Chat  # noqa: E402
-from tests.helpers.engine import encode  # noqa: E402
+from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.models.embedded import ensure_embedded_model
+from omlx_logprobs.models.loader import load_model
+from omlx_logprobs.types import SamplingParams
+from tests.engine.test_conversation_cache import Chat
+from tests.helpers.engine import encode
 
 
 def main() -> None:

@@ -5,22 +5,18 @@ the first token that differs, both runs' two best candidates there. In float32 (
 answers are equal (tests/engine/test_speculation.py); in bfloat16 a verify forward of 9
 positions sums in another order than a one-token step, which can swap two near-tied tokens.
 
-    python3 bench/experiments/spec_divergence.py --model DIR [--prompt chat|repeat|edit]
+    python3 -m bench.experiments.spec_divergence --model DIR [--prompt chat|repeat|edit]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from server import free_port, omlx_command, start_server  # noqa: E402
-from speculation import PROMPTS  # noqa: E402
+from server import free_port, omlx_command, start_server
+from speculation import PROMPTS
 
 
 def answer(variant: str, model_dir: str | None, prompt: str, tokens: int) -> list[dict[str, Any]]:

@@ -4,7 +4,7 @@ load moves both alike). Tasks: an editing request whose prediction is the model'
 with a token changed every 40 (what a client's mostly-right prediction gives), a repeat-the-file
 request (prompt lookup) and free chat (lookup; and a draft model with --draft-model).
 
-    .venv/bin/python bench/experiments/spec_engine.py --rounds 2 --max-tokens 128
+    .venv/bin/python -m bench.experiments.spec_engine --rounds 2 --max-tokens 128
 
 `--phases` also prints, per case, the wall time of the speculator's phases (a proposal from the
 draft model, a verify's launch, the parts of it, and its collection) and what its verify steps
@@ -22,17 +22,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from collections import Counter, defaultdict
 from typing import Any
 from dataclasses import replace
-from pathlib import Path
 
 import omlx_logprobs  # noqa: F401
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from omlx_logprobs.cli import mlx_environment
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import Engine
@@ -43,9 +40,9 @@ from omlx_logprobs.runner.draft_model import DraftModel
 from omlx_logprobs.runner.model_runner import ModelRunner
 from omlx_logprobs.transport.client import EngineClient, ThreadTransport
 from omlx_logprobs.types import EngineRequest, SamplingParams
-from speculation import CHATS, PROMPTS
+from speculation import CHATS, PROMPTS  # bench/speculation.py
 
-import clock  # bench/experiments/clock.py (this script's folder is on the path)
+from bench.experiments import clock
 
 
 phases: dict[str, float] = defaultdict(float)

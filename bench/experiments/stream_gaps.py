@@ -3,22 +3,18 @@ request, then free chat (bench/speculation.py's), each chunk's arrival (perf_cou
 monotonic clock the server's OMLX_STEP_TRACE lines use) and tokens; with a server log, the
 steps that ended within the chat request's stream and the last one's lead on the last chunk.
 
-    python bench/experiments/stream_gaps.py --base http://127.0.0.1:8101/v1 --log SERVER_LOG
+    python -m bench.experiments.stream_gaps --base http://127.0.0.1:8101/v1 --log SERVER_LOG
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 from statistics import median
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from speculation import PROMPTS, WARMUP, body  # noqa: E402
+from speculation import PROMPTS, WARMUP, body  # bench/speculation.py
 
 
 def arrivals(base: str, req: dict, text: list[str] | None = None) -> list[tuple[float, int]]:

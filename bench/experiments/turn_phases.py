@@ -5,7 +5,7 @@ split by phase (the engine's and the runner's methods, timed by wrappers), again
 engine on the turn's new tokens alone (ids no kept sequence starts with) and bare mlx-lm
 prefilling the new tokens over a cache holding the rest (best of two).
 
-    python bench/experiments/turn_phases.py --model /tmp/r8q --turns 8 --new 2900
+    python -m bench.experiments.turn_phases --model $R8Q --turns 8 --new 2900
 """
 
 # ruff: noqa: I001, E402  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)
@@ -35,7 +35,7 @@ from omlx_logprobs.models.loader import load_model
 from omlx_logprobs.transport.client import EngineClient, ThreadTransport
 from omlx_logprobs.types import EngineRequest, SamplingParams
 
-import clock  # bench/experiments/clock.py (this script's folder is on the path)
+from bench.experiments import clock
 
 phases: dict[str, float] = defaultdict(float)
 calls: dict[str, list[float]] = defaultdict(list)  # each call's ms, for LISTED names

@@ -3,8 +3,8 @@ K+1 tokens per row against one token, at a context of L tokens, for B rows (the 
 runner/speculation.py's BREAK_EVEN and --speculate-max-batch stand for). The full step is
 timed: the forward, the float32 log-softmax top-20 extraction of every position included.
 
-    .venv/bin/python bench/experiments/verify_cost.py                      # the embedded model
-    python bench/experiments/verify_cost.py --model DIR --rows 1 4 8 32    # the GPU host
+    .venv/bin/python -m bench.experiments.verify_cost                      # the embedded model
+    python -m bench.experiments.verify_cost --model DIR --rows 1 4 8 32    # the GPU host
 """
 
 # ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)

@@ -4,7 +4,7 @@ MLX's CUDA backend has a fused attention kernel for a single query position only
 array is given, and a left-padded batch always gives one (each row's padding is masked out). So
 every decode step's attention fell back to MLX ops: a scale, two matmuls, a select, a softmax
 and the reshapes around them, ~11 graph nodes a layer, each launched from the engine's thread;
-on a GPU most of a step's host time is MLX dispatching nodes (docs/benchmarks.md, "Last A/B").
+on a GPU most of a step's host time is MLX dispatching nodes (docs/benchmarks.md, "Decisions").
 
 This kernel takes the mask as it comes (bool: attend where true; or additive) and computes
 the softmax over the keys in float32 with one pass over them (an online maximum and sum, as

@@ -2,7 +2,7 @@
 `k_proj` and `v_proj`, and its `gate_proj` and `up_proj`.
 
 On a GPU the host launches every kernel of a decode step, and a matmul costs it ~10 us
-(docs/benchmarks.md, "Last A/B"): a llama block's seven become four. The model's own modules
+(docs/benchmarks.md, "Decisions"): a llama block's seven become four. The model's own modules
 stay where they are, with the same parameter names (weight updates, LoRA adapters and
 `tree_flatten` see nothing new): each member's arrays become views into its group's joined
 arrays (rows of one buffer, no copy), and the first member called with an input computes the

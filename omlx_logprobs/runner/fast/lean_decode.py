@@ -2,7 +2,7 @@
 nodes of the model's own modules, for a batch whose every layer is a plain KV cache.
 
 On a GPU the host launches every node of a step's graph, views included (~1.5-2 us each, a
-matmul ~10 us; docs/benchmarks.md, "Last A/B"), and a 16-layer llama's step held 714 of them.
+matmul ~10 us; docs/benchmarks.md, "Decisions"), and a 16-layer llama's step held 714 of them.
 The model's modules keep a length axis of 1 through every matmul (MLX flattens and unflattens
 around each), transpose each weight at each call, transpose the heads in and out of attention,
 rotate queries and keys apart and advance each layer's positions apart. Here the hidden states
