@@ -19,11 +19,11 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
 
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.loading import Loading
-from omlx_logprobs.api.served import Served
-from omlx_logprobs.api.slot import Loader, ModelSlot, TokenizerLoader
-from omlx_logprobs.api.validation import RequestLimits, model_bounds
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.loading import Loading
+from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.core.slot import Loader, ModelSlot, TokenizerLoader
+from omlx_logprobs.api.core.validation import RequestLimits, model_bounds
 from omlx_logprobs.config import EngineConfig, Limits, PoolConfig
 from omlx_logprobs.types import WeightVersion
 
@@ -43,7 +43,7 @@ class Unavailable(APIError):
 
 class ModelPool(Loading):
     """The served models by name; the first is the default of routes that name none. Its loads
-    and unloads: api/loading.py."""
+    and unloads: api/core/loading.py."""
 
     def __init__(
         self,
