@@ -1,6 +1,6 @@
-"""Several models in one server: each served name's engine and the serving objects built on it,
-loaded on demand and unloaded least recently used first within `--max-loaded-models` and
-`--max-model-memory-mib` (docs/specs/rl.md, "Several models").
+"""Several models in one server: each served name's engine and what every request on it reads
+(its `Served`), loaded on demand and unloaded least recently used first within
+`--max-loaded-models` and `--max-model-memory-mib` (docs/specs/rl.md, "Several models").
 
 All of the pool's state changes on the event loop; loading and unloading an engine (seconds: a
 child process starts and loads its weights, or stops) run in worker threads. A request holds a
