@@ -37,7 +37,7 @@ BARE_SEED = 1000  # throughput prompts; the server parts use seeds 1, 2, ...
 
 
 def chat_ids(m: LoadedModel, text: str) -> list[int]:
-    """The prompt ids our server makes of a one-message chat (omlx_logprobs/api/inputs.py)."""
+    """The prompt ids our server makes of a one-message chat (omlx_logprobs/api/core/prompts.py)."""
     messages = [{"role": "user", "content": text}]
     rendered = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(m.tokenizer.encode(rendered, add_special_tokens=False))

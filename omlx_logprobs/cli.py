@@ -29,8 +29,8 @@ from omlx_logprobs.parsing.thinking import (  # noqa: E402
 from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format  # noqa: E402
 
 if TYPE_CHECKING:
-    from omlx_logprobs.api.served import Served
-    from omlx_logprobs.api.slot import ModelSlot
+    from omlx_logprobs.api.core.served import Served
+    from omlx_logprobs.api.core.slot import ModelSlot
     from omlx_logprobs.models.loader import LoadedModel
     from omlx_logprobs.transport.client import EngineClient
     from omlx_logprobs.types import WeightVersion
@@ -76,7 +76,7 @@ def mlx_settings(backend: str) -> str:
 
 def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
     from omlx_logprobs.api.app import create_app
-    from omlx_logprobs.api.pool import ModelPool
+    from omlx_logprobs.api.core.pool import ModelPool
     from omlx_logprobs.api.server import run_server
 
     log.info("BLAS: %s", omlx_logprobs.BLAS)
@@ -125,7 +125,7 @@ def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
     """Every --model resolved (a GGUF converted once) and named, with its memory estimate."""
     import mlx.core as mx
 
-    from omlx_logprobs.api.slot import ModelSlot
+    from omlx_logprobs.api.core.slot import ModelSlot
     from omlx_logprobs.models.footprint import weight_mib
     from omlx_logprobs.models.loader import is_scripted, resolve_model_path
     from omlx_logprobs.models.scripted import ScriptedSpec
@@ -157,7 +157,7 @@ def load_tokenizer(cfg: ServerConfig, slot: ModelSlot) -> LoadedModel:
 
 def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) -> Served:
     """A model's engine (not yet started) and what the routes need of it."""
-    from omlx_logprobs.api.served import Served
+    from omlx_logprobs.api.core.served import Served
 
     model, engine = start_engine(
         cfg,

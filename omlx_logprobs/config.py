@@ -117,7 +117,7 @@ class Access:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """Several models in one server (api/pool.py): how many may be loaded at once, the memory
+    """Several models in one server (api/core/pool.py): how many may be loaded at once, the memory
     their weights may take together (estimated from the weight files), and how long a request
     waits for a busy model to go idle so that another can be loaded in its place."""
 

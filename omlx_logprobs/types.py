@@ -69,7 +69,7 @@ class ConstraintKind(str, Enum):
     REGEX = "regex"
     CHOICE = "choice"  # one of a list of strings, exactly
     GRAMMAR = "grammar"  # a Lark grammar (GBNF is converted)
-    # Tool calls in the model's own format, or content beside them (api/tools.py builds it in
+    # Tool calls in the model's own format, or content beside them (api/core/tools.py builds it in
     # llguidance's form). Open-ended: once the calls are complete the model samples freely, and
     # a token that does not continue them ends the output (it adds no text).
     TOOL_CALLS = "tool_calls"

@@ -184,7 +184,7 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from omlx_logprobs.api.app import create_app
-    from omlx_logprobs.api.served import Served
+    from omlx_logprobs.api.core.served import Served
     from omlx_logprobs.config import EngineConfig
     from omlx_logprobs.engine.engine import Engine
     from omlx_logprobs.models.loader import load_model

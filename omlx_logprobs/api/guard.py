@@ -11,8 +11,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from omlx_logprobs.api import openapi, page
-from omlx_logprobs.api.errors import APIError, shaped_body
+from omlx_logprobs.api.admin import openapi, page
+from omlx_logprobs.api.core.errors import APIError, shaped_body
 from omlx_logprobs.config import Access, Limits
 
 Message = MutableMapping[str, Any]

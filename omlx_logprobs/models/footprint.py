@@ -1,5 +1,5 @@
 """The memory a model's weights will take once loaded, estimated from its files without loading
-them: what `--max-model-memory-mib` counts (api/loading.py)."""
+them: what `--max-model-memory-mib` counts (api/core/loading.py)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def kv_bytes_per_token(path: Path, float_bytes: int = 4) -> int:
 
 def kv_memory(model: Any) -> tuple[int, int]:
     """(one token's keys and values at float32, the host's memory less the weights') for a
-    LoadedModel: what a request's context is checked against at admission (api/validation.py).
+    LoadedModel: what a request's context is checked against at admission (api/core/validation.py).
     float32 is the CPU's dtype and an upper bound elsewhere; the host's memory is a Mac's
     unified memory (on a GPU host the card may have less: its prefill is bounded by
     runner/query_blocks.py, its rows by max_num_seqs). (0, 0) where the config does not tell."""

@@ -22,7 +22,7 @@ import psutil
 import uvicorn
 
 from omlx_logprobs.api.app import create_app
-from omlx_logprobs.api.served import Served
+from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.config import Access, EngineConfig, Limits
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel

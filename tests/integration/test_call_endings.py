@@ -19,7 +19,7 @@ import openai
 import pydantic
 import pytest
 
-from omlx_logprobs.api.tools import marker_tokens
+from omlx_logprobs.api.core.tools import marker_tokens
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.models.scripted import script_ids
 from omlx_logprobs.parsing.grammar import tool_calls_grammar

@@ -13,8 +13,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from omlx_logprobs.api.anthropic.protocol import CountTokensRequest, MessagesRequest
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.protocol import ChatCompletionRequest
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.protocol import ChatCompletionRequest
 
 # The chat request's field names as an Anthropic client knows them (prepare.wire_names).
 NAMES = {

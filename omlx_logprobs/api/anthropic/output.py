@@ -1,5 +1,5 @@
 """A message's content blocks and Anthropic's stream events, rendered from the changes
-api/items.py makes of the engine's outputs (a message that is not streamed is built from the
+api/core/items.py makes of the engine's outputs (a message that is not streamed is built from the
 same changes of its one merged output).
 
 Blocks: `thinking` (the reasoning; `signature` is empty: nothing here signs it), `text`, a
@@ -14,10 +14,10 @@ import json
 import secrets
 from typing import Any
 
-from omlx_logprobs.api import sse
-from omlx_logprobs.api.items import CALL, REASONING, TEXT, Change, Item, Items
-from omlx_logprobs.api.prepare import Prepared
-from omlx_logprobs.api.sections import dumps
+from omlx_logprobs.api.core import sse
+from omlx_logprobs.api.core.items import CALL, REASONING, TEXT, Change, Item, Items
+from omlx_logprobs.api.core.prepare import Prepared
+from omlx_logprobs.api.core.sections import dumps
 from omlx_logprobs.types import FinishReason, RequestOutput, ThinkStart
 from omlx_logprobs.vocab import Vocabulary
 

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from omlx_logprobs.api.protocol import LogprobsModeName, _Model, _Open
+from omlx_logprobs.api.core.protocol import LogprobsModeName, _Model, _Open
 
 
 class MessageParam(_Model):

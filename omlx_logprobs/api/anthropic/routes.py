@@ -1,7 +1,7 @@
 """`POST /v1/messages` (JSON or Anthropic's event stream) and `POST /v1/messages/count_tokens`:
 the body read into a chat request (convert.py), prepared and submitted on the one request path
-(api/prepare.py), its outputs written as content blocks and events (output.py). Errors take
-Anthropic's shape (api/errors.py, by path); the key may come as `x-api-key` (api/guard.py)."""
+(api/core/prepare.py), its outputs written as content blocks and events (output.py). Errors take
+Anthropic's shape (api/core/errors.py, by path); the key may come as `x-api-key` (api/guard.py)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from omlx_logprobs.api import sse
 from omlx_logprobs.api.anthropic.convert import NAMES, chat_request
 from omlx_logprobs.api.anthropic.output import MessageOutput
 from omlx_logprobs.api.anthropic.protocol import CountTokensRequest, MessagesRequest
-from omlx_logprobs.api.pool import ModelPool
-from omlx_logprobs.api.prepare import Ask, prepare, wire_names
-from omlx_logprobs.api.prompts import chat_prompt
-from omlx_logprobs.api.response import finished
-from omlx_logprobs.api.served import Served
-from omlx_logprobs.api.serving import respond
-from omlx_logprobs.api.validation import check_unknown
+from omlx_logprobs.api.core import sse
+from omlx_logprobs.api.core.pool import ModelPool
+from omlx_logprobs.api.core.prepare import Ask, prepare, wire_names
+from omlx_logprobs.api.core.prompts import chat_prompt
+from omlx_logprobs.api.core.response import finished
+from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.core.serving import respond
+from omlx_logprobs.api.core.validation import check_unknown
 from omlx_logprobs.types import RequestOutput
 
 

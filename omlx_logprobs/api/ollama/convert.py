@@ -12,13 +12,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest
 from omlx_logprobs.api.ollama.protocol import (
     OllamaChatRequest,
     OllamaGenerateRequest,
     OllamaMessage,
 )
-from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
 
 # Runtime options and the sampling fields they set.
 OPTIONS = {

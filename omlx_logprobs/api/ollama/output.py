@@ -12,8 +12,8 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from omlx_logprobs.api.prepare import Prepared
-from omlx_logprobs.api.sections import dumps
+from omlx_logprobs.api.core.prepare import Prepared
+from omlx_logprobs.api.core.sections import dumps
 from omlx_logprobs.types import FinishReason, RequestOutput, ToolCall
 
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from omlx_logprobs.api.protocol import _Model, _Open
+from omlx_logprobs.api.core.protocol import _Model, _Open
 
 
 class OllamaFunction(_Model):

@@ -1,7 +1,7 @@
 """Ollama's routes: `POST /api/chat` and `/api/generate` (NDJSON streams unless `stream` is
 false) on the one request path, and the model routes its clients list and probe with
 (`/api/tags`, `/api/show`, `/api/ps`, `/api/version`). Errors take Ollama's shape,
-`{"error": message}` (api/errors.py, by path)."""
+`{"error": message}` (api/core/errors.py, by path)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 import omlx_logprobs
-from omlx_logprobs.api import sse
+from omlx_logprobs.api.core import sse
+from omlx_logprobs.api.core.pool import ModelPool
+from omlx_logprobs.api.core.prepare import Ask, prepare
+from omlx_logprobs.api.core.protocol import ChatCompletionRequest
+from omlx_logprobs.api.core.response import finished
+from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.core.serving import respond
+from omlx_logprobs.api.core.slot import ModelSlot
+from omlx_logprobs.api.core.validation import check_unknown
 from omlx_logprobs.api.ollama.convert import NAMES, chat_request, generate_request
 from omlx_logprobs.api.ollama.output import OllamaOutput, now
 from omlx_logprobs.api.ollama.protocol import (
@@ -22,14 +30,6 @@ from omlx_logprobs.api.ollama.protocol import (
     OllamaGenerateRequest,
     OllamaShowRequest,
 )
-from omlx_logprobs.api.pool import ModelPool
-from omlx_logprobs.api.prepare import Ask, prepare
-from omlx_logprobs.api.protocol import ChatCompletionRequest
-from omlx_logprobs.api.response import finished
-from omlx_logprobs.api.served import Served
-from omlx_logprobs.api.serving import respond
-from omlx_logprobs.api.slot import ModelSlot
-from omlx_logprobs.api.validation import check_unknown
 
 
 class OllamaRun:

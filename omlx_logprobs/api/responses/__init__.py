@@ -1,3 +1,3 @@
 """OpenAI's Responses API (`/v1/responses`): a thin adapter onto the one request path
-(api/prepare.py) and from the engine's outputs onto Responses' items and events
+(api/core/prepare.py) and from the engine's outputs onto Responses' items and events
 (docs/specs/responses.md)."""

@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.protocol import ChatCompletionRequest
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.protocol import ChatCompletionRequest
 from omlx_logprobs.api.responses.protocol import ResponsesRequest
 
 # The chat request's field names as a Responses client knows them (prepare.wire_names).

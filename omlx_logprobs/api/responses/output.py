@@ -1,5 +1,5 @@
 """A response's output items and the Responses events that tell a stream about them, rendered
-from the changes api/items.py makes of the engine's outputs (a response that is not streamed is
+from the changes api/core/items.py makes of the engine's outputs (a response that is not streamed is
 built from the same changes of its one merged output, so both have the same items).
 
 Items: a `reasoning` item (its tokens' entries as the `reasoning_text` part's `logprobs`, an
@@ -18,11 +18,11 @@ import secrets
 import time
 from typing import Any
 
-from omlx_logprobs.api import sse, tools
-from omlx_logprobs.api.items import CALL, REASONING, TEXT, Change, Item, Items
-from omlx_logprobs.api.prepare import Prepared
-from omlx_logprobs.api.response import weight_version_json
-from omlx_logprobs.api.sections import dumps
+from omlx_logprobs.api.core import sse, tools
+from omlx_logprobs.api.core.items import CALL, REASONING, TEXT, Change, Item, Items
+from omlx_logprobs.api.core.prepare import Prepared
+from omlx_logprobs.api.core.response import weight_version_json
+from omlx_logprobs.api.core.sections import dumps
 from omlx_logprobs.types import FinishReason, RequestOutput, ThinkStart
 
 

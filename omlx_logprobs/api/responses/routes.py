@@ -1,6 +1,6 @@
 """`POST /v1/responses` (JSON or the Responses event stream), `GET` and `DELETE
 /v1/responses/{id}`: the body read into a chat request (convert.py), prepared and submitted on
-the one request path (api/prepare.py), its outputs written as Responses items and events
+the one request path (api/core/prepare.py), its outputs written as Responses items and events
 (output.py), the response stored (store.py) unless `store` is false."""
 
 from __future__ import annotations
@@ -11,18 +11,18 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from omlx_logprobs.api import sse
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.items import REASONING, TEXT, Item
-from omlx_logprobs.api.pool import ModelPool
-from omlx_logprobs.api.prepare import Ask, prepare
-from omlx_logprobs.api.response import finished
+from omlx_logprobs.api.core import sse
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.items import REASONING, TEXT, Item
+from omlx_logprobs.api.core.pool import ModelPool
+from omlx_logprobs.api.core.prepare import Ask, prepare
+from omlx_logprobs.api.core.response import finished
+from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.core.serving import respond
 from omlx_logprobs.api.responses.convert import NAMES, chat_request, input_messages
 from omlx_logprobs.api.responses.output import ResponseOutput, meta
 from omlx_logprobs.api.responses.protocol import ResponsesRequest
 from omlx_logprobs.api.responses.store import ResponseStore, Stored
-from omlx_logprobs.api.served import Served
-from omlx_logprobs.api.serving import respond
 from omlx_logprobs.types import RequestOutput
 
 

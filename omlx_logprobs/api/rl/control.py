@@ -11,9 +11,9 @@ from typing import Any, Literal
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.pool import ModelPool
-from omlx_logprobs.api.protocol import PauseGenerationRequest
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.pool import ModelPool
+from omlx_logprobs.api.rl.protocol import PauseGenerationRequest
 from omlx_logprobs.types import Control, ControlResult, PauseMode
 
 # SGLang's names for the modes

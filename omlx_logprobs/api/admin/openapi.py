@@ -1,5 +1,5 @@
 """The OpenAPI document as the server behaves: a rejected request is a 400 in its API's error
-shape (`api/errors.py`: OpenAI's, Anthropic's or Ollama's), so FastAPI's generated 422
+shape (`api/core/errors.py`: OpenAI's, Anthropic's or Ollama's), so FastAPI's generated 422
 `HTTPValidationError` is replaced by it.
 Swagger UI at /docs: our page (api/static/docs.html) with the assets of the
 `swagger-ui-bundle-v2` package, read once at start-up, never a CDN."""
@@ -14,9 +14,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
-from omlx_logprobs.api.errors import wire
-from omlx_logprobs.api.page import STATIC, Assets
-from omlx_logprobs.api.protocol import (
+from omlx_logprobs.api.admin.page import STATIC, Assets
+from omlx_logprobs.api.core.errors import wire
+from omlx_logprobs.api.core.protocol import (
     AnthropicErrorResponse,
     ErrorResponse,
     OllamaErrorResponse,

@@ -15,8 +15,8 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from omlx_logprobs.api.errors import error_body
-from omlx_logprobs.api.response import weight_version_json
+from omlx_logprobs.api.core.errors import error_body
+from omlx_logprobs.api.core.response import weight_version_json
 from omlx_logprobs.transport.client import RequestHandle, merged
 from omlx_logprobs.types import RequestOutput
 

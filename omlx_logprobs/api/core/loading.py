@@ -1,4 +1,4 @@
-"""Loading and unloading the pool's models (api/pool.py's `ModelPool` is a `Loading`): which
+"""Loading and unloading the pool's models (api/core/pool.py's `ModelPool` is a `Loading`): which
 idle models make room for a load, least recently used first, within `--max-loaded-models` and
 `--max-model-memory-mib`, and the loads and unloads themselves, in worker threads while the event
 loop goes on serving."""
@@ -13,8 +13,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from omlx_logprobs.api.served import Served
-from omlx_logprobs.api.slot import Loader, ModelSlot
+from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.core.slot import Loader, ModelSlot
 from omlx_logprobs.config import PoolConfig
 
 log = logging.getLogger("omlx_logprobs")

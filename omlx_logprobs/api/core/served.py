@@ -5,6 +5,7 @@ and limits (`Served`), and what a request field its model does not declare gets:
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -12,9 +13,10 @@ from functools import cached_property
 from pydantic import BaseModel
 
 import omlx_logprobs
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.validation import RequestLimits, check_unknown, model_bounds
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.validation import RequestLimits, check_unknown, model_bounds
 from omlx_logprobs.config import EngineConfig, Limits
+from omlx_logprobs.logprobs.format import Pieces
 from omlx_logprobs.logprobs.wire import Writers
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.transport.client import EngineClient
@@ -36,7 +38,7 @@ class Served:
     reasoning_tags: tuple[str, str] = THINK_TAGS  # <think> </think>, or harmony's analysis
     limits: Limits = field(default_factory=Limits)
     ignore_unknown_fields: bool = False  # --ignore-unknown-fields: warn instead of a 400
-    # LoRA adapters served on this model, name -> path (api/slot.py keeps it across reloads);
+    # LoRA adapters served on this model, name -> path (api/core/slot.py keeps it across reloads);
     # a request names one by `model`.
     adapters: dict[str, str] = field(default_factory=dict)
 
@@ -48,6 +50,13 @@ class Served:
     def writers(self) -> Writers:
         """The logprob writers of this model's vocabulary, made once (logprobs/wire.py)."""
         return Writers(self.model.vocab)
+
+    @cached_property
+    def token_texts(self) -> Pieces[str]:
+        """Each token's text as a JSON string, made on first use and kept for every request
+        (SGLang's `[logprob, id, text]` triples)."""
+        vocab = self.model.vocab
+        return Pieces(lambda t: json.dumps(vocab.token_text[t]))
 
     @cached_property
     def fingerprint(self) -> str:

@@ -12,8 +12,8 @@ from typing import Any
 
 from fastapi import Request
 
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.protocol import SamplingKnobs
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.protocol import SamplingKnobs
 from omlx_logprobs.logprobs.wire import LogprobWriter
 from omlx_logprobs.transport.client import RequestHandle
 from omlx_logprobs.types import AdapterVersion, Entries, RequestOutput, WeightVersion

@@ -1,6 +1,6 @@
 """The tokenizer over HTTP, in vLLM's shapes (what lm-evaluation-harness's remote tokenizer reads):
 `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`. They need the tokenizer alone: a
-model that is not loaded is not loaded for them (api/pool.py keeps or loads its tokenizer)."""
+model that is not loaded is not loaded for them (api/core/pool.py keeps or loads its tokenizer)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from omlx_logprobs.api import tools
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.pool import ModelPool
-from omlx_logprobs.api.prompts import encode
-from omlx_logprobs.api.protocol import DetokenizeRequest, TokenizeRequest
-from omlx_logprobs.api.served import fields_headers
-from omlx_logprobs.api.validation import RequestLimits
+from omlx_logprobs.api.core import tools
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.pool import ModelPool
+from omlx_logprobs.api.core.prompts import encode
+from omlx_logprobs.api.core.served import fields_headers
+from omlx_logprobs.api.core.validation import RequestLimits
+from omlx_logprobs.api.rl.protocol import DetokenizeRequest, TokenizeRequest
 
 
 def tokenize(req: TokenizeRequest, model: Any, checks: RequestLimits) -> dict[str, Any]:

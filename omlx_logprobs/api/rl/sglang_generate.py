@@ -16,13 +16,13 @@ from typing import Any
 
 from fastapi import Request
 
-from omlx_logprobs.api.errors import APIError, error_body
-from omlx_logprobs.api.prepare import Ask, sampling_params
-from omlx_logprobs.api.prompts import encode
-from omlx_logprobs.api.protocol import GenerateSampling, SglangGenerateRequest, SglangSampling
-from omlx_logprobs.api.response import finished
-from omlx_logprobs.api.served import Served
-from omlx_logprobs.logprobs.format import Pieces, float_numbers
+from omlx_logprobs.api.core.errors import APIError, error_body
+from omlx_logprobs.api.core.prepare import Ask, sampling_params
+from omlx_logprobs.api.core.prompts import encode
+from omlx_logprobs.api.core.response import finished
+from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.rl.protocol import GenerateSampling, SglangGenerateRequest, SglangSampling
+from omlx_logprobs.logprobs.format import float_numbers
 from omlx_logprobs.transport.client import RequestHandle, merged
 from omlx_logprobs.types import (
     EngineRequest,
@@ -65,12 +65,15 @@ def weight_tag(version: WeightVersion) -> str:
     return version.tag if version.tag is not None else str(version.counter)
 
 
-class SglangServing:
-    def __init__(self, served: Served) -> None:
-        self.served = served
-        vocab = served.model.vocab
-        self._text: Pieces[str] = Pieces(lambda t: json.dumps(vocab.token_text[t]))
+class SglangRun:
+    """One /generate request (one prompt or a batch): checked and submitted at once (a bad
+    request raises here, before any byte of a stream), then awaited whole or streamed."""
+
+    def __init__(self, req: SglangGenerateRequest, served: Served) -> None:
+        self.req, self.served = req, served
+        self._text = served.token_texts
         self.eos = frozenset(served.model.eos_token_ids)
+        self.items, self.handles, self.many, self.began = self._start(req)
 
     # ---- the request -----------------------------------------------------------------------------
     def _prompts(self, req: SglangGenerateRequest) -> tuple[list[list[int]], bool]:
@@ -281,25 +284,15 @@ class SglangServing:
             f'"output_ids":{json.dumps(out.token_ids.tolist())},"meta_info":{{{meta}}}}}'
         )
 
-    async def complete(self, req: SglangGenerateRequest, raw: Request) -> str:
-        items, handles, many, began = self._start(req)
-        outs = await finished(handles, raw)
+    async def complete(self, raw: Request) -> str:
+        req, items, many, began = self.req, self.items, self.many, self.began
+        outs = await finished(self.handles, raw)
         per_item = [item for item in items for _ in range(item.sp.n)]
         answers = [self._answer(req, item, out, began) for item, out in zip(per_item, outs)]
         return f"[{','.join(answers)}]" if many else answers[0]
 
-    def stream(self, req: SglangGenerateRequest) -> AsyncIterator[str]:
-        items, handles, many, began = self._start(req)  # errors raise here, before the 200
-        return self._events(req, items, handles, many, began)
-
-    async def _events(
-        self,
-        req: SglangGenerateRequest,
-        items: list[Item],
-        handles: list[RequestHandle],
-        many: bool,
-        began: float,
-    ) -> AsyncIterator[str]:
+    async def events(self) -> AsyncIterator[str]:
+        req, items, handles, many, began = self.req, self.items, self.handles, self.many, self.began
         so_far: dict[tuple[int, int], RequestOutput] = {}  # (prompt, choice): all it gained
         try:
             async for p, out in merged(handles):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Response
 
-from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.core.errors import APIError
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable

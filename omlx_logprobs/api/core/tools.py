@@ -11,9 +11,14 @@ import string
 from functools import lru_cache
 from typing import Any
 
-from omlx_logprobs.api.constraints import constraint_field, whitespace_option
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from omlx_logprobs.api.core.constraints import constraint_field, whitespace_option
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    NamedToolChoice,
+    Tool,
+)
 from omlx_logprobs.parsing.grammar import (
     MARKERS,
     GrammarError,

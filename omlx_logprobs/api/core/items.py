@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from omlx_logprobs.api.sections import sections
+from omlx_logprobs.api.core.sections import sections
 from omlx_logprobs.types import Entries, RequestOutput, ToolCall
 
 REASONING, TEXT, CALL = "reasoning", "text", "call"

@@ -1,6 +1,6 @@
 """Every check a request meets before it reaches the engine, in one place: pydantic checks the
-fields' types and ranges (api/protocol.py), this module everything else (an output constraint's
-fields: api/constraints.py, called from here).
+fields' types and ranges (api/core/protocol.py), this module everything else (an output constraint's
+fields: api/core/constraints.py, called from here).
 
 Sizes and ranges are found by field name on whatever request model a route parses, so a new
 endpoint whose model has `n`, `stop` or `logprob_token_ids` is checked without new code here;
@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from omlx_logprobs.api.constraints import given, request_constraint
-from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.core.constraints import given, request_constraint
+from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.config import Limits
 from omlx_logprobs.models.footprint import kv_memory
 from omlx_logprobs.types import Constraint

@@ -1,4 +1,4 @@
-"""`/v1/chat/completions`: a chat request prepared (api/prepare.py), and its JSON and SSE
+"""`/v1/chat/completions`: a chat request prepared (api/core/prepare.py), and its JSON and SSE
 bodies: the message or the deltas, the logprobs of each section, tool calls with their ids."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 
 from fastapi import Request
 
-from omlx_logprobs.api import sections, sse, tools
-from omlx_logprobs.api.prepare import Ask, Prepared, prepare
-from omlx_logprobs.api.protocol import ChatCompletionRequest, NamedToolChoice
-from omlx_logprobs.api.response import (
+from omlx_logprobs.api.core import sections, sse, tools
+from omlx_logprobs.api.core.prepare import Ask, Prepared, prepare
+from omlx_logprobs.api.core.protocol import ChatCompletionRequest, NamedToolChoice
+from omlx_logprobs.api.core.response import (
     finished,
     head,
     prompt_logprobs_json,
@@ -20,8 +20,7 @@ from omlx_logprobs.api.response import (
     weight_spans_json,
     weight_version_json,
 )
-from omlx_logprobs.api.served import Served
-from omlx_logprobs.transport.client import RequestHandle
+from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.types import RequestOutput, ThinkStart
 
 
@@ -55,32 +54,34 @@ def logprobs_json(p: Prepared, out: RequestOutput, flat: bool = False) -> str:
     return body + '"refusal":null}'
 
 
-class ChatServing:
-    def __init__(self, served: Served) -> None:
-        self.served = served
+class ChatRun:
+    """One chat completion: prepared and submitted at once (a bad request raises here, before
+    any byte of a stream), then awaited whole or streamed."""
 
-    def flat(self, req: ChatCompletionRequest) -> bool:
+    def __init__(self, req: ChatCompletionRequest, served: Served) -> None:
+        self.req, self.served = req, served
+        self.p = prepare(Ask.chat(req), served)
+        self.handle = self.p.submit(served)[0]
+
+    def flat(self) -> bool:
         """Whether every generated token's entry goes in logprobs.content (docs/specs/rl.md:
         a client that asks for the token ids aligns them with these entries)."""
+        req = self.req
         if req.flat_logprobs is not None:
             return req.flat_logprobs
         return req.return_token_ids or self.served.cfg.flat_logprobs
 
-    def _start(self, req: ChatCompletionRequest) -> tuple[Prepared, RequestHandle]:
-        p = prepare(Ask.chat(req), self.served)
-        return p, p.submit(self.served)[0]
+    def _head(self, kind: str) -> str:
+        return head(self.p.request_id, kind, self.p.model, self.served.fingerprint)
 
-    def _head(self, p: Prepared, kind: str) -> str:
-        return head(p.request_id, kind, p.model, self.served.fingerprint)
-
-    async def complete(self, req: ChatCompletionRequest, raw: Request) -> str:
-        p, handle = self._start(req)
+    async def complete(self, raw: Request) -> str:
+        req, p = self.req, self.p
         ereq = p.first
-        outs = await finished([handle], raw)
+        outs = await finished([self.handle], raw)
         role, echo = reply_role(req), echo_text(req)
         parser = ereq.tools.parser if ereq.tools else None
         named = isinstance(req.tool_choice, NamedToolChoice)
-        flat = self.flat(req)
+        flat = self.flat()
         choices = []
         for out in outs:
             calls = tools.CallIds(parser).message(out.tool_calls)
@@ -108,21 +109,16 @@ class ChatServing:
             extra += f',"prompt_logprobs":{entries}'
         body = usage(outs, ereq.think is not ThinkStart.OFF)
         return (
-            f'{self._head(p, "chat.completion")}"choices":[{",".join(choices)}],'
+            f'{self._head("chat.completion")}"choices":[{",".join(choices)}],'
             f'"usage":{json.dumps(body)}{extra}'
             f"{weight_version_json(outs[0].weight_version, outs[0].adapter)}}}"
         )
 
-    def stream(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
-        p, handle = self._start(req)  # errors raise here, before the 200 starts
-        return self._events(req, p, handle)
-
-    async def _events(
-        self, req: ChatCompletionRequest, p: Prepared, handle: RequestHandle
-    ) -> AsyncIterator[str]:
+    async def events(self) -> AsyncIterator[str]:
+        req, p = self.req, self.p
         ereq = p.first
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = sse.Chunks(self._head(p, "chat.completion.chunk"), include_usage)
+        chunks = sse.Chunks(self._head("chat.completion.chunk"), include_usage)
 
         def choice(
             i: int, delta: dict[str, Any], logprobs: str, finish: str | None, extra: str = ""
@@ -138,9 +134,9 @@ class ChatServing:
         parser = ereq.tools.parser if ereq.tools else None
         numbering = [tools.CallIds(parser) for _ in range(ereq.n)]  # call ids per choice
         named = isinstance(req.tool_choice, NamedToolChoice)
-        flat = self.flat(req)
+        flat = self.flat()
         started = False
-        async for _, out in sse.outputs([handle]):
+        async for _, out in sse.outputs([self.handle]):
             if not started:  # the role chunks name the weights: they wait for the first output
                 started = True
                 chunks.name_weights(out)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.prompts import encode
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.prompts import encode
 from omlx_logprobs.models.loader import LoadedModel
 
 __all__ = ["prediction_ids"]

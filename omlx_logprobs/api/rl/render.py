@@ -11,14 +11,10 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from omlx_logprobs.api.pool import ModelPool
-from omlx_logprobs.api.prepare import Ask, prepare
-from omlx_logprobs.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateSampling,
-    SamplingFields,
-)
+from omlx_logprobs.api.core.pool import ModelPool
+from omlx_logprobs.api.core.prepare import Ask, prepare
+from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from omlx_logprobs.api.rl.protocol import GenerateSampling
 from omlx_logprobs.types import EngineRequest
 
 
@@ -49,7 +45,7 @@ def generate_body(
 
 
 def add_routes(app: FastAPI, pool: ModelPool) -> None:
-    """Each render is the request prepared as its route prepares it (api/prepare.py), not
+    """Each render is the request prepared as its route prepares it (api/core/prepare.py), not
     submitted."""
 
     @app.post("/v1/chat/completions/render")

@@ -1,6 +1,7 @@
 """A request's output constraint: `response_format`, vLLM's `structured_outputs` or its older
 `guided_*` fields (one of them), read into one `Constraint` and compiled once, so that a bad
-schema, regex or grammar is a 400 naming its field (api/validation.py holds the other checks)."""
+schema, regex or grammar is a 400 naming its field (api/core/validation.py holds the other
+checks)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from omlx_logprobs.api.errors import APIError
+from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.parsing.grammar import GrammarError, check
 from omlx_logprobs.types import Constraint, ConstraintKind
 
@@ -29,7 +30,7 @@ def request_constraint(req: Any) -> Constraint | None:
     if not found:
         so = getattr(req, "structured_outputs", None) or {}
         if so:  # options alone: a 400 asking for a kind of constraint (or naming a key),
-            # unless they shape the JSON of a forced tool call (api/tools.py)
+            # unless they shape the JSON of a forced tool call (api/core/tools.py)
             _structured_outputs(so, None, options_only=_forces_call(req))
         return None
     param, c = found[0]

@@ -11,50 +11,54 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from omlx_logprobs.api.errors import error_body
-from omlx_logprobs.api.prepare import Ask, sampling_params
-from omlx_logprobs.api.protocol import GenerateRequest
-from omlx_logprobs.api.response import (
+from omlx_logprobs.api.core.errors import error_body
+from omlx_logprobs.api.core.prepare import Ask, sampling_params
+from omlx_logprobs.api.core.response import (
     raise_if_failed,
     usage,
     wait_or_disconnect,
     weight_spans_json,
     weight_version_json,
 )
-from omlx_logprobs.api.served import Served
-from omlx_logprobs.logprobs.format import ChatLogprobFormatter
-from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
-from omlx_logprobs.transport.client import RequestHandle, merged
+from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.rl.protocol import GenerateRequest
+from omlx_logprobs.transport.client import merged
 from omlx_logprobs.types import EngineRequest, RequestOutput
 
 
-class GenerateServing:
-    def __init__(self, served: Served) -> None:
-        self.served = served
-        vocab = served.model.vocab
-        self.entries = ChatLogprobFormatter(vocab, as_ids=True)  # vLLM writes `token_id:<id>`
-        self.prompt_fmt = PromptLogprobFormatter(vocab)
+def engine_request(req: GenerateRequest, served: Served) -> tuple[str, EngineRequest]:
+    """Validate; the response's request_id (vLLM's: the caller's id, or a new one, after
+    `generate-tokens-`) and the engine's request."""
+    sp = req.sampling_params
+    name = req.model or served.model.name
+    served.check_model(name)
+    served.checks.check(req)
+    constraint = served.checks.check(sp)
+    served.checks.check_token_ids(req.token_ids, "token_ids")
+    ids = served.checks.truncated(list(req.token_ids), sp.truncate_prompt_tokens)
+    ask = Ask(sp, sp.max_tokens, sp.logprobs is not None, sp.logprobs or 0,
+              sp.prompt_logprobs, prompt_param="token_ids")  # fmt: skip
+    params = sampling_params(ask, served, len(ids), constraint)
+    rid = f"generate-tokens-{req.request_id or uuid.uuid4().hex}"
+    # the engine's id is unique among requests in flight whatever the caller sent
+    ereq = EngineRequest(
+        f"{rid}-{uuid.uuid4().hex[:8]}", ids, params, sp.n, stream=req.stream,
+        adapter=served.adapter(name),
+    )  # fmt: skip
+    return rid, ereq
 
-    def _start(self, req: GenerateRequest) -> tuple[str, EngineRequest, RequestHandle]:
-        """Validate, then submit; the response's request_id (vLLM's: the caller's id, or a
-        new one, after `generate-tokens-`) and the engine's request."""
-        served, sp = self.served, req.sampling_params
-        name = req.model or served.model.name
-        served.check_model(name)
-        served.checks.check(req)
-        constraint = served.checks.check(sp)
-        served.checks.check_token_ids(req.token_ids, "token_ids")
-        ids = served.checks.truncated(list(req.token_ids), sp.truncate_prompt_tokens)
-        ask = Ask(sp, sp.max_tokens, sp.logprobs is not None, sp.logprobs or 0,
-                  sp.prompt_logprobs, prompt_param="token_ids")  # fmt: skip
-        params = sampling_params(ask, served, len(ids), constraint)
-        rid = f"generate-tokens-{req.request_id or uuid.uuid4().hex}"
-        # the engine's id is unique among requests in flight whatever the caller sent
-        ereq = EngineRequest(
-            f"{rid}-{uuid.uuid4().hex[:8]}", ids, params, sp.n, stream=req.stream,
-            adapter=served.adapter(name),
-        )  # fmt: skip
-        return rid, ereq, served.engine.submit(ereq)
+
+class GenerateRun:
+    """One generate request: checked and submitted at once (a bad request raises here, before
+    any byte of a stream), then awaited whole or streamed."""
+
+    def __init__(self, req: GenerateRequest, served: Served) -> None:
+        self.req, self.served = req, served
+        # the served vocabulary's formatters, made once (vLLM writes `token_id:<id>`)
+        self.entries = served.writers.choose("openai", True).chat
+        self.prompt_fmt = served.writers.choose("openai", False).prompt_fmt
+        self.rid, self.ereq = engine_request(req, served)
+        self.handle = served.engine.submit(self.ereq)
 
     def _choice(self, out: RequestOutput, finish: bool) -> str:
         lp = (
@@ -69,12 +73,12 @@ class GenerateServing:
             f'"token_ids":{json.dumps(out.token_ids.tolist())}{spans}}}'
         )
 
-    def _head(self, rid: str, name: str | None) -> str:
-        model = json.dumps(self.served.adapter(name or "") or self.served.model.name)
-        return f'{{"request_id":{json.dumps(rid)},"model":{model},'
+    def _head(self) -> str:
+        model = json.dumps(self.served.adapter(self.req.model or "") or self.served.model.name)
+        return f'{{"request_id":{json.dumps(self.rid)},"model":{model},'
 
-    async def complete(self, req: GenerateRequest, raw: Request) -> str:
-        rid, ereq, handle = self._start(req)
+    async def complete(self, raw: Request) -> str:
+        ereq, handle = self.ereq, self.handle
         try:
             outs = await wait_or_disconnect([handle], raw)
         finally:
@@ -87,19 +91,13 @@ class GenerateServing:
             fixed = bool(ereq.params.logprob_token_ids)
             prompt = self.prompt_fmt.json(scored, ereq.params.prompt_logprobs, fixed)
         return (
-            f'{self._head(rid, req.model)}"choices":[{choices}],"prompt_logprobs":{prompt},'
+            f'{self._head()}"choices":[{choices}],"prompt_logprobs":{prompt},'
             f'"kv_transfer_params":null,"usage":{json.dumps(usage(outs))}'
             f"{weight_version_json(outs[0].weight_version, outs[0].adapter)}}}"
         )
 
-    def stream(self, req: GenerateRequest) -> AsyncIterator[str]:
-        rid, ereq, handle = self._start(req)  # errors raise here, before the 200 starts
-        return self._events(req, rid, handle)
-
-    async def _events(
-        self, req: GenerateRequest, rid: str, handle: RequestHandle
-    ) -> AsyncIterator[str]:
-        head = self._head(rid, req.model)
+    async def events(self) -> AsyncIterator[str]:
+        req, handle, head = self.req, self.handle, self._head()
         finals: dict[int, RequestOutput] = {}
         try:
             async for _, out in merged([handle]):

@@ -8,9 +8,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.pool import ModelPool
-from omlx_logprobs.api.protocol import UpdateWeightsDirRequest, UpdateWeightsRequest
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.pool import ModelPool
+from omlx_logprobs.api.rl.protocol import UpdateWeightsDirRequest, UpdateWeightsRequest
 from omlx_logprobs.types import WeightUpdate, WeightUpdateResult
 
 

@@ -10,9 +10,9 @@ import logging
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.pool import ModelPool
-from omlx_logprobs.api.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.pool import ModelPool
+from omlx_logprobs.api.rl.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from omlx_logprobs.types import AdapterChange
 
 log = logging.getLogger("omlx_logprobs")

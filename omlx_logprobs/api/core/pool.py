@@ -1,6 +1,6 @@
-"""Several models in one server: each served name's engine and the serving objects built on it,
-loaded on demand and unloaded least recently used first within `--max-loaded-models` and
-`--max-model-memory-mib` (docs/specs/rl.md, "Several models").
+"""Several models in one server: each served name's engine and what every request on it reads
+(its `Served`), loaded on demand and unloaded least recently used first within
+`--max-loaded-models` and `--max-model-memory-mib` (docs/specs/rl.md, "Several models").
 
 All of the pool's state changes on the event loop; loading and unloading an engine (seconds: a
 child process starts and loads its weights, or stops) run in worker threads. A request holds a
@@ -19,11 +19,11 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
 
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.loading import Loading
-from omlx_logprobs.api.served import Served
-from omlx_logprobs.api.slot import Loader, ModelSlot, TokenizerLoader
-from omlx_logprobs.api.validation import RequestLimits, model_bounds
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.loading import Loading
+from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.core.slot import Loader, ModelSlot, TokenizerLoader
+from omlx_logprobs.api.core.validation import RequestLimits, model_bounds
 from omlx_logprobs.config import EngineConfig, Limits, PoolConfig
 from omlx_logprobs.types import WeightVersion
 
@@ -43,7 +43,7 @@ class Unavailable(APIError):
 
 class ModelPool(Loading):
     """The served models by name; the first is the default of routes that name none. Its loads
-    and unloads: api/loading.py."""
+    and unloads: api/core/loading.py."""
 
     def __init__(
         self,

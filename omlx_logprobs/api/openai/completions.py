@@ -1,6 +1,6 @@
-"""Legacy `/v1/completions`: a request prepared (api/prepare.py: prompts as text or token ids, n
-choices per prompt from one prefill), and its JSON and SSE bodies: echo, the legacy logprobs
-shape and vLLM's scoring extensions."""
+"""Legacy `/v1/completions`: a request prepared (api/core/prepare.py: prompts as text or token
+ids, n choices per prompt from one prefill), and its JSON and SSE bodies: echo, the legacy
+logprobs shape and vLLM's scoring extensions."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from omlx_logprobs.api import sse
-from omlx_logprobs.api.prepare import Ask, Prepared, prepare
-from omlx_logprobs.api.protocol import CompletionRequest
-from omlx_logprobs.api.response import (
+from omlx_logprobs.api.core import sse
+from omlx_logprobs.api.core.prepare import Ask, Prepared, prepare
+from omlx_logprobs.api.core.protocol import CompletionRequest
+from omlx_logprobs.api.core.response import (
     finished,
     head,
     prompt_logprobs_json,
@@ -21,9 +21,8 @@ from omlx_logprobs.api.response import (
     weight_spans_json,
     weight_version_json,
 )
-from omlx_logprobs.api.served import Served
+from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.logprobs.legacy import LegacyCursor
-from omlx_logprobs.transport.client import RequestHandle
 from omlx_logprobs.types import RequestOutput
 
 
@@ -39,22 +38,22 @@ class Choice:
     started: bool = False  # whether the first (echo-carrying) chunk went out
 
 
-class CompletionServing:
-    def __init__(self, served: Served) -> None:
-        self.served = served
+class CompletionRun:
+    """One completions request: prepared (everything checked first) and submitted at once (a
+    bad request raises here, before any byte of a stream), then awaited whole or streamed;
+    choice index = prompt * n + choice."""
 
-    def _start(self, req: CompletionRequest) -> tuple[Prepared, list[RequestHandle], list[Choice]]:
-        """Prepared (everything checked first), then submitted: choice index = prompt * n +
-        choice."""
-        p = prepare(Ask.completion(req), self.served)
+    def __init__(self, req: CompletionRequest, served: Served) -> None:
+        self.req, self.served = req, served
+        self.p = p = prepare(Ask.completion(req), served)
         legacy = p.writer.legacy_fmt
-        choices = [
+        self.choices = [
             Choice(i * req.n + j, r.prompt_ids,
                    legacy.prompt_text(r.prompt_ids) if req.echo else "", LegacyCursor())
             for i, r in enumerate(p.requests)
             for j in range(req.n)
         ]  # fmt: skip
-        return p, p.submit(self.served), choices
+        self.handles = p.submit(served)
 
     @staticmethod
     def _logprobs(req: CompletionRequest, p: Prepared, c: Choice, out: RequestOutput) -> str:
@@ -83,14 +82,15 @@ class CompletionServing:
             extra += f',"token_ids":{json.dumps(out.token_ids.tolist())}'
         return extra
 
-    def _head(self, p: Prepared) -> str:
+    def _head(self) -> str:
+        p = self.p
         return head(p.request_id, "text_completion", p.model, self.served.fingerprint)
 
-    async def complete(self, req: CompletionRequest, raw: Request) -> str:
-        p, handles, choices = self._start(req)
-        outs = await finished(handles, raw)
+    async def complete(self, raw: Request) -> str:
+        req, p = self.req, self.p
+        outs = await finished(self.handles, raw)
         parts = []
-        for c, out in zip(choices, outs):
+        for c, out in zip(self.choices, outs):
             text = json.dumps(c.echo_text + out.text, ensure_ascii=False)
             lp = self._logprobs(req, p, c, out)
             extras = self._extras(req, p, c, out)
@@ -101,20 +101,14 @@ class CompletionServing:
             )
         w = weight_version_json(outs[0].weight_version, outs[0].adapter)
         body = f'"choices":[{",".join(parts)}],"usage":{json.dumps(usage(outs))}{w}}}'
-        return self._head(p) + body
+        return self._head() + body
 
-    def stream(self, req: CompletionRequest) -> AsyncIterator[str]:
-        p, handles, choices = self._start(req)  # errors raise here, before the 200 starts
-        return self._events(req, p, handles, choices)
-
-    async def _events(
-        self, req: CompletionRequest, p: Prepared, handles: list[RequestHandle],
-        choices: list[Choice],
-    ) -> AsyncIterator[str]:  # fmt: skip
+    async def events(self) -> AsyncIterator[str]:
+        req, p, choices = self.req, self.p, self.choices
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = sse.Chunks(self._head(p), include_usage)
+        chunks = sse.Chunks(self._head(), include_usage)
         finals: dict[int, RequestOutput] = {}
-        async for at, out in sse.outputs(handles):
+        async for at, out in sse.outputs(self.handles):
             chunks.name_weights(out)
             i = at * req.n + out.index
             c = choices[i]

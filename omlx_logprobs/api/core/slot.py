@@ -1,6 +1,6 @@
-"""One served name in the pool (api/pool.py): what loads it and, while it is loaded, its `Served`
-and its routes' serving objects; its leases and last use, and what a reload loads again (the
-weights last loaded in place, its LoRA adapters)."""
+"""One served name in the pool (api/core/pool.py): what loads it and, while it is loaded, its
+`Served`; its leases and last use, and what a reload loads again (the weights last loaded in
+place, its LoRA adapters)."""
 
 from __future__ import annotations
 
@@ -10,28 +10,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from omlx_logprobs.api.chat import ChatServing
-from omlx_logprobs.api.completions import CompletionServing
-from omlx_logprobs.api.served import Served
-from omlx_logprobs.api.sglang_generate import SglangServing
-from omlx_logprobs.api.validation import RequestLimits
-from omlx_logprobs.api.vllm_generate import GenerateServing
+from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.types import INITIAL_WEIGHTS, WeightVersion
 
 
 @dataclass(eq=False)
 class ModelSlot:
-    """One served name: what loads it, and while loaded its `Served` and serving objects."""
+    """One served name: what loads it, and while loaded its `Served`."""
 
     name: str
     source: str | None  # what the loader loads: a resolved directory or a scripted description
     need_mib: int = 0  # estimated memory (models/footprint.py)
     state: str = "unloaded"  # "loading", "loaded", "unloading"
     served: Served | None = None
-    chat: ChatServing | None = None
-    completions: CompletionServing | None = None
-    generate: GenerateServing | None = None  # /inference/v1/generate
-    sglang: SglangServing | None = None  # /generate
     leases: int = 0  # requests routed here whose work is not yet in the engine
     # When each request for it that waits for a busy model to go idle (so that it can be
     # loaded) arrived: later requests for the loaded models wait behind it, so those drain and
@@ -67,15 +59,13 @@ class ModelSlot:
         served.adapters.update(self.adapters)  # one dict from here on: the routes change it
         self.adapters = served.adapters
         self.served, self.state = served, "loaded"
-        self.chat, self.completions = ChatServing(served), CompletionServing(served)
-        self.generate, self.sglang = GenerateServing(served), SglangServing(served)
         self.max_model_len = served.model.max_model_len
         self.last_used = self.loaded_at = time.monotonic()
 
     def detach(self) -> Served:
         served = self.served
         assert served is not None
-        self.served = self.chat = self.completions = self.generate = self.sglang = None
+        self.served = None
         self.tokenizer = (replace(served.model, model=None), served.checks)
         return served
 

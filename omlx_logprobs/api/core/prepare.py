@@ -2,9 +2,9 @@
 
 Every route reads its wire shape into a chat or completions request model and says, in an
 `Ask`, what it wants beyond those fields (how many tokens, which logprobs, what its own fields
-are called). `prepare` then does everything once: the checks (api/validation.py), the output
-constraint compiled (api/constraints.py; with tools, api/tools.py), the prompt's ids
-(api/prompts.py), the `SamplingParams`, the `EngineRequest`s and the writer of the request's
+are called). `prepare` then does everything once: the checks (api/core/validation.py), the output
+constraint compiled (api/core/constraints.py; with tools, api/core/tools.py), the prompt's ids
+(api/core/prompts.py), the `SamplingParams`, the `EngineRequest`s and the writer of the request's
 logprobs (logprobs/wire.py). A 400 names the field as the client sent it (`Ask.names`).
 """
 
@@ -16,18 +16,18 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from omlx_logprobs.api import tools
-from omlx_logprobs.api.constraints import constraint_field
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.prediction import prediction_ids
-from omlx_logprobs.api.prompts import chat_prompt, completion_prompts, encode
-from omlx_logprobs.api.protocol import (
+from omlx_logprobs.api.core import tools
+from omlx_logprobs.api.core.constraints import constraint_field
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.prediction import prediction_ids
+from omlx_logprobs.api.core.prompts import chat_prompt, completion_prompts, encode
+from omlx_logprobs.api.core.protocol import (
     ChatCompletionRequest,
     ChatTokensRequest,
     CompletionRequest,
     SamplingKnobs,
 )
-from omlx_logprobs.api.served import Served
+from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.logprobs.wire import LogprobWriter
 from omlx_logprobs.parsing.thinking import think_start
 from omlx_logprobs.transport.client import RequestHandle
@@ -192,7 +192,7 @@ def sampling_params(
     ask: Ask, served: Served, prompt_len: int, constraint: Constraint | None
 ) -> SamplingParams:
     """The request's fields as SamplingParams; a 400 for every value the engine cannot take
-    (the checks live in api/validation.py; the top-K caps are checked there, once)."""
+    (the checks live in api/core/validation.py; the top-K caps are checked there, once)."""
     req = ask.req
     checks = served.checks
     chat = isinstance(req, ChatCompletionRequest)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from omlx_logprobs.api import tools
-from omlx_logprobs.api.errors import APIError
-from omlx_logprobs.api.protocol import ChatCompletionRequest, CompletionRequest
-from omlx_logprobs.api.validation import RequestLimits
+from omlx_logprobs.api.core import tools
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest
+from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.models.segments import segment_encoder
 
