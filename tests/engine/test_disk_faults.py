@@ -157,6 +157,47 @@ def test_a_read_only_folder_is_read_and_not_written(tmp_path: Path) -> None:
             DiskTier(tmp_path, 1 << 20, "other")
 
 
+FILLER = """
+import sys
+import mlx.core as mx
+from omlx_logprobs.runner.disk_tier import DiskTier
+from omlx_logprobs.runner.prefix_cache import Prefix
+
+disk = DiskTier(sys.argv[1], 64 << 20, "m")  # a limit far above what the disk holds
+for start in range(0, 12000, 1000):
+    tokens = tuple(range(start, start + 256))
+    column = mx.array(tokens, dtype=mx.float32).reshape(1, 1, 256, 1)
+    kv = [mx.broadcast_to(column, (1, 2, 256, 128))]
+    disk.put(Prefix(tokens, kv, kv))  # 512 KiB a file
+disk.flush()
+for tokens in list(disk.files):
+    prefix = disk.load(tokens)
+    assert prefix is not None and prefix.keys[0][0, 0, :, 0].tolist() == list(tokens)
+print(len(disk.files), disk.nbytes)
+"""
+
+
+def test_a_real_full_disk(tmp_path: Path) -> None:
+    """A 1 MiB tmpfs (a mount namespace of its own: root's, skipped elsewhere) under twelve
+    512 KiB files: the writes past its end fail with ENOSPC, are logged and forgotten, and what
+    was written reads back right."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mount = f"mount -t tmpfs -o size=1m tmpfs {folder} || exit 99"
+    script = f"{mount}; {sys.executable} -c '{FILLER}' {folder}"
+    try:
+        run = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT,
+                             capture_output=True, text=True)  # fmt: skip
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
+    if run.returncode == 99 or run.stderr.startswith("unshare"):
+        pytest.skip(f"no tmpfs of its own here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    listed, nbytes = map(int, run.stdout.split())
+    assert 1 <= listed < 12 and nbytes <= 1 << 20
+    assert run.stderr.count("No space left on device") == 12 - listed
+
+
 # SIGKILL while writing: a process that writes without pause, killed; what it leaves.
 
 WRITER = """
