@@ -77,13 +77,11 @@ class DiskTier:
         self._evict()
 
     def _read_existing(self) -> None:
-        found = [(meta, _listed(meta)) for meta in self.dir.glob(f"*{META}")]
+        found = [(m.stem, f) for m in self.dir.glob(f"*{META}") if (f := _listed(m)) is not None]
         listed: set[str] = set()
-        for meta, (tokens, size, _) in sorted(
-            ((m, f) for m, f in found if f is not None), key=lambda x: x[1][2]
-        ):
-            listed.add(meta.stem)
-            self._add(tokens, meta.stem, size)
+        for name, (tokens, size, _) in sorted(found, key=lambda x: x[1][2]):  # by last use
+            listed.add(name)
+            self._add(tokens, name, size)
         # What a write cut short left (a temporary file, a data file without its meta file) or
         # a meta file that fails its checks: no entry, and no bytes held outside the limit.
         for path in self.dir.iterdir():
@@ -128,7 +126,7 @@ class DiskTier:
         t0 = time.perf_counter()
         try:
             prefix = self._read(name, tokens)
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             log.warning("kv cache dir: %s unreadable (%s): computed again", name, e)
             self._drop(tokens)
             return None
@@ -179,7 +177,7 @@ class DiskTier:
             # The meta file last: a sequence is listed only once its arrays are whole.
             _write_file(self.dir / f"{name}{META}", text)
             written = len(data) + len(text)
-        except OSError as e:
+        except (OSError, RuntimeError, ValueError) as e:  # MLX's serializer raises the latter
             log.warning("kv cache dir: %d tokens not written (%s)", len(prefix.tokens), e)
             for suffix in (META, DATA):
                 _remove(self.dir / f"{name}{suffix}")

@@ -335,6 +335,8 @@ class PrefixCache:
     def clear(self) -> None:
         """Forget every kept prefix (their keys and values belong to weights now replaced); the
         disk tier's are another model's from now on (it keeps them under its fingerprint)."""
+        if self.disk is not None:  # its writes done before a new tier reads the folder
+            self.disk.flush()
         self.entries.clear()
         self._index.clear()
         self.disk = None
