@@ -12,6 +12,10 @@ INSTRUCTOR := instructor==1.17.0
 
 FUZZ_EXAMPLES ?= 2000
 SOAK_SECONDS ?= 120
+# The stateful soaks (docs/reliability.md, 9): conversations through the prefix cache and the
+# Responses store, and rounds of pauses, weight updates and adapter loads under 64 streams.
+CONVERSATIONS ?= 1000
+CONTROL_ROUNDS ?= 2
 
 VF_VENV := .venv-verifiers
 VF_PY := $(VF_VENV)/bin/python
@@ -93,7 +97,9 @@ fuzz: install
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/reliability/test_fuzz.py
 
 soak: install
-	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/reliability/test_soak.py
+	SOAK_SECONDS=$(SOAK_SECONDS) CONVERSATIONS=$(CONVERSATIONS) CONTROL_ROUNDS=$(CONTROL_ROUNDS) \
+		$(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/reliability/test_soak.py \
+		tests/reliability/test_conversations.py tests/reliability/test_control_load.py
 
 # Speculative decoding, every test: the chi-square tests of sampled outputs against the
 # scripted model's known distribution are behind @pytest.mark.slow (~40 s).

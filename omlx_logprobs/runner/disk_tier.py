@@ -6,15 +6,24 @@ Files live in a folder named by the model's fingerprint: a hash of its weights' 
 strided sample of every parameter), its dtype and the device, so a changed model (other files,
 weights loaded in place, another dtype) never reads another's keys and values. Writes go
 through one background thread; the least recently used files go first past the size limit.
+
+A file is a cache, never the truth: each is written under a temporary name and renamed whole
+(a server killed while writing leaves only a temporary file, removed at the next start), its
+meta file (tokens, length, CRC-32) written last, and every read checks them. A file that fails
+(corrupted, truncated, gone) and a write that fails (a full disk, a read-only folder) are
+logged and read as a miss: the prompt is computed, and the server serves on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
+import os
 import time
-from collections import OrderedDict
+import zlib
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +39,7 @@ from omlx_logprobs.runner.prefix_cache import Prefix
 log = logging.getLogger("omlx_logprobs")
 
 SAMPLE = 64  # values read from each parameter for the fingerprint
+DATA, META, TEMP = ".safetensors", ".json", ".tmp"
 
 
 def fingerprint(model: Any) -> str:
@@ -45,37 +55,48 @@ def fingerprint(model: Any) -> str:
     return h.hexdigest()[:24]
 
 
+def file_name(tokens: tuple[int, ...]) -> str:
+    """A sequence's files' name: a hash of its tokens (a read checks its meta file against it)."""
+    return hashlib.sha256(repr(tokens).encode()).hexdigest()[:32]
+
+
 class DiskTier:
     def __init__(self, root: str | Path, max_bytes: int, model_fingerprint: str) -> None:
         self.dir = Path(root).expanduser() / model_fingerprint
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(parents=True, exist_ok=True)  # OSError: the caller goes without
         self.max_bytes = max_bytes
-        self.files: OrderedDict[tuple[int, ...], tuple[str, int]] = OrderedDict()  # LRU
+        # LRU; a size is the bytes on disk (data and meta file), estimated until written.
+        self.files: OrderedDict[tuple[int, ...], tuple[str, int]] = OrderedDict()
         self.nbytes = 0
         self._index: BlockIndex[str] = BlockIndex()
         self._writer = ThreadPoolExecutor(1, "omlx-kv-disk")
         self._pending: dict[str, Future[None]] = {}
+        # Each write's outcome, from the writer thread: (tokens, name, bytes written or None).
+        self._written: deque[tuple[tuple[int, ...], str, int | None]] = deque()
         self._read_existing()
+        self._evict()
 
     def _read_existing(self) -> None:
-        metas = sorted(self.dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
-        for meta in metas:
-            data = self.dir / (meta.stem + ".safetensors")
-            try:
-                tokens = tuple(json.loads(meta.read_text())["tokens"])
-                size = data.stat().st_size
-            except (OSError, ValueError, KeyError):
-                continue  # a write cut short: neither file is trusted
-            self._add(tokens, meta.stem, size)
+        found = [(m.stem, f) for m in self.dir.glob(f"*{META}") if (f := _listed(m)) is not None]
+        listed: set[str] = set()
+        for name, (tokens, size, _) in sorted(found, key=lambda x: x[1][2]):  # by last use
+            listed.add(name)
+            self._add(tokens, name, size)
+        # What a write cut short left (a temporary file, a data file without its meta file) or
+        # a meta file that fails its checks: no entry, and no bytes held outside the limit.
+        for path in self.dir.iterdir():
+            if path.suffix == TEMP or path.name.split(".")[0] not in listed:
+                _remove(path)
         if self.files:
             log.info("kv cache dir %s: %d sequences, %d MiB", self.dir, len(self.files),
                      self.nbytes >> 20)  # fmt: skip
 
     def put(self, prefix: Prefix) -> None:
         """Keep a sequence on disk (written by the background thread)."""
+        self._settle()
         if prefix.tokens in self.files or prefix.array_nbytes > self.max_bytes:
             return
-        name = hashlib.sha256(repr(prefix.tokens).encode()).hexdigest()[:32]
+        name = file_name(prefix.tokens)
         # Evaluated here: the writer thread has no MLX stream of its own to compute on.
         mx.eval(prefix.keys, prefix.values, prefix.states)
         self._add(prefix.tokens, name, prefix.array_nbytes)
@@ -87,59 +108,160 @@ class DiskTier:
     ) -> tuple[tuple[int, ...], int] | None:
         """The kept sequence sharing the longest start with ids[:limit], and that length
         (`whole`: of those ids[:limit] starts with whole, BlockIndex.find)."""
+        self._settle()
         found = self._index.find(None, ids, limit, whole=whole)
         return (found[0], found[2]) if found is not None else None
 
-    def load(self, tokens: tuple[int, ...]) -> Prefix:
-        """A kept sequence's keys and values, read back (waiting for its write if pending)."""
+    def load(self, tokens: tuple[int, ...]) -> Prefix | None:
+        """A kept sequence's keys and values, read back (waiting for its write if pending);
+        None where its write failed or its files fail their checks (then forgotten)."""
+        if tokens not in self.files:
+            return None
         name, _ = self.files[tokens]
-        self.files.move_to_end(tokens)
         if (pending := self._pending.pop(name, None)) is not None:
             pending.result()
+        self._settle()
+        if tokens not in self.files:  # its write failed
+            return None
         t0 = time.perf_counter()
-        arrays = mx.load(str(self.dir / f"{name}.safetensors"))
-        assert isinstance(arrays, dict)
-        n = sum(1 for name in arrays if name.startswith("k"))
-        keys = [arrays[f"k{i}"] for i in range(n)]
-        values = [arrays[f"v{i}"] for i in range(n)]
-        states = _states(arrays)
-        mx.eval(keys, values, states)
-        (self.dir / f"{name}.json").touch()  # recently used, across restarts too
+        try:
+            prefix = self._read(name, tokens)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            log.warning("kv cache dir: %s unreadable (%s): computed again", name, e)
+            self._drop(tokens)
+            return None
+        self.files.move_to_end(tokens)
+        _touch(self.dir / f"{name}{META}")  # recently used, across restarts too
         log.debug("kv cache dir: %d tokens read in %.3f s", len(tokens), time.perf_counter() - t0)
-        return Prefix(tokens, keys, values, states=states)
+        return prefix
 
     def flush(self) -> None:
-        """Wait for every write and removal submitted (one thread: they run in order)."""
+        """Wait for every write and removal submitted (one thread: they run in order), and
+        those the size limit asks for once the writes' sizes are known."""
         self._writer.submit(lambda: None).result()
         self._pending.clear()
+        self._settle()
+        self._writer.submit(lambda: None).result()
+
+    def _read(self, name: str, tokens: tuple[int, ...]) -> Prefix:
+        meta = json.loads((self.dir / f"{name}{META}").read_text())
+        data = (self.dir / f"{name}{DATA}").read_bytes()
+        if tuple(meta["tokens"]) != tokens:
+            raise ValueError("its meta file names other tokens")
+        if len(data) != meta["bytes"] or zlib.crc32(data) != meta["crc32"]:
+            raise ValueError(f"{len(data)} bytes, {meta['bytes']} written, checksum differs")
+        arrays = mx.load(io.BytesIO(data), format="safetensors")
+        assert isinstance(arrays, dict)
+        n = sum(1 for a in arrays if a.startswith("k"))
+        keys = [arrays[f"k{i}"] for i in range(n)]
+        values = [arrays[f"v{i}"] for i in range(n)]
+        if any(a.ndim != 4 or a.shape[2] != len(tokens) for a in keys + values):
+            raise ValueError("keys or values of another length")
+        states = _states(arrays)
+        mx.eval(keys, values, states)
+        return Prefix(tokens, keys, values, states=states)
 
     def _write(self, name: str, prefix: Prefix) -> None:
         arrays = {f"k{i}": k for i, k in enumerate(prefix.keys)}
         arrays |= {f"v{i}": v for i, v in enumerate(prefix.values)}
         for i, state in enumerate(prefix.states or ()):
             arrays |= {f"s{i}.{j}": a for j, a in enumerate(state)}
-        mx.save_safetensors(str(self.dir / f"{name}.safetensors"), arrays)
-        # The tokens last: a sequence is listed only once its arrays are whole.
-        (self.dir / f"{name}.json").write_text(json.dumps({"tokens": list(prefix.tokens)}))
+        written: int | None = None
+        try:
+            buffer = io.BytesIO()
+            mx.save_safetensors(buffer, arrays)
+            data = buffer.getvalue()
+            meta = {"tokens": list(prefix.tokens), "bytes": len(data), "crc32": zlib.crc32(data)}
+            text = json.dumps(meta).encode()
+            _write_file(self.dir / f"{name}{DATA}", data)
+            # The meta file last: a sequence is listed only once its arrays are whole.
+            _write_file(self.dir / f"{name}{META}", text)
+            written = len(data) + len(text)
+        except (OSError, RuntimeError, ValueError) as e:  # MLX's serializer raises the latter
+            log.warning("kv cache dir: %d tokens not written (%s)", len(prefix.tokens), e)
+            for suffix in (META, DATA):
+                _remove(self.dir / f"{name}{suffix}")
+        self._written.append((prefix.tokens, name, written))
+
+    def _settle(self) -> None:
+        """The writes' outcomes: a failed one's entry goes, a written one counts its bytes."""
+        while self._written:
+            tokens, name, written = self._written.popleft()
+            entry = self.files.get(tokens)
+            if entry is None or entry[0] != name:
+                continue  # evicted meanwhile
+            if written is None:
+                self._forget(tokens)
+            else:
+                self.files[tokens] = (name, written)
+                self.nbytes += written - entry[1]
+        self._evict()
 
     def _add(self, tokens: tuple[int, ...], name: str, size: int) -> None:
         self.files[tokens] = (name, size)
         self.nbytes += size
         self._index.add(None, tokens, name)
 
+    def _forget(self, tokens: tuple[int, ...]) -> str:
+        name, size = self.files.pop(tokens)
+        self.nbytes -= size
+        self._index.remove(None, tokens, name)
+        return name
+
+    def _drop(self, tokens: tuple[int, ...]) -> None:
+        name = self._forget(tokens)
+        self._writer.submit(self._delete, name, self._pending.pop(name, None))
+
     def _evict(self) -> None:
-        while self.nbytes > self.max_bytes and len(self.files) > 1:
-            tokens, (name, size) = self.files.popitem(last=False)
-            self.nbytes -= size
-            self._index.remove(None, tokens, name)
-            pending = self._pending.pop(name, None)
-            self._writer.submit(self._delete, name, pending)
+        while self.nbytes > self.max_bytes and self.files:
+            self._drop(next(iter(self.files)))
 
     def _delete(self, name: str, pending: Future[None] | None) -> None:
         if pending is not None:
             pending.result()
-        for suffix in (".json", ".safetensors"):
-            (self.dir / f"{name}{suffix}").unlink(missing_ok=True)
+        for suffix in (META, DATA):
+            _remove(self.dir / f"{name}{suffix}")
+
+
+def _listed(meta: Path) -> tuple[tuple[int, ...], int, float] | None:
+    """A meta file's tokens, its sequence's bytes on disk and its last use; None where the two
+    files do not match what it says (a write cut short, another format): neither is trusted."""
+    try:
+        found = json.loads(meta.read_text())
+        tokens = tuple(int(t) for t in found["tokens"])
+        size = (meta.parent / f"{meta.stem}{DATA}").stat().st_size
+        if file_name(tokens) != meta.stem or size != found["bytes"] or "crc32" not in found:
+            return None
+        stat = meta.stat()
+        return tokens, size + stat.st_size, stat.st_mtime
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Write a file whole or not at all: a temporary file renamed over it."""
+    temp = path.with_name(path.name + TEMP)
+    try:
+        with open(temp, "wb") as f:
+            f.write(data)
+        os.replace(temp, path)
+    except OSError:
+        _remove(temp)
+        raise
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:  # a read-only folder: the file stays, and so does its entry's absence
+        log.debug("kv cache dir: %s not removed (%s)", path, e)
+
+
+def _touch(path: Path) -> None:
+    try:
+        path.touch()
+    except OSError:
+        pass  # a read-only folder: the order of use is this process's alone
 
 
 def _states(arrays: dict[str, mx.array]) -> tuple[tuple[mx.array, ...], ...] | None:

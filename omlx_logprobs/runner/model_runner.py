@@ -375,7 +375,10 @@ class ModelRunner(Prefill):
                      " off, or caches other than plain keys and values)")  # fmt: skip
             return
         self._disk = (root, mib)
-        self.prefixes.disk = DiskTier(root, mib << 20, fingerprint(self.model))
+        try:
+            self.prefixes.disk = DiskTier(root, mib << 20, fingerprint(self.model))
+        except OSError as e:  # a folder that cannot be made: the memory tier serves alone
+            log.warning("--kv-cache-dir %s unusable (%s): no disk tier", root, e)
 
     def health(self) -> Any:
         """The processes the model is split over, for /health (None: this process alone)."""

@@ -335,6 +335,8 @@ class PrefixCache:
     def clear(self) -> None:
         """Forget every kept prefix (their keys and values belong to weights now replaced); the
         disk tier's are another model's from now on (it keeps them under its fingerprint)."""
+        if self.disk is not None:  # its writes done before a new tier reads the folder
+            self.disk.flush()
         self.entries.clear()
         self._index.clear()
         self.disk = None
@@ -361,9 +363,11 @@ class PrefixCache:
             if on_disk is not None and on_disk[1] > n:
                 if look:  # what a lookup would find, without loading it
                     return Prefix(on_disk[0], [], []), on_disk[1]
-                self.keep(key, self.disk.load(on_disk[0]))
-                found = self._index.find(key, ids, limit, whole=self.whole)
-                n = found[2] if found is not None else 0
+                loaded = self.disk.load(on_disk[0])
+                if loaded is not None:  # None: its file failed its checks, a miss
+                    self.keep(key, loaded)
+                    found = self._index.find(key, ids, limit, whole=self.whole)
+                    n = found[2] if found is not None else 0
         return (found[1], n) if found is not None and n >= self.min_use else None
 
     def keep_boundaries(self, key: Key, whole: Prefix, at: list[tuple[int, State]]) -> None:

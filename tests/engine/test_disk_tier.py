@@ -43,14 +43,25 @@ def test_evicted_sequences_come_back_from_disk(tmp_path: Path) -> None:
     assert (BASE_KEY, tuple(range(40))) in cache.entries  # back in memory
 
 
+def written(tmp_path: Path, prefix: Prefix) -> int:
+    """The bytes a sequence takes on disk: its data file and its meta file."""
+    one = DiskTier(tmp_path / "one", 1 << 20, "m")
+    one.put(prefix)
+    one.flush()
+    return one.nbytes
+
+
 def test_the_size_limit_drops_the_least_recently_used(tmp_path: Path) -> None:
-    disk = DiskTier(tmp_path, 2 * 320, "m")
+    limit = 2 * written(tmp_path, seq(200)) + 10  # two files, not three
+    disk = DiskTier(tmp_path, limit, "m")
     for start in (0, 100, 200):
         disk.put(seq(start))
     disk.flush()
     assert [t[0] for t in disk.files] == [100, 200]
     assert len(list((tmp_path / "m").glob("*.safetensors"))) == 2
-    again = DiskTier(tmp_path, 2 * 320, "m")  # what a restart finds
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "m").iterdir())
+    assert on_disk == disk.nbytes <= limit  # the limit counts what the files take
+    again = DiskTier(tmp_path, limit, "m")  # what a restart finds
     assert [t[0] for t in again.files] == [100, 200]
     assert again.find(list(range(200, 260)), 59) == (tuple(range(200, 240)), 40)
 
