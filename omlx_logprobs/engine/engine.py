@@ -363,7 +363,7 @@ class Engine:
     def _add(self, req: EngineRequest) -> None:
         leader = Sequence.of(req)
         self._live[req.request_id] = leader.group
-        if not self._constrain(leader) or not self._adapt(leader, req.adapter):
+        if not self._constrain(leader) or not self.life.adapt(leader, req.adapter):
             return
         if not self.life.holds(leader):  # held: it starts on the weights asked for
             self.scheduler.add(leader)
@@ -394,19 +394,6 @@ class Engine:
                 self.processor.fail(s, f"the output grammar cannot be built: {exc}")
             return False
         return True
-
-    def _adapt(self, leader: Sequence, name: str | None) -> bool:
-        """Put each choice on its LoRA adapter; an adapter unloaded since the API routed the
-        request ends it with an error."""
-        if name is None:
-            return True
-        slot = self.runner.adapters.slot_of(name)
-        for s in leader.group:
-            if slot is None:
-                self.processor.fail(s, f"the LoRA adapter {name!r} is not loaded (unloaded)")
-            else:
-                s.adapter, s.adapter_version = slot, self.runner.adapters.version(slot)
-        return slot is not None
 
     def _end(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:
         self.processor.end(seq, reason, error)

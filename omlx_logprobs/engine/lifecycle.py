@@ -87,6 +87,19 @@ class Lifecycle:
         self.held.append(leader)
         return True
 
+    def adapt(self, leader: Sequence, name: str | None) -> bool:
+        """Put each choice of a new request on its LoRA adapter; an adapter unloaded since the
+        API routed the request ends it with an error."""
+        if name is None:
+            return True
+        slot = self.runner.adapters.slot_of(name)
+        for s in leader.group:
+            if slot is None:
+                self.processor.fail(s, f"the LoRA adapter {name!r} is not loaded (unloaded)")
+            else:
+                s.adapter, s.adapter_version = slot, self.runner.adapters.version(slot)
+        return slot is not None
+
     # ---- commands, read from the engine's inbox -----------------------------------------------
     def update_weights(self, update: WeightUpdate, done: Future[WeightUpdateResult]) -> None:
         pending = PendingUpdate(update, done, time.monotonic())
