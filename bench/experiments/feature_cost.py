@@ -30,6 +30,7 @@ from omlx_logprobs.cli import mlx_environment
 mlx_environment()
 
 from omlx_logprobs.options import build_parser, engine_config
+from omlx_logprobs.engine.commands import Submit
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import load_model
 from omlx_logprobs.types import EngineRequest, SamplingParams
@@ -79,7 +80,7 @@ class Run:
 
     def submit(self, rid: str, ids: list[int], params: SamplingParams) -> threading.Event:
         ev = self.done[rid] = threading.Event()
-        self.engine.submit(EngineRequest(rid, ids, params))
+        self.engine.post(Submit(EngineRequest(rid, ids, params)))
         return ev
 
 

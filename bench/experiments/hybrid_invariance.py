@@ -17,6 +17,7 @@ import omlx_logprobs  # noqa: F401  (loads OpenBLAS before mlx)
 import numpy as np
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.commands import Submit
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model, resolve_model_path
 from omlx_logprobs.types import EngineRequest, SamplingParams
@@ -38,7 +39,7 @@ PARAMS = SamplingParams(
 
 def turn(engine: Engine, rid: str, ids: list[int]) -> tuple[list[int], np.ndarray, int]:
     """One request to completion: its tokens, its chosen and top logprobs, its cached tokens."""
-    engine.submit(EngineRequest(rid, ids, PARAMS, stream=True))
+    engine.post(Submit(EngineRequest(rid, ids, PARAMS, stream=True)))
     engine._drain_inbox()
     [seq] = engine._live[rid]
     while engine.has_work():

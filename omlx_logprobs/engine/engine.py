@@ -1,6 +1,7 @@
 """The engine: one thread owns all MLX work and runs the step loop. Requests, aborts, weight
-updates, adapters and pauses come in as typed commands (engine/commands.py) through a
-thread-safe inbox; what leaves is `RequestOutput`s, handed to a sink once a step
+updates, adapters and pauses come in as the command records of engine/commands.py, posted to a
+thread-safe inbox (`Engine.post`) and read between two steps; pauses, weights and adapters are
+then engine/lifecycle.py's. What leaves is `RequestOutput`s, handed to a sink once a step
 (transport/client.py moves them to the API, from this process or from a child)."""
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from omlx_logprobs import heap
 from omlx_logprobs.batch.scheduler import Scheduler, SchedulerOutput
@@ -19,33 +20,30 @@ from omlx_logprobs.batch.sequence import Sequence, Status
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.commands import (
     Abort,
+    BeginShutdown,
+    ChangeAdapter,
     Command,
-    PendingAdapter,
-    PendingControl,
-    PendingUpdate,
+    ControlCommand,
+    Stop,
     Submit,
+    UpdateWeights,
+    posted,
 )
+from omlx_logprobs.engine.lifecycle import Lifecycle
 from omlx_logprobs.engine.overlap import Overlap
 from omlx_logprobs.engine.processor import OutputProcessor
 from omlx_logprobs.engine.stats import EngineStats, StepStats
 from omlx_logprobs.runner.grammar import GrammarError, Grammars
-from omlx_logprobs.runner.lora import AdapterError
 from omlx_logprobs.runner.model_runner import ModelRunner
 from omlx_logprobs.runner.speculation import speculator
 from omlx_logprobs.runner.step import LaunchedStep
-from omlx_logprobs.runner.weights import WeightsError
 from omlx_logprobs.types import (
     INITIAL_WEIGHTS,
     AdapterChange,
-    Control,
-    ControlResult,
     EngineRequest,
     FinishReason,
-    PauseMode,
     RequestOutput,
     SamplingParams,
-    WeightUpdate,
-    WeightUpdateResult,
     WeightVersion,
 )
 from omlx_logprobs.vocab import Vocabulary
@@ -55,6 +53,8 @@ SMALL_BATCH = 4
 IDLE_WAIT_S = 0.5  # an idle engine looks at its inbox at least this often
 
 Sink = Callable[[list[RequestOutput]], None]
+A = TypeVar("A")
+Posted = tuple[Command[Any], Future[Any]]  # a command in the inbox, and its answer's future
 
 
 class Engine:
@@ -96,10 +96,6 @@ class Engine:
         )
         self.processor = OutputProcessor(vocab, eos)
         self.processor.weights = weights
-        # Weight updates asked for, oldest first, and the requests that arrived after one was:
-        # they start on the new weights (runner/weights.py; docs/specs/rl.md).
-        self._updates: list[PendingUpdate] = []
-        self._held: list[Sequence] = []
         # Called once a step (and once an idle wait) with the outputs made since the last call,
         # perhaps none; on a GPU from the thread that processed the step.
         self.sink: Sink = sink or (lambda outputs: None)
@@ -109,11 +105,11 @@ class Engine:
         # Unfinished requests' choices (aborts), as submitted: a retraction splits a prompt's
         # choices, which then prefill apart.
         self._live: dict[str, list[Sequence]] = {}
-        # Paused (docs/specs/rl.md): the mode, and pauses waiting to be answered (a wait
-        # pause once nothing runs, a halting one once the step in flight is processed).
-        self._paused: PauseMode | None = None
-        self._pausing: list[tuple[PauseMode, int, Future[ControlResult]]] = []  # mode, aborted
-        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        # Pause, resume and flush; new weights; adapters; retraction (docs/specs/rl.md).
+        self.life = Lifecycle(
+            self.scheduler, self.runner, self.processor, self._live, self.has_work, self._abort
+        )
+        self._inbox: queue.SimpleQueue[Posted] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._closing_at: float | None = None  # after this monotonic time, fail what is left
@@ -132,45 +128,22 @@ class Engine:
         self._warmed.wait()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._wake.set()
+        self.post(Stop())
         self._thread.join(timeout)
 
-    def begin_shutdown(self, grace_s: float) -> None:
-        """In-flight requests may finish for grace_s seconds; then they end with an error."""
-        self._closing_at = time.monotonic() + grace_s
-        self._wake.set()
-
-    def submit(self, req: EngineRequest) -> None:
-        self._inbox.put(Submit(req))
-        self._wake.set()
-
-    def abort(self, request_id: str) -> None:
-        """End every unfinished choice of the request (unknown or finished ids are ignored)."""
-        self._inbox.put(Abort(request_id))
-        self._wake.set()
-
-    def update_weights(self, update: WeightUpdate) -> Future[WeightUpdateResult]:
-        """New weights once the requests in flight have finished (or been aborted, as the update
-        asks); the future's result says which version serves from then on."""
-        done: Future[WeightUpdateResult] = Future()
-        self._inbox.put(PendingUpdate(update, done, time.monotonic()))
-        self._wake.set()
-        return done
-
-    def control(self, command: Control) -> Future[ControlResult]:
-        """Pause, resume or flush between two steps; the future's result once done (a pause
-        that waits for its requests is answered when they have finished)."""
-        done: Future[ControlResult] = Future()
-        self._inbox.put(PendingControl(command, done))
-        self._wake.set()
-        return done
-
-    def change_adapter(self, change: AdapterChange) -> Future[str | None]:
-        """Load, replace or unload a LoRA adapter between two steps; the future's result is
-        None, or why nothing changed."""
-        done: Future[str | None] = Future()
-        self._inbox.put(PendingAdapter(change, done))
+    def post(self, command: Command[A]) -> Future[A]:
+        """Any thread (a signal handler too): ask the engine to do something (the records of
+        engine/commands.py). Shutdown's take effect at once, the rest between two steps, in the
+        order posted; the future is answered once done (a pause that waits for its requests
+        once they have finished; new weights once the requests in flight allow)."""
+        done: Future[A] = Future() if command.answered else posted()
+        match command:
+            case Stop():
+                self._stop.set()
+            case BeginShutdown(grace_s=grace_s):
+                self._closing_at = time.monotonic() + grace_s
+            case _:
+                self._inbox.put((command, done))
         self._wake.set()
         return done
 
@@ -194,8 +167,8 @@ class Engine:
             aborted_waiting=self._aborted[Status.WAITING],
             aborted_running=self._aborted[Status.RUNNING],
             weights=self.processor.weights,
-            updating=bool(self._updates),
-            paused=self._paused.value if self._paused is not None else None,
+            updating=bool(self.life.updates),
+            paused=self.life.paused.value if self.life.paused is not None else None,
             distributed=self.runner.health(),
         )
 
@@ -287,18 +260,13 @@ class Engine:
             self._warmed.set()
         while not self._stop.is_set():
             self._drain_inbox()
-            if self.runner.adapters.retiring:
-                self._release_adapters()
-            if self._halted and self.overlap.inflight is not None:
+            if self.life.halted and self.overlap.inflight is not None:
                 self._free(self.overlap.finish())  # the step in flight ends the run
-            if self._pausing:
-                self._answer_pauses()
-            if self._updates and (not self.has_work() or self._halted):
-                self._swap_weights()
+            self.life.settle()
             if self._closing_at is not None and time.monotonic() >= self._closing_at:
                 self._fail_all("the server is shutting down")
             self.flush()
-            if not self.has_work() or self._halted:
+            if not self.has_work() or self.life.halted:
                 if self._busy:  # just went idle: the batch's freed buffers go back to the OS
                     heap.trim()
                     self._busy, self._cached = False, True
@@ -319,6 +287,7 @@ class Engine:
             self.flush()
         self._fail_all("the server is shutting down")
         self.flush()
+        self._refuse_inbox("the server is shutting down")
         self.overlap.shutdown()
         self.runner.close()
 
@@ -360,48 +329,54 @@ class Engine:
         finally:
             # Together: each release filters the batch's caches (and keeps a finished row's),
             # which cost a 64-row batch on the CPU ~0.45 s an abort when taken one by one.
-            self._abort(aborts)
+            self._abort([s for rid in aborts for s in self._live.get(rid, ())])
 
     def _read_inbox(self, aborts: list[str]) -> None:
         while True:
             try:
-                command = self._inbox.get_nowait()
+                command, done = self._inbox.get_nowait()
             except queue.Empty:
                 return
             match command:
                 case Submit(request=req):
                     self._add(req)
-                case PendingAdapter(change=change, done=done):
-                    self._change_adapter(change, done)
-                case PendingControl(command=control, done=done):
-                    self._control(control, done)
-                case PendingUpdate():
-                    self._updates.append(command)
-                    if command.update.abort_in_flight:
-                        command.aborted = self._abort_in_flight()
                 case Abort(request_id=request_id):
                     aborts.append(request_id)
+                case UpdateWeights(update=update):
+                    self.life.update_weights(update, done)
+                case ChangeAdapter(change=change):
+                    self.life.change_adapter(change, done)
+                case ControlCommand(control=control):
+                    self.life.control(control, done)
+
+    def _refuse_inbox(self, why: str) -> None:
+        """The loop has ended: what is still asked of the engine is answered with why not."""
+        self.life.close(why)
+        while True:
+            try:
+                command, done = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command.answered:
+                done.set_result(command.refused(why, self.processor.weights))
 
     def _add(self, req: EngineRequest) -> None:
         leader = Sequence.of(req)
         self._live[req.request_id] = leader.group
-        if not self._constrain(leader) or not self._adapt(leader, req.adapter):
+        if not self._constrain(leader) or not self.life.adapt(leader, req.adapter):
             return
-        if self._updates or self._paused:  # it starts on the weights asked for
-            self._held.append(leader)
-        else:
+        if not self.life.holds(leader):  # held: it starts on the weights asked for
             self.scheduler.add(leader)
 
-    def _abort(self, request_ids: list[str]) -> None:
-        """End every unfinished choice of these requests, their rows released at once."""
+    def _abort(self, seqs: Iterable[Sequence]) -> None:
+        """End these choices (those not finished), their rows released at once."""
         ended = []
-        for request_id in request_ids:
-            for s in self._live.get(request_id, ()):
-                if s.status is not Status.FINISHED:
-                    self._aborted[s.status] += 1
-                    self.processor.end(s, FinishReason.ABORT, None)
-                    self.scheduler.remove(s)
-                    ended.append(s)
+        for s in seqs:
+            if s.status is not Status.FINISHED:  # an abort read twice ends its choices once
+                self._aborted[s.status] += 1
+                self.processor.end(s, FinishReason.ABORT, None)
+                self.scheduler.remove(s)
+                ended.append(s)
         if ended:
             self.runner.release(ended)
 
@@ -420,155 +395,6 @@ class Engine:
             return False
         return True
 
-    def _adapt(self, leader: Sequence, name: str | None) -> bool:
-        """Put each choice on its LoRA adapter; an adapter unloaded since the API routed the
-        request ends it with an error."""
-        if name is None:
-            return True
-        slot = self.runner.adapters.slot_of(name)
-        for s in leader.group:
-            if slot is None:
-                self.processor.fail(s, f"the LoRA adapter {name!r} is not loaded (unloaded)")
-            else:
-                s.adapter, s.adapter_version = slot, self.runner.adapters.version(slot)
-        return slot is not None
-
-    def _change_adapter(self, change: AdapterChange, done: Future[str | None]) -> None:
-        try:
-            self.runner.change_adapter(change)
-        except AdapterError as exc:
-            done.set_result(str(exc))
-            return
-        except Exception as exc:  # an unexpected failure: the adapter is not served, the rest is
-            log.exception("changing the adapter %s failed", change.name)
-            done.set_result(f"the adapter could not be loaded: {exc}")
-            return
-        what = "unloaded" if change.path is None else f"loaded from {change.path}"
-        log.info("LoRA adapter %s %s", change.name, what)
-        done.set_result(None)
-
-    def _release_adapters(self) -> None:
-        in_use = {
-            s.adapter
-            for members in self._live.values()
-            for s in members
-            if s.status is not Status.FINISHED
-        }
-        self.runner.release_adapters(in_use)
-
-    def _abort_in_flight(self) -> int:
-        """End every request that arrived before the update (its finish reason: abort); how
-        many."""
-        held = {id(s) for s in self._held}
-        ended = 0
-        for members in list(self._live.values()):
-            if id(members[0]) in held:
-                continue
-            ended += 1
-            for s in members:
-                if s.status is not Status.FINISHED:
-                    self._aborted[s.status] += 1
-                    self._end(s, FinishReason.ABORT, None)
-        return ended
-
-    def _swap_weights(self) -> None:
-        """Nothing runs: load the asked weights in order (a failed one leaves the weights before
-        it), answer each, then start the requests that waited for them."""
-        if self.has_work():  # paused in place: the old weights' keys and values go
-            self._retract()
-        # retracted (now or by the pause): their tokens from here on are the new weights'
-        kept = [s for s in self.scheduler.waiting if s.num_output]
-        first = self.processor.weights
-        for pending in self._updates:
-            update, done, before = pending.update, pending.done, self.processor.weights
-            try:
-                self.runner.load_weights(update.path)
-            except WeightsError as exc:
-                log.warning("weights from %s not loaded: %s", update.path, exc)
-                done.set_result(WeightUpdateResult(before, str(exc)))
-                continue
-            except Exception as exc:  # the model may be half written: say so, keep serving
-                log.exception("loading weights from %s failed", update.path)
-                done.set_result(WeightUpdateResult(before, f"loading the weights failed: {exc}"))
-                continue
-            now = WeightVersion(before.counter + 1, update.tag)
-            self.processor.weights = now
-            took = time.monotonic() - pending.asked
-            log.info("weights version %d from %s in %.2f s", now.counter, update.path, took)
-            done.set_result(WeightUpdateResult(now, None, pending.aborted, took))
-        self._updates = []
-        now = self.processor.weights
-        for s in kept:
-            if s.num_output and (not s.weight_spans or s.weight_spans[-1][1] != now):
-                s.weight_spans = s.weight_spans or [(0, first)]
-                s.weight_spans.append((s.num_output, now))
-        if self._paused is None:
-            self._release_held()
-
-    # ---- pause, resume, flush (docs/specs/rl.md) ------------------------------------------------
-    @property
-    def _halted(self) -> bool:
-        """Paused in place (keep, retract): no step runs."""
-        return self._paused is not None and self._paused.halts
-
-    def _control(self, command: Control, done: Future[ControlResult]) -> None:
-        if command.action == "flush":
-            self.runner.flush_prefixes()
-            done.set_result(ControlResult(self._paused is not None))
-        elif command.action == "resume":
-            self._paused = None
-            for _, _, waiting in self._pausing:  # a pause not yet answered is overtaken
-                waiting.set_result(ControlResult(False, error="resumed before it took effect"))
-            self._pausing = []
-            if not self._updates:
-                self._release_held()
-            done.set_result(ControlResult(False))
-        else:
-            mode = command.mode
-            aborted = self._abort_in_flight() if mode is PauseMode.ABORT else 0
-            if self._paused is None or mode.halts or self._paused is PauseMode.WAIT:
-                self._paused = mode  # a later pause may only halt more
-            self._pausing.append((mode, aborted, done))
-
-    def _answer_pauses(self) -> None:
-        """Answer the pauses that took effect: halting ones once the step in flight was
-        processed (retract then frees the requests' keys and values), a wait pause once
-        nothing runs, an abort pause at once."""
-        left: list[tuple[PauseMode, int, Future[ControlResult]]] = []
-        for mode, aborted, done in self._pausing:
-            if mode is PauseMode.WAIT and self.has_work():
-                left.append((mode, aborted, done))
-                continue
-            held = len(self.scheduler.running) + len(self.scheduler.waiting)
-            if mode is PauseMode.RETRACT:
-                held = len(self._retract())
-            done.set_result(ControlResult(True, aborted=aborted, held=held if mode.halts else 0))
-        self._pausing = left
-
-    def _retract(self) -> list[Sequence]:
-        """Stop every request where it is and free its keys and values: prompts half
-        prefilled start again, running choices wait to be prefilled again from their prompt
-        and output (each on its own); the running ones, retracted."""
-        running = list(self.scheduler.running)
-        for s in self.scheduler.waiting:
-            if s.num_prefilled:
-                self.runner.release([s])
-                s.num_prefilled = 0
-        self.runner.release(running)  # their keys and values kept as prefixes (same weights)
-        for s in running:
-            self.scheduler.arrivals.pop(s.seq_id, None)
-            s.retract()
-        self.scheduler.requeue(running)
-        return running
-
-    def _release_held(self) -> None:
-        """Requests that waited for new weights or a resume start (those aborted meanwhile
-        are gone)."""
-        for leader in self._held:
-            if any(s.status is not Status.FINISHED for s in leader.group):
-                self.scheduler.add(leader)
-        self._held = []
-
     def _end(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:
         self.processor.end(seq, reason, error)
         self.scheduler.remove(seq)
@@ -586,8 +412,8 @@ class Engine:
         self.stats.flush_s += time.perf_counter() - t0
 
     def _fail_all(self, message: str) -> None:
-        waiting = [s for seq in [*self.scheduler.waiting, *self._held] for s in seq.group]
-        self._held = []
+        waiting = [s for seq in [*self.scheduler.waiting, *self.life.held] for s in seq.group]
+        self.life.held = []
         for seq in waiting + self.scheduler.running + self.scheduler.scored:
             if seq.status is not Status.FINISHED:
                 self._end(seq, FinishReason.ERROR, message)

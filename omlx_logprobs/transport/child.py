@@ -1,6 +1,6 @@
 """The engine child's side (transport/process.py): its main function, the spawn target, which
 builds the engine (transport/build.py) and runs it; the sink that sends each step's outputs over
-the pipe; the loop that reads the parent's messages."""
+the pipe; the loop that posts the parent's commands to the engine and sends their answers back."""
 
 from __future__ import annotations
 
@@ -16,25 +16,19 @@ from typing import Any
 
 from omlx_logprobs import heap
 from omlx_logprobs.distributed.sharded import SplitRefused
+from omlx_logprobs.engine.commands import Stop
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.transport.messages import (
     NO_STATS,
-    Abort,
-    AdapterChanged,
-    BeginShutdown,
-    ChangeAdapter,
-    ControlCommand,
-    Controlled,
     EngineSpec,
     Failed,
     Fault,
+    Posted,
     Ready,
+    Reply,
     StepOutputs,
-    Stop,
-    UpdateWeights,
-    WeightsUpdated,
 )
-from omlx_logprobs.types import ControlResult, EngineRequest, RequestOutput, WeightUpdateResult
+from omlx_logprobs.types import RequestOutput
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -65,7 +59,10 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
     """The engine process: load, report ready, run the engine until told to stop (or until the
     parent is gone), then exit without interpreter teardown (as the CLI does: MLX's native
     threads abort the process when destroyed at exit)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent drains
+    # Ctrl-C, and a service manager's SIGTERM, reach the whole process group: the parent drains
+    # and then stops the engine (`Stop`), which writes the prefix cache's disk tier first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=spec.log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s"
     )
@@ -102,37 +99,21 @@ def _fault(sink: _PipeSink, message: str) -> None:
         os._exit(3)
 
 
-def _answer(sink: _PipeSink, uid: int, done: Future[WeightUpdateResult]) -> None:
-    sink.reply(WeightsUpdated(uid, done.result()))
-
-
-def _answer_adapter(sink: _PipeSink, uid: int, done: Future[str | None]) -> None:
-    sink.reply(AdapterChanged(uid, done.result()))
-
-
-def _answer_control(sink: _PipeSink, uid: int, done: Future[ControlResult]) -> None:
-    sink.reply(Controlled(uid, done.result()))
+def _reply(sink: _PipeSink, uid: int, done: Future[Any]) -> None:
+    sink.reply(Reply(uid, done.result()))
 
 
 def _serve_inbox(engine: Engine, inbox: Connection, sink: _PipeSink) -> None:
+    """Post each command the parent sends; answer those with a uid once done. Until `Stop`, or
+    until the parent is gone."""
     while True:
         try:
-            msg = inbox.recv()
+            msg: Posted = inbox.recv()
         except (EOFError, OSError):  # the parent is gone
             return
-        if isinstance(msg, EngineRequest):
-            engine.submit(msg)
-        elif isinstance(msg, Abort):
-            engine.abort(msg.request_id)
-        elif isinstance(msg, BeginShutdown):
-            engine.begin_shutdown(msg.grace_s)
-        elif isinstance(msg, UpdateWeights):
-            engine.update_weights(msg.update).add_done_callback(partial(_answer, sink, msg.uid))
-        elif isinstance(msg, ChangeAdapter):
-            engine.change_adapter(msg.change).add_done_callback(
-                partial(_answer_adapter, sink, msg.uid)
-            )
-        elif isinstance(msg, ControlCommand):
-            engine.control(msg.command).add_done_callback(partial(_answer_control, sink, msg.uid))
-        elif isinstance(msg, Stop):
+        uid, command = msg
+        done = engine.post(command)
+        if uid:
+            done.add_done_callback(partial(_reply, sink, uid))
+        if isinstance(command, Stop):
             return

@@ -1,7 +1,9 @@
 """The API's one handle on the engine: submit an `EngineRequest`, read its `RequestOutput`s from
-one collector per choice, abort it. Two transports move the outputs into the collectors: the
-engine as a thread of this process (`ThreadTransport`), or in a child process of its own
-(transport/process.py); nothing above this module can tell which."""
+one collector per choice, abort it; the rest asked of the engine (weights, adapters, pause) as
+the command records of engine/commands.py, through one `post`. Two transports carry the commands
+to the engine and move the outputs into the collectors: the engine as a thread of this process
+(`ThreadTransport`), or in a child process of its own (transport/process.py); nothing above this
+module can tell which."""
 
 from __future__ import annotations
 
@@ -10,8 +12,17 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
+from omlx_logprobs.engine.commands import (
+    Abort,
+    BeginShutdown,
+    ChangeAdapter,
+    Command,
+    ControlCommand,
+    Submit,
+    UpdateWeights,
+)
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.transport.collector import RequestOutputCollector
@@ -28,27 +39,20 @@ from omlx_logprobs.types import (
 
 Deliver = Callable[[list[RequestOutput]], None]
 Lost = Callable[[list[str], str], None]  # requests that can no longer finish, and why
+A = TypeVar("A")
 
 
 class Transport(Protocol):
     def start(self, deliver: Deliver, lost: Lost) -> None: ...
 
-    def submit(self, req: EngineRequest) -> None: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def begin_shutdown(self, grace_s: float) -> None:
-        """Safe in a signal handler."""
+    def post(self, command: Command[A]) -> Future[A]:
+        """The command on its way to the engine; its answer. Safe in a signal handler for a
+        command with nothing to answer (`BeginShutdown`)."""
+        ...
 
     def shutdown(self, timeout: float) -> None: ...
 
     def snapshot(self) -> EngineStats: ...
-
-    def update_weights(self, update: WeightUpdate) -> Future[WeightUpdateResult]: ...
-
-    def change_adapter(self, change: AdapterChange) -> Future[str | None]: ...
-
-    def control(self, command: Control) -> Future[ControlResult]: ...
 
     @property
     def state(self) -> str:
@@ -66,29 +70,14 @@ class ThreadTransport:
         self.engine.sink = deliver
         self.engine.start()
 
-    def submit(self, req: EngineRequest) -> None:
-        self.engine.submit(req)
-
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-
-    def begin_shutdown(self, grace_s: float) -> None:
-        self.engine.begin_shutdown(grace_s)
+    def post(self, command: Command[A]) -> Future[A]:
+        return self.engine.post(command)
 
     def shutdown(self, timeout: float) -> None:
         self.engine.shutdown(timeout)
 
     def snapshot(self) -> EngineStats:
         return self.engine.snapshot()
-
-    def update_weights(self, update: WeightUpdate) -> Future[WeightUpdateResult]:
-        return self.engine.update_weights(update)
-
-    def change_adapter(self, change: AdapterChange) -> Future[str | None]:
-        return self.engine.change_adapter(change)
-
-    def control(self, command: Control) -> Future[ControlResult]:
-        return self.engine.control(command)
 
     @property
     def state(self) -> str:
@@ -134,7 +123,13 @@ class EngineClient:
         self._lost(left, "the server is shutting down")  # requests that never reached it
 
     def begin_shutdown(self, grace_s: float) -> None:
-        self.transport.begin_shutdown(grace_s)
+        """In-flight requests may finish for grace_s seconds; then they end with an error. Safe
+        in a signal handler."""
+        self.transport.post(BeginShutdown(grace_s))
+
+    def post(self, command: Command[A]) -> Future[A]:
+        """Any command to the engine (engine/commands.py); its answer's future."""
+        return self.transport.post(command)
 
     def submit(self, req: EngineRequest) -> RequestHandle:
         """On the event loop: the request goes to the engine; its handle."""
@@ -143,26 +138,26 @@ class EngineClient:
         with self._lock:  # registered before it is sent: an output may come back at once
             self._slots[req.request_id] = slots
             self._left[req.request_id] = req.n
-        self.transport.submit(req)
+        self.transport.post(Submit(req))
         return RequestHandle(req.request_id, slots, self)
 
     def abort(self, request_id: str) -> None:
-        self.transport.abort(request_id)
+        self.transport.post(Abort(request_id))
 
     def snapshot(self) -> EngineStats:
         return self.transport.snapshot()
 
     async def update_weights(self, update: WeightUpdate) -> WeightUpdateResult:
         """New weights, once the requests in flight have finished or been aborted."""
-        return await asyncio.wrap_future(self.transport.update_weights(update))
+        return await asyncio.wrap_future(self.post(UpdateWeights(update)))
 
     async def change_adapter(self, change: AdapterChange) -> str | None:
         """Load, replace or unload a LoRA adapter: None once done, else why nothing changed."""
-        return await asyncio.wrap_future(self.transport.change_adapter(change))
+        return await asyncio.wrap_future(self.post(ChangeAdapter(change)))
 
     async def control(self, command: Control) -> ControlResult:
         """Pause, resume or flush the engine: its answer once done (docs/specs/rl.md)."""
-        return await asyncio.wrap_future(self.transport.control(command))
+        return await asyncio.wrap_future(self.post(ControlCommand(command)))
 
     @property
     def state(self) -> str:

@@ -1,25 +1,20 @@
-"""What crosses between the server and the engine child (transport/process.py): the spec the
-child is started with, the messages the parent sends besides the `EngineRequest`s themselves,
-and the child's answers."""
+"""What crosses between the server and the engine child (transport/process.py) besides the
+commands themselves (engine/commands.py, sent as `(uid, command)`, uid 0 when nothing is to
+be answered): the spec the child is started with, and the child's messages back."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.commands import Command
 from omlx_logprobs.engine.stats import EngineStats
-from omlx_logprobs.types import (
-    INITIAL_WEIGHTS,
-    AdapterChange,
-    Control,
-    ControlResult,
-    RequestOutput,
-    WeightUpdate,
-    WeightUpdateResult,
-    WeightVersion,
-)
+from omlx_logprobs.types import INITIAL_WEIGHTS, RequestOutput, WeightVersion
 
 NO_STATS = EngineStats(0, 0, 0, False, 0, 0, 0, 0)
+
+Posted = tuple[int, Command[Any]]  # the parent's message: a command and the uid of its answer
 
 
 @dataclass(frozen=True)
@@ -38,56 +33,13 @@ class EngineSpec:
     adapters: tuple[tuple[str, str], ...] = ()
 
 
-# ---- messages (a parent sends `EngineRequest`s as they are) --------------------------------------
+# ---- the child's messages ------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Abort:
-    request_id: str
+class Reply:
+    """The answer to the command posted under `uid`."""
 
-
-@dataclass(frozen=True)
-class BeginShutdown:
-    grace_s: float
-
-
-@dataclass(frozen=True)
-class Stop:
-    pass
-
-
-@dataclass(frozen=True)
-class UpdateWeights:
     uid: int
-    update: WeightUpdate
-
-
-@dataclass(frozen=True)
-class WeightsUpdated:
-    uid: int
-    result: WeightUpdateResult
-
-
-@dataclass(frozen=True)
-class ChangeAdapter:
-    uid: int
-    change: AdapterChange
-
-
-@dataclass(frozen=True)
-class AdapterChanged:
-    uid: int
-    error: str | None
-
-
-@dataclass(frozen=True)
-class ControlCommand:
-    uid: int
-    command: Control
-
-
-@dataclass(frozen=True)
-class Controlled:
-    uid: int
-    result: ControlResult
+    result: Any
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,18 @@
 step loop do not share one GIL.
 
 The child loads the model and runs the same `Engine`, whose sink sends each step's
-`RequestOutput`s (and the /health snapshot when it changed) over a pipe; requests go the other
-way as the `EngineRequest`s themselves. When the child dies, the requests it held fail with an
-error naming the cause, and the child is started again with a backoff; requests submitted
-meanwhile wait for it.
+`RequestOutput`s (and the /health snapshot when it changed) over a pipe; the commands go the
+other way as the records the engine itself is posted (engine/commands.py), each with the uid its
+`Reply` comes back under. When the child dies, the requests and commands it held fail with an
+error naming the cause, and the child is started again with a backoff (unless the server is
+shutting down); requests and commands posted meanwhile wait for it.
 
-The messages that cross: transport/messages.py; the child's side: transport/child.py.
+What else crosses: transport/messages.py; the child's side: transport/child.py.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import queue
@@ -20,40 +22,35 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
+from omlx_logprobs.engine.commands import (
+    BeginShutdown,
+    ChangeAdapter,
+    Command,
+    Stop,
+    Submit,
+    UpdateWeights,
+    posted,
+)
 from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.transport.child import child_main
 from omlx_logprobs.transport.client import Deliver, Lost
 from omlx_logprobs.transport.messages import (
     NO_STATS,
-    Abort,
-    AdapterChanged,
-    BeginShutdown,
-    ChangeAdapter,
-    ControlCommand,
-    Controlled,
     EngineSpec,
     Failed,
     Fault,
+    Posted,
     Ready,
+    Reply,
     StepOutputs,
-    Stop,
-    UpdateWeights,
-    WeightsUpdated,
-)
-from omlx_logprobs.types import (
-    AdapterChange,
-    Control,
-    ControlResult,
-    EngineRequest,
-    WeightUpdate,
-    WeightUpdateResult,
 )
 
 log = logging.getLogger("omlx_logprobs")
 BACKOFF_S = (0.5, 30.0)  # the first restart's delay, doubled after each failure up to the second
 STABLE_S = 60.0  # a child that ran this long before it died restarts after the first delay
+A = TypeVar("A")
 
 
 class _Child:
@@ -69,6 +66,10 @@ class _Child:
         self.proc.start()
         child_in.close()
         child_out.close()
+        # The child ignores SIGTERM (transport/child.py), with which multiprocessing's exit hook
+        # ends daemonic children before it joins them: at an exit without `shutdown`, the
+        # child's pipe closes first (this hook runs before that one), and the child stops.
+        atexit.register(self.send.close)
 
     def wait_ready(self) -> int:
         """The child's vocabulary size once its model is loaded; RuntimeError if it fails."""
@@ -97,18 +98,20 @@ class ProcessTransport:
         self.spec = spec
         self.vocab_size = 0
         self._child: _Child | None = None
-        self._outgoing: queue.SimpleQueue[Any] = queue.SimpleQueue()  # one sending thread
+        # What the one sending thread sends, in order; None ends it.
+        self._outgoing: queue.SimpleQueue[Posted | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._up = threading.Event()  # a child is ready: requests may be sent
         self._stopping = threading.Event()
+        self._closing = False  # shutdown has begun: a child that dies is not started again
         self._sent: dict[str, int] = {}  # requests the child holds: choices not yet finished
         self._stats = NO_STATS
         self._state = "stopped"
         self._threads: list[threading.Thread] = []
-        self._updates: dict[int, tuple[WeightUpdate, Future[WeightUpdateResult]]] = {}
-        self._adapter_changes: dict[int, tuple[AdapterChange, Future[str | None]]] = {}
-        self._controls: dict[int, Future[ControlResult]] = {}
-        self._next_update = 0
+        # Commands waiting for their answer, by uid; those the child holds (sent to it).
+        self._waiting: dict[int, tuple[Command[Any], Future[Any]]] = {}
+        self._asked: set[int] = set()
+        self._next_uid = 0
         self._fault: str | None = None  # why the child said it cannot go on
         self._lost: Lost | None = None
 
@@ -141,7 +144,7 @@ class ProcessTransport:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping.set()
-        self._outgoing.put(Stop())
+        self._outgoing.put((0, Stop()))
         child = self._child
         if child is not None:
             child.proc.join(timeout)
@@ -152,9 +155,7 @@ class ProcessTransport:
         self._outgoing.put(None)  # ends the sender
         for thread in self._threads:
             thread.join(timeout)
-
-    def begin_shutdown(self, grace_s: float) -> None:
-        self._outgoing.put(BeginShutdown(grace_s))  # safe in a signal handler
+        self._refuse(None, "the server is shutting down")  # posted after the child stopped
 
     @property
     def pid(self) -> int | None:
@@ -164,67 +165,53 @@ class ProcessTransport:
     def state(self) -> str:
         return self._state
 
-    # ---- requests -----------------------------------------------------------------------------
-    def submit(self, req: EngineRequest) -> None:
-        if self._state == "failed" and self._lost is not None:  # no child will come back
-            self._lost([req.request_id], self._fault or "the engine process failed")
-            return
-        self._outgoing.put(req)
-
-    def abort(self, request_id: str) -> None:
-        self._outgoing.put(Abort(request_id))
+    # ---- commands -----------------------------------------------------------------------------
+    def post(self, command: Command[A]) -> Future[A]:
+        """Send a command to the child (safe in a signal handler when nothing is to be
+        answered). A restarted child starts unpaused: pause again after a restart
+        (docs/specs/rl.md)."""
+        if isinstance(command, BeginShutdown):
+            self._closing = True
+        if isinstance(command, Submit) and self._state == "failed" and self._lost is not None:
+            self._lost([command.request.request_id], self._fault or "the engine process failed")
+            return posted()  # no child will come back
+        if not command.answered:
+            self._outgoing.put((0, command))
+            return posted()
+        done: Future[A] = Future()
+        with self._lock:
+            self._next_uid += 1
+            uid = self._next_uid
+            self._waiting[uid] = (command, done)
+        self._outgoing.put((uid, command))
+        return done
 
     def snapshot(self) -> EngineStats:
         return self._stats
 
-    def update_weights(self, update: WeightUpdate) -> Future[WeightUpdateResult]:
-        done: Future[WeightUpdateResult] = Future()
-        with self._lock:
-            self._next_update += 1
-            uid = self._next_update
-            self._updates[uid] = (update, done)
-        self._outgoing.put(UpdateWeights(uid, update))
-        return done
-
-    def change_adapter(self, change: AdapterChange) -> Future[str | None]:
-        done: Future[str | None] = Future()
-        with self._lock:
-            self._next_update += 1
-            uid = self._next_update
-            self._adapter_changes[uid] = (change, done)
-        self._outgoing.put(ChangeAdapter(uid, change))
-        return done
-
-    def control(self, command: Control) -> Future[ControlResult]:
-        """A restarted child starts unpaused: pause again after a restart (docs/specs/rl.md)."""
-        done: Future[ControlResult] = Future()
-        with self._lock:
-            self._next_update += 1
-            uid = self._next_update
-            self._controls[uid] = done
-        self._outgoing.put(ControlCommand(uid, command))
-        return done
-
     # ---- threads ------------------------------------------------------------------------------
     def _send_loop(self) -> None:
-        """Sends in order; while no child is up, requests wait here for the next one."""
+        """Sends in order; while no child is up, requests and commands wait here for the next
+        one."""
         while (msg := self._outgoing.get()) is not None:
+            uid, command = msg
             child = None
             while child is None:
                 if not self._up.wait(0.5):
                     if self._stopping.is_set():
                         return
                     if self._state == "failed":  # no child will come back
-                        if isinstance(msg, EngineRequest) and self._lost is not None:
-                            self._lost([msg.request_id], self._fault or "the engine failed")
+                        self._drop(uid, command)
                         break
                     continue
                 with self._lock:  # the watcher clears `_up` under this lock when a child dies
                     if not self._up.is_set():
                         continue
                     child = self._child
-                    if isinstance(msg, EngineRequest):  # before the send: a death fails it
-                        self._sent[msg.request_id] = msg.n
+                    if isinstance(command, Submit):  # before the send: a death fails it
+                        self._sent[command.request.request_id] = command.request.n
+                    if uid:
+                        self._asked.add(uid)
             if child is None:
                 continue
             try:
@@ -232,9 +219,17 @@ class ProcessTransport:
             except (OSError, ValueError):  # the child is gone: the watcher fails what it held
                 pass
 
+    def _drop(self, uid: int, command: Command[Any]) -> None:
+        """No child will take this command: its request fails, or it is answered with why."""
+        why = self._fault or "the engine process failed"
+        if isinstance(command, Submit) and self._lost is not None:
+            self._lost([command.request.request_id], why)
+        if uid:
+            self._refuse({uid}, why)
+
     def _watch(self, deliver: Deliver, lost: Lost) -> None:
         """Receive the child's outputs until it is gone; then fail what it held and start a
-        new child, unless the server is stopping."""
+        new child, unless the server is stopping or shutting down, or the child led a group."""
         delay = BACKOFF_S[0]
         while True:
             child, began = self._child, time.monotonic()
@@ -245,32 +240,45 @@ class ProcessTransport:
                 self._up.clear()
                 self._state = "restarting"
                 held, self._sent = list(self._sent), {}
-            last, self._stats = self._stats, NO_STATS
-            if self._stopping.is_set():
-                self._state = "stopped"
-                lost(held, "the server is shutting down")
-                self._fail_updates("the server is shutting down")
+                asked, self._asked = self._asked, set()
+            if not self._restarts(child, held, lost):
                 return
             if time.monotonic() - began > STABLE_S:
                 delay = BACKOFF_S[0]
             why = f"the engine process stopped ({child.cause()})"
-            if self.spec.engine.parallel is not None:  # a group is not re-formed: no restart
-                why = self._fault or f"{why}; its distributed group cannot be re-formed"
-                log.error("%s; %d requests unfinished fail", why, len(held))
-                self._fault, self._state = why, "failed"
-                if last.distributed is not None:  # /health still names the group's ranks
-                    self._stats = replace(NO_STATS, distributed=last.distributed.lost(why))
-                lost(held, why)
-                self._fail_updates(why)
-                return
             log.error(
                 "%s with %d requests unfinished; restarting it in %.1fs", why, len(held), delay
             )
             lost(held, why)
-            self._fail_updates(why)
+            self._refuse(asked, why)
             delay = self._restart(delay)
             if delay < 0:
                 return
+
+    def _restarts(self, child: _Child, held: list[str], lost: Lost) -> bool:
+        """Whether a child that is gone is started again; if not, what it held fails and the
+        transport stops (the server is stopping or shutting down), or fails (a group, which
+        cannot be re-formed)."""
+        last, self._stats = self._stats, NO_STATS
+        why = f"the engine process stopped ({child.cause()})"
+        if self._stopping.is_set():
+            why, state = "the server is shutting down", "stopped"
+        elif self._closing:  # a new child would serve nobody
+            state = "stopped"
+            log.warning("%s during shutdown; %d requests unfinished fail", why, len(held))
+        elif self.spec.engine.parallel is not None:
+            state = "failed"
+            why = self._fault or f"{why}; its distributed group cannot be re-formed"
+            log.error("%s; %d requests unfinished fail", why, len(held))
+            self._fault = why
+            if last.distributed is not None:  # /health still names the group's ranks
+                self._stats = replace(NO_STATS, distributed=last.distributed.lost(why))
+        else:
+            return True
+        self._state = state
+        lost(held, why)
+        self._refuse(None, why)
+        return False
 
     def _receive(self, child: _Child, deliver: Deliver) -> None:
         while True:
@@ -278,62 +286,52 @@ class ProcessTransport:
                 msg = child.recv.recv()
             except (EOFError, OSError):
                 return
-            if isinstance(msg, WeightsUpdated):
-                self._updated(msg)
-            if isinstance(msg, Fault):
-                self._fault = msg.message
-            if isinstance(msg, AdapterChanged):
-                self._adapter_changed(msg)
-            if isinstance(msg, Controlled):
-                with self._lock:
-                    answered = self._controls.pop(msg.uid)
-                answered.set_result(msg.result)
-            if not isinstance(msg, StepOutputs):
-                continue
-            with self._lock:
-                for out in msg.outputs:
-                    if out.finished and out.request_id in self._sent:
-                        self._sent[out.request_id] -= 1
-                        if not self._sent[out.request_id]:
-                            del self._sent[out.request_id]
-            self._stats = msg.stats
-            deliver(msg.outputs)
+            match msg:
+                case Reply(uid=uid, result=result):
+                    self._answered(uid, result)
+                case Fault(message=message):
+                    self._fault = message
+                case StepOutputs(outputs=outputs, stats=stats):
+                    with self._lock:
+                        for out in outputs:
+                            if out.finished and out.request_id in self._sent:
+                                self._sent[out.request_id] -= 1
+                                if not self._sent[out.request_id]:
+                                    del self._sent[out.request_id]
+                    self._stats = stats
+                    deliver(outputs)
 
-    def _updated(self, msg: WeightsUpdated) -> None:
-        """An update answered: a restarted child must serve the same weights."""
+    def _answered(self, uid: int, result: Any) -> None:
+        """A command answered: a restarted child must serve the same weights and load the
+        adapters loaded now."""
         with self._lock:
-            update, done = self._updates.pop(msg.uid)
-        if msg.result.error is None:
-            self.spec = replace(self.spec, weights_path=update.path, weights=msg.result.version)
-        done.set_result(msg.result)
+            self._asked.discard(uid)
+            waiting = self._waiting.pop(uid, None)
+        if waiting is None:  # answered already: the server stopped waiting
+            return
+        command, done = waiting
+        match command:
+            case UpdateWeights(update=update) if result.error is None:
+                self.spec = replace(self.spec, weights_path=update.path, weights=result.version)
+            case ChangeAdapter(change=change) if result is None:
+                kept = tuple((n, p) for n, p in self.spec.adapters if n != change.name)
+                if change.path is not None:
+                    kept += ((change.name, change.path),)
+                self.spec = replace(self.spec, adapters=kept)
+        done.set_result(result)
 
-    def _adapter_changed(self, msg: AdapterChanged) -> None:
-        """A restarted child loads the adapters loaded now."""
+    def _refuse(self, uids: set[int] | None, why: str) -> None:
+        """Answer the commands waiting under `uids` (None: all) with why they were not done."""
         with self._lock:
-            change, done = self._adapter_changes.pop(msg.uid)
-        if msg.error is None:
-            kept = tuple((n, p) for n, p in self.spec.adapters if n != change.name)
-            if change.path is not None:
-                kept += ((change.name, change.path),)
-            self.spec = replace(self.spec, adapters=kept)
-        done.set_result(msg.error)
-
-    def _fail_updates(self, why: str) -> None:
-        with self._lock:
-            pending, self._updates = list(self._updates.values()), {}
-            changes, self._adapter_changes = list(self._adapter_changes.values()), {}
-            controls, self._controls = list(self._controls.values()), {}
-        for _, done in pending:
-            done.set_result(WeightUpdateResult(self.spec.weights, why))
-        for _, changed in changes:
-            changed.set_result(why)
-        for control in controls:
-            control.set_result(ControlResult(False, error=why))
+            left = list(self._waiting) if uids is None else [u for u in uids if u in self._waiting]
+            gone = [self._waiting.pop(uid) for uid in left]
+        for command, done in gone:
+            done.set_result(command.refused(why, self.spec.weights))
 
     def _restart(self, delay: float) -> float:
         """Start children until one is ready (waiting `delay`, doubled after each failure);
-        the next delay, or -1 when the server began stopping meanwhile."""
-        while not self._stopping.wait(delay):
+        the next delay, or -1 when the server began stopping or shutting down meanwhile."""
+        while not self._stopping.wait(delay) and not self._closing:
             delay = min(2 * delay, BACKOFF_S[1])
             try:
                 self.spawn()

@@ -15,10 +15,29 @@ import pytest
 
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.commands import (
+    Abort,
+    ChangeAdapter,
+    ControlCommand,
+    Stop,
+    Submit,
+    UpdateWeights,
+)
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.runner import model_runner
-from omlx_logprobs.types import EngineRequest, FinishReason, LogprobsMode, SamplingParams
+from omlx_logprobs.types import (
+    AdapterChange,
+    Control,
+    ControlResult,
+    EngineRequest,
+    FinishReason,
+    LogprobsMode,
+    PauseMode,
+    SamplingParams,
+    WeightUpdate,
+    WeightUpdateResult,
+)
 from tests.helpers.engine import (
     check_against_reference,
     client_of,
@@ -398,7 +417,7 @@ def test_aborts_read_together_release_their_rows_at_once(tiny: LoadedModel) -> N
     engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, EngineConfig())
     params = SamplingParams(max_tokens=50, ignore_eos=True)
     for i in range(6):
-        engine.submit(EngineRequest(f"r{i}", encode(tiny, f"story {i}"), params, n=1 + i % 2))
+        engine.post(Submit(EngineRequest(f"r{i}", encode(tiny, f"story {i}"), params, n=1 + i % 2)))
     engine._drain_inbox()
     for _ in range(3):
         engine.step()
@@ -407,8 +426,39 @@ def test_aborts_read_together_release_their_rows_at_once(tiny: LoadedModel) -> N
     release = engine.runner.release
     engine.runner.release = lambda seqs: released.append(len(seqs)) or release(seqs)  # type: ignore[method-assign]
     for i in range(5):
-        engine.abort(f"r{i}")
+        engine.post(Abort(f"r{i}"))
     engine._drain_inbox()
     assert released == [7] and len(engine.runner.rows) == 2
     assert [s.finish_reason for s in engine._live["r0"]] == [FinishReason.ABORT]
     assert engine.snapshot().aborted_running == 7
+
+
+def test_posted_commands_are_answered_between_steps_or_refused_at_stop(
+    tiny: LoadedModel,
+) -> None:
+    """`Engine.post`: a notice's future is done at once; an answered command's once the engine
+    has read it between two steps (a wait pause once nothing runs); what is still unanswered
+    when the engine stops is answered with why not."""
+    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, EngineConfig())
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    assert engine.post(Submit(EngineRequest("r", encode(tiny, "story"), params))).done()
+    flush = engine.post(ControlCommand(Control("flush")))
+    unload = engine.post(ChangeAdapter(AdapterChange("nobody")))
+    assert not flush.done() and not unload.done()
+    engine._drain_inbox()
+    assert flush.result(0) == ControlResult(False)
+    assert "nobody" in str(unload.result(0))  # an adapter never loaded: why nothing changed
+    [seq] = engine._live["r"]
+    engine.step()
+    pause = engine.post(ControlCommand(Control("pause", PauseMode.WAIT)))
+    engine._drain_inbox()
+    engine.life.settle()
+    assert not pause.done() and engine.snapshot().paused == "wait"  # "r" runs on
+    update = engine.post(UpdateWeights(WeightUpdate("/nowhere")))  # never read
+    engine.post(Stop())
+    engine.start()  # the loop ends at once: what is left is refused
+    engine.shutdown()
+    why = "the server is shutting down"
+    assert pause.result(0) == ControlResult(False, error=why)
+    assert update.result(0) == WeightUpdateResult(engine.weights, why)
+    assert seq.finish_reason is FinishReason.ERROR

@@ -17,6 +17,7 @@ import pytest
 
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.commands import Abort, Submit
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.runner import model_runner, probe
@@ -100,9 +101,9 @@ def serve(
     for step in range(200):
         for r in reqs:
             if r.at == step:
-                engine.submit(EngineRequest(r.rid, list(r.ids), r.params, n=r.n, stream=True))
+                engine.post(Submit(EngineRequest(r.rid, list(r.ids), r.params, n=r.n, stream=True)))
             if r.abort_at == step:
-                engine.abort(r.rid)
+                engine.post(Abort(r.rid))
         engine._drain_inbox()
         for rid, members in engine._live.items():
             out.setdefault(rid, members)

@@ -21,6 +21,7 @@ from mlx.utils import tree_unflatten
 from mlx_lm.tuner.utils import load_adapters
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.commands import ChangeAdapter
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.runner import model_runner
@@ -202,12 +203,12 @@ def test_unload_and_replace_while_running(
         # on the new "one" ("two"'s weights); then unloaded: a later request fails.
         changes = [
             await asyncio.wrap_future(
-                engine.change_adapter(AdapterChange("one", str(adapters["two"]), replace=True))
+                engine.post(ChangeAdapter(AdapterChange("one", str(adapters["two"]), replace=True)))
             )
         ]
         second = EngineRequest("b", ids, params, stream=True, adapter="one")
         handle2 = client.submit(second)
-        changes.append(await asyncio.wrap_future(engine.change_adapter(AdapterChange("one"))))
+        changes.append(await asyncio.wrap_future(engine.post(ChangeAdapter(AdapterChange("one")))))
         while not got[-1].finished:
             got.append(await handle.choices[0].get())
         outs2 = await handle2.final()

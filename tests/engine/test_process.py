@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +16,22 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.commands import ChangeAdapter, ControlCommand, UpdateWeights
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.transport.client import EngineClient
 from omlx_logprobs.transport.messages import EngineSpec
 from omlx_logprobs.transport.process import ProcessTransport
-from omlx_logprobs.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from omlx_logprobs.types import (
+    INITIAL_WEIGHTS,
+    AdapterChange,
+    Control,
+    ControlResult,
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    WeightUpdate,
+)
 from tests.helpers.engine import Record, collect_outputs, reference_logprobs, run_engine
 
 CFG = EngineConfig(max_num_seqs=16, prefill_chunk=64)
@@ -128,6 +141,37 @@ def test_abort_reaches_the_child(proc: EngineClient) -> None:
     while proc.snapshot().running and time.time() < deadline:
         time.sleep(0.05)
     assert proc.snapshot().aborted_running >= 1 and proc.snapshot().running == 0
+
+
+def test_commands_cross_the_pipe_and_are_answered(proc: EngineClient, tmp_path: Path) -> None:
+    """The records the engine is posted cross as they are; each answer comes back under its
+    command's uid, whatever order the engine answers them in."""
+    flush = proc.post(ControlCommand(Control("flush")))
+    unload = proc.post(ChangeAdapter(AdapterChange("nobody")))
+    update = proc.post(UpdateWeights(WeightUpdate(str(tmp_path / "none"))))
+    assert flush.result(30) == ControlResult(False)
+    assert "nobody" in str(unload.result(30))
+    result = update.result(30)
+    assert result.version == INITIAL_WEIGHTS and result.error is not None
+    assert isinstance(proc.transport, ProcessTransport) and not proc.transport._waiting
+
+
+def test_an_exit_without_shutdown_ends_the_child(tiny_dir: Path) -> None:
+    """The child ignores SIGTERM, which multiprocessing's exit hook sends daemonic children
+    before it joins them: an interpreter that exits without `shutdown` closes the child's pipe
+    first, and the child stops, rather than the exit waiting on it for ever."""
+    code = (
+        "import sys; from omlx_logprobs.config import EngineConfig;"
+        "from omlx_logprobs.transport.messages import EngineSpec;"
+        "from omlx_logprobs.transport.process import ProcessTransport;"
+        "t = ProcessTransport(EngineSpec(sys.argv[1], None, EngineConfig(), 'warning'));"
+        "t.launch(); print(t.pid, flush=True)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_dir)], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not Path(f"/proc/{int(run.stdout)}").exists()
 
 
 def test_a_dead_child_fails_its_requests_and_is_replaced(tiny_dir: Path) -> None:

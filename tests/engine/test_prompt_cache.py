@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.commands import UpdateWeights
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.runner import model_runner
 from omlx_logprobs.types import SamplingParams, WeightUpdate
@@ -165,7 +166,7 @@ def test_new_weights_never_reuse_the_old_ones_entries(tiny_dir: Path, tmp_path: 
     try:
         [a] = chat.send([ps[0]], scoring())
         [b] = chat.send([ps[1]], scoring())
-        result = chat.engine.update_weights(WeightUpdate(str(moved))).result(timeout=120)
+        result = chat.engine.post(UpdateWeights(WeightUpdate(str(moved)))).result(timeout=120)
         assert result.error is None
         [c] = chat.send([ps[2]], scoring())
         [d] = chat.send([ps[3]], scoring())

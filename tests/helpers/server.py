@@ -57,15 +57,17 @@ class ServerProcess:
 
 @contextmanager
 def server_process(
-    args: list[str], log_dir: Path | None = None, start_s: float = 180
+    args: list[str], log_dir: Path | None = None, start_s: float = 180, group: bool = False
 ) -> Iterator[ServerProcess]:
     """`omlx-logprobs serve ARGS` as a real process on a free loopback port, its output in
-    LOG_DIR (default: the temporary directory); stopped with SIGTERM (SIGKILL after 15 s)."""
+    LOG_DIR (default: the temporary directory); stopped with SIGTERM (SIGKILL after 15 s).
+    `group`: in a process group of its own (its id the server's), as a service manager starts
+    it, so that a signal can reach the server and its engine process together (`os.killpg`)."""
     port = free_port()
     log_path = Path(log_dir or tempfile.gettempdir()) / f"omlx-server-{port}.log"
     with open(log_path, "wb") as log:
         cmd = [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--port", str(port), *args]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=group)
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         deadline = time.time() + start_s

@@ -5,6 +5,7 @@ otherwise), no connection is dropped, and the process exits with its engine thre
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers.server import server_process
+from tests.helpers.server import engine_child, server_process
 from tests.reliability.client import ChatResult, chat, chat_body
 
 GRACE_S = 3
@@ -64,3 +65,31 @@ def test_signal_finishes_or_fails_in_flight_then_exits(
     assert GRACE_S - 0.5 < exited < GRACE_S + 20, exited
     assert "threads left: none" in log, log[-2000:]
     assert "Traceback" not in log, log[-4000:]
+
+
+def test_sigterm_to_the_process_group_leaves_shutdown_to_the_server(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A service manager's stop (systemd's KillMode=control-group) sends SIGTERM to the engine
+    process too: it ignores it and the server stops it, once drained, with its `Stop` command,
+    so that the prefix cache's disk tier is written; no engine is restarted meanwhile."""
+    disk = tmp_path / "kv"
+    args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--log-level", "info"]
+    args += ["--engine", "process", "--kv-cache-dir", str(disk), "--shutdown-grace", "2"]
+    with server_process(args, tmp_path, group=True) as server:
+        child = engine_child(server.proc.pid)
+        body = chat_body("Remember this conversation.", max_tokens=8, temperature=0)
+        answer = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert not list(disk.rglob("*.safetensors"))  # kept in memory until the shutdown
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        assert server.proc.wait(30) == -signal.SIGTERM
+        log = server.log()
+    assert "the engine process stopped" not in log and "restarting" not in log, log[-3000:]
+    assert "Traceback" not in log, log[-4000:]
+    deadline = time.time() + 10
+    while Path(f"/proc/{child}").exists():  # the engine process exits too, once stopped
+        assert time.time() < deadline, "the engine process outlived the server"
+        time.sleep(0.1)
+    files = list(disk.rglob("*.safetensors"))
+    assert len(files) == 1 and files[0].stat().st_size > 0, files
