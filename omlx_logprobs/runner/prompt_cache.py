@@ -9,12 +9,14 @@ Used by the model runner only; plain prompts use PrefixCache directly.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import mlx.core as mx
 
 from omlx_logprobs.batch.sequence import Sequence
-from omlx_logprobs.runner.prefix_cache import Key, Prefix, PrefixCache
-from omlx_logprobs.runner.prompt_scoring import score_key, waits_for, with_entries
+from omlx_logprobs.runner.prefix import Key, Prefix
+from omlx_logprobs.runner.prefix_cache import PrefixCache
+from omlx_logprobs.runner.prompt_scoring import KeptEntries, score_key, waits_for
 
 
 class PromptCache:
@@ -69,3 +71,9 @@ class PromptCache:
         if self.prefixes is None or not seq.scored:
             return False
         return waits_for(seq, busy, lambda: self.held(seq), self.key_of)
+
+
+def with_entries(seq: Sequence, prefix: Prefix) -> Prefix:
+    """A scored prompt's kept sequence (it starts with the prompt) with the prompt's entries."""
+    assert seq.prompt_store is not None
+    return replace(prefix, scores=KeptEntries(score_key(seq.params), seq.prompt_store))

@@ -124,15 +124,16 @@ def test_the_batch_layer_runs_no_mlx() -> None:
 
 
 def test_only_the_model_runner_chooses_the_fast_paths() -> None:
-    """runner/fast/ is a set of opt-out speed-ups: the model runner decides which run, so no
-    other module (but the fast paths themselves) imports one."""
+    """runner/fast/ is a set of opt-out speed-ups: the model runner decides which run (with its
+    start-up plan, runner/plan.py), so no other module (but the fast paths themselves) imports
+    one."""
     importers = {
         name
         for name, path in modules().items()
         if not name.startswith("omlx_logprobs.runner.fast")
         and any(t.startswith("omlx_logprobs.runner.fast") for t in imports(path))
     }
-    assert importers == {"omlx_logprobs.runner.model_runner"}
+    assert importers == {"omlx_logprobs.runner.model_runner", "omlx_logprobs.runner.plan"}
 
 
 def test_the_check_sees_a_wrong_import() -> None:
