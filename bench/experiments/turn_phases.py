@@ -51,9 +51,10 @@ def timed(obj: Any, name: str, label: str | None = None) -> None:
 def instrument(engine: Engine) -> None:
     r = engine.runner
     timed(engine.scheduler, "schedule")
-    for name in ("launch", "_forward_unread", "queue", "collect", "admit", "release", "_sample"):
+    for name in ("launch", "queue", "collect", "admit", "release", "_sample"):
         timed(r, name)
-    for name in ("_chunk_cache", "_last_logits", "_settle", "_prefixes"):  # runner/prefill.py
+    # runner/prefill.py's, and the runner's hooks as it holds them
+    for name in ("_chunk_cache", "_last_logits", "_settle", "_prefixes", "forward_unread", "queue"):
         timed(r.prefill, name)
     timed(r, "_keep_finished")
     if r.prefixes is not None:

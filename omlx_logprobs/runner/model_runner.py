@@ -9,10 +9,10 @@ decode inputs are the previous step's sampled tokens, read on the device.
 
 What the engine uses of it: the step (`launch`, `collect`, `admit`, `release`, `take_failed`,
 `take_time`), the scheduler's look-ups (`cached_len`, `prompt_cache.waits`), the start-up
-`plan` and the `speculator` it is given, the model's state between steps (`adapters`,
-`change_adapter`, `release_adapters`, `load_weights`, `flush_prefixes`, `attach_disk`,
-`keeps_finished`), the idle loop and its end (`warm_attention`, `heartbeat`, `idle`, `close`)
-and what /health shows (`memory`, `health`).
+`plan` and the `speculator` it is given (built from the plan and the `model`), the model's
+state between steps (`adapters`, `change_adapter`, `release_adapters`, `load_weights`,
+`flush_prefixes`, `attach_disk`, `keeps_finished`), the idle loop and its end
+(`warm_attention`, `heartbeat`, `idle`, `close`) and what /health shows (`memory`, `health`).
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class Prefill:
         forward_unread: ForwardUnread,
     ) -> None:
         """The runner's parts that prefilling reads and its batch state, which it writes;
-        `queue` queues arrays on the device, timed (ModelRunner._queue)."""
+        `queue` queues arrays on the device, timed (ModelRunner.queue)."""
         self.model = model
         self.templates = templates
         self.plan = plan

@@ -53,7 +53,7 @@ class PromptCache:
 
     def keep(self, seq: Sequence, make: Callable[[], Prefix]) -> list[mx.array]:
         """Keep a scored prompt that generates nothing at its prefill, with its entries (one
-        that generates is kept when it finishes, ModelRunner._keep_finished); `make` gives its
+        that generates is kept when it finishes, runner/keep.py); `make` gives its
         keys and values. The copies, to evaluate with the step."""
         if self.prefixes is None or seq.params.max_tokens > 0:
             return []
