@@ -49,6 +49,8 @@ Decode = compiled.CompiledDecode | LeanDecode
 
 @dataclass(frozen=True)
 class Plan:
+    """What `make_plan` decided for one runner, read by it and by its parts; never changed."""
+
     # The host path: MLX's CPU backend (not FORCE_GPU_PATH). Entries are then computed in numpy
     # at collect time, on the device elsewhere (logprobs/extractor.py).
     cpu: bool

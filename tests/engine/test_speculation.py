@@ -395,7 +395,7 @@ def test_the_start_up_warm_meets_every_verify_width_and_leaves_nothing(
     forward_rows = ModelRunner.forward_rows
 
     def recording(self: ModelRunner, inputs: Any) -> Any:
-        widths.append((self.rows[0].request_id, inputs.shape[1]))
+        widths.append((self.batch.rows[0].request_id, inputs.shape[1]))
         return forward_rows(self, inputs)
 
     fed: list[int] = []  # ids each proposal fed the draft model first
@@ -411,7 +411,7 @@ def test_the_start_up_warm_meets_every_verify_width_and_leaves_nothing(
 
     def keeping(self: ModelRunner, rows: list[int]) -> None:
         if self.keeps_finished:
-            kept.extend(self.rows[i].request_id for i in rows)
+            kept.extend(self.batch.rows[i].request_id for i in rows)
         keep_finished(self, rows)
 
     monkeypatch.setattr(ModelRunner, "forward_rows", recording)
