@@ -28,6 +28,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
+from dataclasses import replace
 
 import omlx_logprobs  # noqa: F401
 import mlx.core as mx
@@ -143,7 +144,7 @@ def engine_step(
         bounds = [0, *indices, a.shape[axis]]
         return [a[:, s:e] for s, e in zip(bounds, bounds[1:])]
 
-    lean = engine.runner.decode
+    lean = engine.runner.plan.decode
     traced = compiled.CompiledDecode(loaded.model, lean) if alternate == "compiled" else None
     if alternate:  # the two routes wave by wave in this one process
         waves = [(t, r) for _ in range(4) for r in routes[alternate] for t in (-1, 20)]
@@ -154,11 +155,15 @@ def engine_step(
                 attention._sdpa if route == "kernel" else attention._mlx_sdpa
             )
         elif route in ("lean", "model"):  # runner/fast/lean_decode.py's step or the model's forward
-            engine.runner.decode = lean if route == "lean" else None
+            engine.runner.plan = replace(
+                engine.runner.plan, decode=lean if route == "lean" else None
+            )
         elif route in ("new", "old"):  # this tree's lean step or the older tree's
-            engine.runner.decode = lean if route == "new" else old_lean
+            engine.runner.plan = replace(
+                engine.runner.plan, decode=lean if route == "new" else old_lean
+            )
         elif route == "compiled":  # the lean step traced by runner/fast/compiled.py
-            engine.runner.decode = traced
+            engine.runner.plan = replace(engine.runner.plan, decode=traced)
         elif route in ("split", "sliced"):  # the lean step's parts by split or by slices,
             # attention over the caches' full width or their written columns
             mx.split = split if route == "split" else sliced  # type: ignore[assignment]

@@ -51,7 +51,7 @@ def params() -> list[SamplingParams]:
 
 def run(m: LoadedModel, fused: bool) -> list[Sequence]:
     engine = Engine(m.model, m.vocab, m.eos_token_ids, EngineConfig(max_num_seqs=64))
-    engine.runner.extractor = DeviceExtractor(fused)
+    engine.runner.extractor = engine.runner.prefill.extractor = DeviceExtractor(fused)
     rng = np.random.default_rng(0)
     system = rng.integers(100, len(m.vocab) - 100, 30).tolist()
     seqs = []

@@ -30,7 +30,7 @@ from mlx_lm.models import llama
 
 from omlx_logprobs.cli import mlx_environment
 from omlx_logprobs.config import EngineConfig
-from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner import plan
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.models.loader import load_model
@@ -109,16 +109,15 @@ def main() -> None:
     mlx_environment()
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
-    model_runner.FORCE_GPU_PATH = a.gpu_path
-    if a.no_compile and hasattr(model_runner, "COMPILE_DECODE"):
-        model_runner.COMPILE_DECODE = False
+    plan.FORCE_GPU_PATH = a.gpu_path
+    if a.no_compile:
+        plan.COMPILE_DECODE = False
     loaded = load_model(a.model)  # the embedded model's tokenizer when no model is given
     net = loaded.model
     if a.model is None:
         net = narrow_model(a.layers, a.hidden, len(loaded.vocab), a.dtype)
     engine = Engine(net, loaded.vocab, loaded.eos_token_ids, EngineConfig())
-    # A tree before the runner's one `decode` attribute names it `compiled`.
-    step = getattr(engine.runner, "decode", getattr(engine.runner, "compiled", None))
+    step = engine.runner.plan.decode
     forward = {
         "CompiledDecode": "forward compiled",
         "LeanDecode": "lean step",

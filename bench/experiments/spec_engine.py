@@ -77,7 +77,7 @@ def instrument(settle: bool) -> None:
     timed(speculation, "draw", "launch.draw")
     timed(verify, "positions", "launch.positions")
     timed(DeviceExtractor, "step", "extract")
-    timed(ModelRunner, "_queue")
+    timed(ModelRunner, "queue")
     timed(ModelRunner, "forward_rows")
     score = speculation.Speculator._score
 

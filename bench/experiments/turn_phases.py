@@ -39,7 +39,7 @@ from bench.experiments import clock
 
 phases: dict[str, float] = defaultdict(float)
 calls: dict[str, list[float]] = defaultdict(list)  # each call's ms, for LISTED names
-LISTED = ("_settle", "_queue", "bare_chunk")
+LISTED = ("_settle", "queue", "bare_chunk")
 
 
 def timed(obj: Any, name: str, label: str | None = None) -> None:
@@ -51,10 +51,11 @@ def timed(obj: Any, name: str, label: str | None = None) -> None:
 def instrument(engine: Engine) -> None:
     r = engine.runner
     timed(engine.scheduler, "schedule")
-    for name in ("launch", "_chunk_cache", "_last_logits", "_forward_unread", "_settle",
-                 "_queue", "collect", "admit", "release", "_sample", "_prefixes"):  # fmt: skip
-        if hasattr(r, name):
-            timed(r, name)
+    for name in ("launch", "queue", "collect", "admit", "release", "_sample"):
+        timed(r, name)
+    # runner/prefill.py's, and the runner's hooks as it holds them
+    for name in ("_chunk_cache", "_last_logits", "_settle", "_prefixes", "forward_unread", "queue"):
+        timed(r.prefill, name)
     timed(r, "_keep_finished")
     if r.prefixes is not None:
         timed(r.prefixes, "keep", "prefixes.keep")
@@ -168,7 +169,7 @@ def main() -> None:
             row = {"turn": t + 1, "tokens": len(turns[-1]), "ours": ours, "alone": alone,
                    "phases": ms, "calls": mine_calls, "alone_phases": alone_ms}  # fmt: skip
             rows.append(row)
-            settle, queue = mine_calls.get("_settle"), mine_calls.get("_queue")
+            settle, queue = mine_calls.get("_settle"), mine_calls.get("queue")
             print(f"turn {t + 1}: ours {ours:.3f} alone {alone:.3f} settle {settle} queue {queue}",
                   flush=True)  # fmt: skip
     finally:

@@ -39,8 +39,8 @@ class _GroupRunner(ModelRunner):
         # A forward is a collective: its output must run on every rank, or a pipeline's
         # first stage never sends and its last waits for ever. The body's output is enough
         # (the head is the same on every rank and reads nothing from the others).
-        if self.split is not None:
-            return (self.split.body(ids, cache=cache),)
+        if self.plan.split is not None:
+            return (self.plan.split.body(ids, cache=cache),)
         return (self.model(ids, cache=cache),)
 
     def warm_attention(self, chunk: int, context: int) -> None:
@@ -238,9 +238,8 @@ class FollowerRunner(_GroupRunner):
             s.num_sampled += 1
         zeros = mx.depends(mx.zeros((len(seqs),), mx.int32), logits)
         tokens = mx.distributed.all_sum(zeros, group=self.group)
-        self.last_tokens = tokens
-        self.last_seqs, self._last_rows = list(seqs), None
-        self._queue(tokens)
+        self.batch.sampled(tokens, seqs)
+        self.queue(tokens)
         return LaunchedStep(seqs, None)
 
 
@@ -274,7 +273,7 @@ def follow(runner: FollowerRunner) -> None:
             )
             return
         if kind == "ping":
-            if not runner.rows and not seqs:
+            if not runner.batch.rows and not seqs:
                 runner.idle()
             continue
         decode_n, chunks = msg[1]
@@ -294,10 +293,11 @@ def follow(runner: FollowerRunner) -> None:
                     if m.status is Status.WAITING and ids[m.seq_id] not in join:
                         m.status = Status.FINISHED
             prefill.append(PrefillChunk(seq, start, end))
-        if len(runner.rows) != decode_n:
+        rows = runner.batch.rows
+        if len(rows) != decode_n:
             raise RuntimeError(
-                f"rank {runner.group.rank()} holds {len(runner.rows)} batch rows, rank 0"
+                f"rank {runner.group.rank()} holds {len(rows)} batch rows, rank 0"
                 f" {decode_n}: the ranks drifted apart"
             )
-        runner.launch(SchedulerOutput(decode=list(runner.rows), prefill=prefill))
+        runner.launch(SchedulerOutput(decode=list(rows), prefill=prefill))
         steps += 1

@@ -80,7 +80,7 @@ class Engine:
         self.runner = runner(
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
         )
-        self.runner.speculator = speculator(cfg, self.runner, vocab)
+        self.runner.speculator = speculator(cfg, self.runner.plan, self.runner.model, vocab)
         # Built on the engine's thread as it starts (`_loop`): MLX keeps cuDNN's graphs per thread.
         self._warm = (cfg.prefill_chunk, context or cfg.max_model_len or 1 << 15)
         if cfg.kv_cache_dir is not None:
@@ -99,7 +99,7 @@ class Engine:
         # Called once a step (and once an idle wait) with the outputs made since the last call,
         # perhaps none; on a GPU from the thread that processed the step.
         self.sink: Sink = sink or (lambda outputs: None)
-        self.overlap = Overlap(self._process, aside=self.runner.overlaps)
+        self.overlap = Overlap(self._process, aside=self.runner.plan.overlaps)
         self.stats = StepStats()
         self._inflight_first = False  # the step in flight samples some prompt's first token
         # Unfinished requests' choices (aborts), as submitted: a retraction splits a prompt's
@@ -156,14 +156,15 @@ class Engine:
         return self._thread.is_alive() or not self._stop.is_set()
 
     def snapshot(self) -> EngineStats:
+        memory = self.runner.memory()
         return EngineStats(
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
-            cached_sequences=self.runner.num_cached,
+            cached_sequences=memory.sequences,
             step_in_flight=self.overlap.inflight is not None,
-            active_memory=self.runner.active_memory(),
-            prefix_cache_bytes=self.runner.prefixes.nbytes if self.runner.prefixes else 0,
-            cache_memory=self.runner.cache_memory(),
+            active_memory=memory.active,
+            prefix_cache_bytes=memory.prefixes,
+            cache_memory=memory.cache,
             aborted_waiting=self._aborted[Status.WAITING],
             aborted_running=self._aborted[Status.RUNNING],
             weights=self.processor.weights,
@@ -189,8 +190,8 @@ class Engine:
         launched = self.overlap.launch(self.runner.launch, work)
         t1 = time.perf_counter()
         finished = self.overlap.finish()
-        failed, self.runner.failed = self.runner.failed, []
-        for seq, why in failed:  # a prefill that failed ends its prompt's choices alone
+        # A prefill that failed ends its prompt's choices alone.
+        for seq, why in self.runner.take_failed():
             for s in seq.group:
                 if s.status is not Status.FINISHED:
                     self._end(s, FinishReason.ERROR, why)
@@ -211,7 +212,7 @@ class Engine:
         t0 = time.perf_counter()
         finished = self.processor.process(self.runner.collect(step))
         self.flush()
-        if self.runner.overlaps:  # the step trace's ASIDE columns: the second thread's work
+        if self.runner.plan.overlaps:  # the step trace's ASIDE columns: the second thread's work
             self.stats.aside = (t0, time.perf_counter())
         return finished
 

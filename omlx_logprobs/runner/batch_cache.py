@@ -33,7 +33,7 @@ from mlx_lm.models.cache import (
 # first decode step of a 32-row wave took ~560 ms instead of ~170 (docs/benchmarks.md,
 # "Decisions"). On the CPU, caches here grow by what their rows may still write, rounded up, at
 # most that step. (A GPU keeps mlx-lm's step: its copies are cheap, and few distinct widths keep
-# MLX's per-shape state small, see GPU_PREFILL_ALIGN.)
+# MLX's per-shape state small, see runner/plan.py's GPU_PREFILL_ALIGN.)
 GROWTH_ALIGN = 16
 MAX_GROWTH = BatchKVCache.step
 

@@ -34,7 +34,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from omlx_logprobs.batch.block_index import BlockIndex
-from omlx_logprobs.runner.prefix_cache import Prefix
+from omlx_logprobs.runner.prefix import Prefix
 
 log = logging.getLogger("omlx_logprobs")
 

@@ -1,16 +1,23 @@
 """All MLX and KV-cache work: batched decode, sampling and logprob extraction, and prefill
-(runner/prefill.py, a part of this class kept in a module of its own).
+(runner/prefill.py), over the batch state (runner/batch_state.py) with the decisions taken at
+start-up (runner/plan.py).
 
 The runner keeps one batched KV cache whose rows are the running sequences in admission order
 (the scheduler's `running` order). A step is launched (its graph queued on the device) and
 collected later, so the host can work on one step's outputs while the device runs the next:
 decode inputs are the previous step's sampled tokens, read on the device.
+
+What the engine uses of it: the step (`launch`, `collect`, `admit`, `release`, `take_failed`,
+`take_time`), the scheduler's look-ups (`cached_len`, `prompt_cache.waits`), the start-up
+`plan` and the `speculator` it is given (built from the plan and the `model`), the model's
+state between steps (`adapters`, `change_adapter`, `release_adapters`, `load_weights`,
+`flush_prefixes`, `attach_disk`, `keeps_finished`), the idle loop and its end
+(`warm_attention`, `heartbeat`, `idle`, `close`) and what /health shows (`memory`, `health`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import replace
 from typing import Any
@@ -24,55 +31,33 @@ from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.extract import release_scratch
 from omlx_logprobs.logprobs.extractor import Extractor, choose_extractor
 from omlx_logprobs.runner import query_blocks
-from omlx_logprobs.runner.batch_cache import BatchCache, kinds
-from omlx_logprobs.runner.fast import attention, compiled, lean_decode
+from omlx_logprobs.runner.batch_cache import BatchCache
+from omlx_logprobs.runner.batch_state import BatchState
+from omlx_logprobs.runner.fast import attention
 from omlx_logprobs.runner.fast.fusion import Fusion
 from omlx_logprobs.runner.fast.lean_decode import LeanDecode
-from omlx_logprobs.runner.grammar import bitmask, open_ended
+from omlx_logprobs.runner.keep import keep_finished
 from omlx_logprobs.runner.lora import BASE, AdapterSet
-from omlx_logprobs.runner.prefill import Prefill, Prefilled
-from omlx_logprobs.runner.prefix_cache import (
-    MIN_TOKENS,
-    PrefixCache,
-    State,
-    break_even,
-    default_budget_mib,
-)
-from omlx_logprobs.runner.probe import probe, resumes_in_a_batch
+from omlx_logprobs.runner.masks import masked
+from omlx_logprobs.runner.plan import make_plan
+from omlx_logprobs.runner.prefill import Prefill
+from omlx_logprobs.runner.prefix import Key, Prefix
+from omlx_logprobs.runner.prefix_cache import PrefixCache
 from omlx_logprobs.runner.prompt_cache import PromptCache
-from omlx_logprobs.runner.sampler import MaskState, draw, step_key, token_mask
-from omlx_logprobs.runner.snapshot import from_row, keeps_prefixes, keeps_sequences, keeps_states
+from omlx_logprobs.runner.sampler import draw, step_key
+from omlx_logprobs.runner.snapshot import make_prefix
 from omlx_logprobs.runner.speculation import Speculator
-from omlx_logprobs.runner.step import DeviceTime, LaunchedStep, StepResult
+from omlx_logprobs.runner.step import DeviceTime, LaunchedStep, Memory, StepResult
 from omlx_logprobs.runner.weights import load_into
-from omlx_logprobs.types import AdapterChange, FinishReason
+from omlx_logprobs.types import AdapterChange
 
 __all__ = ["ModelRunner"]
 
 log = logging.getLogger("omlx_logprobs")
 
 
-# On a GPU, MLX keeps every freed buffer for reuse up to about the device's memory: with batch
-# and prompt sizes changing every step that grew to ~100 GB on an H200, and host RSS with it.
-GPU_CACHE_LIMIT_MIB = 4096
-# A left-padded prefill group's width is rounded up to this many tokens on a GPU: MLX's CUDA
-# backend keeps host state per kernel shape (CUDA graphs, cuDNN attention plans, in bounded
-# caches), which grew RSS with every new (rows, width) pair. On the CPU padding is real compute.
-GPU_PREFILL_ALIGN = 32
-CPU_PREFILL_ALIGN = 1
-# Tests set this to run the GPU's path (extraction on the device, one packed read a step, the
-# step processed beside the next launch) on the CPU backend.
-FORCE_GPU_PATH = False
-# The decode forward compiled (runner/fast/compiled.py), on a GPU only, and only when asked
-# (OMLX_COMPILE_DECODE=1): on an H100 it cut the graph's Python (1.49 -> 0.96 ms a step at 64
-# rows) but not the launch (5.07 -> 5.61 ms), and a server at c=64 ran slower with it; the lean
-# step traced the same way was slower than the lean step as it is (docs/benchmarks.md,
-# "Decisions").
-COMPILE_DECODE = os.environ.get("OMLX_COMPILE_DECODE") == "1"
-
-
-class ModelRunner(Prefill):
-    # Whether this runner may compile its decode forward (COMPILE_DECODE); a split model's
+class ModelRunner:
+    # Whether this runner may compile its decode forward (plan.COMPILE_DECODE); a split model's
     # runner may not (distributed/group_runner.py).
     compiles = True
 
@@ -87,17 +72,7 @@ class ModelRunner(Prefill):
         self.model = model
         self.vocab_size = vocab_size
         self.stop_ids = stop_ids  # EOS ids: what min_tokens holds back besides stop_token_ids
-        self.rows: list[Sequence] = []  # the batch cache's rows
-        self.batch_cache: BatchCache | None = None
-        self.last_tokens: mx.array | None = None  # the last launched step's sampled ids
-        self.last_seqs: list[Sequence] = []  # their rows' sequences, in order
-        self._last_rows: dict[int, int] | None = None  # seq_id -> its row, made when asked
-        self.chunk_caches: dict[int, list[Any]] = {}  # long prompts between their chunks
-        self.boundaries: dict[int, list[tuple[int, State]]] = {}  # their states (prefill.py)
-        self.prefilled: dict[int, Prefilled] = {}  # prompts done, not yet in the batch
-        # Prompts whose prefill failed in the last launch (an allocation, say), with why: the
-        # engine ends them alone; the step goes on without them.
-        self.failed: list[tuple[Sequence, str]] = []
+        self.batch = BatchState()
         self._disk: tuple[str, int] | None = None  # the disk tier's folder and size limit
         self.time = DeviceTime()
         self.speculator: Speculator | None = None  # set by the engine (runner/speculation.py)
@@ -110,148 +85,80 @@ class ModelRunner(Prefill):
         # The model's own caches, one per layer: each batch cache is made of their batch forms
         # (batch_cache.py); a model with a cache mlx-lm cannot batch is refused here.
         self.templates = make_prompt_cache(model)
-        self.split = probe(model, self.templates)  # the body/head split, if any (head.py)
         # LoRA adapters (runner/lora.py): each forward first names its rows' adapters.
         self.adapters = AdapterSet(model)
+        self.plan = make_plan(
+            model, self.templates, self.fusion, prefix_cache_mib, self.compiles, cache_limit_mib
+        )
         # Shared prompt prefixes and finished sequences (runner/prefix_cache.py), or None.
-        self.prefixes: PrefixCache | None = self._prefix_cache(prefix_cache_mib)
-        # Finished sequences kept: plain KV layers, or whole with their states (snapshot.py).
-        self.whole = self.prefixes is not None and self.prefixes.whole
-        self.resumes_batched = self._resumes_batched()
-        self.keeps_finished = keeps_sequences(self.templates) or self.whole
+        self.prefixes: PrefixCache | None = None
+        if self.plan.prefix_mib > 0:
+            self.prefixes = PrefixCache(
+                self.plan.prefix_mib << 20, self._make_prefix, whole=self.plan.whole
+            )
+            self.prefixes.min_use = self.plan.min_use
+        # Finished sequences kept (the plan's), off while the engine warms (Engine's
+        # `_warm_speculation`).
+        self.keeps_finished = self.plan.keeps_finished
         # Scored prompts' kept starts, with their entries (runner/prompt_cache.py); not from a
         # state (a scored prompt's entries are kept at every position, a state at one).
-        scored = self.keeps_finished and not self.whole
+        scored = self.plan.keeps_finished and not self.plan.whole
         self.prompt_cache = PromptCache(self.prefixes, self.adapters.key, scored)
-        # Body and head apart (runner/head.py), where the model has them: the head then runs on
-        # the positions needed only. Else every forward computes every position's logits.
-        self.split_head = self.split is not None
-        if not self.split_head:
-            log.info(
-                "no body/head split found for %s: prefill computes logits at every position, "
-                "and scored prompts prefill one at a time",
-                type(model).__module__,
-            )
-        cpu = mx.default_device() == mx.cpu and not FORCE_GPU_PATH
         # Where entries are computed: in numpy at collect time on the CPU backend, on the
         # device elsewhere (logprobs/extractor.py); chosen once, here.
-        self.extractor: Extractor = choose_extractor(cpu)
-        # On a GPU the host bounds the step loop: the engine processes a step beside the next
-        # launch. MLX's CPU backend computes the step inside the launch on both cores: no gain.
-        self.overlaps = not cpu
-        self.prefill_align = CPU_PREFILL_ALIGN if cpu else GPU_PREFILL_ALIGN
-        self.tight_cache = cpu  # caches grow by what their rows may use (see batch_cache.py)
-        # A decode step other than the model's forward, where one serves the model.
-        self.decode: compiled.CompiledDecode | LeanDecode | None = self._decode_step(model, cpu)
-        # Where the decode batch is compiled, its shared left padding is trimmed in whole
-        # multiples of the width it keeps (else every trim would widen the cache again).
-        compiles = isinstance(self.decode, compiled.CompiledDecode)
-        self.trim_align = compiled.WIDTH_ALIGN if compiles else 1
-        if cache_limit_mib is None and not cpu:
-            cache_limit_mib = GPU_CACHE_LIMIT_MIB
-        if cache_limit_mib is not None:
-            mx.set_cache_limit(cache_limit_mib << 20)
+        self.extractor: Extractor = choose_extractor(self.plan.cpu)
+        self.prefill = Prefill(
+            model, self.templates, self.plan, self.adapters, self.prefixes, self.prompt_cache,
+            self.extractor, self.batch, self.queue, self._forward_unread,
+        )  # fmt: skip
+        if self.plan.cache_limit_mib is not None:
+            mx.set_cache_limit(self.plan.cache_limit_mib << 20)
 
-    def _prefix_cache(self, mib: int | None) -> PrefixCache | None:
-        """Plain KV and sliding-window caches: any start of a kept sequence; plain KV and
-        recurrent states: whole kept sequences (runner/snapshot.py). `mib` None: a share of
-        the memory left after the weights."""
-        if mib is None:
-            mib = default_budget_mib()
-            log.info("prefix cache: %d MiB (a quarter of the memory left after the weights)", mib)
-        whole = keeps_states(self.templates)
-        if mib > 0 and (keeps_prefixes(self.templates) or whole):
-            cache = PrefixCache(mib << 20, self._make_prefix, whole=whole)
-            if whole:
-                log.info(
-                    "prefix cache: sequences kept whole with their recurrent states (%s); a "
-                    "prompt resumes from one it starts with",
-                    ", ".join(kinds(self.templates)),
-                )
-            cache.min_use = break_even(self.model)
-            if cache.min_use > MIN_TOKENS:
-                log.info(
-                    "prefix cache: kept starts of %d tokens or more (a forward's fixed cost here "
-                    "is that many tokens' compute; shorter ones are computed)",
-                    cache.min_use,
-                )
-            return cache
-        if mib > 0:
-            log.info(
-                "prefix cache off for this model: its caches (%s) are neither keys and values "
-                "nor recurrent states beside them; every prompt prefills in full",
-                ", ".join(kinds(self.templates)),
-            )
-        return None
-
-    def _resumes_batched(self) -> bool:
-        """Rows resumed from states prefill in one right-padded forward where the family's
-        recurrent layers take each row's length (probe.py), else one at a time."""
-        if not self.whole:
-            return False
-        together = resumes_in_a_batch(self.model, self.templates, self.model)
-        how = "together, right-padded" if together else "one at a time"
-        log.info("prefix cache: prompts resumed from kept states prefill %s", how)
-        return together
-
-    def _decode_step(self, model: Any, cpu: bool) -> compiled.CompiledDecode | LeanDecode | None:
-        """The decode forward compiled (runner/fast/compiled.py) where asked on a GPU, else the lean
-        step (runner/fast/lean_decode.py) where it serves the model; each checked against the
-        model's own forward at start-up. None: the model's forward (a split model's runner
-        always takes it)."""
-        if not self.compiles:
-            return None
-        why = lean_decode.eligible(model, self.fusion, self.templates)
-        lean = LeanDecode(model, self.fusion, full_width=not cpu) if why is None else None
-        if COMPILE_DECODE and not cpu:
-            why_not = compiled.check(model, self.templates, lean)
-            if why_not is None:
-                log.info(
-                    "decode steps compiled (runner/fast/compiled.py), lean: %s", lean is not None
-                )
-                return compiled.CompiledDecode(model, lean)
-            log.info("decode steps not compiled for %s: %s", type(model).__module__, why_not)
-        if lean is not None:
-            why = lean_decode.check(lean, self.templates)
-        if why is None:
-            log.info("decode steps: the lean step (runner/fast/lean_decode.py)")
-            return lean
-        log.info("decode steps through the model's own forward: %s", why)
-        return None
+    def _make_prefix(self, tokens: tuple[int, ...], base: Prefix | None, key: Key) -> Prefix:
+        self.adapters.select([key[0]])
+        return make_prefix(self.model, tokens, base)
 
     def launch(self, work: SchedulerOutput) -> LaunchedStep | None:
         """Queue one step on the device and return at once."""
-        assert [s.seq_id for s in work.decode] == [s.seq_id for s in self.rows]
+        batch = self.batch
+        assert [s.seq_id for s in work.decode] == [s.seq_id for s in batch.rows]
         if self.speculator is not None and not work.prefill:
-            if (spec := self.speculator.launch(self)) is not None:
+            if (spec := self.speculator.launch(batch, self)) is not None:
                 return spec
         parts: list[mx.array] = []
         seqs: list[Sequence] = []
-        if self.rows:
-            assert self.last_tokens is not None and self.batch_cache is not None
+        if batch.rows:
+            assert batch.last_tokens is not None
             # Every row took part in the last step, so its input token is there, on the device
             # (in the same rows when none joined or left: then no gather).
-            if self.rows == self.last_seqs:
-                inputs = self.last_tokens[:, None]
+            if batch.rows == batch.last_seqs:
+                inputs = batch.last_tokens[:, None]
             else:
-                rows = mx.array([self.last_rows[s.seq_id] for s in self.rows])
-                inputs = self.last_tokens[rows][:, None]
-            if self.tight_cache:
-                self.batch_cache.reserve(max(s.to_write for s in self.rows))
-            self.adapters.select_rows(self.rows)
-            parts.append(self.forward_rows(inputs))
-            seqs += self.rows
-        more, chosen, prompt, prompt_only = self._prefill(work)
+                rows = mx.array([batch.last_rows[s.seq_id] for s in batch.rows])
+                inputs = batch.last_tokens[rows][:, None]
+            parts.append(self.forward_batch(inputs))
+            seqs += batch.rows
+        more, chosen, prompt, prompt_only = self.prefill.launch(work)
         parts += more
         seqs += chosen
         if prompt:  # queued now, collected with the step: no sync per scored block
-            self._queue(*(x for p in prompt for x in p.arrays()))
+            self.queue(*(x for p in prompt for x in p.arrays()))
         if not seqs:
             if not prompt and not prompt_only:
                 return None
             return LaunchedStep([], None, prompt, prompt_only)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
         return replace(self._sample(logits, seqs), prompt=prompt, prompt_only=prompt_only)
+
+    def forward_batch(self, inputs: mx.array, width: int = 0) -> mx.array:
+        """The batch rows' logits for `inputs` (`forward_rows`), after their cache's room is
+        reserved where caches grow by what their rows may use (`width`: the columns a
+        speculative step writes at once) and their adapters are selected."""
+        assert self.batch.cache is not None
+        if self.plan.tight_cache:
+            self.batch.cache.reserve(max(s.to_write for s in self.batch.rows), width)
+        self.adapters.select_rows(self.batch.rows)
+        return self.forward_rows(inputs)
 
     def forward_rows(self, inputs: mx.array) -> mx.array:
         """The decoding rows' logits for `inputs` [B, n]: [B, V] for one position (a plain
@@ -260,15 +167,15 @@ class ModelRunner(Prefill):
         start-up where it serves the batch, else the model's forward; with adapters loaded,
         the model's forward (a compiled step would keep the selection it was traced with, the
         lean one calls the joined projections without them)."""
-        cache = self.batch_cache
+        cache, decode = self.batch.cache, self.plan.decode
         assert cache is not None
         n = inputs.shape[1]
         cache.advance([n] * len(cache))
         if not self.adapters.stacks:
-            if n == 1 and self.decode is not None and self.decode.supports(cache):
-                return self.decode(inputs, cache)
-            if isinstance(self.decode, LeanDecode) and self.decode.supports(cache, n):
-                return self.decode(inputs, cache)
+            if n == 1 and decode is not None and decode.supports(cache):
+                return decode(inputs, cache)
+            if isinstance(decode, LeanDecode) and decode.supports(cache, n):
+                return decode(inputs, cache)
         logits = self.model(inputs, cache=cache.layers)
         return logits[:, -1, :] if n == 1 else logits
 
@@ -282,49 +189,15 @@ class ModelRunner(Prefill):
                 for s in seqs
             ]
         raw = logits.astype(mx.float32)  # the model's own: raw logprobs and finiteness
-        sampled, dist = draw(self._mask(raw, seqs), params, histories, keys)
+        masks = masked(raw, seqs, self.batch, self.vocab_size, self.stop_ids)
+        sampled, dist = draw(masks, params, histories, keys)
         tokens = self._shared(sampled)
         for s in seqs:
             s.num_sampled += 1
-        self.last_tokens = tokens
-        self.last_seqs, self._last_rows = list(seqs), None
+        self.batch.sampled(tokens, seqs)
         pending = self.extractor.step(tokens, raw, dist, params)
-        self._queue(tokens, *pending.arrays())  # the next step reads these ids on the device
+        self.queue(tokens, *pending.arrays())  # the next step reads these ids on the device
         return LaunchedStep(seqs, pending)
-
-    @property
-    def last_rows(self) -> dict[int, int]:
-        """seq_id -> its row in last_tokens."""
-        if self._last_rows is None:
-            self._last_rows = {s.seq_id: i for i, s in enumerate(self.last_seqs)}
-        return self._last_rows
-
-    def _mask(self, logits: mx.array, seqs: list[Sequence]) -> mx.array:
-        """The rows' token masks (runner/sampler.py). A row whose last sampled token was not
-        processed yet reads it from the last step's ids, on the device."""
-        if not any(s.params.masks for s in seqs):
-            return logits
-        states, prev_rows = [], []
-        for s in seqs:
-            # On a GPU the step in flight may be processed (its token appended) meanwhile:
-            # one read of the length, and only the tail the bad words need, before it.
-            n = len(s.output_ids)
-            longest = max((len(w) for w in s.params.bad_words_ids), default=1)
-            tail = s.output_ids[max(n - longest, 0) : n].tolist()
-            in_flight = s.num_sampled > n and s.seq_id in self.last_rows
-            states.append(MaskState(s.num_sampled, tail, in_flight))
-            prev_rows.append(self.last_rows[s.seq_id] if in_flight else 0)
-        prev = None
-        if self.last_tokens is not None and any(st.in_flight for st in states):
-            prev = self.last_tokens[mx.array(prev_rows)]
-        # Constrained rows were processed before this launch (Engine._needs_history).
-        assert not any(s.grammar is not None and st.in_flight for s, st in zip(seqs, states))
-        bits = bitmask(
-            [s.grammar for s in seqs],
-            self.vocab_size,
-            [open_ended(s.params.constraint) for s in seqs],
-        )
-        return token_mask(logits, [s.params for s in seqs], states, self.stop_ids, prev, bits)
 
     # ---- hooks a runner split over processes overrides (distributed/group_runner.py) ------------
     def _forward_unread(self, ids: mx.array, cache: list[Any]) -> tuple[mx.array, ...]:
@@ -387,11 +260,11 @@ class ModelRunner(Prefill):
     def load_weights(self, path: str) -> None:
         """New weights in place (runner/weights.py), with nothing running; the kept prefixes go:
         their keys and values came from the old weights. WeightsError leaves the old ones."""
-        assert not self.rows and not self.chunk_caches and not self.prefilled
+        assert not self.batch.num_cached
         load_into(self.model, path)
         self.fusion.rejoin()
-        if self.decode is not None:
-            self.decode.reset()
+        if self.plan.decode is not None:
+            self.plan.decode.reset()
         if self.prefixes is not None:
             self.prefixes.clear()
             if self._disk is not None:  # the new weights' own folder
@@ -419,10 +292,25 @@ class ModelRunner(Prefill):
             if self.prefixes is not None:
                 self.prefixes.drop(key)
 
-    @property
-    def num_cached(self) -> int:
-        """Sequences holding KV memory: batch rows, prompts between chunks, prompts done."""
-        return len(self.rows) + len(self.chunk_caches) + len(self.prefilled)
+    def cached_len(self, seq: Sequence) -> int:
+        """How many of a whole prompt's tokens a kept prefix holds now (prefixes made in the
+        prompt's own step are not foreseen)."""
+        if seq.scored:
+            return self.prompt_cache.held(seq)
+        if self.prefixes is None:
+            return 0
+        return self.prefixes.held(seq.context_ids, self.adapters.key(seq.adapter))
+
+    def take_failed(self) -> list[tuple[Sequence, str]]:
+        """The prompts whose prefill failed in the launches since the last call, with why: the
+        engine ends them alone."""
+        return self.batch.take_failed()
+
+    def memory(self) -> Memory:
+        """What the runner holds now (for /health)."""
+        prefixes = self.prefixes.nbytes if self.prefixes is not None else 0
+        active, cache = int(mx.get_active_memory()), int(mx.get_cache_memory())
+        return Memory(self.batch.num_cached, active, cache, prefixes)
 
     @staticmethod
     def idle() -> None:
@@ -431,15 +319,8 @@ class ModelRunner(Prefill):
         mx.clear_cache()
         release_scratch()
 
-    @staticmethod
-    def active_memory() -> int:
-        return int(mx.get_active_memory())
-
-    @staticmethod
-    def cache_memory() -> int:
-        return int(mx.get_cache_memory())
-
-    def _queue(self, *arrays: Any) -> None:
+    def queue(self, *arrays: Any) -> None:
+        """Queue arrays on the device, the host's time at it counted (`take_time`)."""
         t0 = time.perf_counter()
         mx.async_eval(*arrays)
         self.time.queued_at = time.perf_counter()
@@ -455,7 +336,7 @@ class ModelRunner(Prefill):
         t0 = time.perf_counter()
         if step.spec is not None:
             assert self.speculator is not None
-            result = self.speculator.collect(self, step, step.spec)
+            result = self.speculator.collect(self.batch, step, step.spec)
             self.time.read_s += time.perf_counter() - t0
             return result
         if step.sampled is not None:
@@ -471,8 +352,9 @@ class ModelRunner(Prefill):
         Consecutive rows of one prefill group move with one selection and one extend; a group
         may come back later in the order (groups split prompts by kind)."""
         runs: list[tuple[BatchCache, list[int]]] = []
+        batch = self.batch
         for seq in seqs:
-            p = self.prefilled.pop(seq.seq_id)
+            p = batch.prefilled.pop(seq.seq_id)
             if runs and runs[-1][0] is p.cache:
                 runs[-1][1].append(p.row)
             else:
@@ -480,55 +362,37 @@ class ModelRunner(Prefill):
         for cache, rows in runs:
             if rows != list(range(len(cache))):
                 cache = cache.select(rows)
-            if self.batch_cache is None:
-                self.batch_cache = cache
+            if batch.cache is None:
+                batch.cache = cache
             else:
-                self.batch_cache.extend(cache)
-        self.rows += seqs
+                batch.cache.extend(cache)
+        batch.rows += seqs
 
     def release(self, seqs: list[Sequence]) -> None:
         """Forget finished or aborted sequences and free their cache rows; a finished row's
         keys and values (its prompt and output) are kept in the prefix cache first."""
+        batch = self.batch
         for s in seqs:
-            self.chunk_caches.pop(s.seq_id, None)
-            self.prefilled.pop(s.seq_id, None)
+            batch.chunk_caches.pop(s.seq_id, None)
+            batch.prefilled.pop(s.seq_id, None)
         gone = {s.seq_id for s in seqs}
-        keep = [i for i, s in enumerate(self.rows) if s.seq_id not in gone]
-        if len(keep) == len(self.rows):
+        keep = [i for i, s in enumerate(batch.rows) if s.seq_id not in gone]
+        if len(keep) == len(batch.rows):
             return
-        self._keep_finished([i for i, s in enumerate(self.rows) if s.seq_id in gone])
+        self._keep_finished([i for i, s in enumerate(batch.rows) if s.seq_id in gone])
         for s in seqs:
-            self.boundaries.pop(s.seq_id, None)
-        self.rows = [self.rows[i] for i in keep]
+            batch.boundaries.pop(s.seq_id, None)
+        batch.rows = [batch.rows[i] for i in keep]
         if not keep:
-            self.batch_cache = None
+            batch.cache = None
             # Idle: MLX holds only the weights.
-            self.last_tokens, self.last_seqs, self._last_rows = None, [], None
+            batch.sampled(None, [])
             return
-        assert self.batch_cache is not None
-        self.batch_cache.filter(keep, self.trim_align)
+        assert batch.cache is not None
+        batch.cache.filter(keep, self.plan.trim_align)
 
     def _keep_finished(self, rows: list[int]) -> None:
-        """Keep these batch rows' keys and values, each under its tokens: the prompt and the
-        output but its last token (every other output token was fed back; whether the last
-        one was depends on step timing, and the same conversation should keep the same)."""
-        cache = self.batch_cache
-        if self.prefixes is None or not self.keeps_finished or cache is None:
-            return
-        for i in rows:
-            seq = self.rows[i]
-            if seq.finish_reason is FinishReason.ERROR:
-                continue
-            n = len(seq.prompt_ids) + seq.num_output - 1  # prompt_len is the last prefill's
-            if self.whole:  # a state is the row's after every token fed: all of them
-                n = min(cache.fed[i], n + 1)
-            assert n <= cache.width - cache.pads[i] or not cache.width
-            if n < self.prefixes.min_use and not seq.scored:  # too short to pay: no copy
-                continue
-            prefix = from_row(seq.prompt_ids, seq.output_ids, n, cache.layers, i, cache.pads[i])
-            prefix = self.prompt_cache.finished(seq, prefix)  # a scored one's, with its entries
-            # The copies now, with the step: until then they would hold the batch's arrays.
-            mx.async_eval(prefix.keys, prefix.values)
-            self.prefixes.keep(self.adapters.key(seq.adapter), prefix)
-            if at := self.boundaries.get(seq.seq_id):
-                self.prefixes.keep_boundaries(self.adapters.key(seq.adapter), prefix, at)
+        """Keep these batch rows' keys and values in the prefix cache (runner/keep.py)."""
+        if self.prefixes is not None and self.keeps_finished:
+            key_of, whole = self.adapters.key, self.plan.whole
+            keep_finished(self.batch, rows, self.prefixes, self.prompt_cache, key_of, whole)

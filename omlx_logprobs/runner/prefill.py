@@ -2,16 +2,17 @@
 prefix its prompts share), long ones chunk by chunk in a one-row cache, scored ones with their
 prompt entries; a prefill that fails ends its own prompts, not the batch.
 
-`Prefill` is the part of ModelRunner (runner/model_runner.py) that prefills: the runner's state
-is its state (declared below), so the step's launch stays one method there; model_runner.py
-keeps decode, sampling, the batch's rows and the device boundary.
+`Prefill` is handed the runner's parts (runner/model_runner.py) and its batch state
+(runner/batch_state.py), into which it writes what it prefills: prompts between their chunks,
+prompts done and waiting for admission, a recurrent prompt's boundary states, prompts that
+failed. model_runner.py keeps decode, sampling, the batch's rows and the device boundary.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -23,22 +24,24 @@ from omlx_logprobs.batch.scheduler import PrefillChunk, SchedulerOutput
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Extractor
 from omlx_logprobs.runner.batch_cache import BatchCache
+from omlx_logprobs.runner.batch_state import BatchState, Prefilled
 from omlx_logprobs.runner.lora import AdapterSet
-from omlx_logprobs.runner.prefix_cache import Key, Prefix, PrefixCache, State
+from omlx_logprobs.runner.plan import Plan
+from omlx_logprobs.runner.prefix import Prefix
+from omlx_logprobs.runner.prefix_cache import PrefixCache
 from omlx_logprobs.runner.prompt_cache import PromptCache
 from omlx_logprobs.runner.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
 from omlx_logprobs.runner.snapshot import (
     from_cache,
     from_row,
     kv_bytes_per_token,
-    make_prefix,
     resume_rows,
     seed,
     states_nbytes,
     states_of,
 )
 
-__all__ = ["Prefill", "Prefilled"]
+__all__ = ["Prefill"]
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -47,41 +50,40 @@ log = logging.getLogger("omlx_logprobs")
 SETTLE_PAIRS = 1 << 24
 
 
-@dataclass(frozen=True)
-class Prefilled:
-    """Where a prefilled sequence's keys and values wait for admission: a row of a batch cache."""
-
-    cache: BatchCache
-    row: int
+# A forward whose output nothing reads (a prompt's chunk before its last): what must be
+# evaluated with the cache (ModelRunner._forward_unread).
+ForwardUnread = Callable[[mx.array, list[Any]], tuple[mx.array, ...]]
 
 
 class Prefill:
-    # The runner's state that prefilling reads and writes (set by ModelRunner.__init__).
-    model: Any
-    templates: list[Any]
-    split: Any
-    split_head: bool
-    adapters: AdapterSet
-    prefixes: PrefixCache | None
-    prompt_cache: PromptCache
-    extractor: Extractor
-    prefill_align: int
-    tight_cache: bool
-    chunk_caches: dict[int, list[Any]]
-    resumes_batched: bool
-    # A recurrent model's long prompts: their states at chunk boundaries (tokens, states), kept
-    # with the sequence when it finishes (PrefixCache.keep_boundaries).
-    boundaries: dict[int, list[tuple[int, State]]]
-    prefilled: dict[int, Prefilled]
-    failed: list[tuple[Sequence, str]]
+    def __init__(
+        self,
+        model: Any,
+        templates: list[Any],
+        plan: Plan,
+        adapters: AdapterSet,
+        prefixes: PrefixCache | None,
+        prompt_cache: PromptCache,
+        extractor: Extractor,
+        batch: BatchState,
+        queue: Callable[..., None],
+        forward_unread: ForwardUnread,
+    ) -> None:
+        """The runner's parts that prefilling reads and its batch state, which it writes;
+        `queue` queues arrays on the device, timed (ModelRunner.queue)."""
+        self.model = model
+        self.templates = templates
+        self.plan = plan
+        self.split = plan.split
+        self.adapters = adapters
+        self.prefixes = prefixes
+        self.prompt_cache = prompt_cache
+        self.extractor = extractor
+        self.batch = batch
+        self.queue = queue
+        self.forward_unread = forward_unread
 
-    def _queue(self, *arrays: Any) -> None:
-        raise NotImplementedError
-
-    def _forward_unread(self, ids: mx.array, cache: list[Any]) -> tuple[mx.array, ...]:
-        raise NotImplementedError
-
-    def _prefill(
+    def launch(
         self, work: SchedulerOutput
     ) -> tuple[list[mx.array], list[Sequence], list[PendingPrompts], list[Sequence]]:
         """The step's prompts: the logits of those that sample now and their sequences (a row
@@ -151,24 +153,24 @@ class Prefill:
             return
         arrays: list[Any] = [logits]
         for s in seqs:  # a last chunk's one-row cache is gone by now: its rows' caches hold it
-            if (p := self.prefilled.get(s.seq_id)) is not None:
+            if (p := self.batch.prefilled.get(s.seq_id)) is not None:
                 arrays += [c.state for c in p.cache.layers]
-        self._queue(*arrays)
+        self.queue(*arrays)
 
     def _prefill_failed(self, seqs: list[Sequence], exc: Exception) -> None:
         log.error("prefill of %d prompt(s) failed: %s", len(seqs), exc)
         for s in seqs:
             for m in s.group:
-                self.prefilled.pop(m.seq_id, None)
-            self.chunk_caches.pop(s.seq_id, None)
-            self.failed.append((s, f"the prompt could not be prefilled: {exc}"))
+                self.batch.prefilled.pop(m.seq_id, None)
+            self.batch.chunk_caches.pop(s.seq_id, None)
+            self.batch.failed.append((s, f"the prompt could not be prefilled: {exc}"))
 
     def _groupable(self, c: PrefillChunk) -> bool:
         """A whole prompt with one choice (every batch form takes left padding); a scored one
         also needs the head apart from the body (to run it on its positions block by block)."""
         if not (c.start == 0 and c.is_last and not c.seq.forks):
             return False
-        return not c.seq.scored or self.split_head
+        return not c.seq.scored or self.plan.split_head
 
     def _head(self, h: mx.array) -> mx.array:
         assert self.split is not None
@@ -190,21 +192,21 @@ class Prefill:
         scored = group[0].seq.scored
         start = len(prefix.tokens) if prefix is not None else 0
         width = max(c.end for c in group) - start  # the columns the forward computes
-        width += -width % self.prefill_align + start
+        width += -width % self.plan.prefill_align + start
         pads = [width - c.end for c in group]
         ids = mx.array([([0] * p + c.seq.context_ids)[start:] for p, c in zip(pads, group)])
         if prefix is None:
             cache = BatchCache.for_prompts(self.templates, pads)
         else:
             cache = BatchCache.seeded(self.templates, prefix.keys, prefix.values, pads)
-        if self.tight_cache:
+        if self.plan.tight_cache:
             cache.reserve(max(c.seq.to_write for c in group), width - start)
         cache.advance([c.end for c in group])
         self.adapters.select_rows([c.seq for c in group])
         for row, c in enumerate(group):
             c.seq.cached_tokens = max(start - pads[row], 0)
             if c.seq.params.max_tokens > 0:
-                self.prefilled[c.seq.seq_id] = Prefilled(cache, row)
+                self.batch.prefilled[c.seq.seq_id] = Prefilled(cache, row)
         if not scored:
             logits = self._last_logits(ids, cache.layers)
             cache.finish_prefill()
@@ -245,7 +247,7 @@ class Prefill:
         if self.prefixes is None or not self.prefixes.whole or not prefixes:
             return grouped, prefixes, {}
         cold = [c for c in grouped if c.seq.seq_id not in prefixes]
-        return cold, {}, prefixes if self.resumes_batched else {}
+        return cold, {}, prefixes if self.plan.resumes_batched else {}
 
     def _resume_group(self, group: list[PrefillChunk], starts: list[Prefix]) -> mx.array:
         """Whole prompts, each resumed from the kept state it starts with, in one right-padded
@@ -265,7 +267,7 @@ class Prefill:
         for row, (c, p) in enumerate(zip(group, starts)):
             c.seq.cached_tokens = len(p.tokens)
             if c.seq.params.max_tokens > 0:
-                self.prefilled[c.seq.seq_id] = Prefilled(cache, row)
+                self.batch.prefilled[c.seq.seq_id] = Prefilled(cache, row)
         return logits
 
     def _prefixes(self, chunks: list[PrefillChunk]) -> dict[int, Prefix]:
@@ -281,29 +283,16 @@ class Prefill:
         found += self.prompt_cache.starts([c.seq for c in scored])
         return {c.seq.seq_id: p for c, p in zip(plain + scored, found) if p is not None}
 
-    def cached_len(self, seq: Sequence) -> int:
-        """How many of a whole prompt's tokens a kept prefix holds now (prefixes made in the
-        prompt's own step are not foreseen)."""
-        if seq.scored:
-            return self.prompt_cache.held(seq)
-        if self.prefixes is None:
-            return 0
-        return self.prefixes.held(seq.context_ids, self.adapters.key(seq.adapter))
-
-    def _make_prefix(self, tokens: tuple[int, ...], base: Prefix | None, key: Key) -> Prefix:
-        self.adapters.select([key[0]])
-        return make_prefix(self.model, tokens, base)
-
     def _chunk_cache(self, chunk: PrefillChunk) -> tuple[list[Any], int, Prefix | None]:
         """A prompt's one-row cache between its chunks, where this chunk's forward starts, and
         the kept prefix it started from. At the prompt's first chunk, the cache is seeded with
         the longest kept start (a scored prompt's: with its entries; the scheduler started the
         chunk there; should that prefix be gone since, the forward starts from what is kept)."""
         seq = chunk.seq
-        cache = self.chunk_caches.get(seq.seq_id)
+        cache = self.batch.chunk_caches.get(seq.seq_id)
         if cache is not None:
             return cache, chunk.start, None
-        cache = self.chunk_caches[seq.seq_id] = make_prompt_cache(self.model)
+        cache = self.batch.chunk_caches[seq.seq_id] = make_prompt_cache(self.model)
         found = None
         if seq.scored:
             found = self.prompt_cache.start(seq, chunk.end - 1)
@@ -340,18 +329,18 @@ class Prefill:
         else:
             # Lazy: evaluating only the cache skips the head. Split over processes, the
             # forward's output is evaluated too (distributed/group_runner.py).
-            unread = self._forward_unread(ids, cache)
+            unread = self.forward_unread(ids, cache)
         if not chunk.is_last:
             kept = self._boundary(seq, cache, chunk.end)
             # Bound the lazy graph between chunks.
-            self._queue([c.state for c in cache], *unread, *kept)
+            self.queue([c.state for c in cache], *unread, *kept)
             return None, scored
-        del self.chunk_caches[seq.seq_id]
+        del self.batch.chunk_caches[seq.seq_id]
         members = seq.joining()
         if members:  # one copy of the prompt's cache per choice, rows in choice order
             rows_cache = BatchCache.of_copies(cache, len(members), chunk.end)
             for row, m in enumerate(members):
-                self.prefilled[m.seq_id] = Prefilled(rows_cache, row)
+                self.batch.prefilled[m.seq_id] = Prefilled(rows_cache, row)
         return logits, scored
 
     def _boundary(self, seq: Sequence, cache: list[Any], n: int) -> list[mx.array]:
@@ -361,7 +350,7 @@ class Prefill:
         if self.prefixes is None or not self.prefixes.whole:
             return []
         per_token, weight = kv_bytes_per_token(cache), states_nbytes(cache)
-        kept = self.boundaries.setdefault(seq.seq_id, [])
+        kept = self.batch.boundaries.setdefault(seq.seq_id, [])
         since = n - (kept[-1][0] if kept else 0)
         if per_token == 0 or since * per_token < weight:
             return []

@@ -26,18 +26,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from omlx_logprobs.batch.block_index import BLOCK, MIN_TOKENS, BlockIndex
+from omlx_logprobs.runner.prefix import BASE_KEY, Key, Prefix, State
 
 if TYPE_CHECKING:
     from omlx_logprobs.runner.disk_tier import DiskTier
-    from omlx_logprobs.runner.prompt_scoring import Ask, KeptEntries
+    from omlx_logprobs.runner.prompt_scoring import Ask
 
-__all__ = ["BLOCK", "MIN_TOKENS", "BASE_KEY", "Key", "Prefix", "PrefixCache"]
+__all__ = ["BLOCK", "MIN_TOKENS", "BASE_KEY", "Key", "Prefix", "PrefixCache", "State"]
 
 RECENT = 256  # prompt starts remembered, each with the last prompt that began with it
 # A kept start pays only where its tokens' compute costs more than what taking it costs: a
@@ -48,64 +49,6 @@ BREAK_EVEN_WIDTH = 256  # the prefill width timed against one token
 MAX_BREAK_EVEN = 2048
 
 
-@dataclass(frozen=True)
-class Prefix:
-    tokens: tuple[int, ...]
-    # One [1, kv_heads, len(tokens), head_dim] array per layer: every token's, sliding-window
-    # layers' included.
-    keys: list[mx.array]
-    values: list[mx.array]
-    # Prompt entries of its first positions, where a scored prompt made it (prompt_scoring.py);
-    # what a scored prompt may start from. Never on disk: the disk tier keeps keys and values.
-    scores: KeptEntries | None = None
-    # A recurrent model's (runner/snapshot.py): each state layer's arrays after exactly these
-    # tokens, so that only the whole sequence is a start; None for attention models.
-    states: tuple[tuple[mx.array, ...], ...] | None = None
-    # A state kept at a chunk boundary of a longer kept sequence, whose keys and values these
-    # are views of (`PrefixCache.keep_boundaries`): counted and gone with that one.
-    within: tuple[int, ...] | None = None
-
-    @property
-    def array_nbytes(self) -> int:
-        """Its keys, values and states: what a copy of it holds."""
-        kv = sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
-        return kv + sum(a.nbytes for state in self.states or () for a in state)
-
-    @property
-    def nbytes(self) -> int:
-        """Keys and values, and the prompt entries it holds (counted at their full length: a
-        store still filling grows to the prompt's): what the byte budget counts."""
-        if self.within is not None:
-            return sum(a.nbytes for state in self.states or () for a in state)
-        if self.scores is None:
-            return self.array_nbytes
-        return self.array_nbytes + len(self.tokens) * (12 + 8 * self.scores.store.k)
-
-    def kv_start(self, n: int) -> Prefix:
-        """Its first n tokens' keys and values (views), without its states."""
-        keys = [k[..., :n, :] for k in self.keys]
-        return Prefix(self.tokens[:n], keys, [v[..., :n, :] for v in self.values])
-
-    def start(self, n: int) -> Prefix:
-        """Its first n tokens' keys and values (views); a sequence with states only whole."""
-        if n == len(self.tokens):
-            return self
-        if self.states is not None:
-            raise ValueError("a recurrent state is kept at its sequence's end only")
-        return Prefix(
-            self.tokens[:n],
-            [k[..., :n, :] for k in self.keys],
-            [v[..., :n, :] for v in self.values],
-            self.scores,
-        )
-
-
-# Whose keys and values a prefix holds: the base model's or a LoRA adapter's (slot, load). A
-# prefix is never shared across keys: an adapter changes every layer's keys and values.
-Key = tuple[int, int]
-# A recurrent model's states after some tokens: each state layer's arrays.
-State = tuple[tuple[mx.array, ...], ...]
-BASE_KEY: Key = (0, 0)
 # Makes the prefix `tokens` (a forward of the model), from a shorter kept one when there is one,
 # for the rows of a key.
 Make = Callable[[tuple[int, ...], "Prefix | None", Key], "Prefix"]

@@ -9,12 +9,14 @@ Used by the model runner only; plain prompts use PrefixCache directly.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import mlx.core as mx
 
 from omlx_logprobs.batch.sequence import Sequence
-from omlx_logprobs.runner.prefix_cache import Key, Prefix, PrefixCache
-from omlx_logprobs.runner.prompt_scoring import score_key, waits_for, with_entries
+from omlx_logprobs.runner.prefix import Key, Prefix
+from omlx_logprobs.runner.prefix_cache import PrefixCache
+from omlx_logprobs.runner.prompt_scoring import KeptEntries, score_key, waits_for
 
 
 class PromptCache:
@@ -51,7 +53,7 @@ class PromptCache:
 
     def keep(self, seq: Sequence, make: Callable[[], Prefix]) -> list[mx.array]:
         """Keep a scored prompt that generates nothing at its prefill, with its entries (one
-        that generates is kept when it finishes, ModelRunner._keep_finished); `make` gives its
+        that generates is kept when it finishes, runner/keep.py); `make` gives its
         keys and values. The copies, to evaluate with the step."""
         if self.prefixes is None or seq.params.max_tokens > 0:
             return []
@@ -69,3 +71,9 @@ class PromptCache:
         if self.prefixes is None or not seq.scored:
             return False
         return waits_for(seq, busy, lambda: self.held(seq), self.key_of)
+
+
+def with_entries(seq: Sequence, prefix: Prefix) -> Prefix:
+    """A scored prompt's kept sequence (it starts with the prompt) with the prompt's entries."""
+    assert seq.prompt_store is not None
+    return replace(prefix, scores=KeptEntries(score_key(seq.params), seq.prompt_store))

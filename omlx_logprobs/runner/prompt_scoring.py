@@ -8,15 +8,15 @@ generated tokens (on the device, or in numpy on the CPU backend).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from omlx_logprobs.batch.block_index import MIN_TOKENS
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Block, Extractor, PendingEntries
 from omlx_logprobs.logprobs.store import LogprobStore
-from omlx_logprobs.runner.prefix_cache import MIN_TOKENS, Prefix
 from omlx_logprobs.types import Entries, SamplingParams
 
 # What a scored prompt asks of each position: its top count and its fixed ids (`score_key`).
@@ -157,12 +157,6 @@ def _answers(kept: Ask, ask: Ask) -> bool:
     if fixed:
         return kept_fixed[: len(fixed)] == fixed
     return not kept_fixed and kept_k >= k
-
-
-def with_entries(seq: Sequence, prefix: Prefix) -> Prefix:
-    """A scored prompt's kept sequence (it starts with the prompt) with the prompt's entries."""
-    assert seq.prompt_store is not None
-    return replace(prefix, scores=KeptEntries(score_key(seq.params), seq.prompt_store))
 
 
 def waits_for(

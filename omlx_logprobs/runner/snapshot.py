@@ -26,7 +26,7 @@ from mlx_lm.models.cache import (
 )
 
 from omlx_logprobs.runner.batch_cache import leaves
-from omlx_logprobs.runner.prefix_cache import Prefix, State
+from omlx_logprobs.runner.prefix import Prefix, State
 
 __all__ = [
     "keeps_prefixes",

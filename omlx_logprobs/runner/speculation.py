@@ -27,29 +27,28 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.logprobs.extractor import Extractor
 from omlx_logprobs.models.draft import vocabulary_mismatch
 from omlx_logprobs.models.loader import load_model
 from omlx_logprobs.runner import verify
-from omlx_logprobs.runner.batch_cache import kinds
+from omlx_logprobs.runner.batch_state import BatchState
 from omlx_logprobs.runner.draft_model import DraftModel, step_seconds
 from omlx_logprobs.runner.drafts import RowDrafts
 from omlx_logprobs.runner.grammar import open_ended
+from omlx_logprobs.runner.plan import Plan
 from omlx_logprobs.runner.sampler import draw, token_mask
 from omlx_logprobs.runner.step import LaunchedStep, StepResult
 from omlx_logprobs.types import Entries
 from omlx_logprobs.vocab import Vocabulary
 
-if TYPE_CHECKING:
-    from omlx_logprobs.runner.model_runner import ModelRunner
-
-__all__ = ["MODES", "SpecStep", "Speculator", "speculator", "unsupported"]
+__all__ = ["MODES", "SpecStep", "Speculator", "Target", "speculator"]
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -77,25 +76,30 @@ PRIOR_TAKEN, PRIOR_TRIED = 4.0, 5.0
 RATE_EMA = 0.2
 
 
-def unsupported(templates: list[Any]) -> str | None:
-    """Why this model's caches cannot speculate (None: they can): rejected positions leave a
-    plain KV cache by trimming; a sliding window or a recurrent state cannot give them back."""
-    found = kinds(templates)
-    if found != ["KVCache"]:
-        return f"its caches ({', '.join(found)}) cannot drop rejected positions"
-    return None
+class Target(Protocol):
+    """What a speculative step needs of the runner (runner/model_runner.py) beside its batch."""
+
+    vocab_size: int
+    stop_ids: tuple[int, ...]  # EOS ids: what min_tokens holds back besides stop_token_ids
+    extractor: Extractor
+
+    def forward_batch(self, inputs: mx.array, width: int = 0) -> mx.array:
+        """The batch rows' logits for `inputs` [B, n], `width` columns reserved first."""
+        ...
+
+    def queue(self, *arrays: Any) -> None:
+        """Queue arrays on the device (timed)."""
+        ...
 
 
-def speculator(cfg: EngineConfig, runner: ModelRunner, vocab: Vocabulary) -> Speculator | None:
-    """The runner's speculator as configured, or None (off, or a model that cannot); a draft
-    model that does not share the served model's tokenizer is a ValueError."""
+def speculator(cfg: EngineConfig, plan: Plan, model: Any, vocab: Vocabulary) -> Speculator | None:
+    """The speculator of a runner with this plan, serving `model`, as configured, or None (off,
+    or a model that cannot: Plan.why_no_speculation); a draft model that does not share the
+    served model's tokenizer is a ValueError."""
     if cfg.speculate == "off":
         return None
-    why = unsupported(runner.templates)
-    if why is None and not runner.compiles:
-        why = "its runner is split over processes"
-    if why is not None:
-        log.info("speculative decoding off for this model: %s", why)
+    if plan.why_no_speculation is not None:
+        log.info("speculative decoding off for this model: %s", plan.why_no_speculation)
         return None
     draft = None
     if cfg.draft_model is not None:
@@ -111,9 +115,9 @@ def speculator(cfg: EngineConfig, runner: ModelRunner, vocab: Vocabulary) -> Spe
     # is CPU_BREAK_EVEN (it computes every position, whatever the weights' format).
     k, gpu = cfg.num_draft_tokens, mx.default_device() == mx.gpu
     spec.warms = gpu or WARM_ON_CPU
-    plain = step_seconds(runner.model) if gpu or draft is not None else 0.0
+    plain = step_seconds(model) if gpu or draft is not None else 0.0
     if gpu:
-        spec.break_even = max(1.0, step_seconds(runner.model, width=k + 1) / plain)
+        spec.break_even = max(1.0, step_seconds(model, width=k + 1) / plain)
         log.info("speculation: a verify of %d drafts costs %.2f plain steps", k, spec.break_even)
     if draft is not None:
         spec.draft_cost = step_seconds(draft.model) / plain
@@ -238,10 +242,10 @@ class Speculator:
             row.rest()
         return drafts, predicted
 
-    def launch(self, runner: ModelRunner) -> LaunchedStep | None:
+    def launch(self, batch: BatchState, target: Target) -> LaunchedStep | None:
         """A speculative step for the decoding rows, queued; None where a plain step is due (a
         large batch, a step not processed yet, no row with a draft)."""
-        rows = runner.rows
+        rows = batch.rows
         if not 0 < len(rows) <= self.max_batch:
             return None
         for s in rows:  # a resting row's pause counts steps, plain ones included
@@ -264,26 +268,21 @@ class Speculator:
         width = max(len(d) for d in drafts)
         if width == 0:
             return None
-        bits = verify.grammar_bits(rows, known, width, runner.vocab_size)
+        bits = verify.grammar_bits(rows, known, width, target.vocab_size)
         n = width + 1
         inputs = verify.ids(rows, drafts, width)
-        cache = runner.batch_cache
-        assert cache is not None
-        if runner.tight_cache:
-            cache.reserve(max(s.to_write for s in rows), n)
-        runner.adapters.select_rows(rows)
-        logits = runner.forward_rows(inputs)
+        logits = target.forward_batch(inputs, n)
         raw = logits.reshape(len(rows) * n, logits.shape[-1]).astype(mx.float32)
         params = [s.params for s in rows for _ in range(n)]
         states, histories, keys = verify.positions(rows, known, n)
-        masked = token_mask(raw, params, states, runner.stop_ids, None, bits)
+        masked = token_mask(raw, params, states, target.stop_ids, None, bits)
         tokens, dist = draw(masked, params, histories, keys)
-        pending = runner.extractor.step(tokens, raw, dist, params)
-        runner._queue(tokens, *pending.arrays())
+        pending = target.extractor.step(tokens, raw, dist, params)
+        target.queue(tokens, *pending.arrays())
         spec = SpecStep(drafts, width, [p for _, p in made])
         return LaunchedStep(list(rows), pending, spec=spec)
 
-    def collect(self, runner: ModelRunner, step: LaunchedStep, spec: SpecStep) -> StepResult:
+    def collect(self, batch: BatchState, step: LaunchedStep, spec: SpecStep) -> StepResult:
         """The accepted drafts and each row's next token, as one result row per emitted token
         (a row's tokens in order); rejected positions leave the cache."""
         assert step.sampled is not None
@@ -309,10 +308,9 @@ class Speculator:
                 self._score(s, m + 1, len(d))
                 if spec.predicted[i]:  # accepted ones: as the output takes them
                     s.rejected_prediction_tokens += len(d) - m
-        assert runner.batch_cache is not None
-        runner.batch_cache.rollback(unused)
-        runner.last_tokens = mx.array(last, dtype=mx.int32)
-        runner.last_seqs, runner._last_rows = list(step.seqs), None
+        assert batch.cache is not None
+        batch.cache.rollback(unused)
+        batch.sampled(mx.array(last, dtype=mx.int32), step.seqs)
         sel = np.array(picked, dtype=np.int64)
         lp = None if entries is None else Entries(*(a[sel] for a in entries.arrays()))
         return StepResult(seqs, tokens[sel], finite[sel], lp, predicted=np.array(predicted))

@@ -1,5 +1,6 @@
 """A step's records at the runner's boundary: what `ModelRunner.launch` queued on the device,
-what `ModelRunner.collect` read back for the output processor, and the host time spent there."""
+what `ModelRunner.collect` read back for the output processor, and the host time spent there;
+and what the runner holds (`ModelRunner.memory`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from omlx_logprobs.logprobs.extractor import PendingStep
 from omlx_logprobs.runner.prompt_scoring import PendingPrompts, PromptSlice
 from omlx_logprobs.types import Entries
 
-__all__ = ["DeviceTime", "LaunchedStep", "StepResult"]
+__all__ = ["DeviceTime", "LaunchedStep", "Memory", "StepResult"]
 
 
 @dataclass
@@ -52,3 +53,13 @@ class StepResult:
     # Speculative steps: True where the row is an accepted draft from the request's prediction
     # (counted as accepted once the output takes it: drafts past a stop are in neither count).
     predicted: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the runner holds, in sequences and bytes (/health)."""
+
+    sequences: int  # holding KV memory: batch rows, prompts between chunks, prompts done
+    active: int  # MLX's active memory
+    cache: int  # MLX's buffer cache (freed buffers kept for reuse)
+    prefixes: int  # the prefix cache's entries (counted by its budget)

@@ -14,7 +14,7 @@ from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner import plan
 from omlx_logprobs.runner.fast import compiled, lean_decode
 from omlx_logprobs.types import SamplingParams
 from tests.helpers.engine import check_against_reference, encode, moved_copy, run_engine
@@ -26,9 +26,9 @@ PROMPTS = ["Hello, how are you today?", "The quick brown fox", "1 2 3 4 5", "Onc
 def calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """The GPU's path on the CPU backend, the traced step runner/fast/lean_decode.py's or the
     model's forward; each compiled decode call's batch size, recorded."""
-    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    monkeypatch.setattr(plan, "FORCE_GPU_PATH", True)
     monkeypatch.setattr(lean_decode, "ENABLED", request.param == "lean")
-    monkeypatch.setattr(model_runner, "COMPILE_DECODE", True)  # opt-in (OMLX_COMPILE_DECODE=1)
+    monkeypatch.setattr(plan, "COMPILE_DECODE", True)  # opt-in (OMLX_COMPILE_DECODE=1)
     seen: list[int] = []
     traced: set[str] = set()
     call = compiled.CompiledDecode.__call__
@@ -62,11 +62,11 @@ def test_compiled_decode_equals_a_full_forward(tiny: LoadedModel, calls: list[in
     assert len(calls) >= 299 and set(calls) >= {1, 2, 3}  # every decode step, every batch size
     for (prompt, _), (seq, _) in zip(requests, done):
         check_against_reference(tiny, prompt, seq, 5)
-    model_runner.COMPILE_DECODE = False
+    plan.COMPILE_DECODE = False
     try:
         plain = run_engine(tiny, requests, cfg)
     finally:
-        model_runner.COMPILE_DECODE = True
+        plan.COMPILE_DECODE = True
     for (a, _), (b, _) in zip(done, plain):
         assert list(a.output_ids) == list(b.output_ids)
         np.testing.assert_allclose(a.store.logprobs, b.store.logprobs, atol=1e-5)

@@ -25,7 +25,7 @@ from omlx_logprobs.engine.commands import (
 )
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner import plan
 from omlx_logprobs.types import (
     AdapterChange,
     Control,
@@ -106,7 +106,7 @@ def test_prompts_prefilled_together_with_left_padding_equal_each_alone(
     tiny: LoadedModel, align: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`align` 32: the GPU's group widths rounded up (more left padding), run here on the CPU."""
-    monkeypatch.setattr(model_runner, "CPU_PREFILL_ALIGN", align)
+    monkeypatch.setattr(plan, "CPU_PREFILL_ALIGN", align)
     # Lengths 1 to ~60 in one budget: several left-padded groups in one step; the max_tokens=1
     # requests finish at their first token, so their rows are filtered out of their group.
     prompts = [encode(tiny, "word " * (1 + (i * 7) % 30))[: 1 + (i * 13) % 60] for i in range(12)]
@@ -133,7 +133,7 @@ def test_cpu_kv_cache_grows_by_what_its_rows_may_write(tiny: LoadedModel) -> Non
     by what they need. Every row still matches the full forward pass."""
     engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, EngineConfig())
     runner = engine.runner
-    assert runner.tight_cache
+    assert runner.plan.tight_cache
     params = [
         SamplingParams(max_tokens=n, temperature=0, logprobs=True, top_logprobs=2, ignore_eos=True)
         for n in (40, 33, 21, 3)
@@ -149,8 +149,8 @@ def test_cpu_kv_cache_grows_by_what_its_rows_may_write(tiny: LoadedModel) -> Non
         if not engine.has_work():
             break
         engine.step()
-        if runner.batch_cache is not None:
-            widths.append(runner.batch_cache.layers[0].keys.shape[2])
+        if runner.batch.cache is not None:
+            widths.append(runner.batch.cache.layers[0].keys.shape[2])
     assert all(s.num_output == sp.max_tokens for s, sp in zip(seqs, params))
     for s, p in zip(seqs, prompts):
         check_against_reference(tiny, p, s, 2)
@@ -185,7 +185,7 @@ def test_gpu_path_equals_host_path(tiny: LoadedModel, monkeypatch: pytest.Monkey
     ]
     requests = [(encode(tiny, PROMPTS[i % 4]), p) for i, p in enumerate(params)]
     host = run_engine(tiny, requests)
-    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    monkeypatch.setattr(plan, "FORCE_GPU_PATH", True)
     device = run_engine(tiny, requests)
     for (a, _), (b, _), p in zip(host, device, params):
         assert list(a.output_ids) == list(b.output_ids)
@@ -205,7 +205,7 @@ def test_gpu_path_refuses_a_non_finite_row(
 ) -> None:
     """On the GPU's path the finiteness flag travels in the packed array: a row whose logits
     turn NaN ends its request with an error, and its batch neighbour runs to its end."""
-    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    monkeypatch.setattr(plan, "FORCE_GPU_PATH", True)
     poison = encode(tiny, "zebra")[-1]
     model = replace(tiny, model=PoisonModel(tiny.model, poison))
     base = SamplingParams(
@@ -226,7 +226,7 @@ def test_gpu_path_launch_failure_ends_every_request(
 ) -> None:
     """A launch that raises while the step before it is processed on the second thread: every
     request ends with the engine's error, none hangs, and the entries it had are complete."""
-    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    monkeypatch.setattr(plan, "FORCE_GPU_PATH", True)
     model = replace(tiny, model=FailingModel(tiny.model, fail_at=4))
     params = SamplingParams(
         max_tokens=20, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2
@@ -421,14 +421,14 @@ def test_aborts_read_together_release_their_rows_at_once(tiny: LoadedModel) -> N
     engine._drain_inbox()
     for _ in range(3):
         engine.step()
-    assert len(engine.runner.rows) == 9
+    assert len(engine.runner.batch.rows) == 9
     released: list[int] = []
     release = engine.runner.release
     engine.runner.release = lambda seqs: released.append(len(seqs)) or release(seqs)  # type: ignore[method-assign]
     for i in range(5):
         engine.post(Abort(f"r{i}"))
     engine._drain_inbox()
-    assert released == [7] and len(engine.runner.rows) == 2
+    assert released == [7] and len(engine.runner.batch.rows) == 2
     assert [s.finish_reason for s in engine._live["r0"]] == [FinishReason.ABORT]
     assert engine.snapshot().aborted_running == 7
 

@@ -20,7 +20,7 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.commands import Abort, Submit
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from omlx_logprobs.runner import model_runner, probe
+from omlx_logprobs.runner import plan, probe
 from omlx_logprobs.runner.batch_cache import UnbatchableCache
 from omlx_logprobs.types import EngineRequest, FinishReason, SamplingParams
 from tests.helpers.engine import (
@@ -207,7 +207,7 @@ def test_without_a_body_head_split_the_generic_forward_serves(
     monkeypatch.setattr(probe, "split_forward", lambda *args: None)
     model = built(name, tmp_path_factory, tokenizer_dir)
     engine, got = serve(model, MIXED[:3])
-    assert not engine.runner.split_head
+    assert not engine.runner.plan.split_head
     for r in MIXED[:3]:
         for seq in got[r.rid]:
             check_choice(model, seq)
@@ -227,10 +227,10 @@ def test_the_gpu_path_with_padding_wider_than_the_windows(
     to 31 columns, past every window and before every state), mlx-lm's cache growth, entries
     extracted on the device, steps processed beside the next launch; prefixes seeded under that
     padding where the family keeps them."""
-    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    monkeypatch.setattr(plan, "FORCE_GPU_PATH", True)
     model = built(name, tmp_path_factory, tokenizer_dir)
     engine, got = serve(model, MIXED)
-    assert engine.runner.prefill_align == 32 and not engine.runner.tight_cache
+    assert engine.runner.plan.prefill_align == 32 and not engine.runner.plan.tight_cache
     for r in MIXED:
         for seq in got[r.rid]:
             check_choice(model, seq)

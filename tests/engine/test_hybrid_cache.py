@@ -77,10 +77,10 @@ def test_resumed_and_cold_rows_share_a_batch(
     model = built(name, tmp_path_factory, tokenizer_dir)
     on, off = pair(model)
     runner = on.engine.runner
-    assert runner.resumes_batched == (name != "nemotron_h")
+    assert runner.plan.resumes_batched == (name != "nemotron_h")
     together: list[int] = []
-    resume = runner._resume_group
-    runner._resume_group = lambda g, s: together.append(len(g)) or resume(g, s)  # type: ignore[method-assign]
+    resume = runner.prefill._resume_group
+    runner.prefill._resume_group = lambda g, s: together.append(len(g)) or resume(g, s)  # type: ignore[method-assign]
     firsts = [encode(model, f"System: be brief. User: question {i}\n") for i in range(2)]
     try:
         rs = on.send(firsts, greedy(8))

@@ -24,7 +24,7 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.commands import ChangeAdapter
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner import plan
 from omlx_logprobs.runner.lora import AdapterError, AdapterSet
 from omlx_logprobs.types import AdapterChange, EngineRequest, FinishReason, SamplingParams
 from tests.helpers.engine import (
@@ -99,7 +99,7 @@ def test_two_adapters_and_the_base_in_one_batch_each_equal_their_model(
 ) -> None:  # fmt: skip
     """Greedy, sampled, scored (prompt logprobs), two choices of a chunked prompt; on the
     GPU's path too (extraction on the device, the step processed beside the next launch)."""
-    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", gpu_path)
+    monkeypatch.setattr(plan, "FORCE_GPU_PATH", gpu_path)
     model, engine = engine_with(tiny_dir, adapters)
     seen: list[list[int]] = []
     select = engine.runner.adapters.select

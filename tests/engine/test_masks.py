@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner import plan
 from omlx_logprobs.runner.sampler import MaskState, _bad_word_condition
 from omlx_logprobs.types import FinishReason, LogprobsMode, SamplingParams
 from tests.helpers.engine import encode, run_engine
@@ -34,7 +34,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Both extraction paths: numpy at collect time, and the device's packed step with each
     step processed on a second thread beside the next launch."""
-    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", request.param)
+    monkeypatch.setattr(plan, "FORCE_GPU_PATH", request.param)
     return bool(request.param)
 
 

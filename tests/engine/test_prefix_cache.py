@@ -12,7 +12,7 @@ import pytest
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.logprobs.store import LogprobStore
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner import model_runner, plan
 from omlx_logprobs.runner.prefix_cache import (
     BASE_KEY,
     BLOCK,
@@ -202,7 +202,7 @@ def test_prompts_from_a_kept_prefix_match_a_full_forward(
 ) -> None:
     """Suffixes of 1 to 60 tokens: some rows' left padding is longer than the prefix, others
     recompute its last tokens; `align` 32 is the GPU's rounding of group widths."""
-    monkeypatch.setattr(model_runner, "CPU_PREFILL_ALIGN", align)
+    monkeypatch.setattr(plan, "CPU_PREFILL_ALIGN", align)
     system = encode(tiny, "You are a careful assistant. Answer in one short sentence. " * 2)
     why = encode(tiny, "why " * 60)
     # Each suffix starts with a token of its own: neighbours share exactly the system text.

@@ -14,7 +14,7 @@ import pytest
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.commands import UpdateWeights
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner import plan
 from omlx_logprobs.types import SamplingParams, WeightUpdate
 from tests.engine.test_conversation_cache import Chat
 from tests.helpers.engine import (
@@ -80,7 +80,7 @@ def test_scoring_a_shared_context_equals_scoring_without_the_cache(
     token is generated. Sent together, the later ones wait a step for it. `gpu_path`: entries
     extracted as on a device, steps processed on a second thread (a step carrying first tokens
     is processed before the next launch, so the wait still finds the entries)."""
-    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", gpu_path)
+    monkeypatch.setattr(plan, "FORCE_GPU_PATH", gpu_path)
     ctx, ps = prompts(tiny)
     params = scoring(5, max_tokens)
     on = Chat(tiny, EngineConfig(prefill_chunk=chunk, prefix_cache_mib=64))
@@ -96,7 +96,7 @@ def test_scoring_a_shared_context_equals_scoring_without_the_cache(
         off.client.shutdown()
     # On a GPU a group's width is rounded up: its left padding covers part of the kept start.
     start = len(ctx) - 1
-    start -= -(len(ps[0]) - start) % model_runner.GPU_PREFILL_ALIGN if gpu_path else 0
+    start -= -(len(ps[0]) - start) % plan.GPU_PREFILL_ALIGN if gpu_path else 0
     assert [r.cached_tokens for r in got] == [0] + [start] * 3
     for (_, tokens), kept in on.engine.runner.prefixes.entries.items():  # whole, never cut
         assert all(k.shape[2] == len(tokens) for k in kept.keys + kept.values)

@@ -16,7 +16,7 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.logprobs.extractor import HostExtractor
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner import plan
 from omlx_logprobs.runner.prompt_scoring import block_sizes
 from omlx_logprobs.types import (
     EngineRequest,
@@ -312,7 +312,7 @@ def test_large_extraction_blocks_give_the_same_entries(
     widths, run here on the CPU: whole prompts in one group and chunked prompts, against their
     own forward passes."""
     monkeypatch.setattr(HostExtractor, "max_block", block)
-    monkeypatch.setattr(model_runner, "CPU_PREFILL_ALIGN", 32 if block > 128 else 1)
+    monkeypatch.setattr(plan, "CPU_PREFILL_ALIGN", 32 if block > 128 else 1)
     prompts = [encode(tiny, TEXT * 30), encode(tiny, TEXT * 9), encode(tiny, TEXT * 14)]
     params = SamplingParams(max_tokens=0, temperature=0, prompt_logprobs=2, logprobs=True)
     for chunk in (4096, 300):  # one left-padded group; then chunks of one prompt each
@@ -339,9 +339,9 @@ def test_gpu_path_processes_steps_beside_the_next_launch(
     ]
     cfg = EngineConfig(prefill_chunk=37)
     host = run_engine(tiny, requests, cfg)
-    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    monkeypatch.setattr(plan, "FORCE_GPU_PATH", True)
     engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, cfg)
-    assert engine.runner.overlaps  # the path under test processes on its second thread
+    assert engine.runner.plan.overlaps  # the path under test processes on its second thread
     engine.overlap.shutdown()
     device = run_engine(tiny, requests, cfg)
     for (a, _), (b, outs_b), (prompt, p) in zip(host, device, requests):

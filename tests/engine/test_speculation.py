@@ -333,8 +333,8 @@ def test_a_draft_model_s_drafts_change_nothing(
     on_host: set[tuple[str, bool]] = set()  # (request, whether its drafts were read at launch)
     launch = Speculator.launch
 
-    def launching(self: Speculator, runner: Any) -> Any:
-        step = launch(self, runner)
+    def launching(self: Speculator, batch: Any, target: Any) -> Any:
+        step = launch(self, batch, target)
         if step is not None and step.spec is not None:
             on_host.update(
                 (s.request_id, isinstance(d, list))
@@ -395,7 +395,7 @@ def test_the_start_up_warm_meets_every_verify_width_and_leaves_nothing(
     forward_rows = ModelRunner.forward_rows
 
     def recording(self: ModelRunner, inputs: Any) -> Any:
-        widths.append((self.rows[0].request_id, inputs.shape[1]))
+        widths.append((self.batch.rows[0].request_id, inputs.shape[1]))
         return forward_rows(self, inputs)
 
     fed: list[int] = []  # ids each proposal fed the draft model first
@@ -411,7 +411,7 @@ def test_the_start_up_warm_meets_every_verify_width_and_leaves_nothing(
 
     def keeping(self: ModelRunner, rows: list[int]) -> None:
         if self.keeps_finished:
-            kept.extend(self.rows[i].request_id for i in rows)
+            kept.extend(self.batch.rows[i].request_id for i in rows)
         keep_finished(self, rows)
 
     monkeypatch.setattr(ModelRunner, "forward_rows", recording)
@@ -435,12 +435,12 @@ def test_the_warm_without_a_draft_model_runs_on_the_gpu_path(
     like every speculative step. Processed on the second thread, its rollback's arrays were
     that thread's, and the next launch failed ("There is no Stream(gpu, 2) in current
     thread"): the warm was lost, and the first predictions paid the shapes."""
-    from omlx_logprobs.runner import model_runner, speculation
+    from omlx_logprobs.runner import plan, speculation
 
     prompt = encode(tiny, "Once upon a time")
     sp = SamplingParams(max_tokens=24, temperature=0, logprobs=True, top_logprobs=5)
     plain = run_engine(tiny, [(prompt, sp)], OFF)
-    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    monkeypatch.setattr(plan, "FORCE_GPU_PATH", True)
     monkeypatch.setattr(speculation, "WARM_ON_CPU", True)
     caplog.set_level(logging.INFO, logger="omlx_logprobs")
     draft = Speculator._draft
@@ -495,10 +495,10 @@ def test_a_fault_in_the_warm_leaves_the_engine_serving(
 
     collect = Speculator.collect
 
-    def failing(self: Speculator, runner: Any, step: Any, spec: Any) -> Any:
+    def failing(self: Speculator, batch: Any, step: Any, spec: Any) -> Any:
         if step.seqs[0].request_id == "warm-speculation":
             raise RuntimeError("a fault in the warm")
-        return collect(self, runner, step, spec)
+        return collect(self, batch, step, spec)
 
     monkeypatch.setattr(Speculator, "collect", failing)
     monkeypatch.setattr(speculation, "WARM_ON_CPU", True)
@@ -550,12 +550,12 @@ def test_the_gpu_path_speculates_the_same(
     """On the GPU's path (entries extracted on the device, a step processed beside the next
     launch, full-width caches) a speculating batch is processed before each launch; rows that
     leave mid-run and the overlap coming back once nothing speculates."""
-    from omlx_logprobs.runner import model_runner
+    from omlx_logprobs.runner import plan
 
     prompts = [encode(tiny, "Once upon a time"), encode(tiny, "A list of colours: red,")]
     sp = SamplingParams(max_tokens=40, temperature=0, logprobs=True, top_logprobs=5)
     plain = run_engine(tiny, [(p, sp) for p in prompts], OFF)
-    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    monkeypatch.setattr(plan, "FORCE_GPU_PATH", True)
     asks = [(prompts[0], replace(sp, prediction=predicted(plain[0][0], 8))),
             (prompts[1], replace(sp, max_tokens=12))]  # fmt: skip
     fast = run_engine(tiny, asks, PREDICT)
@@ -570,14 +570,14 @@ def test_a_prediction_that_never_matches_keeps_the_overlapped_plain_step(
     """On the GPU's path a row whose prediction never matches its text costs nothing: no step
     in flight is processed before the next launch for it, no verify runs, and its tokens and
     entries are the plain run's (a wrong prediction made requests 7-11% slower on a GPU)."""
-    from omlx_logprobs.runner import model_runner
+    from omlx_logprobs.runner import plan
 
     prompt = encode(tiny, "Once upon a time")
     sp = SamplingParams(max_tokens=40, temperature=0, logprobs=True, top_logprobs=5)
     plain = run_engine(tiny, [(prompt, sp)], OFF)
     seen = set(plain[0][0].output_ids.tolist()) | set(prompt)
     wrong = tuple(t for t in range(len(tiny.vocab)) if t not in seen)[:64]
-    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", True)
+    monkeypatch.setattr(plan, "FORCE_GPU_PATH", True)
     synced: list[bool] = []
     needs = Engine._needs_history
 
@@ -716,13 +716,9 @@ def test_the_verify_s_cost_is_measured_on_the_served_model(
     import mlx.core as mx
 
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)  # timed on a GPU only
-    from mlx_lm.models.cache import make_prompt_cache
-
-    templates = make_prompt_cache(tiny.model)
-    runner: Any = type("Runner", (), {"model": tiny.model, "templates": templates,
-                                      "compiles": True})()  # fmt: skip
+    plan: Any = type("Plan", (), {"why_no_speculation": None})()  # a plain KV model's
     cfg = EngineConfig(speculate="draft", draft_model=str(tiny_dir), num_draft_tokens=8)
-    spec = speculation.speculator(cfg, runner, tiny.vocab)
+    spec = speculation.speculator(cfg, plan, tiny.model, tiny.vocab)
     assert spec is not None
     assert spec.break_even == pytest.approx(2.4) and spec.draft_cost == pytest.approx(0.25)
     # Timed for real, each call's tokens are trimmed off again: every timed forward of the 9

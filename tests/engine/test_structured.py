@@ -20,7 +20,7 @@ import pytest
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.parsing.grammar import calls_or_content, check, hermes_tool_calls
-from omlx_logprobs.runner import model_runner
+from omlx_logprobs.runner import plan
 from omlx_logprobs.runner.grammar import PARALLEL_ROWS, Grammars, bitmask
 from omlx_logprobs.types import (
     Constraint,
@@ -82,7 +82,7 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> boo
     """Both paths: numpy extraction with steps processed after the launch, and the device's
     packed step with steps processed on a second thread beside the next launch (where a
     constrained row's step must be processed before it)."""
-    monkeypatch.setattr(model_runner, "FORCE_GPU_PATH", request.param)
+    monkeypatch.setattr(plan, "FORCE_GPU_PATH", request.param)
     return bool(request.param)
 
 

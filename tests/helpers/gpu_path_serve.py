@@ -2,8 +2,8 @@
 processed beside the next launch) on the CPU backend, for servers started as a process. With
 `--engine thread` the engine runs in this process, where the flag is set."""
 
-import omlx_logprobs.runner.model_runner as model_runner
+import omlx_logprobs.runner.plan as plan
 from omlx_logprobs.cli import main
 
-model_runner.FORCE_GPU_PATH = True
+plan.FORCE_GPU_PATH = True
 main()

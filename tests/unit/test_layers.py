@@ -45,24 +45,22 @@ API_APP = ("app", "guard", "server")
 # imports only modules on floors below its own, type-level imports included.
 RUNNER_FLOORS = [
     # nothing of runner/: the batch's caches, the head, sampling, grammars, adapters, new
-    # weights, drafts from text, prefill attention and two kernels of fast/
-    "__init__ fast batch_cache drafts grammar head lora query_blocks sampler weights"
-    " fast.attention fast.fusion",
-    "draft_model verify",  # a draft model (its cache); a verify's records
-    "prefix_cache",  # kept sequences
-    "disk_tier prompt_scoring snapshot",  # kept sequences on disk, scored, in and out of caches
-    "prompt_cache step probe",
-    "fast.compiled prefill speculation",
-    "fast.lean_decode",
+    # weights, drafts from text, scored prompts, prefill attention and two kernels of fast/
+    "__init__ fast batch_cache drafts grammar head lora prompt_scoring query_blocks sampler"
+    " weights fast.attention fast.fusion",
+    # a draft model; a kept start; a step's and a verify's records
+    "draft_model prefix step verify",
+    "batch_state disk_tier snapshot",  # the batch's rows; kept starts on disk, in and out of caches
+    "masks prefix_cache probe",
+    "fast.compiled prompt_cache",
+    "fast.lean_decode keep",
+    "plan",  # the start-up decisions
+    "prefill speculation",
     "model_runner",
 ]
 # Imports that go up the floors (type-level only): circles still to be cut. An entry goes when
 # its import does (the test refuses one that no longer exists); none may be added.
-RUNNER_CIRCLES = {
-    ("prefix_cache", "disk_tier"),
-    ("prefix_cache", "prompt_scoring"),
-    ("speculation", "model_runner"),
-}
+RUNNER_CIRCLES: set[tuple[str, str]] = set()
 
 
 def layer(module: str) -> str:
@@ -200,15 +198,16 @@ def test_the_batch_layer_runs_no_mlx() -> None:
 
 
 def test_only_the_model_runner_chooses_the_fast_paths() -> None:
-    """runner/fast/ is a set of opt-out speed-ups: the model runner decides which run, so no
-    other module (but the fast paths themselves) imports one."""
+    """runner/fast/ is a set of opt-out speed-ups: the model runner decides which run (with its
+    start-up plan, runner/plan.py), so no other module (but the fast paths themselves) imports
+    one."""
     importers = {
         name
         for name, path in modules().items()
         if not name.startswith("omlx_logprobs.runner.fast")
         and any(t.startswith("omlx_logprobs.runner.fast") for t in imports(path))
     }
-    assert importers == {"omlx_logprobs.runner.model_runner"}
+    assert importers == {"omlx_logprobs.runner.model_runner", "omlx_logprobs.runner.plan"}
 
 
 def test_the_check_sees_a_wrong_import() -> None:
