@@ -116,7 +116,7 @@ def test_template_kwargs_reach_the_template_as_variables(open_server: str) -> No
 
 def test_request_handling_reaches_no_shell_file_or_eval() -> None:
     """Static: the HTTP layer imports nothing that runs commands or opens files, and nothing in
-    the package evaluates code (files are opened only when loading --model at start-up)."""
+    the package evaluates code (files are opened only when loading models and by the disk tier)."""
     import ast
     from pathlib import Path
 
@@ -126,12 +126,15 @@ def test_request_handling_reaches_no_shell_file_or_eval() -> None:
     forbidden_imports = {"os", "subprocess", "pathlib", "ctypes", "shutil", "pickle"}
     for path in root.rglob("*.py"):
         tree = ast.parse(path.read_text())
+        where = path.relative_to(root).parts
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in ("eval", "exec", "compile"), path
-                in_models = path.relative_to(root).parts[0] == "models"
-                assert node.func.id != "open" or in_models, path
-            if path.parent.name == "api" and isinstance(node, (ast.Import, ast.ImportFrom)):
+                # Files are opened where models load, and by the disk tier in the folder the
+                # operator named (--kv-cache-dir), under names it derives from token hashes
+                opener = where[0] == "models" or where == ("runner", "disk_tier.py")
+                assert node.func.id != "open" or opener, path
+            if where[0] == "api" and isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = (
                     [a.name for a in node.names]
                     if isinstance(node, ast.Import)
