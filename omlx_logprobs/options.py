@@ -359,20 +359,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's part of the flags, with the defaults that depend on the device."""
-    import mlx.core as mx
-
-    # On a GPU a prefill forward costs about as much host time as a decode step, so prompts
-    # are gathered; on the CPU the step itself is far longer than any useful delay.
-    # A GPU step of 2048 prompt tokens still takes milliseconds, and fewer, larger prefill
-    # steps cost less host time. On the CPU 1024 tokens take seconds, but fewer, fuller
-    # prefill steps keep a closed loop's wave together: +19% tokens/s at c=64 against 512.
-    cpu = mx.default_device() == mx.cpu
-    gpu_delay = 0.0 if cpu else 20.0
-    chunk = (1024 if cpu else 2048) if args.prefill_chunk is None else args.prefill_chunk
+    """The engine's part of the flags; the prefill's defaults depend on the device, and the
+    engine resolves them (EngineConfig.prefill)."""
     return EngineConfig(
         max_num_seqs=args.max_num_seqs,
-        prefill_chunk=chunk,
+        prefill_chunk=args.prefill_chunk,
         max_top_logprobs=args.max_logprobs,
         flat_logprobs=args.flat_logprobs,
         max_model_len=args.max_model_len,
@@ -382,7 +373,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dir=args.kv_cache_dir,
         kv_cache_disk_mib=args.kv_cache_disk_mib,
         dtype=args.dtype,
-        prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
+        prefill_delay_ms=args.prefill_delay_ms,
         group_timeout_s=args.group_timeout_s,
         speculate=args.speculate or ("draft" if args.draft_model else "prediction"),
         draft_model=args.draft_model,

@@ -14,10 +14,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import mlx.core as mx
+
 from omlx_logprobs import heap
 from omlx_logprobs.batch.scheduler import Scheduler, SchedulerOutput
 from omlx_logprobs.batch.sequence import Sequence, Status
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.control import INITIAL_WEIGHTS, AdapterChange, WeightVersion
 from omlx_logprobs.engine.commands import (
     Abort,
     BeginShutdown,
@@ -37,15 +40,7 @@ from omlx_logprobs.runner.grammar import GrammarError, Grammars
 from omlx_logprobs.runner.model_runner import ModelRunner
 from omlx_logprobs.runner.speculation import speculator
 from omlx_logprobs.runner.step import LaunchedStep
-from omlx_logprobs.types import (
-    INITIAL_WEIGHTS,
-    AdapterChange,
-    EngineRequest,
-    FinishReason,
-    RequestOutput,
-    SamplingParams,
-    WeightVersion,
-)
+from omlx_logprobs.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from omlx_logprobs.vocab import Vocabulary
 
 log = logging.getLogger("omlx_logprobs")
@@ -81,16 +76,17 @@ class Engine:
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
         )
         self.runner.speculator = speculator(cfg, self.runner.plan, self.runner.model, vocab)
+        chunk, delay_ms = cfg.prefill(cpu=mx.default_device() == mx.cpu)
         # Built on the engine's thread as it starts (`_loop`): MLX keeps cuDNN's graphs per thread.
-        self._warm = (cfg.prefill_chunk, context or cfg.max_model_len or 1 << 15)
+        self._warm = (chunk, context or cfg.max_model_len or 1 << 15)
         if cfg.kv_cache_dir is not None:
             self.runner.attach_disk(cfg.kv_cache_dir, cfg.kv_cache_disk_mib)
         for name, path in adapters:  # --lora, or those loaded before a restart or a reload
             self.runner.change_adapter(AdapterChange(name, path))
         self.scheduler = Scheduler(
             cfg.max_num_seqs,
-            cfg.prefill_chunk,
-            cfg.prefill_delay_ms / 1e3,
+            chunk,
+            delay_ms / 1e3,
             cached=self.runner.cached_len,
             waits=self.runner.prompt_cache.waits,
         )
