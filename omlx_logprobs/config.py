@@ -27,7 +27,7 @@ class EngineConfig:
     # None: the device's default (PREFILL_DELAY_MS).
     prefill_delay_ms: float | None = None
     # The server cap on top and prompt logprobs (vLLM's --max-logprobs): -1 is the whole
-    # vocabulary, resolved against the model by the API (validation.model_bounds).
+    # vocabulary, resolved against the model by the API (api/core/bounds.py).
     max_top_logprobs: int = 20
     max_model_len: int | None = None  # None: the model's own context length
     logprobs_mode: str = "raw_logprobs"  # the default of requests that name none
