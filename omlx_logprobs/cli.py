@@ -20,13 +20,14 @@ from omlx_logprobs import heap  # noqa: E402
 from omlx_logprobs.config import (  # noqa: E402
     ServerConfig,
 )
-from omlx_logprobs.options import build_parser, config_from_args  # noqa: E402
+from omlx_logprobs.options import build_parser
 from omlx_logprobs.parsing.thinking import (  # noqa: E402
     ReasoningParser,
     parser_enabled,
     reasoning_tags,
 )
 from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format  # noqa: E402
+from omlx_logprobs.serve_config import config_from_args  # noqa: E402
 
 if TYPE_CHECKING:
     from omlx_logprobs.api.core.served import Served

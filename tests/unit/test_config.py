@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from omlx_logprobs.config import PREFILL_CHUNK, PREFILL_DELAY_MS, EngineConfig
-from omlx_logprobs.options import build_parser, engine_config
+from omlx_logprobs.options import build_parser
+from omlx_logprobs.serve_config import engine_config
 
 
 def test_prefill_defaults_by_device() -> None:
