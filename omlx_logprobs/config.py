@@ -95,10 +95,9 @@ class EngineConfig:
     def prefill(self, cpu: bool) -> tuple[int, float]:
         """The prefill chunk (prompt tokens) and delay (ms) on this device (MLX's CPU backend
         or a GPU): those this config names, else the device's defaults."""
-        chunk = PREFILL_CHUNK[not cpu] if self.prefill_chunk is None else self.prefill_chunk
-        delay = (
-            PREFILL_DELAY_MS[not cpu] if self.prefill_delay_ms is None else self.prefill_delay_ms
-        )
+        device = 0 if cpu else 1  # the order of PREFILL_CHUNK and PREFILL_DELAY_MS: CPU, GPU
+        chunk = PREFILL_CHUNK[device] if self.prefill_chunk is None else self.prefill_chunk
+        delay = PREFILL_DELAY_MS[device] if self.prefill_delay_ms is None else self.prefill_delay_ms
         return chunk, delay
 
 
