@@ -20,20 +20,21 @@ from omlx_logprobs import heap  # noqa: E402
 from omlx_logprobs.config import (  # noqa: E402
     ServerConfig,
 )
-from omlx_logprobs.options import build_parser, config_from_args  # noqa: E402
+from omlx_logprobs.options import build_parser
 from omlx_logprobs.parsing.thinking import (  # noqa: E402
     ReasoningParser,
     parser_enabled,
     reasoning_tags,
 )
 from omlx_logprobs.parsing.tools import ToolCallFormat, resolve_format  # noqa: E402
+from omlx_logprobs.serve_config import config_from_args  # noqa: E402
 
 if TYPE_CHECKING:
     from omlx_logprobs.api.core.served import Served
     from omlx_logprobs.api.core.slot import ModelSlot
+    from omlx_logprobs.control import WeightVersion
     from omlx_logprobs.models.loader import LoadedModel
     from omlx_logprobs.transport.client import EngineClient
-    from omlx_logprobs.types import WeightVersion
 
 log = logging.getLogger("omlx_logprobs")
 # MLX settings the server applies unless the environment holds them (measured: docs/benchmarks.md,
@@ -203,12 +204,12 @@ def start_engine(
     of this one. `which`: (source, served name), default the first --model; `weights_path`
     and `weights`: weights loaded in place before, which a reload serves under their
     version; `adapters`: the LoRA adapters (name, path) it serves from the start."""
+    from omlx_logprobs.control import INITIAL_WEIGHTS
     from omlx_logprobs.models.loader import is_scripted, load_model, resolve_model_path
     from omlx_logprobs.transport.build import build_engine
     from omlx_logprobs.transport.client import EngineClient, ThreadTransport
     from omlx_logprobs.transport.messages import EngineSpec
     from omlx_logprobs.transport.process import ProcessTransport
-    from omlx_logprobs.types import INITIAL_WEIGHTS
     from omlx_logprobs.vocab import build_vocabulary
 
     # The model is resolved once, here (a GGUF converted before a child starts); the engine

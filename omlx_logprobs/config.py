@@ -7,15 +7,27 @@ from dataclasses import dataclass, field
 # vLLM's names (types.LogprobsMode says what each reports).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
+# The prefill's defaults by device (CPU, GPU), for configs that name none (`EngineConfig.prefill`).
+# On a GPU a prefill forward costs about as much host time as a decode step, so prompts
+# are gathered; on the CPU the step itself is far longer than any useful delay.
+# A GPU step of 2048 prompt tokens still takes milliseconds, and fewer, larger prefill
+# steps cost less host time. On the CPU 1024 tokens take seconds, but fewer, fuller
+# prefill steps keep a closed loop's wave together: +19% tokens/s at c=64 against 512.
+PREFILL_CHUNK = (1024, 2048)
+PREFILL_DELAY_MS = (0.0, 20.0)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 64  # requests decoded together
-    prefill_chunk: int = 512  # prompt tokens per prefill step, so decoding is never starved
-    # While a batch decodes, a new prompt waits up to this long for others to prefill with.
-    prefill_delay_ms: float = 0.0
+    # Prompt tokens per prefill step, so decoding is never starved; None: the device's default
+    # (PREFILL_CHUNK).
+    prefill_chunk: int | None = None
+    # While a batch decodes, a new prompt waits up to this long for others to prefill with;
+    # None: the device's default (PREFILL_DELAY_MS).
+    prefill_delay_ms: float | None = None
     # The server cap on top and prompt logprobs (vLLM's --max-logprobs): -1 is the whole
-    # vocabulary, resolved against the model by the API (validation.model_bounds).
+    # vocabulary, resolved against the model by the API (api/core/bounds.py).
     max_top_logprobs: int = 20
     max_model_len: int | None = None  # None: the model's own context length
     logprobs_mode: str = "raw_logprobs"  # the default of requests that name none
@@ -51,9 +63,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
-        if self.prefill_chunk < 1:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
-        if not 0 <= self.prefill_delay_ms <= 10_000:
+        if self.prefill_delay_ms is not None and not 0 <= self.prefill_delay_ms <= 10_000:
             raise ValueError("prefill_delay_ms must be in [0, 10000]")
         if self.max_top_logprobs < -1:
             raise ValueError("max_logprobs must be -1 (the vocabulary) or >= 0")
@@ -79,6 +91,14 @@ class EngineConfig:
             raise ValueError("kv_cache_disk_mib must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("dtype must be auto, float32, bfloat16 or float16")
+
+    def prefill(self, cpu: bool) -> tuple[int, float]:
+        """The prefill chunk (prompt tokens) and delay (ms) on this device (MLX's CPU backend
+        or a GPU): those this config names, else the device's defaults."""
+        device = 0 if cpu else 1  # the order of PREFILL_CHUNK and PREFILL_DELAY_MS: CPU, GPU
+        chunk = PREFILL_CHUNK[device] if self.prefill_chunk is None else self.prefill_chunk
+        delay = PREFILL_DELAY_MS[device] if self.prefill_delay_ms is None else self.prefill_delay_ms
+        return chunk, delay
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,13 @@
-"""The `serve` command's flags and the `ServerConfig` they make: every flag's default, range
-and help in one place (cli.py runs the command)."""
+"""The `serve` command's flags: every flag's default, range and help in one place (cli.py runs
+the command; serve_config.py makes the `ServerConfig` from what they parse)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from omlx_logprobs.config import (
     LOGPROBS_MODES,
-    Access,
     EngineConfig,
     Limits,
     PoolConfig,
@@ -318,87 +316,3 @@ def _add_limits(s: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars)
     g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids)
     g.add_argument("--max-logprob-token-ids", type=int, default=d.max_logprob_token_ids)
-
-
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """Raises ValueError for any value out of range."""
-    models: list[str | None] = list(args.model or [None])
-    names: list[str | None] = list(args.served_model_name or [])
-    if len(names) > len(models):
-        raise ValueError("--served-model-name is given more often than --model")
-    names += [None] * (len(models) - len(names))
-    return ServerConfig(
-        lora=lora_args(args.lora or []),
-        model=models[0],
-        served_model_name=names[0],
-        offline=args.offline,
-        other_models=tuple(zip(models[1:], names[1:])),
-        pool=PoolConfig(
-            args.max_loaded_models, args.max_model_memory_mib, args.model_load_timeout_s
-        ),
-        host=args.host,
-        port=args.port,
-        engine=engine_config(args),
-        limits=Limits(
-            max_body_bytes=args.max_body_bytes,
-            max_queued=args.max_queued_requests,
-            max_output_tokens=args.max_output_tokens,
-            max_n=args.max_n,
-            max_stop=args.max_stop,
-            max_stop_chars=args.max_stop_chars,
-            max_stop_token_ids=args.max_stop_token_ids,
-            max_logprob_token_ids=args.max_logprob_token_ids,
-        ),
-        access=Access(
-            api_key=args.api_key or None,
-            allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
-        ),
-        shutdown_grace_s=args.shutdown_grace,
-        engine_process=args.engine == "process",
-    )
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's part of the flags, with the defaults that depend on the device."""
-    import mlx.core as mx
-
-    # On a GPU a prefill forward costs about as much host time as a decode step, so prompts
-    # are gathered; on the CPU the step itself is far longer than any useful delay.
-    # A GPU step of 2048 prompt tokens still takes milliseconds, and fewer, larger prefill
-    # steps cost less host time. On the CPU 1024 tokens take seconds, but fewer, fuller
-    # prefill steps keep a closed loop's wave together: +19% tokens/s at c=64 against 512.
-    cpu = mx.default_device() == mx.cpu
-    gpu_delay = 0.0 if cpu else 20.0
-    chunk = (1024 if cpu else 2048) if args.prefill_chunk is None else args.prefill_chunk
-    return EngineConfig(
-        max_num_seqs=args.max_num_seqs,
-        prefill_chunk=chunk,
-        max_top_logprobs=args.max_logprobs,
-        flat_logprobs=args.flat_logprobs,
-        max_model_len=args.max_model_len,
-        logprobs_mode=args.logprobs_mode,
-        cache_limit_mib=args.mlx_cache_limit_mib,
-        prefix_cache_mib=args.prefix_cache_mib,
-        kv_cache_dir=args.kv_cache_dir,
-        kv_cache_disk_mib=args.kv_cache_disk_mib,
-        dtype=args.dtype,
-        prefill_delay_ms=gpu_delay if args.prefill_delay_ms is None else args.prefill_delay_ms,
-        group_timeout_s=args.group_timeout_s,
-        speculate=args.speculate or ("draft" if args.draft_model else "prediction"),
-        draft_model=args.draft_model,
-        num_draft_tokens=args.num_draft_tokens,
-        speculate_max_batch=args.speculate_max_batch,
-    )
-
-
-def lora_args(values: list[str]) -> tuple[tuple[str, str], ...]:
-    """--lora NAME=PATH values as (name, absolute path); ValueError for a malformed one."""
-    out: dict[str, str] = {}
-    for v in values:
-        name, eq, path = v.partition("=")
-        if not (name and eq and path):
-            raise ValueError(f"--lora takes NAME=PATH, not {v!r}")
-        if name in out:
-            raise ValueError(f"--lora {name} is given twice")
-        out[name] = str(Path(path).expanduser().absolute())
-    return tuple(out.items())

@@ -29,7 +29,8 @@ from omlx_logprobs.cli import mlx_environment
 
 mlx_environment()
 
-from omlx_logprobs.options import build_parser, engine_config
+from omlx_logprobs.options import build_parser
+from omlx_logprobs.serve_config import engine_config
 from omlx_logprobs.engine.commands import Submit
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import load_model

@@ -85,7 +85,7 @@ class Sequence:
         # The LoRA adapter's slot it runs on (runner/lora.py; 0: the base model), the same for
         # every choice of a request.
         self.adapter = 0
-        self.adapter_version: Any = None  # its name and load (types.AdapterVersion), if any
+        self.adapter_version: Any = None  # its name and load (control.AdapterVersion), if any
         # (first output token, weights) for each version its output met, when more than one
         self.weight_spans: list[tuple[int, Any]] = []
         # Drafts from its prediction the target accepted and rejected (runner/speculation.py).

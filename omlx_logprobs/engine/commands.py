@@ -10,15 +10,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
-from omlx_logprobs.types import (
+from omlx_logprobs.control import (
     AdapterChange,
     Control,
     ControlResult,
-    EngineRequest,
     WeightUpdate,
     WeightUpdateResult,
     WeightVersion,
 )
+from omlx_logprobs.types import EngineRequest
 
 A = TypeVar("A")
 

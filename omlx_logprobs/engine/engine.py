@@ -1,34 +1,35 @@
 """The engine: one thread owns all MLX work and runs the step loop. Requests, aborts, weight
 updates, adapters and pauses come in as the command records of engine/commands.py, posted to a
-thread-safe inbox (`Engine.post`) and read between two steps; pauses, weights and adapters are
-then engine/lifecycle.py's. What leaves is `RequestOutput`s, handed to a sink once a step
-(transport/client.py moves them to the API, from this process or from a child)."""
+thread-safe inbox (`Engine.post`, engine/inbox.py) and read between two steps; pauses, weights
+and adapters are then engine/lifecycle.py's. What leaves is `RequestOutput`s, handed to a sink
+once a step (transport/client.py moves them to the API, from this process or from a child)."""
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import mlx.core as mx
+
 from omlx_logprobs import heap
 from omlx_logprobs.batch.scheduler import Scheduler, SchedulerOutput
 from omlx_logprobs.batch.sequence import Sequence, Status
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.control import INITIAL_WEIGHTS, AdapterChange, WeightVersion
 from omlx_logprobs.engine.commands import (
     Abort,
-    BeginShutdown,
     ChangeAdapter,
     Command,
     ControlCommand,
     Stop,
     Submit,
     UpdateWeights,
-    posted,
 )
+from omlx_logprobs.engine.inbox import Inbox
 from omlx_logprobs.engine.lifecycle import Lifecycle
 from omlx_logprobs.engine.overlap import Overlap
 from omlx_logprobs.engine.processor import OutputProcessor
@@ -37,15 +38,7 @@ from omlx_logprobs.runner.grammar import GrammarError, Grammars
 from omlx_logprobs.runner.model_runner import ModelRunner
 from omlx_logprobs.runner.speculation import speculator
 from omlx_logprobs.runner.step import LaunchedStep
-from omlx_logprobs.types import (
-    INITIAL_WEIGHTS,
-    AdapterChange,
-    EngineRequest,
-    FinishReason,
-    RequestOutput,
-    SamplingParams,
-    WeightVersion,
-)
+from omlx_logprobs.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from omlx_logprobs.vocab import Vocabulary
 
 log = logging.getLogger("omlx_logprobs")
@@ -54,7 +47,6 @@ IDLE_WAIT_S = 0.5  # an idle engine looks at its inbox at least this often
 
 Sink = Callable[[list[RequestOutput]], None]
 A = TypeVar("A")
-Posted = tuple[Command[Any], Future[Any]]  # a command in the inbox, and its answer's future
 
 
 class Engine:
@@ -81,16 +73,17 @@ class Engine:
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
         )
         self.runner.speculator = speculator(cfg, self.runner.plan, self.runner.model, vocab)
+        chunk, delay_ms = cfg.prefill(cpu=mx.default_device() == mx.cpu)
         # Built on the engine's thread as it starts (`_loop`): MLX keeps cuDNN's graphs per thread.
-        self._warm = (cfg.prefill_chunk, context or cfg.max_model_len or 1 << 15)
+        self._warm = (chunk, context or cfg.max_model_len or 1 << 15)
         if cfg.kv_cache_dir is not None:
             self.runner.attach_disk(cfg.kv_cache_dir, cfg.kv_cache_disk_mib)
         for name, path in adapters:  # --lora, or those loaded before a restart or a reload
             self.runner.change_adapter(AdapterChange(name, path))
         self.scheduler = Scheduler(
             cfg.max_num_seqs,
-            cfg.prefill_chunk,
-            cfg.prefill_delay_ms / 1e3,
+            chunk,
+            delay_ms / 1e3,
             cached=self.runner.cached_len,
             waits=self.runner.prompt_cache.waits,
         )
@@ -109,10 +102,7 @@ class Engine:
         self.life = Lifecycle(
             self.scheduler, self.runner, self.processor, self._live, self.has_work, self._abort
         )
-        self._inbox: queue.SimpleQueue[Posted] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._closing_at: float | None = None  # after this monotonic time, fail what is left
+        self._inbox = Inbox()
         self._aborted = {Status.WAITING: 0, Status.RUNNING: 0}
         self._busy = False  # stepped since the engine was last idle
         self._cached = False  # MLX may hold freed buffers from the last busy spell
@@ -133,19 +123,8 @@ class Engine:
 
     def post(self, command: Command[A]) -> Future[A]:
         """Any thread (a signal handler too): ask the engine to do something (the records of
-        engine/commands.py). Shutdown's take effect at once, the rest between two steps, in the
-        order posted; the future is answered once done (a pause that waits for its requests
-        once they have finished; new weights once the requests in flight allow)."""
-        done: Future[A] = Future() if command.answered else posted()
-        match command:
-            case Stop():
-                self._stop.set()
-            case BeginShutdown(grace_s=grace_s):
-                self._closing_at = time.monotonic() + grace_s
-            case _:
-                self._inbox.put((command, done))
-        self._wake.set()
-        return done
+        engine/commands.py; engine/inbox.py says when each takes effect)."""
+        return self._inbox.post(command)
 
     @property
     def weights(self) -> WeightVersion:
@@ -153,7 +132,7 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() or not self._stop.is_set()
+        return self._thread.is_alive() or not self._inbox.stopped
 
     def snapshot(self) -> EngineStats:
         memory = self.runner.memory()
@@ -259,12 +238,13 @@ class Engine:
             log.exception("engine: the start-up warm failed")
         finally:
             self._warmed.set()
-        while not self._stop.is_set():
+        while not self._inbox.stopped:
             self._drain_inbox()
             if self.life.halted and self.overlap.inflight is not None:
                 self._free(self.overlap.finish())  # the step in flight ends the run
             self.life.settle()
-            if self._closing_at is not None and time.monotonic() >= self._closing_at:
+            closing_at = self._inbox.closing_at
+            if closing_at is not None and time.monotonic() >= closing_at:
                 self._fail_all("the server is shutting down")
             self.flush()
             if not self.has_work() or self.life.halted:
@@ -275,8 +255,7 @@ class Engine:
                     self.runner.idle()  # (not at once: a closed loop at c=1 idles per request)
                     self._cached = False
                 self.runner.heartbeat()
-                self._wake.wait(IDLE_WAIT_S)
-                self._wake.clear()
+                self._inbox.wait(IDLE_WAIT_S)
                 continue
             self._busy = True
             try:
@@ -288,7 +267,8 @@ class Engine:
             self.flush()
         self._fail_all("the server is shutting down")
         self.flush()
-        self._refuse_inbox("the server is shutting down")
+        self.life.close("the server is shutting down")
+        self._inbox.refuse("the server is shutting down", self.processor.weights)
         self.overlap.shutdown()
         self.runner.close()
 
@@ -333,11 +313,7 @@ class Engine:
             self._abort([s for rid in aborts for s in self._live.get(rid, ())])
 
     def _read_inbox(self, aborts: list[str]) -> None:
-        while True:
-            try:
-                command, done = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for command, done in self._inbox.take():
             match command:
                 case Submit(request=req):
                     self._add(req)
@@ -349,17 +325,6 @@ class Engine:
                     self.life.change_adapter(change, done)
                 case ControlCommand(control=control):
                     self.life.control(control, done)
-
-    def _refuse_inbox(self, why: str) -> None:
-        """The loop has ended: what is still asked of the engine is answered with why not."""
-        self.life.close(why)
-        while True:
-            try:
-                command, done = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if command.answered:
-                done.set_result(command.refused(why, self.processor.weights))
 
     def _add(self, req: EngineRequest) -> None:
         leader = Sequence.of(req)

@@ -14,11 +14,7 @@ from dataclasses import dataclass
 
 from omlx_logprobs.batch.scheduler import Scheduler
 from omlx_logprobs.batch.sequence import Sequence, Status
-from omlx_logprobs.engine.processor import OutputProcessor
-from omlx_logprobs.runner.lora import AdapterError
-from omlx_logprobs.runner.model_runner import ModelRunner
-from omlx_logprobs.runner.weights import WeightsError
-from omlx_logprobs.types import (
+from omlx_logprobs.control import (
     AdapterChange,
     Control,
     ControlResult,
@@ -27,6 +23,10 @@ from omlx_logprobs.types import (
     WeightUpdateResult,
     WeightVersion,
 )
+from omlx_logprobs.engine.processor import OutputProcessor
+from omlx_logprobs.runner.lora import AdapterError
+from omlx_logprobs.runner.model_runner import ModelRunner
+from omlx_logprobs.runner.weights import WeightsError
 
 log = logging.getLogger("omlx_logprobs")
 

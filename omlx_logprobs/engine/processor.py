@@ -8,17 +8,12 @@ import logging
 import numpy as np
 
 from omlx_logprobs.batch.sequence import Sequence, Status
+from omlx_logprobs.control import INITIAL_WEIGHTS
 from omlx_logprobs.output.sections import NO_TEXT, TextDelta
 from omlx_logprobs.runner.grammar import leaves
 from omlx_logprobs.runner.prompt_scoring import PromptSlice
 from omlx_logprobs.runner.step import StepResult
-from omlx_logprobs.types import (
-    INITIAL_WEIGHTS,
-    Entries,
-    FinishReason,
-    RequestOutput,
-    SamplingParams,
-)
+from omlx_logprobs.types import Entries, FinishReason, RequestOutput, SamplingParams
 from omlx_logprobs.vocab import Vocabulary
 
 log = logging.getLogger("omlx_logprobs")

@@ -10,8 +10,8 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
+from omlx_logprobs.control import INITIAL_WEIGHTS, WeightVersion
 from omlx_logprobs.runner.step import DeviceTime
-from omlx_logprobs.types import INITIAL_WEIGHTS, WeightVersion
 
 log = logging.getLogger("omlx_logprobs")
 # Diagnostics (OMLX_STEP_TRACE=1): a log line per step, "step-trace: END LAUNCH_MS COMPLETE_MS

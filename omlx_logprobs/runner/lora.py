@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from omlx_logprobs.types import AdapterVersion
+from omlx_logprobs.control import AdapterVersion
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapters.safetensors"

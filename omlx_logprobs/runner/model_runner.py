@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from omlx_logprobs.batch.scheduler import SchedulerOutput
 from omlx_logprobs.batch.sequence import Sequence
+from omlx_logprobs.control import AdapterChange
 from omlx_logprobs.logprobs.extract import release_scratch
 from omlx_logprobs.logprobs.extractor import Extractor, choose_extractor
 from omlx_logprobs.runner import query_blocks
@@ -49,7 +50,6 @@ from omlx_logprobs.runner.snapshot import make_prefix
 from omlx_logprobs.runner.speculation import Speculator
 from omlx_logprobs.runner.step import DeviceTime, LaunchedStep, Memory, StepResult
 from omlx_logprobs.runner.weights import load_into
-from omlx_logprobs.types import AdapterChange
 
 __all__ = ["ModelRunner"]
 

@@ -14,6 +14,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from omlx_logprobs.control import (
+    AdapterChange,
+    Control,
+    ControlResult,
+    WeightUpdate,
+    WeightUpdateResult,
+)
 from omlx_logprobs.engine.commands import (
     Abort,
     BeginShutdown,
@@ -26,16 +33,7 @@ from omlx_logprobs.engine.commands import (
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.transport.collector import RequestOutputCollector
-from omlx_logprobs.types import (
-    AdapterChange,
-    Control,
-    ControlResult,
-    EngineRequest,
-    FinishReason,
-    RequestOutput,
-    WeightUpdate,
-    WeightUpdateResult,
-)
+from omlx_logprobs.types import EngineRequest, FinishReason, RequestOutput
 
 Deliver = Callable[[list[RequestOutput]], None]
 Lost = Callable[[list[str], str], None]  # requests that can no longer finish, and why

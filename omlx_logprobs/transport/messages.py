@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.control import INITIAL_WEIGHTS, WeightVersion
 from omlx_logprobs.engine.commands import Command
 from omlx_logprobs.engine.stats import EngineStats
-from omlx_logprobs.types import INITIAL_WEIGHTS, RequestOutput, WeightVersion
+from omlx_logprobs.types import RequestOutput
 
 NO_STATS = EngineStats(0, 0, 0, False, 0, 0, 0, 0)
 

@@ -15,6 +15,14 @@ import pytest
 
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.control import (
+    AdapterChange,
+    Control,
+    ControlResult,
+    PauseMode,
+    WeightUpdate,
+    WeightUpdateResult,
+)
 from omlx_logprobs.engine.commands import (
     Abort,
     ChangeAdapter,
@@ -26,18 +34,7 @@ from omlx_logprobs.engine.commands import (
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.runner import plan
-from omlx_logprobs.types import (
-    AdapterChange,
-    Control,
-    ControlResult,
-    EngineRequest,
-    FinishReason,
-    LogprobsMode,
-    PauseMode,
-    SamplingParams,
-    WeightUpdate,
-    WeightUpdateResult,
-)
+from omlx_logprobs.types import EngineRequest, FinishReason, LogprobsMode, SamplingParams
 from tests.helpers.engine import (
     check_against_reference,
     client_of,

@@ -21,12 +21,13 @@ from mlx.utils import tree_unflatten
 from mlx_lm.tuner.utils import load_adapters
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.control import AdapterChange
 from omlx_logprobs.engine.commands import ChangeAdapter
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.runner import plan
 from omlx_logprobs.runner.lora import AdapterError, AdapterSet
-from omlx_logprobs.types import AdapterChange, EngineRequest, FinishReason, SamplingParams
+from omlx_logprobs.types import EngineRequest, FinishReason, SamplingParams
 from tests.helpers.engine import (
     Record,
     check_against_reference,

@@ -16,22 +16,19 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.control import (
+    INITIAL_WEIGHTS,
+    AdapterChange,
+    Control,
+    ControlResult,
+    WeightUpdate,
+)
 from omlx_logprobs.engine.commands import ChangeAdapter, ControlCommand, UpdateWeights
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.transport.client import EngineClient
 from omlx_logprobs.transport.messages import EngineSpec
 from omlx_logprobs.transport.process import ProcessTransport
-from omlx_logprobs.types import (
-    INITIAL_WEIGHTS,
-    AdapterChange,
-    Control,
-    ControlResult,
-    EngineRequest,
-    FinishReason,
-    RequestOutput,
-    SamplingParams,
-    WeightUpdate,
-)
+from omlx_logprobs.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from tests.helpers.engine import Record, collect_outputs, reference_logprobs, run_engine
 
 CFG = EngineConfig(max_num_seqs=16, prefill_chunk=64)

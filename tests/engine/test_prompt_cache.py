@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.control import WeightUpdate
 from omlx_logprobs.engine.commands import UpdateWeights
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.runner import plan
-from omlx_logprobs.types import SamplingParams, WeightUpdate
+from omlx_logprobs.types import SamplingParams
 from tests.engine.test_conversation_cache import Chat
 from tests.helpers.engine import (
     Record,

@@ -256,12 +256,12 @@ def test_a_context_past_the_memory_is_refused_at_admission(
     tiny model's 2 layers x 2 KV heads x 16 x 2 x 4 bytes = 512 a token, from its config): past
     it, a 400 in OpenAI's shape with the numbers, naming the prompt or max_tokens; within it,
     the request runs."""
-    from omlx_logprobs.api.core import validation
+    from omlx_logprobs.api.core import bounds
     from omlx_logprobs.models.footprint import kv_bytes_per_token
 
     per_token = kv_bytes_per_token(tiny_served.path)
     assert per_token == 2 * 2 * 2 * 16 * 4
-    monkeypatch.setattr(validation, "kv_memory", lambda model: (per_token, 300 * per_token))
+    monkeypatch.setattr(bounds, "kv_memory", lambda model: (per_token, 300 * per_token))
     with thread_server(tiny_served) as (base, _):
         url = base + "/v1/completions"
         body = {"model": TINY_NAME, "prompt": [5] * 100, "max_tokens": 150}

@@ -13,7 +13,8 @@ import pytest
 
 from omlx_logprobs.config import Access, ServerConfig
 from omlx_logprobs.models.loader import LoadedModel
-from omlx_logprobs.options import build_parser, config_from_args
+from omlx_logprobs.options import build_parser
+from omlx_logprobs.serve_config import config_from_args
 from tests.helpers.server import TINY_NAME, assert_openai_error, thread_server
 
 KEY = "sk-test-0123456789abcdef"

@@ -10,6 +10,15 @@ from typing import Any
 
 import pytest
 
+from omlx_logprobs.control import (
+    AdapterChange,
+    Control,
+    ControlResult,
+    PauseMode,
+    WeightUpdate,
+    WeightUpdateResult,
+    WeightVersion,
+)
 from omlx_logprobs.engine.commands import (
     Abort,
     BeginShutdown,
@@ -23,17 +32,7 @@ from omlx_logprobs.engine.commands import (
     posted,
 )
 from omlx_logprobs.transport.messages import Reply
-from omlx_logprobs.types import (
-    AdapterChange,
-    Control,
-    ControlResult,
-    EngineRequest,
-    PauseMode,
-    SamplingParams,
-    WeightUpdate,
-    WeightUpdateResult,
-    WeightVersion,
-)
+from omlx_logprobs.types import EngineRequest, SamplingParams
 
 EXAMPLES: list[Command[Any]] = [
     Submit(EngineRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4, logprobs=True), n=2)),

@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 
+from omlx_logprobs.api.core.bounds import ModelBounds
 from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest
-from omlx_logprobs.api.core.validation import ModelBounds, RequestLimits, check_unknown
+from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.config import Limits
 from omlx_logprobs.output.detokenizer import IncrementalText
 

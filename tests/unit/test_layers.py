@@ -14,11 +14,12 @@ from pathlib import Path
 import omlx_logprobs
 
 ROOT = Path(omlx_logprobs.__file__).parent
-# Lowest first. Root modules (types, config, vocab, heap, blas) are level 0; cli.py is on top,
-# over options.py (its flags). The engine's wing is five floors: batch/ (plain Python), runner/
-# (all MLX, its fast paths in runner/fast/), engine/ (the step loop), distributed/ (a model over
-# several processes), transport/ (the engine in this process or a child, as the API sees it).
-TOP = ("options", "cli")
+# Lowest first. Root modules (types, control, config, vocab, heap, blas) are level 0; cli.py is on
+# top, over options.py (its flags) and serve_config.py (the config they make). The engine's wing
+# is five floors: batch/ (plain Python), runner/ (all MLX, its fast paths in runner/fast/),
+# engine/ (the step loop), distributed/ (a model over several processes), transport/ (the engine
+# in this process or a child, as the API sees it).
+TOP = ("options", "serve_config", "cli")
 LAYERS = [
     "",
     "parsing",

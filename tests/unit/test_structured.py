@@ -9,10 +9,11 @@ from typing import Any
 import llguidance
 import pytest
 
+from omlx_logprobs.api.core.bounds import ModelBounds
 from omlx_logprobs.api.core.constraints import request_constraint
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest
-from omlx_logprobs.api.core.validation import ModelBounds, RequestLimits
+from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.config import Limits
 from omlx_logprobs.parsing.grammar import GrammarError, check
 from omlx_logprobs.types import Constraint, ConstraintKind

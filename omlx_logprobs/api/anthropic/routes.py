@@ -16,13 +16,13 @@ from omlx_logprobs.api.anthropic.convert import NAMES, chat_request
 from omlx_logprobs.api.anthropic.output import MessageOutput
 from omlx_logprobs.api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from omlx_logprobs.api.core import sse
+from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.core.prepare import Ask, prepare, wire_names
 from omlx_logprobs.api.core.prompts import chat_prompt
 from omlx_logprobs.api.core.response import finished
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.core.serving import respond
-from omlx_logprobs.api.core.validation import check_unknown
 from omlx_logprobs.types import RequestOutput
 
 

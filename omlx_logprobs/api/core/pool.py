@@ -19,13 +19,14 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
 
+from omlx_logprobs.api.core.bounds import model_bounds
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.loading import Loading
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.core.slot import Loader, ModelSlot, TokenizerLoader
-from omlx_logprobs.api.core.validation import RequestLimits, model_bounds
+from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.config import EngineConfig, Limits, PoolConfig
-from omlx_logprobs.types import WeightVersion
+from omlx_logprobs.control import WeightVersion
 
 POLL_S = 0.05  # how often a request waiting for a busy model to go idle looks again
 RETRY_AFTER_S = 5  # the 503's Retry-After: a busy model's requests take seconds to finish

@@ -1,10 +1,10 @@
 """Request models for the OpenAI-compatible API. Chat and completions bodies keep the fields they
 do not declare (`model_extra`) so that the server can name them: an unknown field is a 400, as
-OpenAI answers, unless the server runs with `--ignore-unknown-fields` (api/core/validation.py). NaN
+OpenAI answers, unless the server runs with `--ignore-unknown-fields` (api/core/fields.py). NaN
 and Infinity are rejected wherever a number is expected.
 
 Declared are OpenAI's fields and vLLM's that clients send; a few are declared only to be refused
-with a reason (features this server does not have), never ignored: see `validation.UNSUPPORTED`.
+with a reason (features this server does not have), never ignored: see `fields.UNSUPPORTED`.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class SamplingKnobs(_Open):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     structured_outputs: dict[str, Any] | None = None
-    # Refused unless they ask for nothing (validation.UNSUPPORTED says why).
+    # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
     logits_processors: list[Any] | None = None
 
 
@@ -155,7 +155,7 @@ class SamplingFields(SamplingKnobs):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None
-    # Refused unless they ask for nothing (validation.UNSUPPORTED says why).
+    # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
     priority: int = 0
     use_beam_search: bool = False
     length_penalty: float = 1.0  # beam search's

@@ -14,9 +14,10 @@ from fastapi import Request
 
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.protocol import SamplingKnobs
+from omlx_logprobs.control import AdapterVersion, WeightVersion
 from omlx_logprobs.logprobs.wire import LogprobWriter
 from omlx_logprobs.transport.client import RequestHandle
-from omlx_logprobs.types import AdapterVersion, Entries, RequestOutput, WeightVersion
+from omlx_logprobs.types import Entries, RequestOutput
 
 
 async def wait_or_disconnect(handles: list[RequestHandle], raw: Request) -> list[RequestOutput]:

@@ -13,8 +13,10 @@ from functools import cached_property
 from pydantic import BaseModel
 
 import omlx_logprobs
+from omlx_logprobs.api.core.bounds import model_bounds
 from omlx_logprobs.api.core.errors import APIError
-from omlx_logprobs.api.core.validation import RequestLimits, check_unknown, model_bounds
+from omlx_logprobs.api.core.fields import check_unknown
+from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.logprobs.format import Pieces
 from omlx_logprobs.logprobs.wire import Writers

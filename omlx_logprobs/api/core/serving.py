@@ -14,9 +14,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from omlx_logprobs.api.core import sse
+from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.core.slot import ModelSlot
-from omlx_logprobs.api.core.validation import check_unknown
 
 
 class Run(Protocol):

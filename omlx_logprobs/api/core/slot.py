@@ -12,7 +12,7 @@ from typing import Any
 
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.core.validation import RequestLimits
-from omlx_logprobs.types import INITIAL_WEIGHTS, WeightVersion
+from omlx_logprobs.control import INITIAL_WEIGHTS, WeightVersion
 
 
 @dataclass(eq=False)

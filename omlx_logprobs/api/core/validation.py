@@ -6,21 +6,22 @@ Sizes and ranges are found by field name on whatever request model a route parse
 endpoint whose model has `n`, `stop` or `logprob_token_ids` is checked without new code here;
 `check_chat` and `check_completion` hold what is particular to each endpoint. Each breach is
 an `APIError` naming the offending `param`. The limits themselves live in `config.Limits`.
+Which fields a body may send at all is api/core/fields.py's; the served model's facts the limits
+depend on are api/core/bounds.py's.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pydantic import BaseModel
 
-from omlx_logprobs.api.core.constraints import given, request_constraint
+from omlx_logprobs.api.core.bounds import ModelBounds
+from omlx_logprobs.api.core.constraints import request_constraint
 from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.fields import UNSUPPORTED, first_unencodable
 from omlx_logprobs.config import Limits
-from omlx_logprobs.models.footprint import kv_memory
 from omlx_logprobs.types import Constraint
 
 # Fields that take a logprob count: chat's `top_logprobs`, completions' integer `logprobs`, vLLM's
@@ -29,128 +30,6 @@ COUNT_FIELDS = ("top_logprobs", "logprobs", "prompt_logprobs")
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 # Below this, dividing a logit by the penalty can overflow float32 and poison the whole row.
 MIN_REPETITION_PENALTY = 0.01
-# Objects inside a body whose own unknown fields are named too.
-NESTED_BODIES = ("stream_options", "sampling_params")
-# What the template renderer itself passes to Jinja besides apply_chat_template's parameters.
-TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
-
-
-@dataclass(frozen=True)
-class Unsupported:
-    """A declared field this server cannot honour: refused whenever `asks` holds for its value
-    (the value that asks for nothing passes: `store: false`, `tools: []`), never ignored."""
-
-    field: str
-    asks: Callable[[Any], bool]
-    why: str
-    soon: bool = False  # being built: "not supported yet"
-
-
-UNSUPPORTED: tuple[Unsupported, ...] = (
-    # What this server does not do.
-    Unsupported("functions", given, "legacy function calling (send tools)"),
-    Unsupported(
-        "function_call",
-        lambda v: v not in (None, "none", "auto"),
-        "legacy function calling (send tool_choice)",
-    ),  # fmt: skip
-    Unsupported("use_beam_search", given, "beam search"),
-    Unsupported("length_penalty", lambda v: v != 1, "beam search (length_penalty)"),
-    Unsupported("include_reasoning", lambda v: v is False, "leaving reasoning out"),
-    Unsupported("moderation", given, "moderation"),
-    Unsupported("priority", lambda v: v != 0, "priority scheduling"),
-    Unsupported("logits_processors", given, "custom logits processors"),
-    Unsupported("cache_salt", given, "salted prefix caching"),
-    Unsupported("kv_transfer_params", given, "KV transfer"),
-    Unsupported("vllm_xargs", given, "vllm_xargs"),
-    Unsupported("modalities", lambda v: v is not None and set(v) != {"text"}, "non-text output"),
-    Unsupported("audio", given, "audio output"),
-    Unsupported("web_search_options", given, "web search"),
-    Unsupported("verbosity", lambda v: v not in (None, "medium"), "verbosity"),
-    Unsupported("store", given, "stored completions (store: true)"),
-    Unsupported(
-        "service_tier", lambda v: v not in (None, "auto", "default"), "service tiers but default"
-    ),
-    Unsupported("chat_template", given, "a chat template sent with the request"),
-    Unsupported("mm_processor_kwargs", given, "multimodal input"),
-    Unsupported("features", given, "multimodal input"),
-    Unsupported("image_data", given, "multimodal input"),
-    Unsupported("video_data", given, "multimodal input"),
-    Unsupported("audio_data", given, "multimodal input"),
-    Unsupported("input_embeds", given, "input embeddings"),
-    Unsupported("return_hidden_states", given, "hidden states"),
-    Unsupported("return_routed_experts", given, "routed experts (no MoE replay)"),
-    Unsupported("session_params", given, "sessions"),
-    Unsupported("custom_params", given, "custom logit processors"),
-)
-
-
-def unknown_fields(req: BaseModel) -> list[str]:
-    """The fields a body sent that its model does not declare, as paths (`sampling_params.x`);
-    message contents are not looked into (their extra keys are the template's)."""
-    found = [str(k) for k in (req.model_extra or {})]
-    for name in NESTED_BODIES:
-        inner = getattr(req, name, None)
-        for i, part in enumerate(inner if isinstance(inner, list) else [inner]):
-            if isinstance(part, BaseModel):
-                at = f"{name}[{i}]" if isinstance(inner, list) else name
-                found += [f"{at}.{k}" for k in (part.model_extra or {})]
-    return found
-
-
-def check_unknown(req: BaseModel, ignore: bool) -> list[str]:
-    """A 400 naming the first unknown field (OpenAI's "Unrecognized request argument"), or,
-    with `ignore`, the list of them for the log and the response header."""
-    found = unknown_fields(req)
-    if found and not ignore:
-        name = found[0]
-        raise APIError(
-            f"Unrecognized request argument supplied: {name}",
-            param=name or '""',
-            code="unknown_parameter",
-        )
-    return found
-
-
-@dataclass(frozen=True)
-class ModelBounds:
-    """The facts about the served model that limits depend on."""
-
-    vocab_size: int
-    max_model_len: int
-    max_top_logprobs: int
-    max_token_bytes: int  # the longest token's text, special tokens included
-    template_params: frozenset[str]  # apply_chat_template's own parameters
-    # One token's keys and values, and the memory the weights leave for them (0: unchecked).
-    kv_bytes_per_token: int = 0
-    kv_budget_bytes: int = 0
-
-
-def model_bounds(model: Any, max_top_logprobs: int) -> ModelBounds:
-    """From a LoadedModel (typed as Any: models.loader imports mlx, this module must not)."""
-    vocab = model.vocab
-    longest = max(
-        len(b) if b is not None else len(t.encode("utf-8", "replace"))
-        for b, t in zip(vocab.token_bytes, vocab.token_text)
-    )
-    try:
-        params = inspect.signature(model.tokenizer.apply_chat_template).parameters
-        reserved = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
-    except (TypeError, ValueError, AttributeError):
-        reserved = set()
-    reserved |= TEMPLATE_VARIABLES
-    # --max-logprobs -1: the whole vocabulary; no list is longer than the vocabulary anyway
-    cap = len(vocab) if max_top_logprobs < 0 else min(max_top_logprobs, len(vocab))
-    per_token, budget = kv_memory(model)
-    return ModelBounds(
-        len(vocab),
-        model.max_model_len,
-        cap,
-        max(longest, 1),
-        frozenset(reserved),
-        per_token,
-        budget,
-    )
 
 
 class RequestLimits:
@@ -400,30 +279,3 @@ def _at_most(value: int, most: int, param: str, what: str = "") -> None:
     if value > most:
         unit = f" {what}" if what else ""
         raise APIError(f"{param}: at most {most}{unit} allowed, got {value}", param=param)
-
-
-def first_unencodable(value: Any, path: str) -> str | None:
-    """The path of the first string that cannot be UTF-8 (JSON lets `\\ud800` through)."""
-    for p, s in _strings(value, path):
-        if not s.isascii():
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError:
-                return p or "body"
-    return None
-
-
-def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
-    if isinstance(value, str):
-        yield path, value
-    elif isinstance(value, BaseModel):
-        items = {**value.__dict__, **(value.model_extra or {})}
-        for k, v in items.items():
-            yield from _strings(v, f"{path}.{k}" if path else k)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _strings(v, f"{path}[{i}]")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _strings(k, path)
-            yield from _strings(v, f"{path}.{k}" if path else str(k))

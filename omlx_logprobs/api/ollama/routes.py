@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 import omlx_logprobs
 from omlx_logprobs.api.core import sse
+from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.core.prepare import Ask, prepare
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest
@@ -22,7 +23,6 @@ from omlx_logprobs.api.core.response import finished
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.core.serving import respond
 from omlx_logprobs.api.core.slot import ModelSlot
-from omlx_logprobs.api.core.validation import check_unknown
 from omlx_logprobs.api.ollama.convert import NAMES, chat_request, generate_request
 from omlx_logprobs.api.ollama.output import OllamaOutput, now
 from omlx_logprobs.api.ollama.protocol import (
@@ -130,8 +130,10 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
             "parameters": "",
             "template": str(getattr(model.tokenizer, "chat_template", None) or ""),
             "details": _details(slot),
-            "model_info": {"general.context_length": model.max_model_len,
-                           "general.vocab_size": len(model.vocab)},  # fmt: skip
+            "model_info": {
+                "general.context_length": model.max_model_len,
+                "general.vocab_size": len(model.vocab),
+            },  # fmt: skip
             "capabilities": caps,
             "modified_at": now(),
         }

@@ -14,7 +14,7 @@ from fastapi.responses import PlainTextResponse, Response
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.rl.protocol import PauseGenerationRequest
-from omlx_logprobs.types import Control, ControlResult, PauseMode
+from omlx_logprobs.control import Control, ControlResult, PauseMode
 
 # SGLang's names for the modes
 SGLANG_MODES = {"abort": PauseMode.ABORT, "retract": PauseMode.RETRACT, "in_place": PauseMode.KEEP}

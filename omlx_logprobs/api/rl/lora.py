@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.rl.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from omlx_logprobs.types import AdapterChange
+from omlx_logprobs.control import AdapterChange
 
 log = logging.getLogger("omlx_logprobs")
 

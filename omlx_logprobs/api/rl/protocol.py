@@ -45,7 +45,7 @@ class GenerateRequest(_Open):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Refused unless they ask for nothing (validation.UNSUPPORTED says why).
+    # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
     features: dict[str, Any] | None = None
     cache_salt: str | None = None
     priority: int = 0
@@ -77,7 +77,7 @@ class SglangSampling(_Open):
     regex: str | None = None
     ebnf: str | None = None
     stream_interval: int | None = None  # how often SGLang streams: every output here
-    # Refused unless they ask for nothing (validation.UNSUPPORTED says why).
+    # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
     custom_params: dict[str, Any] | None = None
 
 
@@ -98,7 +98,7 @@ class SglangGenerateRequest(_Open):
     lora_path: str | list[str] | None = None  # a loaded LoRA adapter's name
     model: str | None = None  # which served model (this server's extension)
     logprobs_mode: LogprobsModeName = "processed_logprobs"  # SGLang's: after temperature
-    # Refused unless they ask for nothing (validation.UNSUPPORTED says why).
+    # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None

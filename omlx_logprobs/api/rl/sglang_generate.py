@@ -22,15 +22,10 @@ from omlx_logprobs.api.core.prompts import encode
 from omlx_logprobs.api.core.response import finished
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.rl.protocol import GenerateSampling, SglangGenerateRequest, SglangSampling
+from omlx_logprobs.control import WeightVersion
 from omlx_logprobs.logprobs.format import float_numbers
 from omlx_logprobs.transport.client import RequestHandle, merged
-from omlx_logprobs.types import (
-    EngineRequest,
-    Entries,
-    FinishReason,
-    RequestOutput,
-    WeightVersion,
-)
+from omlx_logprobs.types import EngineRequest, Entries, FinishReason, RequestOutput
 
 MAX_PROMPTS = 256  # prompts in one batch, as /v1/completions
 

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.rl.protocol import UpdateWeightsDirRequest, UpdateWeightsRequest
-from omlx_logprobs.types import WeightUpdate, WeightUpdateResult
+from omlx_logprobs.control import WeightUpdate, WeightUpdateResult
 
 
 async def load(
