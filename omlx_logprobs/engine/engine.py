@@ -380,6 +380,18 @@ class Engine:
     def _fail_all(self, message: str) -> None:
         waiting = [s for seq in [*self.scheduler.waiting, *self.life.held] for s in seq.group]
         self.life.held = []
-        for seq in waiting + self.scheduler.running + self.scheduler.scored:
-            if seq.status is not Status.FINISHED:
-                self._end(seq, FinishReason.ERROR, message)
+        ended = [
+            seq
+            for seq in waiting + self.scheduler.running + self.scheduler.scored
+            if seq.status is not Status.FINISHED
+        ]
+        for seq in ended:
+            self.processor.end(seq, FinishReason.ERROR, message)
+            self.scheduler.remove(seq)
+        try:
+            self.runner.release(ended)
+        except Exception:  # the fault that failed the step may fail this too: if the loop
+            # died here, every client would wait forever; all rows go instead
+            log.exception("engine: the failed sequences' rows could not be released; the "
+                          "batch is emptied")  # fmt: skip
+            self.runner.batch.clear()

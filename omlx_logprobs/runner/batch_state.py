@@ -62,6 +62,13 @@ class BatchState:
         failed, self.failed = self.failed, []
         return failed
 
+    def clear(self) -> None:
+        """Drop every row and waiting prompt at once: the batch after a fault that left it in
+        no state to release row by row (the engine has failed all its sequences)."""
+        self.rows, self.cache, self.chunk_caches, self.boundaries = [], None, {}, {}
+        self.prefilled, self.failed = {}, []
+        self.sampled(None, [])
+
     @property
     def num_cached(self) -> int:
         """Sequences holding KV memory: batch rows, prompts between chunks, prompts done."""

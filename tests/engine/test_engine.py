@@ -42,6 +42,7 @@ from tests.helpers.engine import (
     encode,
     reference_logprobs,
     run_engine,
+    run_on,
 )
 from tests.helpers.faults import FailingModel, PoisonModel
 
@@ -459,3 +460,32 @@ def test_posted_commands_are_answered_between_steps_or_refused_at_stop(
     assert pause.result(0) == ControlResult(False, error=why)
     assert update.result(0) == WeightUpdateResult(engine.weights, why)
     assert seq.finish_reason is FinishReason.ERROR
+
+
+def test_a_step_fault_that_also_fails_the_release_still_ends_every_request(
+    tiny: LoadedModel,
+) -> None:
+    """The step failed and releasing its rows fails too (the same broken state): every request
+    still ends with the error, the batch is emptied, and the engine serves the next request."""
+    engine = Engine(tiny.model, tiny.vocab, tiny.eos_token_ids, EngineConfig())
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    for i in range(3):
+        engine.post(Submit(EngineRequest(f"r{i}", encode(tiny, f"story {i}"), params)))
+    engine._drain_inbox()
+    for _ in range(3):
+        engine.step()
+    assert len(engine.runner.batch.rows) == 3
+    release = engine.runner.release
+
+    def broken(seqs: list[Sequence]) -> None:
+        raise RuntimeError("the caches are in no state to filter")
+
+    engine.runner.release = broken  # type: ignore[method-assign]
+    engine._fail_all("internal error in the engine step: boom")
+    assert engine.runner.batch.rows == [] and engine.runner.batch.cache is None
+    for i in range(3):
+        [seq] = engine._live[f"r{i}"]
+        assert seq.finish_reason is FinishReason.ERROR
+    engine.runner.release = release  # type: ignore[method-assign]
+    [(seq, _)] = run_on(engine, [(encode(tiny, "hi"), params)])
+    assert seq.num_output == 50 and seq.error is None
