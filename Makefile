@@ -68,7 +68,7 @@ check: lint types test
 # CPU preset (our server, mlx-lm's server, bare mlx-lm; < 15 min on a quiet 2-core box): rewrites
 # its section of docs/bench-results.md. Other presets and the GPU run: docs/benchmarks.md.
 bench: install
-	$(PY) bench/run.py --preset cpu
+	$(PY) -m bench.run --preset cpu
 
 # The guard: the default server against each feature off (prefix cache, prediction mode, a wrong
 # prediction, lookup, the process engine) at c=1 and c=32, every ratio printed; it fails when one
@@ -76,7 +76,7 @@ bench: install
 # the GPU preset: docs/benchmarks.md. Timing is no test: not in `make test`.
 GUARD_ARGS ?=
 bench-guard: install
-	$(PY) bench/guard.py --preset cpu $(GUARD_ARGS)
+	$(PY) -m bench.guard --preset cpu $(GUARD_ARGS)
 
 # The scenario benchmarks, each against its peers in one run (docs/benchmarks.md): a growing
 # agent conversation (prefix cache on/off, mlx-lm's server), one stream with speculation, and
@@ -86,9 +86,9 @@ bench-guard: install
 # an 8B target and a draft that agree 82% of the time, built once; the targets it reads last).
 SPECULATION_ARGS ?= --max-tokens 200
 bench-conversation: install
-	$(PY) bench/conversation.py
+	$(PY) -m bench.conversation
 bench-speculation: install
-	$(PY) bench/speculation.py $(SPECULATION_ARGS)
+	$(PY) -m bench.speculation $(SPECULATION_ARGS)
 bench-scoring: install
 	$(PY) -m bench.experiments.multiple_choice --questions 3 --context-words 1300
 

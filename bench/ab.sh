@@ -32,7 +32,7 @@ for p in 8201 8202; do
   fi
 done
 load() {  # port mode requests -> tok/s
-  $py bench/loadgen.py --base-url http://127.0.0.1:$1/v1 --model "$(basename $model)" \
+  $py -m bench.loadgen --base-url http://127.0.0.1:$1/v1 --model "$(basename $model)" \
     --concurrency $c --requests $3 --max-tokens ${MAX_TOKENS:-128} --logprobs $2 \
     --prompt-words ${PROMPT_WORDS:-32} --seed $RANDOM --processes ${PROCESSES:-16} 2>/dev/null \
     | $py -c "import json,sys; d=json.load(sys.stdin); print(round(d['tokens_per_s'],1) if not d['errors'] else 'ERR')"

@@ -9,7 +9,7 @@ embedding, final norm and head: it agrees where the later layers do not change t
 `--measure` prints the greedy agreement of the two over a few random contexts. At 8b with a
 layer scale of 0.0025 (bench/speculation.py's `--pair 8b`) they agree 81.8% of the time.
 
-    python bench/agreeing_pair.py --tokenizer-from DIR --size 8b \
+    python -m bench.agreeing_pair --tokenizer-from DIR --size 8b \
         --layer-scale 0.0025 --target /tmp/t8 --draft /tmp/d8 [--measure]
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import omlx_logprobs  # noqa: F401
@@ -27,8 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from randmodel import SIZES
+from bench.randmodel import SIZES
 
 SCALE = 0.0025  # the layer scale bench/speculation.py's pair takes
 

@@ -2,7 +2,7 @@
 same prompts as the server parts. Run by run.py as a subprocess, so the runner itself never
 holds the accelerator:
 
-    python bench/bare.py --preset gpu --model-dir DIR --out part.json
+    python -m bench.bare --preset gpu --model-dir DIR --out part.json
 
 - throughput: mlx-lm `BatchGenerator` at each concurrency of the preset (completion batch size =
   concurrency, chat-templated prompts, no stop tokens), in the same runs as our server gets
@@ -27,11 +27,11 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from engine_bench import run_batchgen
-from loadgen import make_prompt, percentile
+from bench.engine_bench import run_batchgen
+from bench.loadgen import make_prompt, percentile
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from presets import PRESETS, TTFT_SEED, CellSpec, Preset
-from results import PartResult, Results, Scoring, Throughput, Ttft
+from bench.presets import PRESETS, TTFT_SEED, CellSpec, Preset
+from bench.results import PartResult, Results, Scoring, Throughput, Ttft
 
 BARE_SEED = 1000  # throughput prompts; the server parts use seeds 1, 2, ...
 

@@ -11,8 +11,8 @@ the turn's uncached tokens over a cache already holding the rest ("new over cont
 prefilling only the new tokens costs, their attention over the context included, with MLX's
 default attention, cuDNN's on CUDA).
 
-    .venv/bin/python bench/conversation.py                      # CPU: the embedded model, 8 turns
-    python bench/conversation.py --model DIR --turns 8 --tool-words 3000   # the GPU preset
+    .venv/bin/python -m bench.conversation                      # CPU: the embedded model, 8 turns
+    python -m bench.conversation --model DIR --turns 8 --tool-words 3000   # the GPU preset
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import Server, free_port, mlx_lm_command, omlx_command, start_server  # noqa: E402
+from bench.server import Server, free_port, mlx_lm_command, omlx_command, start_server
 
 TOOLS = [
     {
@@ -105,7 +104,7 @@ def ttft(
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.model is None:  # the embedded model: float32 for mlx-lm, as ours dequantizes it
-        from run import float32_copy, resolved_dir
+        from bench.run import float32_copy, resolved_dir
 
         model_dir = str(float32_copy(resolved_dir(None)))
     else:  # a directory: the same weights for both

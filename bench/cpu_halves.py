@@ -8,8 +8,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-# Set by `bench/run.py --pin`: the CPUs every server (and bare.py) is started on; the runner and
-# its load generator processes keep the other half.
+# Set by `python -m bench.run --pin`: the CPUs every server (and bare.py) is started on; the
+# runner and its load generator processes keep the other half.
 SERVER_CPUS_ENV = "BENCH_SERVER_CPUS"
 
 

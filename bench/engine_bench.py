@@ -5,7 +5,7 @@ Each cell submits `batch` requests at once (random-id prompts, fixed output leng
 and times until the last one finishes, so prefill and decode both count, as in a closed-loop
 wave of the HTTP benchmark.
 
-    python bench/engine_bench.py --model DIR --batch 8 32 64 --max-tokens 128
+    python -m bench.engine_bench --model DIR --batch 8 32 64 --max-tokens 128
 """
 
 # ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)

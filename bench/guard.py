@@ -19,8 +19,8 @@ c = 1: one stream, streamed requests one after another, the per-token latency af
 token (median over the requests), as ms per token; higher concurrency: a closed loop of
 non-streamed requests, completion tokens/s. Top-20 logprobs on every request (`--top`).
 
-    .venv/bin/python bench/guard.py                  # make bench-guard: the CPU preset (~10 min)
-    python3 bench/guard.py --preset gpu --model /root/m1b --share-cores  # GPU host
+    .venv/bin/python -m bench.guard                  # make bench-guard: the CPU preset (~10 min)
+    python3 -m bench.guard --preset gpu --model /root/m1b --share-cores  # GPU host
 
 Timing is no test: this is not in `make test`. Run it before a change to the step loop is
 called done, and put its table in docs/benchmarks.md.
@@ -37,10 +37,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_halves import halves  # noqa: E402
-from loadgen import LoadConfig, run_load  # noqa: E402
-from server import Server, free_port, omlx_command, start_server  # noqa: E402
+from bench.cpu_halves import halves
+from bench.loadgen import LoadConfig, run_load
+from bench.server import Server, free_port, omlx_command, start_server
 
 FLOOR = 0.97
 EMBEDDED = "SmolLM2-135M-Instruct"

@@ -9,7 +9,7 @@ to parse, which a closed loop would otherwise count as the server's time (the wo
 request waited on it). `--processes N` splits the workers over N client processes, each with
 its own event loop (a streamed run parses every chunk as it comes).
 
-    .venv/bin/python bench/loadgen.py --base-url http://127.0.0.1:8000/v1 --concurrency 8 \
+    .venv/bin/python -m bench.loadgen --base-url http://127.0.0.1:8000/v1 --concurrency 8 \
         --requests 32 --logprobs 20
 """
 

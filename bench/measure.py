@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from loadgen import LoadConfig, LoadResult, Sender, merge, percentile, run_load
-from presets import (
+from bench.loadgen import LoadConfig, LoadResult, Sender, merge, percentile, run_load
+from bench.presets import (
     COMPACT,
     JSON_MODE,
     LONG_TOP,
@@ -29,9 +29,9 @@ from presets import (
     mode_format,
     mode_top_k,
 )
-from results import Memory, MemoryPoint, PartResult, Scoring, Throughput, Ttft
-from scoring import endpoint_status, send_prefill, send_score
-from server import Server
+from bench.results import Memory, MemoryPoint, PartResult, Scoring, Throughput, Ttft
+from bench.scoring import endpoint_status, send_prefill, send_score
+from bench.server import Server
 
 now = time.monotonic
 

@@ -4,17 +4,16 @@ matmuls (minutes for a 64-request wave of SmolLM2-135M) and the comparison measu
 servers. On a GPU the preload changes nothing. The listen backlog is raised (see below).
 Arguments are mlx_lm.server's.
 
-    python bench/mlx_lm_server.py --model DIR --port 8080 --decode-concurrency 64
+    python -m bench.mlx_lm_server --model DIR --port 8080 --decode-concurrency 64
+
+Run as a module from the repo root, as above: sys.path then starts with the root, not bench/, so
+bench's modules named like common ones (server, report) are `bench.server` and `bench.report`
+and stay out of mlx-lm's way with no path patch. (Run as a file, bench/ would come first and
+shadow them.)
 """
 
 # ruff: noqa: I001, E402  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-# bench/ holds modules named like common ones (server, report): keep them out of mlx-lm's way.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from omlx_logprobs import BLAS
 

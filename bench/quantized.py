@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from measure import ServerBench, Target, log
-from presets import CellSpec, Preset
-from results import PartResult, Throughput
-from server import REPO, free_port, omlx_command, start_server
+from bench.measure import ServerBench, Target, log
+from bench.presets import CellSpec, Preset
+from bench.results import PartResult, Throughput
+from bench.server import REPO, free_port, omlx_command, start_server
 
 TARGETS = ("4bit", "float32")  # the Throughput targets of this part: quantized, then float32
 
@@ -34,7 +34,7 @@ def model_dirs(p: Preset, cache: Path, tokenizer_from: Path, shown: Callable) ->
     assert spec is not None
     dense = cache / f"rand-{spec.size}-float32"
     if not (dense / "model.safetensors").exists():
-        cmd = [sys.executable, str(REPO / "bench" / "randmodel.py"), "--out", str(dense)]
+        cmd = [sys.executable, "-m", "bench.randmodel", "--out", str(dense)]
         cmd += ["--tokenizer-from", str(tokenizer_from), "--size", spec.size, "--dtype", "float32"]
         log(f"building the random model: {shown(cmd)}")
         subprocess.run(cmd, cwd=REPO, check=True)

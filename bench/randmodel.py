@@ -4,7 +4,7 @@ tokenizer.
 The GPU benchmark's model (about 1.1B parameters, bfloat16) has no weights anyone can download
 here, and needs none: throughput depends on shapes, not values.
 
-    python bench/randmodel.py --out /tmp/rand-1b --tokenizer-from DIR [--size 1b|tiny|hybrid-9b]
+    python -m bench.randmodel --out /tmp/rand-1b --tokenizer-from DIR [--size 1b|tiny|hybrid-9b]
 """
 
 # ruff: noqa: I001  (omlx_logprobs must be imported before mlx: it preloads OpenBLAS)

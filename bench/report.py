@@ -18,7 +18,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "bench-results.md"
 INTRO = """# Benchmarks
 
 Throughput of `omlx_logprobs` with and without logprobs, from the closed-loop load generator
-in `bench/loadgen.py`. `make bench` (`bench/run.py --preset cpu`) regenerates the section
+in `bench/loadgen.py`. `make bench` (`python -m bench.run --preset cpu`) regenerates the section
 between the markers below; notes above them are hand-written and kept.
 """
 

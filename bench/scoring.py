@@ -12,7 +12,8 @@ import time
 from typing import Any
 
 import httpx
-from loadgen import LoadConfig, RequestRecord, make_prompt
+
+from bench.loadgen import LoadConfig, RequestRecord, make_prompt
 
 
 def score_body(cfg: LoadConfig, index: int) -> dict[str, Any]:

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from cpu_halves import server_affinity
-from presets import LONG_TOP
+
+from bench.cpu_halves import server_affinity
+from bench.presets import LONG_TOP
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,11 +69,10 @@ def omlx_command(port: int, model: str | None, max_num_seqs: int) -> list[str]:
 
 
 def mlx_lm_command(port: int, model: str, max_num_seqs: int) -> list[str]:
-    """mlx-lm's own server, through bench/mlx_lm_server.py (OpenBLAS as ours). Its decode batch
-    defaults to 32; it gets ours (64) so that concurrency 64 is not capped for it alone.
-    Prefill batch: its default, 8."""
-    launcher = str(REPO / "bench" / "mlx_lm_server.py")
-    cmd = [sys.executable, launcher, "--model", model, "--host", "127.0.0.1"]
+    """mlx-lm's own server, through `python -m bench.mlx_lm_server` (OpenBLAS as ours), run in
+    the repo root (start_server's cwd). Its decode batch defaults to 32; it gets ours (64) so that
+    concurrency 64 is not capped for it alone. Prefill batch: its default, 8."""
+    cmd = [sys.executable, "-m", "bench.mlx_lm_server", "--model", model, "--host", "127.0.0.1"]
     return cmd + ["--port", str(port), "--decode-concurrency", str(max_num_seqs)]
 
 

@@ -24,8 +24,8 @@ with nothing. The run ends with the targets it reads: editing with a prediction 
 off, free chat with the draft model at least 1.4x, c=32 with speculation not lower than
 without (within 5%, the run-to-run spread).
 
-    .venv/bin/python bench/speculation.py                        # CPU: the embedded model
-    python bench/speculation.py --pair 8b --max-tokens 256 --tasks edit repeat chats  # GPU host
+    .venv/bin/python -m bench.speculation                        # CPU: the embedded model
+    python -m bench.speculation --pair 8b --max-tokens 256 --tasks edit repeat chats  # GPU host
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -41,8 +40,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import free_port, mlx_lm_command, omlx_command, start_server  # noqa: E402
+from bench.server import free_port, mlx_lm_command, omlx_command, start_server
 
 CACHE = Path(__file__).resolve().parent / ".cache"  # built models (bench/.gitignore)
 
@@ -179,7 +177,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.pair:
-        from agreeing_pair import ensure
+        from bench.agreeing_pair import ensure
 
         target, draft = ensure(args.pair, CACHE, Path(_embedded_dir()))
         args.model, args.draft_model = str(target), str(draft)

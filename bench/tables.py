@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import statistics
 
-from presets import COMPACT, LONG_TOP, LONG_TOP_KEY, Preset
-from report import begin_marker, end_marker
-from results import PartResult, Results, Throughput
-from targets import Check, paired_ratios
+from bench.presets import COMPACT, LONG_TOP, LONG_TOP_KEY, Preset
+from bench.report import begin_marker, end_marker
+from bench.results import PartResult, Results, Throughput
+from bench.targets import Check, paired_ratios
 
 
 def _tps(t: Throughput | None) -> str:

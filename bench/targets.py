@@ -6,8 +6,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from presets import Preset
-from results import Results, Throughput
+from bench.presets import Preset
+from bench.results import Results, Throughput
 
 TOP20_GOAL = 0.95  # top_logprobs 20 against logprobs off, every concurrency
 BATCHGEN_GOAL = 0.8  # our server without logprobs against bare BatchGenerator, c=64

@@ -3,8 +3,8 @@ request records: tokens/s = rows a step x steps a second, and a second of wall t
 steps or in gaps (the engine idle between waves, or waiting on arrivals).
 
     OMLX_STEP_TRACE=1 python -m omlx_logprobs.cli serve --log-level info ... 2> /tmp/server.log
-    python bench/loadgen.py ... --records /tmp/run1.jsonl   # one file per run
-    python bench/waves.py /tmp/server.log /tmp/run1.jsonl /tmp/run2.jsonl ...
+    python -m bench.loadgen ... --records /tmp/run1.jsonl   # one file per run
+    python -m bench.waves /tmp/server.log /tmp/run1.jsonl /tmp/run2.jsonl ...
 """
 
 from __future__ import annotations

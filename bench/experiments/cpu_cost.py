@@ -36,7 +36,7 @@ def processes(pid: int) -> tuple[psutil.Process, list[psutil.Process]]:
 def run_load(port: int, a: argparse.Namespace, mode: str) -> dict:
     top, _, fmt = mode.partition(":")
     cmd = [
-        sys.executable, "bench/loadgen.py", "--base-url", f"http://127.0.0.1:{port}/v1",
+        sys.executable, "-m", "bench.loadgen", "--base-url", f"http://127.0.0.1:{port}/v1",
         "--model", a.model, "--concurrency", str(a.concurrency), "--requests", str(a.requests),
         "--max-tokens", str(a.max_tokens), "--logprobs", top, "--prompt-words", "32",
         "--processes", str(a.processes), "--logprobs-format", fmt or "openai",

@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from conversation import HELLO, SYSTEM, tool_output, ttft
-from server import free_port, omlx_command, start_server
+from bench.conversation import HELLO, SYSTEM, tool_output, ttft
+from bench.server import free_port, omlx_command, start_server
 
 
 def main() -> None:

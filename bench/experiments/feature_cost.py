@@ -36,7 +36,7 @@ from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import load_model
 from omlx_logprobs.types import EngineRequest, SamplingParams
 
-from loadgen import make_prompt  # bench/loadgen.py
+from bench.loadgen import make_prompt
 
 VARIANTS = {
     "default": {},

@@ -2,8 +2,13 @@
 """Host time of the logprobs JSON formatters (median ms), on the embedded model's vocabulary
 and random stores: the work the event loop does per response body or streamed chunk.
 
-python bench/experiments/format_bench.py --reps 200
-python bench/experiments/format_bench.py --reps 200 --parse  # and a client's json.loads of bodies
+python -m bench.experiments.format_bench --reps 200
+python -m bench.experiments.format_bench --reps 200 --parse  # and a client's json.loads of bodies
+PYTHONPATH=TREE python bench/experiments/format_bench.py --reps 200 --parse  # TREE's formatters
+
+It runs as a file as well as a module: run as a file with PYTHONPATH=TREE, it times TREE's
+omlx_logprobs (an older build), which `-m` would put behind the repo root's. So it imports
+nothing from bench/.
 """
 
 from __future__ import annotations

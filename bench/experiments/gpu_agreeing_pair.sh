@@ -9,7 +9,7 @@
 set -eu
 source bench/experiments/gpu_env.sh
 agreeing_pair --measure
-python3 bench/speculation.py --model $T8 --draft-model $D8 --max-tokens ${TOKENS:-128} \
+python3 -m bench.speculation --model $T8 --draft-model $D8 --max-tokens ${TOKENS:-128} \
   --tasks ${TASKS:-chats} --concurrency 0 --variants off draft lookup --json $OUT/pair.json \
   $([ "${MLX_LM:-1}" = 0 ] && echo --no-mlx-lm) 2>&1 | grep -E "tok/s|rror"
 grep -h "speculation:\|draft model:" ${TMPDIR:-/tmp}/bench-server-*.log || true

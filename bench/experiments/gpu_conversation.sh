@@ -6,5 +6,5 @@
 set -eu
 source bench/experiments/gpu_env.sh
 model_r8q
-python3 bench/conversation.py --model $R8Q --turns ${TURNS:-8} --tool-words ${WORDS:-800} \
+python3 -m bench.conversation --model $R8Q --turns ${TURNS:-8} --tool-words ${WORDS:-800} \
   --json $OUT/conversation.json --logs $OUT

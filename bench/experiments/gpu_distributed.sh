@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One process against two on a host with two GPUs: a random llama with Llama-3-8B's shapes in
-# bfloat16 (bench/randmodel.py --size 8b, 15 GB), served by one process on GPU 0, then split
+# bfloat16 (python -m bench.randmodel --size 8b, 15 GB), served by one process on GPU 0, then split
 # tensor parallel over both GPUs (mlx.launch, MLX's NCCL backend; docs/distributed.md). For each,
 # bench/loadgen.py in a closed loop at concurrency 1 and 16 (128 new tokens, top-5 logprobs),
 # and one request's logprobs side by side. About 5 minutes with the model built.
@@ -23,11 +23,11 @@ launch=($py -c "from mlx._distributed_utils.launch import main; main()")
 $py -c "import mlx.core as mx; print('MLX', mx.__version__, mx.default_device(), 'nccl:', mx.distributed.is_available())"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 t0=$(date +%s)
-timeout 300 $py bench/randmodel.py --out $model --tokenizer-from $tok --size $size || exit 1
+timeout 300 $py -m bench.randmodel --out $model --tokenizer-from $tok --size $size || exit 1
 echo "model ready in $(( $(date +%s) - t0 )) s"
 
 load() {  # concurrency requests
-  timeout 150 $py bench/loadgen.py --base-url http://127.0.0.1:$port/v1 --model $name \
+  timeout 150 $py -m bench.loadgen --base-url http://127.0.0.1:$port/v1 --model $name \
     --concurrency $1 --requests $2 --max-tokens 128 --logprobs 5 --prompt-words 64 --seed 7 \
     2>/dev/null | python3 -c "import json,sys; d=json.load(sys.stdin); print(f\"{d['tokens_per_s']:.1f} tokens/s, errors {d['errors']}\")"
 }

@@ -28,12 +28,12 @@ D8=${D8:-$MODELS/d8}     # and its draft
 
 random_model() {  # DIR randmodel.py flags...: built once
   local dir=$1; shift
-  [ -f "$dir/config.json" ] || python3 bench/randmodel.py --out "$dir" --tokenizer-from "$TOK" "$@" >/dev/null
+  [ -f "$dir/config.json" ] || python3 -m bench.randmodel --out "$dir" --tokenizer-from "$TOK" "$@" >/dev/null
 }
 model_m1b() { random_model "$M1B" --size 1b; }
 model_r8q() { random_model "$R8Q" --size 8b --bits 4 --context 32768; }
 model_r1q() { random_model "$R1Q" --size 1b --bits 4 --context 32768; }
 agreeing_pair() {  # [--measure]: bench/agreeing_pair.py's pair, its layers' writes scaled by SCALE
-  python3 bench/agreeing_pair.py --tokenizer-from "$TOK" --size 8b --layer-scale "${SCALE:-0.0025}" \
+  python3 -m bench.agreeing_pair --tokenizer-from "$TOK" --size 8b --layer-scale "${SCALE:-0.0025}" \
     --target "$T8" --draft "$D8" "$@"
 }

@@ -8,5 +8,5 @@ set -eu
 source bench/experiments/gpu_env.sh
 H9Q=${H9Q:-$MODELS/h9q}
 date +"model: %T"; random_model $H9Q --size hybrid-9b --bits 4 --context 32768
-date +"servers: %T"; python3 bench/conversation.py --model $H9Q --turns ${TURNS:-8} --tool-words ${WORDS:-800} \
+date +"servers: %T"; python3 -m bench.conversation --model $H9Q --turns ${TURNS:-8} --tool-words ${WORDS:-800} \
   --json $OUT/hybrid_conversation.json --logs $OUT ${FLAGS:-}

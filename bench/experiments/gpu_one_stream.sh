@@ -17,7 +17,7 @@ for flags in "" "--engine thread"; do
   for _ in $(seq 240); do curl -sf http://127.0.0.1:8131/health >/dev/null && break; sleep 1; done
   for r in 0 1; do  # the first warms the server
     rm -f $OUT/rec.jsonl
-    python3 bench/loadgen.py --base-url http://127.0.0.1:8131/v1 --model $(basename $m) --stream \
+    python3 -m bench.loadgen --base-url http://127.0.0.1:8131/v1 --model $(basename $m) --stream \
       --concurrency 1 --requests 4 --max-tokens 128 --logprobs 20 --seed $r --records $OUT/rec.jsonl \
       > /dev/null 2>&1
   done

@@ -10,7 +10,7 @@ model_r8q; model_r1q
 for p in chat repeat; do
   python3 -m bench.experiments.spec_divergence --model $R8Q --prompt $p
 done
-python3 bench/speculation.py --model $R8Q --draft-model $R1Q --max-tokens 256 \
+python3 -m bench.speculation --model $R8Q --draft-model $R1Q --max-tokens 256 \
   --no-mlx-lm --variants off draft --json $OUT/spec_small_draft.json
-MLX_CUDA_USE_CUDNN_SDPA=0 python3 bench/speculation.py --model $R8Q --max-tokens 128 \
+MLX_CUDA_USE_CUDNN_SDPA=0 python3 -m bench.speculation --model $R8Q --max-tokens 128 \
   --no-mlx-lm --variants off --json $OUT/spec_off_nocudnn.json

@@ -15,12 +15,12 @@ set -eu
 source bench/experiments/gpu_env.sh
 model_r8q
 if [ "${PART:-1}" = 1 ]; then
-  python3 bench/speculation.py --model $R8Q --draft-model $R8Q --max-tokens ${TOKENS:-128} \
+  python3 -m bench.speculation --model $R8Q --draft-model $R8Q --max-tokens ${TOKENS:-128} \
     --json $OUT/spec_self_draft.json
   python3 -m bench.experiments.verify_cost --model $R8Q --rows 1 4 8 16 32 \
     --drafts 0 2 4 8 16 --context 1024 --json $OUT/spec_verify_cost.json
 else
   model_r1q
-  python3 bench/speculation.py --model $R8Q --draft-model $R1Q --max-tokens ${TOKENS:-128} \
+  python3 -m bench.speculation --model $R8Q --draft-model $R1Q --max-tokens ${TOKENS:-128} \
     --no-mlx-lm --variants off draft --json $OUT/spec_small_draft.json
 fi

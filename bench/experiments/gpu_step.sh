@@ -3,7 +3,7 @@
 # and an older one, alternating; about 5-6 minutes on an H100 or H200.
 # Usage: TREE=DIR bash bench/experiments/gpu_step.sh MODEL_DIR [ROUNDS] [OUT_DIR]
 #   TREE holds the older omlx_logprobs/ (`mkdir -p .gpu/old && git archive REV omlx_logprobs |
-#   tar -x -C .gpu/old`); MODEL_DIR: the gpu preset's model (`bench/randmodel.py --size 1b`).
+#   tar -x -C .gpu/old`); MODEL_DIR: the gpu preset's model (`python -m bench.randmodel --size 1b`).
 #   STEPS and MAX_TOKENS (128 each) shorten it for a check of the script on a CPU.
 # host_step.py runs as a file, not with -m, so that PYTHONPATH=TREE picks the package it times.
 # 1. bench/experiments/host_step.py in-process, 64 rows, 128 steps, off and top 20: the median
@@ -47,7 +47,7 @@ for p in 8301 8302; do
 done
 load() {  # port lp requests flags...
   local port=$1 lp=$2 n=$3; shift 3
-  timeout 120 $py bench/loadgen.py --base-url http://127.0.0.1:$port/v1 --model $name \
+  timeout 120 $py -m bench.loadgen --base-url http://127.0.0.1:$port/v1 --model $name \
     --concurrency 64 --requests $n --max-tokens ${MAX_TOKENS:-128} --logprobs $lp --prompt-words 32 \
     --seed $RANDOM "$@" 2>/dev/null \
     | $py -c "import json,sys; d=json.load(sys.stdin); print(round(d['tokens_per_s'],1) if not d['errors'] else 'ERR')"

@@ -10,7 +10,7 @@ set -u
 model=$1; c=$2; shift 2
 log=${OUT:-${TMPDIR:-/tmp}/omlx-bench}/sweep.log; mkdir -p $(dirname $log)
 load() {  # logprobs seed
-  python3 bench/loadgen.py --base-url http://127.0.0.1:8108/v1 --model "$(basename $model)" \
+  python3 -m bench.loadgen --base-url http://127.0.0.1:8108/v1 --model "$(basename $model)" \
     --concurrency $c --requests $(( c * 3 )) --max-tokens 128 --logprobs $1 --prompt-words 32 \
     --seed $2 ${LOADGEN_FLAGS:-} 2>/dev/null | python3 -c "import json,sys; d=json.load(sys.stdin); print(round(d['tokens_per_s'],1), 'e', d['errors'])"
 }

@@ -10,7 +10,7 @@ model=$1; c=$2; waves=$3; modes=$4; out=$5; shift 5
 mkdir -p $out; rm -f $out/run*.jsonl
 server_cpus=""; client_cpus=""
 if [ -n "${PIN:-}" ]; then
-  read server_cpus client_cpus < <(python3 bench/cpu_halves.py)
+  read server_cpus client_cpus < <(python3 -m bench.cpu_halves)
   echo "server on CPUs $server_cpus, load generator on $client_cpus"
 fi
 model=$(realpath $model); out=$(realpath $out)
@@ -19,7 +19,7 @@ model=$(realpath $model); out=$(realpath $out)
 pid=$!
 for _ in $(seq 180); do curl -sf http://127.0.0.1:8109/health >/dev/null && break; kill -0 $pid || exit 1; sleep 1; done
 load() {  # logprobs requests [records file]
-  ${client_cpus:+taskset -c $client_cpus} python3 bench/loadgen.py --base-url http://127.0.0.1:8109/v1 --model "$(basename $model)" \
+  ${client_cpus:+taskset -c $client_cpus} python3 -m bench.loadgen --base-url http://127.0.0.1:8109/v1 --model "$(basename $model)" \
     --concurrency $c --requests $2 --max-tokens 128 --logprobs $1 --prompt-words 32 \
     --seed $RANDOM ${LOADGEN_FLAGS:-} ${3:+--records $3} 2>/dev/null \
     | python3 -c "import json,sys; d=json.load(sys.stdin); print(round(d['tokens_per_s'],1), 'tok/s, errors', d['errors'])"
@@ -31,4 +31,4 @@ for lp in $modes; do
   i=$((i + 1)); echo "run $i lp=$lp $(load $lp $(( c * waves )) $out/run$(printf %02d $i)_$lp.jsonl)"
 done
 sleep 1; kill $pid; wait $pid 2>/dev/null
-python3 bench/waves.py --concurrency $c $out/server.log $out/run*.jsonl
+python3 -m bench.waves --concurrency $c $out/server.log $out/run*.jsonl

@@ -7,7 +7,11 @@ returns, so there the graph-building part, with a model whose graph is large bes
 decompose into more nodes than a GPU's, so a compiled graph's replay weighs more here).
 
     PYTHONPATH=TREE python bench/experiments/host_step.py --rows 64 --top -1 20 [--gpu-path]
-    python3 bench/experiments/host_step.py --model $M1B --rows 64 --top -1 20   # GPU host
+    python3 -m bench.experiments.host_step --model $M1B --rows 64 --top -1 20   # GPU host
+
+It runs as a file as well as a module: run as a file from any checkout with PYTHONPATH=TREE, it
+times TREE's omlx_logprobs (an older build, gpu_step.sh), which `-m` would put behind the repo
+root's. So it imports nothing from bench/.
 
 `--gpu-path` runs the GPU's path on the CPU (extraction on the device, the step processed on a
 second thread beside the next launch). `--profile` prints a cProfile of the launches.

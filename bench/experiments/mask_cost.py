@@ -29,7 +29,7 @@ from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.types import Constraint, ConstraintKind, SamplingParams
 
-from loadgen import JSON_SCHEMA  # bench/loadgen.py
+from bench.loadgen import JSON_SCHEMA
 
 
 def variants(vocab: int, max_tokens: int) -> dict[str, SamplingParams]:

@@ -23,8 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-from loadgen import WORDS
-from server import Server, free_port, omlx_command, start_server
+
+from bench.loadgen import WORDS
+from bench.server import Server, free_port, omlx_command, start_server
 
 FORMS = ("batch", "concurrent", "chat")
 

@@ -18,7 +18,8 @@ import sys
 import time
 
 import httpx
-from server import tree_rss_mib  # bench/server.py
+
+from bench.server import tree_rss_mib
 
 PORT = 8109
 

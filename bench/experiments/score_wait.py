@@ -13,8 +13,7 @@ import argparse
 import random
 import time
 
-from loadgen import WORDS
-
+from bench.loadgen import WORDS
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.models.embedded import ensure_embedded_model
 from omlx_logprobs.models.loader import load_model

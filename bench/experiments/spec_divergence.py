@@ -15,8 +15,9 @@ import json
 from typing import Any
 
 import httpx
-from server import free_port, omlx_command, start_server
-from speculation import PROMPTS
+
+from bench.server import free_port, omlx_command, start_server
+from bench.speculation import PROMPTS
 
 
 def answer(variant: str, model_dir: str | None, prompt: str, tokens: int) -> list[dict[str, Any]]:

@@ -40,7 +40,7 @@ from omlx_logprobs.runner.draft_model import DraftModel
 from omlx_logprobs.runner.model_runner import ModelRunner
 from omlx_logprobs.transport.client import EngineClient, ThreadTransport
 from omlx_logprobs.types import EngineRequest, SamplingParams
-from speculation import CHATS, PROMPTS  # bench/speculation.py
+from bench.speculation import CHATS, PROMPTS
 
 from bench.experiments import clock
 

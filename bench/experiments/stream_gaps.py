@@ -14,7 +14,8 @@ import time
 from statistics import median
 
 import httpx
-from speculation import PROMPTS, WARMUP, body  # bench/speculation.py
+
+from bench.speculation import PROMPTS, WARMUP, body
 
 
 def arrivals(base: str, req: dict, text: list[str] | None = None) -> list[tuple[float, int]]:

@@ -1,4 +1,4 @@
-"""The benchmark's own verdicts (bench/ holds scripts, imported here from their folder): a cell's
+"""The benchmark's own verdicts (bench/'s modules, imported as the package they are): a cell's
 rounds run each target's pair back to back, and a top20/off target reads the median of the
 rounds' ratios, with the pooled ratio beside it."""
 
@@ -7,24 +7,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from bench.loadgen import LoadConfig, LoadResult, RequestRecord, check_body, summarize
+from bench.measure import ServerBench, Target, decode_stats
+from bench.presets import CPU, GPU, JSON, CellSpec
+from bench.report import device_floor
+from bench.results import PartResult, Results, Throughput
+from bench.targets import evaluate
 from omlx_logprobs.engine.stats import StepStats
 from omlx_logprobs.runner.step import DeviceTime
-
-sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # after every installed module
-
-from loadgen import LoadConfig, LoadResult, RequestRecord, check_body, summarize  # noqa: E402
-from measure import ServerBench, Target, decode_stats  # noqa: E402
-from presets import CPU, GPU, JSON, CellSpec  # noqa: E402
-from report import device_floor  # noqa: E402
-from results import PartResult, Results, Throughput  # noqa: E402
-from targets import evaluate  # noqa: E402
 
 
 def test_a_round_runs_off_and_top20_back_to_back_in_alternating_order() -> None:
@@ -166,7 +162,7 @@ def test_the_device_floor_reads_the_weights_at_the_gpus_bandwidth(tmp_path: Path
 def test_the_speculation_bench_reads_the_issue_s_targets() -> None:
     """bench/speculation.py's last lines: each target's ratio against off, met or not; a target
     whose runs are missing is not claimed."""
-    from speculation import targets
+    from bench.speculation import targets
 
     runs = {
         "ours-off/edit": {"tok_s": 100.0},
