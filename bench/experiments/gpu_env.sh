@@ -14,7 +14,8 @@ SITE=${SITE:-${TMPDIR:-/tmp}/omlx-site}
 if [ -d "$WHEELS" ]; then
   python3 -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl 2>/dev/null
 fi
-# The checkout's package, not an installed one, for bench/*.py run as scripts.
+# The wheels in SITE, then the checkout's package, not an installed one (`-m` puts the root first
+# anyway; host_step.py, run as a file, needs it).
 export PYTHONPATH=$SITE:$PWD:${PYTHONPATH:-} CUDA_CACHE_MAXSIZE=4294967296
 TOK=${TOK:-.gpu/tok}
 MODELS=${MODELS:-$HOME/.cache/omlx-bench}
