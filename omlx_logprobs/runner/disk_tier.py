@@ -40,6 +40,7 @@ log = logging.getLogger("omlx_logprobs")
 
 SAMPLE = 64  # values read from each parameter for the fingerprint
 DATA, META, TEMP = ".safetensors", ".json", ".tmp"
+WARN_EVERY_S = 60.0  # a failing kind of read or write is logged at most this often
 
 
 def fingerprint(model: Any) -> str:
@@ -73,6 +74,8 @@ class DiskTier:
         self._pending: dict[str, Future[None]] = {}
         # Each write's outcome, from the writer thread: (tokens, name, bytes written or None).
         self._written: deque[tuple[tuple[int, ...], str, int | None]] = deque()
+        # A full disk fails every write: one warning a kind per WARN_EVERY_S, with a count
+        self._warned: dict[str, tuple[float, int]] = {}
         self._read_existing()
         self._evict()
 
@@ -127,7 +130,7 @@ class DiskTier:
         try:
             prefix = self._read(name, tokens)
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-            log.warning("kv cache dir: %s unreadable (%s): computed again", name, e)
+            self._warn("read", f"{name} unreadable ({e}): computed again")
             self._drop(tokens)
             return None
         self.files.move_to_end(tokens)
@@ -178,10 +181,23 @@ class DiskTier:
             _write_file(self.dir / f"{name}{META}", text)
             written = len(data) + len(text)
         except (OSError, RuntimeError, ValueError) as e:  # MLX's serializer raises the latter
-            log.warning("kv cache dir: %d tokens not written (%s)", len(prefix.tokens), e)
+            self._warn("write", f"{len(prefix.tokens)} tokens not written ({e})")
             for suffix in (META, DATA):
                 _remove(self.dir / f"{name}{suffix}")
         self._written.append((prefix.tokens, name, written))
+
+    def _warn(self, kind: str, message: str) -> None:
+        """Log a failed read or write, the first of its kind and then at most one each
+        WARN_EVERY_S, saying how many were not logged since (from either thread: the GIL
+        keeps the dict's updates whole; a count off by one is harmless)."""
+        now = time.monotonic()
+        last, quiet = self._warned.get(kind, (-WARN_EVERY_S, 0))
+        if now - last < WARN_EVERY_S:
+            self._warned[kind] = (last, quiet + 1)
+            return
+        more = f" ({quiet} more since the last)" if quiet else ""
+        log.warning("kv cache dir: %s%s", message, more)
+        self._warned[kind] = (now, 0)
 
     def _settle(self) -> None:
         """The writes' outcomes: a failed one's entry goes, a written one counts its bytes."""
