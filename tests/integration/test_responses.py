@@ -301,14 +301,25 @@ def test_agents_sdk_tool_and_structured_output(scripted_url: str, stream: bool) 
         ({"input": [{"type": "web_search_call", "id": "x"}]}, "input[0]"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0]"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
-        ({"input": "x", "tool_choice": {"type": "function", "name": "nope"},
-          "tools": FUNCTION_TOOLS}, "tool_choice"),  # fmt: skip
+        (
+            {
+                "input": "x",
+                "tool_choice": {"type": "function", "name": "nope"},
+                "tools": FUNCTION_TOOLS,
+            },
+            "tool_choice",
+        ),  # fmt: skip
         ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
         ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
-        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a",
-                                            "schema": {"type": 3}}}}, "text.format"),  # fmt: skip
+        (
+            {
+                "input": "x",
+                "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": 3}}},
+            },
+            "text.format",
+        ),  # fmt: skip
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "frobnicate": 1}, "frobnicate"),
         ({"input": 3}, "input"),
@@ -343,3 +354,15 @@ def test_not_stored_when_store_is_false(client: openai.OpenAI) -> None:
         client.responses.retrieve(r.id)
 
 
+def test_health_reports_the_store_against_its_bounds(
+    client: openai.OpenAI, scripted_url: str
+) -> None:
+    """/health's `responses_store`: a stored response counts, one deleted no longer does."""
+    before = httpx.get(scripted_url + "/health").json()["responses_store"]
+    assert before["max_responses"] == 256 and before["max_bytes"] == 64 << 20
+    r = client.responses.create(model=MODEL, input="Case: two", temperature=0)
+    after = httpx.get(scripted_url + "/health").json()["responses_store"]
+    assert after["responses"] == before["responses"] + 1
+    assert after["bytes"] > before["bytes"]
+    assert httpx.delete(scripted_url + f"/v1/responses/{r.id}").status_code == 200
+    assert httpx.get(scripted_url + "/health").json()["responses_store"] == before

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -80,6 +80,9 @@ class ModelPool(Loading):
         self.engine = engine or EngineConfig()
         self.closing = False
         self._threads: ThreadPoolExecutor | None = None  # loads and unloads, made on first use
+        # What an API package keeps across requests beside the models (the Responses store),
+        # reported by /health under its name: the packages above register it, core imports none
+        self.reports: dict[str, Callable[[], dict[str, Any]]] = {}
         budget = self.cfg.memory_mib
         for s in slots:
             if budget is not None and s.need_mib > budget:
@@ -287,6 +290,7 @@ class ModelPool(Loading):
             "weight_version": first["weight_version"],
             "engine": first["engine"],
             "models": models,
+            **{name: report() for name, report in self.reports.items()},
         }
         return body, code
 

@@ -122,6 +122,7 @@ def _echoed(req: ResponsesRequest) -> dict[str, Any]:
 
 
 def add_routes(app: FastAPI, pool: ModelPool, store: ResponseStore) -> None:
+    pool.reports["responses_store"] = store.report
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request) -> Response:
         return await respond(pool, req, raw, lambda slot: ResponseRun(req, slot.live, store))

@@ -54,3 +54,12 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def report(self) -> dict[str, Any]:
+        """/health's `responses_store`: what is held against its bounds."""
+        return {
+            "responses": len(self._items),
+            "bytes": self._bytes,
+            "max_responses": self.count,
+            "max_bytes": self.budget,
+        }
