@@ -5,6 +5,7 @@ the API import these. The control plane's records (weights, adapters, pauses) ar
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -230,6 +231,25 @@ class EngineRequest:
     tools: ToolParsing | None = None  # None: content is not searched for tool calls
     reasoning_tags: tuple[str, str] = THINK_TAGS  # what opens and closes reasoning
     adapter: str | None = None  # the LoRA adapter's name (None: the base model)
+    # The prefix cache's namespace (`cache_namespace` of vLLM's `cache_salt`; 0: the default):
+    # kept prefixes serve only requests of the same namespace.
+    cache_namespace: int = 0
+    # vLLM's priority scheduling: lower is scheduled first, ties by arrival (docs/specs/rl.md).
+    priority: int = 0
+
+
+# vLLM's `priority` is a Python int; here it is bounded to what a 32-bit int holds.
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+MAX_CACHE_SALT = 256  # characters of a `cache_salt`
+
+
+def cache_namespace(salt: str | None) -> int:
+    """The prefix cache's namespace of a `cache_salt`: 63 bits of its SHA-256, never 0 (no salt,
+    the default namespace). A stable hash: the disk tier's files keep it across restarts."""
+    if salt is None:
+        return 0
+    digest = hashlib.sha256(salt.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") >> 1 or 1
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,15 @@
-"""Which requests run in the next step. Plain Python over Sequence objects: no model, no mlx."""
+"""Which requests run in the next step. Plain Python over Sequence objects: no model, no mlx.
+
+Prompts wait in vLLM's priority order: lower `priority` first, ties by arrival; a prompt between
+its prefill chunks stays first (vLLM counts it as running). When the batch has no rows for the
+first waiting prompt and some running choices have a strictly lower priority (a higher value),
+the lowest of them are preempted (`preempts`): the engine retracts them, and they prefill again
+from their prompt and output once there is room (vLLM's preemption by recompute).
+"""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -58,10 +66,45 @@ class Scheduler:
         self.arrivals: dict[int, float] = {}  # seq_id -> when it was added
         self.running: list[Sequence] = []
         self.scored: list[Sequence] = []  # prefilled with max_tokens 0: done once processed
+        # Sequence.arrival: new prompts count up; retracted ones count down, ahead of them.
+        self._arrived = itertools.count(1)
+        self._retracted = itertools.count(0, -1)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        arrival = next(self._arrived)
+        for member in seq.group:  # a fork retracted later keeps its prompt's place
+            member.arrival = arrival
+        self._enqueue(seq)
         self.arrivals[seq.seq_id] = self.clock()
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into `waiting` in (priority, arrival) order, behind the prompts between chunks."""
+        key = _order(seq)
+        if not self.waiting or _order(self.waiting[-1]) <= key:
+            self.waiting.append(seq)  # the usual case: one priority, in arrival order
+            return
+        at = next(i for i, s in enumerate(self.waiting) if _order(s) > key)
+        self.waiting.insert(at, seq)
+
+    def preempts(self) -> list[Sequence]:
+        """The running choices to retract so that the first waiting prompt (its rows, and those
+        of the prompts between chunks ahead of it) gets into the batch: the lowest-priority
+        ones (latest arrived first) whose priority is strictly lower than its, and only when
+        they free enough rows; none when it fits, or nothing running is lower."""
+        need = len(self.running) - self.max_num_seqs
+        for seq in self.waiting:
+            need += len(seq.group)
+            if not seq.num_prefilled:
+                break
+        else:
+            return []
+        if need <= 0:
+            return []
+        lower = [s for s in self.running if s.priority > seq.priority]
+        if len(lower) < need:
+            return []
+        lower.sort(key=lambda s: (s.priority, s.arrival), reverse=True)
+        return lower[:need]
 
     def prefill_due(self) -> bool:
         """Whether this step prefills. While a batch decodes, new prompts wait up to
@@ -142,11 +185,15 @@ class Scheduler:
             )
 
     def requeue(self, seqs: list[Sequence]) -> None:
-        """Retracted sequences (engine/engine.py: a pause, new weights) wait again, first in
-        line, in their old order."""
+        """Retracted sequences (engine/lifecycle.py: a pause, new weights, a preemption) wait
+        again, first in line among their priority, in their old order."""
         gone = {id(s) for s in seqs}
         self.running = [s for s in self.running if id(s) not in gone]
-        self.waiting = deque([*seqs, *(s for s in self.waiting if id(s) not in gone)])
+        for s in reversed(seqs):
+            s.arrival = next(self._retracted)
+        # Sorted whole: a retraction also sends prompts between chunks back to their start.
+        left = (s for s in self.waiting if id(s) not in gone)
+        self.waiting = deque(sorted([*seqs, *left], key=_order))
         now = self.clock()
         for s in seqs:
             self.arrivals[s.seq_id] = now
@@ -158,3 +205,8 @@ class Scheduler:
             self.arrivals.pop(seq.seq_id, None)
         self.running = [s for s in self.running if s is not seq]
         self.scored = [s for s in self.scored if s is not seq]
+
+
+def _order(seq: Sequence) -> tuple[int, int, int]:
+    """A waiting prompt's place: those between chunks first, then priority, then arrival."""
+    return (0 if seq.num_prefilled else 1, seq.priority, seq.arrival)

@@ -86,6 +86,13 @@ class Sequence:
         # every choice of a request.
         self.adapter = 0
         self.adapter_version: Any = None  # its name and load (control.AdapterVersion), if any
+        # The prefix cache's namespace (a hash of its cache_salt; 0: the default), the same for
+        # every choice of a request: kept prefixes are looked up and kept under it.
+        self.cache_namespace = 0
+        # Its request's priority (lower first) and its place in the scheduler's order of
+        # arrival (set there), which a retraction keeps.
+        self.priority = 0
+        self.arrival = 0
         # (first output token, weights) for each version its output met, when more than one
         self.weight_spans: list[tuple[int, Any]] = []
         # Drafts from its prediction the target accepted and rejected (runner/speculation.py).
@@ -104,6 +111,7 @@ class Sequence:
             tools=req.tools,
             reasoning_tags=req.reasoning_tags,
         )
+        seq.cache_namespace, seq.priority = req.cache_namespace, req.priority
         for i in range(1, req.n):
             seq.fork(i)
         return seq
@@ -122,6 +130,7 @@ class Sequence:
             reasoning_tags=self.reasoning_tags,
         )
         seq.adapter, seq.adapter_version = self.adapter, self.adapter_version
+        seq.cache_namespace, seq.priority = self.cache_namespace, self.priority
         self.forks.append(seq)
         return seq
 

@@ -159,11 +159,15 @@ class Engine:
         inflight = self.overlap.inflight
         if inflight is not None and (
             inflight.spec is not None or self._needs_history() or self._first_waits()
-        ):
+            or self.scheduler.preempts()
+        ):  # fmt: skip
             # A first token goes out before the next launch. A speculative step's collect rolls
             # the cache back and sets the next inputs: MLX arrays, which the thread that
-            # launches must make (a lazy array of another thread's stream fails there).
+            # launches must make (a lazy array of another thread's stream fails there). A
+            # preemption retracts rows whose tokens must all be processed first.
             self._free(self.overlap.finish())
+        if self.overlap.inflight is None and (lower := self.scheduler.preempts()):
+            self.life.preempt(lower)  # a higher-priority prompt takes their rows
         t0 = time.perf_counter()
         work = self.scheduler.schedule()
         launched = self.overlap.launch(self.runner.launch, work)

@@ -1,8 +1,10 @@
 """What changes the engine's state between two steps besides requests (docs/specs/rl.md): pause
 (each mode), resume and flush; new weights, once the requests in flight allow; LoRA adapters
 loaded, replaced and unloaded; retraction, which frees running requests' keys and values so
-that they prefill again. The engine hands it its parts and two callbacks (whether work is left
-to run, and how requests are aborted); it imports nothing above engine/."""
+that they prefill again (all of them for a pause or new weights; a few lower-priority ones
+when a higher-priority prompt needs their rows: `preempt`). The engine hands it its parts and
+two callbacks (whether work is left to run, and how requests are aborted); it imports nothing
+above engine/."""
 
 from __future__ import annotations
 
@@ -242,12 +244,18 @@ class Lifecycle:
             if s.num_prefilled:
                 self.runner.release([s])
                 s.num_prefilled = 0
-        self.runner.release(running)  # their keys and values kept as prefixes (same weights)
-        for s in running:
+        self.preempt(running)
+        return running
+
+    def preempt(self, seqs: list[Sequence]) -> None:
+        """Retract these running choices, with no step in flight: their rows freed (their keys
+        and values kept as prefixes: the same weights), each waits to be prefilled again from
+        its prompt and output (vLLM's preemption by recompute)."""
+        self.runner.release(seqs)
+        for s in seqs:
             self.scheduler.arrivals.pop(s.seq_id, None)
             s.retract()
-        self.scheduler.requeue(running)
-        return running
+        self.scheduler.requeue(seqs)
 
     def _release_held(self) -> None:
         """Requests that waited for new weights or a resume start (those aborted meanwhile

@@ -1,6 +1,8 @@
 """The prefix cache's disk tier (`--kv-cache-dir`): the base model's kept sequences that the
 memory budget evicted, and at shutdown those still in memory, as safetensors files on disk
-(SSD), found again by the same block index, loaded back on a hit, and after a restart.
+(SSD), found again by the same block index, loaded back on a hit, and after a restart. Each
+namespace (a `cache_salt`'s hash, runner/prefix.py) is its own: its files name it, a lookup
+finds only its own namespace's sequences, and no salt is written to disk, only its hash.
 
 Files live in a folder named by the model's fingerprint: a hash of its weights' values (a
 strided sample of every parameter), its dtype and the device, so a changed model (other files,
@@ -56,9 +58,15 @@ def fingerprint(model: Any) -> str:
     return h.hexdigest()[:24]
 
 
-def file_name(tokens: tuple[int, ...]) -> str:
-    """A sequence's files' name: a hash of its tokens (a read checks its meta file against it)."""
-    return hashlib.sha256(repr(tokens).encode()).hexdigest()[:32]
+def file_name(tokens: tuple[int, ...], namespace: int = 0) -> str:
+    """A sequence's files' name: a hash of its tokens and namespace (a read checks its meta file
+    against it); the default namespace's names are those of its tokens alone."""
+    what = (namespace, tokens) if namespace else tokens
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:32]
+
+
+# A kept sequence on disk: its namespace and its tokens.
+Stored = tuple[int, tuple[int, ...]]
 
 
 class DiskTier:
@@ -67,13 +75,13 @@ class DiskTier:
         self.dir.mkdir(parents=True, exist_ok=True)  # OSError: the caller goes without
         self.max_bytes = max_bytes
         # LRU; a size is the bytes on disk (data and meta file), estimated until written.
-        self.files: OrderedDict[tuple[int, ...], tuple[str, int]] = OrderedDict()
+        self.files: OrderedDict[Stored, tuple[str, int]] = OrderedDict()
         self.nbytes = 0
         self._index: BlockIndex[str] = BlockIndex()
         self._writer = ThreadPoolExecutor(1, "omlx-kv-disk")
         self._pending: dict[str, Future[None]] = {}
-        # Each write's outcome, from the writer thread: (tokens, name, bytes written or None).
-        self._written: deque[tuple[tuple[int, ...], str, int | None]] = deque()
+        # Each write's outcome, from the writer thread: (what, name, bytes written or None).
+        self._written: deque[tuple[Stored, str, int | None]] = deque()
         # A full disk fails every write: one warning a kind per WARN_EVERY_S, with a count
         self._warned: dict[str, tuple[float, int]] = {}
         self._read_existing()
@@ -82,9 +90,9 @@ class DiskTier:
     def _read_existing(self) -> None:
         found = [(m.stem, f) for m in self.dir.glob(f"*{META}") if (f := _listed(m)) is not None]
         listed: set[str] = set()
-        for name, (tokens, size, _) in sorted(found, key=lambda x: x[1][2]):  # by last use
+        for name, (what, size, _) in sorted(found, key=lambda x: x[1][2]):  # by last use
             listed.add(name)
-            self._add(tokens, name, size)
+            self._add(what, name, size)
         # What a write cut short left (a temporary file, a data file without its meta file) or
         # a meta file that fails its checks: no entry, and no bytes held outside the limit.
         for path in self.dir.iterdir():
@@ -94,46 +102,48 @@ class DiskTier:
             log.info("kv cache dir %s: %d sequences, %d MiB", self.dir, len(self.files),
                      self.nbytes >> 20)  # fmt: skip
 
-    def put(self, prefix: Prefix) -> None:
-        """Keep a sequence on disk (written by the background thread)."""
+    def put(self, prefix: Prefix, namespace: int = 0) -> None:
+        """Keep a sequence of a namespace on disk (written by the background thread)."""
         self._settle()
-        if prefix.tokens in self.files or prefix.array_nbytes > self.max_bytes:
+        what = (namespace, prefix.tokens)
+        if what in self.files or prefix.array_nbytes > self.max_bytes:
             return
-        name = file_name(prefix.tokens)
+        name = file_name(prefix.tokens, namespace)
         # Evaluated here: the writer thread has no MLX stream of its own to compute on.
         mx.eval(prefix.keys, prefix.values, prefix.states)
-        self._add(prefix.tokens, name, prefix.array_nbytes)
-        self._pending[name] = self._writer.submit(self._write, name, prefix)
+        self._add(what, name, prefix.array_nbytes)
+        self._pending[name] = self._writer.submit(self._write, name, prefix, namespace)
         self._evict()
 
     def find(
-        self, ids: Sequence[int], limit: int, whole: bool = False
+        self, ids: Sequence[int], limit: int, namespace: int = 0, whole: bool = False
     ) -> tuple[tuple[int, ...], int] | None:
-        """The kept sequence sharing the longest start with ids[:limit], and that length
-        (`whole`: of those ids[:limit] starts with whole, BlockIndex.find)."""
+        """The namespace's kept sequence sharing the longest start with ids[:limit], and that
+        length (`whole`: of those ids[:limit] starts with whole, BlockIndex.find)."""
         self._settle()
-        found = self._index.find(None, ids, limit, whole=whole)
+        found = self._index.find(namespace, ids, limit, whole=whole)
         return (found[0], found[2]) if found is not None else None
 
-    def load(self, tokens: tuple[int, ...]) -> Prefix | None:
+    def load(self, tokens: tuple[int, ...], namespace: int = 0) -> Prefix | None:
         """A kept sequence's keys and values, read back (waiting for its write if pending);
         None where its write failed or its files fail their checks (then forgotten)."""
-        if tokens not in self.files:
+        what = (namespace, tokens)
+        if what not in self.files:
             return None
-        name, _ = self.files[tokens]
+        name, _ = self.files[what]
         if (pending := self._pending.pop(name, None)) is not None:
             pending.result()
         self._settle()
-        if tokens not in self.files:  # its write failed
+        if what not in self.files:  # its write failed
             return None
         t0 = time.perf_counter()
         try:
-            prefix = self._read(name, tokens)
+            prefix = self._read(name, what)
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             self._warn("read", f"{name} unreadable ({e}): computed again")
-            self._drop(tokens)
+            self._drop(what)
             return None
-        self.files.move_to_end(tokens)
+        self.files.move_to_end(what)
         _touch(self.dir / f"{name}{META}")  # recently used, across restarts too
         log.debug("kv cache dir: %d tokens read in %.3f s", len(tokens), time.perf_counter() - t0)
         return prefix
@@ -146,11 +156,12 @@ class DiskTier:
         self._settle()
         self._writer.submit(lambda: None).result()
 
-    def _read(self, name: str, tokens: tuple[int, ...]) -> Prefix:
+    def _read(self, name: str, what: Stored) -> Prefix:
+        namespace, tokens = what
         meta = json.loads((self.dir / f"{name}{META}").read_text())
         data = (self.dir / f"{name}{DATA}").read_bytes()
-        if tuple(meta["tokens"]) != tokens:
-            raise ValueError("its meta file names other tokens")
+        if tuple(meta["tokens"]) != tokens or meta.get("namespace", 0) != namespace:
+            raise ValueError("its meta file names other tokens or another namespace")
         if len(data) != meta["bytes"] or zlib.crc32(data) != meta["crc32"]:
             raise ValueError(f"{len(data)} bytes, {meta['bytes']} written, checksum differs")
         arrays = mx.load(io.BytesIO(data), format="safetensors")
@@ -164,7 +175,7 @@ class DiskTier:
         mx.eval(keys, values, states)
         return Prefix(tokens, keys, values, states=states)
 
-    def _write(self, name: str, prefix: Prefix) -> None:
+    def _write(self, name: str, prefix: Prefix, namespace: int) -> None:
         arrays = {f"k{i}": k for i, k in enumerate(prefix.keys)}
         arrays |= {f"v{i}": v for i, v in enumerate(prefix.values)}
         for i, state in enumerate(prefix.states or ()):
@@ -175,6 +186,8 @@ class DiskTier:
             mx.save_safetensors(buffer, arrays)
             data = buffer.getvalue()
             meta = {"tokens": list(prefix.tokens), "bytes": len(data), "crc32": zlib.crc32(data)}
+            if namespace:
+                meta["namespace"] = namespace
             text = json.dumps(meta).encode()
             _write_file(self.dir / f"{name}{DATA}", data)
             # The meta file last: a sequence is listed only once its arrays are whole.
@@ -184,7 +197,7 @@ class DiskTier:
             self._warn("write", f"{len(prefix.tokens)} tokens not written ({e})")
             for suffix in (META, DATA):
                 _remove(self.dir / f"{name}{suffix}")
-        self._written.append((prefix.tokens, name, written))
+        self._written.append(((namespace, prefix.tokens), name, written))
 
     def _warn(self, kind: str, message: str) -> None:
         """Log a failed read or write, the first of its kind and then at most one each
@@ -202,30 +215,30 @@ class DiskTier:
     def _settle(self) -> None:
         """The writes' outcomes: a failed one's entry goes, a written one counts its bytes."""
         while self._written:
-            tokens, name, written = self._written.popleft()
-            entry = self.files.get(tokens)
+            what, name, written = self._written.popleft()
+            entry = self.files.get(what)
             if entry is None or entry[0] != name:
                 continue  # evicted meanwhile
             if written is None:
-                self._forget(tokens)
+                self._forget(what)
             else:
-                self.files[tokens] = (name, written)
+                self.files[what] = (name, written)
                 self.nbytes += written - entry[1]
         self._evict()
 
-    def _add(self, tokens: tuple[int, ...], name: str, size: int) -> None:
-        self.files[tokens] = (name, size)
+    def _add(self, what: Stored, name: str, size: int) -> None:
+        self.files[what] = (name, size)
         self.nbytes += size
-        self._index.add(None, tokens, name)
+        self._index.add(what[0], what[1], name)
 
-    def _forget(self, tokens: tuple[int, ...]) -> str:
-        name, size = self.files.pop(tokens)
+    def _forget(self, what: Stored) -> str:
+        name, size = self.files.pop(what)
         self.nbytes -= size
-        self._index.remove(None, tokens, name)
+        self._index.remove(what[0], what[1], name)
         return name
 
-    def _drop(self, tokens: tuple[int, ...]) -> None:
-        name = self._forget(tokens)
+    def _drop(self, what: Stored) -> None:
+        name = self._forget(what)
         self._writer.submit(self._delete, name, self._pending.pop(name, None))
 
     def _evict(self) -> None:
@@ -239,17 +252,20 @@ class DiskTier:
             _remove(self.dir / f"{name}{suffix}")
 
 
-def _listed(meta: Path) -> tuple[tuple[int, ...], int, float] | None:
-    """A meta file's tokens, its sequence's bytes on disk and its last use; None where the two
-    files do not match what it says (a write cut short, another format): neither is trusted."""
+def _listed(meta: Path) -> tuple[Stored, int, float] | None:
+    """A meta file's namespace and tokens, its sequence's bytes on disk and its last use; None
+    where the two files do not match what it says (a write cut short, another format):
+    neither is trusted."""
     try:
         found = json.loads(meta.read_text())
         tokens = tuple(int(t) for t in found["tokens"])
+        namespace = int(found.get("namespace", 0))
         size = (meta.parent / f"{meta.stem}{DATA}").stat().st_size
-        if file_name(tokens) != meta.stem or size != found["bytes"] or "crc32" not in found:
+        named = file_name(tokens, namespace) == meta.stem
+        if not named or size != found["bytes"] or "crc32" not in found:
             return None
         stat = meta.stat()
-        return tokens, size + stat.st_size, stat.st_mtime
+        return (namespace, tokens), size + stat.st_size, stat.st_mtime
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

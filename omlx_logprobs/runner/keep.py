@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.runner.batch_state import BatchState
 from omlx_logprobs.runner.prefix import Key
 from omlx_logprobs.runner.prefix_cache import PrefixCache
@@ -23,12 +24,12 @@ def keep_finished(
     rows: list[int],
     prefixes: PrefixCache,
     prompt_cache: PromptCache,
-    key_of: Callable[[int], Key],
+    key_of: Callable[[Sequence], Key],
     whole: bool,
 ) -> None:
     """Keep these rows of the batch's cache (a scored prompt's with its entries, a recurrent
-    model's `whole`, with its states and those at its prompt's chunk boundaries); `key_of`: an
-    adapter slot's key (runner/lora.py)."""
+    model's `whole`, with its states and those at its prompt's chunk boundaries); `key_of`: a
+    sequence's key, its adapter's and its namespace (runner/prefix.py)."""
     cache = batch.cache
     if cache is None:
         return
@@ -46,6 +47,6 @@ def keep_finished(
         prefix = prompt_cache.finished(seq, prefix)  # a scored one's, with its entries
         # The copies now, with the step: until then they would hold the batch's arrays.
         mx.async_eval(prefix.keys, prefix.values)
-        prefixes.keep(key_of(seq.adapter), prefix)
+        prefixes.keep(key_of(seq), prefix)
         if at := batch.boundaries.get(seq.seq_id):
-            prefixes.keep_boundaries(key_of(seq.adapter), prefix, at)
+            prefixes.keep_boundaries(key_of(seq), prefix, at)

@@ -103,16 +103,22 @@ class ModelRunner:
         # Scored prompts' kept starts, with their entries (runner/prompt_cache.py); not from a
         # state (a scored prompt's entries are kept at every position, a state at one).
         scored = self.plan.keeps_finished and not self.plan.whole
-        self.prompt_cache = PromptCache(self.prefixes, self.adapters.key, scored)
+        self.prompt_cache = PromptCache(self.prefixes, self.prefix_key, scored)
         # Where entries are computed: in numpy at collect time on the CPU backend, on the
         # device elsewhere (logprobs/extractor.py); chosen once, here.
         self.extractor: Extractor = choose_extractor(self.plan.cpu)
         self.prefill = Prefill(
             model, self.templates, self.plan, self.adapters, self.prefixes, self.prompt_cache,
-            self.extractor, self.batch, self.queue, self._forward_unread,
+            self.prefix_key, self.extractor, self.batch, self.queue, self._forward_unread,
         )  # fmt: skip
         if self.plan.cache_limit_mib is not None:
             mx.set_cache_limit(self.plan.cache_limit_mib << 20)
+
+    def prefix_key(self, seq: Sequence) -> Key:
+        """What a sequence's kept prefixes are keyed by: its adapter's slot and load
+        (runner/lora.py) and its cache_salt's namespace."""
+        slot, load = self.adapters.key(seq.adapter)
+        return slot, load, seq.cache_namespace
 
     def _make_prefix(self, tokens: tuple[int, ...], base: Prefix | None, key: Key) -> Prefix:
         self.adapters.select([key[0]])
@@ -299,7 +305,7 @@ class ModelRunner:
             return self.prompt_cache.held(seq)
         if self.prefixes is None:
             return 0
-        return self.prefixes.held(seq.context_ids, self.adapters.key(seq.adapter))
+        return self.prefixes.held(seq.context_ids, self.prefix_key(seq))
 
     def take_failed(self) -> list[tuple[Sequence, str]]:
         """The prompts whose prefill failed in the launches since the last call, with why: the
@@ -394,5 +400,5 @@ class ModelRunner:
     def _keep_finished(self, rows: list[int]) -> None:
         """Keep these batch rows' keys and values in the prefix cache (runner/keep.py)."""
         if self.prefixes is not None and self.keeps_finished:
-            key_of, whole = self.adapters.key, self.plan.whole
+            key_of, whole = self.prefix_key, self.plan.whole
             keep_finished(self.batch, rows, self.prefixes, self.prompt_cache, key_of, whole)

@@ -27,7 +27,7 @@ from omlx_logprobs.runner.batch_cache import BatchCache
 from omlx_logprobs.runner.batch_state import BatchState, Prefilled
 from omlx_logprobs.runner.lora import AdapterSet
 from omlx_logprobs.runner.plan import Plan
-from omlx_logprobs.runner.prefix import Prefix
+from omlx_logprobs.runner.prefix import Key, Prefix
 from omlx_logprobs.runner.prefix_cache import PrefixCache
 from omlx_logprobs.runner.prompt_cache import PromptCache
 from omlx_logprobs.runner.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
@@ -64,13 +64,15 @@ class Prefill:
         adapters: AdapterSet,
         prefixes: PrefixCache | None,
         prompt_cache: PromptCache,
+        key_of: Callable[[Sequence], Key],
         extractor: Extractor,
         batch: BatchState,
         queue: Callable[..., None],
         forward_unread: ForwardUnread,
     ) -> None:
         """The runner's parts that prefilling reads and its batch state, which it writes;
-        `queue` queues arrays on the device, timed (ModelRunner.queue)."""
+        `queue` queues arrays on the device, timed (ModelRunner.queue); `key_of`: a prompt's
+        prefix-cache key, its adapter's and its namespace (runner/prefix.py)."""
         self.model = model
         self.templates = templates
         self.plan = plan
@@ -78,6 +80,7 @@ class Prefill:
         self.adapters = adapters
         self.prefixes = prefixes
         self.prompt_cache = prompt_cache
+        self.key_of = key_of
         self.extractor = extractor
         self.batch = batch
         self.queue = queue
@@ -278,7 +281,7 @@ class Prefill:
             return {}
         plain = [c for c in chunks if not c.seq.scored]
         scored = [c for c in chunks if c.seq.scored]
-        keys = [self.adapters.key(c.seq.adapter) for c in plain]
+        keys = [self.key_of(c.seq) for c in plain]
         found = self.prefixes.assign([c.seq.context_ids for c in plain], keys)
         found += self.prompt_cache.starts([c.seq for c in scored])
         return {c.seq.seq_id: p for c, p in zip(plain + scored, found) if p is not None}
@@ -297,8 +300,7 @@ class Prefill:
         if seq.scored:
             found = self.prompt_cache.start(seq, chunk.end - 1)
         elif self.prefixes is not None:
-            key = self.adapters.key(seq.adapter)
-            found = self.prefixes.longest(seq.context_ids, chunk.end - 1, key)
+            found = self.prefixes.longest(seq.context_ids, chunk.end - 1, self.key_of(seq))
         if found is not None:
             seed(cache, found)
         start = len(found.tokens) if found is not None else 0

@@ -12,7 +12,7 @@ import mlx.core as mx
 if TYPE_CHECKING:
     from omlx_logprobs.runner.prompt_scoring import KeptEntries
 
-__all__ = ["BASE_KEY", "Key", "Prefix", "State"]
+__all__ = ["BASE_KEY", "Key", "Prefix", "State", "on_base"]
 
 
 @dataclass(frozen=True)
@@ -67,9 +67,17 @@ class Prefix:
         )
 
 
-# Whose keys and values a prefix holds: the base model's or a LoRA adapter's (slot, load). A
-# prefix is never shared across keys: an adapter changes every layer's keys and values.
-Key = tuple[int, int]
+# Whose keys and values a prefix holds: the base model's or a LoRA adapter's (slot, load), and
+# in which namespace (a hash of vLLM's `cache_salt`, types.cache_namespace; 0: the default). A
+# prefix is never shared across keys: an adapter changes every layer's keys and values, and
+# requests of different salts must not learn from each other's cached prompts (nor time them).
+Key = tuple[int, int, int]
 # A recurrent model's states after some tokens: each state layer's arrays.
 State = tuple[tuple[mx.array, ...], ...]
-BASE_KEY: Key = (0, 0)
+BASE_KEY: Key = (0, 0, 0)
+
+
+def on_base(key: Key) -> bool:
+    """Whether a key's prefixes are the base model's (those the disk tier keeps), whatever
+    their namespace."""
+    return key[:2] == BASE_KEY[:2]

@@ -8,6 +8,10 @@ What is kept:
 - a prompt start that two prompts have shared (a prompt and the last one seen that began with
   the same MIN_TOKENS tokens), made by a forward of its own, a multiple of BLOCK long.
 
+Every entry is kept under a key (runner/prefix.py): the LoRA adapter whose keys and values it
+holds and the namespace of the requests' `cache_salt` (vLLM's); a prompt looks only among its
+own key's, so requests of different salts never share a prefix, on disk neither.
+
 A prompt finds the longest kept sequence it shares a start with, at any length
 (batch/block_index.py): a sequence's keys and values at position i depend only on the tokens
 up to i, so any start of a kept sequence is a prefix too. Entries are whole sequences, not
@@ -32,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from omlx_logprobs.batch.block_index import BLOCK, MIN_TOKENS, BlockIndex
-from omlx_logprobs.runner.prefix import BASE_KEY, Key, Prefix, State
+from omlx_logprobs.runner.prefix import BASE_KEY, Key, Prefix, State, on_base
 
 if TYPE_CHECKING:
     from omlx_logprobs.runner.disk_tier import DiskTier
@@ -107,7 +111,8 @@ class PrefixCache:
         # sequence it starts with whole, and a sequence kept keeps those it starts with.
         self.whole = whole
         self.make = make
-        self.disk = disk  # where the base model's evicted entries go, and come back from
+        # where the base model's evicted entries go (each namespace apart), and come back from
+        self.disk = disk
         # (key, tokens) -> prefix, oldest use first
         self.entries: OrderedDict[tuple[Key, tuple[int, ...]], Prefix] = OrderedDict()
         self.nbytes = 0
@@ -262,8 +267,8 @@ class PrefixCache:
         while self.nbytes > self.max_bytes:
             (k, _), gone = self.entries.popitem(last=False)
             self._forget(k, gone)
-            if self.disk is not None and k == BASE_KEY:
-                self.disk.put(gone)
+            if self.disk is not None and on_base(k):
+                self.disk.put(gone, k[2])
 
     def persist(self) -> None:
         """Write the base model's entries to the disk tier (at shutdown: a restarted server
@@ -271,8 +276,8 @@ class PrefixCache:
         if self.disk is None:
             return
         for (k, _), prefix in self.entries.items():
-            if k == BASE_KEY:
-                self.disk.put(prefix)
+            if on_base(k):
+                self.disk.put(prefix, k[2])
         self.disk.flush()
 
     def clear(self) -> None:
@@ -286,11 +291,11 @@ class PrefixCache:
         self._recent.clear()
         self.nbytes = 0
 
-    def drop(self, key: Key) -> None:
-        """Forget one key's prefixes (its adapter is unloaded)."""
-        for k in [k for k in self.entries if k[0] == key]:
-            self._forget(key, self.entries.pop(k))
-        for k in [k for k in self._recent if k[0] == key]:
+    def drop(self, adapter: tuple[int, int]) -> None:
+        """Forget an adapter's prefixes (slot and load: it is unloaded), in every namespace."""
+        for k in [k for k in self.entries if k[0][:2] == adapter]:
+            self._forget(k[0], self.entries.pop(k))
+        for k in [k for k in self._recent if k[0][:2] == adapter]:
             del self._recent[k]
 
     def _find(
@@ -301,12 +306,12 @@ class PrefixCache:
         when it holds a longer one."""
         found = self._index.find(key, ids, limit, whole=self.whole)
         n = found[2] if found is not None else 0
-        if self.disk is not None and key == BASE_KEY:
-            on_disk = self.disk.find(ids, limit, whole=self.whole)
+        if self.disk is not None and on_base(key):
+            on_disk = self.disk.find(ids, limit, key[2], whole=self.whole)
             if on_disk is not None and on_disk[1] > n:
                 if look:  # what a lookup would find, without loading it
                     return Prefix(on_disk[0], [], []), on_disk[1]
-                loaded = self.disk.load(on_disk[0])
+                loaded = self.disk.load(on_disk[0], key[2])
                 if loaded is not None:  # None: its file failed its checks, a miss
                     self.keep(key, loaded)
                     found = self._index.find(key, ids, limit, whole=self.whole)

@@ -21,19 +21,19 @@ from omlx_logprobs.runner.prompt_scoring import KeptEntries, score_key, waits_fo
 
 class PromptCache:
     def __init__(
-        self, prefixes: PrefixCache | None, key_of: Callable[[int], Key], keeps: bool
+        self, prefixes: PrefixCache | None, key_of: Callable[[Sequence], Key], keeps: bool
     ) -> None:
         # Entries are kept with finished sequences: where those are not (no cache, or layers
         # other than plain KV), scored prompts are always computed.
         self.prefixes = prefixes if keeps else None
-        self.key_of = key_of  # an adapter slot's key (runner/lora.py)
+        self.key_of = key_of  # a sequence's key: its adapter's and its namespace (prefix.py)
 
     def start(self, seq: Sequence, limit: int, look: bool = False) -> Prefix | None:
         """The longest kept start of a scored prompt, at most `limit` tokens, whose entries
         answer it (PrefixCache.scored)."""
         if self.prefixes is None:
             return None
-        key = self.key_of(seq.adapter)
+        key = self.key_of(seq)
         return self.prefixes.scored(seq.context_ids, limit, score_key(seq.params), key, look)
 
     def starts(self, seqs: list[Sequence]) -> list[Prefix | None]:
@@ -43,7 +43,7 @@ class PromptCache:
         return self.prefixes.assign_scored(
             [s.context_ids for s in seqs],
             [score_key(s.params) for s in seqs],
-            [self.key_of(s.adapter) for s in seqs],
+            [self.key_of(s) for s in seqs],
         )
 
     def held(self, seq: Sequence) -> int:
@@ -58,7 +58,7 @@ class PromptCache:
         if self.prefixes is None or seq.params.max_tokens > 0:
             return []
         prefix = with_entries(seq, make())
-        self.prefixes.keep(self.key_of(seq.adapter), prefix)
+        self.prefixes.keep(self.key_of(seq), prefix)
         return [*prefix.keys, *prefix.values]
 
     def finished(self, seq: Sequence, prefix: Prefix) -> Prefix:

@@ -163,17 +163,17 @@ def waits_for(
     seq: Sequence,
     busy: list[Sequence],
     cached: Callable[[], int],
-    key_of: Callable[[int], Hashable],
+    key_of: Callable[[Sequence], Hashable],
 ) -> bool:
     """Whether a scored prompt should wait for a scored prompt being prefilled now (`busy`)
     that shares at least half of what it would compute: that one is kept with its entries
     once its last step is processed (when it generates at most one token), and this one then
     computes only what follows (lm-eval's multiple choice: one context, several continuations,
     sent together). `cached()`: what the prefix cache holds of it already."""
-    ask, key = score_key(seq.params), key_of(seq.adapter)
+    ask, key = score_key(seq.params), key_of(seq)
     others = [
         b for b in busy
-        if b is not seq and b.scored and b.params.max_tokens <= 1 and key_of(b.adapter) == key
+        if b is not seq and b.scored and b.params.max_tokens <= 1 and key_of(b) == key
         and _answers(score_key(b.params), ask)
     ]  # fmt: skip
     if not seq.scored or not others:

@@ -108,7 +108,7 @@ def test_a_damaged_file_found_at_a_restart(tmp_path: Path, damage: Callable[[Pat
     damaged, intact = data_files(tmp_path / "m")
     damage(damaged)
     again = DiskTier(tmp_path, 1 << 20, "m")
-    loaded = [again.load(t) for t in list(again.files)]
+    loaded = [again.load(t) for _, t in list(again.files)]
     [kept] = [p for p in loaded if p is not None]
     assert np.array(kept.keys[0]).ravel().tolist() == list(kept.tokens)
     again.flush()
@@ -151,7 +151,7 @@ def test_a_read_only_folder_is_read_and_not_written(tmp_path: Path) -> None:
         assert np.array(prefix.keys[0]).ravel().tolist() == list(range(40))
         again.put(seq(100))  # not written: forgotten once the write fails
         again.flush()
-        assert list(again.files) == [tuple(range(40))]
+        assert list(again.files) == [(0, tuple(range(40)))]
         assert len(data_files(tmp_path / "m")) == 1
     with read_only(tmp_path):  # a folder that cannot be made
         with pytest.raises(OSError):
@@ -171,7 +171,7 @@ for start in range(0, 12000, 1000):
     kv = [mx.broadcast_to(column, (1, 2, 256, 128))]
     disk.put(Prefix(tokens, kv, kv))  # 512 KiB a file
 disk.flush()
-for tokens in list(disk.files):
+for _, tokens in list(disk.files):
     prefix = disk.load(tokens)
     assert prefix is not None and prefix.keys[0][0, 0, :, 0].tolist() == list(tokens)
 print(len(disk.files), disk.nbytes)
@@ -247,7 +247,7 @@ def test_sigkill_while_writing_leaves_nothing_wrong(tmp_path: Path) -> None:
         left += killed_mid_write(folder)
         again = DiskTier(tmp_path, 32 << 20, "m")
         assert again.files, "nothing written before the kill"
-        for tokens in list(again.files):
+        for _, tokens in list(again.files):
             prefix = again.load(tokens)
             assert prefix is not None
             assert np.array(prefix.keys[0][0, 0, :, 0]).tolist() == list(tokens)

@@ -15,6 +15,7 @@ from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.models.loader import load_model
 from omlx_logprobs.runner.disk_tier import DiskTier, fingerprint
 from omlx_logprobs.runner.prefix_cache import BASE_KEY, Prefix, PrefixCache
+from omlx_logprobs.types import cache_namespace
 from tests.engine.test_conversation_cache import Chat, cached, greedy
 from tests.engine.test_prefix_cache import Maker
 from tests.helpers.engine import check_against_reference, encode
@@ -43,6 +44,28 @@ def test_evicted_sequences_come_back_from_disk(tmp_path: Path) -> None:
     assert (BASE_KEY, tuple(range(40))) in cache.entries  # back in memory
 
 
+def test_namespaces_stay_apart_on_disk(tmp_path: Path) -> None:
+    """Sequences of a cache_salt's namespace go to disk and come back for that namespace only,
+    after a restart too; their files hold the salt's hash, never the salt."""
+    a, b = cache_namespace("salt-a"), cache_namespace("salt-b")
+    disk = DiskTier(tmp_path, 1 << 20, "m")
+    cache = PrefixCache(320, Maker(), disk)
+    cache.keep((0, 0, a), seq(0))
+    cache.keep((0, 0, b), seq(100))  # past the budget: a's goes to disk
+    cache.keep(BASE_KEY, seq(0))  # the same tokens in the default namespace: b's goes
+    disk.flush()
+    assert sorted(disk.files) == [(a, tuple(range(40))), (b, tuple(range(100, 140)))]
+    again = PrefixCache(1 << 20, Maker(), DiskTier(tmp_path, 1 << 20, "m"))  # a restart
+    ids = list(range(0, 40)) + [7, 7]
+    assert again.held(ids) == 0 and again.held(ids, (0, 0, b)) == 0
+    found = again.longest(ids, len(ids) - 1, (0, 0, a))
+    assert found is not None and np.array(found.keys[0]).ravel().tolist() == list(range(40))
+    assert again.held(list(range(100, 142)), (0, 0, b)) == 40
+    assert again.held(list(range(100, 142)), (0, 0, a)) == 0
+    text = "".join(p.read_text() for p in (tmp_path / "m").glob("*.json"))
+    assert "salt" not in text and str(a) in text
+
+
 def written(tmp_path: Path, prefix: Prefix) -> int:
     """The bytes a sequence takes on disk: its data file and its meta file."""
     one = DiskTier(tmp_path / "one", 1 << 20, "m")
@@ -57,12 +80,12 @@ def test_the_size_limit_drops_the_least_recently_used(tmp_path: Path) -> None:
     for start in (0, 100, 200):
         disk.put(seq(start))
     disk.flush()
-    assert [t[0] for t in disk.files] == [100, 200]
+    assert [t[0] for _, t in disk.files] == [100, 200]
     assert len(list((tmp_path / "m").glob("*.safetensors"))) == 2
     on_disk = sum(p.stat().st_size for p in (tmp_path / "m").iterdir())
     assert on_disk == disk.nbytes <= limit  # the limit counts what the files take
     again = DiskTier(tmp_path, limit, "m")  # what a restart finds
-    assert [t[0] for t in again.files] == [100, 200]
+    assert [t[0] for _, t in again.files] == [100, 200]
     assert again.find(list(range(200, 260)), 59) == (tuple(range(200, 240)), 40)
 
 

@@ -198,7 +198,7 @@ def test_an_evicted_state_comes_back_from_disk(
             if disk.files:
                 break
             time.sleep(0.05)
-        [(on_disk, _)] = disk.files.items()
+        [((_, on_disk), _)] = disk.files.items()  # (namespace, tokens)
         assert on_disk[: len(firsts[0])] == tuple(firsts[0])
         turn = firsts[0] + list(a.output_ids) + encode(model, "\nUser: and?\n")
         [got], [want] = on.send([turn], greedy(6)), off.send([turn], greedy(6))

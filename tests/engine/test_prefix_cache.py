@@ -22,7 +22,7 @@ from omlx_logprobs.runner.prefix_cache import (
     PrefixCache,
 )
 from omlx_logprobs.runner.prompt_scoring import KeptEntries
-from omlx_logprobs.types import SamplingParams
+from omlx_logprobs.types import SamplingParams, cache_namespace
 from tests.helpers.engine import (
     check_against_reference,
     check_prompt_store,
@@ -176,15 +176,36 @@ def test_prefixes_are_kept_per_key_and_dropped_with_it() -> None:
     """A LoRA adapter's prompts (their key) never start from another key's prefix."""
     make = Maker()
     cache = PrefixCache(1 << 20, make)
-    lora = (1, 1)
+    lora = (1, 1, 0)
     assert cache.assign([prompt(1), prompt(2)], [BASE_KEY, lora]) == [None, None]
     found = cache.assign([prompt(3), prompt(4)], [lora, BASE_KEY])
     assert make.calls == [(24, 0), (24, 0)]  # one prefix per key, the same tokens
     assert found[0] is not found[1] and found[0] is not None and found[1] is not None
     assert cache.held(prompt(5), lora) == cache.held(prompt(5)) == 24
-    cache.drop(lora)
+    cache.drop(lora[:2])
     assert cache.held(prompt(5), lora) == 0 and cache.held(prompt(5)) == 24
     assert cache.nbytes == 24 * 16 * 2
+
+
+def test_namespaces_never_share_a_prefix() -> None:
+    """Prompts of different cache_salt namespaces (the key's last part) never start from each
+    other's prefixes, made or kept, nor from the default namespace's; the same namespace does;
+    an unloaded adapter's prefixes go in every namespace."""
+    make = Maker()
+    cache = PrefixCache(1 << 20, make)
+    a, b = (0, 0, cache_namespace("a")), (0, 0, cache_namespace("b"))
+    assert cache.assign([prompt(1), prompt(2), prompt(3)], [a, b, BASE_KEY]) == [None] * 3
+    assert cache.held(prompt(4), a) == cache.held(prompt(4), b) == cache.held(prompt(4)) == 0
+    cache.keep(a, Maker()(tuple(prompt(5, 30)), None))
+    assert cache.held(prompt(5, 31), a) == 56 and cache.held(prompt(5, 31), b) == 0
+    assert cache.held(prompt(5, 31)) == 0
+    found = cache.assign([prompt(6), prompt(7)], [b, b])  # the same namespace: shared
+    assert make.calls == [(24, 0)] and found[0] is found[1] is not None
+    assert cache.held(prompt(8), b) == 24 and cache.held(prompt(8), a) == 26  # the template
+    salted_lora = (1, 1, cache_namespace("a"))
+    cache.keep(salted_lora, Maker()(tuple(prompt(9, 30)), None))
+    cache.drop((1, 1))
+    assert cache.held(prompt(9, 31), salted_lora) == 0 and cache.held(prompt(9, 31), a) == 26
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -286,7 +307,7 @@ def test_a_conversation_s_next_turn_takes_the_place_of_its_last() -> None:
     turn1 = list(range(500, 537))
     turn2 = turn1 + list(range(40, 60))
     other = turn1[:30] + [1] * 10
-    lora = (1, 1)
+    lora = (1, 1, 0)
     cache.keep(BASE_KEY, kept(turn1))
     cache.keep(lora, kept(turn1))
     cache.keep(BASE_KEY, kept(other))

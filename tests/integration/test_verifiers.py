@@ -99,3 +99,31 @@ def test_verifiers_renderer_client(agent: tuple[str, LoadedModel, Path]) -> None
     assert got["error"] is None and len(got["steps"]) == 2, got
     assert got["paths"] == ["/v1/models", "/inference/v1/generate", "/inference/v1/generate"]
     check_steps(model, got["steps"])
+
+
+def test_verifiers_sends_cache_salt_and_priority(agent: tuple[str, LoadedModel, Path]) -> None:
+    """`cache_salt` and `priority` in verifiers' sampling args (`extra_body`, as prime-rl's
+    pipeline RL sets them): the renderer client lifts them into each /inference/v1/generate
+    body, the token client sends them with each chat request; the server takes them (no
+    400s), and the salt keeps the cache apart: the tool rollout under salt a, then b (its
+    first prompt the same tokens, none of them cached), then a again (all of them but the last
+    cached); each rollout's second turn continues its first from the cache."""
+    url, model, tok_dir = agent
+    runs = run_verifiers(url, model, tok_dir, "salted")["salted"]
+    for run, salt in zip(runs, "abac"):
+        assert run["error"] is None and len(run["steps"]) == 2, run
+        check_steps(model, run["steps"])
+        posted = [c for c in run["calls"] if c["path"] != "/tokenize"]
+        assert posted and all(c["cache_salt"] == salt and c["priority"] == -2 for c in posted)
+    renderer = runs[:3]
+    for run in renderer:
+        assert [c["path"] for c in run["calls"]] == ["/inference/v1/generate"] * 2
+    first_prompt = renderer[0]["steps"][0]["prompt_ids"]
+    assert all(run["steps"][0]["prompt_ids"] == first_prompt for run in renderer)
+    firsts = [run["calls"][0]["cached_tokens"] for run in renderer]
+    assert firsts == [0, 0, len(first_prompt) - 1]
+    for run in runs:
+        first, second = run["steps"]
+        assert run["calls"][-1]["cached_tokens"] >= len(first["prompt_ids"])
+        assert second["prompt_ids"][: len(first["prompt_ids"])] == first["prompt_ids"]
+    assert [c["path"] for c in runs[3]["calls"]][-1] == "/v1/chat/completions/tokens"

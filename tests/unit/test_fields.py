@@ -3,9 +3,12 @@ prompt truncation, and the text rules of include_stop_str_in_output and min_toke
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from omlx_logprobs.api.core.bounds import ModelBounds
 from omlx_logprobs.api.core.errors import APIError
@@ -14,6 +17,7 @@ from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionReq
 from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.config import Limits
 from omlx_logprobs.output.detokenizer import IncrementalText
+from omlx_logprobs.types import cache_namespace
 
 BOUNDS = ModelBounds(100, 64, 20, 8, frozenset())
 CHECKS = RequestLimits(Limits(), BOUNDS)
@@ -48,7 +52,6 @@ def test_unknown_fields_are_named() -> None:
         ({"service_tier": "flex"}, "service_tier"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"use_beam_search": True}, "use_beam_search"),
-        ({"priority": 1}, "priority"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
         ({"continue_final_message": True}, "continue_final_message"),  # with the default true
         ({"allowed_token_ids": []}, "allowed_token_ids"),
@@ -74,10 +77,46 @@ def test_fields_that_cannot_be_honoured_are_refused(body: dict[str, Any], param:
         {"allowed_token_ids": [1, 99], "bad_words": ["x"], "truncate_prompt_tokens": -1},
         {"response_format": {"type": "json_object"}},
         {"structured_outputs": {"regex": "a+"}},
+        {"priority": -(2**31), "cache_salt": "s" * 256},
+        {"priority": 2**31 - 1, "cache_salt": "run-7/group-3"},
     ],
 )
 def test_fields_with_their_meaning_pass(body: dict[str, Any]) -> None:
     CHECKS.check_chat(chat(**body))
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"priority": "1"}, "priority"),
+        ({"priority": 1.5}, "priority"),
+        ({"priority": True}, "priority"),
+        ({"priority": 2**31}, "priority"),
+        ({"priority": -(2**31) - 1}, "priority"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"cache_salt": "s" * 257}, "cache_salt"),
+        ({"cache_salt": 7}, "cache_salt"),
+    ],
+)
+def test_priority_and_cache_salt_are_bounded(body: dict[str, Any], param: str) -> None:
+    """vLLM's `priority` is an integer here within 32 bits, `cache_salt` a string of 1 to 256
+    characters; anything else fails the body (a 400 naming the field)."""
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate_json(
+            json.dumps({"model": "m", "messages": MSG, **body})
+        )
+    assert e.value.errors()[0]["loc"] == (param,)
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", **body})
+
+
+def test_cache_salt_names_a_namespace() -> None:
+    """The salt's namespace is a stable hash (the disk tier keeps it across restarts), never
+    the default's 0, the same for the same salt."""
+    assert cache_namespace(None) == 0
+    assert cache_namespace("a") == cache_namespace("a") != cache_namespace("b")
+    assert 0 < cache_namespace("a") < 2**63
+    assert cache_namespace("a") == int.from_bytes(hashlib.sha256(b"a").digest()[:8], "big") >> 1
 
 
 def test_bad_words_are_tokenized_as_vllm_does() -> None:

@@ -164,3 +164,74 @@ def test_a_prompt_that_waits_for_one_prefilling_now_goes_a_step_later() -> None:
     s.update(work)
     work = s.schedule()
     assert [w.seq for w in work.prefill] == [a, c]
+
+
+def ranked(n: int, priority: int) -> Sequence:
+    q = seq(n)
+    q.priority = priority
+    return q
+
+
+def test_waiting_prompts_go_by_priority_then_arrival() -> None:
+    """vLLM's priority order: lower first, ties by arrival; a prompt between its chunks stays
+    first (it holds its partial cache, as vLLM's running prefill does)."""
+    s = Scheduler(max_num_seqs=2, prefill_chunk=100)
+    a, b, c, d = ranked(3, 0), ranked(4, 5), ranked(5, -1), ranked(6, 0)
+    for q in (a, b, c, d):
+        s.add(q)
+    assert list(s.waiting) == [c, a, d, b]
+    work = s.schedule()
+    assert [w.seq for w in work.prefill] == [c, a]  # two rows
+    s.update(work)
+    assert s.running == [c, a] and list(s.waiting) == [d, b]
+    s = Scheduler(max_num_seqs=8, prefill_chunk=4)
+    long, urgent, later = ranked(10, 3), ranked(2, -7), ranked(2, 3)
+    s.add(long)
+    s.update(s.schedule())  # long's first chunk
+    s.add(later)
+    s.add(urgent)
+    assert list(s.waiting) == [long, urgent, later]
+    work = s.schedule()
+    assert [(w.seq, w.start, w.end) for w in work.prefill] == [(long, 4, 8)]
+
+
+def test_a_higher_priority_prompt_preempts_the_lowest_running() -> None:
+    """No rows for the first waiting prompt: the running choices of strictly lower priority
+    (the highest value, the latest arrived among equals) are named, as many as it needs, and
+    none when those are too few; once retracted they wait first among their priority, in
+    their old order."""
+    s = Scheduler(max_num_seqs=3, prefill_chunk=100)
+    low1, mid, low2 = ranked(3, 5), ranked(3, 1), ranked(3, 5)
+    for q in (low1, mid, low2):
+        s.add(q)
+    s.update(s.schedule())
+    assert s.running == [mid, low1, low2] and s.preempts() == []
+    other = ranked(4, 5)
+    s.add(other)
+    assert s.preempts() == []  # an equal priority waits its turn
+    urgent = ranked(4, 0)
+    s.add(urgent)
+    assert list(s.waiting) == [urgent, other]
+    assert s.preempts() == [low2]  # the later of the two lowest
+    two = ranked(4, 2)
+    two.fork(1)
+    s.remove(urgent)
+    s.add(two)
+    assert s.preempts() == [low2, low1]  # two rows: both priority 5, not mid
+    three = ranked(4, 3)
+    three.fork(1)
+    three.fork(2)
+    s.remove(two)
+    s.add(three)
+    assert s.preempts() == []  # three rows, only two lower: nobody is retracted for nothing
+    s.remove(three)
+    s.add(urgent)
+    gone = s.preempts()
+    for q in gone:
+        q.retract()
+    s.requeue(gone)
+    assert s.running == [mid, low1] and list(s.waiting) == [urgent, low2, other]
+    work = s.schedule()
+    assert [w.seq for w in work.prefill] == [urgent]
+    s.update(work)
+    assert s.preempts() == [] and list(s.waiting) == [low2, other]

@@ -7,7 +7,11 @@ server at argv[1] (serving argv[2]); prints what they collected for training as 
   /tokenize and /v1/chat/completions/tokens);
 - the same tool environment through the renderer client (`renderer`), which renders with the
   model's tokenizer (argv[3], a local directory: nothing is downloaded) and posts
-  /inference/v1/generate.
+  /inference/v1/generate;
+- (`salted`) that environment with `cache_salt` and `priority` in the sampling args'
+  `extra_body`, as a pipeline-RL trainer sets them: through the renderer client under salts
+  a, b, then a again, and through the token client under salt c; each request's salt and
+  priority as sent and the cached prompt tokens the server answered are recorded.
 """
 
 from __future__ import annotations
@@ -55,24 +59,42 @@ def client(kind: str) -> Any:
     http = getattr(getattr(resolved, "client", None), "_client", None)
     if http is not None:
         http.event_hooks["request"].append(record)
+        http.event_hooks["response"].append(answered)
     return resolved
 
 
 PATHS: list[str] = []
+CALLS: list[dict[str, Any]] = []  # per request with a JSON body: its salt, priority, cached
 
 
 async def record(request: Any) -> None:
     PATHS.append(request.url.path)
+    if request.method == "POST" and request.content:
+        body = json.loads(request.content)
+        CALLS.append({"path": request.url.path, "cache_salt": body.get("cache_salt"),
+                      "priority": body.get("priority")})  # fmt: skip
 
 
-async def rollout(env: Any, kind: str) -> dict[str, Any]:
+async def answered(response: Any) -> None:
+    """The cached prompt tokens the server reports (read here: the body is kept for the
+    client, which reads it again)."""
+    if response.request.method != "POST" or not CALLS:
+        return
+    await response.aread()
+    usage = response.json().get("usage") or {}
+    CALLS[-1]["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+
+
+async def rollout(env: Any, kind: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     inputs = env.get_eval_inputs(1, 1) if hasattr(env, "get_eval_inputs") else None
     if inputs is None:
         inputs = env._get_eval_inputs(1, 1)
     PATHS.clear()
-    state = await env.rollout(
-        inputs[0], client(kind), MODEL, {"temperature": 0.0, "max_tokens": 64}
-    )
+    CALLS.clear()
+    args: dict[str, Any] = {"temperature": 0.0, "max_tokens": 64}
+    if extra is not None:
+        args["extra_body"] = extra
+    state = await env.rollout(inputs[0], client(kind), MODEL, args)
     steps = []
     for step in state["trajectory"]:
         t = step["tokens"]
@@ -81,18 +103,25 @@ async def rollout(env: Any, kind: str) -> dict[str, Any]:
             "completion_logprobs": list(t["completion_logprobs"]),
         })  # fmt: skip
     error = repr(state.get("error")) if state.get("error") else None
-    return {"error": error, "steps": steps, "paths": list(PATHS)}
+    return {"error": error, "steps": steps, "paths": list(PATHS), "calls": list(CALLS)}
 
 
 async def main() -> None:
     single = vf.SingleTurnEnv(dataset=dataset(), rubric=vf.Rubric(funcs=[reward]))
     tools = vf.ToolEnv(dataset=dataset(), tools=[get_weather], max_turns=3,
                        rubric=vf.Rubric(funcs=[reward]))  # fmt: skip
+    mode = sys.argv[4] if len(sys.argv) > 4 else None
+    if mode == "salted":
+        runs = [("renderer", "a"), ("renderer", "b"), ("renderer", "a"),
+                ("openai_chat_completions_token", "c")]  # fmt: skip
+        salted = [await rollout(tools, kind, {"cache_salt": s, "priority": -2}) for kind, s in runs]
+        print(json.dumps({"salted": salted}))
+        return
     out = {
         "single_turn": await rollout(single, "openai_chat_completions_token"),
         "tool_turns": await rollout(tools, "openai_chat_completions_token"),
     }
-    if len(sys.argv) > 4 and sys.argv[4] == "renderer":
+    if mode == "renderer":
         out["renderer"] = await rollout(tools, "renderer")
     print(json.dumps(out))
 

@@ -37,6 +37,7 @@ from omlx_logprobs.types import (
     LogprobsMode,
     SamplingParams,
     ThinkStart,
+    cache_namespace,
 )
 
 
@@ -153,6 +154,8 @@ def _chat(
         tools=parsing,
         reasoning_tags=served.reasoning_tags,
         adapter=served.adapter(req.model),
+        cache_namespace=cache_namespace(req.cache_salt),
+        priority=req.priority,
     )
     return (ereq,), constraint
 
@@ -182,6 +185,8 @@ def _completion(
             req.n,
             stream=req.stream,
             adapter=adapter,
+            cache_namespace=cache_namespace(req.cache_salt),
+            priority=req.priority,
         )
         for i, ids in enumerate(prompts)
     )

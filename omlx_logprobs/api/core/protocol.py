@@ -9,9 +9,11 @@ with a reason (features this server does not have), never ignored: see `fields.U
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from omlx_logprobs.types import MAX_CACHE_SALT, PRIORITY_RANGE
 
 
 class _Model(BaseModel):
@@ -102,6 +104,10 @@ class StreamOptions(_Open):
 
 
 LogprobsModeName = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+# vLLM's `priority` (lower is scheduled first; an integer, not "1" nor 1.0) and `cache_salt` (a
+# prefix-cache namespace: a non-empty string), bounded (omlx_logprobs/types.py).
+Priority = Annotated[int, Field(strict=True, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None
 
 
 class SamplingKnobs(_Open):
@@ -155,11 +161,12 @@ class SamplingFields(SamplingKnobs):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's priority scheduling (lower first) and prefix-cache namespace (docs/specs/rl.md).
+    priority: Priority = 0
+    cache_salt: CacheSalt = None
     # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
-    priority: int = 0
     use_beam_search: bool = False
     length_penalty: float = 1.0  # beam search's
-    cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     # The compact logprobs form (logprobs/columnar.py): arrays per choice instead of an object

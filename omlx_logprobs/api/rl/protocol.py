@@ -9,8 +9,10 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from omlx_logprobs.api.core.protocol import (
+    CacheSalt,
     ChatMessage,
     LogprobsModeName,
+    Priority,
     SamplingKnobs,
     StreamOptions,
     Tool,
@@ -45,10 +47,11 @@ class GenerateRequest(_Open):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's priority scheduling (lower first) and prefix-cache namespace (docs/specs/rl.md).
+    cache_salt: CacheSalt = None
+    priority: Priority = 0
     # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
     features: dict[str, Any] | None = None
-    cache_salt: str | None = None
-    priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
 
 

@@ -38,8 +38,8 @@ def generate_body(
         "model": req.model,
         "stream": req.stream,
         "stream_options": options,
-        "cache_salt": None,
-        "priority": 0,
+        "cache_salt": req.cache_salt,
+        "priority": req.priority,
         "kv_transfer_params": None,
     }
 

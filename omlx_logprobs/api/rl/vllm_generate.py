@@ -23,7 +23,7 @@ from omlx_logprobs.api.core.response import (
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.rl.protocol import GenerateRequest
 from omlx_logprobs.transport.client import merged
-from omlx_logprobs.types import EngineRequest, RequestOutput
+from omlx_logprobs.types import EngineRequest, RequestOutput, cache_namespace
 
 
 def engine_request(req: GenerateRequest, served: Served) -> tuple[str, EngineRequest]:
@@ -43,7 +43,8 @@ def engine_request(req: GenerateRequest, served: Served) -> tuple[str, EngineReq
     # the engine's id is unique among requests in flight whatever the caller sent
     ereq = EngineRequest(
         f"{rid}-{uuid.uuid4().hex[:8]}", ids, params, sp.n, stream=req.stream,
-        adapter=served.adapter(name),
+        adapter=served.adapter(name), cache_namespace=cache_namespace(req.cache_salt),
+        priority=req.priority,
     )  # fmt: skip
     return rid, ereq
 
