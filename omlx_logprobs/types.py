@@ -126,6 +126,9 @@ class SamplingParams:
     # OpenAI's Predicted Outputs: the ids of the text the client expects, drafts that the model
     # verifies (runner/speculation.py); they never change what is sampled.
     prediction: tuple[int, ...] = ()
+    # vLLM's and SGLang's routed experts: each computed position's top-k expert ids per MoE
+    # layer (runner/routing.py), with the choice's last output (RequestOutput.routed_experts).
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -230,6 +233,9 @@ class EngineRequest:
     tools: ToolParsing | None = None  # None: content is not searched for tool calls
     reasoning_tags: tuple[str, str] = THINK_TAGS  # what opens and closes reasoning
     adapter: str | None = None  # the LoRA adapter's name (None: the base model)
+    # A routing to replay (runner/routing.py): the top-k expert ids per MoE layer of the
+    # prompt's first positions, [n, moe_layers, top_k] int16, used in place of the router's.
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -344,6 +350,10 @@ class RequestOutput:
     # place): (first token, version) from its first token on; empty when one version made it.
     weight_spans: tuple[tuple[int, WeightVersion], ...] = ()
     adapter: AdapterVersion | None = None  # the LoRA adapter it ran on (None: the model)
+    # The choice's routed experts, on its last output when asked (SamplingParams
+    # .return_routed_experts): [positions, moe_layers, top_k] int16 for every position the
+    # model computed, the prompt's and every output token's but the last.
+    routed_experts: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

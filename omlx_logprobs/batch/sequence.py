@@ -91,6 +91,10 @@ class Sequence:
         # Drafts from its prediction the target accepted and rejected (runner/speculation.py).
         self.accepted_prediction_tokens = 0
         self.rejected_prediction_tokens = 0
+        # Routed experts (runner/routing.py): a routing to replay on the prompt's first
+        # positions, and what its forwards recorded, by first position (host arrays).
+        self.replay: Any = None
+        self.routes: dict[int, Any] = {}
 
     @classmethod
     def of(cls, req: EngineRequest) -> Sequence:
@@ -104,6 +108,7 @@ class Sequence:
             tools=req.tools,
             reasoning_tags=req.reasoning_tags,
         )
+        seq.replay = req.routed_experts
         for i in range(1, req.n):
             seq.fork(i)
         return seq
@@ -122,6 +127,7 @@ class Sequence:
             reasoning_tags=self.reasoning_tags,
         )
         seq.adapter, seq.adapter_version = self.adapter, self.adapter_version
+        seq.replay = self.replay
         self.forks.append(seq)
         return seq
 
