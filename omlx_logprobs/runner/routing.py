@@ -178,9 +178,10 @@ def install(model: Any) -> Routing | None:
         families.append((cls, attr, forward, k_field))
     for layer in getattr(model, "layers", []):
         for cls, attr, forward, k_field in families:
-            block = getattr(layer, attr, None)
+            block: Any = getattr(layer, attr, None)
             if type(block) is _classes.get(cls):  # installed by an earlier runner of the model
-                return block._routing  # type: ignore[no-any-return]
+                installed: Routing = block._routing
+                return installed
             if type(block) is cls:
                 blocks.append((block, forward, getattr(block, k_field)))
     if not blocks:
