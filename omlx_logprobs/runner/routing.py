@@ -179,9 +179,8 @@ def install(model: Any) -> Routing | None:
     for layer in getattr(model, "layers", []):
         for cls, attr, forward, k_field in families:
             block: Any = getattr(layer, attr, None)
-            if type(block) is _classes.get(cls):  # installed by an earlier runner of the model
-                installed: Routing = block._routing
-                return installed
+            if isinstance(block, _Recorded):  # installed by an earlier runner of the model
+                return block._routing
             if type(block) is cls:
                 blocks.append((block, forward, getattr(block, k_field)))
     if not blocks:
@@ -199,6 +198,13 @@ def install(model: Any) -> Routing | None:
 _classes: dict[type, type] = {}
 
 
+class _Recorded:
+    """What the routed classes add to a block: the shared recorder and its MoE layer index."""
+
+    _routing: Routing
+    _moe_index: int
+
+
 def _routed_class(cls: type, forward: Callable[..., mx.array]) -> type:
     """The block's class with a forward that routes through the recorder while it records."""
     if cls in _classes:
@@ -211,5 +217,5 @@ def _routed_class(cls: type, forward: Callable[..., mx.array]) -> type:
         index = self._moe_index
         return forward(self, x, lambda inds: routing.choose(index, inds))
 
-    _classes[cls] = type(f"Routed{cls.__name__}", (cls,), {"__call__": __call__})
+    _classes[cls] = type(f"Routed{cls.__name__}", (_Recorded, cls), {"__call__": __call__})
     return _classes[cls]
