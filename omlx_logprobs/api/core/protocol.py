@@ -155,6 +155,10 @@ class SamplingFields(SamplingKnobs):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's and SGLang's routed experts of a mixture of experts, and a routing to replay on
+    # the prompt (api/core/routed_experts.py).
+    return_routed_experts: bool = False
+    routed_experts: str | list[Any] | None = None
     # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
     priority: int = 0
     use_beam_search: bool = False

@@ -45,6 +45,10 @@ class GenerateRequest(_Open):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Routed experts and a routing to replay, as on the completions routes
+    # (api/core/routed_experts.py).
+    return_routed_experts: bool = False
+    routed_experts: str | list[Any] | None = None
     # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
     features: dict[str, Any] | None = None
     cache_salt: str | None = None
