@@ -176,3 +176,23 @@ def test_a_replayed_routing_changes_the_entries_as_a_forced_forward_does(
     ref = reference_logprobs(moe, other[0] + list(rec_other.output_ids)[:-1])
     want_other = ref[np.arange(len(other[0]) - 1, len(ref)), list(rec_other.output_ids)]
     np.testing.assert_allclose(rec_other.store.logprobs, want_other, atol=2e-5)
+
+
+def test_replaying_a_served_routing_gives_the_same_numbers(moe: LoadedModel) -> None:
+    """A request's own routing sent back on the same prompt (alone each time, as it was
+    served): its prompt entries and its tokens' entries are the same bit for bit."""
+    ids = prompt(11, 15)
+    sp = replace(ROUTED, prompt_logprobs=2, top_logprobs=2)
+    engine = Engine(moe.model, moe.vocab, moe.eos_token_ids, EngineConfig())
+    ((first, outs),) = one_by_one(engine, [EngineRequest("a", list(ids), sp, stream=True)])
+    given = outs[-1].routed_experts[: len(ids)]
+    engine = Engine(moe.model, moe.vocab, moe.eos_token_ids, EngineConfig())
+    req = EngineRequest("b", list(ids), sp, stream=True, routed_experts=given)
+    ((again, outs_again),) = one_by_one(engine, [req])
+    assert list(first.output_ids) == list(again.output_ids)
+    assert first.prompt_store is not None and again.prompt_store is not None
+    assert first.store is not None and again.store is not None
+    np.testing.assert_array_equal(first.prompt_store.logprobs, again.prompt_store.logprobs)
+    np.testing.assert_array_equal(first.prompt_store.top_logprobs, again.prompt_store.top_logprobs)
+    np.testing.assert_array_equal(first.store.logprobs, again.store.logprobs)
+    np.testing.assert_array_equal(outs[-1].routed_experts, outs_again[-1].routed_experts)
