@@ -23,6 +23,7 @@ from tests.helpers.engine import (
     Record,
     client_of,
     collect_outputs,
+    count_verifies,
     reference_logprobs,
     run_engine,
 )
@@ -196,3 +197,22 @@ def test_replaying_a_served_routing_gives_the_same_numbers(moe: LoadedModel) -> 
     np.testing.assert_array_equal(first.prompt_store.top_logprobs, again.prompt_store.top_logprobs)
     np.testing.assert_array_equal(first.store.logprobs, again.store.logprobs)
     np.testing.assert_array_equal(outs[-1].routed_experts, outs_again[-1].routed_experts)
+
+
+def test_speculation_waits_while_a_row_asks(moe: LoadedModel, monkeypatch: Any) -> None:
+    """Predicted outputs that would be verified as drafts: a row that asks for its routing
+    steps without drafts (no verify runs while it is in the batch) and gets the router's
+    choice; the same request without it is verified, with the same tokens."""
+    counts = count_verifies(monkeypatch)
+    ids = prompt(12, 10)
+    cfg = EngineConfig(speculate="prediction", speculate_max_batch=8)
+    plain = run_engine(moe, [(ids, replace(GREEDY, max_tokens=8))], cfg)[0][0]
+    predicted = tuple(plain.output_ids)
+    (rec, outs), = run_engine(moe, [(ids, replace(ROUTED, max_tokens=8, prediction=predicted))],
+                              cfg)  # fmt: skip
+    assert counts == []
+    assert list(rec.output_ids) == list(predicted)
+    picked, _ = forward(moe, ids + list(predicted)[:-1])
+    np.testing.assert_array_equal(sorted_ids(outs[-1].routed_experts), picked)
+    again = run_engine(moe, [(ids, replace(GREEDY, max_tokens=8, prediction=predicted))], cfg)
+    assert counts and list(again[0][0].output_ids) == list(predicted)
