@@ -18,6 +18,7 @@ import numpy as np
 import openai
 import pytest
 
+from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.models.loader import LoadedModel
 from tests.engine.test_families import built, prompt
 from tests.engine.test_routed_experts import forward, sorted_ids
@@ -151,3 +152,20 @@ def test_a_dense_model_refuses_them(tiny: LoadedModel) -> None:
             r = httpx.post(url + "/inference/v1/generate",
                            json={"token_ids": [1, 2], field: value}, timeout=60)  # fmt: skip
             assert_openai_error(r, 400, field)
+
+
+def test_the_server_flag_makes_every_request_ask(moe: LoadedModel, tiny: LoadedModel) -> None:
+    """--enable-return-routed-experts (vLLM's): a request that does not ask gets them on a
+    MoE model; a dense model answers as before."""
+    cfg = EngineConfig(max_num_seqs=8, prefill_chunk=64, return_routed_experts=True)
+    ids = prompt(13, 6)
+    body = {"token_ids": ids, "sampling_params": {"max_tokens": 2, "temperature": 0}}
+    with thread_server(moe, cfg) as (url, _):
+        out = httpx.post(url + "/inference/v1/generate", json=body, timeout=60).json()
+    choice = out["choices"][0]
+    routed = npy(choice["routed_experts"])
+    picked, _ = forward(moe, ids + choice["token_ids"][:-1])
+    np.testing.assert_array_equal(sorted_ids(routed), picked)
+    with thread_server(tiny, cfg) as (url, _):
+        r = httpx.post(url + "/inference/v1/generate", json=body, timeout=60)
+    assert r.status_code == 200 and "routed_experts" not in r.json()["choices"][0]

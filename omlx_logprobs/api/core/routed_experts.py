@@ -7,7 +7,9 @@ carries the shape and dtype: `np.load(io.BytesIO(base64.b64decode(s)))`), on its
 A request's own `routed_experts` (no server has a standard field for it: this is ours) is a
 routing to replay on its prompt's first positions, in the same encoding or as nested lists; the
 model's forward uses those experts there instead of its router's choice (runner/routing.py).
-Both are 400s on a model whose routing is not recorded (a dense model, a family not known)."""
+Both are 400s on a model whose routing is not recorded (a dense model, a family not known).
+`--enable-return-routed-experts` (vLLM's flag) makes every request on a model whose routing is
+recorded ask."""
 
 from __future__ import annotations
 
@@ -63,11 +65,12 @@ def with_routing(
 ) -> tuple[SamplingParams, np.ndarray | None]:
     """The request's `return_routed_experts` in its params, and its routing to replay checked
     against the model's routing shape and its prompt (`served`: api/core/served.Served)."""
+    shape = served.checks.bounds.routing
     asked = bool(getattr(req, "return_routed_experts", False))
+    asked |= served.cfg.return_routed_experts and shape is not None  # the server's flag
     given = getattr(req, "routed_experts", None)
     if not asked and given is None:
         return params, None
-    shape = served.checks.bounds.routing
     if shape is None:
         field = "return_routed_experts" if asked else "routed_experts"
         raise APIError(
