@@ -61,6 +61,9 @@ class ModelRunner:
     # Whether this runner may compile its decode forward (plan.COMPILE_DECODE); a split model's
     # runner may not (distributed/group_runner.py).
     compiles = True
+    # Whether this runner records and replays routed experts (runner/routing.py); a split
+    # model's may not (its other ranks would route a replayed prompt their own way).
+    routes = True
 
     def __init__(
         self,
@@ -72,7 +75,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         # Routed experts of a MoE family's rows that ask (runner/routing.py), or None.
-        self.routing = install(model)
+        self.routing = install(model) if self.routes else None
         self.vocab_size = vocab_size
         self.stop_ids = stop_ids  # EOS ids: what min_tokens holds back besides stop_token_ids
         self.batch = BatchState()
