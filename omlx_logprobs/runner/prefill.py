@@ -220,7 +220,8 @@ class Prefill:
             c.seq.cached_tokens = max(start - pads[row], 0)
             if c.seq.params.max_tokens > 0:
                 self.batch.prefilled[c.seq.seq_id] = Prefilled(cache, row)
-        # each row's computed positions: from after the prefix or the padding, whichever ends later
+        # Each row's computed positions (routed experts): from after the prefix or the padding,
+        # whichever ends later.
         spans = [RowSpan(c.seq.group, f, c.end - f, max(p - start, 0))
                  for c, p in zip(group, pads) for f in [max(start - p, 0)]]  # fmt: skip
         if not scored:

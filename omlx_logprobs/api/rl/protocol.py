@@ -102,13 +102,14 @@ class SglangGenerateRequest(_Open):
     lora_path: str | list[str] | None = None  # a loaded LoRA adapter's name
     model: str | None = None  # which served model (this server's extension)
     logprobs_mode: LogprobsModeName = "processed_logprobs"  # SGLang's: after temperature
+    # meta_info.routed_experts of a mixture of experts (api/core/routed_experts.py)
+    return_routed_experts: bool = False
     # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
     input_embeds: Any = None
     return_hidden_states: bool = False
-    return_routed_experts: bool = False
     session_params: dict[str, Any] | None = None
 
     @property
