@@ -216,3 +216,25 @@ def test_speculation_waits_while_a_row_asks(moe: LoadedModel, monkeypatch: Any) 
     np.testing.assert_array_equal(sorted_ids(outs[-1].routed_experts), picked)
     again = run_engine(moe, [(ids, replace(GREEDY, max_tokens=8, prediction=predicted))], cfg)
     assert counts and list(again[0][0].output_ids) == list(predicted)
+
+
+def test_each_choice_of_a_prompt_gets_its_own_routing(moe: LoadedModel) -> None:
+    """n = 3 sampled choices of one prompt, prefilled once: each choice's routing is the
+    prompt's and its own tokens'."""
+    ids = prompt(14, 12)
+    sp = replace(ROUTED, temperature=1.0, seed=8, max_tokens=5)
+    engine = Engine(moe.model, moe.vocab, moe.eos_token_ids, EngineConfig())
+    client = client_of(engine)
+    try:
+        outs = asyncio.run(collect_outputs(client, EngineRequest("n", ids, sp, n=3, stream=True)))
+    finally:
+        client.shutdown()
+    seen = set()
+    for choice in outs:
+        tokens = [t for o in choice for t in o.token_ids.tolist()]
+        seen.add(tuple(tokens))
+        routed = choice[-1].routed_experts
+        assert routed is not None and routed.shape == (len(ids) + 4, 2, 2)
+        picked, _ = forward(moe, ids + tokens[:-1])
+        np.testing.assert_array_equal(sorted_ids(routed), picked)
+    assert len(seen) > 1  # the choices differ
