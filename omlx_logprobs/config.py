@@ -35,6 +35,9 @@ class EngineConfig:
     # tool-call tokens included (as vLLM writes them), for requests that name no
     # `flat_logprobs`; requests with `return_token_ids` get it anyway (docs/specs/rl.md).
     flat_logprobs: bool = False
+    # vLLM's --enable-return-routed-experts: every request on a model whose routing is
+    # recorded returns it, as if it asked (api/core/routed_experts.py).
+    return_routed_experts: bool = False
     # MLX's cache of freed buffers; None: 4 GiB on a GPU, MLX's own default on the CPU.
     cache_limit_mib: int | None = None
     # Device memory for kept sequences' keys and values (runner/prefix_cache.py); 0 turns

@@ -133,6 +133,13 @@ def _add_output(s: argparse.ArgumentParser) -> None:
         " reasoning and tool-call tokens included (as vLLM writes them), for requests that do"
         " not say (a request's flat_logprobs decides; return_token_ids implies it)",
     )
+    s.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="vLLM's flag: on a mixture of experts whose routing is recorded (qwen3_moe,"
+        " qwen2_moe, mixtral), every choice returns its routed_experts, as if each request"
+        " asked with return_routed_experts (docs/specs/rl.md)",
+    )
 
 
 def _add_distributed(s: argparse.ArgumentParser) -> None:

@@ -55,6 +55,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prefill_chunk=args.prefill_chunk,
         max_top_logprobs=args.max_logprobs,
         flat_logprobs=args.flat_logprobs,
+        return_routed_experts=args.enable_return_routed_experts,
         max_model_len=args.max_model_len,
         logprobs_mode=args.logprobs_mode,
         cache_limit_mib=args.mlx_cache_limit_mib,

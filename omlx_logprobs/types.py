@@ -127,6 +127,9 @@ class SamplingParams:
     # OpenAI's Predicted Outputs: the ids of the text the client expects, drafts that the model
     # verifies (runner/speculation.py); they never change what is sampled.
     prediction: tuple[int, ...] = ()
+    # vLLM's and SGLang's routed experts: each computed position's top-k expert ids per MoE
+    # layer (runner/routing.py), with the choice's last output (RequestOutput.routed_experts).
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -236,6 +239,9 @@ class EngineRequest:
     cache_namespace: int = 0
     # vLLM's priority scheduling: lower is scheduled first, ties by arrival (docs/specs/rl.md).
     priority: int = 0
+    # A routing to replay (runner/routing.py): the top-k expert ids per MoE layer of the
+    # prompt's first positions, [n, moe_layers, top_k] int16, used in place of the router's.
+    routed_experts: np.ndarray | None = None
 
 
 # vLLM's `priority` is a Python int; here it is bounded to what a 32-bit int holds.
@@ -364,6 +370,10 @@ class RequestOutput:
     # place): (first token, version) from its first token on; empty when one version made it.
     weight_spans: tuple[tuple[int, WeightVersion], ...] = ()
     adapter: AdapterVersion | None = None  # the LoRA adapter it ran on (None: the model)
+    # The choice's routed experts, on its last output when asked (SamplingParams
+    # .return_routed_experts): [positions, moe_layers, top_k] int16 for every position the
+    # model computed, the prompt's and every output token's but the last.
+    routed_experts: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -98,6 +98,10 @@ class Sequence:
         # Drafts from its prediction the target accepted and rejected (runner/speculation.py).
         self.accepted_prediction_tokens = 0
         self.rejected_prediction_tokens = 0
+        # Routed experts (runner/routing.py): a routing to replay on the prompt's first
+        # positions, and what its forwards recorded, by first position (host arrays).
+        self.replay: Any = None
+        self.routes: dict[int, Any] = {}
 
     @classmethod
     def of(cls, req: EngineRequest) -> Sequence:
@@ -112,6 +116,7 @@ class Sequence:
             reasoning_tags=req.reasoning_tags,
         )
         seq.cache_namespace, seq.priority = req.cache_namespace, req.priority
+        seq.replay = req.routed_experts
         for i in range(1, req.n):
             seq.fork(i)
         return seq
@@ -131,6 +136,7 @@ class Sequence:
         )
         seq.adapter, seq.adapter_version = self.adapter, self.adapter_version
         seq.cache_namespace, seq.priority = self.cache_namespace, self.priority
+        seq.replay = self.replay
         self.forks.append(seq)
         return seq
 

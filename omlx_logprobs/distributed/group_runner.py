@@ -34,6 +34,8 @@ class _GroupRunner(ModelRunner):
     group: Any
     # A compiled trace of a forward with collectives in it was never run on a group.
     compiles = False
+    # Routed experts are recorded by one process alone (the followers hold no replay).
+    routes = False
 
     def _forward_unread(self, ids: mx.array, cache: list[Any]) -> tuple[mx.array, ...]:
         # A forward is a collective: its output must run on every rank, or a pipeline's

@@ -12,6 +12,7 @@ from omlx_logprobs.control import INITIAL_WEIGHTS
 from omlx_logprobs.output.sections import NO_TEXT, TextDelta
 from omlx_logprobs.runner.grammar import leaves
 from omlx_logprobs.runner.prompt_scoring import PromptSlice
+from omlx_logprobs.runner.routing import assemble
 from omlx_logprobs.runner.step import StepResult
 from omlx_logprobs.types import Entries, FinishReason, RequestOutput, SamplingParams
 from omlx_logprobs.vocab import Vocabulary
@@ -179,6 +180,15 @@ class OutputProcessor:
             weight_version=seq.weight_spans[0][1] if seq.weight_spans else self.weights,
             weight_spans=tuple(seq.weight_spans),
             adapter=seq.adapter_version,
+            routed_experts=self._routed_experts(seq) if done else None,
         )
         seq.released_tokens = end
         self._outputs.append(out)
+
+    @staticmethod
+    def _routed_experts(seq: Sequence) -> np.ndarray | None:
+        """A finished choice's routed experts when asked: every position the model computed,
+        the prompt's and each output token's but the last (which no forward took in)."""
+        if not seq.params.return_routed_experts:
+            return None
+        return assemble(seq.routes, len(seq.prompt_ids) + max(seq.num_output - 1, 0))

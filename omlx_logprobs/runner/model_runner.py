@@ -45,6 +45,7 @@ from omlx_logprobs.runner.prefill import Prefill
 from omlx_logprobs.runner.prefix import Key, Prefix
 from omlx_logprobs.runner.prefix_cache import PrefixCache
 from omlx_logprobs.runner.prompt_cache import PromptCache
+from omlx_logprobs.runner.routing import RowSpan, install, routed
 from omlx_logprobs.runner.sampler import draw, step_key
 from omlx_logprobs.runner.snapshot import make_prefix
 from omlx_logprobs.runner.speculation import Speculator
@@ -60,6 +61,9 @@ class ModelRunner:
     # Whether this runner may compile its decode forward (plan.COMPILE_DECODE); a split model's
     # runner may not (distributed/group_runner.py).
     compiles = True
+    # Whether this runner records and replays routed experts (runner/routing.py); a split
+    # model's may not (its other ranks would route a replayed prompt their own way).
+    routes = True
 
     def __init__(
         self,
@@ -70,6 +74,8 @@ class ModelRunner:
         stop_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
+        # Routed experts of a MoE family's rows that ask (runner/routing.py), or None.
+        self.routing = install(model) if self.routes else None
         self.vocab_size = vocab_size
         self.stop_ids = stop_ids  # EOS ids: what min_tokens holds back besides stop_token_ids
         self.batch = BatchState()
@@ -110,6 +116,7 @@ class ModelRunner:
         self.prefill = Prefill(
             model, self.templates, self.plan, self.adapters, self.prefixes, self.prompt_cache,
             self.prefix_key, self.extractor, self.batch, self.queue, self._forward_unread,
+            self.routing,
         )  # fmt: skip
         if self.plan.cache_limit_mib is not None:
             mx.set_cache_limit(self.plan.cache_limit_mib << 20)
@@ -128,7 +135,9 @@ class ModelRunner:
         """Queue one step on the device and return at once."""
         batch = self.batch
         assert [s.seq_id for s in work.decode] == [s.seq_id for s in batch.rows]
-        if self.speculator is not None and not work.prefill:
+        # A row that records or replays routing steps without drafts: a verify would record
+        # the routing of drafts it then rejects.
+        if self.speculator is not None and not work.prefill and not self._routes_rows():
             if (spec := self.speculator.launch(batch, self)) is not None:
                 return spec
         parts: list[mx.array] = []
@@ -149,12 +158,20 @@ class ModelRunner:
         seqs += chosen
         if prompt:  # queued now, collected with the step: no sync per scored block
             self.queue(*(x for p in prompt for x in p.arrays()))
+        routes = self.routing.take() if self.routing is not None else []
+        if routes:  # read back with the step that computed them
+            self.queue(*(r for _, _, r in routes))
         if not seqs:
-            if not prompt and not prompt_only:
+            if not prompt and not prompt_only and not routes:
                 return None
-            return LaunchedStep([], None, prompt, prompt_only)
+            return LaunchedStep([], None, prompt, prompt_only, routes=routes)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-        return replace(self._sample(logits, seqs), prompt=prompt, prompt_only=prompt_only)
+        step = self._sample(logits, seqs)
+        return replace(step, prompt=prompt, prompt_only=prompt_only, routes=routes)
+
+    def _routes_rows(self) -> bool:
+        """Whether a batch row records or replays routed experts (runner/routing.py)."""
+        return self.routing is not None and any(routed(s) for s in self.batch.rows)
 
     def forward_batch(self, inputs: mx.array, width: int = 0) -> mx.array:
         """The batch rows' logits for `inputs` (`forward_rows`), after their cache's room is
@@ -177,6 +194,11 @@ class ModelRunner:
         assert cache is not None
         n = inputs.shape[1]
         cache.advance([n] * len(cache))
+        if self.routing is not None and self._routes_rows():  # the model's own forward records
+            rows = [RowSpan([s], len(s.prompt_ids) + s.num_sampled - 1, n)
+                    for s in self.batch.rows]  # fmt: skip
+            logits = self.routing.run(lambda: self.model(inputs, cache=cache.layers), rows, n)
+            return logits[:, -1, :] if n == 1 else logits
         if not self.adapters.stacks:
             if n == 1 and decode is not None and decode.supports(cache):
                 return decode(inputs, cache)
@@ -301,6 +323,8 @@ class ModelRunner:
     def cached_len(self, seq: Sequence) -> int:
         """How many of a whole prompt's tokens a kept prefix holds now (prefixes made in the
         prompt's own step are not foreseen)."""
+        if self.routing is not None and routed(seq):  # computed whole: see runner/prefill.py
+            return 0
         if seq.scored:
             return self.prompt_cache.held(seq)
         if self.prefixes is None:
@@ -350,6 +374,10 @@ class ModelRunner:
         else:
             tokens, finite, logprobs = np.zeros(0, np.int32), np.ones(0, bool), None
         prompt = [x for p in step.prompt for x in p.to_host()]
+        for seqs, first, routes in step.routes:
+            host = np.array(routes, copy=False)
+            for s in seqs:
+                s.routes[first] = host
         self.time.read_s += time.perf_counter() - t0
         return StepResult(step.seqs, tokens, finite, logprobs, prompt, step.prompt_only)
 
@@ -400,5 +428,7 @@ class ModelRunner:
     def _keep_finished(self, rows: list[int]) -> None:
         """Keep these batch rows' keys and values in the prefix cache (runner/keep.py)."""
         if self.prefixes is not None and self.keeps_finished:
+            # keys and values computed with a replayed routing are not the model's own
+            rows = [r for r in rows if self.batch.rows[r].replay is None]
             key_of, whole = self.prefix_key, self.plan.whole
             keep_finished(self.batch, rows, self.prefixes, self.prompt_cache, key_of, whole)

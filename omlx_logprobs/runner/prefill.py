@@ -14,7 +14,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -31,6 +31,7 @@ from omlx_logprobs.runner.prefix import Key, Prefix
 from omlx_logprobs.runner.prefix_cache import PrefixCache
 from omlx_logprobs.runner.prompt_cache import PromptCache
 from omlx_logprobs.runner.prompt_scoring import PendingPrompts, chunk_slice, score, score_key
+from omlx_logprobs.runner.routing import Routing, RowSpan, routed
 from omlx_logprobs.runner.snapshot import (
     from_cache,
     from_row,
@@ -42,6 +43,8 @@ from omlx_logprobs.runner.snapshot import (
 )
 
 __all__ = ["Prefill"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -69,10 +72,12 @@ class Prefill:
         batch: BatchState,
         queue: Callable[..., None],
         forward_unread: ForwardUnread,
+        routing: Routing | None = None,
     ) -> None:
         """The runner's parts that prefilling reads and its batch state, which it writes;
         `queue` queues arrays on the device, timed (ModelRunner.queue); `key_of`: a prompt's
-        prefix-cache key, its adapter's and its namespace (runner/prefix.py)."""
+        prefix-cache key, its adapter's and its namespace (runner/prefix.py); `routing` records
+        and replays routed experts (runner/routing.py)."""
         self.model = model
         self.templates = templates
         self.plan = plan
@@ -85,6 +90,7 @@ class Prefill:
         self.batch = batch
         self.queue = queue
         self.forward_unread = forward_unread
+        self.routing = routing
 
     def launch(
         self, work: SchedulerOutput
@@ -175,6 +181,13 @@ class Prefill:
             return False
         return not c.seq.scored or self.plan.split_head
 
+    def _routed(self, rows: list[RowSpan], width: int, forward: Callable[[], T]) -> T:
+        """`forward()` over `rows` of `width` columns, recording and replaying routed experts
+        when one of its rows asks (runner/routing.py); else as it is."""
+        if self.routing is None or not any(routed(r.seqs[0]) for r in rows):
+            return forward()
+        return self.routing.run(forward, rows, width)
+
     def _head(self, h: mx.array) -> mx.array:
         assert self.split is not None
         return self.split.head(h)
@@ -210,12 +223,19 @@ class Prefill:
             c.seq.cached_tokens = max(start - pads[row], 0)
             if c.seq.params.max_tokens > 0:
                 self.batch.prefilled[c.seq.seq_id] = Prefilled(cache, row)
+        # Each row's computed positions (routed experts): from after the prefix or the padding,
+        # whichever ends later.
+        spans = [RowSpan(c.seq.group, f, c.end - f, max(p - start, 0))
+                 for c, p in zip(group, pads) for f in [max(start - p, 0)]]  # fmt: skip
         if not scored:
-            logits = self._last_logits(ids, cache.layers)
+            logits = self._routed(
+                spans, width - start, lambda: self._last_logits(ids, cache.layers)
+            )
             cache.finish_prefill()
             return logits, None
         assert self.split is not None
-        h = self.split.body(ids, cache=cache.layers)
+        body = self.split.body
+        h = self._routed(spans, width - start, lambda: body(ids, cache=cache.layers))
         cache.finish_prefill()
         # Every row's computed positions but its last, rows in group order: one flat [N, H]
         # block. A row's first `done` positions came with the prefix, their entries too.
@@ -231,6 +251,7 @@ class Prefill:
         keep = [
             x
             for r, (c, p) in enumerate(zip(group, pads))
+            if c.seq.replay is None  # entries of a replayed routing are not the model's own
             for x in self.prompt_cache.keep(
                 c.seq, partial(from_row, c.seq.prompt_ids, np.zeros(0), c.end, cache.layers, r, p)
             )
@@ -279,6 +300,9 @@ class Prefill:
         scored ones, one that keeps their prompt entries too."""
         if self.prefixes is None:
             return {}
+        # Prompts that record or replay routed experts are computed whole: a kept prefix's
+        # routing was not recorded, and one computed with a replayed routing is not kept.
+        chunks = [c for c in chunks if self.routing is None or not routed(c.seq)]
         plain = [c for c in chunks if not c.seq.scored]
         scored = [c for c in chunks if c.seq.scored]
         keys = [self.key_of(c.seq) for c in plain]
@@ -297,7 +321,9 @@ class Prefill:
             return cache, chunk.start, None
         cache = self.batch.chunk_caches[seq.seq_id] = make_prompt_cache(self.model)
         found = None
-        if seq.scored:
+        if self.routing is not None and routed(seq):  # computed whole (`_prefixes`)
+            pass
+        elif seq.scored:
             found = self.prompt_cache.start(seq, chunk.end - 1)
         elif self.prefixes is not None:
             found = self.prefixes.longest(seq.context_ids, chunk.end - 1, self.key_of(seq))
@@ -317,21 +343,22 @@ class Prefill:
         self.adapters.select_rows([seq])
         scored: Any = None
         unread: tuple[mx.array, ...] = ()
+        span, n = [RowSpan(seq.group, start, chunk.end - start)], chunk.end - start
         if seq.scored:  # every position's logits but those of a kept start: the prompt is scored
-            out = self.model(ids, cache=cache)[0]
+            out = self._routed(span, n, lambda: self.model(ids, cache=cache))[0]
             rows = chunk_slice(seq, start, out.shape[0])
             served = (found.scores.served(seq, start),) if found and found.scores else ()
             keep = []
-            if chunk.is_last:  # the whole prompt's keys and values are in the cache now
+            if chunk.is_last and seq.replay is None:  # the whole prompt's keys and values
                 keep = self.prompt_cache.keep(seq, lambda: from_cache(seq.prompt_ids, cache))
             scored = score([rows], lambda a, b: out[a:b], self.extractor, served, tuple(keep))
             logits = out[-1:, :]
         elif chunk.is_last:
-            logits = self._last_logits(ids, cache)
+            logits = self._routed(span, n, lambda: self._last_logits(ids, cache))
         else:
             # Lazy: evaluating only the cache skips the head. Split over processes, the
             # forward's output is evaluated too (distributed/group_runner.py).
-            unread = self.forward_unread(ids, cache)
+            unread = self._routed(span, n, lambda: self.forward_unread(ids, cache))
         if not chunk.is_last:
             kept = self._boundary(seq, cache, chunk.end)
             # Bound the lazy graph between chunks.

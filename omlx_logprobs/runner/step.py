@@ -37,6 +37,9 @@ class LaunchedStep:
     prompt: list[PendingPrompts] = field(default_factory=list)  # scored prompt positions
     prompt_only: list[Sequence] = field(default_factory=list)  # prefilled with max_tokens 0
     spec: Any = None  # a speculative step's drafts (runner/speculation.py's SpecStep)
+    # Routed experts its forwards recorded (runner/routing.py): (sequences, first position,
+    # [positions, moe_layers, top_k] int16 on the device), read back by `collect`.
+    routes: list[tuple[list[Sequence], int, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

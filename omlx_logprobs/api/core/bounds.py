@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omlx_logprobs.models.footprint import kv_memory
+from omlx_logprobs.models.moe import RoutingShape, routing_shape
 
 # What the template renderer itself passes to Jinja besides apply_chat_template's parameters.
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
@@ -26,6 +28,8 @@ class ModelBounds:
     # One token's keys and values, and the memory the weights leave for them (0: unchecked).
     kv_bytes_per_token: int = 0
     kv_budget_bytes: int = 0
+    # A mixture of experts whose routing is recorded and replayed (api/core/routed_experts.py).
+    routing: RoutingShape | None = None
 
 
 def model_bounds(model: Any, max_top_logprobs: int) -> ModelBounds:
@@ -52,4 +56,5 @@ def model_bounds(model: Any, max_top_logprobs: int) -> ModelBounds:
         frozenset(reserved),
         per_token,
         budget,
+        routing_shape(Path(path)) if (path := getattr(model, "path", None)) else None,
     )

@@ -61,7 +61,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("audio_data", given, "multimodal input"),
     Unsupported("input_embeds", given, "input embeddings"),
     Unsupported("return_hidden_states", given, "hidden states"),
-    Unsupported("return_routed_experts", given, "routed experts (no MoE replay)"),
     Unsupported("session_params", given, "sessions"),
     Unsupported("custom_params", given, "custom logit processors"),
 )

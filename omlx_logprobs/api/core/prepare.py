@@ -27,6 +27,7 @@ from omlx_logprobs.api.core.protocol import (
     CompletionRequest,
     SamplingKnobs,
 )
+from omlx_logprobs.api.core.routed_experts import with_routing
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.logprobs.wire import LogprobWriter
 from omlx_logprobs.parsing.thinking import think_start
@@ -128,6 +129,7 @@ def _chat(
     parsing = tools.tool_parsing(req, served.tool_format, tokenizer)
     prompt = _chat_prompt(req, served)
     params = sampling_params(ask, served, len(prompt), content)
+    params, replay = with_routing(req, served, len(prompt), params)
     if req.prediction is not None:
         params = replace(params, prediction=prediction_ids(req.prediction, served.model))
     # tool_choice required or named, or a constraint beside tools: the calls' grammar
@@ -156,6 +158,7 @@ def _chat(
         adapter=served.adapter(req.model),
         cache_namespace=cache_namespace(req.cache_salt),
         priority=req.priority,
+        routed_experts=replay,
     )
     return (ereq,), constraint
 
@@ -177,20 +180,24 @@ def _completion(
     constraint = served.checks.check_completion(req)
     prompts = completion_prompts(req, served.model, served.checks)
     adapter = served.adapter(req.model)
-    requests = tuple(
-        EngineRequest(
-            f"{rid}-{i}",
-            ids,
-            sampling_params(ask, served, len(ids), constraint),
-            req.n,
-            stream=req.stream,
-            adapter=adapter,
-            cache_namespace=cache_namespace(req.cache_salt),
-            priority=req.priority,
+    requests = []
+    for i, ids in enumerate(prompts):
+        params = sampling_params(ask, served, len(ids), constraint)
+        params, replay = with_routing(req, served, len(ids), params)  # each prompt's own length
+        requests.append(
+            EngineRequest(
+                f"{rid}-{i}",
+                ids,
+                params,
+                req.n,
+                stream=req.stream,
+                adapter=adapter,
+                cache_namespace=cache_namespace(req.cache_salt),
+                priority=req.priority,
+                routed_experts=replay,
+            )  # fmt: skip
         )
-        for i, ids in enumerate(prompts)
-    )
-    return requests, constraint
+    return tuple(requests), constraint
 
 
 def sampling_params(

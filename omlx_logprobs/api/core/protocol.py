@@ -164,6 +164,10 @@ class SamplingFields(SamplingKnobs):
     # vLLM's priority scheduling (lower first) and prefix-cache namespace (docs/specs/rl.md).
     priority: Priority = 0
     cache_salt: CacheSalt = None
+    # vLLM's and SGLang's routed experts of a mixture of experts, and a routing to replay on
+    # the prompt (api/core/routed_experts.py).
+    return_routed_experts: bool = False
+    routed_experts: str | list[Any] | None = None
     # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
     use_beam_search: bool = False
     length_penalty: float = 1.0  # beam search's

@@ -20,6 +20,7 @@ from omlx_logprobs.api.core.response import (
     weight_spans_json,
     weight_version_json,
 )
+from omlx_logprobs.api.core.routed_experts import routed_experts_json
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.types import RequestOutput, ThinkStart
 
@@ -97,7 +98,8 @@ class ChatRun:
             choices.append(
                 f'{{"index":{out.index},"message":{message},'
                 f'"logprobs":{logprobs_json(p, out, flat)},'
-                f'"finish_reason":{finish}{ids}{weight_spans_json(out)}}}'
+                f'"finish_reason":{finish}{ids}{weight_spans_json(out)}'
+                f"{routed_experts_json(out)}}}"
             )
         extra = ""
         if req.return_token_ids:
@@ -160,7 +162,9 @@ class ChatRun:
                 reason = out.finish_reason.value if out.finish_reason else None
                 called = numbering[i].count > 0
                 finish = tools.finish_reason(reason, called, named)
-                yield choice(i, {}, "null", finish, weight_spans_json(out))
+                yield choice(
+                    i, {}, "null", finish, weight_spans_json(out) + routed_experts_json(out)
+                )
         if include_usage:
             done = [finals[i] for i in sorted(finals)]
             yield chunks.usage(usage(done, ereq.think is not ThinkStart.OFF))

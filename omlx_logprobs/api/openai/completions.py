@@ -21,6 +21,7 @@ from omlx_logprobs.api.core.response import (
     weight_spans_json,
     weight_version_json,
 )
+from omlx_logprobs.api.core.routed_experts import routed_experts_json
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.logprobs.legacy import LegacyCursor
 from omlx_logprobs.types import RequestOutput
@@ -97,7 +98,8 @@ class CompletionRun:
             finish = json.dumps(out.finish_reason.value if out.finish_reason else None)
             parts.append(
                 f'{{"index":{c.index},"text":{text},"logprobs":{lp},'
-                f'"finish_reason":{finish}{extras}{weight_spans_json(out)}}}'
+                f'"finish_reason":{finish}{extras}{weight_spans_json(out)}'
+                f"{routed_experts_json(out)}}}"
             )
         w = weight_version_json(outs[0].weight_version, outs[0].adapter)
         body = f'"choices":[{",".join(parts)}],"usage":{json.dumps(usage(outs))}{w}}}'
@@ -131,7 +133,7 @@ class CompletionRun:
                 fin = json.dumps(out.finish_reason.value if out.finish_reason else None)
                 end = (
                     f'{{"index":{i},"text":"","logprobs":null,"finish_reason":{fin}'
-                    f"{weight_spans_json(out)}}}"
+                    f"{weight_spans_json(out)}{routed_experts_json(out)}}}"
                 )
                 yield chunks.chunk(end)
         if include_usage:

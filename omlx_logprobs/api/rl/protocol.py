@@ -50,6 +50,10 @@ class GenerateRequest(_Open):
     # vLLM's priority scheduling (lower first) and prefix-cache namespace (docs/specs/rl.md).
     cache_salt: CacheSalt = None
     priority: Priority = 0
+    # Routed experts and a routing to replay, as on the completions routes
+    # (api/core/routed_experts.py).
+    return_routed_experts: bool = False
+    routed_experts: str | list[Any] | None = None
     # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
     features: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -101,13 +105,14 @@ class SglangGenerateRequest(_Open):
     lora_path: str | list[str] | None = None  # a loaded LoRA adapter's name
     model: str | None = None  # which served model (this server's extension)
     logprobs_mode: LogprobsModeName = "processed_logprobs"  # SGLang's: after temperature
+    # meta_info.routed_experts of a mixture of experts (api/core/routed_experts.py)
+    return_routed_experts: bool = False
     # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
     input_embeds: Any = None
     return_hidden_states: bool = False
-    return_routed_experts: bool = False
     session_params: dict[str, Any] | None = None
 
     @property

@@ -7,6 +7,7 @@ default)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
@@ -20,6 +21,7 @@ from omlx_logprobs.api.core.errors import APIError, error_body
 from omlx_logprobs.api.core.prepare import Ask, sampling_params
 from omlx_logprobs.api.core.prompts import encode
 from omlx_logprobs.api.core.response import finished
+from omlx_logprobs.api.core.routed_experts import with_routing
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.rl.protocol import GenerateSampling, SglangGenerateRequest, SglangSampling
 from omlx_logprobs.control import WeightVersion
@@ -164,6 +166,7 @@ class SglangRun:
         ask = Ask(knobs, sp.max_new_tokens, item.logprob, item.top,
                   item.top if scored else None, prompt_param="input_ids")  # fmt: skip
         params = sampling_params(ask, self.served, len(item.ids), constraint)
+        params, _ = with_routing(req, self.served, len(item.ids), params)
         rid = f"{item.rid}-{uuid.uuid4().hex[:8]}"  # unique in the engine whatever was sent
         return EngineRequest(rid, item.ids, params, sp.n, stream=req.stream, adapter=adapter)
 
@@ -272,6 +275,9 @@ class SglangRun:
             meta += f',"weight_versions":{json.dumps(spans)}'
         if item.logprob:
             meta += "," + self._logprobs(req, item, out)
+        if out.routed_experts is not None:  # SGLang's: the base64 of the int32 ids, flat
+            flat = base64.b64encode(out.routed_experts.astype("<i4").tobytes()).decode()
+            meta += f',"routed_experts":"{flat}"'
         if out.finished:
             meta += f',"e2e_latency":{round(time.monotonic() - began, 6)}'
         return (

@@ -20,6 +20,7 @@ from omlx_logprobs.api.core.response import (
     weight_spans_json,
     weight_version_json,
 )
+from omlx_logprobs.api.core.routed_experts import routed_experts_json, with_routing
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.rl.protocol import GenerateRequest
 from omlx_logprobs.transport.client import merged
@@ -39,12 +40,13 @@ def engine_request(req: GenerateRequest, served: Served) -> tuple[str, EngineReq
     ask = Ask(sp, sp.max_tokens, sp.logprobs is not None, sp.logprobs or 0,
               sp.prompt_logprobs, prompt_param="token_ids")  # fmt: skip
     params = sampling_params(ask, served, len(ids), constraint)
+    params, replay = with_routing(req, served, len(ids), params)
     rid = f"generate-tokens-{req.request_id or uuid.uuid4().hex}"
     # the engine's id is unique among requests in flight whatever the caller sent
     ereq = EngineRequest(
         f"{rid}-{uuid.uuid4().hex[:8]}", ids, params, sp.n, stream=req.stream,
         adapter=served.adapter(name), cache_namespace=cache_namespace(req.cache_salt),
-        priority=req.priority,
+        priority=req.priority, routed_experts=replay,
     )  # fmt: skip
     return rid, ereq
 
@@ -68,7 +70,7 @@ class GenerateRun:
             else f'{{"content":{self.entries.entries(out.logprobs)}}}'
         )
         reason = out.finish_reason.value if finish and out.finish_reason else None
-        spans = weight_spans_json(out) if finish else ""
+        spans = weight_spans_json(out) + routed_experts_json(out) if finish else ""
         return (
             f'{{"index":{out.index},"logprobs":{lp},"finish_reason":{json.dumps(reason)},'
             f'"token_ids":{json.dumps(out.token_ids.tolist())}{spans}}}'
