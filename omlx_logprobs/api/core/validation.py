@@ -256,6 +256,14 @@ class RequestLimits:
         keep = self.bounds.max_model_len if truncate == -1 else truncate
         return ids[-keep:] if len(ids) > keep else ids
 
+    def tail_logprob(self, asked: bool, any_logprobs: bool) -> bool:
+        """`return_tail_logprob` describes entries: it needs some to describe."""
+        if asked and not any_logprobs:
+            raise APIError(
+                "return_tail_logprob needs logprobs or prompt_logprobs", param="return_tail_logprob"
+            )
+        return asked
+
     def logprob_token_ids(self, ids: list[int] | None, any_logprobs: bool) -> tuple[int, ...]:
         """The ids to report in place of a top list (their count and range: `check`)."""
         if ids is None:

@@ -15,7 +15,7 @@ from omlx_logprobs.api.core.protocol import ChatCompletionRequest, NamedToolChoi
 from omlx_logprobs.api.core.response import (
     finished,
     head,
-    prompt_logprobs_json,
+    prompt_logprobs_fields,
     usage,
     weight_spans_json,
     weight_version_json,
@@ -105,8 +105,7 @@ class ChatRun:
         scored = outs[0].prompt_logprobs
         asked = ereq.params.prompt_logprobs
         if asked is not None and scored is not None:
-            entries = prompt_logprobs_json(req, scored, p.writer, asked)
-            extra += f',"prompt_logprobs":{entries}'
+            extra += prompt_logprobs_fields(req, scored, p.writer, asked)
         body = usage(outs, ereq.think is not ThinkStart.OFF)
         return (
             f'{self._head("chat.completion")}"choices":[{",".join(choices)}],'
