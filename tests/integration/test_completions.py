@@ -228,7 +228,6 @@ def test_text_offsets_with_multibyte_characters(client: openai.OpenAI) -> None:
         ({"best_of": 3}, "best_of"),
         ({"n": 17}, "n"),
         ({"logprobs": 257}, "logprobs"),
-        ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
         ({"prompt_logprobs": 257}, "prompt_logprobs"),
         ({"logprobs": 1, "logprob_token_ids": [49152]}, "logprob_token_ids"),
         ({"logprobs": 1, "logprob_token_ids": list(range(129))}, "logprob_token_ids"),

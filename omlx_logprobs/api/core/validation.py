@@ -50,7 +50,6 @@ class RequestLimits:
                 " message).",
                 param="continue_final_message",
             )
-        _no_streamed_prompt_logprobs(req)
         return constraint
 
     def check_completion(self, req: Any) -> Constraint | None:
@@ -62,7 +61,6 @@ class RequestLimits:
             raise APIError("n must be at least 1.", param="n")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of must equal n (no server-side ranking of choices).", "best_of")
-        _no_streamed_prompt_logprobs(req)
         return constraint
 
     def check(self, req: BaseModel) -> Constraint | None:
@@ -276,11 +274,6 @@ class RequestLimits:
         if len(set(ids)) != len(ids):
             raise APIError("logprob_token_ids must be distinct", param=param)
         return tuple(ids)
-
-
-def _no_streamed_prompt_logprobs(req: Any) -> None:
-    if req.prompt_logprobs is not None and req.stream:
-        raise APIError("prompt_logprobs is not available with streaming", param="prompt_logprobs")
 
 
 def _at_most(value: int, most: int, param: str, what: str = "") -> None:
