@@ -95,6 +95,23 @@ class Block:
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @staticmethod
+    def concat(blocks: list[Block]) -> Block:
+        """Consecutive blocks (a stream's chunks) as one; the tail where every block has one."""
+
+        def joined(name: str) -> np.ndarray:
+            return np.concatenate([getattr(b, name) for b in blocks])
+
+        tail = joined("tail") if all(b.tail is not None for b in blocks) else None
+        return Block(
+            joined("token_ids"),
+            joined("logprobs"),
+            joined("ranks"),
+            joined("top_ids"),
+            joined("top_logprobs"),
+            tail,
+        )
+
 
 def decode_block(obj: dict[str, Any]) -> Block:
     """A block of either encoding (a dict as `json.loads` or the openai client returns it) as
