@@ -152,11 +152,11 @@ def test_limits_accept_values_at_the_limit(limited: str) -> None:
         "stop": ["12345678", "b", "c", "d"],
         "stop_token_ids": [1, 2, 3, 49151],
         "logprobs": True,
-        "top_logprobs": 20,
+        "top_logprobs": 256,  # the default --max-logprobs
     }
     r = httpx.post(limited + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 256
 
 
 def test_prompt_over_the_context_window(limited: str) -> None:
