@@ -2,10 +2,12 @@
 forward pass: each generated and prompt position's log of the probability outside its returned
 list, for top lists of 1, 20 and 256 and for `logprob_token_ids`, rows of one batch asking for
 lists of their own length, on the CPU's host path and the device path, and prompt entries served
-from a kept prefix extracted with a longer list."""
+from a kept prefix extracted with a longer list; tokens accepted from a prediction; entries with
+tails between processes."""
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
 
 import numpy as np
@@ -17,7 +19,7 @@ from omlx_logprobs.runner import plan
 from omlx_logprobs.types import Entries, SamplingParams
 from tests.engine.test_conversation_cache import Chat
 from tests.engine.test_prompt_cache import prompts, scoring
-from tests.helpers.engine import Record, encode, reference_logprobs, run_engine
+from tests.helpers.engine import Record, count_verifies, encode, reference_logprobs, run_engine
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods."
 TOL = 1e-5
@@ -38,6 +40,12 @@ def check_tails(e: Entries, ref: np.ndarray, tol: float = TOL) -> None:
     """Entries' tails against the reference rows they were extracted from."""
     assert e.tail is not None and len(e.tail) == len(e) == len(ref)
     np.testing.assert_allclose(e.tail, reference_tails(ref, e.top_ids), atol=tol, rtol=0)
+
+
+@pytest.fixture
+def verified(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Tokens emitted by speculative steps, counted as they are collected."""
+    return count_verifies(monkeypatch)
 
 
 def generated_rows(tiny: LoadedModel, prompt: list[int], r: Record) -> np.ndarray:
@@ -124,3 +132,29 @@ def test_prompt_tails_from_a_kept_prefix(tiny: LoadedModel) -> None:
             chat_off.client.shutdown()
     finally:
         chat.client.shutdown()
+
+
+def test_tails_of_tokens_accepted_as_drafts(tiny: LoadedModel, verified: list[int]) -> None:
+    """Predicted Outputs: tokens emitted by a verify step carry the tails of their own rows."""
+    prompt = encode(tiny, TEXT)
+    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=True, top_logprobs=20,
+                        tail_logprob=True, ignore_eos=True)  # fmt: skip
+    [(plain, _)] = run_engine(tiny, [(prompt, sp)], EngineConfig(speculate="off"))
+    ask = replace(sp, prediction=tuple(plain.output_ids))
+    [(fast, _)] = run_engine(tiny, [(prompt, ask)], EngineConfig(speculate="prediction"))
+    assert sum(verified) > 10 and list(fast.output_ids) == list(plain.output_ids)
+    assert fast.store is not None
+    check_tails(fast.store.entries, generated_rows(tiny, prompt, fast))
+
+
+def test_entries_with_tails_cross_processes_as_one_buffer() -> None:
+    rng = np.random.default_rng(0)
+    e = Entries(
+        np.arange(3, dtype=np.int32), rng.standard_normal(3).astype(np.float32),
+        np.ones(3, np.int32), np.zeros((3, 2), np.int32),
+        rng.standard_normal((3, 2)).astype(np.float32), rng.standard_normal(3).astype(np.float32),
+    )  # fmt: skip
+    back = pickle.loads(pickle.dumps(e))
+    for a, b in zip(e.arrays(), back.arrays()):
+        np.testing.assert_array_equal(a, b)
+    assert len(back.arrays()) == 6 and pickle.loads(pickle.dumps(back.rows(0, 0))).k == 2

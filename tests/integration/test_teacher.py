@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -143,3 +144,21 @@ def test_streamed_completions_prompt_logprobs_come_in_the_first_chunk(
         n = len(prompt)
         assert first.logprobs.token_logprobs[:n] == whole.logprobs.token_logprobs[:n]
         assert first.logprobs.token_logprobs[0] is None
+
+
+def test_responses_entries_carry_their_tails(
+    client: openai.OpenAI, server: str, embedded: LoadedModel
+) -> None:
+    r = client.responses.create(
+        model=MODEL_NAME, input=QUESTION, include=["message.output_text.logprobs"],
+        top_logprobs=20, max_output_tokens=4, temperature=0,
+        extra_body={"return_tail_logprob": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    entries = r.output[-1].content[0].logprobs
+    ids = [token_id(e) for e in entries]
+    messages = [{"role": "user", "content": QUESTION}]
+    prompt = httpx.post(server + "/tokenize", json={"messages": messages}).json()["tokens"]
+    ref = reference_logprobs(embedded, prompt + ids)[len(prompt) - 1 : -1]
+    listed = [[token_id(t) for t in e.top_logprobs] for e in entries]
+    got = [e.model_extra["tail_logprob"] for e in entries]
+    np.testing.assert_allclose(got, ref_tails(ref, listed), atol=TOL)
