@@ -162,3 +162,32 @@ def test_responses_entries_carry_their_tails(
     listed = [[token_id(t) for t in e.top_logprobs] for e in entries]
     got = [e.model_extra["tail_logprob"] for e in entries]
     np.testing.assert_allclose(got, ref_tails(ref, listed), atol=TOL)
+
+
+def test_echo_tails_count_the_alternatives_the_legacy_lists_leave_out(
+    client: openai.OpenAI, embedded: LoadedModel
+) -> None:
+    """The prompt is scored once with 8 alternatives (prompt_logprobs); echo's legacy lists show
+    3 of them, and their tails count the other 5 as outside."""
+    r = client.completions.create(
+        model=MODEL_NAME, prompt=TEXT, max_tokens=2, temperature=0, logprobs=3, echo=True,
+        extra_body={"return_tail_logprob": True, "prompt_logprobs": 8, "return_token_ids": True,
+                    "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    c = r.choices[0]
+    prompt, out = c.model_extra["prompt_token_ids"], c.model_extra["token_ids"]
+    ref = reference_logprobs(embedded, prompt + out)[:-1]
+    tails = c.logprobs.model_extra["tail_logprobs"]
+    assert tails[0] is None and len(tails) == len(prompt) + len(out)
+    # each position's top 3 are the keys of its legacy dict ranked by logprob, own token aside
+    listed = [sorted(d, key=d.get, reverse=True) for d in c.logprobs.top_logprobs[1:]]
+    ids = [[int(t.removeprefix("token_id:")) for t in keys[:4]] for keys in listed]
+    top3 = [[t for t in row if t in np.argsort(-ref[i])[:3]] for i, row in enumerate(ids)]
+    assert all(len(t) == 3 for t in top3)
+    np.testing.assert_allclose(tails[1:], ref_tails(ref, top3), atol=TOL)
+    wide = c.model_extra["prompt_tail_logprobs"]
+    top8 = [
+        [int(t) for t, v in pos.items() if v["rank"] <= 8]
+        for pos in c.model_extra["prompt_logprobs"][1:]
+    ]
+    np.testing.assert_allclose(wide[1:], ref_tails(ref[: len(prompt) - 1], top8), atol=TOL)
