@@ -26,8 +26,9 @@ from omlx_logprobs.types import Entries
 
 
 def host_tail(x: np.ndarray, lse: np.ndarray, idx: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """[R] float32: the same from the rows' logits `x` [R, V] and their log-sum-exp `lse` [R, 1]
-    (the log-sum-exp of `x - lse` outside the list is the one of `x` there, less `lse`)."""
+    """[R] float32: each row's tail mass from its logits `x` [R, V] and their log-sum-exp `lse`
+    [R, 1], outside its first `counts` ids of `idx` [R, K] (the log-sum-exp of `x - lse`
+    outside the list is the one of `x` there, less `lse`)."""
     t = x.astype(np.float32, copy=True)
     rows = np.arange(len(x))[:, None]
     listed = np.arange(idx.shape[1])[None, :] < counts[:, None]
