@@ -27,8 +27,10 @@ class EngineConfig:
     # None: the device's default (PREFILL_DELAY_MS).
     prefill_delay_ms: float | None = None
     # The server cap on top and prompt logprobs (vLLM's --max-logprobs): -1 is the whole
-    # vocabulary, resolved against the model by the API (api/core/bounds.py).
-    max_top_logprobs: int = 20
+    # vocabulary, resolved against the model by the API (api/core/bounds.py). 256 by default:
+    # a distillation teacher's lists; a request pays for its own list only (a step's rows
+    # share the widest list asked in it, each reading its own first k).
+    max_top_logprobs: int = 256
     max_model_len: int | None = None  # None: the model's own context length
     logprobs_mode: str = "raw_logprobs"  # the default of requests that name none
     # Chat logprobs of every generated token in `logprobs.content`, in order, reasoning and

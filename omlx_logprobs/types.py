@@ -113,6 +113,9 @@ class SamplingParams:
     top_logprobs: int = 0
     prompt_logprobs: int | None = None  # None: off; k: each prompt token's entry and a top k
     logprob_token_ids: tuple[int, ...] = ()  # reported in place of the natural top list
+    # Each position's tail mass too: the log of the probability outside its k alternatives
+    # (logprobs/tail.py), for generated and prompt positions alike.
+    tail_logprob: bool = False
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     # vLLM's generation controls. Token masks, applied before logit bias and penalties:
     min_tokens: int = 0  # until this many tokens, EOS and stop_token_ids cannot be sampled
@@ -264,13 +267,15 @@ class Entries:
     logprob and rank (count of logprobs >= its own: 1 for the argmax), and k alternatives (the
     top k best first, or the logprobs of `logprob_token_ids` in the order asked). The same
     record holds an extraction's lazy device arrays (`to_host` reads them) and host numpy
-    arrays (int32 ids and ranks, float32 logprobs)."""
+    arrays (int32 ids and ranks, float32 logprobs). `tail`, when the request asked for it: each
+    position's log of the probability outside its k alternatives (logprobs/tail.py)."""
 
     token_ids: Any  # [n]
     logprobs: Any  # [n]
     ranks: Any  # [n]
     top_ids: Any  # [n, k]
     top_logprobs: Any  # [n, k]
+    tail: Any = None  # [n] float32, or None when not asked
 
     def __len__(self) -> int:
         return int(self.logprobs.shape[0])
@@ -280,38 +285,30 @@ class Entries:
         return int(self.top_ids.shape[1])
 
     def arrays(self) -> list[Any]:
-        """What to evaluate (device arrays)."""
-        return [self.token_ids, self.logprobs, self.ranks, self.top_ids, self.top_logprobs]
+        """What to evaluate (device arrays), the tail last when there is one."""
+        cols = [self.token_ids, self.logprobs, self.ranks, self.top_ids, self.top_logprobs]
+        return cols if self.tail is None else [*cols, self.tail]
 
     def to_host(self) -> Entries:
         """Numpy copies of the columns with their wire dtypes (no copy when they match)."""
         return Entries(
-            np.array(self.token_ids, copy=False).astype(np.int32, copy=False),
-            np.array(self.logprobs, copy=False).astype(np.float32, copy=False),
-            np.array(self.ranks, copy=False).astype(np.int32, copy=False),
-            np.array(self.top_ids, copy=False).astype(np.int32, copy=False),
-            np.array(self.top_logprobs, copy=False).astype(np.float32, copy=False),
+            *(np.array(a, copy=False).astype(t, copy=False) for a, t in zip(self.arrays(), _WIRE))
         )
 
     def rows(self, a: int, b: int) -> Entries:
-        return Entries(
-            self.token_ids[a:b],
-            self.logprobs[a:b],
-            self.ranks[a:b],
-            self.top_ids[a:b],
-            self.top_logprobs[a:b],
-        )
+        return Entries(*(c[a:b] for c in self.arrays()))
 
-    def __reduce__(self) -> tuple[Any, tuple[int, int, bytes]]:
+    def __reduce__(self) -> tuple[Any, tuple[int, int, bool, bytes]]:
         """Host entries cross between processes as one buffer (five numpy pickles cost ~3x)."""
         cols = zip(self.arrays(), _WIRE)
         data = b"".join(np.ascontiguousarray(a, t).tobytes() for a, t in cols)
-        return _entries_from, (len(self), self.k, data)
+        return _entries_from, (len(self), self.k, self.tail is not None, data)
 
     @staticmethod
-    def empty(k: int) -> Entries:
+    def empty(k: int, tail: bool = False) -> Entries:
         f, i = np.zeros(0, np.float32), np.zeros(0, np.int32)
-        return Entries(i, f, i, np.zeros((0, k), np.int32), np.zeros((0, k), np.float32))
+        top = np.zeros((0, k), np.int32), np.zeros((0, k), np.float32)
+        return Entries(i, f, i, *top, f if tail else None)
 
     @staticmethod
     def concat(parts: list[Entries]) -> Entries:
@@ -320,17 +317,19 @@ class Entries:
         return Entries(*(np.concatenate(cols) for cols in zip(*(p.arrays() for p in parts))))
 
 
-_WIRE = (np.int32, np.float32, np.int32, np.int32, np.float32)  # the columns' host dtypes
+# The columns' host dtypes, the tail's last.
+_WIRE = (np.int32, np.float32, np.int32, np.int32, np.float32, np.float32)
 
 
-def _entries_from(n: int, k: int, data: bytes) -> Entries:
-    sizes = (n, n, n, n * k, n * k)
+def _entries_from(n: int, k: int, tail: bool, data: bytes) -> Entries:
+    sizes = (n, n, n, n * k, n * k, n)[: 6 if tail else 5]
     cols, at = [], 0
     for size, dtype in zip(sizes, _WIRE):
         cols.append(np.frombuffer(data, dtype, size, at))
         at += 4 * size
-    ids, lps, ranks, top_ids, top_lps = cols
-    return Entries(ids, lps, ranks, top_ids.reshape(n, k), top_lps.reshape(n, k))
+    ids, lps, ranks, top_ids, top_lps = cols[:5]
+    last = cols[5] if tail else None
+    return Entries(ids, lps, ranks, top_ids.reshape(n, k), top_lps.reshape(n, k), last)
 
 
 _NO_IDS = np.zeros(0, np.int32)

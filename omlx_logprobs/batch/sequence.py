@@ -54,7 +54,7 @@ class Sequence:
         self.forks: list[Sequence] = []
         # Entries for prompt positions 1..len-1 (position 0 has none), shared by the forks.
         if prompt_store is None and params.prompt_logprobs is not None:
-            prompt_store = LogprobStore(params.num_prompt_top)
+            prompt_store = LogprobStore(params.num_prompt_top, params.tail_logprob)
         self.prompt_store = prompt_store
         self.status = Status.WAITING
         # What its next prefill computes: the prompt, or after a retraction (a pause that
@@ -64,7 +64,7 @@ class Sequence:
         self.cached_tokens = 0  # of those, taken from the prefix cache instead of computed
         self.output_ids = array("i")
         self.num_sampled = 0  # tokens sampled on the device, some perhaps not yet processed
-        self.store = LogprobStore(params.num_top) if params.logprobs else None
+        self.store = LogprobStore(params.num_top, params.tail_logprob) if params.logprobs else None
         self.think = think
         self.tools = tools
         self.reasoning_tags = reasoning_tags

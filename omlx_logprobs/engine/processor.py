@@ -50,6 +50,7 @@ class OutputProcessor:
             chosen, ranks = lp.logprobs.tolist(), lp.ranks.tolist()
             k = lp.k
             top_ids, top_lps = lp.top_ids.tobytes(), lp.top_logprobs.tobytes()
+            tails = lp.tail.tolist() if lp.tail is not None else None
         predicted = result.predicted.tolist() if result.predicted is not None else None
         for i, seq in enumerate(result.seqs):
             if seq.status is Status.FINISHED:
@@ -64,7 +65,10 @@ class OutputProcessor:
                         seq.accepted_prediction_tokens += 1
                     if seq.store is not None and lp is not None:
                         a, b = 4 * k * i, 4 * (k * i + seq.store.k)  # 4-byte items, row i's k
-                        seq.store.append(token, chosen[i], ranks[i], top_ids[a:b], top_lps[a:b])
+                        tail = tails[i] if tails is not None else None
+                        seq.store.append(
+                            token, chosen[i], ranks[i], top_ids[a:b], top_lps[a:b], tail
+                        )
                     self._advance(seq, token)
             except Exception as exc:  # one request's fault ends that request, not its batch
                 log.exception("output processing failed for %s", seq.request_id)

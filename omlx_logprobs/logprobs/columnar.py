@@ -7,7 +7,9 @@ A block, in JSON (`columnar`):
      "top_ids": [[int] * k], "top_logprobs": [[float] * k]}
 
 or with each array as base64 of its little-endian int32 / float32 bytes (`base64`), beside
-`"n"` (positions) and `"k"` (alternatives per position), the top arrays row-major.
+`"n"` (positions) and `"k"` (alternatives per position), the top arrays row-major. A request
+that asks for the tail mass (`return_tail_logprob`) gets one more array, `"tail_logprobs":
+[float]` (float32 in base64): each position's log of the probability outside its alternatives.
 
 The numbers are the OpenAI shape's own: float32 logprobs (JSON writes the shortest digits that
 read back as the same float32), a logprob of -inf as -9999.0 in both encodings.
@@ -63,16 +65,19 @@ def encode_block(e: Entries | None, k: int, encoding: Encoding) -> str:
     top_ids = np.asarray(e.top_ids)[:, :k]
     top_lps = _wire_logprobs(np.asarray(e.top_logprobs)[:, :k])
     lps = _wire_logprobs(e.logprobs)
+    tail = None if e.tail is None else _wire_logprobs(e.tail)
     if encoding == "base64":
+        end = "" if tail is None else f',"tail_logprobs":{_b64(tail, "<f4")}'
         return (
             f'{{"n":{len(e)},"k":{top_ids.shape[1]},"token_ids":{_b64(e.token_ids, "<i4")},'
             f'"logprobs":{_b64(lps, "<f4")},"ranks":{_b64(e.ranks, "<i4")},'
-            f'"top_ids":{_b64(top_ids, "<i4")},"top_logprobs":{_b64(top_lps, "<f4")}}}'
+            f'"top_ids":{_b64(top_ids, "<i4")},"top_logprobs":{_b64(top_lps, "<f4")}{end}}}'
         )
+    end = "" if tail is None else f',"tail_logprobs":{_json_logprobs(tail)}'
     return (
         f'{{"token_ids":{_json(np.asarray(e.token_ids))},"logprobs":{_json_logprobs(lps)},'
         f'"ranks":{_json(np.asarray(e.ranks))},"top_ids":{_json(top_ids)},'
-        f'"top_logprobs":{_json_logprobs(top_lps)}}}'
+        f'"top_logprobs":{_json_logprobs(top_lps)}{end}}}'
     )
 
 
@@ -85,9 +90,27 @@ class Block:
     ranks: np.ndarray  # [n]
     top_ids: np.ndarray  # [n, k]
     top_logprobs: np.ndarray  # [n, k]
+    tail: np.ndarray | None = None  # [n]: `tail_logprobs`, when the request asked for them
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @staticmethod
+    def concat(blocks: list[Block]) -> Block:
+        """Consecutive blocks (a stream's chunks) as one; the tail where every block has one."""
+
+        def joined(name: str) -> np.ndarray:
+            return np.concatenate([getattr(b, name) for b in blocks])
+
+        tail = joined("tail") if all(b.tail is not None for b in blocks) else None
+        return Block(
+            joined("token_ids"),
+            joined("logprobs"),
+            joined("ranks"),
+            joined("top_ids"),
+            joined("top_logprobs"),
+            tail,
+        )
 
 
 def decode_block(obj: dict[str, Any]) -> Block:
@@ -106,13 +129,16 @@ def decode_block(obj: dict[str, Any]) -> Block:
             col("ranks", "<i4", (n,)),
             col("top_ids", "<i4", (n, k)),
             col("top_logprobs", "<f4", (n, k)),
+            col("tail_logprobs", "<f4", (n,)) if "tail_logprobs" in obj else None,
         )
     n = len(obj["token_ids"])
     k = len(obj["top_ids"][0]) if n else 0
+    tail = obj.get("tail_logprobs")
     return Block(
         np.asarray(obj["token_ids"], np.int32),
         np.asarray(obj["logprobs"], np.float64).astype(np.float32),
         np.asarray(obj["ranks"], np.int32),
         np.asarray(obj["top_ids"], np.int32).reshape(n, k),
         np.asarray(obj["top_logprobs"], np.float64).astype(np.float32).reshape(n, k),
+        None if tail is None else np.asarray(tail, np.float64).astype(np.float32),
     )

@@ -1,8 +1,9 @@
 """The one place logprobs are computed: a float32 log-softmax over the vocabulary, then, for the
 whole batch at once, the chosen token's logprob and rank and the top K (or the logprobs of fixed
-ids). On a GPU this stays on the device and comes back packed (`device_step`: the CUDA kernel, or
-`extract`'s MLX ops); on MLX's CPU backend it runs in numpy when the step is collected
-(`HostExtraction`). Generated and prompt tokens take the same two paths."""
+ids), and where asked each position's tail mass (logprobs/tail.py). On a GPU this stays on the
+device and comes back packed (`device_step`: the CUDA kernel, or `extract`'s MLX ops); on MLX's
+CPU backend it runs in numpy when the step is collected (`HostExtraction`). Generated and prompt
+tokens take the same two paths."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.logprobs import kernel
+from omlx_logprobs.logprobs.tail import host_tail
 from omlx_logprobs.types import Entries, SamplingParams
 
 
@@ -27,12 +29,13 @@ def log_softmax(logits: mx.array, lse: mx.array | None = None) -> mx.array:
 @dataclass(frozen=True)
 class PackedStep:
     """A decode step's small outputs as one int32 [R, 4 + 2K] array (token, finite, the
-    chosen token's logprob bits, rank, K ids, K logprob bits), so the host reads one buffer a
-    step: MLX's CUDA backend moves every array the host reads into unified memory, with an
-    allocation and a synchronous copy each."""
+    chosen token's logprob bits, rank, K ids, K logprob bits; then the tail's bits when asked),
+    so the host reads one buffer a step: MLX's CUDA backend moves every array the host reads
+    into unified memory, with an allocation and a synchronous copy each."""
 
     array: mx.array
     k: int | None  # None: no row of the step asked for logprobs
+    tail: bool = False  # a last column: each row's tail mass (logprobs/tail.py)
 
     def arrays(self) -> list[mx.array]:
         return [self.array]
@@ -52,7 +55,8 @@ class PackedStep:
                 a[:, 2].view(np.float32).copy(),
                 a[:, 3].copy(),
                 np.ascontiguousarray(a[:, 4 : 4 + k]),
-                np.ascontiguousarray(a[:, 4 + k :]).view(np.float32),
+                np.ascontiguousarray(a[:, 4 + k : 4 + 2 * k]).view(np.float32),
+                a[:, 4 + 2 * k].view(np.float32).copy() if self.tail else None,
             ),
         )
 
@@ -62,7 +66,8 @@ class EntryAsk:
     """What a step's rows ask for: the distribution's logits `src` [R, V] float32 (raw, or per
     row the processed ones), K, and the fixed ids [R, K] (-1: the row's natural top list).
     `plain` [R] bool: rows whose entries are the logits themselves (vLLM's `*_logits` modes),
-    their log-sum-exp taken as 0."""
+    their log-sum-exp taken as 0. `tail` [R] int32, when a row asks for its tail mass: how
+    many of each row's K alternatives are its own (logprobs/tail.py)."""
 
     src: mx.array
     k: int
@@ -70,6 +75,7 @@ class EntryAsk:
     natural: bool = True  # some row wants its natural top list
     raw: bool = True  # src is the raw logits (their log-sum-exp serves it)
     plain: mx.array | None = None
+    tail: mx.array | None = None
 
     def lse(self, raw_lse: mx.array) -> mx.array:
         """[R, 1]: what each row's entries subtract from its logits."""
@@ -89,10 +95,21 @@ def entries_asked(
     plain = None
     if any(p.logprobs and p.logprobs_mode.logits for p in params):
         plain = mx.array([p.logprobs_mode.logits for p in params])
+    tail = None
+    if any(p.logprobs and p.tail_logprob for p in params):
+        tail = mx.array([_own_count(p, k) for p in params], mx.int32)
     if not any(p.logprobs and p.processed for p in params):
-        return EntryAsk(logits, k, fixed, natural, plain=plain)
+        return EntryAsk(logits, k, fixed, natural, plain=plain, tail=tail)
     src = mx.where(mx.array([p.processed for p in params])[:, None], dist, logits)
-    return EntryAsk(src, k, fixed, natural, raw=False, plain=plain)
+    return EntryAsk(src, k, fixed, natural, raw=False, plain=plain, tail=tail)
+
+
+def _own_count(p: SamplingParams, k: int) -> int:
+    """How many of a row's k alternatives its tail leaves out: a fixed-id row's all k (its ids,
+    then copies of its first), a natural row its top_logprobs."""
+    if not p.logprobs:
+        return 0
+    return k if p.logprob_token_ids else p.top_logprobs
 
 
 def _fixed_ids(params: Sequence[SamplingParams], k: int) -> tuple[mx.array | None, bool]:
@@ -120,11 +137,13 @@ def device_step(tokens: mx.array, lse: mx.array, ask: EntryAsk | None, fused: bo
         return pack_step(tokens, mx.isfinite(lse[:, 0]), None)
     src_lse = ask.lse(lse)
     # The kernel keeps at most KCAP natural candidates a thread; longer lists (--max-logprobs
-    # above it) take the MLX ops, which compute the same float32 values.
-    if fused and (ask.k <= kernel.KCAP or not ask.natural):
+    # above it) take the MLX ops, which compute the same float32 values, as do steps where a
+    # row asks for its tail mass (a masked log-sum-exp the kernel does not compute).
+    if fused and (ask.k <= kernel.KCAP or not ask.natural) and ask.tail is None:
         fixed = ask.fixed if ask.k else None
         return PackedStep(kernel.packed_step(ask.src, src_lse, lse, tokens, ask.k, fixed), ask.k)
-    parts = extract(log_softmax(ask.src, src_lse), tokens, ask.k, ask.fixed, ask.natural)
+    lp = log_softmax(ask.src, src_lse)
+    parts = extract(lp, tokens, ask.k, ask.fixed, ask.natural, ask.tail)
     return pack_step(tokens, mx.isfinite(lse[:, 0]), parts)
 
 
@@ -138,8 +157,11 @@ def pack_step(tokens: mx.array, finite: mx.array, parts: Entries | None) -> Pack
             parts.top_ids.astype(mx.int32),
             parts.top_logprobs.astype(mx.float32).view(mx.int32),
         ]
+        if parts.tail is not None:
+            cols.append(parts.tail.astype(mx.float32).view(mx.int32)[:, None])
     k = None if parts is None else parts.top_ids.shape[1]
-    return PackedStep(mx.concatenate(cols, axis=1), k)
+    tail = parts is not None and parts.tail is not None
+    return PackedStep(mx.concatenate(cols, axis=1), k, tail)
 
 
 @dataclass(frozen=True)
@@ -154,9 +176,10 @@ class HostExtraction:
     fixed: mx.array | None  # [R, k]
     natural: bool
     plain: mx.array | None = None  # [R] bool: rows whose entries are the logits themselves
+    tail: mx.array | None = None  # [R] int32: EntryAsk.tail
 
     def arrays(self) -> list[mx.array]:
-        extra = [a for a in (self.fixed, self.plain) if a is not None]
+        extra = [a for a in (self.fixed, self.plain, self.tail) if a is not None]
         return [self.logits, self.chosen, *extra]
 
     def to_host(self) -> Entries:
@@ -181,7 +204,10 @@ class HostExtraction:
             idx = fixed if k == 0 else np.where(fixed >= 0, fixed, idx)
         vals = np.take_along_axis(x, idx, axis=-1) - lse
         tokens = chosen[:, 0].astype(np.int32)
-        return Entries(tokens, own[:, 0], ranks, idx.astype(np.int32), vals)
+        tail = None
+        if self.tail is not None:
+            tail = host_tail(x, lse, idx, np.array(self.tail, copy=False))
+        return Entries(tokens, own[:, 0], ranks, idx.astype(np.int32), vals, tail)
 
 
 # Buffers per thread and dtype for the host's [R, V] temporaries, kept between steps: with glibc's
@@ -276,28 +302,56 @@ def _best_first(vals: np.ndarray, k: int, ids: np.ndarray | None = None) -> np.n
     return pick if ids is None else np.take_along_axis(ids, pick, axis=-1)
 
 
+def _listed(idx: mx.array, counts: mx.array) -> mx.array:
+    """[R, K] bool: the columns of `idx` that are a row's own alternatives."""
+    return mx.arange(idx.shape[1])[None, :] < counts[:, None]
+
+
+def device_tail(logprobs: mx.array, idx: mx.array, counts: mx.array) -> mx.array:
+    """[R] float32, lazy: the tail mass (logprobs/tail.py), the log-sum-exp of each row of
+    `logprobs` [R, V] (float32) outside its first `counts` ids of `idx` [R, K]. A row's listed
+    ids are distinct (or, for fixed ids, copies of one): the scatter writes -inf at them and
+    their own value at the rest of `idx`."""
+    if idx.shape[1] == 0:
+        return mx.logsumexp(logprobs, axis=-1)
+    vals = mx.take_along_axis(logprobs, idx, axis=-1)
+    cut = mx.where(_listed(idx, counts), mx.array(-np.inf, mx.float32), vals)
+    return mx.logsumexp(mx.put_along_axis(logprobs, idx, cut, axis=-1), axis=-1)
+
+
 def extract(
     logprobs: mx.array,
     chosen: mx.array,
     k: int,
     fixed: mx.array | None = None,
     natural: bool = True,
+    tail: mx.array | None = None,
 ) -> Entries:
     """Lazy on-device extraction; the caller evaluates it together with the sampled tokens.
 
     logprobs [R, V]; chosen [R]: the ids whose own logprob and rank each row reports (the sampled
     token, or the next prompt token). Each row then has k more entries: its natural top k, or,
     where `fixed` [R, k] holds ids >= 0, the logprobs of exactly those ids. `natural` is False
-    when no row wants a natural top list, which skips the partial selection.
+    when no row wants a natural top list, which skips the partial selection. `tail` [R]: how
+    many of each row's k alternatives its tail mass leaves out (None: no tail).
     """
     own = mx.take_along_axis(logprobs, chosen[:, None], axis=-1)
     ranks = mx.sum(logprobs >= own, axis=-1).astype(mx.int32)
+    idx, vals = _alternatives(logprobs, k, fixed, natural)
+    masses = None if tail is None else device_tail(logprobs, idx, tail)
+    return Entries(chosen, own[:, 0], ranks, idx, vals, masses)
+
+
+def _alternatives(
+    logprobs: mx.array, k: int, fixed: mx.array | None, natural: bool
+) -> tuple[mx.array, mx.array]:
+    """[R, k] ids and their logprobs: `extract`'s top k or fixed ids."""
     r = logprobs.shape[0]
     if k == 0:
-        return Entries(chosen, own[:, 0], ranks, mx.zeros((r, 0), mx.int32), mx.zeros((r, 0)))
+        return mx.zeros((r, 0), mx.int32), mx.zeros((r, 0))
     if fixed is not None and not natural:
         idx = fixed.astype(mx.int32)
-        return Entries(chosen, own[:, 0], ranks, idx, mx.take_along_axis(logprobs, idx, axis=-1))
+        return idx, mx.take_along_axis(logprobs, idx, axis=-1)
     if k == 1:  # scoring's usual ask (lm-eval sends logprobs=1): one pass, no selection
         idx = mx.argmax(logprobs, axis=-1, keepdims=True).astype(mx.int32)
         vals = mx.take_along_axis(logprobs, idx, axis=-1)
@@ -310,4 +364,4 @@ def extract(
     if fixed is not None:
         idx = mx.where(fixed >= 0, fixed.astype(mx.int32), idx)
         vals = mx.take_along_axis(logprobs, idx, axis=-1)
-    return Entries(chosen, own[:, 0], ranks, idx, vals)
+    return idx, vals

@@ -58,12 +58,17 @@ class PendingEntries(Protocol):
 @dataclass(frozen=True)
 class Block:
     """One block of prompt rows to extract: logits [R, V], the tokens they predict [R], the
-    top count and the fixed ids [R, k] (None: the natural top list)."""
+    top count and the fixed ids [R, k] (None: the natural top list), and whether each row's
+    tail mass is asked (every row leaves out all k)."""
 
     rows: mx.array
     chosen: mx.array
     k: int
     fixed: mx.array | None
+    tail: bool = False
+
+    def tail_counts(self) -> mx.array | None:
+        return mx.full((self.rows.shape[0],), self.k, mx.int32) if self.tail else None
 
 
 class Extractor(Protocol):
@@ -119,12 +124,19 @@ class HostExtractor:
         ask = entries_asked(logits, dist, params)
         host = None
         if ask is not None:
-            host = HostExtraction(ask.src, tokens, ask.k, ask.fixed, ask.natural, ask.plain)
+            host = HostExtraction(
+                ask.src, tokens, ask.k, ask.fixed, ask.natural, ask.plain, ask.tail
+            )
         return _HostStep(tokens, logits, host)
 
     def prompt(self, blocks: list[Block]) -> PendingEntries:
         return _HostBlocks(
-            [HostExtraction(b.rows, b.chosen, b.k, b.fixed, b.fixed is None) for b in blocks]
+            [
+                HostExtraction(
+                    b.rows, b.chosen, b.k, b.fixed, b.fixed is None, None, b.tail_counts()
+                )
+                for b in blocks
+            ]
         )
 
 
@@ -165,10 +177,10 @@ class DeviceExtractor:
         for b in blocks:
             x = b.rows.astype(mx.float32)
             lse = mx.logsumexp(x, axis=-1, keepdims=True)
-            ask = EntryAsk(x, b.k, b.fixed, natural=b.fixed is None)
+            ask = EntryAsk(x, b.k, b.fixed, natural=b.fixed is None, tail=b.tail_counts())
             packed.append(device_step(b.chosen, lse, ask, self.fused).array)
         joined = packed[0] if len(packed) == 1 else mx.concatenate(packed, axis=0)
-        return _PackedBlocks(PackedStep(joined, blocks[0].k))
+        return _PackedBlocks(PackedStep(joined, blocks[0].k, blocks[0].tail))
 
 
 def choose_extractor(on_cpu: bool) -> Extractor:

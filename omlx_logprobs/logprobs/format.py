@@ -215,4 +215,9 @@ class ChatLogprobFormatter:
         parts: list[str] = [""] * (2 * len(keys))
         parts[0::2] = map(self._pieces.__getitem__, keys.tolist())
         parts[1::2] = float_numbers(lps.ravel())
+        if e.tail is not None:  # each position's tail mass after its own logprob
+            own = slice(1, None, 2 * (k + 1))
+            parts[own] = [
+                f'{x},"tail_logprob":{t}' for x, t in zip(parts[own], float_numbers(e.tail))
+            ]
         return "".join(parts) + _END[k == 0]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from omlx_logprobs.logprobs.format import Pieces, float_numbers, token_string
+from omlx_logprobs.logprobs.tail import narrowed
 from omlx_logprobs.types import Entries
 from omlx_logprobs.vocab import Vocabulary
 
@@ -108,31 +109,39 @@ class LegacyLogprobFormatter:
         """Echoed prompt positions (when `prompt` is given: its ids and the entries of positions
         1..), then the generated positions of `entries`. `fixed`: the top lists are
         `logprob_token_ids` in the order asked, not best first. Whole ranges are converted at
-        once: a scored prompt has hundreds of positions."""
+        once: a scored prompt has hundreds of positions. Entries with a tail mass add the list
+        `tail_logprobs` (null for the first prompt position)."""
         tokens: list[int] = []
         lps: list[str] = ["null"] if prompt is not None else []
         tops: list[str] = ["null"] if prompt is not None else []
+        tails: list[str] = ["null"] if prompt is not None else []
         in_prompt = 0
         if prompt is not None:
             ids, scored = prompt
             tokens += ids
             in_prompt = len(ids)
-            self._extend(lps, tops, scored, k, fixed)
+            self._extend(lps, tops, tails, scored, k, fixed)
         tokens += entries.token_ids.tolist()
-        self._extend(lps, tops, entries, k, fixed)
+        self._extend(lps, tops, tails, entries, k, fixed)
         gen, prompt_chars = self._counts
         counts = [*map(prompt_chars.__getitem__, tokens[:in_prompt]),
                   *map(gen.__getitem__, tokens[in_prompt:])]  # fmt: skip
         offsets = list(accumulate(counts, initial=cursor.offset))
         cursor.offset = offsets.pop()
         keys = ",".join(map(self._keys.__getitem__, tokens))
+        end = ',"tail_logprobs":[' + ",".join(tails) + "]" if entries.tail is not None else ""
         return (
             '{"tokens":[' + keys + '],"token_logprobs":[' + ",".join(lps) + '],"top_logprobs":['
-            + ",".join(tops) + '],"text_offset":[' + ",".join(map(str, offsets)) + "]}"
+            + ",".join(tops) + '],"text_offset":[' + ",".join(map(str, offsets)) + "]" + end + "}"
         )  # fmt: skip
 
-    def _extend(self, lps: list[str], tops: list[str], e: Entries, k: int, fixed: bool) -> None:
-        """Append the positions of `e`: their logprobs and their dicts."""
+    def _extend(
+        self, lps: list[str], tops: list[str], tails: list[str], e: Entries, k: int, fixed: bool
+    ) -> None:
+        """Append the positions of `e`: their logprobs, their dicts and their tails (of the
+        first k alternatives)."""
+        if e.tail is not None:
+            tails += float_numbers(narrowed(e, min(k, e.k)).tail)
         values = float_numbers(e.logprobs)
         lps += values
         tops += self._dicts(

@@ -8,28 +8,39 @@ from array import array
 
 import numpy as np
 
+from omlx_logprobs.logprobs.tail import narrowed
 from omlx_logprobs.types import Entries
 
 
 class LogprobStore:
     """Entries for every generated (or every scored prompt) token, in order: the token's id, its
     logprob and rank, and the request's own k alternatives per position (its top k, best first,
-    or the logprobs of its `logprob_token_ids`, in the order asked)."""
+    or the logprobs of its `logprob_token_ids`, in the order asked); with `tail`, each position's
+    tail mass (logprobs/tail.py), the column filled last."""
 
-    __slots__ = ("k", "token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
+    __slots__ = ("k", "token_ids", "logprobs", "ranks", "top_ids", "top_logprobs", "tail")
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, tail: bool = False) -> None:
         self.k = k
         self.token_ids = array("i")
         self.logprobs = array("f")
         self.ranks = array("i")
         self.top_ids = array("i")
         self.top_logprobs = array("f")
+        self.tail = array("f") if tail else None
 
     def __len__(self) -> int:
         return len(self.logprobs)
 
-    def append(self, token: int, logprob: float, rank: int, top_ids: bytes, top_lps: bytes) -> None:
+    def append(
+        self,
+        token: int,
+        logprob: float,
+        rank: int,
+        top_ids: bytes,
+        top_lps: bytes,
+        tail: float | None = None,
+    ) -> None:
         """One position; the top list as raw int32 ids and float32 logprobs, best first."""
         self.token_ids.append(token)
         self.logprobs.append(logprob)
@@ -37,9 +48,14 @@ class LogprobStore:
         if self.k:
             self.top_ids.frombytes(top_ids)
             self.top_logprobs.frombytes(top_lps)
+        if self.tail is not None:
+            self.tail.append(float("nan") if tail is None else tail)
 
     def extend(self, rows: Entries) -> None:
-        """Append host entries (a prompt chunk); their top lists may be wider than k."""
+        """Append host entries (a prompt chunk); their top lists may be wider than k (the tail
+        then widens to count what is left out)."""
+        if self.tail is not None:
+            rows = narrowed(rows, self.k)
         self.token_ids.frombytes(rows.token_ids.astype(np.int32).tobytes())
         self.logprobs.frombytes(rows.logprobs.astype(np.float32).tobytes())
         self.ranks.frombytes(rows.ranks.astype(np.int32).tobytes())
@@ -49,6 +65,8 @@ class LogprobStore:
             self.top_logprobs.frombytes(
                 np.ascontiguousarray(rows.top_logprobs[:, :k], np.float32).tobytes()
             )
+        if self.tail is not None:
+            self.tail.frombytes(np.asarray(rows.tail, np.float32).tobytes())
 
     def block(self, start: int, end: int) -> Entries:
         """Positions [start, end) as numpy copies (never views: the arrays keep growing)."""
@@ -59,4 +77,5 @@ class LogprobStore:
             np.frombuffer(self.ranks[start:end], np.int32),
             np.frombuffer(self.top_ids[start * k : end * k], np.int32).reshape(n, k),
             np.frombuffer(self.top_logprobs[start * k : end * k], np.float32).reshape(n, k),
+            None if self.tail is None else np.frombuffer(self.tail[start:end], np.float32),
         )

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omlx_logprobs.logprobs.columnar import Encoding, encode_block
-from omlx_logprobs.logprobs.format import ChatLogprobFormatter
+from omlx_logprobs.logprobs.format import ChatLogprobFormatter, float_numbers
 from omlx_logprobs.logprobs.legacy import LegacyCursor, LegacyLogprobFormatter
 from omlx_logprobs.logprobs.prompt_logprobs import PromptLogprobFormatter
+from omlx_logprobs.logprobs.tail import narrowed
 from omlx_logprobs.types import Entries
 from omlx_logprobs.vocab import Vocabulary
 
@@ -42,10 +43,20 @@ class LogprobWriter:
 
     def prompt(self, e: Entries, k: int, fixed: bool) -> str:
         """vLLM's `prompt_logprobs` (a list, null first), or one block of the positions after
-        the first."""
+        the first (with its tail masses, when asked: `prompt_tails` writes them beside the
+        list)."""
         if self.compact is None:
             return self.prompt_fmt.json(e, k, fixed)
-        return encode_block(e, k, self.compact)
+        return encode_block(e if fixed else narrowed(e, k), k, self.compact)
+
+    def prompt_tails(self, e: Entries, k: int, fixed: bool) -> str:
+        """`,"prompt_tail_logprobs":[null, ...]` beside vLLM's list, for entries with a tail
+        mass (the tail of the first k alternatives); "" otherwise, and in the compact form
+        (its block holds them)."""
+        if e.tail is None or self.compact is not None:
+            return ""
+        tails = float_numbers((e if fixed else narrowed(e, k)).tail)
+        return ',"prompt_tail_logprobs":[null' + "".join("," + t for t in tails) + "]"
 
     def legacy(
         self,
@@ -60,7 +71,9 @@ class LogprobWriter:
         blocks (no offsets: the ids are there to align with)."""
         if self.compact is None:
             return self.legacy_fmt.json(cursor, k, prompt, e, fixed)
-        echo = encode_block(prompt[1], k, self.compact) if prompt is not None else "null"
+        echo = "null"
+        if prompt is not None:
+            echo = encode_block(prompt[1] if fixed else narrowed(prompt[1], k), k, self.compact)
         block = encode_block(e, k, self.compact)
         return f'{self.head}"prompt":{echo},"completion":{block}}}'
 

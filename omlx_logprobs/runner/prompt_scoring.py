@@ -8,7 +8,7 @@ generated tokens (on the device, or in numpy on the CPU backend).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
@@ -17,10 +17,12 @@ from omlx_logprobs.batch.block_index import MIN_TOKENS
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.extractor import PROMPT_BLOCK, Block, Extractor, PendingEntries
 from omlx_logprobs.logprobs.store import LogprobStore
+from omlx_logprobs.logprobs.tail import narrowed
 from omlx_logprobs.types import Entries, SamplingParams
 
-# What a scored prompt asks of each position: its top count and its fixed ids (`score_key`).
-Ask = tuple[int, tuple[int, ...]]
+# What a scored prompt asks of each position: its top count, its fixed ids and whether it asks
+# for the tail mass (`score_key`).
+Ask = tuple[int, tuple[int, ...], bool]
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,9 @@ class PendingPrompts:
 
 
 def score_key(params: SamplingParams) -> Ask:
-    """Prompts whose entries can be extracted together: same top count, same fixed ids."""
-    return params.num_prompt_top, tuple(params.logprob_token_ids or ())
+    """Prompts whose entries can be extracted together: same top count, same fixed ids, both
+    with the tail mass or both without."""
+    return params.num_prompt_top, tuple(params.logprob_token_ids or ()), params.tail_logprob
 
 
 @dataclass(frozen=True)
@@ -76,17 +79,22 @@ class KeptEntries:
 
     def count(self) -> int:
         """Positions whose entries are whole. The store's columns grow in order, the top lists
-        last (one `frombytes` each, atomic under the GIL): a store being filled on the GPU's
-        processing thread is read up to what is complete."""
+        last (one `frombytes` each, atomic under the GIL), then the tail: a store being filled on
+        the GPU's processing thread is read up to what is complete."""
         s = self.store
+        if s.tail is not None:
+            return len(s.tail)
         return len(s.top_logprobs) // s.k if s.k else len(s.ranks)
 
     def serves(self, ask: Ask) -> bool:
         return _answers(self.ask, ask)
 
     def served(self, seq: Sequence, n: int) -> tuple[PromptSlice, Entries]:
-        """Prompt positions 1..n of `seq` (which starts with these tokens), from here."""
-        entries = self.store.block(0, n)
+        """Prompt positions 1..n of `seq` (which starts with these tokens), from here, with as
+        many alternatives as it asks (its tail, if asked, counting those left out)."""
+        entries = narrowed(self.store.block(0, n), seq.params.num_prompt_top)
+        if not seq.params.tail_logprob:
+            entries = replace(entries, tail=None)
         return PromptSlice(seq, 1, np.array(seq.prompt_ids[1 : n + 1], np.int32)), entries
 
 
@@ -138,7 +146,7 @@ def score(
             rows = mx.pad(rows, [(0, size - rows.shape[0]), (0, 0)])
         r = rows.shape[0]
         fixed = None if wanted is None else mx.broadcast_to(wanted, (r, k))
-        blocks.append(Block(rows, chosen[a : a + r], k, fixed))
+        blocks.append(Block(rows, chosen[a : a + r], k, fixed, p.tail_logprob))
         a += size
     return PendingPrompts(slices, extractor.prompt(blocks), served, keep)
 
@@ -152,8 +160,11 @@ def chunk_slice(seq: Sequence, start: int, rows: int) -> PromptSlice:
 
 def _answers(kept: Ask, ask: Ask) -> bool:
     """Whether entries extracted for `kept` answer `ask`: a natural top list at least as long
-    (its first k are the top k), or fixed ids that begin with the ones asked, in that order."""
-    (k, fixed), (kept_k, kept_fixed) = ask, kept
+    (its first k are the top k), or fixed ids that begin with the ones asked, in that order;
+    with the tail mass when it is asked (a longer list's tail widens: logprobs/tail.py)."""
+    (k, fixed, tail), (kept_k, kept_fixed, kept_tail) = ask, kept
+    if tail and not kept_tail:
+        return False
     if fixed:
         return kept_fixed[: len(fixed)] == fixed
     return not kept_fixed and kept_k >= k

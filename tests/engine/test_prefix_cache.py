@@ -357,7 +357,7 @@ def scored_kept(tokens: list[int], entries: int, k: int = 2) -> Prefix:
     store = LogprobStore(k)
     for i in range(entries):
         store.append(tokens[i + 1], -1.0, 1, bytes(4 * k), bytes(4 * k))
-    return replace(kept(tokens), scores=KeptEntries((k, ()), store))
+    return replace(kept(tokens), scores=KeptEntries((k, (), False), store))
 
 
 def test_a_scored_start_serves_entries_it_has_for_the_asks_they_answer() -> None:
@@ -370,15 +370,15 @@ def test_a_scored_start_serves_entries_it_has_for_the_asks_they_answer() -> None
     cache.keep(BASE_KEY, kept(list(range(500, 560))))  # plain, longer: not looked at
     cache.keep(BASE_KEY, scored_kept(turn, 30))
     parted = turn[:25] + [1] * 10
-    found = cache.scored(parted, len(parted) - 1, (2, ()))
+    found = cache.scored(parted, len(parted) - 1, (2, (), False))
     assert found is not None and len(found.tokens) == 24 and found.scores is not None
-    found = cache.scored(turn + [1], len(turn), (1, ()))  # a top 2 serves a top 1
+    found = cache.scored(turn + [1], len(turn), (1, (), False))  # a top 2 serves a top 1
     assert found is not None and len(found.tokens) == 30  # the entries kept so far
-    assert cache.scored(turn + [1], len(turn), (3, ())) is None  # more than kept
-    assert cache.scored(turn + [1], len(turn), (0, (5,))) is None  # fixed ids
-    assert cache.scored(turn[:16] + [1] * 4, 19, (1, ())) is None  # < MIN_TOKENS
+    assert cache.scored(turn + [1], len(turn), (3, (), False)) is None  # more than kept
+    assert cache.scored(turn + [1], len(turn), (0, (5,), False)) is None  # fixed ids
+    assert cache.scored(turn[:16] + [1] * 4, 19, (1, (), False)) is None  # < MIN_TOKENS
     cache.keep(BASE_KEY, kept(turn))
-    found = cache.scored(turn + [1], len(turn), (2, ()))
+    found = cache.scored(turn + [1], len(turn), (2, (), False))
     assert found is not None and found.scores is not None and len(found.tokens) == 30
     # A store being filled on another thread: a position counts once its top list is there.
     found.scores.store.token_ids.append(1)

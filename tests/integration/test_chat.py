@@ -238,7 +238,7 @@ def test_models_and_health(client: openai.OpenAI, server: str) -> None:
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 10_000_000}, "max_tokens"),
-        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 257}, "top_logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),

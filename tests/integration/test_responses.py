@@ -309,7 +309,7 @@ def test_agents_sdk_tool_and_structured_output(scripted_url: str, stream: bool) 
             },
             "tool_choice",
         ),  # fmt: skip
-        ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+        ({"input": "x", "top_logprobs": 257}, "top_logprobs"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
         ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),

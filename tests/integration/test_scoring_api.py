@@ -10,7 +10,6 @@ import httpx
 import mlx.core as mx
 import numpy as np
 import openai
-import pytest
 
 from omlx_logprobs.models.loader import LoadedModel
 from tests.helpers.engine import reference_logprobs
@@ -59,9 +58,6 @@ def test_prompt_logprobs_on_completions(client: openai.OpenAI, embedded: LoadedM
     check_prompt_logprobs(
         c.model_extra["prompt_logprobs"], prompt, reference_logprobs(embedded, prompt), 0
     )
-    with pytest.raises(openai.BadRequestError) as e:
-        chat(client, QUESTION, stream=True, extra_body={"prompt_logprobs": 1})
-    assert e.value.body["param"] == "prompt_logprobs"
 
 
 def nucleus_logprobs(row: np.ndarray, temperature: float, top_p: float) -> np.ndarray:

@@ -35,14 +35,14 @@ LIMITS = Limits(
 )
 CFG = EngineConfig(max_num_seqs=1, prefill_chunk=64)  # with max_queued=1: two in flight, then 429
 
-# field -> a value just over LIMITS (or over the model: vocabulary 49152, 20 top logprobs)
+# field -> a value just over LIMITS (or over the model: vocabulary 49152, 256 top logprobs)
 OVER: dict[str, Any] = {
     "n": 3,
     "max_tokens": 9,
     "max_completion_tokens": 9,
-    "top_logprobs": 21,
-    "logprobs": 21,  # only where the schema takes an integer (completions), not chat's boolean
-    "prompt_logprobs": 21,
+    "top_logprobs": 257,
+    "logprobs": 257,  # only where the schema takes an integer (completions), not chat's boolean
+    "prompt_logprobs": 257,
     "stop": ["a", "b", "c", "d", "e"],
     "stop_token_ids": [1, 2, 3, 4, 5],
     "logprob_token_ids": [1, 2, 3, 4, 5],
@@ -152,11 +152,11 @@ def test_limits_accept_values_at_the_limit(limited: str) -> None:
         "stop": ["12345678", "b", "c", "d"],
         "stop_token_ids": [1, 2, 3, 49151],
         "logprobs": True,
-        "top_logprobs": 20,
+        "top_logprobs": 256,  # the default --max-logprobs
     }
     r = httpx.post(limited + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 256
 
 
 def test_prompt_over_the_context_window(limited: str) -> None:

@@ -239,6 +239,7 @@ def sampling_params(
         prompt_logprobs=ask.prompt_top,
         logprob_token_ids=checks.logprob_token_ids(req.logprob_token_ids, any_logprobs),
         logprobs_mode=LogprobsMode(req.logprobs_mode or served.cfg.logprobs_mode),
+        tail_logprob=checks.tail_logprob(req.return_tail_logprob, any_logprobs),
         min_tokens=req.min_tokens,
         allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
         bad_words_ids=checks.bad_words_ids(

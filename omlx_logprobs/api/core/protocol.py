@@ -133,6 +133,8 @@ class SamplingKnobs(_Open):
     prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM)
     logprob_token_ids: list[int] | None = None
     logprobs_mode: LogprobsModeName | None = None
+    # Each entry's tail mass (logprobs/tail.py): the log of the probability outside its list.
+    return_tail_logprob: bool = False
     # vLLM's generation controls
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False

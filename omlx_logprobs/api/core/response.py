@@ -114,12 +114,14 @@ def head(request_id: str, kind: str, model: str, fingerprint: str) -> str:
     )
 
 
-def prompt_logprobs_json(
+def prompt_logprobs_fields(
     req: SamplingKnobs, e: Entries, writer: LogprobWriter, asked: int | None = None
 ) -> str:
-    """vLLM's `prompt_logprobs` (a list with null for the first position), or in the compact
-    form one block of the positions after the first. `asked`: the alternatives wanted, when
-    not the field's (chat echo asks for them)."""
+    """`,"prompt_logprobs":...`: vLLM's list (null for the first position) and, when the tail
+    mass is asked, `prompt_tail_logprobs` beside it; or in the compact form one block of the
+    positions after the first. `asked`: the alternatives wanted, when not the field's (chat
+    echo asks for them)."""
     fixed = bool(req.logprob_token_ids)
     k = e.k if fixed else ((req.prompt_logprobs if asked is None else asked) or 0)
-    return writer.prompt(e, k, fixed)
+    tails = writer.prompt_tails(e, k, fixed)
+    return f',"prompt_logprobs":{writer.prompt(e, k, fixed)}{tails}'

@@ -72,10 +72,10 @@ class Chunks:
         if not self.weights:
             self.weights = weight_version_json(out.weight_version, out.adapter)
 
-    def chunk(self, choice: str) -> str:
-        """A chunk with one choice."""
+    def chunk(self, choice: str, extra: str = "") -> str:
+        """A chunk with one choice; `extra`: fields of the chunk itself, after its choices."""
         usage = ',"usage":null' if self.include_usage else ""
-        return data(f'{self.head}"choices":[{choice}]{self.weights}{usage}}}')
+        return data(f'{self.head}"choices":[{choice}]{extra}{self.weights}{usage}}}')
 
     def usage(self, body: dict[str, Any]) -> str:
         """The last chunk before `[DONE]` when usage is asked for: no choices."""

@@ -50,7 +50,6 @@ class RequestLimits:
                 " message).",
                 param="continue_final_message",
             )
-        _no_streamed_prompt_logprobs(req)
         return constraint
 
     def check_completion(self, req: Any) -> Constraint | None:
@@ -62,7 +61,6 @@ class RequestLimits:
             raise APIError("n must be at least 1.", param="n")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of must equal n (no server-side ranking of choices).", "best_of")
-        _no_streamed_prompt_logprobs(req)
         return constraint
 
     def check(self, req: BaseModel) -> Constraint | None:
@@ -256,6 +254,14 @@ class RequestLimits:
         keep = self.bounds.max_model_len if truncate == -1 else truncate
         return ids[-keep:] if len(ids) > keep else ids
 
+    def tail_logprob(self, asked: bool, any_logprobs: bool) -> bool:
+        """`return_tail_logprob` describes entries: it needs some to describe."""
+        if asked and not any_logprobs:
+            raise APIError(
+                "return_tail_logprob needs logprobs or prompt_logprobs", param="return_tail_logprob"
+            )
+        return asked
+
     def logprob_token_ids(self, ids: list[int] | None, any_logprobs: bool) -> tuple[int, ...]:
         """The ids to report in place of a top list (their count and range: `check`)."""
         if ids is None:
@@ -268,11 +274,6 @@ class RequestLimits:
         if len(set(ids)) != len(ids):
             raise APIError("logprob_token_ids must be distinct", param=param)
         return tuple(ids)
-
-
-def _no_streamed_prompt_logprobs(req: Any) -> None:
-    if req.prompt_logprobs is not None and req.stream:
-        raise APIError("prompt_logprobs is not available with streaming", param="prompt_logprobs")
 
 
 def _at_most(value: int, most: int, param: str, what: str = "") -> None:

@@ -15,7 +15,7 @@ from omlx_logprobs.api.core.protocol import ChatCompletionRequest, NamedToolChoi
 from omlx_logprobs.api.core.response import (
     finished,
     head,
-    prompt_logprobs_json,
+    prompt_logprobs_fields,
     usage,
     weight_spans_json,
     weight_version_json,
@@ -72,6 +72,14 @@ class ChatRun:
             return req.flat_logprobs
         return req.return_token_ids or self.served.cfg.flat_logprobs
 
+    def _prompt_logprobs(self, out: RequestOutput) -> str:
+        """vLLM's `prompt_logprobs` field of the response (streamed: of its first chunk), from
+        a choice's first output (which carries the prompt's entries); "" when not asked."""
+        scored, asked = out.prompt_logprobs, self.p.first.params.prompt_logprobs
+        if asked is None or scored is None:
+            return ""
+        return prompt_logprobs_fields(self.req, scored, self.p.writer, asked)
+
     def _head(self, kind: str) -> str:
         return head(self.p.request_id, kind, self.p.model, self.served.fingerprint)
 
@@ -104,11 +112,7 @@ class ChatRun:
         extra = ""
         if req.return_token_ids:
             extra = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}'
-        scored = outs[0].prompt_logprobs
-        asked = ereq.params.prompt_logprobs
-        if asked is not None and scored is not None:
-            entries = prompt_logprobs_json(req, scored, p.writer, asked)
-            extra += f',"prompt_logprobs":{entries}'
+        extra += self._prompt_logprobs(outs[0])
         body = usage(outs, ereq.think is not ThinkStart.OFF)
         return (
             f'{self._head("chat.completion")}"choices":[{",".join(choices)}],'
@@ -123,11 +127,17 @@ class ChatRun:
         chunks = sse.Chunks(self._head("chat.completion.chunk"), include_usage)
 
         def choice(
-            i: int, delta: dict[str, Any], logprobs: str, finish: str | None, extra: str = ""
+            i: int,
+            delta: dict[str, Any],
+            logprobs: str,
+            finish: str | None,
+            extra: str = "",
+            top: str = "",
         ) -> str:
             d, fin = json.dumps(delta, ensure_ascii=False), json.dumps(finish)
             return chunks.chunk(
-                f'{{"index":{i},"delta":{d},"logprobs":{logprobs},"finish_reason":{fin}{extra}}}'
+                f'{{"index":{i},"delta":{d},"logprobs":{logprobs},"finish_reason":{fin}{extra}}}',
+                top,
             )
 
         ids = req.return_token_ids
@@ -143,8 +153,12 @@ class ChatRun:
                 started = True
                 chunks.name_weights(out)
                 first = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}' if ids else ""
-                for i in range(ereq.n):  # prompt_token_ids once, with the first chunk (vLLM)
-                    yield choice(i, {"role": role, "content": ""}, "null", None, first * (i == 0))
+                scored = self._prompt_logprobs(out)
+                for i in range(ereq.n):  # prompt ids and entries once, in the first chunk
+                    yield choice(
+                        i, {"role": role, "content": ""}, "null", None,
+                        first * (i == 0), scored * (i == 0),
+                    )  # fmt: skip
                 if echo:  # vLLM: the echoed text in a chunk of its own, before the generated
                     for i in range(ereq.n):
                         yield choice(i, {"content": echo}, "null", None)

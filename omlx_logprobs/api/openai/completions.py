@@ -16,7 +16,7 @@ from omlx_logprobs.api.core.protocol import CompletionRequest
 from omlx_logprobs.api.core.response import (
     finished,
     head,
-    prompt_logprobs_json,
+    prompt_logprobs_fields,
     usage,
     weight_spans_json,
     weight_version_json,
@@ -75,8 +75,7 @@ class CompletionRun:
         """vLLM's per-choice fields: prompt_logprobs, prompt_token_ids and token_ids."""
         extra = ""
         if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            scored = prompt_logprobs_json(req, out.prompt_logprobs, p.writer)
-            extra += f',"prompt_logprobs":{scored}'
+            extra += prompt_logprobs_fields(req, out.prompt_logprobs, p.writer)
         if req.return_token_ids:
             if not c.started:
                 extra += f',"prompt_token_ids":{json.dumps(c.prompt_ids)}'

@@ -67,7 +67,7 @@ def chat_request(
     for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repetition_penalty",
         "presence_penalty", "frequency_penalty", "logprobs_mode", "logprobs_format",
-        "return_tokens_as_token_ids",
+        "return_tokens_as_token_ids", "return_tail_logprob",
     ):  # fmt: skip
         value = getattr(req, name)
         if value is not None:

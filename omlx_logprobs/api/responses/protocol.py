@@ -82,6 +82,7 @@ class ResponsesRequest(_Open):
     logprobs_mode: LogprobsModeName | None = None
     logprobs_format: Literal["openai", "columnar", "base64"] = "openai"
     return_tokens_as_token_ids: bool = False
+    return_tail_logprob: bool = False  # as on chat: each entry's tail mass
     chat_template_kwargs: dict[str, Any] | None = None
 
     @property

@@ -14,6 +14,7 @@ from fastapi import Request
 from omlx_logprobs.api.core.errors import error_body
 from omlx_logprobs.api.core.prepare import Ask, sampling_params
 from omlx_logprobs.api.core.response import (
+    prompt_logprobs_fields,
     raise_if_failed,
     usage,
     wait_or_disconnect,
@@ -59,7 +60,7 @@ class GenerateRun:
         self.req, self.served = req, served
         # the served vocabulary's formatters, made once (vLLM writes `token_id:<id>`)
         self.entries = served.writers.choose("openai", True).chat
-        self.prompt_fmt = served.writers.choose("openai", False).prompt_fmt
+        self.writer = served.writers.choose("openai", False)
         self.rid, self.ereq = engine_request(req, served)
         self.handle = served.engine.submit(self.ereq)
 
@@ -89,12 +90,11 @@ class GenerateRun:
         raise_if_failed(outs)
         choices = ",".join(self._choice(out, True) for out in outs)
         scored = outs[0].prompt_logprobs
-        prompt = "null"
+        prompt = ',"prompt_logprobs":null'
         if ereq.params.prompt_logprobs is not None and scored is not None:
-            fixed = bool(ereq.params.logprob_token_ids)
-            prompt = self.prompt_fmt.json(scored, ereq.params.prompt_logprobs, fixed)
+            prompt = prompt_logprobs_fields(self.req.sampling_params, scored, self.writer)
         return (
-            f'{self._head()}"choices":[{choices}],"prompt_logprobs":{prompt},'
+            f'{self._head()}"choices":[{choices}]{prompt},'
             f'"kv_transfer_params":null,"usage":{json.dumps(usage(outs))}'
             f"{weight_version_json(outs[0].weight_version, outs[0].adapter)}}}"
         )
