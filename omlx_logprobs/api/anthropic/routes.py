@@ -38,6 +38,7 @@ class MessageRun:
 
     async def complete(self, raw: Request) -> str:
         outs = await finished([self.handle], raw)
+        self.p.heard(outs[0])
         self.output.feed(outs[0])
         self.output.finish(outs[0])
         return self.output.body
@@ -45,6 +46,7 @@ class MessageRun:
     async def events(self) -> AsyncIterator[str]:
         last: RequestOutput | None = None
         async for _, out in sse.outputs([self.handle]):
+            self.p.heard(out)
             if last is None:
                 for e in self.output.start(out):
                     yield e

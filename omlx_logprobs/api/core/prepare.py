@@ -20,13 +20,14 @@ from omlx_logprobs.api.core import tools
 from omlx_logprobs.api.core.constraints import constraint_field
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.prediction import prediction_ids
-from omlx_logprobs.api.core.prompts import chat_prompt, completion_prompts, encode
+from omlx_logprobs.api.core.prompts import completion_prompts, encode, faithful_chat_prompt
 from omlx_logprobs.api.core.protocol import (
     ChatCompletionRequest,
     ChatTokensRequest,
     CompletionRequest,
     SamplingKnobs,
 )
+from omlx_logprobs.api.core.sampled import Recorder
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.logprobs.wire import LogprobWriter
 from omlx_logprobs.parsing.thinking import think_start
@@ -35,6 +36,7 @@ from omlx_logprobs.types import (
     Constraint,
     EngineRequest,
     LogprobsMode,
+    RequestOutput,
     SamplingParams,
     ThinkStart,
 )
@@ -94,6 +96,10 @@ class Prepared:
     constraint: Constraint | None
     writer: LogprobWriter
     model: str  # the name its responses carry: the adapter's, or the model's
+    # Prompt ids that are earlier answers' sampled ids (api/core/splice.py), and what
+    # remembers this request's answers for the conversations sent back (chat requests).
+    reused: int = 0
+    recorder: Recorder | None = None
 
     @property
     def first(self) -> EngineRequest:
@@ -101,6 +107,12 @@ class Prepared:
 
     def submit(self, served: Served) -> list[RequestHandle]:
         return [served.engine.submit(r) for r in self.requests]
+
+    def heard(self, out: RequestOutput) -> None:
+        """An output of this request (a streamed delta or a merged whole): a finished answer's
+        sampled ids are remembered under its text."""
+        if self.recorder is not None:
+            self.recorder.heard(out)
 
 
 def prepare(ask: Ask, served: Served) -> Prepared:
@@ -110,22 +122,24 @@ def prepare(ask: Ask, served: Served) -> Prepared:
     assert isinstance(req, (ChatCompletionRequest, CompletionRequest))
     with wire_names(ask.names):
         served.check_model(req.model)
+        reused, recorder = 0, None
         if isinstance(req, ChatCompletionRequest):
-            requests, constraint = _chat(ask, req, served, rid)
+            requests, constraint, reused = _chat(ask, req, served, rid)
+            recorder = Recorder(served.sampled, served.adapter(req.model) or "")
         else:
             requests, constraint = _completion(ask, req, served, rid)
     writer = served.writers.choose(req.logprobs_format, req.return_tokens_as_token_ids)
     model = served.adapter(req.model) or served.model.name
-    return Prepared(rid, requests, constraint, writer, model)
+    return Prepared(rid, requests, constraint, writer, model, reused, recorder)
 
 
 def _chat(
     ask: Ask, req: ChatCompletionRequest, served: Served, rid: str
-) -> tuple[tuple[EngineRequest, ...], Constraint | None]:
+) -> tuple[tuple[EngineRequest, ...], Constraint | None, int]:
     tokenizer = served.model.tokenizer
     content = served.checks.check_chat(req)
     parsing = tools.tool_parsing(req, served.tool_format, tokenizer)
-    prompt = _chat_prompt(req, served)
+    prompt, reused = _chat_prompt(req, served)
     params = sampling_params(ask, served, len(prompt), content)
     if req.prediction is not None:
         params = replace(params, prediction=prediction_ids(req.prediction, served.model))
@@ -154,16 +168,18 @@ def _chat(
         reasoning_tags=served.reasoning_tags,
         adapter=served.adapter(req.model),
     )
-    return (ereq,), constraint
+    return (ereq,), constraint, reused
 
 
-def _chat_prompt(req: ChatCompletionRequest, served: Served) -> list[int]:
-    """The chat template's ids of the messages, or, on /v1/chat/completions/tokens, the ids the
-    client sent (the conversation as its trainer holds it: never re-tokenized)."""
+def _chat_prompt(req: ChatCompletionRequest, served: Served) -> tuple[list[int], int]:
+    """The chat template's ids of the messages, earlier answers this server sampled spliced in
+    as their sampled ids (and how many ids those are), or, on /v1/chat/completions/tokens, the
+    ids the client sent (the conversation as its trainer holds it: never re-tokenized)."""
     if not isinstance(req, ChatTokensRequest):
-        return chat_prompt(req, served.model, served.checks)
+        scope = served.adapter(req.model) or ""
+        return faithful_chat_prompt(req, served.model, served.checks, served.sampled, scope)
     served.checks.check_token_ids(req.tokens, "tokens")
-    return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens)
+    return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens), 0
 
 
 def _completion(

@@ -4,11 +4,15 @@ failures as the request's 400."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from omlx_logprobs.api.core import tools
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest
+from omlx_logprobs.api.core.sampled import SampledStore, chat_message_key
+from omlx_logprobs.api.core.splice import Tokenizer as SpliceTokenizer
+from omlx_logprobs.api.core.splice import Turn, splice
 from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.models.segments import segment_encoder
@@ -19,7 +23,82 @@ MAX_PROMPTS = 256  # prompts in one completions request (lm-eval batches several
 def chat_prompt(
     req: ChatCompletionRequest, model: LoadedModel, checks: RequestLimits | None = None
 ) -> list[int]:
+    text = render(req, model, tools.template_messages(req.messages), req.add_generation_prompt)
+    if checks is not None:
+        checks.check_text(text, "messages")
+    ids = encode(model, text, "messages", special=req.add_special_tokens)
+    return checks.truncated(ids, req.truncate_prompt_tokens) if checks is not None else ids
+
+
+def faithful_chat_prompt(
+    req: ChatCompletionRequest,
+    model: LoadedModel,
+    checks: RequestLimits,
+    store: SampledStore,
+    scope: str,
+) -> tuple[list[int], int]:
+    """The chat prompt's ids with the earlier answers this server sampled (and `store` still
+    holds) as their sampled ids (api/core/splice.py), and how many prompt ids those are."""
     messages = tools.template_messages(req.messages)
+    text = render(req, model, messages, req.add_generation_prompt)
+    checks.check_text(text, "messages")
+    turns = [
+        Turn(i, ids)
+        for i, m in enumerate(messages)
+        if m["role"] == "assistant" and (ids := store.get(scope, chat_message_key(m))) is not None
+    ]
+    segments = segment_encoder(model.tokenizer)
+    if not turns or req.add_special_tokens or not segments.active:
+        ids = encode(model, text, "messages", special=req.add_special_tokens)
+        return checks.truncated(ids, req.truncate_prompt_tokens), 0
+    spliced = splice(
+        text,
+        turns,
+        lambda i: _head(req, model, messages[:i]),
+        _splice_tokenizer(model),
+    )
+    ids = checks.truncated(spliced.ids, req.truncate_prompt_tokens)
+    return ids, spliced.reused(len(spliced.ids) - len(ids))
+
+
+def _head(
+    req: ChatCompletionRequest, model: LoadedModel, before: list[dict[str, Any]]
+) -> str | None:
+    """The prompt an answer was sampled after; None where the template refuses it (such a
+    turn is tokenized from its text)."""
+    try:
+        return render(req, model, before, True)
+    except APIError:
+        return None
+
+
+def _splice_tokenizer(model: LoadedModel) -> SpliceTokenizer:
+    segments = segment_encoder(model.tokenizer)
+    assert segments.split is not None
+    split = segments.split
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(
+            model.tokenizer.decode(
+                list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        )
+
+    return SpliceTokenizer(
+        encode=lambda text: encode(model, text, "messages"),
+        decode=decode,
+        added=frozenset(segments.ids.values()),
+        added_at=lambda text, at: split.match(text, at) is not None,
+    )
+
+
+def render(
+    req: ChatCompletionRequest,
+    model: LoadedModel,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+) -> str:
+    """The chat template's text of `messages` with the request's tools and variables."""
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:  # a template variable, as vLLM passes it
         kwargs["reasoning_effort"] = req.reasoning_effort
@@ -28,21 +107,19 @@ def chat_prompt(
     if req.continue_final_message:
         kwargs["continue_final_message"] = True
     try:
-        text = model.tokenizer.apply_chat_template(
-            messages,
-            tools=tools.template_tools(req.tools),
-            add_generation_prompt=req.add_generation_prompt,
-            tokenize=False,
-            **kwargs,
+        return str(
+            model.tokenizer.apply_chat_template(
+                messages,
+                tools=tools.template_tools(req.tools),
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **kwargs,
+            )
         )
     except Exception as e:  # a template error is the request's fault
         raise APIError(
             f"The chat template could not render these messages: {e}", param="messages"
         ) from None
-    if checks is not None:
-        checks.check_text(text, "messages")
-    ids = encode(model, text, "messages", special=req.add_special_tokens)
-    return checks.truncated(ids, req.truncate_prompt_tokens) if checks is not None else ids
 
 
 def completion_prompts(

@@ -78,6 +78,8 @@ class ChatRun:
         req, p = self.req, self.p
         ereq = p.first
         outs = await finished([self.handle], raw)
+        for out in outs:
+            p.heard(out)
         role, echo = reply_role(req), echo_text(req)
         parser = ereq.tools.parser if ereq.tools else None
         named = isinstance(req.tool_choice, NamedToolChoice)
@@ -107,7 +109,7 @@ class ChatRun:
         if asked is not None and scored is not None:
             entries = prompt_logprobs_json(req, scored, p.writer, asked)
             extra += f',"prompt_logprobs":{entries}'
-        body = usage(outs, ereq.think is not ThinkStart.OFF)
+        body = usage(outs, ereq.think is not ThinkStart.OFF, p.reused)
         return (
             f'{self._head("chat.completion")}"choices":[{",".join(choices)}],'
             f'"usage":{json.dumps(body)}{extra}'
@@ -137,6 +139,7 @@ class ChatRun:
         flat = self.flat()
         started = False
         async for _, out in sse.outputs([self.handle]):
+            p.heard(out)
             if not started:  # the role chunks name the weights: they wait for the first output
                 started = True
                 chunks.name_weights(out)
@@ -163,5 +166,5 @@ class ChatRun:
                 yield choice(i, {}, "null", finish, weight_spans_json(out))
         if include_usage:
             done = [finals[i] for i in sorted(finals)]
-            yield chunks.usage(usage(done, ereq.think is not ThinkStart.OFF))
+            yield chunks.usage(usage(done, ereq.think is not ThinkStart.OFF, p.reused))
         yield sse.DONE

@@ -52,6 +52,7 @@ class ResponseRun:
 
     async def complete(self, raw: Request) -> str:
         outs = await finished([self.handle], raw)
+        self.p.heard(outs[0])
         self.output.created(outs[0])
         self.output.feed(outs[0])
         self.output.finish(outs[0])
@@ -61,6 +62,7 @@ class ResponseRun:
     async def events(self) -> AsyncIterator[str]:
         last: RequestOutput | None = None
         async for _, out in sse.outputs([self.handle]):
+            self.p.heard(out)
             if last is None:
                 for e in self.output.created(out):
                     yield e
@@ -123,6 +125,7 @@ def _echoed(req: ResponsesRequest) -> dict[str, Any]:
 
 def add_routes(app: FastAPI, pool: ModelPool, store: ResponseStore) -> None:
     pool.reports["responses_store"] = store.report
+
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request) -> Response:
         return await respond(pool, req, raw, lambda slot: ResponseRun(req, slot.live, store))
