@@ -1,0 +1,223 @@
+"""Conversations sent back keep the ids the model sampled, through the real server and the real
+clients: `openai`'s chat completions (JSON and streamed), its Responses client
+(`previous_response_id` and the output items sent back as input), the OpenAI Agents SDK's
+Responses model, and `anthropic`'s Messages. The tiny random model samples words whose ids are
+often not their text's tokenization: for each API the second prompt begins with exactly the first
+prompt's ids and the first answer's sampled ids (so the prefix cache holds all of them), usage
+counts them, and an edited answer is tokenized from its text as before."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from omlx_logprobs.api.core.prompts import chat_prompt
+from omlx_logprobs.api.core.protocol import ChatCompletionRequest
+from omlx_logprobs.models.loader import LoadedModel, load_model
+from tests.helpers.scripted import write_description
+from tests.helpers.server import thread_server
+from tests.helpers.tap import Tap
+
+SEEDS = range(6)
+SCRIPTED = "scripted-faithful"
+ODD = "Hi there, all of you"
+HELLO = [{"role": "user", "content": "Hello there"}]
+MORE = {"role": "user", "content": "Tell me more"}
+
+
+@pytest.fixture(scope="module")
+def served(tiny: LoadedModel) -> Iterator[tuple[str, Tap]]:
+    with thread_server(tiny) as (url, engine):
+        yield url, Tap(engine)
+
+
+@pytest.fixture(scope="module")
+def client(served: tuple[str, Tap]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="-", max_retries=0, timeout=120)
+
+
+def plain_ids(model: LoadedModel, messages: list[dict[str, Any]]) -> list[int]:
+    """The prompt as the server tokenizes a conversation it did not answer."""
+    return chat_prompt(ChatCompletionRequest(model=model.name, messages=messages), model)
+
+
+def retokenized(model: LoadedModel, text: str) -> list[int]:
+    return list(model.tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_chat_sends_back_the_sampled_ids(
+    client: openai.OpenAI, tiny: LoadedModel, stream: bool
+) -> None:
+    differed = 0
+    for seed in SEEDS:
+        first = client.chat.completions.create(
+            model=tiny.name, messages=HELLO, max_tokens=12, seed=seed, temperature=1.0,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        choice = first.choices[0]
+        prompt, sampled = first.prompt_token_ids, choice.token_ids
+        text = choice.message.content or ""
+        messages = [*HELLO, {"role": "assistant", "content": text}, MORE]
+        ids, usage = _second_chat(client, tiny.name, messages, stream)
+        assert ids[: len(prompt) + len(sampled)] == prompt + sampled
+        assert usage["prompt_tokens_details"]["reused_output_tokens"] == len(sampled)
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= len(prompt) + len(sampled) - 1
+        differed += retokenized(tiny, text) != sampled
+    # the splice matters: for some answer the text's own ids are not the sampled ones
+    assert differed > 0
+
+
+def _second_chat(
+    client: openai.OpenAI, model: str, messages: list[dict[str, Any]], stream: bool
+) -> tuple[list[int], dict[str, Any]]:
+    body: dict[str, Any] = {"return_token_ids": True}
+    if not stream:
+        r = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=2,
+            extra_body=body,
+        )
+        return r.prompt_token_ids, r.usage.model_dump()
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=messages, max_tokens=2, stream=True,
+            stream_options={"include_usage": True}, extra_body=body,
+        )
+    )  # fmt: skip
+    ids = chunks[0].choices[0].model_extra["prompt_token_ids"]
+    return ids, chunks[-1].usage.model_dump()
+
+
+def test_a_streamed_answer_is_remembered(client: openai.OpenAI, tiny: LoadedModel) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model=tiny.name, messages=HELLO, max_tokens=10, seed=7, stream=True,
+            extra_body={"return_token_ids": True},
+        )
+    )  # fmt: skip
+    prompt = chunks[0].choices[0].model_extra["prompt_token_ids"]
+    sampled = [
+        t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []
+    ]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    messages = [*HELLO, {"role": "assistant", "content": text}, MORE]
+    ids, usage = _second_chat(client, tiny.name, messages, False)
+    assert ids[: len(prompt) + len(sampled)] == prompt + sampled
+    assert usage["prompt_tokens_details"]["reused_output_tokens"] == len(sampled)
+
+
+def test_an_edited_answer_is_tokenized_from_its_text(
+    client: openai.OpenAI, tiny: LoadedModel
+) -> None:
+    first = client.chat.completions.create(
+        model=tiny.name,
+        messages=HELLO,
+        max_tokens=12,
+        seed=3,
+    )
+    text = first.choices[0].message.content or ""
+    messages = [*HELLO, {"role": "assistant", "content": text + " (edited)"}, MORE]
+    ids, usage = _second_chat(client, tiny.name, messages, False)
+    assert ids == plain_ids(tiny, messages)
+    assert usage["prompt_tokens_details"]["reused_output_tokens"] == 0
+
+
+def test_responses_previous_id_and_items_sent_back(
+    client: openai.OpenAI, served: tuple[str, Tap], tiny: LoadedModel
+) -> None:
+    tap = served[1]
+    for seed in SEEDS[:3]:
+        first = client.responses.create(
+            model=tiny.name, input="Hello there", max_output_tokens=10, temperature=1.0,
+            extra_body={"seed": seed},
+        )  # fmt: skip
+        prompt, sampled = tap.prompts[first.id], tap.sampled[first.id]
+        chained = client.responses.create(
+            model=tiny.name, input="Tell me more", previous_response_id=first.id,
+            max_output_tokens=2,
+        )  # fmt: skip
+        items: list[Any] = [*HELLO, *(o.model_dump() for o in first.output), MORE]
+        resent = client.responses.create(model=tiny.name, input=items, max_output_tokens=2)
+        for second in (chained, resent):
+            assert tap.prompts[second.id][: len(prompt) + len(sampled)] == prompt + sampled
+            details = second.usage.input_tokens_details.model_dump()
+            assert details["reused_output_tokens"] == len(sampled)
+        assert tap.prompts[chained.id] == tap.prompts[resent.id]
+
+
+@pytest.fixture(scope="module")
+def scripted_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Tap]]:
+    """A scripted model whose answer is one token per byte (never its text's tokenization) and
+    ends its turn, as the Agents SDK needs (an answer cut at the token limit is its error)."""
+    path = tmp_path_factory.mktemp("faithful") / "model.json"
+    write_description(path, name=SCRIPTED, scripts={"odd": [{"bytes": ODD}]})
+    with thread_server(load_model(str(path))) as (url, engine):
+        yield url, Tap(engine)
+
+
+def test_the_agents_sdk_conversation_keeps_the_sampled_ids(
+    scripted_url: tuple[str, Tap],
+) -> None:
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner
+
+    url, tap = scripted_url
+
+    async def run() -> tuple[Any, Any]:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0) as c:
+            agent = Agent(
+                name="talker",
+                instructions="Talk.",
+                model=OpenAIResponsesModel(model=SCRIPTED, openai_client=c),
+                model_settings=ModelSettings(max_tokens=32, temperature=0),
+            )
+            first = await Runner.run(agent, "Case: odd")
+            again = [*first.to_input_list(), {"role": "user", "content": "Again: odd"}]
+            return first, await Runner.run(agent, again)
+
+    first, second = asyncio.run(run())
+    assert first.final_output == ODD
+    one, two = first.raw_responses[0].response_id, second.raw_responses[0].response_id
+    prompt, sampled = tap.prompts[one], tap.sampled[one]
+    assert len(sampled) == len(ODD) + 1  # a token per byte, and the end of the turn
+    assert tap.prompts[two][: len(prompt) + len(sampled)] == prompt + sampled
+    assert second.raw_responses[0].usage.input_tokens_details.cached_tokens >= len(prompt)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_anthropic_messages_send_back_the_sampled_ids(
+    served: tuple[str, Tap], tiny: LoadedModel, stream: bool
+) -> None:
+    url, tap = served
+    client = anthropic.Anthropic(base_url=url, api_key="-", max_retries=0)
+    for seed in SEEDS[:3]:
+        kw: dict[str, Any] = {"model": tiny.name, "max_tokens": 10, "extra_body": {"seed": seed}}
+        if stream:
+            with client.messages.stream(messages=HELLO, **kw) as s:
+                first = s.get_final_message()
+        else:
+            first = client.messages.create(messages=HELLO, **kw)
+        prompt, sampled = tap.prompts[first.id], tap.sampled[first.id]
+        back = [b.model_dump() for b in first.content]
+        messages: Any = [*HELLO, {"role": "assistant", "content": back}, MORE]
+        second = client.messages.create(model=tiny.name, max_tokens=2, messages=messages)
+        assert tap.prompts[second.id][: len(prompt) + len(sampled)] == prompt + sampled
+        assert second.usage.model_dump()["reused_output_tokens"] == len(sampled)
+        counted = client.messages.count_tokens(model=tiny.name, messages=messages)
+        assert counted.input_tokens == len(tap.prompts[second.id])
+
+
+def test_health_reports_the_store(
+    served: tuple[str, Tap], client: openai.OpenAI, tiny: LoadedModel
+) -> None:
+    client.chat.completions.create(model=tiny.name, messages=HELLO, max_tokens=2)
+    report = httpx.get(served[0] + "/health", timeout=10).json()["sampled_store"]
+    assert report["answers"] > 0 and 0 < report["bytes"] <= report["max_bytes"]
+    assert report["max_answers"] == 4096
