@@ -155,10 +155,12 @@ def test_responses_previous_id_and_items_sent_back(
 
 @pytest.fixture(scope="module")
 def scripted_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Tap]]:
-    """A scripted model whose answer is one token per byte (never its text's tokenization) and
-    ends its turn, as the Agents SDK needs (an answer cut at the token limit is its error)."""
+    """A scripted model whose answer is one token per byte (never its text's tokenization), or
+    the same text as its tokenization, and ends its turn, as the Agents SDK needs (an answer
+    cut at the token limit is its error)."""
     path = tmp_path_factory.mktemp("faithful") / "model.json"
-    write_description(path, name=SCRIPTED, scripts={"odd": [{"bytes": ODD}]})
+    scripts = {"odd": [{"bytes": ODD}], "even": [{"text": ODD}]}  # one text, two ways
+    write_description(path, name=SCRIPTED, scripts=scripts)
     with thread_server(load_model(str(path))) as (url, engine):
         yield url, Tap(engine)
 
@@ -189,6 +191,27 @@ def test_the_agents_sdk_conversation_keeps_the_sampled_ids(
     assert len(sampled) == len(ODD) + 1  # a token per byte, and the end of the turn
     assert tap.prompts[two][: len(prompt) + len(sampled)] == prompt + sampled
     assert second.raw_responses[0].usage.input_tokens_details.cached_tokens >= len(prompt)
+
+
+def test_a_response_id_finds_its_own_answer(scripted_url: tuple[str, Tap]) -> None:
+    """The same text sampled two ways: the text finds the latest answer's ids, a continuation
+    by `previous_response_id` those of the response it names."""
+    url, tap = scripted_url
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60)
+    kw: dict[str, Any] = {"model": SCRIPTED, "temperature": 0, "max_output_tokens": 32}
+    odd = client.responses.create(input="Case: odd", **kw)
+    even = client.responses.create(input="Case: even", **kw)
+    assert odd.output_text == even.output_text == ODD
+    assert tap.sampled[odd.id] != tap.sampled[even.id]
+    # (its own answer is the text's tokenization again: the latest answer of the text stays so)
+    chained = client.responses.create(input="More: even", previous_response_id=odd.id, **kw)
+    prompt, sampled = tap.prompts[odd.id], tap.sampled[odd.id]
+    assert tap.prompts[chained.id][: len(prompt) + len(sampled)] == prompt + sampled
+    resent = [{"role": "user", "content": "Case: odd"}, {"role": "assistant", "content": ODD}]
+    again = [*resent, {"role": "user", "content": "More: even"}]
+    by_text = client.responses.create(input=again, **kw)
+    latest = tap.prompts[even.id] + tap.sampled[even.id]
+    assert tap.prompts[by_text.id][len(prompt) : len(latest)] == tap.sampled[even.id]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -48,7 +48,9 @@ class Ask:
     request model, which every API's body is read into), its output budget, whether generated
     tokens get entries and how many alternatives, how many alternatives prompt positions get
     (None: no prompt logprobs), the request id's prefix, and the wire's names of the fields
-    (`{"max_tokens": "max_output_tokens"}`, and the prompt's: `token_ids`) for the 400s. The
+    (`{"max_tokens": "max_output_tokens"}`, and the prompt's: `token_ids`) for the 400s;
+    `sampled`: the ids earlier answers were sampled as, by their message's index, where the route
+    knows them (a Responses continuation: api/core/splice.py puts them in the prompt). The
     token routes (vLLM's and SGLang's generate) ask with their sampling fields alone (`req` a
     `SamplingKnobs`) and take only `sampling_params` of this path: their prompts are ids."""
 
@@ -60,6 +62,7 @@ class Ask:
     prefix: str = "chatcmpl-"
     names: Mapping[str, str] = field(default_factory=dict)
     prompt_param: str | None = None
+    sampled: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
     @staticmethod
     def chat(
@@ -139,7 +142,7 @@ def _chat(
     tokenizer = served.model.tokenizer
     content = served.checks.check_chat(req)
     parsing = tools.tool_parsing(req, served.tool_format, tokenizer)
-    prompt, reused = _chat_prompt(req, served)
+    prompt, reused = _chat_prompt(req, served, ask.sampled)
     params = sampling_params(ask, served, len(prompt), content)
     if req.prediction is not None:
         params = replace(params, prediction=prediction_ids(req.prediction, served.model))
@@ -171,13 +174,16 @@ def _chat(
     return (ereq,), constraint, reused
 
 
-def _chat_prompt(req: ChatCompletionRequest, served: Served) -> tuple[list[int], int]:
+def _chat_prompt(
+    req: ChatCompletionRequest, served: Served, known: Mapping[int, Sequence[int]]
+) -> tuple[list[int], int]:
     """The chat template's ids of the messages, earlier answers this server sampled spliced in
     as their sampled ids (and how many ids those are), or, on /v1/chat/completions/tokens, the
     ids the client sent (the conversation as its trainer holds it: never re-tokenized)."""
     if not isinstance(req, ChatTokensRequest):
         scope = served.adapter(req.model) or ""
-        return faithful_chat_prompt(req, served.model, served.checks, served.sampled, scope)
+        store = served.sampled
+        return faithful_chat_prompt(req, served.model, served.checks, store, scope, known)
     served.checks.check_token_ids(req.tokens, "tokens")
     return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens), 0
 

@@ -4,7 +4,7 @@ failures as the request's 400."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omlx_logprobs.api.core import tools
@@ -36,17 +36,22 @@ def faithful_chat_prompt(
     checks: RequestLimits,
     store: SampledStore,
     scope: str,
+    known: Mapping[int, Sequence[int]] | None = None,
 ) -> tuple[list[int], int]:
-    """The chat prompt's ids with the earlier answers this server sampled (and `store` still
-    holds) as their sampled ids (api/core/splice.py), and how many prompt ids those are."""
+    """The chat prompt's ids with the earlier answers this server sampled as their sampled ids
+    (api/core/splice.py), and how many prompt ids those are: the ids `known` gives by message
+    index (a Responses continuation's, kept with its stored response), else those `store` holds
+    for the message's text."""
     messages = tools.template_messages(req.messages)
     text = render(req, model, messages, req.add_generation_prompt)
     checks.check_text(text, "messages")
-    turns = [
-        Turn(i, ids)
-        for i, m in enumerate(messages)
-        if m["role"] == "assistant" and (ids := store.get(scope, chat_message_key(m))) is not None
-    ]
+    known = known or {}
+    turns = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            ids = known.get(i) or store.get(scope, chat_message_key(m))
+            if ids:
+                turns.append(Turn(i, ids))
     segments = segment_encoder(model.tokenizer)
     if not turns or req.add_special_tokens or not segments.active:
         ids = encode(model, text, "messages", special=req.add_special_tokens)

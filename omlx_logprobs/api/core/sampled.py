@@ -115,6 +115,7 @@ class Recorder:
     def __init__(self, store: SampledStore, scope: str) -> None:
         self.store, self.scope = store, scope
         self.answers: dict[int, _Answer] = {}
+        self.sampled: dict[int, list[int]] = {}  # each finished choice's ids, by its index
 
     def heard(self, out: RequestOutput) -> None:
         a = self.answers.setdefault(out.index, _Answer())
@@ -125,4 +126,5 @@ class Recorder:
         if out.finished:
             del self.answers[out.index]
             if not out.error:
+                self.sampled[out.index] = a.ids
                 self.store.put(self.scope, message_key(a.text, a.reasoning, a.calls), a.ids)

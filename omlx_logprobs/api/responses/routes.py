@@ -6,6 +6,7 @@ the one request path (api/core/prepare.py), its outputs written as Responses ite
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,7 @@ class ResponseRun:
     def __init__(self, req: ResponsesRequest, served: Served, store: ResponseStore) -> None:
         self.req, self.store = req, store
         history: list[dict[str, Any]] = []
+        self.answers: tuple[tuple[int, tuple[int, ...]], ...] = ()
         if req.previous_response_id is not None:
             stored = store.get(req.previous_response_id)
             if stored is None:
@@ -42,10 +44,14 @@ class ResponseRun:
                     param="previous_response_id",
                     code="previous_response_not_found",
                 )
-            history = list(stored.conversation)
+            history, self.answers = list(stored.conversation), stored.answers
         self.conversation = history + input_messages(req.input)
         chat = chat_request(req, self.conversation)
-        self.p = prepare(Ask.chat(chat, prefix="resp_", names=NAMES), served)
+        # the chain's answers by their index among the chat messages (instructions first)
+        first = len(chat.messages) - len(self.conversation)
+        sampled = {first + i: ids for i, ids in self.answers}
+        ask = replace(Ask.chat(chat, prefix="resp_", names=NAMES), sampled=sampled)
+        self.p = prepare(ask, served)
         self.output = ResponseOutput(self.p, meta(_echoed(req), self.p.request_id, self.p.model),
                                      req.stream)  # fmt: skip
         self.handle = self.p.submit(served)[0]
@@ -79,7 +85,11 @@ class ResponseRun:
     def _keep(self) -> None:
         if self.req.store is not False:
             said = [*self.conversation, _assistant(self.output.items.items)]
-            self.store.put(self.p.request_id, Stored.of(self.output.body, said))
+            answers = self.answers
+            recorder = self.p.recorder
+            if recorder is not None and 0 in recorder.sampled:
+                answers += ((len(self.conversation), tuple(recorder.sampled[0])),)
+            self.store.put(self.p.request_id, Stored.of(self.output.body, said, answers))
 
 
 def _assistant(items: list[Item]) -> dict[str, Any]:
