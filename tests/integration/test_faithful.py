@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -212,6 +213,45 @@ def test_a_response_id_finds_its_own_answer(scripted_url: tuple[str, Tap]) -> No
     by_text = client.responses.create(input=again, **kw)
     latest = tap.prompts[even.id] + tap.sampled[even.id]
     assert tap.prompts[by_text.id][len(prompt) : len(latest)] == tap.sampled[even.id]
+
+
+# ChatML that writes an earlier answer's reasoning back as the model wrote it, and one that
+# drops it (as Qwen3's does for turns before the last user message).
+KEEPS_REASONING = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.reasoning_content %}{{ '<think>' + m.reasoning_content + '</think>' }}{%- endif %}"
+    "{{ m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+DROPS_REASONING = KEEPS_REASONING.replace("m.reasoning_content %", "false %")
+
+
+@pytest.mark.parametrize("keeps", [True, False], ids=["kept", "dropped"])
+def test_reasoning_comes_back_where_the_template_writes_it(tmp_path: Path, keeps: bool) -> None:
+    """With the thinking parser on, the answer's reasoning and content come back apart; a
+    template that writes them as sampled gets the sampled ids (the think tags included), one
+    that drops the reasoning gets the text's tokenization."""
+    model = load_model(str(write_description(tmp_path / "thinker.json")))
+    model.tokenizer.chat_template = KEEPS_REASONING if keeps else DROPS_REASONING
+    with thread_server(model, reasoning=True) as (url, engine):
+        tap = Tap(engine)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60)
+        ask = [{"role": "user", "content": "Case: special"}]
+        kw: dict[str, Any] = {"model": model.name, "temperature": 0, "max_tokens": 64}
+        first = client.chat.completions.create(messages=ask, **kw)
+        said = first.choices[0].message
+        reasoning = said.model_extra["reasoning_content"]
+        assert reasoning and said.content
+        back = {"role": "assistant", "content": said.content, "reasoning_content": reasoning}
+        messages = [*ask, back, {"role": "user", "content": "Again: special"}]
+        second = client.chat.completions.create(messages=messages, **kw)
+    prompt, sampled = tap.prompts[first.id], tap.sampled[first.id]
+    reused = second.usage.prompt_tokens_details.model_dump()["reused_output_tokens"]
+    if keeps:
+        assert tap.prompts[second.id][: len(prompt) + len(sampled)] == prompt + sampled
+        assert reused == len(sampled)
+    else:
+        assert tap.prompts[second.id] == plain_ids(model, messages) and reused == 0
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
