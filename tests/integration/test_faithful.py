@@ -277,6 +277,22 @@ def test_anthropic_messages_send_back_the_sampled_ids(
         assert counted.input_tokens == len(tap.prompts[second.id])
 
 
+def test_ollama_chat_sends_back_the_sampled_ids(served: tuple[str, Tap], tiny: LoadedModel) -> None:
+    url, tap = served
+
+    def chat(messages: list[dict[str, Any]], n: int) -> tuple[dict[str, Any], str]:
+        body = {"model": tiny.name, "messages": messages, "stream": False,
+                "options": {"seed": 2, "num_predict": n}}  # fmt: skip
+        r = httpx.post(url + "/api/chat", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json(), list(tap.prompts)[-1]
+
+    first, one = chat(HELLO, 10)
+    _, two = chat([*HELLO, first["message"], MORE], 2)
+    prompt, sampled = tap.prompts[one], tap.sampled[one]
+    assert tap.prompts[two][: len(prompt) + len(sampled)] == prompt + sampled
+
+
 def test_health_reports_the_store(
     served: tuple[str, Tap], client: openai.OpenAI, tiny: LoadedModel
 ) -> None:
