@@ -11,7 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from omlx_logprobs.api.core import prompts
 from omlx_logprobs.api.core.bounds import model_bounds
+from omlx_logprobs.api.core.heads import Heads, chained
 from omlx_logprobs.api.core.prompts import chat_prompt, faithful_chat_prompt
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest
 from omlx_logprobs.api.core.sampled import (
@@ -20,9 +22,10 @@ from omlx_logprobs.api.core.sampled import (
     chat_message_key,
     message_key,
 )
+from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.core.splice import Tokenizer, Turn, splice
 from omlx_logprobs.api.core.validation import RequestLimits
-from omlx_logprobs.config import Limits
+from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.types import RequestOutput, ToolCall
 
@@ -56,10 +59,17 @@ def checks(tiny: LoadedModel) -> RequestLimits:
     return RequestLimits(Limits(), model_bounds(tiny, 20))
 
 
+def serving(model: LoadedModel, store: SampledStore) -> Served:
+    """The served model's facts the prompt needs (no engine: nothing runs), with `store`."""
+    served = Served(None, model, EngineConfig(), adapters={"lora": "/nowhere"})  # type: ignore[arg-type]
+    served.__dict__["sampled"] = store  # the cached property's value
+    return served
+
+
 def prompt(
     model: LoadedModel, checks: RequestLimits, store: SampledStore, req: ChatCompletionRequest
 ) -> tuple[list[int], int]:
-    return faithful_chat_prompt(req, model, checks, store, "")
+    return faithful_chat_prompt(req, serving(model, store))
 
 
 def test_an_answer_comes_back_as_its_sampled_ids(tiny: LoadedModel, checks: RequestLimits) -> None:
@@ -128,11 +138,8 @@ def test_an_edited_answer_is_tokenized_from_its_text(
         req = request("Hi there", text, "More")
         assert prompt(tiny, checks, store, req) == (chat_prompt(req, tiny, checks), 0)
     # another adapter's answer is not this one's
-    req = request("Hi there", ANSWER, "More")
-    assert faithful_chat_prompt(req, tiny, checks, store, "lora") == (
-        chat_prompt(req, tiny, checks),
-        0,
-    )
+    req = request("Hi there", ANSWER, "More").model_copy(update={"model": "lora"})
+    assert prompt(tiny, checks, store, req) == (chat_prompt(req, tiny, checks), 0)
 
 
 def test_ids_that_do_not_say_the_text_are_not_spliced(
@@ -230,3 +237,49 @@ def test_the_recorder_keeps_each_finished_answer() -> None:
     assert store.get("", chat_message_key(message)) == [1, 2, 3, 4]
     rec.heard(out([5], text="x", index=1, finished=True, error="boom"))
     assert store.get("", message_key("x", None, [])) is None and not rec.answers
+
+
+def test_each_conversation_start_is_rendered_once(
+    tiny: LoadedModel, checks: RequestLimits, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conversation's next turn renders the start of its new answer only (the earlier
+    answers' starts are kept, found by their messages); the ids are the same as rendered anew."""
+    rendered: list[int] = []
+    real = prompts._head
+
+    def counted(req: Any, model: Any, before: list[dict[str, Any]]) -> str | None:
+        rendered.append(len(before))
+        return real(req, model, before)
+
+    monkeypatch.setattr(prompts, "_head", counted)
+    store = SampledStore()
+    served = serving(tiny, store)
+    turns = ["Hi there"]
+    for i, answer in enumerate([ANSWER, "Another one, like it", "And a third"]):
+        store.put("", message_key(answer, "", []), [*odd_ids(tiny, answer), special(tiny, IM_END)])
+        turns += [answer, f"Question {i}"]
+        rendered.clear()
+        ids, reused = faithful_chat_prompt(request(*turns), served)
+        assert rendered == [len(turns) - 2]  # the messages before the newest answer
+        assert (ids, reused) == faithful_chat_prompt(request(*turns), serving(tiny, store))
+
+
+def test_the_kept_starts_are_named_by_messages_and_settings() -> None:
+    one = chained({"tools": None}, [{"role": "user", "content": "x"}, {"content": "y"}])
+    two = chained({"tools": None}, [{"role": "user", "content": "x"}, {"content": "z"}])
+    other = chained({"tools": []}, [{"role": "user", "content": "x"}])
+    assert one[:2] == two[:2] and one[2] != two[2]
+    assert other[0] != one[0] and other[1] != one[1]
+    heads = Heads(mib=1)
+    renders: list[str] = []
+
+    def render() -> str:
+        renders.append("r")
+        return "text"
+
+    assert heads.get(one[1], render) == heads.get(two[1], render) == "text" and renders == ["r"]
+    assert heads.get(one[2], lambda: None) is None and len(heads) == 1  # a refusal: not kept
+    big = "x" * (1 << 20)
+    assert heads.get(b"big", lambda: big + "x") == big + "x" and len(heads) == 1  # too large
+    heads.get(b"fills", lambda: big)  # the budget: the oldest goes
+    assert len(heads) == 1 and heads.get(one[1], lambda: "again") == "again"

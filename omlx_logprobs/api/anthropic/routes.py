@@ -85,6 +85,4 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
             checks.check(chat)
             if served is None:
                 return {"input_tokens": len(chat_prompt(chat, model, checks))}
-            scope = served.adapter(req.model) or ""
-            ids, _ = faithful_chat_prompt(chat, model, checks, served.sampled, scope)
-            return {"input_tokens": len(ids)}
+            return {"input_tokens": len(faithful_chat_prompt(chat, served)[0])}

@@ -181,9 +181,7 @@ def _chat_prompt(
     as their sampled ids (and how many ids those are), or, on /v1/chat/completions/tokens, the
     ids the client sent (the conversation as its trainer holds it: never re-tokenized)."""
     if not isinstance(req, ChatTokensRequest):
-        scope = served.adapter(req.model) or ""
-        store = served.sampled
-        return faithful_chat_prompt(req, served.model, served.checks, store, scope, known)
+        return faithful_chat_prompt(req, served, known)
     served.checks.check_token_ids(req.tokens, "tokens")
     return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens), 0
 

@@ -9,8 +9,10 @@ from typing import Any
 
 from omlx_logprobs.api.core import tools
 from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.heads import chained
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest
-from omlx_logprobs.api.core.sampled import SampledStore, chat_message_key
+from omlx_logprobs.api.core.sampled import chat_message_key
+from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.core.splice import Tokenizer as SpliceTokenizer
 from omlx_logprobs.api.core.splice import Turn, splice
 from omlx_logprobs.api.core.validation import RequestLimits
@@ -32,36 +34,35 @@ def chat_prompt(
 
 def faithful_chat_prompt(
     req: ChatCompletionRequest,
-    model: LoadedModel,
-    checks: RequestLimits,
-    store: SampledStore,
-    scope: str,
+    served: Served,
     known: Mapping[int, Sequence[int]] | None = None,
 ) -> tuple[list[int], int]:
     """The chat prompt's ids with the earlier answers this server sampled as their sampled ids
     (api/core/splice.py), and how many prompt ids those are: the ids `known` gives by message
-    index (a Responses continuation's, kept with its stored response), else those `store` holds
-    for the message's text."""
+    index (a Responses continuation's, kept with its stored response), else those the served
+    model's store holds for the message's text (its adapter's, when `model` names one)."""
+    model, checks = served.model, served.checks
     messages = tools.template_messages(req.messages)
     text = render(req, model, messages, req.add_generation_prompt)
     checks.check_text(text, "messages")
-    known = known or {}
+    known, scope = known or {}, served.adapter(req.model) or ""
     turns = []
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
-            ids = known.get(i) or store.get(scope, chat_message_key(m))
+            ids = known.get(i) or served.sampled.get(scope, chat_message_key(m))
             if ids:
                 turns.append(Turn(i, ids))
     segments = segment_encoder(model.tokenizer)
     if not turns or req.add_special_tokens or not segments.active:
         ids = encode(model, text, "messages", special=req.add_special_tokens)
         return checks.truncated(ids, req.truncate_prompt_tokens), 0
-    spliced = splice(
-        text,
-        turns,
-        lambda i: _head(req, model, messages[:i]),
-        _splice_tokenizer(model),
-    )
+    settings = {"tools": tools.template_tools(req.tools), "kwargs": _template_kwargs(req)}
+    starts = chained(settings, messages)
+
+    def head(i: int) -> str | None:
+        return served.heads.get(starts[i], lambda: _head(req, model, messages[:i]))
+
+    spliced = splice(text, turns, head, _splice_tokenizer(model))
     ids = checks.truncated(spliced.ids, req.truncate_prompt_tokens)
     return ids, spliced.reused(len(spliced.ids) - len(ids))
 
@@ -104,13 +105,6 @@ def render(
     add_generation_prompt: bool,
 ) -> str:
     """The chat template's text of `messages` with the request's tools and variables."""
-    kwargs = dict(req.chat_template_kwargs or {})
-    if req.reasoning_effort is not None:  # a template variable, as vLLM passes it
-        kwargs["reasoning_effort"] = req.reasoning_effort
-    if req.documents is not None:
-        kwargs["documents"] = req.documents
-    if req.continue_final_message:
-        kwargs["continue_final_message"] = True
     try:
         return str(
             model.tokenizer.apply_chat_template(
@@ -118,13 +112,25 @@ def render(
                 tools=tools.template_tools(req.tools),
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
-                **kwargs,
+                **_template_kwargs(req),
             )
         )
     except Exception as e:  # a template error is the request's fault
         raise APIError(
             f"The chat template could not render these messages: {e}", param="messages"
         ) from None
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The template's variables a request sets."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:  # a template variable, as vLLM passes it
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    return kwargs
 
 
 def completion_prompts(

@@ -16,6 +16,7 @@ import omlx_logprobs
 from omlx_logprobs.api.core.bounds import model_bounds
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.fields import check_unknown
+from omlx_logprobs.api.core.heads import Heads
 from omlx_logprobs.api.core.sampled import SampledStore
 from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.config import EngineConfig, Limits
@@ -54,6 +55,12 @@ class Served:
         """The ids this model's answers were sampled as, for the conversations sent back
         (api/core/sampled.py; adapters apart by scope)."""
         return SampledStore()
+
+    @cached_property
+    def heads(self) -> Heads:
+        """The prompt texts the answers were sampled after, kept for the next turns
+        (api/core/heads.py)."""
+        return Heads()
 
     @cached_property
     def writers(self) -> Writers:
