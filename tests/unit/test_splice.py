@@ -283,3 +283,15 @@ def test_the_kept_starts_are_named_by_messages_and_settings() -> None:
     assert heads.get(b"big", lambda: big + "x") == big + "x" and len(heads) == 1  # too large
     heads.get(b"fills", lambda: big)  # the budget: the oldest goes
     assert len(heads) == 1 and heads.get(one[1], lambda: "again") == "again"
+
+
+def test_an_answer_before_a_continued_message(tiny: LoadedModel, checks: RequestLimits) -> None:
+    """With `continue_final_message` the earlier answer's start is still a new turn's prompt."""
+    store = SampledStore()
+    sampled = [*odd_ids(tiny, ANSWER), special(tiny, IM_END)]
+    store.put("", message_key(ANSWER, "", []), sampled)
+    first = chat_prompt(request("Hi there"), tiny, checks)
+    req = request("Hi there", ANSWER, "More", "Partial", continue_final_message=True,
+                  add_generation_prompt=False)  # fmt: skip
+    ids, reused = prompt(tiny, checks, store, req)
+    assert ids[: len(first) + len(sampled)] == first + sampled and reused == len(sampled)

@@ -1,6 +1,7 @@
-"""A request's prompt as token ids: chat messages through the chat template, completions'
-prompts as text or ids (each a 400 when it cannot be read), and the tokenizer's encode with its
-failures as the request's 400."""
+"""A request's prompt as token ids: chat messages through the chat template (the earlier answers
+this server sampled as their sampled ids: api/core/splice.py), completions' prompts as text or
+ids (each a 400 when it cannot be read), and the tokenizer's encode with its failures as the
+request's 400."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def faithful_chat_prompt(
     if not turns or req.add_special_tokens or not segments.active:
         ids = encode(model, text, "messages", special=req.add_special_tokens)
         return checks.truncated(ids, req.truncate_prompt_tokens), 0
-    settings = {"tools": tools.template_tools(req.tools), "kwargs": _template_kwargs(req)}
+    settings = {"tools": tools.template_tools(req.tools), "kwargs": _template_kwargs(req, True)}
     starts = chained(settings, messages)
 
     def head(i: int) -> str | None:
@@ -73,7 +74,7 @@ def _head(
     """The prompt an answer was sampled after; None where the template refuses it (such a
     turn is tokenized from its text)."""
     try:
-        return render(req, model, before, True)
+        return render(req, model, before, True, head=True)
     except APIError:
         return None
 
@@ -103,8 +104,10 @@ def render(
     model: LoadedModel,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
+    head: bool = False,
 ) -> str:
-    """The chat template's text of `messages` with the request's tools and variables."""
+    """The chat template's text of `messages` with the request's tools and variables (`head`:
+    the prompt an earlier answer was sampled after, a new turn, not the continuation of one)."""
     try:
         return str(
             model.tokenizer.apply_chat_template(
@@ -112,7 +115,7 @@ def render(
                 tools=tools.template_tools(req.tools),
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
-                **_template_kwargs(req),
+                **_template_kwargs(req, head),
             )
         )
     except Exception as e:  # a template error is the request's fault
@@ -121,14 +124,14 @@ def render(
         ) from None
 
 
-def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
-    """The template's variables a request sets."""
+def _template_kwargs(req: ChatCompletionRequest, head: bool = False) -> dict[str, Any]:
+    """The template's variables a request sets (`head`: but continuing its last message)."""
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:  # a template variable, as vLLM passes it
         kwargs["reasoning_effort"] = req.reasoning_effort
     if req.documents is not None:
         kwargs["documents"] = req.documents
-    if req.continue_final_message:
+    if req.continue_final_message and not head:
         kwargs["continue_final_message"] = True
     return kwargs
 
