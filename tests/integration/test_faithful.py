@@ -167,7 +167,7 @@ def scripted_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
 
 
 def test_the_agents_sdk_conversation_keeps_the_sampled_ids(
-    scripted_url: tuple[str, Tap],
+    scripted_url: tuple[str, Tap], tiny: LoadedModel
 ) -> None:
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner
 
@@ -190,6 +190,7 @@ def test_the_agents_sdk_conversation_keeps_the_sampled_ids(
     one, two = first.raw_responses[0].response_id, second.raw_responses[0].response_id
     prompt, sampled = tap.prompts[one], tap.sampled[one]
     assert len(sampled) == len(ODD) + 1  # a token per byte, and the end of the turn
+    assert retokenized(tiny, ODD) != sampled[:-1]  # (the same tokenizer: SmolLM2's)
     assert tap.prompts[two][: len(prompt) + len(sampled)] == prompt + sampled
     assert second.raw_responses[0].usage.input_tokens_details.cached_tokens >= len(prompt)
 
