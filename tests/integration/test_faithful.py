@@ -22,11 +22,14 @@ from omlx_logprobs.api.core.prompts import chat_prompt
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from tests.helpers.scripted import write_description
+from tests.helpers.scripted_tools import ADDED, CASES
 from tests.helpers.server import thread_server
 from tests.helpers.tap import Tap
+from tests.integration.test_tool_calls import TEMPLATE
 
 SEEDS = range(6)
 SCRIPTED = "scripted-faithful"
+TOOLS_MODEL = "scripted-faithful-tools"
 ODD = "Hi there, all of you"
 HELLO = [{"role": "user", "content": "Hello there"}]
 MORE = {"role": "user", "content": "Tell me more"}
@@ -193,6 +196,49 @@ def test_the_agents_sdk_conversation_keeps_the_sampled_ids(
     assert retokenized(tiny, ODD) != sampled[:-1]  # (the same tokenizer: SmolLM2's)
     assert tap.prompts[two][: len(prompt) + len(sampled)] == prompt + sampled
     assert second.raw_responses[0].usage.input_tokens_details.cached_tokens >= len(prompt)
+
+
+@pytest.fixture(scope="module")
+def tools_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Tap]]:
+    """The tool-call tests' scripted model (Hermes calls, a template that writes them back as
+    the model wrote them): a forced call, then an answer to the tool's result."""
+    path = tmp_path_factory.mktemp("faithful-tools") / "model.json"
+    scripts = {name: [seg for _, seg in CASES[name].segments] for name in ("answer", "forced")}
+    write_description(path, name=TOOLS_MODEL, added_tokens=ADDED, scripts=scripts)
+    model = load_model(str(path))
+    model.tokenizer.chat_template = TEMPLATE
+    with thread_server(model, tool_format="hermes") as (url, engine):
+        yield url, Tap(engine)
+
+
+def test_an_agent_loop_keeps_its_tool_call(tools_url: tuple[str, Tap]) -> None:
+    """The Agents SDK runs the tool the model called and sends the call back with its result:
+    the answer's prompt begins with the call's prompt and its sampled ids."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
+
+    url, tap = tools_url
+
+    def get_weather(city: str) -> str:
+        """The weather now in a city."""
+        return "sunny"
+
+    async def run() -> Any:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0) as c:
+            agent = Agent(
+                name="weather",
+                instructions="Answer with the tools.",
+                tools=[function_tool(get_weather)],
+                model=OpenAIResponsesModel(model=TOOLS_MODEL, openai_client=c),
+                model_settings=ModelSettings(max_tokens=64, temperature=0),
+            )
+            return await Runner.run(agent, "Case: forced", max_turns=3)
+
+    result = asyncio.run(run())
+    assert result.final_output == CASES["answer"].content
+    call, answer = (r.response_id for r in result.raw_responses)
+    prompt, sampled = tap.prompts[call], tap.sampled[call]
+    assert tap.prompts[answer][: len(prompt) + len(sampled)] == prompt + sampled
+    assert result.raw_responses[1].usage.input_tokens_details.cached_tokens >= len(prompt)
 
 
 def test_a_response_id_finds_its_own_answer(scripted_url: tuple[str, Tap]) -> None:
