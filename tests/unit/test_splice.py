@@ -193,6 +193,8 @@ def test_a_piece_is_cut_only_at_an_added_token() -> None:
     assert plain.ids == tok.encode("u:q#a:abc#u:") and plain.spans == ()
     missing = splice("u:q#a:ab#u:", [Turn(1, sampled)], lambda i: None, tok)
     assert missing.spans == ()
+    unreadable = Tokenizer(tok.encode, lambda ids: None, tok.added, tok.added_at)
+    assert splice("u:q#a:ab#u:", [Turn(1, sampled)], heads.get, unreadable).spans == ()
 
 
 def test_the_store_is_bounded_and_reports_it() -> None:

@@ -84,12 +84,14 @@ def _splice_tokenizer(model: LoadedModel) -> SpliceTokenizer:
     assert segments.split is not None
     split = segments.split
 
-    def decode(ids: Sequence[int]) -> str:
-        return str(
-            model.tokenizer.decode(
+    def decode(ids: Sequence[int]) -> str | None:
+        try:
+            text = model.tokenizer.decode(
                 list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
             )
-        )
+        except Exception:  # ids it cannot read: such an answer is tokenized from its text
+            return None
+        return str(text)
 
     return SpliceTokenizer(
         encode=lambda text: encode(model, text, "messages"),

@@ -44,11 +44,12 @@ class Spliced:
 
 @dataclass(frozen=True)
 class Tokenizer:
-    """What splicing needs of a tokenizer: text to ids, ids to text (special tokens written),
-    the added tokens' ids, and where an added token's text starts at a position (or not)."""
+    """What splicing needs of a tokenizer: text to ids, ids to text (special tokens written;
+    None where the tokenizer cannot say), the added tokens' ids, and where an added token's
+    text starts at a position (or not)."""
 
     encode: Callable[[str], list[int]]
-    decode: Callable[[Sequence[int]], str]
+    decode: Callable[[Sequence[int]], str | None]
     added: frozenset[int]
     added_at: Callable[[str, int], bool]
 
@@ -92,9 +93,9 @@ def _fit(
         if not kept:
             continue
         said = tok.decode(kept)
-        end = start + len(said)
-        if not text.startswith(said, start):
+        if said is None or not text.startswith(said, start):
             continue
+        end = start + len(said)
         if end == len(text) or kept[-1] in tok.added or tok.added_at(text, end):
             return kept, end
     return None
