@@ -237,6 +237,9 @@ def test_the_recorder_keeps_each_finished_answer() -> None:
         "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}],
     }
     assert store.get("", chat_message_key(message)) == [1, 2, 3, 4]
+    half = ToolCall("f", '{"a": "\\ud83d"}')  # half an emoji, as a model may write it
+    rec.heard(out([6], tool_calls=(half,), index=2, finished=True))
+    assert store.get("", message_key("", "", [("f", {"a": "\ud83d"})])) == [6]
     rec.heard(out([5], text="x", index=1, finished=True, error="boom"))
     assert store.get("", message_key("x", None, [])) is None and not rec.answers
 

@@ -60,7 +60,8 @@ class SampledStore:
 
     @staticmethod
     def _size(key: tuple[str, str], ids: array[int]) -> int:
-        return len(key[1].encode()) + ids.itemsize * len(ids)
+        # (a call's arguments may hold half a surrogate pair: api/core/sections.py)
+        return len(key[1].encode("utf-8", "surrogatepass")) + ids.itemsize * len(ids)
 
     def put(self, scope: str, key: str, ids: list[int]) -> None:
         """Keep them (an answer larger than the whole budget is not kept); the latest answer of
