@@ -46,7 +46,11 @@ class MessageOutput:
         reason, sequence = stop
         meta = {"id": self.p.request_id, "type": "message", "role": "assistant",
                 "model": self.p.model}  # fmt: skip
-        tail = {"stop_reason": reason, "stop_sequence": sequence, "usage": _usage(out)}
+        tail = {
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": _usage(out, self.p.reused),
+        }
         return _json(meta)[:-1] + f',"content":{content},' + _json(tail)[1:]
 
     def start(self, out: RequestOutput) -> list[str]:
@@ -128,13 +132,16 @@ def _input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
-    """Anthropic counts the prompt tokens read from a cache apart from the input."""
+def _usage(out: RequestOutput, reused: int) -> dict[str, int]:
+    """Anthropic counts the prompt tokens read from a cache apart from the input;
+    `reused_output_tokens` (this server's): the prompt tokens that are earlier answers' sampled
+    ids, sent back (api/core/splice.py), wherever they were read from."""
     return {
         "input_tokens": out.prompt_tokens - out.cached_tokens,
         "output_tokens": out.completion_tokens,
         "cache_read_input_tokens": out.cached_tokens,
         "cache_creation_input_tokens": 0,
+        "reused_output_tokens": reused,
     }
 
 

@@ -19,7 +19,7 @@ from omlx_logprobs.api.core import sse
 from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.core.prepare import Ask, prepare, wire_names
-from omlx_logprobs.api.core.prompts import chat_prompt
+from omlx_logprobs.api.core.prompts import chat_prompt, faithful_chat_prompt
 from omlx_logprobs.api.core.response import finished
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.core.serving import respond
@@ -38,6 +38,7 @@ class MessageRun:
 
     async def complete(self, raw: Request) -> str:
         outs = await finished([self.handle], raw)
+        self.p.heard(outs[0])
         self.output.feed(outs[0])
         self.output.finish(outs[0])
         return self.output.body
@@ -45,6 +46,7 @@ class MessageRun:
     async def events(self) -> AsyncIterator[str]:
         last: RequestOutput | None = None
         async for _, out in sse.outputs([self.handle]):
+            self.p.heard(out)
             if last is None:
                 for e in self.output.start(out):
                     yield e
@@ -71,12 +73,16 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest) -> dict[str, int]:
-        """The prompt's tokens as the chat template renders it (tools and system included);
-        the model's tokenizer alone is needed (a model not loaded is not loaded for it)."""
+        """The prompt's tokens as the chat template renders it (tools and system included),
+        earlier answers as the ids they were sampled as, as a message would count them; the
+        model's tokenizer alone is needed (a model not loaded is not loaded for it)."""
         if not pool.ignore_unknown_fields:
             check_unknown(req, False)
         model, checks = await pool.tokenizer(req.model)
+        served = pool.slot(req.model).served
         with wire_names(NAMES):
             chat = chat_request(req)
             checks.check(chat)
-            return {"input_tokens": len(chat_prompt(chat, model, checks))}
+            if served is None:
+                return {"input_tokens": len(chat_prompt(chat, model, checks))}
+            return {"input_tokens": len(faithful_chat_prompt(chat, served)[0])}

@@ -270,6 +270,7 @@ class ModelPool(Loading):
                 "adapters": list(s.adapters),
                 "memory_mib": s.need_mib,
                 "engine": None,
+                "sampled_store": None,
             }
             if s.served is not None:
                 stats = asdict(s.served.engine.snapshot())
@@ -277,6 +278,8 @@ class ModelPool(Loading):
                     running=stats["waiting"] + stats["running"],
                     weight_version=stats["weights"],
                     engine=stats,
+                    # the answers' sampled ids kept for conversations sent back
+                    sampled_store=s.served.sampled.report(),
                 )
                 state = s.served.engine.state
                 if state != "ok" and code == 200:  # the engine process is gone (restarting...)
@@ -289,6 +292,7 @@ class ModelPool(Loading):
             "running": sum(m["running"] for m in models.values()),
             "weight_version": first["weight_version"],
             "engine": first["engine"],
+            "sampled_store": first["sampled_store"],
             "models": models,
             **{name: report() for name, report in self.reports.items()},
         }

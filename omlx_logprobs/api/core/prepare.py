@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -20,7 +20,7 @@ from omlx_logprobs.api.core import tools
 from omlx_logprobs.api.core.constraints import constraint_field
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.prediction import prediction_ids
-from omlx_logprobs.api.core.prompts import chat_prompt, completion_prompts, encode
+from omlx_logprobs.api.core.prompts import completion_prompts, encode, faithful_chat_prompt
 from omlx_logprobs.api.core.protocol import (
     ChatCompletionRequest,
     ChatTokensRequest,
@@ -28,6 +28,7 @@ from omlx_logprobs.api.core.protocol import (
     SamplingKnobs,
 )
 from omlx_logprobs.api.core.routed_experts import with_routing
+from omlx_logprobs.api.core.sampled import Recorder
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.logprobs.wire import LogprobWriter
 from omlx_logprobs.parsing.thinking import think_start
@@ -36,6 +37,7 @@ from omlx_logprobs.types import (
     Constraint,
     EngineRequest,
     LogprobsMode,
+    RequestOutput,
     SamplingParams,
     ThinkStart,
     cache_namespace,
@@ -48,7 +50,9 @@ class Ask:
     request model, which every API's body is read into), its output budget, whether generated
     tokens get entries and how many alternatives, how many alternatives prompt positions get
     (None: no prompt logprobs), the request id's prefix, and the wire's names of the fields
-    (`{"max_tokens": "max_output_tokens"}`, and the prompt's: `token_ids`) for the 400s. The
+    (`{"max_tokens": "max_output_tokens"}`, and the prompt's: `token_ids`) for the 400s;
+    `sampled`: the ids earlier answers were sampled as, by their message's index, where the route
+    knows them (a Responses continuation: api/core/splice.py puts them in the prompt). The
     token routes (vLLM's and SGLang's generate) ask with their sampling fields alone (`req` a
     `SamplingKnobs`) and take only `sampling_params` of this path: their prompts are ids."""
 
@@ -60,6 +64,7 @@ class Ask:
     prefix: str = "chatcmpl-"
     names: Mapping[str, str] = field(default_factory=dict)
     prompt_param: str | None = None
+    sampled: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
     @staticmethod
     def chat(
@@ -96,6 +101,10 @@ class Prepared:
     constraint: Constraint | None
     writer: LogprobWriter
     model: str  # the name its responses carry: the adapter's, or the model's
+    # Prompt ids that are earlier answers' sampled ids (api/core/splice.py), and what
+    # remembers this request's answers for the conversations sent back (chat requests).
+    reused: int = 0
+    recorder: Recorder | None = None
 
     @property
     def first(self) -> EngineRequest:
@@ -103,6 +112,12 @@ class Prepared:
 
     def submit(self, served: Served) -> list[RequestHandle]:
         return [served.engine.submit(r) for r in self.requests]
+
+    def heard(self, out: RequestOutput) -> None:
+        """An output of this request (a streamed delta or a merged whole): a finished answer's
+        sampled ids are remembered under its text."""
+        if self.recorder is not None:
+            self.recorder.heard(out)
 
 
 def prepare(ask: Ask, served: Served) -> Prepared:
@@ -112,22 +127,24 @@ def prepare(ask: Ask, served: Served) -> Prepared:
     assert isinstance(req, (ChatCompletionRequest, CompletionRequest))
     with wire_names(ask.names):
         served.check_model(req.model)
+        reused, recorder = 0, None
         if isinstance(req, ChatCompletionRequest):
-            requests, constraint = _chat(ask, req, served, rid)
+            requests, constraint, reused = _chat(ask, req, served, rid)
+            recorder = Recorder(served.sampled, served.adapter(req.model) or "")
         else:
             requests, constraint = _completion(ask, req, served, rid)
     writer = served.writers.choose(req.logprobs_format, req.return_tokens_as_token_ids)
     model = served.adapter(req.model) or served.model.name
-    return Prepared(rid, requests, constraint, writer, model)
+    return Prepared(rid, requests, constraint, writer, model, reused, recorder)
 
 
 def _chat(
     ask: Ask, req: ChatCompletionRequest, served: Served, rid: str
-) -> tuple[tuple[EngineRequest, ...], Constraint | None]:
+) -> tuple[tuple[EngineRequest, ...], Constraint | None, int]:
     tokenizer = served.model.tokenizer
     content = served.checks.check_chat(req)
     parsing = tools.tool_parsing(req, served.tool_format, tokenizer)
-    prompt = _chat_prompt(req, served)
+    prompt, reused = _chat_prompt(req, served, ask.sampled)
     params = sampling_params(ask, served, len(prompt), content)
     params, replay = with_routing(req, served, len(prompt), params)
     if req.prediction is not None:
@@ -160,16 +177,19 @@ def _chat(
         priority=req.priority,
         routed_experts=replay,
     )
-    return (ereq,), constraint
+    return (ereq,), constraint, reused
 
 
-def _chat_prompt(req: ChatCompletionRequest, served: Served) -> list[int]:
-    """The chat template's ids of the messages, or, on /v1/chat/completions/tokens, the ids the
-    client sent (the conversation as its trainer holds it: never re-tokenized)."""
+def _chat_prompt(
+    req: ChatCompletionRequest, served: Served, known: Mapping[int, Sequence[int]]
+) -> tuple[list[int], int]:
+    """The chat template's ids of the messages, earlier answers this server sampled spliced in
+    as their sampled ids (and how many ids those are), or, on /v1/chat/completions/tokens, the
+    ids the client sent (the conversation as its trainer holds it: never re-tokenized)."""
     if not isinstance(req, ChatTokensRequest):
-        return chat_prompt(req, served.model, served.checks)
+        return faithful_chat_prompt(req, served, known)
     served.checks.check_token_ids(req.tokens, "tokens")
-    return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens)
+    return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens), 0
 
 
 def _completion(

@@ -1,14 +1,21 @@
-"""A request's prompt as token ids: chat messages through the chat template, completions'
-prompts as text or ids (each a 400 when it cannot be read), and the tokenizer's encode with its
-failures as the request's 400."""
+"""A request's prompt as token ids: chat messages through the chat template (the earlier answers
+this server sampled as their sampled ids: api/core/splice.py), completions' prompts as text or
+ids (each a 400 when it cannot be read), and the tokenizer's encode with its failures as the
+request's 400."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omlx_logprobs.api.core import tools
 from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.heads import chained
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest
+from omlx_logprobs.api.core.sampled import chat_message_key
+from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.core.splice import Tokenizer as SpliceTokenizer
+from omlx_logprobs.api.core.splice import Turn, splice
 from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.models.segments import segment_encoder
@@ -19,30 +26,116 @@ MAX_PROMPTS = 256  # prompts in one completions request (lm-eval batches several
 def chat_prompt(
     req: ChatCompletionRequest, model: LoadedModel, checks: RequestLimits | None = None
 ) -> list[int]:
+    text = render(req, model, tools.template_messages(req.messages), req.add_generation_prompt)
+    if checks is not None:
+        checks.check_text(text, "messages")
+    ids = encode(model, text, "messages", special=req.add_special_tokens)
+    return checks.truncated(ids, req.truncate_prompt_tokens) if checks is not None else ids
+
+
+def faithful_chat_prompt(
+    req: ChatCompletionRequest,
+    served: Served,
+    known: Mapping[int, Sequence[int]] | None = None,
+) -> tuple[list[int], int]:
+    """The chat prompt's ids with the earlier answers this server sampled as their sampled ids
+    (api/core/splice.py), and how many prompt ids those are: the ids `known` gives by message
+    index (a Responses continuation's, kept with its stored response), else those the served
+    model's store holds for the message's text (its adapter's, when `model` names one)."""
+    model, checks = served.model, served.checks
     messages = tools.template_messages(req.messages)
-    kwargs = dict(req.chat_template_kwargs or {})
-    if req.reasoning_effort is not None:  # a template variable, as vLLM passes it
-        kwargs["reasoning_effort"] = req.reasoning_effort
-    if req.documents is not None:
-        kwargs["documents"] = req.documents
-    if req.continue_final_message:
-        kwargs["continue_final_message"] = True
+    text = render(req, model, messages, req.add_generation_prompt)
+    checks.check_text(text, "messages")
+    known, scope = known or {}, served.adapter(req.model) or ""
+    turns = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            ids = known.get(i) or served.sampled.get(scope, chat_message_key(m))
+            if ids:
+                turns.append(Turn(i, ids))
+    segments = segment_encoder(model.tokenizer)
+    if not turns or req.add_special_tokens or not segments.active:
+        ids = encode(model, text, "messages", special=req.add_special_tokens)
+        return checks.truncated(ids, req.truncate_prompt_tokens), 0
+    settings = {"tools": tools.template_tools(req.tools), "kwargs": _template_kwargs(req, True)}
+    starts = chained(settings, messages)
+
+    def head(i: int) -> str | None:
+        return served.heads.get(starts[i], lambda: _head(req, model, messages[:i]))
+
+    spliced = splice(text, turns, head, _splice_tokenizer(model))
+    ids = checks.truncated(spliced.ids, req.truncate_prompt_tokens)
+    return ids, spliced.reused(len(spliced.ids) - len(ids))
+
+
+def _head(
+    req: ChatCompletionRequest, model: LoadedModel, before: list[dict[str, Any]]
+) -> str | None:
+    """The prompt an answer was sampled after; None where the template refuses it (such a
+    turn is tokenized from its text)."""
     try:
-        text = model.tokenizer.apply_chat_template(
-            messages,
-            tools=tools.template_tools(req.tools),
-            add_generation_prompt=req.add_generation_prompt,
-            tokenize=False,
-            **kwargs,
+        return render(req, model, before, True, head=True)
+    except APIError:
+        return None
+
+
+def _splice_tokenizer(model: LoadedModel) -> SpliceTokenizer:
+    segments = segment_encoder(model.tokenizer)
+    assert segments.split is not None
+    split = segments.split
+
+    def decode(ids: Sequence[int]) -> str | None:
+        try:
+            text = model.tokenizer.decode(
+                list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        except Exception:  # ids it cannot read: such an answer is tokenized from its text
+            return None
+        return str(text)
+
+    return SpliceTokenizer(
+        encode=lambda text: encode(model, text, "messages"),
+        decode=decode,
+        added=frozenset(segments.ids.values()),
+        added_at=lambda text, at: split.match(text, at) is not None,
+    )
+
+
+def render(
+    req: ChatCompletionRequest,
+    model: LoadedModel,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    head: bool = False,
+) -> str:
+    """The chat template's text of `messages` with the request's tools and variables (`head`:
+    the prompt an earlier answer was sampled after, a new turn, not the continuation of one)."""
+    try:
+        return str(
+            model.tokenizer.apply_chat_template(
+                messages,
+                tools=tools.template_tools(req.tools),
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **_template_kwargs(req, head),
+            )
         )
     except Exception as e:  # a template error is the request's fault
         raise APIError(
             f"The chat template could not render these messages: {e}", param="messages"
         ) from None
-    if checks is not None:
-        checks.check_text(text, "messages")
-    ids = encode(model, text, "messages", special=req.add_special_tokens)
-    return checks.truncated(ids, req.truncate_prompt_tokens) if checks is not None else ids
+
+
+def _template_kwargs(req: ChatCompletionRequest, head: bool = False) -> dict[str, Any]:
+    """The template's variables a request sets (`head`: but continuing its last message)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:  # a template variable, as vLLM passes it
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    if req.continue_final_message and not head:
+        kwargs["continue_final_message"] = True
+    return kwargs
 
 
 def completion_prompts(

@@ -56,10 +56,11 @@ async def finished(handles: list[RequestHandle], raw: Request) -> list[RequestOu
     return outs
 
 
-def usage(outs: list[RequestOutput], reasoning: bool = False) -> dict[str, Any]:
+def usage(outs: list[RequestOutput], reasoning: bool = False, reused: int = 0) -> dict[str, Any]:
     """The `usage` object of a response: each prompt counted once however many choices it has
     (its first choice's count), every generated token counted; with the thinking parser on,
-    the reasoning tokens among them (else 0)."""
+    the reasoning tokens among them (else 0); `reused`: the prompt tokens that are earlier
+    answers' sampled ids, sent back (api/core/splice.py)."""
     firsts = [o for o in outs if o.index == 0]
     prompt = sum(o.prompt_tokens for o in firsts)
     completion = sum(o.completion_tokens for o in outs)
@@ -70,6 +71,7 @@ def usage(outs: list[RequestOutput], reasoning: bool = False) -> dict[str, Any]:
         "prompt_tokens_details": {
             "cached_tokens": sum(o.cached_tokens for o in firsts),
             "audio_tokens": 0,
+            "reused_output_tokens": reused,
         },
         "completion_tokens_details": {  # OpenAI's keys, always present
             "reasoning_tokens": sum(o.reasoning_tokens for o in outs) if reasoning else 0,

@@ -16,6 +16,8 @@ import omlx_logprobs
 from omlx_logprobs.api.core.bounds import model_bounds
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.fields import check_unknown
+from omlx_logprobs.api.core.heads import Heads
+from omlx_logprobs.api.core.sampled import SampledStore
 from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.logprobs.format import Pieces
@@ -47,6 +49,18 @@ class Served:
     @cached_property
     def checks(self) -> RequestLimits:
         return RequestLimits(self.limits, model_bounds(self.model, self.cfg.max_top_logprobs))
+
+    @cached_property
+    def sampled(self) -> SampledStore:
+        """The ids this model's answers were sampled as, for the conversations sent back
+        (api/core/sampled.py; adapters apart by scope)."""
+        return SampledStore()
+
+    @cached_property
+    def heads(self) -> Heads:
+        """The prompt texts the answers were sampled after, kept for the next turns
+        (api/core/heads.py)."""
+        return Heads()
 
     @cached_property
     def writers(self) -> Writers:

@@ -45,10 +45,12 @@ class OllamaRun:
 
     async def complete(self, raw: Request) -> str:
         outs = await finished([self.handle], raw)
+        self.p.heard(outs[0])
         return self.output.chunk(outs[0], done=True)
 
     async def events(self) -> AsyncIterator[str]:
         async for _, out in sse.outputs([self.handle]):
+            self.p.heard(out)
             if out.error:
                 yield sse.line(json.dumps({"error": out.error}))
                 return

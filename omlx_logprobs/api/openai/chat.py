@@ -87,6 +87,8 @@ class ChatRun:
         req, p = self.req, self.p
         ereq = p.first
         outs = await finished([self.handle], raw)
+        for out in outs:
+            p.heard(out)
         role, echo = reply_role(req), echo_text(req)
         parser = ereq.tools.parser if ereq.tools else None
         named = isinstance(req.tool_choice, NamedToolChoice)
@@ -113,7 +115,7 @@ class ChatRun:
         if req.return_token_ids:
             extra = f',"prompt_token_ids":{json.dumps(ereq.prompt_ids)}'
         extra += self._prompt_logprobs(outs[0])
-        body = usage(outs, ereq.think is not ThinkStart.OFF)
+        body = usage(outs, ereq.think is not ThinkStart.OFF, p.reused)
         return (
             f'{self._head("chat.completion")}"choices":[{",".join(choices)}],'
             f'"usage":{json.dumps(body)}{extra}'
@@ -149,6 +151,7 @@ class ChatRun:
         flat = self.flat()
         started = False
         async for _, out in sse.outputs([self.handle]):
+            p.heard(out)
             if not started:  # the role chunks name the weights: they wait for the first output
                 started = True
                 chunks.name_weights(out)
@@ -181,5 +184,5 @@ class ChatRun:
                 )
         if include_usage:
             done = [finals[i] for i in sorted(finals)]
-            yield chunks.usage(usage(done, ereq.think is not ThinkStart.OFF))
+            yield chunks.usage(usage(done, ereq.think is not ThinkStart.OFF, p.reused))
         yield sse.DONE

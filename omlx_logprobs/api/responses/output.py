@@ -87,7 +87,7 @@ class ResponseOutput:
     def response(self, status: str, last: RequestOutput | None) -> str:
         meta = {**self.meta, "status": status}
         output = ",".join(self.item_json(i) for i in self.items.items) if last else ""
-        usage = "null" if last is None else json.dumps(_usage(last, self.think))
+        usage = "null" if last is None else json.dumps(_usage(last, self.think, self.p.reused))
         return _raw(meta, output=f"[{output}]", usage=usage)[:-1] + self.weights + "}"
 
     def _entries(self, item: Item) -> dict[str, str]:
@@ -176,10 +176,14 @@ class ResponseOutput:
         return events
 
 
-def _usage(out: RequestOutput, think: bool) -> dict[str, Any]:
+def _usage(out: RequestOutput, think: bool, reused: int) -> dict[str, Any]:
+    """`reused_output_tokens`: input tokens that are earlier answers' sampled ids, sent back
+    (api/core/splice.py)."""
+    details = {"cached_tokens": out.cached_tokens, "cache_write_tokens": 0,
+               "reused_output_tokens": reused}  # fmt: skip
     return {
         "input_tokens": out.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": out.cached_tokens, "cache_write_tokens": 0},
+        "input_tokens_details": details,
         "output_tokens": out.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": out.reasoning_tokens if think else 0},
         "total_tokens": out.prompt_tokens + out.completion_tokens,

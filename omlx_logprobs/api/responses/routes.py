@@ -6,6 +6,7 @@ the one request path (api/core/prepare.py), its outputs written as Responses ite
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,7 @@ class ResponseRun:
     def __init__(self, req: ResponsesRequest, served: Served, store: ResponseStore) -> None:
         self.req, self.store = req, store
         history: list[dict[str, Any]] = []
+        self.answers: tuple[tuple[int, tuple[int, ...]], ...] = ()
         if req.previous_response_id is not None:
             stored = store.get(req.previous_response_id)
             if stored is None:
@@ -42,16 +44,21 @@ class ResponseRun:
                     param="previous_response_id",
                     code="previous_response_not_found",
                 )
-            history = list(stored.conversation)
+            history, self.answers = list(stored.conversation), stored.answers
         self.conversation = history + input_messages(req.input)
         chat = chat_request(req, self.conversation)
-        self.p = prepare(Ask.chat(chat, prefix="resp_", names=NAMES), served)
+        # the chain's answers by their index among the chat messages (instructions first)
+        first = len(chat.messages) - len(self.conversation)
+        sampled = {first + i: ids for i, ids in self.answers}
+        ask = replace(Ask.chat(chat, prefix="resp_", names=NAMES), sampled=sampled)
+        self.p = prepare(ask, served)
         self.output = ResponseOutput(self.p, meta(_echoed(req), self.p.request_id, self.p.model),
                                      req.stream)  # fmt: skip
         self.handle = self.p.submit(served)[0]
 
     async def complete(self, raw: Request) -> str:
         outs = await finished([self.handle], raw)
+        self.p.heard(outs[0])
         self.output.created(outs[0])
         self.output.feed(outs[0])
         self.output.finish(outs[0])
@@ -61,6 +68,7 @@ class ResponseRun:
     async def events(self) -> AsyncIterator[str]:
         last: RequestOutput | None = None
         async for _, out in sse.outputs([self.handle]):
+            self.p.heard(out)
             if last is None:
                 for e in self.output.created(out):
                     yield e
@@ -77,7 +85,11 @@ class ResponseRun:
     def _keep(self) -> None:
         if self.req.store is not False:
             said = [*self.conversation, _assistant(self.output.items.items)]
-            self.store.put(self.p.request_id, Stored.of(self.output.body, said))
+            answers = self.answers
+            recorder = self.p.recorder
+            if recorder is not None and 0 in recorder.sampled:
+                answers += ((len(self.conversation), tuple(recorder.sampled[0])),)
+            self.store.put(self.p.request_id, Stored.of(self.output.body, said, answers))
 
 
 def _assistant(items: list[Item]) -> dict[str, Any]:
@@ -123,6 +135,7 @@ def _echoed(req: ResponsesRequest) -> dict[str, Any]:
 
 def add_routes(app: FastAPI, pool: ModelPool, store: ResponseStore) -> None:
     pool.reports["responses_store"] = store.report
+
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request) -> Response:
         return await respond(pool, req, raw, lambda slot: ResponseRun(req, slot.live, store))

@@ -15,11 +15,20 @@ from typing import Any
 class Stored:
     body: str  # the response as it was returned (JSON)
     conversation: tuple[dict[str, Any], ...]  # its messages, instructions aside, and its output
-    size: int  # bytes, about: the body and the conversation as JSON
+    size: int  # bytes, about: the body, the conversation as JSON and the answers' ids
+    # The ids each answer of the conversation that this server sampled was sampled as, by the
+    # message's index in `conversation`: a continuation sends them back (api/core/splice.py).
+    answers: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @staticmethod
-    def of(body: str, conversation: list[dict[str, Any]]) -> Stored:
-        return Stored(body, tuple(conversation), len(body) + len(json.dumps(conversation)))
+    def of(
+        body: str,
+        conversation: list[dict[str, Any]],
+        answers: tuple[tuple[int, tuple[int, ...]], ...] = (),
+    ) -> Stored:
+        ids = 4 * sum(len(a) for _, a in answers)
+        size = len(body) + len(json.dumps(conversation)) + ids
+        return Stored(body, tuple(conversation), size, answers)
 
 
 class ResponseStore:
