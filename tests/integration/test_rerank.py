@@ -9,12 +9,14 @@ import math
 from typing import Any
 
 import httpx
+import mlx.core as mx
 import pytest
 
 from omlx_logprobs.api.scoring.scores import MAX_PAIRS
 from omlx_logprobs.api.scoring.template import YesNoTemplate
 from omlx_logprobs.models.loader import LoadedModel
-from tests.helpers.engine import reference_logprobs
+from omlx_logprobs.runner.prefix_cache import shared_len
+from tests.helpers.engine import encode, reference_logprobs
 from tests.helpers.server import MODEL_NAME
 
 QUERY = "Which city is the capital of France, and what river runs through it?"
@@ -131,6 +133,7 @@ def test_score_shapes(server: str) -> None:
         ("/v1/rerank", {"query": QUERY, "documents": []}, "documents"),
         ("/v1/rerank", {"query": QUERY, "documents": ["x"] * (MAX_PAIRS + 1)}, "documents"),
         ("/v1/rerank", {"query": " ", "documents": DOCS}, "query"),
+        ("/v1/rerank", {"query": None, "documents": DOCS}, "query"),
         ("/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, "top_n"),
         ("/v1/rerank", {"query": QUERY, "documents": DOCS, "rank_fields": ["x"]}, "rank_fields"),
         ("/v1/rerank", {"query": QUERY, "documents": [{"text": "a", "id": 1}]}, "documents[0]"),
@@ -148,6 +151,27 @@ def test_bad_requests_are_400s(server: str, path: str, body: dict[str, Any], par
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert (error["param"] or "").startswith(param), error
+
+
+@pytest.mark.skipif(
+    mx.default_device() != mx.cpu,
+    reason="a kept start must hold --break-even tokens, timed on a GPU (runner/prefix_cache.py)",
+)
+def test_documents_share_their_query_in_the_prefix_cache(
+    server: str, embedded: LoadedModel
+) -> None:
+    """A query no earlier request sent: what the cache holds of it came from its documents,
+    scored together: all but the first at least take the query's start from it."""
+    query = "Which of these notes mention the blue heron seen at dawn by the old mill pond?" * 3
+    docs = [f"Note {i}: {d}" for i, d in enumerate(DOCS)]
+    r = post(server, "/score", {"queries": query, "documents": docs})
+    usage = r.json()["usage"]
+    ids = [encode(embedded, YesNoTemplate().render(query, d), True) for d in docs]
+    shared = min(shared_len(ids[0], x) for x in ids[1:])
+    assert shared > 60  # the template's start and the query
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= (len(docs) - 1) * (shared - shared % 8), (cached, shared)
+    assert usage["prompt_tokens"] == sum(len(x) for x in ids)
 
 
 def test_unknown_model_is_a_404(server: str) -> None:

@@ -1,7 +1,8 @@
 """`POST /rerank` (and vLLM's `/v1/rerank`, `/v2/rerank`) and `POST /score` (and `/v1/score`):
 the body's pairs scored on the model it names (scores.py), answered in vLLM's shapes: rerank's
 `results` best first (ties in the documents' order), at most `top_n`; score's `data` in the
-pairs' order."""
+pairs' order, its usage with vLLM's `prompt_tokens_details` (the prompt tokens the prefix cache
+held: a query's documents share its start)."""
 
 from __future__ import annotations
 
@@ -82,5 +83,6 @@ def score_body(done: Scored) -> dict[str, Any]:
             "prompt_tokens": done.prompt_tokens,
             "total_tokens": done.prompt_tokens,
             "completion_tokens": 0,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
         },
     }

@@ -30,12 +30,18 @@ MAX_PAIRS = MAX_PROMPTS  # as many as one completions request's prompts
 class Scored:
     scores: list[float]  # per pair, in the order given
     prompt_tokens: int
+    cached_tokens: int  # of those, the ones whose keys and values came from the prefix cache
     model: str  # the name the response carries: the adapter's, or the model's
 
 
 def p_yes(lp_yes: float, lp_no: float) -> float:
-    """The softmax of the two answers' logits, from their logprobs (in float64)."""
-    return 1.0 / (1.0 + math.exp(lp_no - lp_yes))
+    """The softmax of the two answers' logits, from their logprobs (in float64; the exp of a
+    difference at most 0, so it never overflows)."""
+    d = lp_yes - lp_no
+    if d >= 0:
+        return 1.0 / (1.0 + math.exp(-d))
+    e = math.exp(d)
+    return e / (1.0 + e)
 
 
 async def score_pairs(
@@ -83,4 +89,5 @@ async def score_pairs(
         assert out.logprobs is not None  # one position, the two answers' entries
         lp_yes, lp_no = (float(x) for x in out.logprobs.top_logprobs[0])
         scores.append(lp_yes - lp_no if req.use_activation is False else p_yes(lp_yes, lp_no))
-    return Scored(scores, sum(o.prompt_tokens for o in outs), p.model)
+    prompt_tokens = sum(o.prompt_tokens for o in outs)
+    return Scored(scores, prompt_tokens, sum(o.cached_tokens for o in outs), p.model)
