@@ -177,3 +177,11 @@ def test_documents_share_their_query_in_the_prefix_cache(
 def test_unknown_model_is_a_404(server: str) -> None:
     r = post(server, "/v1/rerank", {"model": "nope", "query": QUERY, "documents": DOCS})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_a_pair_past_the_context_is_a_400(server: str, embedded: LoadedModel) -> None:
+    long = "word " * (embedded.max_model_len + 10)
+    r = post(server, "/rerank", {"query": QUERY, "documents": ["short", long]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "documents" and error["code"] == "context_length_exceeded"
