@@ -6,6 +6,7 @@ forward pass; vLLM's response shapes; the 400s in OpenAI's error shape."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,10 +15,11 @@ import pytest
 
 from omlx_logprobs.api.scoring.scores import MAX_PAIRS
 from omlx_logprobs.api.scoring.template import YesNoTemplate
+from omlx_logprobs.cli import main
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.runner.prefix_cache import shared_len
 from tests.helpers.engine import encode, reference_logprobs
-from tests.helpers.server import MODEL_NAME
+from tests.helpers.server import MODEL_NAME, server_process
 
 QUERY = "Which city is the capital of France, and what river runs through it?"
 DOCS = [
@@ -185,3 +187,22 @@ def test_a_pair_past_the_context_is_a_400(server: str, embedded: LoadedModel) ->
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "documents" and error["code"] == "context_length_exceeded"
+
+
+def test_rerank_template_option(tmp_path: Path, embedded: LoadedModel) -> None:
+    """--rerank-template's text is what every pair is written into; a file without the
+    document's place stops the server before any model loads."""
+    template = tmp_path / "yes_no.txt"
+    template.write_text("{instruction}\nQuery: {query}\nPassage: {document}\nRelevant (yes/no):")
+    bad = tmp_path / "bad.txt"
+    bad.write_text("Query: {query}")
+    with pytest.raises(SystemExit, match="--rerank-template: .* has no \\{document\\}"):
+        main(["serve", "--rerank-template", str(bad)])
+    with server_process(["--rerank-template", str(template), "--log-level", "warning"]) as s:
+        r = post(s.base, "/rerank", {"query": QUERY, "documents": DOCS[:2], "instruction": "Rank"})
+        assert r.status_code == 200, r.text
+        for x in r.json()["results"]:
+            text = YesNoTemplate(template.read_text()).render(QUERY, DOCS[x["index"]], "Rank")
+            route, reference, _ = completions_p_yes(s.base, embedded, text)
+            assert abs(x["relevance_score"] - route) < 1e-6
+            assert abs(x["relevance_score"] - reference) < 1e-4
