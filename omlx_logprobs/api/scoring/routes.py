@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.core.served import fields_headers
 from omlx_logprobs.api.scoring.protocol import RerankRequest, ScoreRequest
-from omlx_logprobs.api.scoring.scores import Scored, score_pairs
+from omlx_logprobs.api.scoring.scores import Scored, check_pairs, score_pairs
 from omlx_logprobs.api.scoring.template import YesNoTemplate
 
 
@@ -28,6 +28,7 @@ def add_routes(app: FastAPI, pool: ModelPool, template: YesNoTemplate) -> None:
         names: tuple[str, str],
     ) -> Scored | None:
         """The pairs' scores; None when the client left first."""
+        check_pairs(pairs, names)  # before the model is leased (or loaded)
         async with pool.use(req.model) as slot:
             try:
                 return await score_pairs(pairs, req, slot.live, template, raw, names)

@@ -44,6 +44,17 @@ def p_yes(lp_yes: float, lp_no: float) -> float:
     return e / (1.0 + e)
 
 
+def check_pairs(pairs: list[tuple[str, str]], names: tuple[str, str]) -> None:
+    """What needs no model: some documents, not too many, no blank query."""
+    query_param, param = names
+    if not pairs:
+        raise APIError(f"{param} must not be empty", param=param)
+    if any(not q.strip() for q, _ in pairs):
+        raise APIError(f"{query_param} must not be empty", param=query_param)
+    if len(pairs) > MAX_PAIRS:
+        raise APIError(f"At most {MAX_PAIRS} {param} may be scored at once.", param=param)
+
+
 async def score_pairs(
     pairs: list[tuple[str, str]],
     req: ScoringFields,
@@ -53,13 +64,8 @@ async def score_pairs(
     names: tuple[str, str],
 ) -> Scored:
     """`names`: the wire's names of the queries and of the documents, for the 400s."""
-    query_param, param = names
-    if not pairs:
-        raise APIError(f"{param} must not be empty", param=param)
-    if any(not q.strip() for q, _ in pairs):
-        raise APIError(f"{query_param} must not be empty", param=query_param)
-    if len(pairs) > MAX_PAIRS:
-        raise APIError(f"At most {MAX_PAIRS} {param} may be scored at once.", param=param)
+    check_pairs(pairs, names)
+    param = names[1]
     name = req.model or served.model.name
     served.check_model(name)
     yes, no = answer_ids(served.model)
