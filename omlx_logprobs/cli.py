@@ -78,6 +78,7 @@ def mlx_settings(backend: str) -> str:
 def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
     from omlx_logprobs.api.app import create_app
     from omlx_logprobs.api.core.pool import ModelPool
+    from omlx_logprobs.api.scoring.template import YesNoTemplate
     from omlx_logprobs.api.server import run_server
 
     log.info("BLAS: %s", omlx_logprobs.BLAS)
@@ -86,6 +87,10 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
     heap.set_switch_interval()
     from omlx_logprobs.runner.lora import AdapterError, read_adapter
 
+    try:  # the file, before any model loads
+        template = YesNoTemplate.read(args.rerank_template)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"omlx-logprobs serve: error: --rerank-template: {e}") from None
     for name, path in cfg.lora:  # the files, before any model loads (their fit: at the load)
         try:
             read_adapter(path)
@@ -117,7 +122,7 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
         log.warning(
             "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
         )
-    app = create_app(pool, cfg.access)
+    app = create_app(pool, cfg.access, template)
     heap.freeze_startup_objects()
     return run_server(app, pool.begin_shutdown, cfg, args.log_level)
 

@@ -140,6 +140,15 @@ def _add_output(s: argparse.ArgumentParser) -> None:
         " qwen2_moe, mixtral), every choice returns its routed_experts, as if each request"
         " asked with return_routed_experts (docs/specs/rl.md)",
     )
+    s.add_argument(
+        "--rerank-template",
+        default=None,
+        metavar="FILE",
+        help="the text /rerank and /score write each query and document into, with {query},"
+        " {document} (after the query) and {instruction} places; the score is p(yes) from the"
+        " `yes` and `no` tokens' logits after it. Default: Qwen3-Reranker's prompt"
+        " (docs/specs/rerank.md)",
+    )
 
 
 def _add_distributed(s: argparse.ArgumentParser) -> None:

@@ -1,5 +1,6 @@
 """The app: every API's routes (each package's `routes.py`: openai/, responses/, anthropic/,
-ollama/, rl/, admin/) on one pool of models, behind the guard, with each API's error shape."""
+ollama/, rl/, scoring/, admin/) on one pool of models, behind the guard, with each API's error
+shape."""
 
 from __future__ import annotations
 
@@ -25,13 +26,21 @@ from omlx_logprobs.api.openai import routes as openai
 from omlx_logprobs.api.responses import routes as responses
 from omlx_logprobs.api.responses.store import ResponseStore
 from omlx_logprobs.api.rl import routes as rl
+from omlx_logprobs.api.scoring import routes as scoring
+from omlx_logprobs.api.scoring.template import YesNoTemplate
 from omlx_logprobs.config import Access
 
 log = logging.getLogger("omlx_logprobs")
 
 
-def create_app(served: Served | ModelPool, access: Access | None = None) -> FastAPI:
-    """The app over one model (a `Served`) or several (a `ModelPool`, api/core/pool.py)."""
+def create_app(
+    served: Served | ModelPool,
+    access: Access | None = None,
+    rerank_template: YesNoTemplate | None = None,
+) -> FastAPI:
+    """The app over one model (a `Served`) or several (a `ModelPool`, api/core/pool.py);
+    `rerank_template`: what /rerank and /score write each pair into (default: Qwen3-Reranker's
+    prompt, api/scoring/template.py)."""
     pool = served if isinstance(served, ModelPool) else ModelPool.single(served)
 
     @asynccontextmanager
@@ -64,6 +73,7 @@ def create_app(served: Served | ModelPool, access: Access | None = None) -> Fast
     admin.add_routes(app, pool)
     openai.add_routes(app, pool, int(time.time()))
     rl.add_routes(app, pool)
+    scoring.add_routes(app, pool, rerank_template or YesNoTemplate())
     responses.add_routes(app, pool, ResponseStore())
     anthropic.add_routes(app, pool)
     ollama.add_routes(app, pool)

@@ -54,6 +54,8 @@ EXTRA_MINIMAL: dict[str, dict[str, Any]] = {
     "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1}},
     "/api/chat": {"messages": [{"role": "user", "content": "hi"}], "stream": False},
     "/api/generate": {"stream": False},
+    "/score": {"text_1": "hi", "text_2": "hi"},  # one of its pairs of sides (vLLM's names)
+    "/v1/score": {"text_1": "hi", "text_2": "hi"},
 }
 # field -> (value, param): one bad element inside an otherwise allowed value
 BAD_ELEMENT: dict[str, tuple[Any, str]] = {

@@ -74,7 +74,8 @@ def error_response(e: APIError, path: str = "") -> JSONResponse:
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
-    parts = [p for p in loc if p not in ("body", "query", "path")]
+    # Only the first part names where the value was (a body field may be called `query`).
+    parts = list(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc)
     out = ""
     for p in parts:
         p = p if p != "" else '""'  # a key that is the empty string is named, not dropped
