@@ -13,6 +13,7 @@ from typing import Any
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.control import INITIAL_WEIGHTS, WeightVersion
+from omlx_logprobs.transport.client import Observer
 
 
 @dataclass(eq=False)
@@ -44,6 +45,8 @@ class ModelSlot:
     # loads them again. While loaded, the same dict is its Served's.
     adapters: dict[str, str] = field(default_factory=dict)
     change: asyncio.Task[None] | None = field(default=None, repr=False)  # load or unload
+    # What watches its requests for /metrics (api/metrics): given to each load's engine client.
+    observer: Observer | None = field(default=None, repr=False)
 
     @property
     def live(self) -> Served:
@@ -58,6 +61,7 @@ class ModelSlot:
     def attach(self, served: Served) -> None:
         served.adapters.update(self.adapters)  # one dict from here on: the routes change it
         self.adapters = served.adapters
+        served.engine.observer = self.observer
         self.served, self.state = served, "loaded"
         self.max_model_len = served.model.max_model_len
         self.last_used = self.loaded_at = time.monotonic()
