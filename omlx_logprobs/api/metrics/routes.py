@@ -8,9 +8,9 @@ from __future__ import annotations
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omlx_logprobs.api.core.pool import ModelPool
-from omlx_logprobs.api.guard import ASGIApp, Message, Receive, Send
 from omlx_logprobs.api.metrics.engines import EngineCollector
 from omlx_logprobs.api.metrics.families import Families
 from omlx_logprobs.api.metrics.observer import RequestObserver
@@ -27,7 +27,7 @@ class CountRequests:
         self.counter = counter
         self.routes = routes
 
-    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -41,7 +41,7 @@ class CountRequests:
         await self.app(scope, receive, counted)
 
 
-def _template(scope: Message, routes: list[BaseRoute]) -> str:
+def _template(scope: Scope, routes: list[BaseRoute]) -> str:
     """The routed request's template; before routing (the guard answered), the route that
     would have served it."""
     route = scope.get("route")
