@@ -4,6 +4,7 @@ counts agree with what was sent and with the responses' `usage`; the route is be
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -114,3 +115,65 @@ def test_metrics_needs_the_key_and_health_does_not(base: str) -> None:
     assert value(s, http, route="/metrics", method="GET", status="401") == 1
     assert value(s, http, route="unmatched", method="GET", status="404") == 1
     assert value(s, http, route="/health", method="GET", status="200") >= 1
+
+
+def test_speculation_counts_the_predictions_drafts(base: str) -> None:
+    """A prediction equal to the answer: its drafts are verified and taken; the engine's counts
+    hold at least what `usage` says was accepted (a draft taken past the last token counts in
+    the engine's, not in the answer's)."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    ask: dict[str, Any] = {"model": TINY_NAME, "messages": MESSAGES, "max_tokens": 24,
+                           "temperature": 0}  # fmt: skip
+    content = client.chat.completions.create(**ask).choices[0].message.content
+    assert content
+    before = scrape(base)
+    r = client.chat.completions.create(**ask, prediction={"type": "content", "content": content})
+    after = scrape(base)
+    model = {"model_name": TINY_NAME}
+    drafted, accepted = (
+        value(after, f"vllm:spec_decode_num_{kind}_tokens_total", **model)
+        - value(before, f"vllm:spec_decode_num_{kind}_tokens_total", **model)
+        for kind in ("draft", "accepted")
+    )
+    assert r.usage is not None and r.usage.completion_tokens_details is not None
+    taken = r.usage.completion_tokens_details.accepted_prediction_tokens
+    assert taken and drafted >= accepted >= taken
+
+
+def test_metrics_read_while_a_load_runs(base: str) -> None:
+    """Scraped over and over while requests run: the gauges see them, the counters never go
+    back, and once idle the totals agree with the requests sent."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    model = {"model_name": TINY_NAME}
+    first = scrape(base)
+    busy: list[float] = []
+    ends: list[float] = []
+
+    def one(i: int) -> Any:
+        return client.completions.create(
+            model=TINY_NAME, prompt=f"Load {i}:", max_tokens=48, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(8)]
+        while not all(f.done() for f in futures):
+            s = scrape(base)
+            busy.append(
+                value(s, "vllm:num_requests_running", **model)
+                + value(s, "vllm:num_requests_waiting", **model)
+            )
+            ends.append(value(s, "vllm:e2e_request_latency_seconds_count", **model))
+        usages = [f.result().usage for f in futures]
+    wait_idle(base)
+    last = scrape(base)
+    assert max(busy) >= 1 and ends == sorted(ends)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(last, name, **labels) - value(first, name, **labels)
+
+    assert delta("vllm:e2e_request_latency_seconds_count", **model) == 8
+    assert delta("vllm:request_success_total", **model, finished_reason="length") == 8
+    assert delta("vllm:generation_tokens_total", **model) == 8 * 48
+    assert delta("vllm:prompt_tokens_total", **model) == sum(u.prompt_tokens for u in usages)
+    assert value(last, "vllm:num_requests_running", **model) == 0
