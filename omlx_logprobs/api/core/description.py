@@ -36,6 +36,9 @@ class Description:
 
 
 async def describe(pool: ModelPool, slot: ModelSlot) -> Description:
+    """The model's description: kept on its slot once read from a loaded model or from its
+    tokenizer; without either (a pool that can only load the whole model), its config's
+    context and no capabilities, read again next time."""
     if slot.description is not None:
         return slot.description
     served = slot.served

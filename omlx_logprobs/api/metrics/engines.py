@@ -85,6 +85,7 @@ class EngineCollector(Collector):
                 counters[key].add_metric(name, value)
             restarts = served.engine.transport.restarts if served is not None else 0
             counters["restarts"].add_metric(name, restarts)
+            # a model served alone is attached loaded, not counted as a load (pool.single)
             counters["loads"].add_metric(name, max(slot.loads, int(served is not None)))
         yield from gauges.values()
         yield from counters.values()

@@ -66,15 +66,18 @@ def _name(pool: ModelPool, name: str) -> str:
 
 
 def _details(d: Description) -> dict[str, Any]:
-    """Ollama's `details`; a model without a card (a scripted test model) leaves them empty."""
+    """Ollama's `details`, from the model's card (api/core/description.py)."""
     card = d.card
+    if card is None:  # a scripted test model: no weights files to read
+        return {"parent_model": "", "format": "", "family": "", "families": None,
+                "parameter_size": "", "quantization_level": ""}  # fmt: skip
     return {
         "parent_model": "",
-        "format": card.format if card is not None else "",
-        "family": card.family if card is not None else "",
-        "families": [card.family] if card is not None and card.family else None,
-        "parameter_size": card.parameter_size if card is not None else "",
-        "quantization_level": card.quantization if card is not None else "",
+        "format": card.format,
+        "family": card.family,
+        "families": [card.family] if card.family else None,
+        "parameter_size": card.parameter_size,
+        "quantization_level": card.quantization,
     }
 
 
