@@ -16,6 +16,8 @@ from omlx_logprobs.api.metrics.families import Families
 from omlx_logprobs.api.metrics.observer import RequestObserver
 
 UNMATCHED = "unmatched"  # a path no route serves: one label, however many such paths come
+# Any other method a client sends is counted as "OTHER": a label's values stay few.
+METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 
 
 class CountRequests:
@@ -35,7 +37,8 @@ class CountRequests:
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":
                 route = _template(scope, self.routes)
-                self.counter.labels(route, scope["method"], str(message["status"])).inc()
+                method = scope["method"] if scope["method"] in METHODS else "OTHER"
+                self.counter.labels(route, method, str(message["status"])).inc()
             await send(message)
 
         await self.app(scope, receive, counted)
