@@ -88,7 +88,9 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
     from omlx_logprobs.runner.lora import AdapterError, read_adapter
 
     try:  # the file, before any model loads
-        template = YesNoTemplate.read(args.rerank_template)
+        where = args.rerank_template
+        text = Path(where).expanduser().read_text(encoding="utf-8") if where else None
+        template = YesNoTemplate.of(text, where or "")
     except (OSError, ValueError) as e:
         raise SystemExit(f"omlx-logprobs serve: error: --rerank-template: {e}") from None
     for name, path in cfg.lora:  # the files, before any model loads (their fit: at the load)
@@ -111,6 +113,7 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
             cfg.engine,
             load_tokenizer=partial(load_tokenizer, cfg),
             ignore_unknown_fields=args.ignore_unknown_fields,
+            traits=partial(traits, args),
         )
     except ValueError as e:  # two models under one name, a model larger than the budget
         raise SystemExit(f"omlx-logprobs serve: error: {e}") from None
@@ -133,7 +136,7 @@ def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
 
     from omlx_logprobs.api.core.slot import ModelSlot
     from omlx_logprobs.models.footprint import weight_mib
-    from omlx_logprobs.models.loader import is_scripted, resolve_model_path
+    from omlx_logprobs.models.loader import gguf_origin, is_scripted, resolve_model_path
     from omlx_logprobs.models.scripted import ScriptedSpec
 
     # What the loader casts the weights to (models/dtype.py): auto is float32 on the CPU, with
@@ -142,14 +145,16 @@ def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
     float_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4 if cpu else None)
     slots = []
     for source, name in cfg.models:
+        origin = None  # the GGUF file converted, if one was
         if is_scripted(source):
             path = Path(source).expanduser()
             name = name or ScriptedSpec.read(path).name
         else:
+            origin = gguf_origin(source)
             path, default_name = resolve_model_path(source, cfg.offline)
             source, name = str(path), name or default_name
         need = weight_mib(path, float_bytes, dequantize=cpu and dtype == "auto")
-        slots.append(ModelSlot(name, source, need))
+        slots.append(ModelSlot(name, source, need, origin=origin))
     slots[0].adapters.update(cfg.lora)
     return slots
 
@@ -180,9 +185,8 @@ def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) ->
         len(model.vocab),
         model.max_model_len,
     )
-    reasoning = parser_enabled(ReasoningParser(args.reasoning_parser), model.tokenizer)
+    tool_format, reasoning = parsers(args, model)
     log.info("reasoning parser: %s", "on" if reasoning else "off")
-    tool_format = resolve_format(ToolCallFormat(args.tool_call_parser), model.tokenizer)
     log.info("tool-call parser: %s", tool_format.value)
     return Served(
         engine,
@@ -194,6 +198,19 @@ def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) ->
         limits=cfg.limits,
         ignore_unknown_fields=args.ignore_unknown_fields,
     )
+
+
+def parsers(args: argparse.Namespace, model: LoadedModel) -> tuple[ToolCallFormat, bool]:
+    """The tool-call format a model's responses are parsed for, and whether its reasoning is
+    (--tool-call-parser and --reasoning-parser, auto resolved from its chat template)."""
+    tool_format = resolve_format(ToolCallFormat(args.tool_call_parser), model.tokenizer)
+    return tool_format, parser_enabled(ReasoningParser(args.reasoning_parser), model.tokenizer)
+
+
+def traits(args: argparse.Namespace, model: LoadedModel) -> tuple[bool, bool]:
+    """Whether a model takes tools and reasons, as served (/v1/models, before it loads)."""
+    tool_format, reasoning = parsers(args, model)
+    return tool_format is not ToolCallFormat.NONE, reasoning
 
 
 def start_engine(

@@ -21,6 +21,7 @@ from omlx_logprobs.api.core.errors import error_response, install_error_handlers
 from omlx_logprobs.api.core.pool import ModelPool, Unavailable
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.guard import install_guard
+from omlx_logprobs.api.metrics.routes import install_metrics
 from omlx_logprobs.api.ollama import routes as ollama
 from omlx_logprobs.api.openai import routes as openai
 from omlx_logprobs.api.responses import routes as responses
@@ -63,6 +64,7 @@ def create_app(
     install_error_handlers(app)
     install_openapi(app, access.api_key is not None)
     install_guard(app, access, pool.limits, pool.engine.max_num_seqs)
+    install_metrics(app, pool)  # outside the guard: its refusals count too
 
     @app.exception_handler(Unavailable)
     async def _unavailable(r: Request, e: Unavailable) -> JSONResponse:

@@ -150,6 +150,7 @@ class Engine:
             updating=bool(self.life.updates),
             paused=self.life.paused.value if self.life.paused is not None else None,
             distributed=self.runner.health(),
+            tallies=self.runner.tallies(),
         )
 
     # ---- engine thread ------------------------------------------------------------------------
@@ -305,6 +306,7 @@ class Engine:
             self.flush()
         finally:
             self.sink, self.runner.keeps_finished = sink, keeps
+            spec.drafted = spec.accepted = 0  # the warm's drafts are no client's
         log.info("speculation: verify shapes warmed in %.1f s", time.perf_counter() - t0)
 
     def _drain_inbox(self) -> None:

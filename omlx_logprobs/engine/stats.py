@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from omlx_logprobs.control import INITIAL_WEIGHTS, WeightVersion
-from omlx_logprobs.runner.step import DeviceTime
+from omlx_logprobs.runner.step import DeviceTime, Tallies
 
 log = logging.getLogger("omlx_logprobs")
 # Diagnostics (OMLX_STEP_TRACE=1): a log line per step, "step-trace: END LAUNCH_MS COMPLETE_MS
@@ -57,6 +57,7 @@ class EngineStats:
     updating: bool = False  # a weight update waits for the requests in flight
     paused: str | None = None  # the pause mode while paused (docs/specs/rl.md)
     distributed: GroupHealth | None = None  # the processes the model is split over, if any
+    tallies: Tallies = Tallies()  # disk-tier hits, speculation's drafts (since the engine began)
 
 
 @dataclass(frozen=True)

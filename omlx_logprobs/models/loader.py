@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_tokenizer
 
+from omlx_logprobs.models.card import native_context
 from omlx_logprobs.models.dtype import apply_dtype
 from omlx_logprobs.models.padded_batch import fit_for_padded_batches
 from omlx_logprobs.vocab import Vocabulary, build_vocabulary
@@ -56,6 +57,17 @@ def resolve_model_path(model: str | None, offline: bool = False) -> tuple[Path, 
     )
 
 
+def gguf_origin(model: str | None) -> str | None:
+    """The GGUF file a --model argument is served from (converted: `resolve_model_path`): the
+    file itself, or the embedded model's; None for any other model."""
+    if model is None:
+        from omlx_logprobs.models.embedded import embedded_gguf_path
+
+        return str(embedded_gguf_path())
+    p = Path(model).expanduser()
+    return str(p) if p.is_file() and p.suffix == ".gguf" else None
+
+
 def is_scripted(model: str | None) -> TypeGuard[str]:
     """A scripted model's JSON spec (tests), not weights on disk."""
     return model is not None and Path(model).suffix == ".json"
@@ -93,7 +105,7 @@ def load_model(
         size = int(config.get("vocab_size") or len(hf))
     eos = config.get("eos_token_id", [])
     eos_ids = tuple(sorted({*([eos] if isinstance(eos, int) else eos), *wrapper.eos_token_ids}))
-    native = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+    native = native_context(config)
     max_len = min(max_model_len, native) if max_model_len else native
     return LoadedModel(
         name=name or default_name,

@@ -20,8 +20,10 @@ class RoutingShape:
     experts: int
 
 
-def routing_shape(path: Path) -> RoutingShape | None:
-    """The model directory's routing shape, for the families runner/routing.py records."""
+def routing_shape(where: str | Path) -> RoutingShape | None:
+    """The model directory's routing shape, for the families runner/routing.py records (a
+    str from the API, which opens no paths itself: tests/reliability/test_security.py)."""
+    path = Path(where)
     config = path / "config.json" if path.is_dir() else None
     if config is None or not config.is_file():
         return None

@@ -77,6 +77,7 @@ class DiskTier:
         # LRU; a size is the bytes on disk (data and meta file), estimated until written.
         self.files: OrderedDict[Stored, tuple[str, int]] = OrderedDict()
         self.nbytes = 0
+        self.hits = self.hit_tokens = 0  # prefixes read back, and their tokens (/metrics)
         self._index: BlockIndex[str] = BlockIndex()
         self._writer = ThreadPoolExecutor(1, "omlx-kv-disk")
         self._pending: dict[str, Future[None]] = {}
@@ -144,6 +145,8 @@ class DiskTier:
             self._drop(what)
             return None
         self.files.move_to_end(what)
+        self.hits += 1
+        self.hit_tokens += len(tokens)
         _touch(self.dir / f"{name}{META}")  # recently used, across restarts too
         log.debug("kv cache dir: %d tokens read in %.3f s", len(tokens), time.perf_counter() - t0)
         return prefix

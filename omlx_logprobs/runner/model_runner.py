@@ -49,7 +49,7 @@ from omlx_logprobs.runner.routing import RowSpan, install, routed
 from omlx_logprobs.runner.sampler import draw, step_key
 from omlx_logprobs.runner.snapshot import make_prefix
 from omlx_logprobs.runner.speculation import Speculator
-from omlx_logprobs.runner.step import DeviceTime, LaunchedStep, Memory, StepResult
+from omlx_logprobs.runner.step import DeviceTime, LaunchedStep, Memory, StepResult, Tallies
 from omlx_logprobs.runner.weights import load_into
 
 __all__ = ["ModelRunner"]
@@ -341,6 +341,17 @@ class ModelRunner:
         prefixes = self.prefixes.nbytes if self.prefixes is not None else 0
         active, cache = int(mx.get_active_memory()), int(mx.get_cache_memory())
         return Memory(self.batch.num_cached, active, cache, prefixes)
+
+    def tallies(self) -> Tallies:
+        """Disk-tier hits and speculation's drafts since the runner started (/metrics)."""
+        disk = self.prefixes.disk if self.prefixes is not None else None
+        spec = self.speculator
+        return Tallies(
+            disk.hits if disk is not None else 0,
+            disk.hit_tokens if disk is not None else 0,
+            spec.drafted if spec is not None else 0,
+            spec.accepted if spec is not None else 0,
+        )
 
     @staticmethod
     def idle() -> None:

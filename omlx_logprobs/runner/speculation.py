@@ -169,6 +169,7 @@ class Speculator:
         self._rows: dict[int, _Row] = {}
         self.warms = False  # whether the engine warms the speculative shapes (`speculator`)
         self._forced: list[int] = []  # draft widths the next verifies take (`force`)
+        self.drafted = self.accepted = 0  # draft tokens verified, and accepted (/metrics)
 
     @contextmanager
     def forcing(self) -> Iterator[int]:
@@ -305,6 +306,8 @@ class Speculator:
             last.append(int(tokens[base + m]))
             s.num_sampled += m + 1
             if d:
+                self.drafted += len(d)
+                self.accepted += m
                 self._score(s, m + 1, len(d))
                 if spec.predicted[i]:  # accepted ones: as the output takes them
                     s.rejected_prediction_tokens += len(d) - m

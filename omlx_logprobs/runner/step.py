@@ -66,3 +66,14 @@ class Memory:
     active: int  # MLX's active memory
     cache: int  # MLX's buffer cache (freed buffers kept for reuse)
     prefixes: int  # the prefix cache's entries (counted by its budget)
+
+
+@dataclass(frozen=True)
+class Tallies:
+    """What the runner counted since it started (/metrics reads them as counters): prefixes read
+    back from the disk tier, and speculation's drafted and accepted tokens."""
+
+    disk_hits: int = 0
+    disk_hit_tokens: int = 0
+    draft_tokens: int = 0  # drafts verified, every source (prediction, lookup, draft model)
+    accepted_tokens: int = 0  # of those, the ones equal to the target's own sample

@@ -57,6 +57,20 @@ class Transport(Protocol):
         """ "ok", "restarting" (new requests wait) or "stopped"."""
         ...
 
+    @property
+    def restarts(self) -> int:
+        """How many times the engine was started again after it died."""
+        ...
+
+
+class Observer(Protocol):
+    """What watches requests pass (api/metrics/observer.py): each request as it is submitted (on
+    the event loop), then its outputs as they reach the collectors (on the transport's thread)."""
+
+    def submitted(self, req: EngineRequest) -> None: ...
+
+    def delivered(self, outputs: list[RequestOutput]) -> None: ...
+
 
 class ThreadTransport:
     """The engine as a thread of the server's process: its sink fills the collectors."""
@@ -80,6 +94,10 @@ class ThreadTransport:
     @property
     def state(self) -> str:
         return "ok" if self.engine.alive else "stopped"
+
+    @property
+    def restarts(self) -> int:
+        return 0  # an engine thread that dies is not started again
 
 
 @dataclass
@@ -110,6 +128,7 @@ class EngineClient:
         self._lock = threading.Lock()
         self._slots: dict[str, list[RequestOutputCollector]] = {}
         self._left: dict[str, int] = {}  # choices not yet finished
+        self.observer: Observer | None = None  # /metrics' (api/metrics), when the app has one
 
     def start(self) -> None:
         self.transport.start(self._deliver, self._lost)
@@ -136,6 +155,8 @@ class EngineClient:
         with self._lock:  # registered before it is sent: an output may come back at once
             self._slots[req.request_id] = slots
             self._left[req.request_id] = req.n
+        if self.observer is not None:
+            self.observer.submitted(req)
         self.transport.post(Submit(req))
         return RequestHandle(req.request_id, slots, self)
 
@@ -192,6 +213,8 @@ class EngineClient:
                     if not self._left[out.request_id]:
                         del self._slots[out.request_id], self._left[out.request_id]
         RequestOutputCollector.wake_all(woken)
+        if self.observer is not None:
+            self.observer.delivered(outputs)
 
     def _lost(self, request_ids: list[str], message: str) -> None:
         """End requests that can no longer finish with an error naming why."""
@@ -199,13 +222,20 @@ class EngineClient:
             lost = [(rid, self._slots.pop(rid, [])) for rid in request_ids]
             for rid, _ in lost:
                 self._left.pop(rid, None)
-        for rid, slots in lost:
-            for i, slot in enumerate(slots):
-                slot.put(
-                    RequestOutput(
-                        rid, i, finished=True, finish_reason=FinishReason.ERROR, error=message
-                    )
-                )
+        ends = [
+            (
+                slot,
+                RequestOutput(
+                    rid, i, finished=True, finish_reason=FinishReason.ERROR, error=message
+                ),
+            )
+            for rid, slots in lost
+            for i, slot in enumerate(slots)
+        ]
+        for slot, end in ends:
+            slot.put(end)
+        if self.observer is not None:
+            self.observer.delivered([end for _, end in ends])
 
 
 async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -114,6 +114,7 @@ class ProcessTransport:
         self._next_uid = 0
         self._fault: str | None = None  # why the child said it cannot go on
         self._lost: Lost | None = None
+        self.restarts = 0  # children started again after one died (/metrics)
 
     # ---- lifetime ------------------------------------------------------------------------------
     def launch(self) -> None:
@@ -340,6 +341,7 @@ class ProcessTransport:
                 log.error("%s; trying again in %.1f s", exc, delay)
                 continue
             log.info("the engine process is back (pid %s)", self.pid)
+            self.restarts += 1
             return delay
         self._state = "stopped"
         return -1

@@ -42,6 +42,7 @@ def test_evicted_sequences_come_back_from_disk(tmp_path: Path) -> None:
     assert found is not None and found.tokens == tuple(range(40))
     assert np.array(found.keys[0]).ravel().tolist() == list(range(40))
     assert (BASE_KEY, tuple(range(40))) in cache.entries  # back in memory
+    assert (disk.hits, disk.hit_tokens) == (1, 40)  # /metrics' count: the load, not the look
 
 
 def test_namespaces_stay_apart_on_disk(tmp_path: Path) -> None:
@@ -104,11 +105,13 @@ def test_a_restart_continues_the_conversation_from_disk(tiny_dir: Path, tmp_path
     off = Chat(model, EngineConfig(prefill_chunk=64, prefix_cache_mib=0))
     try:
         [got] = again.send([turn], greedy(8))
+        tallies = again.client.snapshot().tallies  # what /metrics reads
         [want] = off.send([turn], greedy(8))
     finally:
         again.client.shutdown()
         off.client.shutdown()
     assert cached(got) == len(prompt) + len(r.output_ids) - 1
+    assert tallies.disk_hits == 1 and tallies.disk_hit_tokens >= cached(got)
     assert list(got.output_ids) == list(want.output_ids)
     check_against_reference(model, turn, got, 3)  # and a full forward pass
     assert got.store is not None and want.store is not None

@@ -198,6 +198,7 @@ def test_a_dead_child_fails_its_requests_and_is_replaced(tiny_dir: Path) -> None
         assert "engine process stopped (killed by SIGKILL)" in (out.error or "")
         assert later.finish_reason is FinishReason.LENGTH and later.num_tokens == 2
         assert client.state == "ok"
+        assert transport.restarts == 1  # /metrics' omlx_engine_restarts_total
     finally:
         client.shutdown()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, RopeScalingType
 
 from tests.helpers.kquants import quantize
 
@@ -149,12 +149,16 @@ def write_gguf(
     tokenizer: str = "gpt2",
     pre: str = "qwen2",
     types: dict[str, GGMLQuantizationType] | None = None,
+    file_type: LlamaFileType | None = None,
 ) -> None:
     """A GGUF file of an mlx-lm model's config and float32 weights: `qtype` for every matrix,
-    or the type `types` gives a weight's mlx-lm name (as a Q4_K_M file mixes Q4_K and Q6_K)."""
+    or the type `types` gives a weight's mlx-lm name (as a Q4_K_M file mixes Q4_K and Q6_K);
+    `file_type`: the `general.file_type` llama.cpp's quantizer writes (what the mix is named)."""
     model_type = config["model_type"]
     arch = ARCHES[model_type]
     w = GGUFWriter(str(path), arch)
+    if file_type is not None:
+        w.add_file_type(file_type)
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
     w.add_block_count(config["num_hidden_layers"])

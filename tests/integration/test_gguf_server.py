@@ -10,10 +10,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import ollama
 import openai
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
+from gguf import GGUFReader, LlamaFileType
 
 from tests.engine.test_gguf_files import (
     _QUANT_CONFIG,
@@ -39,7 +40,7 @@ def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     types |= {n: T.Q8_0 for n in weights if "o_proj" in n}
     types |= {n: T.Q5_K for n in weights if "down_proj" in n}
     path = root / "mixed-Q4_K_M.gguf"
-    write_gguf(path, _QUANT_CONFIG, weights, types=types)
+    write_gguf(path, _QUANT_CONFIG, weights, types=types, file_type=LlamaFileType.MOSTLY_Q4_K_M)
     stored = {t.name: t for t in GGUFReader(path).tensors}
     dequantized = {
         n: _stored_as_mlx(stored[gguf_name(n, "llama")], w.shape) if w.ndim > 1 else w
@@ -86,3 +87,25 @@ def test_quantized_gguf_logprobs_through_the_server(
     ref = _reference(gguf_file[1], PROMPT + c.model_extra["token_ids"])
     assert completion_difference(c, PROMPT, ref) < 1e-4
     assert "quantized layers kept" in served.log()
+
+
+def test_model_lists_describe_the_file(served: ServerProcess, gguf_file: tuple[Path, Path]) -> None:
+    """Ollama's list and show, and /v1/models, from the GGUF file's own facts: its size on
+    disk (not the memory its weights take once loaded), its file type, its tensors' count."""
+    path = gguf_file[0]
+    parameters = sum(int(t.n_elements) for t in GGUFReader(path).tensors)
+    listed = ollama.Client(host=served.base).list().models
+    assert [m.model for m in listed] == ["mixed-Q4_K_M"]
+    assert listed[0].size == path.stat().st_size
+    details = listed[0].details
+    assert details is not None and details.format == "gguf" and details.family == "llama"
+    assert details.quantization_level == "Q4_K_M"
+    unit, scale = ("M", 1e6) if parameters >= 1e6 else ("K", 1e3)
+    assert details.parameter_size == f"{parameters / scale:.3g}{unit}"
+    shown = ollama.Client(host=served.base).show("mixed-Q4_K_M")
+    context = _QUANT_CONFIG.get("max_position_embeddings", 4096)
+    assert shown.modelinfo is not None and shown.modelinfo["llama.context_length"] == context
+    assert shown.modelinfo["general.parameter_count"] == parameters
+    client = openai.OpenAI(base_url=served.base + "/v1", api_key="unused", max_retries=0)
+    card = client.models.list().data[0]
+    assert card.model_extra is not None and card.model_extra["max_model_len"] == context

@@ -265,3 +265,25 @@ def test_one_loaded_at_a_time_is_fair_and_loads_nothing_it_need_not(
         for a in alphas:
             assert a.status_code == 200, a.text
             check_against(refs["alpha"], a.json())
+
+
+def test_lists_describe_a_model_not_loaded(tiny_dir: Path, other_dir: Path) -> None:
+    """/v1/models and Ollama's /api/tags and /api/show describe the model that is not loaded
+    from its files and its tokenizer alone: it stays unloaded."""
+    with serve_two(tiny_dir, other_dir, "--engine", "thread", "--max-loaded-models", "1") as s:
+        cards = httpx.get(s.base + "/v1/models", timeout=30).json()["data"]
+        assert [(c["id"], c["loaded"], c["max_model_len"], c["context_length"]) for c in cards] == [
+            ("alpha", True, 2048, 2048),
+            ("beta", False, 2048, 2048),
+        ]
+        assert cards[1]["capabilities"] == cards[0]["capabilities"]
+        tags = httpx.get(s.base + "/api/tags", timeout=30).json()["models"]
+        beta = next(m for m in tags if m["name"] == "beta")
+        assert beta["size"] == (other_dir / "model.safetensors").stat().st_size
+        assert beta["details"]["format"] == "safetensors"
+        assert beta["details"]["family"] == "llama"
+        assert beta["details"]["quantization_level"] == "F32"
+        shown = httpx.post(s.base + "/api/show", json={"model": "beta"}, timeout=30).json()
+        assert shown["model_info"]["llama.context_length"] == 2048
+        assert shown["capabilities"][0] == "completion"
+        assert states(s.base) == {"alpha": "loaded", "beta": "unloaded"}

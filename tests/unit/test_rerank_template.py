@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,16 +32,13 @@ def test_qwen3_reranker_prompt() -> None:
     assert text == "i|{document}|{query}"
 
 
-def test_template_file(tmp_path: Path) -> None:
-    f = tmp_path / "t.txt"
-    f.write_text("Q: {query}\nD: {document}\nRelevant (yes/no)? {instruction}")
-    t = YesNoTemplate.read(str(f))
+def test_template_text() -> None:
+    t = YesNoTemplate.of("Q: {query}\nD: {document}\nRelevant (yes/no)? {instruction}", "t.txt")
     assert t.render("q", "d") == f"Q: q\nD: d\nRelevant (yes/no)? {DEFAULT_INSTRUCTION}"
-    assert YesNoTemplate.read(None) == YesNoTemplate()
-    for bad, why in [("{query} only", "no {document}"), ("{document} {query}", "before")]:
-        f.write_text(bad)
+    assert YesNoTemplate.of(None) == YesNoTemplate()
+    for bad, why in [("{query} only", "t.txt has no {document}"), ("{document} {query}", "before")]:
         with pytest.raises(ValueError, match=why):
-            YesNoTemplate.read(str(f))
+            YesNoTemplate.of(bad, "t.txt")
 
 
 def model_with(texts: tuple[str, ...]) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from omlx_logprobs.models.footprint import kv_memory
@@ -56,5 +55,5 @@ def model_bounds(model: Any, max_top_logprobs: int) -> ModelBounds:
         frozenset(reserved),
         per_token,
         budget,
-        routing_shape(Path(path)) if (path := getattr(model, "path", None)) else None,
+        routing_shape(path) if (path := getattr(model, "path", None)) else None,
     )

@@ -20,6 +20,7 @@ from dataclasses import asdict
 from typing import Any
 
 from omlx_logprobs.api.core.bounds import model_bounds
+from omlx_logprobs.api.core.description import Description
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.loading import Loading
 from omlx_logprobs.api.core.served import Served
@@ -28,6 +29,8 @@ from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.config import EngineConfig, Limits, PoolConfig
 from omlx_logprobs.control import WeightVersion
 
+# A model (a LoadedModel, perhaps without weights) -> (takes tools, reasons).
+Traits = Callable[[Any], tuple[bool, bool]]
 POLL_S = 0.05  # how often a request waiting for a busy model to go idle looks again
 RETRY_AFTER_S = 5  # the 503's Retry-After: a busy model's requests take seconds to finish
 
@@ -55,8 +58,12 @@ class ModelPool(Loading):
         engine: EngineConfig | None = None,
         load_tokenizer: TokenizerLoader | None = None,
         ignore_unknown_fields: bool = False,
+        traits: Traits | None = None,
     ) -> None:
         self.load_tokenizer = load_tokenizer
+        # Whether a model takes tools and reasons as served, from its tokenizer alone (the
+        # server's parser settings applied): /v1/models says so before it loads.
+        self.traits = traits
         # --ignore-unknown-fields (one setting for every model): checked before any load
         self.ignore_unknown_fields = ignore_unknown_fields
         self.slots: dict[str, ModelSlot] = {}
@@ -298,19 +305,24 @@ class ModelPool(Loading):
         }
         return body, code
 
-    def cards(self, created: int) -> list[dict[str, Any]]:
-        """/v1/models: every served model, loaded or not."""
+    def cards(self, created: int, described: dict[str, Description]) -> list[dict[str, Any]]:
+        """/v1/models: every served model, loaded or not, with what an agent sizes its context
+        from (vLLM's `max_model_len`; `context_length` and LM Studio's `max_context_length`,
+        the same number) and what the model takes (api/core/description.py)."""
         out = []
         for s in self.slots.values():
+            d = described[s.name]
             card: dict[str, Any] = {
                 "id": s.name,
                 "object": "model",
                 "created": created,
                 "owned_by": "omlx_logprobs",
+                "max_model_len": d.max_model_len,
+                "context_length": d.max_model_len,
+                "max_context_length": d.max_model_len,
+                "capabilities": d.capabilities(),
+                "loaded": s.state == "loaded",
             }
-            if s.max_model_len is not None:
-                card["max_model_len"] = s.max_model_len
-            card["loaded"] = s.state == "loaded"
             out.append(card)
             for name, path in s.adapters.items():  # vLLM's card of a LoRA adapter
                 out.append({

@@ -8,11 +8,15 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.control import INITIAL_WEIGHTS, WeightVersion
+from omlx_logprobs.transport.client import Observer
+
+if TYPE_CHECKING:
+    from omlx_logprobs.api.core.description import Description
 
 
 @dataclass(eq=False)
@@ -22,6 +26,7 @@ class ModelSlot:
     name: str
     source: str | None  # what the loader loads: a resolved directory or a scripted description
     need_mib: int = 0  # estimated memory (models/footprint.py)
+    origin: str | None = None  # the GGUF file `source` was converted from, if any
     state: str = "unloaded"  # "loading", "loaded", "unloading"
     served: Served | None = None
     leases: int = 0  # requests routed here whose work is not yet in the engine
@@ -44,6 +49,10 @@ class ModelSlot:
     # loads them again. While loaded, the same dict is its Served's.
     adapters: dict[str, str] = field(default_factory=dict)
     change: asyncio.Task[None] | None = field(default=None, repr=False)  # load or unload
+    # What the model lists say of it (api/core/description.py), once read.
+    description: Description | None = field(default=None, repr=False)
+    # What watches its requests for /metrics (api/metrics): given to each load's engine client.
+    observer: Observer | None = field(default=None, repr=False)
 
     @property
     def live(self) -> Served:
@@ -58,6 +67,7 @@ class ModelSlot:
     def attach(self, served: Served) -> None:
         served.adapters.update(self.adapters)  # one dict from here on: the routes change it
         self.adapters = served.adapters
+        served.engine.observer = self.observer
         self.served, self.state = served, "loaded"
         self.max_model_len = served.model.max_model_len
         self.last_used = self.loaded_at = time.monotonic()

@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 import omlx_logprobs
 from omlx_logprobs.api.core import sse
+from omlx_logprobs.api.core.description import Description, describe
 from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.core.prepare import Ask, prepare
@@ -66,27 +67,45 @@ def _name(pool: ModelPool, name: str) -> str:
     return base if base != name and base in pool.slots else name
 
 
-def _details(slot: ModelSlot) -> dict[str, Any]:
-    source = str(slot.source or "")
+def _details(d: Description) -> dict[str, Any]:
+    """Ollama's `details`, from the model's card (api/core/description.py)."""
+    card = d.card
+    if card is None:  # a scripted test model: no weights files to read
+        return {"parent_model": "", "format": "", "family": "", "families": None,
+                "parameter_size": "", "quantization_level": ""}  # fmt: skip
     return {
         "parent_model": "",
-        "format": "gguf" if source.endswith(".gguf") else "mlx",
-        "family": "",
-        "families": None,
-        "parameter_size": "",
-        "quantization_level": "",
+        "format": card.format,
+        "family": card.family,
+        "families": [card.family] if card.family else None,
+        "parameter_size": card.parameter_size,
+        "quantization_level": card.quantization,
     }
 
 
-def _card(slot: ModelSlot) -> dict[str, Any]:
+def _card(slot: ModelSlot, d: Description) -> dict[str, Any]:
+    """A model in /api/tags: `size` is its weights' files on disk (a GGUF file's own bytes),
+    not the memory it takes loaded (/api/ps says that)."""
     return {
         "name": slot.name,
         "model": slot.name,
         "modified_at": now(),
-        "size": slot.need_mib << 20,
+        "size": d.card.size if d.card is not None else 0,
         "digest": "",
-        "details": _details(slot),
+        "details": _details(d),
     }
+
+
+def _model_info(d: Description, vocab_size: int) -> dict[str, Any]:
+    """/api/show's `model_info`: GGUF's keys, the architecture's own under its name
+    (`llama.context_length`), which Ollama's clients size their context from."""
+    info: dict[str, Any] = {"general.context_length": d.max_model_len,
+                            "general.vocab_size": vocab_size}  # fmt: skip
+    if d.card is not None:
+        family = d.card.family
+        info |= {"general.architecture": family, "general.parameter_count": d.card.parameters,
+                 f"{family}.context_length": d.max_model_len}  # fmt: skip
+    return info
 
 
 def add_routes(app: FastAPI, pool: ModelPool) -> None:
@@ -104,12 +123,14 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
 
     @app.get("/api/tags")
     async def tags() -> dict[str, Any]:
-        return {"models": [_card(s) for s in pool.slots.values()]}
+        return {"models": [_card(s, await describe(pool, s)) for s in pool.slots.values()]}
 
     @app.get("/api/ps")
     async def ps() -> dict[str, Any]:
+        """`size`: the memory a loaded model takes (its estimate, models/footprint.py)."""
         loaded = [s for s in pool.slots.values() if s.state == "loaded"]
-        return {"models": [{**_card(s), "expires_at": None, "size_vram": 0,
+        return {"models": [{**_card(s, await describe(pool, s)), "size": s.need_mib << 20,
+                            "expires_at": None, "size_vram": 0,
                             "context_length": s.max_model_len} for s in loaded]}  # fmt: skip
 
     @app.get("/api/version")
@@ -121,21 +142,13 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
         check_unknown(req, pool.ignore_unknown_fields)  # a field is never silently ignored
         name = _name(pool, req.model or req.name or "")
         model, _ = await pool.tokenizer(name)
-        slot = pool.slot(name)
-        caps = ["completion"]
-        if slot.served is not None and slot.served.tool_format != "none":
-            caps.append("tools")
-        if slot.served is not None and slot.served.reasoning:
-            caps.append("thinking")
+        d = await describe(pool, pool.slot(name))
         return {
             "modelfile": "",
             "parameters": "",
             "template": str(getattr(model.tokenizer, "chat_template", None) or ""),
-            "details": _details(slot),
-            "model_info": {
-                "general.context_length": model.max_model_len,
-                "general.vocab_size": len(model.vocab),
-            },  # fmt: skip
-            "capabilities": caps,
+            "details": _details(d),
+            "model_info": _model_info(d, len(model.vocab)),
+            "capabilities": d.ollama_capabilities(),
             "modified_at": now(),
         }

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from omlx_logprobs.api.core.description import describe
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.core.protocol import (
     ChatCompletionRequest,
@@ -25,7 +26,8 @@ def add_routes(app: FastAPI, pool: ModelPool, created: int) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": pool.cards(created)}
+        described = {s.name: await describe(pool, s) for s in pool.slots.values()}
+        return {"object": "list", "data": pool.cards(created, described)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.models.loader import LoadedModel
@@ -31,11 +30,12 @@ class YesNoTemplate:
     instruction: str = DEFAULT_INSTRUCTION
 
     @staticmethod
-    def read(path: str | None) -> YesNoTemplate:
-        """--rerank-template's file (None: Qwen3-Reranker's); a ValueError names what is wrong."""
-        if path is None:
+    def of(text: str | None, path: str = "the template") -> YesNoTemplate:
+        """--rerank-template's text, which the CLI reads (the API opens no files:
+        tests/reliability/test_security.py; None: Qwen3-Reranker's); a ValueError names what is
+        wrong with the file at `path`."""
+        if text is None:
             return YesNoTemplate()
-        text = Path(path).expanduser().read_text(encoding="utf-8")
         missing = [p for p in ("{query}", "{document}") if p not in text]
         if missing:
             raise ValueError(f"{path} has no {' and no '.join(missing)}")
