@@ -61,6 +61,9 @@ class EngineConfig:
     # model's); drafts per step; the largest batch that speculates (beyond it a step is no
     # longer bound by the host).
     speculate: str = "prediction"
+    # Batch-invariant mode (runner/invariance.py): a token's logprob depends on the tokens
+    # before it alone, bit for bit, whatever else is in the batch; checked at start-up.
+    batch_invariant: bool = False
     num_draft_tokens: int = 8
     speculate_max_batch: int = 4
     draft_model: str | None = None  # "draft": a local model directory sharing the tokenizer

@@ -211,6 +211,15 @@ def _add_batching(s: argparse.ArgumentParser) -> None:
         " the CPU); the cache is also emptied once the server has been idle for about 0.5 s",
     )
     g.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="logprobs that depend only on the tokens, bit for bit: the same whatever else is"
+        " in the batch, whether a prefix came from the cache, the prefill chunk, speculation;"
+        " and equal to omlx_logprobs.scorer's (an RL trainer's own forward). Checked at"
+        " start-up; on Linux's CPU backend the server restarts itself with MLX's reference BLAS"
+        " (docs/specs/logprobs.md, Batch-invariant mode)",
+    )
+    g.add_argument(
         "--prefix-cache-mib",
         type=int,
         default=EngineConfig.prefix_cache_mib,

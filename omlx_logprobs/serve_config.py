@@ -69,6 +69,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,
         speculate_max_batch=args.speculate_max_batch,
+        batch_invariant=args.batch_invariant,
     )
 
 

@@ -34,6 +34,7 @@ from omlx_logprobs.engine.lifecycle import Lifecycle
 from omlx_logprobs.engine.overlap import Overlap
 from omlx_logprobs.engine.processor import OutputProcessor
 from omlx_logprobs.engine.stats import EngineStats, StepStats
+from omlx_logprobs.runner import invariance
 from omlx_logprobs.runner.grammar import GrammarError, Grammars
 from omlx_logprobs.runner.model_runner import ModelRunner
 from omlx_logprobs.runner.speculation import speculator
@@ -69,9 +70,15 @@ class Engine:
         self.cfg = cfg
         # Constrained decoding's matchers need the Hugging Face tokenizer (runner/grammar.py).
         self.grammars = Grammars(tokenizer, len(vocab), tuple(eos))
+        if cfg.batch_invariant:
+            invariance.enable()
         self.runner = runner(
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
         )
+        if cfg.batch_invariant:  # InvarianceError: this process cannot keep the promise
+            invariance.check(self.runner.model, self.runner.templates, len(vocab))
+            log.info("batch-invariant mode: one sequence's logits checked the same bits alone, "
+                     "batched, chunked and decoded (runner/invariance.py)")  # fmt: skip
         self.runner.speculator = speculator(cfg, self.runner.plan, self.runner.model, vocab)
         chunk, delay_ms = cfg.prefill(cpu=mx.default_device() == mx.cpu)
         # Built on the engine's thread as it starts (`_loop`): MLX keeps cuDNN's graphs per thread.

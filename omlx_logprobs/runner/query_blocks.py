@@ -43,6 +43,9 @@ HOST_ELEMENTS = 1 << 16
 _inner: Any = None
 _fused = False  # cuDNN's attention is on: calls under FUSED_PAIRS must keep away from it
 _host_side = False  # MLX computes on the CPU here: long prefill calls take numpy
+# Batch-invariant mode (runner/invariance.py): every call takes MLX's own ops, whose reductions
+# do not depend on how many queries or rows a call holds (numpy's sums do).
+_exact = False
 # While `warm` runs its probe forward: the head shapes (heads, key heads, query and value
 # widths, dtype) of the prefill calls seen.
 _heads: set[tuple[int, int, int, int, mx.Dtype]] | None = None
@@ -312,5 +315,12 @@ def install() -> None:
         return
     _inner = mx.fast.scaled_dot_product_attention
     _fused = cudnn_on()
-    _host_side = mx.default_device() == mx.cpu
+    _host_side = mx.default_device() == mx.cpu and not _exact
     mx.fast.scaled_dot_product_attention = _sdpa
+
+
+def exact() -> None:
+    """Batch-invariant mode: no numpy prefill attention, from now on (before or after
+    `install`)."""
+    global _exact, _host_side
+    _exact, _host_side = True, False

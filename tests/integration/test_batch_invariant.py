@@ -1,0 +1,123 @@
+"""Batch-invariant mode (`serve --batch-invariant`, runner/invariance.py): a sampled token's
+logprob and its top list are the same float32 bits alone, among other requests, from the prefix
+cache, through a speculative verify, on the thread engine with another prefill chunk, and
+equal to `omlx_logprobs.scorer`'s one forward of the whole sequence, as an RL trainer computes
+it. The servers are real processes (the mode restarts them with MLX's reference BLAS, which
+this test process, with OpenBLAS loaded, cannot take), the scorer a process of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.helpers.server import ServerProcess, server_process
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = "Tell me about rivers and the sea, and why the sea is salty."
+BODY: dict[str, Any] = {
+    "model": MODEL,
+    "max_tokens": 20,
+    "temperature": 0.8,
+    "seed": 11,
+    "logprobs": True,
+    "top_logprobs": 5,
+    "logprobs_mode": "processed_logprobs",  # what was sampled from: a trainer's denominator
+    "return_token_ids": True,
+}
+OTHERS = ["Hi.", "Name three colours " * 3, "Write a haiku about bread.", "Why " * 40,
+          "What is 2 + 2?", "Describe the moon in detail, please. " * 4, "Ok"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    common = ["--batch-invariant", "--max-num-seqs", "16", "--log-level", "warning"]
+    with server_process(common) as a:
+        with server_process([*common, "--engine", "thread", "--prefill-chunk", "7"]) as b:
+            yield a, b
+
+
+def ask(base: str, question: str = QUESTION, **extra: Any) -> dict[str, Any]:
+    body = {**BODY, "messages": [{"role": "user", "content": question}], **extra}
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def entries(answer: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    content = answer["choices"][0]["logprobs"]["content"]
+    chosen = np.array([c["logprob"] for c in content], np.float32)
+    tops = np.array([[t["logprob"] for t in c["top_logprobs"]] for c in content], np.float32)
+    return chosen, tops
+
+
+def same_bits(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+    for x, y in zip(entries(a), entries(b)):
+        assert x.shape == y.shape and x.tobytes() == y.tobytes(), np.abs(x - y).max()
+
+
+def test_the_same_bits_whatever_else_runs(servers: tuple[ServerProcess, ServerProcess]) -> None:
+    a, b = servers
+    alone = ask(a.base)
+    assert len(alone["choices"][0]["token_ids"]) == 20
+
+    async def crowd() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=300) as c:
+            bodies = [{**BODY, "messages": [{"role": "user", "content": q}]}
+                      for q in [QUESTION, *OTHERS]]  # fmt: skip
+            rs = await asyncio.gather(*[c.post(a.base + "/v1/chat/completions", json=x)
+                                        for x in bodies])  # fmt: skip
+            return [r.json() for r in rs]
+
+    crowded = asyncio.run(crowd())
+    same_bits(alone, crowded[0])
+    again = ask(a.base)  # its prompt and answer kept: a prefix from the cache
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    same_bits(alone, again)
+    text = alone["choices"][0]["message"]["content"]
+    verified = ask(a.base, prediction={"type": "content", "content": text})
+    assert verified["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    same_bits(alone, verified)
+    same_bits(alone, ask(b.base))  # the thread engine, prompts prefilled 7 tokens at a time
+
+
+SCORE = """
+import json, sys
+from omlx_logprobs.scorer import Scorer
+ids, start, t = json.loads(sys.stdin.read())
+print(json.dumps([float(x) for x in Scorer().logprobs(ids, start, t)]))
+"""
+
+
+def test_the_scorer_equals_the_server(servers: tuple[ServerProcess, ServerProcess]) -> None:
+    answer = ask(servers[0].base)
+    prompt, sampled = answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
+    env = {**os.environ, "OMLX_BLAS": "reference"}
+    out = subprocess.run(
+        [sys.executable, "-c", SCORE],
+        input=json.dumps([prompt + sampled, len(prompt), BODY["temperature"]]),
+        capture_output=True, text=True, env=env, timeout=300, check=True,
+    )  # fmt: skip
+    scored = np.array(json.loads(out.stdout.strip().splitlines()[-1]), np.float32)
+    served = entries(answer)[0]
+    assert scored.tobytes() == served.tobytes(), np.abs(scored - served).max()
+    ratios = np.exp(scored.astype(np.float64) - served)
+    assert np.abs(ratios - 1).max() == 0.0
+
+
+def test_the_scorer_refuses_where_bits_would_differ() -> None:
+    """This process loaded OpenBLAS: its single-row products sum in another order."""
+    from omlx_logprobs.runner.invariance import InvarianceError
+    from omlx_logprobs.scorer import Scorer
+
+    with pytest.raises(InvarianceError, match="OMLX_BLAS=reference"):
+        Scorer()
