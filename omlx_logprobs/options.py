@@ -113,6 +113,15 @@ def _add_output(s: argparse.ArgumentParser) -> None:
         " think (always) or none",
     )
     s.add_argument(
+        "--reasoning-budgets",
+        default=None,
+        metavar="EFFORT=TOKENS,...",
+        help="a thinking budget per reasoning_effort, e.g. low=1024,medium=4096,high=16384:"
+        " a request naming that effort (chat's reasoning_effort, Responses' reasoning.effort,"
+        " Ollama's think level) and no thinking_token_budget gets it; at the budget the"
+        " model's closing tag is forced",
+    )
+    s.add_argument(
         "--tool-call-parser",
         choices=[m.value for m in ToolCallFormat],
         default=ToolCallFormat.AUTO.value,

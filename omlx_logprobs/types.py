@@ -307,12 +307,12 @@ class Entries:
 
     def to_host(self) -> Entries:
         """Numpy copies of the columns with their wire dtypes (no copy when they match)."""
-        cols = (np.array(a, copy=False).astype(t, copy=False) for a, t in zip(self.arrays(), _WIRE))
-        return Entries(*cols, forced=self.forced)
+        cols = [np.array(a, copy=False).astype(t, copy=False) for a, t in zip(self.arrays(), _WIRE)]
+        return _of(cols, self.forced)
 
     def rows(self, a: int, b: int) -> Entries:
         forced = self.forced[a:b] if self.forced is not None else None
-        return Entries(*(c[a:b] for c in self.arrays()), forced=forced)
+        return _of([c[a:b] for c in self.arrays()], forced)
 
     def __reduce__(self) -> tuple[Any, tuple[int, int, bool, bytes, bytes | None]]:
         """Host entries cross between processes as one buffer (five numpy pickles cost ~3x)."""
@@ -336,12 +336,17 @@ class Entries:
             forced = np.concatenate(
                 [p.forced if p.forced is not None else np.zeros(len(p), bool) for p in parts]
             )
-        cols = (np.concatenate(c) for c in zip(*(p.arrays() for p in parts)))
-        return Entries(*cols, forced=forced)
+        return _of([np.concatenate(c) for c in zip(*(p.arrays() for p in parts))], forced)
 
 
 # The columns' host dtypes, the tail's last.
 _WIRE = (np.int32, np.float32, np.int32, np.int32, np.float32, np.float32)
+
+
+def _of(cols: list[Any], forced: Any) -> Entries:
+    """Entries of `arrays()`' columns (the tail last, when there is one) and forced marks."""
+    ids, lps, ranks, top_ids, top_lps = cols[:5]
+    return Entries(ids, lps, ranks, top_ids, top_lps, cols[5] if len(cols) > 5 else None, forced)
 
 
 def _entries_from(n: int, k: int, tail: bool, data: bytes, forced: bytes | None) -> Entries:

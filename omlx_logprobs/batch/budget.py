@@ -45,6 +45,7 @@ def budget_due(seq: Sequence) -> bool:
         return False
     if seq.think_from is None:
         return True
+    assert p.thinking_token_budget is not None
     return seq.num_sampled >= seq.think_from + p.thinking_token_budget
 
 
