@@ -6,6 +6,7 @@ own logprob (raw) or the sampled distribution's (processed: 0)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -123,3 +124,22 @@ def test_budget_needs_the_closing_ids() -> None:
         SamplingParams(thinking_token_budget=3)
     with pytest.raises(ValueError):
         SamplingParams(thinking_token_budget=-1, thinking_end_ids=(5,))
+
+
+def test_drafts_never_skip_the_forced_token(scripted: LoadedModel) -> None:
+    """A prediction of the unforced script: the budgeted row gets no drafts while its reasoning
+    is open (a draft past the budget would skip the forced </think>), and is forced as alone;
+    the free row beside it speculates with the same prediction and accepts it."""
+    ids, _ = case_ids(scripted, "open")
+    close = scripted.tokenizer.convert_tokens_to_ids("</think>")
+    p = prompt(scripted, "open", 0)
+    budget = replace(_budget(scripted, 3), prediction=tuple(ids))
+    free = SamplingParams(max_tokens=64, temperature=0, prediction=tuple(ids))
+    cfg = EngineConfig(speculate="prediction", speculate_max_batch=8)
+    got = run_engine(scripted, [(p, budget), (p, free)], cfg, [ThinkStart.DETECT] * 2)
+    (seq, outs), (plain, plain_outs) = got
+    assert seq.output_ids.tolist() == [*ids[:4], close, *ids[5:]]
+    assert plain.output_ids.tolist() == ids
+    assert plain_outs[-1].accepted_prediction_tokens > 0
+    # drafts resume once the reasoning is closed: only the tokens after </think> can be taken
+    assert outs[-1].accepted_prediction_tokens <= len(ids) - 5
