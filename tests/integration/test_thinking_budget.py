@@ -178,3 +178,26 @@ def test_budget_on_a_model_without_reasoning_is_a_400(scripted: LoadedModel) -> 
         body = {"model": MODEL, "messages": MESSAGES, "reasoning_effort": "low"}
         r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/responses", {"input": "Case: open", "include": ["message.output_text.logprobs"],
+                           "reasoning": {"effort": "low"}}),
+        ("/v1/messages", {"max_tokens": 64, "messages": MESSAGES, "logprobs": True,
+                          "thinking": {"type": "enabled", "budget_tokens": 2}}),
+        ("/api/chat", {"messages": MESSAGES, "think": "low", "logprobs": True, "stream": False,
+                       "options": {"temperature": 0}}),
+    ],
+)  # fmt: skip
+def test_every_api_marks_the_forced_entry(url: str, path: str, body: dict[str, Any]) -> None:
+    """The one forced </think> of each answer is marked once, in that API's entries."""
+    body = {"model": MODEL, "temperature": 0, **body}
+    if path == "/api/chat":
+        del body["temperature"]
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.text.count('"forced":true') == 1
+    at = r.text.index('"forced":true')
+    assert '"token":"</think>"' in r.text[r.text.rfind("{", 0, at) : at]
