@@ -91,3 +91,4 @@ class OllamaOutput:
             "eval_count": out.completion_tokens,
             "eval_duration": end - first,
         }
+

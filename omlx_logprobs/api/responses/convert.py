@@ -218,3 +218,4 @@ def _template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:
     if _effort(req) == "none":
         kwargs.setdefault("enable_thinking", False)
     return kwargs or None
+
