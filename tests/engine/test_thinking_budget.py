@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.engine.engine import Engine
+from omlx_logprobs.engine.overlap import Overlap
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.parsing.thinking import ThinkStart
 from omlx_logprobs.types import FinishReason, LogprobsMode, SamplingParams
 from tests.engine.test_scripted import prompt
-from tests.helpers.engine import run_engine
+from tests.helpers.engine import run_engine, run_on
 from tests.helpers.scripted import CHOSEN_LOGIT, CHOSEN_SLOPE, REST_LOGIT, case_ids, expected
 
 
@@ -143,3 +145,23 @@ def test_drafts_never_skip_the_forced_token(scripted: LoadedModel) -> None:
     assert plain_outs[-1].accepted_prediction_tokens > 0
     # drafts resume once the reasoning is closed: only the tokens after </think> can be taken
     assert outs[-1].accepted_prediction_tokens <= len(ids) - 5
+
+
+def test_with_the_step_processed_beside_the_launch(scripted: LoadedModel) -> None:
+    """As on a GPU: the step in flight processed on a second thread while the next launches
+    (engine/overlap.py). Budgeted rows far from their budget overlap; near it the engine
+    processes first, and the forced token lands where it must."""
+    ids, _ = case_ids(scripted, "open")
+    close = scripted.tokenizer.convert_tokens_to_ids("</think>")
+    p = prompt(scripted, "open", 0)
+    engine = Engine(
+        scripted.model, scripted.vocab, scripted.eos_token_ids, EngineConfig(),
+        tokenizer=scripted.tokenizer,
+    )  # fmt: skip
+    engine.overlap = Overlap(engine._process, aside=True)
+    budgets = [0, 2, 5, 40]
+    reqs = [(p, _budget(scripted, n)) for n in budgets]
+    got = run_on(engine, reqs, [ThinkStart.DETECT] * len(reqs))
+    for n, (seq, _) in zip(budgets, got):
+        want = ids if n >= len(ids) - 2 else [*ids[: 1 + n], close, *ids[2 + n :]]
+        assert seq.output_ids.tolist() == want, n
