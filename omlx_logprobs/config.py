@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 # vLLM's names (types.LogprobsMode says what each reports).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+# The reasoning_effort values a request may name (OpenAI's).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 # The prefill's defaults by device (CPU, GPU), for configs that name none (`EngineConfig.prefill`).
 # On a GPU a prefill forward costs about as much host time as a decode step, so prompts
@@ -67,6 +69,9 @@ class EngineConfig:
     num_draft_tokens: int = 8
     speculate_max_batch: int = 4
     draft_model: str | None = None  # "draft": a local model directory sharing the tokenizer
+    # --reasoning-budgets: a thinking budget for each reasoning_effort named (api/core/
+    # thinking_budget.py), e.g. (("low", 1024), ("medium", 4096), ("high", 16384)).
+    reasoning_budgets: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -81,6 +86,12 @@ class EngineConfig:
             raise ValueError("speculate must be off, prediction, lookup or draft")
         if (self.speculate == "draft") != (self.draft_model is not None):
             raise ValueError("--speculate draft goes with --draft-model, and only it")
+        for effort, budget in self.reasoning_budgets:
+            if effort not in REASONING_EFFORTS or budget < 0:
+                raise ValueError(
+                    f"--reasoning-budgets: {effort}={budget}: an effort of"
+                    f" {', '.join(REASONING_EFFORTS)} and a budget >= 0"
+                )
         if not 1 <= self.num_draft_tokens <= 64:
             raise ValueError("num_draft_tokens must be in [1, 64]")
         if self.speculate_max_batch < 1:

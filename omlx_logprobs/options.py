@@ -113,6 +113,15 @@ def _add_output(s: argparse.ArgumentParser) -> None:
         " think (always) or none",
     )
     s.add_argument(
+        "--reasoning-budgets",
+        default=None,
+        metavar="EFFORT=TOKENS,...",
+        help="a thinking budget per reasoning_effort, e.g. low=1024,medium=4096,high=16384:"
+        " a request naming that effort (chat's reasoning_effort, Responses' reasoning.effort,"
+        " Ollama's think level) and no thinking_token_budget gets it; at the budget the"
+        " model's closing tag is forced",
+    )
+    s.add_argument(
         "--tool-call-parser",
         choices=[m.value for m in ToolCallFormat],
         default=ToolCallFormat.AUTO.value,
@@ -215,7 +224,7 @@ def _add_batching(s: argparse.ArgumentParser) -> None:
         action="store_true",
         help="logprobs that depend only on the tokens, bit for bit: the same whatever else is"
         " in the batch, whether a prefix came from the cache, the prefill chunk, speculation;"
-        " and equal to omlx_logprobs.scorer's (an RL trainer's own forward). Checked at"
+        " and equal to omlx_logprobs.runner.scorer's (an RL trainer's own forward). Checked at"
         " start-up; on Linux's CPU backend the server restarts itself with MLX's reference BLAS"
         " (docs/specs/logprobs.md, Batch-invariant mode)",
     )

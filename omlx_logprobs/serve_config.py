@@ -70,7 +70,22 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_draft_tokens=args.num_draft_tokens,
         speculate_max_batch=args.speculate_max_batch,
         batch_invariant=args.batch_invariant,
+        reasoning_budgets=reasoning_budgets(args.reasoning_budgets),
     )
+
+
+def reasoning_budgets(value: str | None) -> tuple[tuple[str, int], ...]:
+    """`--reasoning-budgets low=1024,medium=4096` as ((effort, budget), ...); ValueError for a
+    malformed entry (EngineConfig checks the names and values)."""
+    out: dict[str, int] = {}
+    for item in (value or "").split(","):
+        if not item.strip():
+            continue
+        effort, eq, budget = item.strip().partition("=")
+        if not (eq and budget.strip().isdigit()):
+            raise ValueError(f"--reasoning-budgets takes EFFORT=TOKENS,..., not {item!r}")
+        out[effort.strip()] = int(budget)
+    return tuple(out.items())
 
 
 def lora_args(values: list[str]) -> tuple[tuple[str, str], ...]:

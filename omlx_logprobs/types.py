@@ -133,6 +133,11 @@ class SamplingParams:
     # vLLM's and SGLang's routed experts: each computed position's top-k expert ids per MoE
     # layer (runner/routing.py), with the choice's last output (RequestOutput.routed_experts).
     return_routed_experts: bool = False
+    # vLLM's thinking budget: after this many reasoning tokens (those after the opening tag)
+    # without the closing tag, the next tokens are forced to `thinking_end_ids`, the model's
+    # own closing tag, and the answer follows (batch/budget.py). None: no budget.
+    thinking_token_budget: int | None = None
+    thinking_end_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -155,6 +160,10 @@ class SamplingParams:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         if any(not w for w in self.bad_words_ids):
             raise ValueError("a bad word has at least one token")
+        if self.thinking_token_budget is not None and (
+            self.thinking_token_budget < 0 or not self.thinking_end_ids
+        ):
+            raise ValueError("thinking_token_budget must be >= 0, with the closing tag's ids")
 
     @property
     def greedy(self) -> bool:
@@ -173,7 +182,11 @@ class SamplingParams:
     def masks(self) -> bool:
         """Whether some tokens may be forbidden at a step (a row of the sampler's token mask)."""
         return bool(
-            self.min_tokens or self.allowed_token_ids or self.bad_words_ids or self.constraint
+            self.min_tokens
+            or self.allowed_token_ids
+            or self.bad_words_ids
+            or self.constraint
+            or self.thinking_token_budget is not None
         )
 
     @property
@@ -268,7 +281,9 @@ class Entries:
     top k best first, or the logprobs of `logprob_token_ids` in the order asked). The same
     record holds an extraction's lazy device arrays (`to_host` reads them) and host numpy
     arrays (int32 ids and ranks, float32 logprobs). `tail`, when the request asked for it: each
-    position's log of the probability outside its k alternatives (logprobs/tail.py)."""
+    position's log of the probability outside its k alternatives (logprobs/tail.py). `forced`
+    (host blocks only): which positions' tokens the server forced instead of sampling (the
+    closing tag at a thinking budget, batch/budget.py), None when none of them was."""
 
     token_ids: Any  # [n]
     logprobs: Any  # [n]
@@ -276,6 +291,7 @@ class Entries:
     top_ids: Any  # [n, k]
     top_logprobs: Any  # [n, k]
     tail: Any = None  # [n] float32, or None when not asked
+    forced: Any = None  # [n] bool, or None when no position was forced
 
     def __len__(self) -> int:
         return int(self.logprobs.shape[0])
@@ -291,18 +307,19 @@ class Entries:
 
     def to_host(self) -> Entries:
         """Numpy copies of the columns with their wire dtypes (no copy when they match)."""
-        return Entries(
-            *(np.array(a, copy=False).astype(t, copy=False) for a, t in zip(self.arrays(), _WIRE))
-        )
+        cols = [np.array(a, copy=False).astype(t, copy=False) for a, t in zip(self.arrays(), _WIRE)]
+        return _of(cols, self.forced)
 
     def rows(self, a: int, b: int) -> Entries:
-        return Entries(*(c[a:b] for c in self.arrays()))
+        forced = self.forced[a:b] if self.forced is not None else None
+        return _of([c[a:b] for c in self.arrays()], forced)
 
-    def __reduce__(self) -> tuple[Any, tuple[int, int, bool, bytes]]:
+    def __reduce__(self) -> tuple[Any, tuple[int, int, bool, bytes, bytes | None]]:
         """Host entries cross between processes as one buffer (five numpy pickles cost ~3x)."""
         cols = zip(self.arrays(), _WIRE)
         data = b"".join(np.ascontiguousarray(a, t).tobytes() for a, t in cols)
-        return _entries_from, (len(self), self.k, self.tail is not None, data)
+        forced = None if self.forced is None else np.asarray(self.forced, bool).tobytes()
+        return _entries_from, (len(self), self.k, self.tail is not None, data, forced)
 
     @staticmethod
     def empty(k: int, tail: bool = False) -> Entries:
@@ -314,14 +331,25 @@ class Entries:
     def concat(parts: list[Entries]) -> Entries:
         if len(parts) == 1:
             return parts[0]
-        return Entries(*(np.concatenate(cols) for cols in zip(*(p.arrays() for p in parts))))
+        forced = None
+        if any(p.forced is not None for p in parts):
+            forced = np.concatenate(
+                [p.forced if p.forced is not None else np.zeros(len(p), bool) for p in parts]
+            )
+        return _of([np.concatenate(c) for c in zip(*(p.arrays() for p in parts))], forced)
 
 
 # The columns' host dtypes, the tail's last.
 _WIRE = (np.int32, np.float32, np.int32, np.int32, np.float32, np.float32)
 
 
-def _entries_from(n: int, k: int, tail: bool, data: bytes) -> Entries:
+def _of(cols: list[Any], forced: Any) -> Entries:
+    """Entries of `arrays()`' columns (the tail last, when there is one) and forced marks."""
+    ids, lps, ranks, top_ids, top_lps = cols[:5]
+    return Entries(ids, lps, ranks, top_ids, top_lps, cols[5] if len(cols) > 5 else None, forced)
+
+
+def _entries_from(n: int, k: int, tail: bool, data: bytes, forced: bytes | None) -> Entries:
     sizes = (n, n, n, n * k, n * k, n)[: 6 if tail else 5]
     cols, at = [], 0
     for size, dtype in zip(sizes, _WIRE):
@@ -329,7 +357,8 @@ def _entries_from(n: int, k: int, tail: bool, data: bytes) -> Entries:
         at += 4 * size
     ids, lps, ranks, top_ids, top_lps = cols[:5]
     last = cols[5] if tail else None
-    return Entries(ids, lps, ranks, top_ids.reshape(n, k), top_lps.reshape(n, k), last)
+    marks = None if forced is None else np.frombuffer(forced, bool)
+    return Entries(ids, lps, ranks, top_ids.reshape(n, k), top_lps.reshape(n, k), last, marks)
 
 
 _NO_IDS = np.zeros(0, np.int32)

@@ -68,6 +68,9 @@ class Sequence:
         self.think = think
         self.tools = tools
         self.reasoning_tags = reasoning_tags
+        # The output index of its first reasoning token, once known (batch/budget.py reads it
+        # for a thinking budget): 0 when the prompt opened reasoning.
+        self.think_from: int | None = 0 if think is ThinkStart.INSIDE else None
         # reasoning, content and tool calls
         parser = make_parser(tools) if tools is not None else None
         single = tools is not None and not tools.parallel

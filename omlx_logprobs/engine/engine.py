@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from omlx_logprobs import heap
+from omlx_logprobs.batch.budget import budget_due
 from omlx_logprobs.batch.scheduler import Scheduler, SchedulerOutput
 from omlx_logprobs.batch.sequence import Sequence, Status
 from omlx_logprobs.config import EngineConfig
@@ -235,12 +236,13 @@ class Engine:
 
     def _needs_history(self) -> bool:
         # Penalties read every earlier token, and a grammar's next mask follows from the last
-        # token, so the step in flight must be processed first; so do drafts.
+        # token, so the step in flight must be processed first; so do drafts, and a thinking
+        # budget at its end (whether the token in flight closed the reasoning).
         running = self.scheduler.running
         spec = self.runner.speculator
         if spec is not None and spec.wants(running):
             return True
-        return any(s.params.penalizes or s.grammar is not None for s in running)
+        return any(s.params.penalizes or s.grammar is not None or budget_due(s) for s in running)
 
     def _loop(self) -> None:
         try:

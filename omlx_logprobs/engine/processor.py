@@ -7,6 +7,7 @@ import logging
 
 import numpy as np
 
+from omlx_logprobs.batch.budget import forced_token, note_reasoning_start
 from omlx_logprobs.batch.sequence import Sequence, Status
 from omlx_logprobs.control import INITIAL_WEIGHTS
 from omlx_logprobs.output.sections import NO_TEXT, TextDelta
@@ -60,6 +61,8 @@ class OutputProcessor:
                     self.fail(seq, "the model produced non-finite logits")
                 else:
                     token = tokens[i]
+                    # read before the token moves the parser on: a thinking budget's close
+                    forced = forced_token(seq, seq.num_output) is not None
                     seq.output_ids.append(token)
                     if predicted is not None and predicted[i]:  # not past a stop: in the output
                         seq.accepted_prediction_tokens += 1
@@ -69,7 +72,10 @@ class OutputProcessor:
                         seq.store.append(
                             token, chosen[i], ranks[i], top_ids[a:b], top_lps[a:b], tail
                         )
+                        if forced:
+                            seq.store.mark_forced()
                     self._advance(seq, token)
+                    note_reasoning_start(seq)
             except Exception as exc:  # one request's fault ends that request, not its batch
                 log.exception("output processing failed for %s", seq.request_id)
                 self.fail(seq, f"internal error while processing this request: {exc}")

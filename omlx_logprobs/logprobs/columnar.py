@@ -10,6 +10,8 @@ or with each array as base64 of its little-endian int32 / float32 bytes (`base64
 `"n"` (positions) and `"k"` (alternatives per position), the top arrays row-major. A request
 that asks for the tail mass (`return_tail_logprob`) gets one more array, `"tail_logprobs":
 [float]` (float32 in base64): each position's log of the probability outside its alternatives.
+A block holding a token the server forced instead of sampling (a thinking budget's closing tag)
+has `"forced": [int]`, those positions in the block, in both encodings.
 
 The numbers are the OpenAI shape's own: float32 logprobs (JSON writes the shortest digits that
 read back as the same float32), a logprob of -inf as -9999.0 in both encodings.
@@ -66,14 +68,15 @@ def encode_block(e: Entries | None, k: int, encoding: Encoding) -> str:
     top_lps = _wire_logprobs(np.asarray(e.top_logprobs)[:, :k])
     lps = _wire_logprobs(e.logprobs)
     tail = None if e.tail is None else _wire_logprobs(e.tail)
+    forced = "" if e.forced is None else f',"forced":{_json(np.flatnonzero(e.forced))}'
     if encoding == "base64":
-        end = "" if tail is None else f',"tail_logprobs":{_b64(tail, "<f4")}'
+        end = forced + ("" if tail is None else f',"tail_logprobs":{_b64(tail, "<f4")}')
         return (
             f'{{"n":{len(e)},"k":{top_ids.shape[1]},"token_ids":{_b64(e.token_ids, "<i4")},'
             f'"logprobs":{_b64(lps, "<f4")},"ranks":{_b64(e.ranks, "<i4")},'
             f'"top_ids":{_b64(top_ids, "<i4")},"top_logprobs":{_b64(top_lps, "<f4")}{end}}}'
         )
-    end = "" if tail is None else f',"tail_logprobs":{_json_logprobs(tail)}'
+    end = forced + ("" if tail is None else f',"tail_logprobs":{_json_logprobs(tail)}')
     return (
         f'{{"token_ids":{_json(np.asarray(e.token_ids))},"logprobs":{_json_logprobs(lps)},'
         f'"ranks":{_json(np.asarray(e.ranks))},"top_ids":{_json(top_ids)},'
@@ -91,6 +94,7 @@ class Block:
     top_ids: np.ndarray  # [n, k]
     top_logprobs: np.ndarray  # [n, k]
     tail: np.ndarray | None = None  # [n]: `tail_logprobs`, when the request asked for them
+    forced: tuple[int, ...] = ()  # positions whose token was forced, not sampled
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -103,6 +107,8 @@ class Block:
             return np.concatenate([getattr(b, name) for b in blocks])
 
         tail = joined("tail") if all(b.tail is not None for b in blocks) else None
+        starts = np.cumsum([0, *(len(b) for b in blocks)])
+        forced = tuple(int(s + i) for s, b in zip(starts, blocks) for i in b.forced)
         return Block(
             joined("token_ids"),
             joined("logprobs"),
@@ -110,6 +116,7 @@ class Block:
             joined("top_ids"),
             joined("top_logprobs"),
             tail,
+            forced,
         )
 
 
@@ -130,6 +137,7 @@ def decode_block(obj: dict[str, Any]) -> Block:
             col("top_ids", "<i4", (n, k)),
             col("top_logprobs", "<f4", (n, k)),
             col("tail_logprobs", "<f4", (n,)) if "tail_logprobs" in obj else None,
+            tuple(obj.get("forced", ())),
         )
     n = len(obj["token_ids"])
     k = len(obj["top_ids"][0]) if n else 0
@@ -141,4 +149,5 @@ def decode_block(obj: dict[str, Any]) -> Block:
         np.asarray(obj["top_ids"], np.int32).reshape(n, k),
         np.asarray(obj["top_logprobs"], np.float64).astype(np.float32).reshape(n, k),
         None if tail is None else np.asarray(tail, np.float64).astype(np.float32),
+        tuple(obj.get("forced", ())),
     )

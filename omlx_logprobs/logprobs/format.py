@@ -220,4 +220,7 @@ class ChatLogprobFormatter:
             parts[own] = [
                 f'{x},"tail_logprob":{t}' for x, t in zip(parts[own], float_numbers(e.tail))
             ]
+        if e.forced is not None:  # a forced token's entry says so (its logprob was not sampled)
+            for i in np.flatnonzero(e.forced).tolist():
+                parts[1 + 2 * (k + 1) * i] += ',"forced":true'
         return "".join(parts) + _END[k == 0]

@@ -16,9 +16,10 @@ class LogprobStore:
     """Entries for every generated (or every scored prompt) token, in order: the token's id, its
     logprob and rank, and the request's own k alternatives per position (its top k, best first,
     or the logprobs of its `logprob_token_ids`, in the order asked); with `tail`, each position's
-    tail mass (logprobs/tail.py), the column filled last."""
+    tail mass (logprobs/tail.py), the column filled last. `forced`: the positions whose token
+    the server forced (a thinking budget's closing tag), few or none."""
 
-    __slots__ = ("k", "token_ids", "logprobs", "ranks", "top_ids", "top_logprobs", "tail")
+    __slots__ = ("k", "token_ids", "logprobs", "ranks", "top_ids", "top_logprobs", "tail", "forced")
 
     def __init__(self, k: int, tail: bool = False) -> None:
         self.k = k
@@ -28,6 +29,7 @@ class LogprobStore:
         self.top_ids = array("i")
         self.top_logprobs = array("f")
         self.tail = array("f") if tail else None
+        self.forced: list[int] = []
 
     def __len__(self) -> int:
         return len(self.logprobs)
@@ -78,4 +80,17 @@ class LogprobStore:
             np.frombuffer(self.top_ids[start * k : end * k], np.int32).reshape(n, k),
             np.frombuffer(self.top_logprobs[start * k : end * k], np.float32).reshape(n, k),
             None if self.tail is None else np.frombuffer(self.tail[start:end], np.float32),
+            self._forced(start, end),
         )
+
+    def mark_forced(self) -> None:
+        """The last position's token was forced, not sampled."""
+        self.forced.append(len(self) - 1)
+
+    def _forced(self, start: int, end: int) -> np.ndarray | None:
+        inside = [i - start for i in self.forced if start <= i < end]
+        if not inside:
+            return None
+        marks = np.zeros(end - start, bool)
+        marks[inside] = True
+        return marks

@@ -18,7 +18,7 @@ What stays as it is, because it already depends on nothing else: MLX's CPU softm
 attention (padding and the masked columns past a query add exact zeros), the lean decode step
 (the same ops on the same weights), joined projections (runner/fast/fusion.py), and the
 host's extraction (numpy, one row at a time). `check` holds the claim at start-up: it computes
-one sequence alone in one forward (what `omlx_logprobs.scorer` computes), in a left-padded batch
+one sequence alone in one forward (what runner/scorer.py computes), in a left-padded batch
 in two chunks, and one token at a time, alone and beside another row, and refuses to serve
 unless every logit is the same bits. On a backend whose kernels are not invariant (MLX's CUDA
 backend: cuBLAS picks its algorithm by shape) it refuses with the difference it measured.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from omlx_logprobs.batch.budget import forced_token
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.runner.batch_state import BatchState
 from omlx_logprobs.runner.grammar import bitmask, open_ended
@@ -33,7 +34,10 @@ def masked(
         longest = max((len(w) for w in s.params.bad_words_ids), default=1)
         tail = s.output_ids[max(n - longest, 0) : n].tolist()
         in_flight = s.num_sampled > n and s.seq_id in batch.last_rows
-        states.append(MaskState(s.num_sampled, tail, in_flight))
+        # A row in flight is never forced at this step: else the engine processed it first
+        # (batch/budget.py's `budget_due`).
+        forced = None if in_flight else forced_token(s, s.num_sampled)
+        states.append(MaskState(s.num_sampled, tail, in_flight, forced))
         prev_rows.append(batch.last_rows[s.seq_id] if in_flight else 0)
     prev = None
     if batch.last_tokens is not None and any(st.in_flight for st in states):

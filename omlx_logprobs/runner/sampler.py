@@ -22,11 +22,13 @@ class MaskState:
     """What a row's token mask depends on at this step: how many tokens it has sampled, the
     last output ids the host holds (at least a bad word's length, where there are that many),
     and whether one more sampled token is still on the device (the previous step, not yet
-    processed: it is `prev[row]`)."""
+    processed: it is `prev[row]`), and the id its next token is forced to, if any (a thinking
+    budget's closing tag, batch/budget.py)."""
 
     sampled: int
     output: Seq[int]
     in_flight: bool
+    forced: int | None = None
 
 
 def token_mask(
@@ -43,11 +45,31 @@ def token_mask(
     `allowed_token_ids`; EOS (`stop_ids`) and its `stop_token_ids` while it has sampled fewer
     than `min_tokens`; the last token of a bad word whose other tokens end its output. A bad
     word whose last prefix token is still on the device is decided there (`prev` [B], the
-    previous step's sampled ids by row): no host sync. Rows that ask for nothing cost nothing;
-    the grammar's bitmask crosses to the device from host memory (no wait on the step in
-    flight)."""
+    previous step's sampled ids by row): no host sync. A row whose next token is forced
+    (`MaskState.forced`) keeps that token alone, with the model's own logit whatever else
+    would mask it. Rows that ask for nothing cost nothing; the grammar's bitmask crosses to the
+    device from host memory (no wait on the step in flight)."""
     if not any(p.masks for p in params):
         return logits
+    masked = _masks(logits, params, states, stop_ids, prev, grammar)
+    if all(st.forced is None for st in states):
+        return masked
+    v = logits.shape[-1]
+    keep = mx.stack([_allowed_row((st.forced,), v) if st.forced is not None else _all(v)
+                     for st in states])  # fmt: skip
+    rows = mx.array([st.forced is not None for st in states])[:, None]
+    return mx.where(rows, mx.where(keep, logits, -mx.inf), masked)
+
+
+def _masks(
+    logits: mx.array,
+    params: Seq[SamplingParams],
+    states: Seq[MaskState],
+    stop_ids: tuple[int, ...],
+    prev: mx.array | None,
+    grammar: np.ndarray | None,
+) -> mx.array:
+    """`token_mask`'s masks but the forced tokens."""
     v = logits.shape[-1]
     if grammar is not None:
         logits = mx.where(_unpack(grammar, v), logits, -mx.inf)

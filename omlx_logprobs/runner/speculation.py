@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
+from omlx_logprobs.batch.budget import budgeted, forced_token
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.logprobs.extractor import Extractor
@@ -221,7 +222,7 @@ class Speculator:
         if self._forced:  # the last token repeated: what the drafts are does not matter
             width = min(self._forced.pop(), s.params.max_tokens - s.num_sampled - 1)
             return [s.output_ids[-1]] * width, False
-        if not self._may(s) or open_ended(s.params.constraint):
+        if not self._may(s) or open_ended(s.params.constraint) or budgeted(s):
             return [], False
         row = self._row(s)
         if row.pause > 0:
@@ -255,6 +256,8 @@ class Speculator:
                 row.pause -= 1
         if any(s.num_sampled != len(s.output_ids) for s in rows):
             return None
+        if any(forced_token(s, s.num_sampled) is not None for s in rows):
+            return None  # a forced token: a plain step (token_mask forces it there)
         live = {s.seq_id for s in rows}
         for gone in [i for i in self._rows if i not in live]:
             del self._rows[gone]

@@ -1,7 +1,7 @@
 """Batch-invariant mode (`serve --batch-invariant`, runner/invariance.py): a sampled token's
 logprob and its top list are the same float32 bits alone, among other requests, from the prefix
 cache, through a speculative verify, on the thread engine with another prefill chunk, and
-equal to `omlx_logprobs.scorer`'s one forward of the whole sequence, as an RL trainer computes
+equal to runner/scorer.py's one forward of the whole sequence, as an RL trainer computes
 it. The servers are real processes (the mode restarts them with MLX's reference BLAS, which
 this test process, with OpenBLAS loaded, cannot take), the scorer a process of its own."""
 
@@ -92,7 +92,7 @@ def test_the_same_bits_whatever_else_runs(servers: tuple[ServerProcess, ServerPr
 
 SCORE = """
 import json, sys
-from omlx_logprobs.scorer import Scorer
+from omlx_logprobs.runner.scorer import Scorer
 ids, start, t = json.loads(sys.stdin.read())
 print(json.dumps([float(x) for x in Scorer().logprobs(ids, start, t)]))
 """
@@ -117,7 +117,7 @@ def test_the_scorer_equals_the_server(servers: tuple[ServerProcess, ServerProces
 def test_the_scorer_refuses_where_bits_would_differ() -> None:
     """This process loaded OpenBLAS: its single-row products sum in another order."""
     from omlx_logprobs.runner.invariance import InvarianceError
-    from omlx_logprobs.scorer import Scorer
+    from omlx_logprobs.runner.scorer import Scorer
 
     with pytest.raises(InvarianceError, match="OMLX_BLAS=reference"):
         Scorer()

@@ -156,7 +156,7 @@ def test_list_show_ps_version(scripted_url: str) -> None:
         ("/api/chat", {"messages": []}),
         ("/api/chat", {"messages": [{"role": "user", "content": "x"}],
                        "options": {"mirostat": 2}}),  # fmt: skip
-        ("/api/chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50}),
+        ("/api/chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 257}),
         ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}),
         ("/api/generate", {"prompt": "x", "suffix": "y"}),
         ("/api/generate", {"prompt": "x", "options": {"num_predict": 10**6}}),

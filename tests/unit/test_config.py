@@ -36,3 +36,13 @@ def test_flags_pass_the_prefill_values_through() -> None:
 def test_out_of_range_prefill_values_are_refused(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_reasoning_budgets_flag() -> None:
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve"])).reasoning_budgets == ()
+    cfg = engine_config(parse(["serve", "--reasoning-budgets", "low=1024, medium=4096,high=0"]))
+    assert cfg.reasoning_budgets == (("low", 1024), ("medium", 4096), ("high", 0))
+    for bad in ("low", "low=x", "low=-1", "huge=5", "low=1.5"):
+        with pytest.raises(ValueError):
+            engine_config(parse(["serve", "--reasoning-budgets", bad]))

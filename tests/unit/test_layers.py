@@ -51,14 +51,14 @@ RUNNER_FLOORS = [
     "__init__ fast batch_cache drafts grammar head lora prompt_scoring query_blocks routing"
     " sampler weights fast.attention fast.fusion",
     # a draft model; a kept start; a step's and a verify's records
-    "draft_model prefix step verify",
+    "draft_model invariance prefix step verify",
     "batch_state disk_tier snapshot",  # the batch's rows; kept starts on disk, in and out of caches
     "masks prefix_cache probe",
     "fast.compiled prompt_cache",
     "fast.lean_decode keep",
     "plan",  # the start-up decisions
     "prefill speculation",
-    "model_runner",
+    "model_runner scorer",  # the runner, and the trainer's side of batch-invariant mode
 ]
 # Imports that go up the floors (type-level only): circles still to be cut. An entry goes when
 # its import does (the test refuses one that no longer exists); none may be added.

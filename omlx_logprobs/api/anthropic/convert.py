@@ -1,7 +1,8 @@
 """A `/v1/messages` body read into the chat request the one request path prepares: `system` as
 the system message, content blocks as chat messages (`tool_use` as the assistant's tool calls,
 `tool_result` as tool messages, `thinking` as the assistant's `reasoning_content`), tools,
-`tool_choice`, `thinking` as the template's `enable_thinking`, `output_config.format` as a
+`tool_choice`, `thinking` as the template's `enable_thinking` (its `budget_tokens` as the
+thinking budget), `output_config.format` as a
 JSON-schema constraint, `stop_sequences` and the sampling fields. A block or field this server
 cannot honour is a 400 naming it."""
 
@@ -22,15 +23,22 @@ NAMES = {
     "max_completion_tokens": "max_tokens",
     "response_format": "output_config",
     "reasoning_effort": "output_config",
+    "thinking_token_budget": "thinking.budget_tokens",
 }
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 EFFORT = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
 
 
-def chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+def chat_request(
+    req: MessagesRequest | CountTokensRequest, reasoning: bool = False
+) -> ChatCompletionRequest:
+    """`reasoning`: the served model's reasoning is parsed, so `thinking.budget_tokens` is
+    enforced (a thinking budget); elsewhere the budget has nothing to bound."""
     body: dict[str, Any] = {"model": req.model, "messages": messages(req), **_tools(req)}
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+        if reasoning and req.thinking.type == "enabled":
+            body["thinking_token_budget"] = req.thinking.budget_tokens
     if isinstance(req, MessagesRequest):
         body.update(
             max_tokens=req.max_tokens,

@@ -18,8 +18,9 @@ class MessageParam(_Model):
 
 
 class ThinkingConfig(_Model):
-    """`enabled` / `adaptive` turn the template's thinking on, `disabled` off; the budget is not
-    enforced (the output's own limit is `max_tokens`)."""
+    """`enabled` / `adaptive` turn the template's thinking on, `disabled` off; `enabled`'s
+    `budget_tokens` is enforced as a thinking budget (batch/budget.py: at the budget the
+    model's own closing tag is forced) on a model whose reasoning is parsed."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=0)

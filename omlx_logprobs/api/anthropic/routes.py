@@ -31,7 +31,9 @@ class MessageRun:
     of a stream), then awaited whole or streamed."""
 
     def __init__(self, req: MessagesRequest, served: Served) -> None:
-        self.p = prepare(Ask.chat(chat_request(req), prefix="msg_", names=NAMES), served)
+        self.p = prepare(
+            Ask.chat(chat_request(req, served.reasoning), prefix="msg_", names=NAMES), served
+        )
         stops = list(req.stop_sequences or [])
         self.output = MessageOutput(self.p, req.stream, stops, served.model.vocab)
         self.handle = self.p.submit(served)[0]

@@ -30,6 +30,7 @@ from omlx_logprobs.api.core.protocol import (
 from omlx_logprobs.api.core.routed_experts import with_routing
 from omlx_logprobs.api.core.sampled import Recorder
 from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.core.thinking_budget import with_thinking_budget
 from omlx_logprobs.logprobs.wire import LogprobWriter
 from omlx_logprobs.parsing.thinking import think_start
 from omlx_logprobs.transport.client import RequestHandle
@@ -153,6 +154,7 @@ def _chat(
     constraint = tools.tool_constraint(req, parsing, tokenizer, content)
     if constraint is not content:
         params = replace(params, constraint=constraint)
+    params = with_thinking_budget(req, served, params)
     tail = tokenizer.decode(prompt[-8:])
     think = think_start(served.reasoning, tail, served.reasoning_tags[0])
     if constraint is not None and think is ThinkStart.INSIDE:

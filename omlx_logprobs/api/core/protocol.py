@@ -201,6 +201,10 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False  # BOS and the like on top of what the template writes
     documents: list[dict[str, Any]] | None = None  # for templates with retrieval (vLLM)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # vLLM's: at most this many reasoning tokens, then the model's closing tag is forced and the
+    # answer follows (batch/budget.py); -1 or None: no budget (or --reasoning-budgets' entry
+    # for reasoning_effort). An integer: 2.0 or "2" is a 400.
+    thinking_token_budget: Annotated[int, Field(strict=True, ge=-1)] | None = None
     # OpenAI fields with no effect on the answer here: ids, metadata, a speed hint.
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None

@@ -6,7 +6,7 @@ batch-invariant mode (runner/invariance.py) a sampled token's logprob depends on
 before it alone, so one forward of the whole sequence here computes it again exactly: the
 importance ratio of an on-policy sample is 1.0, not 1 +- 1e-5.
 
-    from omlx_logprobs.scorer import Scorer   # with OMLX_BLAS=reference in the environment
+    from omlx_logprobs.runner.scorer import Scorer   # with OMLX_BLAS=reference in the environment
     scorer = Scorer("path/to/model", adapter="path/to/lora")
     lp = scorer.logprobs(prompt_ids + sampled_ids, start=len(prompt_ids), temperature=0.7)
 
