@@ -16,9 +16,13 @@ import httpx
 import openai
 import pytest
 
+from omlx_logprobs.api.batches.dispatch import BATCH_PRIORITY
+from omlx_logprobs.config import Access, Limits
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.transport.client import EngineClient, RequestHandle
+from omlx_logprobs.types import EngineRequest
 from tests.helpers.engine import encode, reference_logprobs
-from tests.helpers.server import MODEL_NAME, server_process
+from tests.helpers.server import MODEL_NAME, server_process, thread_server
 
 MAX_FILE_BYTES = 100_000  # the module's server: a larger upload is a 400
 
@@ -195,7 +199,7 @@ def test_files_list_retrieve_content_delete(bclient: openai.OpenAI) -> None:
     first = bclient.files.list(purpose="batch", limit=2, order="asc")
     ids = [f.id for f in first.data]
     assert len(ids) == 2 and first.has_more
-    everything = [f.id for f in bclient.files.list(purpose="batch", order="asc").auto_paging_iter()]
+    everything = [f.id for f in bclient.files.list(purpose="batch", order="asc", limit=2)]
     assert [f.id for f in made] == everything[-3:]
     deleted = bclient.files.delete(made[0].id)
     assert deleted.deleted and deleted.id == made[0].id
@@ -211,7 +215,7 @@ def test_batches_list_in_pages(bclient: openai.OpenAI) -> None:
     assert [b.id for b in page.data] == made[::-1][:2] and page.has_more
     rest = bclient.batches.list(limit=2, after=page.data[-1].id)
     assert rest.data[0].id == made[0]
-    assert made[::-1] == [b.id for b in bclient.batches.list(limit=2).auto_paging_iter()][:3]
+    assert made[::-1] == [b.id for b in bclient.batches.list(limit=2)][:3]
 
 
 def test_bad_requests_are_openai_400s(bclient: openai.OpenAI, batch_server: str) -> None:
@@ -278,6 +282,11 @@ def test_a_restarted_server_finishes_the_batch(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         written_before = progress_to(client, batch.id, 3)
+    # Stopped part way: the lines written so far are on disk, journaled, and not run again.
+    state = json.loads((tmp_path / "batches" / batch.id / "state.json").read_text())
+    assert state["batch"]["status"] == "in_progress"
+    kept = (tmp_path / "batches" / batch.id / "output.jsonl").read_text().splitlines()
+    assert written_before <= len(kept) == state["batch"]["request_counts"]["completed"] < 16
     with server_process(args) as second:
         client = sdk(second.base)
         assert client.batches.retrieve(batch.id).request_counts.completed >= written_before  # type: ignore[union-attr]
@@ -286,6 +295,8 @@ def test_a_restarted_server_finishes_the_batch(
         assert done.request_counts.model_dump() == {"total": 16, "completed": 16, "failed": 0}
         out = results(client, done.output_file_id)
         assert sorted(out) == sorted(r["custom_id"] for r in rows)
+        for before in map(json.loads, kept):  # the same record: written once, never again
+            assert out[before["custom_id"]] == before
         for row in rows[:3]:  # the same answers as the interactive route on the new server
             want = httpx.post(second.base + "/v1/chat/completions", json=row["body"], timeout=120)
             body = out[row["custom_id"]]["response"]["body"]
@@ -301,3 +312,34 @@ def progress_to(client: openai.OpenAI, batch_id: str, completed: int) -> int:
             return batch.request_counts.completed
         time.sleep(0.1)
     raise AssertionError("the batch made no progress")
+
+
+def test_behind_the_key_uploads_past_the_body_limit_at_batch_priority(
+    embedded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The routes need the API key; an upload streams past --max-body-bytes (it has its own
+    limit); each line reaches the engine at the batch priority, an interactive request at 0."""
+    priorities: list[int] = []
+    submit = EngineClient.submit
+
+    def recording(self: EngineClient, req: EngineRequest) -> RequestHandle:
+        priorities.append(req.priority)
+        return submit(self, req)
+
+    monkeypatch.setattr(EngineClient, "submit", recording)
+    limits, access = Limits(max_body_bytes=2000), Access(api_key="sekrit")
+    with thread_server(embedded, limits=limits, access=access) as (base, _):
+        with pytest.raises(openai.AuthenticationError):
+            sdk(base).files.list()
+        r = httpx.get(base + "/v1/batches", timeout=10)
+        assert r.status_code == 401
+        client = openai.OpenAI(base_url=base + "/v1", api_key="sekrit", max_retries=0)
+        body = chat_body("Hello there, " * 200, 2)  # a body larger than the limit itself
+        big = line("big", "/v1/chat/completions", body)
+        assert len(jsonl([big])) > 2000
+        batch = run_batch(client, [big], "/v1/chat/completions")
+        assert batch.status == "completed", batch
+        assert batch.request_counts.completed == 1, results(client, batch.error_file_id)  # type: ignore[union-attr]
+        assert priorities == [BATCH_PRIORITY]
+        client.chat.completions.create(**chat_body("Hi", 1))
+        assert priorities == [BATCH_PRIORITY, 0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from starlette.exceptions import HTTPException
 
 from omlx_logprobs.api.core.errors import APIError, invalid_body, shaped_body
 from omlx_logprobs.types import PRIORITY_RANGE
+
+log = logging.getLogger("omlx_logprobs")
 
 # The endpoints of OpenAI's batches that a route of this server may serve (batch_create_params).
 BATCH_ENDPOINTS = (
@@ -88,6 +91,7 @@ async def call(target: Target, body: Any, stop: asyncio.Event) -> tuple[int, Any
     except HTTPException as e:
         return e.status_code, shaped_body(APIError(str(e.detail), status=e.status_code), path)
     except Exception as e:  # a bug answers this line as a 500, as the app's handler would
+        log.exception("batch line for %s failed", path)
         err = APIError(f"internal error: {type(e).__name__}", status=500, type_="server_error")
         return 500, shaped_body(err, path)
     return response.status_code, json.loads(response.body) if response.body else None
