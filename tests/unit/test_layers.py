@@ -40,7 +40,7 @@ LAYERS = [
 # each request's `Run`; none imports another), then the modules that put them together into
 # the app (app.py, the guard in front of it, the uvicorn server).
 API_CORE = "core"
-API_PACKAGES = ("openai", "responses", "anthropic", "ollama", "rl", "admin")
+API_PACKAGES = ("openai", "responses", "anthropic", "ollama", "rl", "admin", "batches")
 API_APP = ("app", "guard", "server")
 # Inside runner/, lowest first (names under runner/; "__init__" is the package itself): a module
 # imports only modules on floors below its own, type-level imports included.
