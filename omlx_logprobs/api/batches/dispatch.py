@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
@@ -94,7 +96,9 @@ async def call(target: Target, body: Any, stop: asyncio.Event) -> tuple[int, Any
         log.exception("batch line for %s failed", path)
         err = APIError(f"internal error: {type(e).__name__}", status=500, type_="server_error")
         return 500, shaped_body(err, path)
-    return response.status_code, json.loads(response.body) if response.body else None
+    if not isinstance(response, Response):  # a handler that returns its body's value
+        return 200, jsonable_encoder(response)
+    return response.status_code, json.loads(bytes(response.body)) if response.body else None
 
 
 def detached_request(path: str, stop: asyncio.Event) -> Request:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ class Scan:
     repeats: frozenset[int]  # lines whose custom_id an earlier line has
 
 
-def numbered(path: Path) -> Iterator[tuple[int, bytes]]:
+def numbered(path: Path) -> Generator[tuple[int, bytes], None, None]:
     """Every line that is not blank, with its number."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):

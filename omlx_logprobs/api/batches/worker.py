@@ -66,7 +66,7 @@ class BatchRun:
         scan = await asyncio.to_thread(lines.scan, source)
         if scan.total == 0:
             return self.fail("empty_file", "The input file has no requests.")
-        if batch["status"] == "validating":
+        if self.reason is None and store.get(self.id)["status"] == "validating":
             counts = {"total": scan.total, "completed": 0, "failed": 0}
             store.update(self.id, status="in_progress", in_progress_at=now(), request_counts=counts)
         journal = Journal(store.folder(self.id))
@@ -87,7 +87,8 @@ class BatchRun:
             room.release()
 
         source = self.ctx.files.path(batch["input_file_id"])
-        for number, raw in lines.numbered(source):
+        reading = lines.numbered(source)
+        for number, raw in reading:
             if number in journal.done:
                 continue
             await room.acquire()
@@ -97,6 +98,7 @@ class BatchRun:
                 self.halt("shutdown")
             if self.reason is not None:
                 room.release()
+                reading.close()  # the input file closed now, not when collected
                 break
             line = lines.check(number, raw, batch["endpoint"], scan.repeats)
             task = asyncio.create_task(self.one(line, target, journal))
