@@ -131,8 +131,8 @@ class Limits:
 @dataclass(frozen=True)
 class BatchConfig:
     """OpenAI's Batch API (api/batches/): where its files and batches are kept (None: a new
-    temporary folder, gone with the process), how many lines of a batch run at once, and the
-    largest file an upload may be."""
+    temporary folder, gone with the process), how many batch lines run at once (of all batches
+    together), and the largest file an upload may be."""
 
     dir: str | None = None
     concurrency: int = 16

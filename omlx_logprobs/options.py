@@ -241,8 +241,8 @@ def _add_batches(s: argparse.ArgumentParser) -> None:
         "--batch-concurrency",
         type=int,
         default=d.concurrency,
-        help="lines of one batch in flight at once, each at a lower priority than every"
-        " interactive request (default: %(default)s)",
+        help="batch lines in flight at once, of all batches together, each at a lower"
+        " priority than every interactive request (default: %(default)s)",
     )
     g.add_argument(
         "--max-file-bytes",

@@ -163,6 +163,12 @@ def test_each_line_answers_as_the_interactive_route(
         assert not diff(without_ids(got["response"]["body"]), without_ids(want))
         assert got["response"]["body"]["choices"][0]["logprobs"]["content"]
 
+    bodies = [out[c]["response"]["body"]["usage"] for c in chats]
+    assert batch.model == MODEL_NAME and batch.usage is not None
+    assert batch.usage.input_tokens == sum(u["prompt_tokens"] for u in bodies) > 0
+    assert batch.usage.output_tokens == sum(u["completion_tokens"] for u in bodies) > 0
+    assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
+
     errors = results(bclient, batch.error_file_id)
     assert errors["w1"]["error"]["code"] == "mismatched_url" and errors["w1"]["response"] is None
     assert errors["c1"]["error"]["code"] == "duplicate_custom_id"

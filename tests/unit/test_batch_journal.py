@@ -14,7 +14,7 @@ from omlx_logprobs.types import PRIORITY_RANGE
 
 def test_a_reopened_journal_keeps_what_it_recorded_and_cuts_the_rest(tmp_path: Path) -> None:
     j = Journal(tmp_path)
-    j.write(3, True, b'{"custom_id":"a"}')
+    j.write(3, True, b'{"custom_id":"a"}', (10, 4, 5, 1))
     j.write(1, False, b'{"custom_id":"b"}')
     j.close()
     # A crash between a result and its journal entry, and in the middle of an entry.
@@ -24,11 +24,13 @@ def test_a_reopened_journal_keeps_what_it_recorded_and_cuts_the_rest(tmp_path: P
         f.write(b"7 o 9")
     j = Journal(tmp_path)
     assert j.done == {1, 3} and (j.completed, j.failed) == (1, 1)
-    j.write(7, True, b'{"custom_id":"c"}')
+    assert j.tokens == (10, 4, 5, 1)  # the tokens of the lines journaled, summed
+    j.write(7, True, b'{"custom_id":"c"}', (1, 0, 2, 0))
     j.close()
     assert (tmp_path / "output.jsonl").read_bytes() == b'{"custom_id":"a"}\n{"custom_id":"c"}\n'
     assert (tmp_path / "errors.jsonl").read_bytes() == b'{"custom_id":"b"}\n'
-    assert Journal(tmp_path).done == {1, 3, 7}
+    again = Journal(tmp_path)
+    assert again.done == {1, 3, 7} and again.tokens == (11, 4, 7, 1)
 
 
 def test_lines_are_refused_with_their_reason(tmp_path: Path) -> None:

@@ -78,6 +78,8 @@ class BatchStore:
             "cancelled_at": None,
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": req.metadata,
+            "model": None,
+            "usage": None,
         }
         self.folder(batch_id).mkdir()
         files = [new_id("file-"), new_id("file-")]

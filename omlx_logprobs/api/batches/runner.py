@@ -40,7 +40,8 @@ class BatchRunner:
 
     def start(self, app: FastAPI) -> None:
         """In the server's event loop, once every route is in: the unfinished batches go on."""
-        self.ctx = Context(self.batches, self.files, targets(app), self.concurrency, self.closing)
+        room = asyncio.Semaphore(self.concurrency)
+        self.ctx = Context(self.batches, self.files, targets(app), room, self.closing)
         unfinished = self.batches.unfinished()
         if unfinished:
             log.info("batches resumed from %s: %s", self.root, ", ".join(unfinished))

@@ -1,5 +1,6 @@
-"""One batch run: its input read line by line from disk, at most `concurrency` lines in flight
-through their route (dispatch.py), each result appended as it finishes (journal.py), the
+"""One batch run: its input read line by line from disk, its lines through their route
+(dispatch.py) while the server's room for batch lines allows (--batch-concurrency, every batch's
+lines together), each result appended as it finishes (journal.py), the
 counts saved as they change; then its output and error files made `/v1/files` files. A stop
 ends it early: a cancel (the lines in flight aborted, the batch `cancelled` with what was
 written), the completion window passed (`expired`), or the server shutting down (the batch
@@ -21,6 +22,7 @@ from omlx_logprobs.api.batches.batches import BatchStore
 from omlx_logprobs.api.batches.dispatch import Target, call
 from omlx_logprobs.api.batches.files import FileStore, new_id
 from omlx_logprobs.api.batches.journal import Journal
+from omlx_logprobs.api.batches.usage import NONE, batch_usage, tokens
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -32,7 +34,7 @@ class Context:
     batches: BatchStore
     files: FileStore
     targets: dict[str, Target]
-    concurrency: int  # lines of one batch in flight at once
+    room: asyncio.Semaphore  # lines in flight, of every batch together (--batch-concurrency)
     closing: Callable[[], bool]  # the server is shutting down
 
 
@@ -79,7 +81,7 @@ class BatchRun:
     async def feed(
         self, batch: dict[str, Any], scan: lines.Scan, target: Target, journal: Journal
     ) -> None:
-        room = asyncio.Semaphore(self.ctx.concurrency)
+        room = self.ctx.room
         running: set[asyncio.Task[None]] = set()
 
         def done(task: asyncio.Task[None]) -> None:
@@ -108,6 +110,7 @@ class BatchRun:
 
     async def one(self, line: lines.Line, target: Target, journal: Journal) -> None:
         record: dict[str, Any] = {"id": new_id("batch_req_"), "custom_id": line.custom_id}
+        used, model = NONE, None
         if line.body is None:
             error = {"code": line.code, "message": line.message, "line": line.number}
             record.update(response=None, error=error)
@@ -125,10 +128,16 @@ class BatchRun:
             }
             record.update(response=response, error=None)
             ok = 200 <= status < 300
-        journal.write(line.number, ok, json.dumps(record).encode())
-        counts = self.ctx.batches.get(self.id)["request_counts"]
-        counts = {**counts, "completed": journal.completed, "failed": journal.failed}
-        self.ctx.batches.update(self.id, request_counts=counts)
+            used = tokens(body)
+            model = line.body.get("model")
+        journal.write(line.number, ok, json.dumps(record).encode(), used)
+        batch = self.ctx.batches.get(self.id)
+        counts = {**batch["request_counts"], "completed": journal.completed}
+        counts["failed"] = journal.failed
+        fields: dict[str, Any] = {"request_counts": counts, "usage": batch_usage(journal.tokens)}
+        if batch.get("model") is None and isinstance(model, str):
+            fields["model"] = model  # the first line's, as OpenAI names one model per batch
+        self.ctx.batches.update(self.id, **fields)
 
     def finish(self, journal: Journal) -> None:
         store = self.ctx.batches
