@@ -5,6 +5,7 @@ shape."""
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import threading
 import time
@@ -51,6 +52,8 @@ def create_app(
         yield
         await runner.stop()  # before the engine stops: the lines in flight end unwritten
         pool.shutdown()
+        if batch.dir is None:  # a folder of this process's own: nothing to resume from it
+            shutil.rmtree(batch_dir, ignore_errors=True)
         alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
         log.info("stopped; threads left: %s", ", ".join(alive) or "none")
 
