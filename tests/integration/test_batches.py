@@ -304,28 +304,28 @@ def test_cancel_stops_new_lines(bclient: openai.OpenAI) -> None:
 def test_a_restarted_server_finishes_the_batch(
     embedded_dir: Path, tmp_path: Path, embedded: LoadedModel
 ) -> None:
-    args = ["--batch-dir", str(tmp_path), "--batch-concurrency", "2", "--log-level", "warning"]
-    rows = [
-        line(f"r{i}", "/v1/chat/completions", chat_body(f"Name {i} fruits.", 12)) for i in range(16)
-    ]
+    # One line at a time, each exactly 16 tokens: the stop comes part way on a fast device too.
+    args = ["--batch-dir", str(tmp_path), "--batch-concurrency", "1", "--log-level", "warning"]
+    body = {**chat_body("Name fruits.", 16), "ignore_eos": True}
+    rows = [line(f"r{i}", "/v1/chat/completions", {**body, "seed": i}) for i in range(24)]
     with server_process(args) as first:
         client = sdk(first.base)
         uploaded = client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
-        written_before = progress_to(client, batch.id, 3)
+        written_before = progress_to(client, batch.id, 2)
     # Stopped part way: the lines written so far are on disk, journaled, and not run again.
     state = json.loads((tmp_path / "batches" / batch.id / "state.json").read_text())
     assert state["batch"]["status"] == "in_progress"
     kept = (tmp_path / "batches" / batch.id / "output.jsonl").read_text().splitlines()
-    assert written_before <= len(kept) == state["batch"]["request_counts"]["completed"] < 16
+    assert written_before <= len(kept) == state["batch"]["request_counts"]["completed"] < 24
     with server_process(args) as second:
         client = sdk(second.base)
         assert client.batches.retrieve(batch.id).request_counts.completed >= written_before  # type: ignore[union-attr]
         done = wait_for(client, batch.id, ("completed",), 300)
         assert done.request_counts is not None
-        assert done.request_counts.model_dump() == {"total": 16, "completed": 16, "failed": 0}
+        assert done.request_counts.model_dump() == {"total": 24, "completed": 24, "failed": 0}
         out = results(client, done.output_file_id)
         assert sorted(out) == sorted(r["custom_id"] for r in rows)
         for before in map(json.loads, kept):  # the same record: written once, never again
@@ -343,7 +343,7 @@ def progress_to(client: openai.OpenAI, batch_id: str, completed: int) -> int:
         assert batch.status == "in_progress" or batch.status == "validating", batch
         if batch.request_counts and batch.request_counts.completed >= completed:
             return batch.request_counts.completed
-        time.sleep(0.1)
+        time.sleep(0.05)
     raise AssertionError("the batch made no progress")
 
 
