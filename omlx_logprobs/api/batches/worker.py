@@ -106,7 +106,11 @@ class BatchRun:
             task = asyncio.create_task(self.one(line, target, journal))
             running.add(task)
             task.add_done_callback(done)
-        await asyncio.gather(*running)
+        # Every line ended before the journal closes; then the first failure (a full disk) fails
+        # the batch.
+        for outcome in await asyncio.gather(*running, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                raise outcome
 
     async def one(self, line: lines.Line, target: Target, journal: Journal) -> None:
         record: dict[str, Any] = {"id": new_id("batch_req_"), "custom_id": line.custom_id}
