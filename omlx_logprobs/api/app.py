@@ -5,13 +5,10 @@ shape."""
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -42,8 +39,7 @@ def create_app(
     """The app over one model (a `Served`) or several (a `ModelPool`, api/core/pool.py)."""
     pool = served if isinstance(served, ModelPool) else ModelPool.single(served)
     batch = batch or BatchConfig()
-    batch_dir = batch.dir or tempfile.mkdtemp(prefix="omlx-batches-")
-    runner = BatchRunner(Path(batch_dir).expanduser(), batch.concurrency, lambda: pool.closing)
+    runner = BatchRunner(batch.dir, batch.concurrency, lambda: pool.closing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -52,8 +48,7 @@ def create_app(
         yield
         await runner.stop()  # before the engine stops: the lines in flight end unwritten
         pool.shutdown()
-        if batch.dir is None:  # a folder of this process's own: nothing to resume from it
-            shutil.rmtree(batch_dir, ignore_errors=True)
+        runner.close()
         alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
         log.info("stopped; threads left: %s", ", ".join(alive) or "none")
 

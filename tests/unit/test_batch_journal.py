@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omlx_logprobs.api.batches import lines
 from omlx_logprobs.api.batches.dispatch import BATCH_PRIORITY, batch_priority
-from omlx_logprobs.api.batches.journal import Journal
+from omlx_logprobs.batchdir import lines
+from omlx_logprobs.batchdir.journal import Journal
 from omlx_logprobs.types import PRIORITY_RANGE
 
 

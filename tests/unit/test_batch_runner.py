@@ -13,8 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from omlx_logprobs.api.batches.batches import BatchCreate
 from omlx_logprobs.api.batches.dispatch import BATCH_PRIORITY
+from omlx_logprobs.api.batches.protocol import BatchCreate
 from omlx_logprobs.api.batches.runner import BatchRunner
 
 
@@ -72,7 +72,7 @@ def test_a_shutdown_leaves_the_lines_in_flight_for_the_next_runner(tmp_path: Pat
     first_calls: list[tuple[str, int]] = []
 
     async def first() -> str:
-        runner = BatchRunner(tmp_path, 2, lambda: False)
+        runner = BatchRunner(str(tmp_path), 2, lambda: False)
         runner.start(app_over(first_calls, hold="c"))
         batch_id = create(runner, upload(runner, prompts))
         while ("c", BATCH_PRIORITY) not in first_calls:
@@ -88,7 +88,7 @@ def test_a_shutdown_leaves_the_lines_in_flight_for_the_next_runner(tmp_path: Pat
     second_calls: list[tuple[str, int]] = []
 
     async def second() -> BatchRunner:
-        runner = BatchRunner(tmp_path, 2, lambda: False)
+        runner = BatchRunner(str(tmp_path), 2, lambda: False)
         runner.start(app_over(second_calls, hold=None))
         await settle(runner)
         return runner
@@ -109,7 +109,7 @@ def test_expired_and_cancelled_batches_publish_what_they_wrote(tmp_path: Path) -
     calls: list[tuple[str, int]] = []
 
     async def run() -> tuple[dict[str, object], dict[str, object]]:
-        runner = BatchRunner(tmp_path, 2, lambda: False)
+        runner = BatchRunner(str(tmp_path), 2, lambda: False)
         runner.start(app_over(calls, hold=None))
         file_id = upload(runner, ["a", "b"])
         late = create(runner, file_id)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse
 
-from omlx_logprobs.api.batches.batches import BatchCreate
+from omlx_logprobs.api.batches.protocol import BatchCreate
 from omlx_logprobs.api.batches.runner import BatchRunner
 from omlx_logprobs.api.batches.upload import receive_file
 
@@ -34,16 +34,17 @@ def add_routes(app: FastAPI, runner: BatchRunner, max_file_bytes: int) -> None:
 
     @app.get("/v1/files/{file_id}")
     async def retrieve_file(file_id: str) -> dict[str, Any]:
-        return files.get(file_id)
+        return runner.file(file_id)
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> FileResponse:
-        record = files.get(file_id)
+        record = runner.file(file_id)
         return FileResponse(files.path(file_id), filename=record["filename"])
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> dict[str, Any]:
-        return files.delete(file_id)
+        runner.file(file_id)
+        return files.delete(file_id) or {}
 
     @app.post("/v1/batches")
     async def create_batch(req: BatchCreate) -> dict[str, Any]:
@@ -57,7 +58,7 @@ def add_routes(app: FastAPI, runner: BatchRunner, max_file_bytes: int) -> None:
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve_batch(batch_id: str) -> dict[str, Any]:
-        return batches.get(batch_id)
+        return runner.batch(batch_id)
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str) -> dict[str, Any]:

@@ -9,31 +9,26 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 
-from omlx_logprobs.api.batches.batches import (
-    TERMINAL,
-    WINDOW_S,
-    BatchCreate,
-    BatchStore,
-    check_metadata,
-)
 from omlx_logprobs.api.batches.dispatch import targets
-from omlx_logprobs.api.batches.files import FileStore
+from omlx_logprobs.api.batches.protocol import BatchCreate, check_metadata
 from omlx_logprobs.api.batches.worker import BatchRun, Context
 from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.batchdir.batches import TERMINAL, WINDOW_S, BatchStore
+from omlx_logprobs.batchdir.files import FileStore
+from omlx_logprobs.batchdir.root import close_root, open_root
 
 log = logging.getLogger("omlx_logprobs")
 
 
 class BatchRunner:
-    def __init__(self, root: Path, concurrency: int, closing: Callable[[], bool]) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self.root = root
-        self.files, self.batches = FileStore(root), BatchStore(root)
+    def __init__(self, folder: str | None, concurrency: int, closing: Callable[[], bool]) -> None:
+        """`folder`: --batch-dir; None, a temporary one removed by close()."""
+        self.folder, self.root = folder, open_root(folder)
+        self.files, self.batches = FileStore(self.root), BatchStore(self.root)
         self.concurrency, self.closing = concurrency, closing
         self.ctx: Context | None = None
         self.runs: dict[str, tuple[BatchRun, asyncio.Task[None]]] = {}
@@ -69,12 +64,26 @@ class BatchRunner:
             raise APIError(f"No such File object: {req.input_file_id}", "input_file_id")
         if record["purpose"] != "batch":
             raise APIError("The input file must be uploaded with purpose batch.", "input_file_id")
-        batch = self.batches.create(req)
+        batch = self.batches.create(
+            req.input_file_id, req.endpoint, req.completion_window, req.metadata
+        )
         self.launch(batch["id"])
         return batch
 
-    def cancel(self, batch_id: str) -> dict[str, Any]:
+    def file(self, file_id: str) -> dict[str, Any]:
+        record = self.files.get(file_id)
+        if record is None:
+            raise APIError(f"No such File object: {file_id}", "file_id", 404, "file_not_found")
+        return record
+
+    def batch(self, batch_id: str) -> dict[str, Any]:
         batch = self.batches.get(batch_id)
+        if batch is None:
+            raise APIError(f"No batch found with id '{batch_id}'.", "batch_id", 404, "not_found")
+        return batch
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        batch = self.batch(batch_id)
         if batch["status"] in TERMINAL or batch["status"] == "finalizing":
             message = f"A batch that is {batch['status']} cannot be cancelled."
             raise APIError(message, "batch_id", 409, "batch_not_cancellable")
@@ -84,7 +93,7 @@ class BatchRunner:
             self.runs[batch_id][0].halt("cancel")
         else:
             self.launch(batch_id)  # not running: it ends as cancelled at once
-        return self.batches.get(batch_id)
+        return self.batch(batch_id)
 
     async def stop(self) -> None:
         """The runs stopped (their lines in flight aborted, not written) and awaited."""
@@ -93,3 +102,6 @@ class BatchRunner:
         tasks = [task for _, task in self.runs.values()]
         if tasks:
             await asyncio.wait(tasks, timeout=30)
+
+    def close(self) -> None:
+        close_root(self.root, self.folder)

@@ -5,7 +5,6 @@ refused with a 400 once it passes the file size limit, declared or counted."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -13,8 +12,8 @@ from fastapi import Request
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from omlx_logprobs.api.batches.files import PURPOSES, FileStore, new_id
 from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.batchdir.files import PURPOSES, FileStore
 
 FORM_SLACK = 64 << 10  # the multipart framing and the `purpose` field around the file's bytes
 
@@ -52,14 +51,7 @@ async def receive_file(request: Request, store: FileStore, limit: int) -> dict[s
             raise APIError("The form has no `file` part.", "file")
         if (upload.size or 0) > limit:
             raise too_large(limit)
-        file_id = new_id("file-")
-        await asyncio.to_thread(copy, upload, store.path(file_id).as_posix())
-        return store.add(file_id, upload.filename or "upload.jsonl", purpose)
+        name = upload.filename or "upload.jsonl"
+        return await asyncio.to_thread(store.save, upload.file, name, purpose)
     finally:
         await form.close()
-
-
-def copy(upload: UploadFile, dest: str) -> None:
-    upload.file.seek(0)
-    with open(dest, "wb") as out:
-        shutil.copyfileobj(upload.file, out, 1 << 20)

@@ -11,18 +11,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omlx_logprobs.api.batches import lines
-from omlx_logprobs.api.batches.batches import BatchStore
 from omlx_logprobs.api.batches.dispatch import Target, call
-from omlx_logprobs.api.batches.files import FileStore, new_id
-from omlx_logprobs.api.batches.journal import Journal
-from omlx_logprobs.api.batches.usage import NONE, batch_usage, tokens
+from omlx_logprobs.batchdir import lines
+from omlx_logprobs.batchdir.batches import BatchStore
+from omlx_logprobs.batchdir.files import FileStore, new_id
+from omlx_logprobs.batchdir.journal import Journal
+from omlx_logprobs.batchdir.usage import NONE, batch_usage, tokens
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -57,10 +56,10 @@ class BatchRun:
             self.fail("server_error", f"The batch failed: {type(e).__name__}: {e}")
 
     async def _run(self) -> None:
-        store, batch = self.ctx.batches, self.ctx.batches.get(self.id)
+        store, batch = self.ctx.batches, self.ctx.batches.batch(self.id)
         if batch["status"] == "cancelling":  # cancelled while the server was down
             self.halt("cancel")
-            return self.finish(Journal(store.folder(self.id)))
+            return self.finish(store.journal(self.id))
         source = self.ctx.files.path(batch["input_file_id"])
         target = self.ctx.targets.get(batch["endpoint"])
         if not source.exists() or target is None:
@@ -68,10 +67,10 @@ class BatchRun:
         scan = await asyncio.to_thread(lines.scan, source)
         if scan.total == 0:
             return self.fail("empty_file", "The input file has no requests.")
-        if self.reason is None and store.get(self.id)["status"] == "validating":
+        if self.reason is None and store.batch(self.id)["status"] == "validating":
             counts = {"total": scan.total, "completed": 0, "failed": 0}
             store.update(self.id, status="in_progress", in_progress_at=now(), request_counts=counts)
-        journal = Journal(store.folder(self.id))
+        journal = store.journal(self.id)
         try:
             await self.feed(batch, scan, target, journal)
         finally:
@@ -135,7 +134,7 @@ class BatchRun:
             used = tokens(body)
             model = line.body.get("model")
         journal.write(line.number, ok, json.dumps(record).encode(), used)
-        batch = self.ctx.batches.get(self.id)
+        batch = self.ctx.batches.batch(self.id)
         counts = {**batch["request_counts"], "completed": journal.completed}
         counts["failed"] = journal.failed
         fields: dict[str, Any] = {"request_counts": counts, "usage": batch_usage(journal.tokens)}
@@ -150,9 +149,14 @@ class BatchRun:
         if self.reason is None:
             store.update(self.id, status="finalizing", finalizing_at=now())
         output_id, error_id = store.files(self.id)
+        files = self.ctx.files  # each None when it holds no line
         fields = {
-            "output_file_id": self.publish(output_id, journal.output_path, "output"),
-            "error_file_id": self.publish(error_id, journal.error_path, "error"),
+            "output_file_id": files.adopt(
+                output_id, journal.output_path, f"{self.id}_output.jsonl", "batch_output"
+            ),
+            "error_file_id": files.adopt(
+                error_id, journal.error_path, f"{self.id}_error.jsonl", "batch_output"
+            ),
         }
         if self.reason == "cancel":
             store.update(self.id, status="cancelled", cancelled_at=now(), **fields)
@@ -160,22 +164,7 @@ class BatchRun:
             store.update(self.id, status="expired", expired_at=now(), **fields)
         else:
             store.update(self.id, status="completed", completed_at=now(), **fields)
-        try:
-            os.remove(store.folder(self.id) / "journal")
-        except FileNotFoundError:
-            pass
-
-    def publish(self, file_id: str, path: os.PathLike[str], kind: str) -> str | None:
-        """The results at `path` as the file `file_id` (None when there are none); a second
-        call (after a restart while finalizing) finds it already there."""
-        files = self.ctx.files
-        if file_id in files.records:
-            return file_id
-        if not os.path.exists(path) or os.path.getsize(path) == 0:
-            return None
-        os.replace(path, files.path(file_id))
-        files.add(file_id, f"{self.id}_{kind}.jsonl", "batch_output")
-        return file_id
+        store.drop_journal(self.id)
 
     def fail(self, code: str, message: str) -> None:
         error = {"code": code, "message": message, "param": None, "line": None}

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
-from omlx_logprobs.api.batches.usage import NONE, Tokens
+from omlx_logprobs.batchdir.usage import NONE, Tokens
 
 
 class Journal:

@@ -1,17 +1,18 @@
 """The files of `/v1/files`: OpenAI's `FileObject` records and their content, one pair per
 file under `<batch-dir>/files/` (`<id>` the bytes, `<id>.json` the record), kept in memory
-after the start (a list is a sort of the records, never a scan of the disk)."""
+after the start (a list is a sort of the records, never a scan of the disk). A path is made
+only from an id this store made (`new_id`), and looked up only for an id it holds."""
 
 from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from omlx_logprobs.api.batches.disk import read_json, write_json
-from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.batchdir.disk import read_json, write_json
 
 # OpenAI's purposes (openai/types/file_object.py); `batch` is the one a batch reads.
 PURPOSES = frozenset(
@@ -65,11 +66,27 @@ class FileStore:
         self.records[file_id], self.order[file_id] = record, order
         return record
 
-    def get(self, file_id: str) -> dict[str, Any]:
-        record = self.records.get(file_id)
-        if record is None:
-            raise APIError(f"No such File object: {file_id}", "file_id", 404, "file_not_found")
-        return record
+    def get(self, file_id: str) -> dict[str, Any] | None:
+        return self.records.get(file_id)
+
+    def save(self, content: IO[bytes], filename: str, purpose: str) -> dict[str, Any]:
+        """A new file of `content`'s bytes (read from its start)."""
+        file_id = new_id("file-")
+        content.seek(0)
+        with open(self.path(file_id), "wb") as out:
+            shutil.copyfileobj(content, out, 1 << 20)
+        return self.add(file_id, filename, purpose)
+
+    def adopt(self, file_id: str, source: Path, filename: str, purpose: str) -> str | None:
+        """The file at `source` moved in as `file_id` (None when it is empty or missing); an
+        id already held is kept as it is (a second call after a restart)."""
+        if file_id in self.records:
+            return file_id
+        if not source.exists() or source.stat().st_size == 0:
+            return None
+        os.replace(source, self.path(file_id))
+        self.add(file_id, filename, purpose)
+        return file_id
 
     def listing(
         self, purpose: str | None, limit: int, after: str | None, ascending: bool
@@ -85,14 +102,12 @@ class FileStore:
             records = records[ids.index(after) + 1 :] if after in ids else []
         return cursor_page(records, limit)
 
-    def delete(self, file_id: str) -> dict[str, Any]:
-        self.get(file_id)
+    def delete(self, file_id: str) -> dict[str, Any] | None:
+        if file_id not in self.records:
+            return None
         del self.records[file_id], self.order[file_id]
         for path in (self.dir / f"{file_id}.json", self.path(file_id)):
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
+            path.unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
 
 

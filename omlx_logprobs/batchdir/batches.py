@@ -8,36 +8,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from omlx_logprobs.api.batches.disk import read_json, write_json
-from omlx_logprobs.api.batches.files import cursor_page, new_id
-from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.batchdir.disk import read_json, write_json
+from omlx_logprobs.batchdir.files import cursor_page, new_id
+from omlx_logprobs.batchdir.journal import Journal
 
 TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
 WINDOW_S = {"24h": 24 * 3600}  # the completion windows OpenAI takes
-
-
-class BatchCreate(BaseModel):
-    """`POST /v1/batches` (openai/types/batch_create_params.py)."""
-
-    model_config = ConfigDict(extra="forbid")
-    input_file_id: str
-    endpoint: str
-    completion_window: str
-    # 16 pairs at most, keys of 64 characters and values of 512 at most (OpenAI's bounds).
-    metadata: dict[str, Any] | None = Field(None, max_length=16)
-    # Accepted: the files this server writes are kept until deleted.
-    output_expires_after: dict[str, Any] | None = None
-
-
-def check_metadata(metadata: dict[str, Any] | None) -> None:
-    for key, value in (metadata or {}).items():
-        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
-            raise APIError(
-                "metadata holds strings: keys of 64 characters at most, values of 512.",
-                "metadata",
-            )
 
 
 class BatchStore:
@@ -55,21 +31,23 @@ class BatchStore:
     def folder(self, batch_id: str) -> Path:
         return self.dir / batch_id
 
-    def create(self, req: BatchCreate) -> dict[str, Any]:
+    def create(
+        self, input_file_id: str, endpoint: str, window: str, metadata: dict[str, Any] | None
+    ) -> dict[str, Any]:
         now, batch_id = int(time.time()), new_id("batch_")
         batch: dict[str, Any] = {
             "id": batch_id,
             "object": "batch",
-            "endpoint": req.endpoint,
+            "endpoint": endpoint,
             "errors": None,
-            "input_file_id": req.input_file_id,
-            "completion_window": req.completion_window,
+            "input_file_id": input_file_id,
+            "completion_window": window,
             "status": "validating",
             "output_file_id": None,
             "error_file_id": None,
             "created_at": now,
             "in_progress_at": None,
-            "expires_at": now + WINDOW_S[req.completion_window],
+            "expires_at": now + WINDOW_S[window],
             "finalizing_at": None,
             "completed_at": None,
             "failed_at": None,
@@ -77,7 +55,7 @@ class BatchStore:
             "cancelling_at": None,
             "cancelled_at": None,
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
-            "metadata": req.metadata,
+            "metadata": metadata,
             "model": None,
             "usage": None,
         }
@@ -87,11 +65,13 @@ class BatchStore:
         self.save(batch_id)
         return batch
 
-    def get(self, batch_id: str) -> dict[str, Any]:
+    def get(self, batch_id: str) -> dict[str, Any] | None:
         state = self.states.get(batch_id)
-        if state is None:
-            raise APIError(f"No batch found with id '{batch_id}'.", "batch_id", 404, "not_found")
-        return dict(state["batch"])
+        return None if state is None else dict(state["batch"])
+
+    def batch(self, batch_id: str) -> dict[str, Any]:
+        """One known to be here (a run's own)."""
+        return dict(self.states[batch_id]["batch"])
 
     def files(self, batch_id: str) -> tuple[str, str]:
         """The ids its output and error files take once it ends."""
@@ -104,6 +84,13 @@ class BatchStore:
 
     def save(self, batch_id: str) -> None:
         write_json(self.folder(batch_id) / "state.json", self.states[batch_id])
+
+    def journal(self, batch_id: str) -> Journal:
+        return Journal(self.folder(batch_id))
+
+    def drop_journal(self, batch_id: str) -> None:
+        """Once the batch has ended: its results are files of their own by then."""
+        (self.folder(batch_id) / "journal").unlink(missing_ok=True)
 
     def listing(self, after: str | None, limit: int) -> dict[str, Any]:
         """Newest first, the batches after `after`."""
