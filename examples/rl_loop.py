@@ -3,8 +3,11 @@
 - Rollouts come from the server: `n` choices per prompt with their token ids and processed
   logprobs (the distribution sampled from, temperature included).
 - The trainer (mlx-lm, LoRA on the last layers) recomputes the logprobs of the same tokens with
-  its own forward pass; their ratio to the server's is the importance ratio, 1 (within 1e-4 in
-  float32) while both hold the same weights.
+  its own forward pass. The server runs in batch-invariant mode (`--batch-invariant`), so the
+  logprobs it returns depend on the tokens alone, and `omlx_logprobs.runner.scorer` computes
+  them again bit for bit from the policy it served (its adapter, or its fused weights): the
+  importance ratio printed is exactly 1 while both hold the same weights (`--no-invariant`:
+  the default server and mlx-lm's own log-softmax, 1 within ~1e-4 in float32).
 - After each training step the LoRA is saved in mlx-lm's adapter format and loaded in place
   under one name, `policy` (`POST /v1/load_lora_adapter` with `load_inplace`, as prime-rl
   does): the next batch names it as its `model`, the response's `adapter` (its name and the
@@ -21,13 +24,19 @@ The reward is a toy (a colour named in the answer); the mechanics are the point.
 from __future__ import annotations
 
 # isort: off
-import omlx_logprobs  # noqa: F401  (first: OpenBLAS must be loaded before MLX on Linux)
+import os
+import sys
+
+# Batch-invariant mode's BLAS (omlx_logprobs/runner/invariance.py), chosen before MLX loads:
+# the scorer here then sums as the server does.
+if "--no-invariant" not in sys.argv:
+    os.environ.setdefault("OMLX_BLAS", "reference")
+import omlx_logprobs  # noqa: F401, E402  (first: the BLAS is chosen before MLX loads)
 
 # isort: on
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,6 +54,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from omlx_logprobs.cli import mlx_environment
 from omlx_logprobs.models.embedded import ensure_embedded_model
+from omlx_logprobs.runner.scorer import Scorer
 
 PROMPTS = [
     "Describe the sky at sunset in one sentence.",
@@ -59,9 +69,10 @@ def reward(text: str) -> float:
     return 1.0 if any(c in text.lower() for c in COLOURS) else 0.0
 
 
-def start_server(model_dir: Path, port: int) -> subprocess.Popen[bytes]:
+def start_server(model_dir: Path, port: int, invariant: bool) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--model", str(model_dir),
            "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    cmd += ["--batch-invariant"] if invariant else []
     proc = subprocess.Popen(cmd)
     for _ in range(600):
         try:
@@ -167,6 +178,16 @@ def publish(base: str, model: nn.Module, ckpt: Path, step: int, a: argparse.Name
     return "policy"
 
 
+def follow(scorer: Scorer, model: nn.Module, ckpt: Path, step: int, a: argparse.Namespace) -> None:
+    """The scorer takes the policy `publish` gave the server: the same adapter files, or the
+    same fused weights."""
+    if a.weights == "adapter":
+        scorer.load_adapter(str(ckpt / f"step-{step}"))
+    elif step:
+        scorer.model.load_weights(list(fused_weights(model).items()))
+        mx.eval(scorer.model.parameters())
+
+
 def plot(history: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -203,10 +224,15 @@ def main() -> int:
         help="how the server gets each step's policy: the LoRA as an adapter (load_lora_adapter),"
         " or fused into the weights (update_weights_from_disk)",
     )
+    ap.add_argument(
+        "--no-invariant",
+        action="store_true",
+        help="the default server, ratios from the trainer's own float64 log-softmax",
+    )
     a = ap.parse_args()
     mlx_environment()
     model_dir = ensure_embedded_model()
-    server = start_server(model_dir, a.port)
+    server = start_server(model_dir, a.port, not a.no_invariant)
     base = f"http://127.0.0.1:{a.port}"
     try:
         model, tokenizer = mlx_lm_load(str(model_dir))[:2]
@@ -216,6 +242,7 @@ def main() -> int:
         opt = optim.Adam(learning_rate=a.lr)
         step_fn = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, a.temperature, a.clip))
         prompts = [chat_prompt(tokenizer, q) for q in PROMPTS]
+        scorer = None if a.no_invariant else Scorer(str(model_dir))
         history = []
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = Path(tmp)
@@ -239,10 +266,17 @@ def main() -> int:
                     rs = np.array([s["reward"] for s in group])
                     for s in group:
                         s["advantage"] = float((s["reward"] - rs.mean()) / (rs.std() + 1e-4))
+                if scorer is not None:  # the policy the server sampled from, as it served it
+                    follow(scorer, model, ckpt, step, a)
                 errors = []
                 for s in batch:
-                    mine = exact_logprobs(model, s["prompt"], s["tokens"], a.temperature)
-                    errors.append(float(np.abs(np.exp(mine - s["logprobs"]) - 1).max()))
+                    if scorer is None:
+                        mine = exact_logprobs(model, s["prompt"], s["tokens"], a.temperature)
+                    else:
+                        ids, start = s["prompt"] + s["tokens"], len(s["prompt"])
+                        mine = scorer.logprobs(ids, start, a.temperature).astype(np.float64)
+                    served = np.array(s["logprobs"], np.float32).astype(np.float64)
+                    errors.append(float(np.abs(np.exp(mine - served) - 1).max()))
                 loss, grads = step_fn(model, batch)
                 opt.update(model, grads)
                 mx.eval(model.parameters(), opt.state)

@@ -143,6 +143,23 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class BatchConfig:
+    """OpenAI's Batch API (api/batches/): where its files and batches are kept (None: a new
+    temporary folder, gone with the process), how many batch lines run at once (of all batches
+    together), and the largest file an upload may be."""
+
+    dir: str | None = None
+    concurrency: int = 16
+    max_file_bytes: int = 200 << 20  # OpenAI's limit for a batch's input file
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError("batch_concurrency must be >= 1")
+        if self.max_file_bytes < 1:
+            raise ValueError("max_file_bytes must be >= 1")
+
+
+@dataclass(frozen=True)
 class Access:
     """Who may call: an optional bearer key (all routes but /health) and CORS origins."""
 
@@ -189,6 +206,7 @@ class ServerConfig:
     engine: EngineConfig = EngineConfig()
     limits: Limits = field(default_factory=Limits)
     access: Access = field(default_factory=Access)
+    batches: BatchConfig = field(default_factory=BatchConfig)
     shutdown_grace_s: float = 10.0  # on SIGINT/SIGTERM, in-flight requests get this long
     # The engine in a process of its own (its own GIL), or in a thread of the server's.
     engine_process: bool = True

@@ -8,6 +8,7 @@ import os
 
 from omlx_logprobs.config import (
     LOGPROBS_MODES,
+    BatchConfig,
     EngineConfig,
     Limits,
     PoolConfig,
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         " vocabulary (vLLM's flag; default: %(default)s)",
     )
     _add_batching(s)
+    _add_batches(s)
     _add_speculation(s)
     _add_pool(s)
     _add_output(s)
@@ -251,6 +253,36 @@ def _add_batching(s: argparse.ArgumentParser) -> None:
         help="the size limit of --kv-cache-dir in MiB; the least recently used go first"
         " (default: %(default)s)",
     )
+
+
+def _add_batches(s: argparse.ArgumentParser) -> None:
+    d = BatchConfig()
+    g = s.add_argument_group("batch API (/v1/files, /v1/batches)")
+    g.add_argument(
+        "--batch-dir",
+        default=default_batch_dir(),
+        help="where uploaded files, batches and their results are kept; a restarted server"
+        " goes on with the unfinished batches found there (default: %(default)s)",
+    )
+    g.add_argument(
+        "--batch-concurrency",
+        type=int,
+        default=d.concurrency,
+        help="batch lines in flight at once, of all batches together, each at a lower"
+        " priority than every interactive request (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=d.max_file_bytes,
+        help="the largest file /v1/files takes; a larger one is a 400 (default: %(default)s)",
+    )
+
+
+def default_batch_dir() -> str:
+    """The user's cache folder (XDG_CACHE_HOME, else ~/.cache), `omlx_logprobs/batches`."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "omlx_logprobs", "batches")
 
 
 def _add_speculation(s: argparse.ArgumentParser) -> None:

@@ -6,7 +6,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from omlx_logprobs.config import Access, EngineConfig, Limits, PoolConfig, ServerConfig
+from omlx_logprobs.config import (
+    Access,
+    BatchConfig,
+    EngineConfig,
+    Limits,
+    PoolConfig,
+    ServerConfig,
+)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -42,6 +49,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             api_key=args.api_key or None,
             allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         ),
+        batches=BatchConfig(args.batch_dir, args.batch_concurrency, args.max_file_bytes),
         shutdown_grace_s=args.shutdown_grace,
         engine_process=args.engine == "process",
     )

@@ -1,6 +1,6 @@
 """The app: every API's routes (each package's `routes.py`: openai/, responses/, anthropic/,
-ollama/, rl/, scoring/, admin/) on one pool of models, behind the guard, with each API's error
-shape."""
+ollama/, rl/, scoring/, admin/, batches/) on one pool of models, behind the guard, with each
+API's error shape."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from omlx_logprobs.api.admin import page
 from omlx_logprobs.api.admin import routes as admin
 from omlx_logprobs.api.admin.openapi import install_openapi
 from omlx_logprobs.api.anthropic import routes as anthropic
+from omlx_logprobs.api.batches import routes as batches
+from omlx_logprobs.api.batches.runner import BatchRunner
 from omlx_logprobs.api.core.errors import error_response, install_error_handlers
 from omlx_logprobs.api.core.pool import ModelPool, Unavailable
 from omlx_logprobs.api.core.served import Served
@@ -29,7 +31,7 @@ from omlx_logprobs.api.responses.store import ResponseStore
 from omlx_logprobs.api.rl import routes as rl
 from omlx_logprobs.api.scoring import routes as scoring
 from omlx_logprobs.api.scoring.template import YesNoTemplate
-from omlx_logprobs.config import Access
+from omlx_logprobs.config import Access, BatchConfig
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -38,17 +40,23 @@ def create_app(
     served: Served | ModelPool,
     access: Access | None = None,
     rerank_template: YesNoTemplate | None = None,
+    batch: BatchConfig | None = None,
 ) -> FastAPI:
     """The app over one model (a `Served`) or several (a `ModelPool`, api/core/pool.py);
     `rerank_template`: what /rerank and /score write each pair into (default: Qwen3-Reranker's
-    prompt, api/scoring/template.py)."""
+    prompt, api/scoring/template.py); `batch`: where the Batch API keeps its files."""
     pool = served if isinstance(served, ModelPool) else ModelPool.single(served)
+    batch = batch or BatchConfig()
+    runner = BatchRunner(batch.dir, batch.concurrency, lambda: pool.closing)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool.start()
+        runner.start(app)
         yield
+        await runner.stop()  # before the engine stops: the lines in flight end unwritten
         pool.shutdown()
+        runner.close()
         alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
         log.info("stopped; threads left: %s", ", ".join(alive) or "none")
 
@@ -79,5 +87,6 @@ def create_app(
     responses.add_routes(app, pool, ResponseStore())
     anthropic.add_routes(app, pool)
     ollama.add_routes(app, pool)
+    batches.add_routes(app, runner, batch.max_file_bytes)
     page.add_routes(app, access.api_key is not None)
     return app

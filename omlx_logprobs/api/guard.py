@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from omlx_logprobs.api.admin import openapi, page
+from omlx_logprobs.api.batches.routes import UPLOAD_PATH
 from omlx_logprobs.api.core.errors import APIError, shaped_body
 from omlx_logprobs.config import Access, Limits
 
@@ -25,6 +26,9 @@ ASGIApp = Callable[[Message, Receive, Send], Awaitable[None]]
 OPEN_PATHS = frozenset({"/health"}) | page.OPEN_PATHS | openapi.OPEN_PATHS
 OPEN_PREFIXES = page.OPEN_PREFIXES + openapi.OPEN_PREFIXES
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# Bodies passed on as they arrive, neither held whole nor held to --max-body-bytes: a file
+# upload, which its route streams to disk and bounds by its own limit (api/batches/upload.py).
+STREAMED_PATHS = frozenset({UPLOAD_PATH})
 
 
 class Guard:
@@ -44,7 +48,7 @@ class Guard:
             return
         try:
             self._authorize(scope)
-            if scope["method"] not in BODY_METHODS:
+            if scope["method"] not in BODY_METHODS or scope["path"] in STREAMED_PATHS:
                 await self.app(scope, receive, send)
                 return
             self._check_declared_size(scope)

@@ -3,6 +3,7 @@ limits run over every POST route the server's OpenAPI schema lists, so new endpo
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,7 +74,8 @@ def limited(tiny_served: LoadedModel) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def post_routes(limited: str) -> list[Route]:
-    found = [r for r in routes(limited) if r.method == "POST"]
+    # With a JSON body: an upload is multipart (tests/integration/test_batches.py limits it).
+    found = [r for r in routes(limited) if r.method == "POST" and r.body_schema is not None]
     assert any(r.path == "/v1/chat/completions" for r in found)
     return found
 
@@ -86,6 +88,15 @@ def cases(route: Route) -> Iterator[tuple[str, Any, str]]:
     for field, (value, param) in BAD_ELEMENT.items():
         if field in props:
             yield field, value, param
+
+
+def batch_input(base: str) -> str:
+    """An uploaded batch file of one request (what a batch's smallest accepted body names)."""
+    body = {"model": TINY_NAME, "prompt": "hi", "max_tokens": 1}
+    row = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}
+    files = {"file": ("in.jsonl", json.dumps(row).encode())}
+    r = httpx.post(base + "/v1/files", data={"purpose": "batch"}, files=files, timeout=30)
+    return str(r.json()["id"])
 
 
 def test_field_limits_on_every_route(
@@ -101,6 +112,11 @@ def test_field_limits_on_every_route(
         "/update_weights": {"weight_dir": str(tiny_served.path)},
         "/v1/load_lora_adapter": {"lora_name": "limits", "lora_path": str(adapter)},
         "/v1/unload_lora_adapter": {"lora_name": "limits"},
+        "/v1/batches": {
+            "input_file_id": batch_input(limited),
+            "endpoint": "/v1/completions",
+            "completion_window": "24h",
+        },
     }
     for route in sorted(post_routes, key=lambda r: r.path == "/v1/unload_lora_adapter"):
         base = {**minimal_body(route, TINY_NAME), **extra.get(route.path, {})}
@@ -124,8 +140,13 @@ def test_openapi_says_400_in_openai_shape(limited: str, post_routes: list[Route]
             assert "422" not in op["responses"], (method, path)
             if "requestBody" in op:
                 schema = op["responses"]["400"]["content"]["application/json"]["schema"]
-                shape = ("AnthropicErrorResponse" if path.startswith("/v1/messages") else
-                         "OllamaErrorResponse" if path.startswith("/api/") else "ErrorResponse")
+                shape = (
+                    "AnthropicErrorResponse"
+                    if path.startswith("/v1/messages")
+                    else "OllamaErrorResponse"
+                    if path.startswith("/api/")
+                    else "ErrorResponse"
+                )
                 assert schema == {"$ref": f"#/components/schemas/{shape}"}, path
     schemas = spec["components"]["schemas"]
     assert schemas["ErrorResponse"]["required"] == ["error"]

@@ -117,7 +117,8 @@ def test_template_kwargs_reach_the_template_as_variables(open_server: str) -> No
 
 def test_request_handling_reaches_no_shell_file_or_eval() -> None:
     """Static: the HTTP layer imports nothing that runs commands or opens files, and nothing in
-    the package evaluates code (files are opened only when loading models and by the disk tier)."""
+    the package evaluates code (files are opened only when loading models and by the disk tier,
+    and by the Batch API's folder: batchdir/)."""
     import ast
     from pathlib import Path
 
@@ -132,8 +133,9 @@ def test_request_handling_reaches_no_shell_file_or_eval() -> None:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in ("eval", "exec", "compile"), path
                 # Files are opened where models load, and by the disk tier in the folder the
-                # operator named (--kv-cache-dir), under names it derives from token hashes
-                opener = where[0] == "models" or where == ("runner", "disk_tier.py")
+                # operator named (--kv-cache-dir), under names it derives from token hashes, and
+                # by batchdir/ in the folder the operator named (--batch-dir), under ids it makes
+                opener = where[0] in ("models", "batchdir") or where == ("runner", "disk_tier.py")
                 assert node.func.id != "open" or opener, path
             if where[0] == "api" and isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = (

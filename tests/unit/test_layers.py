@@ -18,7 +18,8 @@ ROOT = Path(omlx_logprobs.__file__).parent
 # top, over options.py (its flags) and serve_config.py (the config they make). The engine's wing
 # is five floors: batch/ (plain Python), runner/ (all MLX, its fast paths in runner/fast/),
 # engine/ (the step loop), distributed/ (a model over several processes), transport/ (the engine
-# in this process or a child, as the API sees it).
+# in this process or a child, as the API sees it). batchdir/ (the Batch API's folder on disk) is
+# plain Python below api/, which reaches the disk only through it.
 TOP = ("options", "serve_config", "cli")
 LAYERS = [
     "",
@@ -31,6 +32,7 @@ LAYERS = [
     "engine",
     "distributed",
     "transport",
+    "batchdir",
     "api",
     *TOP,
 ]
@@ -40,7 +42,9 @@ LAYERS = [
 # each request's `Run`; none imports another), then the modules that put them together into
 # the app (app.py, the guard in front of it, the uvicorn server).
 API_CORE = "core"
-API_PACKAGES = ("openai", "responses", "anthropic", "ollama", "rl", "admin", "metrics", "scoring")
+API_PACKAGES = (
+    "openai", "responses", "anthropic", "ollama", "rl", "admin", "metrics", "scoring", "batches"
+)
 API_APP = ("app", "guard", "server")
 # Inside runner/, lowest first (names under runner/; "__init__" is the package itself): a module
 # imports only modules on floors below its own, type-level imports included.

@@ -5,6 +5,7 @@ missing key or an unknown model is answered in the shape its client parses."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -83,6 +84,20 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
+def invalid_body(errors: Sequence[Any]) -> APIError:
+    """The 400 of a body that fails its pydantic model, naming the first field at fault (the
+    batch runner shapes a line's body the same: api/batches/dispatch.py)."""
+    err = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    param = _param(tuple(err.get("loc", ())))
+    msg = str(err.get("msg", "invalid request"))
+    if err.get("type") == "json_invalid":
+        msg, param = "The request body is not valid JSON.", None
+    elif param is None:  # the body as a whole: not an object, or not sent as JSON
+        msg = f"The request body must be a JSON object sent as application/json ({msg})."
+    text = f"{param}: {msg}" if param else msg
+    return APIError(text, param=param, code="invalid_value")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(r: Request, e: APIError) -> JSONResponse:
@@ -90,15 +105,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(r: Request, e: RequestValidationError) -> JSONResponse:
-        err = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
-        param = _param(tuple(err.get("loc", ())))
-        msg = str(err.get("msg", "invalid request"))
-        if err.get("type") == "json_invalid":
-            msg, param = "The request body is not valid JSON.", None
-        elif param is None:  # the body as a whole: not an object, or not sent as JSON
-            msg = f"The request body must be a JSON object sent as application/json ({msg})."
-        text = f"{param}: {msg}" if param else msg
-        return error_response(APIError(text, param=param, code="invalid_value"), r.url.path)
+        return error_response(invalid_body(e.errors()), r.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(r: Request, e: StarletteHTTPException) -> JSONResponse:
