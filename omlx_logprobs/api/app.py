@@ -4,6 +4,7 @@ API's error shape."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -57,6 +58,8 @@ def create_app(
         await runner.stop()  # before the engine stops: the lines in flight end unwritten
         pool.shutdown()
         runner.close()
+        # the threads of `asyncio.to_thread` (model facts, batch files) end with the server
+        await asyncio.get_running_loop().shutdown_default_executor()
         alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
         log.info("stopped; threads left: %s", ", ".join(alive) or "none")
 

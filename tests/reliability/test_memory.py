@@ -85,8 +85,8 @@ def live() -> Counter[str]:
 def outside_the_prefix_cache() -> int:
     """Bytes allocated since tracemalloc started and still live, but the prefix cache's: it
     replaces its entries (new token tuples and index lists, the old ones freed untraced), bounded
-    by its budget."""
-    mine = ("runner/prefix_cache", "runner/prefix", "batch/block_index")
+    by its budget; a kept sequence's tokens are made by runner/snapshot.py (`from_row`)."""
+    mine = ("runner/prefix_cache", "runner/prefix", "batch/block_index", "runner/snapshot")
     ours = [tracemalloc.Filter(False, f"*/{m}.py") for m in mine]
     snapshot = tracemalloc.take_snapshot().filter_traces(ours)
     return sum(s.size for s in snapshot.statistics("filename"))
