@@ -159,6 +159,7 @@ def test_a_read_only_folder_is_read_and_not_written(tmp_path: Path) -> None:
 
 
 FILLER = """
+import os
 import sys
 import mlx.core as mx
 from omlx_logprobs.runner.disk_tier import DiskTier
@@ -174,7 +175,10 @@ disk.flush()
 for _, tokens in list(disk.files):
     prefix = disk.load(tokens)
     assert prefix is not None and prefix.keys[0][0, 0, :, 0].tolist() == list(tokens)
-print(len(disk.files), disk.nbytes)
+print(len(disk.files), disk.nbytes, flush=True)
+# No interpreter teardown (as cli.py's _exit): destroying MLX's stream threads at exit can abort
+# the process after asynchronous evaluation ("terminate called without an active exception").
+os._exit(0)
 """
 
 
