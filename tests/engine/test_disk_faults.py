@@ -176,8 +176,8 @@ for _, tokens in list(disk.files):
     prefix = disk.load(tokens)
     assert prefix is not None and prefix.keys[0][0, 0, :, 0].tolist() == list(tokens)
 print(len(disk.files), disk.nbytes, flush=True)
-# No interpreter teardown (as cli.py's _exit): destroying MLX's stream threads at exit can abort
-# the process after asynchronous evaluation ("terminate called without an active exception").
+# No interpreter teardown (as in cli.py, _exit): destroying the stream threads of MLX at exit
+# can abort the process after asynchronous evaluation (the script sits in single quotes).
 os._exit(0)
 """
 
