@@ -13,11 +13,16 @@ off side (higher is faster), the median over the rounds, at each concurrency; th
 - a wrong prediction: the defaults, requests with a `prediction` no output ever matches against
   the same requests without one;
 - prompt lookup: `--speculate lookup` against `--speculate off` on free chat;
-- process engine: the defaults (the engine in a process of its own) against `--engine thread`.
+- process engine: the defaults (the engine in a process of its own) against `--engine thread`;
+- metrics: the defaults (`/metrics`, every output observed) against `--no-metrics`;
+- token-faithful conversations: the defaults (every answer's ids remembered) against
+  `--faithful-answers 0`, on requests that send no earlier answer back.
 
 c = 1: one stream, streamed requests one after another, the per-token latency after the first
-token (median over the requests), as ms per token; higher concurrency: a closed loop of
-non-streamed requests, completion tokens/s. Top-20 logprobs on every request (`--top`).
+token, as ms per token; the cells take turns request by request (a vCPU's speed phase then
+falls on each side of a ratio alike), a round's value the median over its requests. Higher
+concurrency: a closed loop of non-streamed requests, completion tokens/s. Top-20 logprobs on
+every request (`--top`).
 
     .venv/bin/python -m bench.guard                  # make bench-guard: the CPU preset (~10 min)
     python3 -m bench.guard --preset gpu --model /root/m1b --share-cores  # GPU host
@@ -54,6 +59,8 @@ SERVERS: dict[str, list[str]] = {
     "no-speculation": ["--speculate", "off"],
     "lookup": ["--speculate", "lookup"],
     "thread-engine": ["--engine", "thread"],
+    "no-metrics": ["--no-metrics"],
+    "no-faithful": ["--faithful-answers", "0"],
     "batch-invariant": ["--batch-invariant"],
 }
 
@@ -84,6 +91,8 @@ PAIRS = (
     Pair("a wrong prediction / none", Cell("default", True), Cell("default")),
     Pair("prompt lookup / speculation off", Cell("lookup"), Cell("no-speculation")),
     Pair("process engine / thread engine", Cell("default"), Cell("thread-engine")),
+    Pair("metrics on / off", Cell("default"), Cell("no-metrics")),
+    Pair("token-faithful store on / off", Cell("default"), Cell("no-faithful")),
 )
 # Modes a request or server asks for, measured against the default when `--servers` names
 # them (no floor: what they cost is published, docs/benchmarks.md).
@@ -105,7 +114,7 @@ PRESETS = {
     "cpu": Preset(None, (1, 32), 32, 16, 2, 1, 5),
     # Cells of two requests or waves and 15 rounds: each vCPU of a GPU host switches between two
     # speeds for seconds at a time; short cells keep the two sides of a ratio in one phase.
-    "gpu": Preset(None, (1, 64), 128, 32, 2, 2, 15),
+    "gpu": Preset(None, (1, 64), 128, 32, 4, 2, 15),
 }
 
 
@@ -133,14 +142,17 @@ def cells(pairs: tuple[Pair, ...]) -> list[Cell]:
     return list(seen.values())
 
 
-async def measure(server: Server, cell: Cell, c: int, preset: Preset, top: int, seed: int) -> float:
-    """One measurement: ms per token of one stream (c = 1), else completion tokens/s."""
+async def measure(
+    server: Server, cell: Cell, c: int, preset: Preset, top: int, seed: int, requests: int = 0
+) -> float:
+    """One measurement: ms per token of one stream (c = 1; the median over `requests`, default
+    the preset's), else completion tokens/s."""
     one = c == 1
     cfg = LoadConfig(
         base_url=server.base_url,
         model=Path(preset.model).name if preset.model else EMBEDDED,
         concurrency=c,
-        requests=preset.stream_requests if one else c * preset.waves,
+        requests=requests or (preset.stream_requests if one else c * preset.waves),
         max_tokens=preset.max_tokens,
         logprobs=top,
         stream=one,
@@ -171,12 +183,22 @@ async def run(
             await measure(servers[cell.server], cell, c, preset, top, seed=999)
         for r in range(preset.rounds):
             turn = order[r % len(order) :] + order[: r % len(order)]
-            for cell in turn if r % 2 == 0 else turn[::-1]:
-                # Prompts no server has seen: two cells of one server with the same prompts
-                # measured the second's cache hits (a wrong prediction read 1.25x of none).
-                seed = 1000 * (r + 1) + order.index(cell)
-                value = await measure(servers[cell.server], cell, c, preset, top, seed=seed)
-                results.add(c, cell, value)
+            turn = turn if r % 2 == 0 else turn[::-1]
+            # c = 1: the cells take turns request by request, each request its own measure
+            taking = preset.stream_requests if c == 1 else 1
+            values: dict[str, list[float]] = {cell.name: [] for cell in order}
+            for k in range(taking):
+                for cell in turn if k % 2 == 0 else turn[::-1]:
+                    # Prompts no server has seen: two cells of one server with the same prompts
+                    # measured the second's cache hits (a wrong prediction read 1.25x of none).
+                    seed = 1000 * (r + 1) + 50 * k + order.index(cell)
+                    values[cell.name].append(
+                        await measure(
+                            servers[cell.server], cell, c, preset, top, seed, 1 if c == 1 else 0
+                        )
+                    )
+            for cell in order:
+                results.add(c, cell, statistics.median(values[cell.name]))
             print(
                 f"c={c} round {r + 1}: "
                 + ", ".join(f"{cl.name} {results.values[(c, cl.name)][-1]:.2f}" for cl in order),

@@ -125,7 +125,7 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
         log.warning(
             "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
         )
-    app = create_app(pool, cfg.access, template, cfg.batches)
+    app = create_app(pool, cfg.access, template, cfg.batches, metrics=cfg.metrics)
     heap.freeze_startup_objects()
     return run_server(app, pool.begin_shutdown, cfg, args.log_level)
 
@@ -197,6 +197,7 @@ def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) ->
         reasoning_tags=reasoning_tags(model.tokenizer),
         limits=cfg.limits,
         ignore_unknown_fields=args.ignore_unknown_fields,
+        faithful_answers=cfg.faithful_answers,
     )
 
 

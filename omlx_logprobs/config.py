@@ -210,6 +210,9 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0  # on SIGINT/SIGTERM, in-flight requests get this long
     # The engine in a process of its own (its own GIL), or in a thread of the server's.
     engine_process: bool = True
+    metrics: bool = True  # GET /metrics, and the requests observed for it
+    # Answers whose sampled ids each model remembers for conversations sent back (0: none).
+    faithful_answers: int = 4096
 
     @property
     def models(self) -> tuple[tuple[str | None, str | None], ...]:
@@ -221,3 +224,5 @@ class ServerConfig:
             raise ValueError("port must be in [0, 65535]")
         if not self.shutdown_grace_s >= 0:
             raise ValueError("shutdown_grace_s must be >= 0")
+        if self.faithful_answers < 0:
+            raise ValueError("faithful_answers must be >= 0")

@@ -152,6 +152,16 @@ def _add_output(s: argparse.ArgumentParser) -> None:
         " asked with return_routed_experts (docs/specs/rl.md)",
     )
     s.add_argument(
+        "--faithful-answers",
+        type=int,
+        default=ServerConfig.faithful_answers,
+        metavar="N",
+        help="how many answers' sampled token ids are remembered, so that a conversation sent"
+        " back keeps them instead of re-tokenizing its text (token-faithful conversations,"
+        " docs/specs/rl.md); 0: none, earlier turns are tokenized from their text"
+        " (default: %(default)s)",
+    )
+    s.add_argument(
         "--rerank-template",
         default=None,
         metavar="FILE",
@@ -357,6 +367,13 @@ def _add_access(s: argparse.ArgumentParser) -> None:
         "--allowed-origins",
         default="",
         help="comma-separated CORS origins (default: none, no CORS headers)",
+    )
+    sec.add_argument(
+        "--no-metrics",
+        dest="metrics",
+        action="store_false",
+        help="serve no GET /metrics and observe no request for it (Prometheus metrics are on"
+        " by default)",
     )
     sec.add_argument(
         "--shutdown-grace",

@@ -52,6 +52,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         batches=BatchConfig(args.batch_dir, args.batch_concurrency, args.max_file_bytes),
         shutdown_grace_s=args.shutdown_grace,
         engine_process=args.engine == "process",
+        metrics=args.metrics,
+        faithful_answers=args.faithful_answers,
     )
 
 

@@ -42,10 +42,12 @@ def create_app(
     access: Access | None = None,
     rerank_template: YesNoTemplate | None = None,
     batch: BatchConfig | None = None,
+    metrics: bool = True,
 ) -> FastAPI:
     """The app over one model (a `Served`) or several (a `ModelPool`, api/core/pool.py);
     `rerank_template`: what /rerank and /score write each pair into (default: Qwen3-Reranker's
-    prompt, api/scoring/template.py); `batch`: where the Batch API keeps its files."""
+    prompt, api/scoring/template.py); `batch`: where the Batch API keeps its files; `metrics`:
+    whether GET /metrics is served (and requests observed for it)."""
     pool = served if isinstance(served, ModelPool) else ModelPool.single(served)
     batch = batch or BatchConfig()
     runner = BatchRunner(batch.dir, batch.concurrency, lambda: pool.closing)
@@ -75,7 +77,8 @@ def create_app(
     install_error_handlers(app)
     install_openapi(app, access.api_key is not None)
     install_guard(app, access, pool.limits, pool.engine.max_num_seqs)
-    install_metrics(app, pool)  # outside the guard: its refusals count too
+    if metrics:
+        install_metrics(app, pool)  # outside the guard: its refusals count too
 
     @app.exception_handler(Unavailable)
     async def _unavailable(r: Request, e: Unavailable) -> JSONResponse:

@@ -22,6 +22,7 @@ import psutil
 import uvicorn
 
 from omlx_logprobs.api.app import create_app
+from omlx_logprobs.api.core.sampled import MAX_ANSWERS
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.config import Access, EngineConfig, Limits
 from omlx_logprobs.engine.engine import Engine
@@ -102,9 +103,12 @@ def thread_server(
     reasoning: bool = False,
     tool_format: str = "none",
     reasoning_tags: tuple[str, str] = THINK_TAGS,
+    metrics: bool = True,
+    faithful_answers: int = MAX_ANSWERS,
 ) -> Iterator[tuple[str, Engine]]:
     """`create_app` under a real uvicorn server in a thread; yields (base URL, engine).
-    `reasoning`: the thinking parser on (what `--reasoning-parser` turns on)."""
+    `reasoning`: the thinking parser on (what `--reasoning-parser` turns on); `metrics` and
+    `faithful_answers`: what `--no-metrics` and `--faithful-answers` set."""
     cfg = cfg or EngineConfig(max_num_seqs=64, prefill_chunk=64)
     engine = Engine(model.model, model.vocab, model.eos_token_ids, cfg, tokenizer=model.tokenizer)
     client = EngineClient(ThreadTransport(engine))
@@ -116,8 +120,9 @@ def thread_server(
         tool_format=tool_format,
         reasoning_tags=reasoning_tags,
         limits=limits or Limits(),
+        faithful_answers=faithful_answers,
     )
-    app = create_app(served, access)
+    app = create_app(served, access, metrics=metrics)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")

@@ -347,3 +347,19 @@ def test_health_reports_the_store(
     report = httpx.get(served[0] + "/health", timeout=10).json()["sampled_store"]
     assert report["answers"] > 0 and 0 < report["bytes"] <= report["max_bytes"]
     assert report["max_answers"] == 4096
+
+
+def test_faithful_answers_0_tokenizes_every_turn_from_its_text(tiny: LoadedModel) -> None:
+    """`--faithful-answers 0`: nothing remembered, a conversation sent back is its text's ids."""
+    with thread_server(tiny, faithful_answers=0) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+        for seed in SEEDS:
+            first = client.chat.completions.create(
+                model=tiny.name, messages=HELLO, max_tokens=12, seed=seed, temperature=1.0
+            )
+            messages = [*HELLO, {"role": "assistant", "content": first.choices[0].message.content}]
+            ids, usage = _second_chat(client, tiny.name, [*messages, MORE], False)
+            assert ids == plain_ids(tiny, [*messages, MORE])
+            assert usage["prompt_tokens_details"]["reused_output_tokens"] == 0
+        report = httpx.get(url + "/health", timeout=10).json()["sampled_store"]
+        assert (report["answers"], report["bytes"], report["max_answers"]) == (0, 0, 0)

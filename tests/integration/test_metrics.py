@@ -177,3 +177,16 @@ def test_metrics_read_while_a_load_runs(base: str) -> None:
     assert delta("vllm:generation_tokens_total", **model) == 8 * 48
     assert delta("vllm:prompt_tokens_total", **model) == sum(u.prompt_tokens for u in usages)
     assert value(last, "vllm:num_requests_running", **model) == 0
+
+
+def test_no_metrics_serves_no_route(tiny: LoadedModel) -> None:
+    """`--no-metrics`: /metrics is a 404 in OpenAI's error shape, and the requests still run."""
+    with thread_server(tiny, metrics=False) as (url, _):
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": tiny.name, "messages": MESSAGES, "max_tokens": 2},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        gone = httpx.get(url + "/metrics", timeout=10)
+        assert gone.status_code == 404 and "error" in gone.json()

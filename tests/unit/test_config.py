@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from omlx_logprobs.api.core.sampled import MAX_ANSWERS
 from omlx_logprobs.config import PREFILL_CHUNK, PREFILL_DELAY_MS, EngineConfig
 from omlx_logprobs.options import build_parser
-from omlx_logprobs.serve_config import engine_config
+from omlx_logprobs.serve_config import config_from_args, engine_config
 
 
 def test_prefill_defaults_by_device() -> None:
@@ -46,3 +47,13 @@ def test_reasoning_budgets_flag() -> None:
     for bad in ("low", "low=x", "low=-1", "huge=5", "low=1.5"):
         with pytest.raises(ValueError):
             engine_config(parse(["serve", "--reasoning-budgets", bad]))
+
+
+def test_metrics_and_the_faithful_store_switch_off() -> None:
+    parse = build_parser().parse_args
+    plain = config_from_args(parse(["serve"]))
+    assert plain.metrics and plain.faithful_answers == MAX_ANSWERS == 4096
+    off = config_from_args(parse(["serve", "--no-metrics", "--faithful-answers", "0"]))
+    assert (off.metrics, off.faithful_answers) == (False, 0)
+    with pytest.raises(ValueError, match="faithful_answers"):
+        config_from_args(parse(["serve", "--faithful-answers", "-1"]))

@@ -131,7 +131,8 @@ def prepare(ask: Ask, served: Served) -> Prepared:
         reused, recorder = 0, None
         if isinstance(req, ChatCompletionRequest):
             requests, constraint, reused = _chat(ask, req, served, rid)
-            recorder = Recorder(served.sampled, served.adapter(req.model) or "")
+            if served.sampled.count:  # --faithful-answers 0: nothing to remember answers in
+                recorder = Recorder(served.sampled, served.adapter(req.model) or "")
         else:
             requests, constraint = _completion(ask, req, served, rid)
     writer = served.writers.choose(req.logprobs_format, req.return_tokens_as_token_ids)

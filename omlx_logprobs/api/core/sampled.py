@@ -17,9 +17,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omlx_logprobs.config import ServerConfig
 from omlx_logprobs.types import RequestOutput
 
-MAX_ANSWERS = 4096
+MAX_ANSWERS = ServerConfig.faithful_answers
 MAX_MIB = 64
 
 

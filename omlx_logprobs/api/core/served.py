@@ -17,7 +17,7 @@ from omlx_logprobs.api.core.bounds import model_bounds
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.heads import Heads
-from omlx_logprobs.api.core.sampled import SampledStore
+from omlx_logprobs.api.core.sampled import MAX_ANSWERS, SampledStore
 from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.logprobs.format import Pieces
@@ -45,6 +45,8 @@ class Served:
     # LoRA adapters served on this model, name -> path (api/core/slot.py keeps it across reloads);
     # a request names one by `model`.
     adapters: dict[str, str] = field(default_factory=dict)
+    # How many answers' sampled ids `sampled` keeps (--faithful-answers; 0: none, nor recorded).
+    faithful_answers: int = MAX_ANSWERS
 
     @cached_property
     def checks(self) -> RequestLimits:
@@ -54,7 +56,7 @@ class Served:
     def sampled(self) -> SampledStore:
         """The ids this model's answers were sampled as, for the conversations sent back
         (api/core/sampled.py; adapters apart by scope)."""
-        return SampledStore()
+        return SampledStore(self.faithful_answers)
 
     @cached_property
     def heads(self) -> Heads:
