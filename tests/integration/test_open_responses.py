@@ -276,33 +276,31 @@ def test_previous_response_id(suite: Suite) -> None:
     assert (text(first), text(r)) == ("OK", "Papaya.")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="image input needs a vision model; this server serves text models",
-)
-def test_image_input(suite: Suite) -> None:  # fmt: skip
-    content = [
+UNREAD = {
+    "image-input": (
+        "image input needs a vision model; this server serves text models",
         {"type": "input_text", "text": "What do you see in this image? Answer in one sentence."},
         {"type": "input_image", "image_url": png()},
-    ]
-    r = suite.send({"model": MODEL, "input": [user(content)]})
-    has_output(r)
-    completed(r)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="file input (a PDF) is not read by this server: no document parser",
-)
-def test_file_input(suite: Suite) -> None:  # fmt: skip
-    content = [
+    ),
+    "file-input": (
+        "file input (a PDF) is not read by this server: no document reader",
         {"type": "input_text", "text": "Read the attached file and answer with its title only."},
         {"type": "input_file", "filename": "weather.pdf",
          "file_data": "data:application/pdf;base64," + base64.b64encode(PDF).decode()},
-    ]  # fmt: skip
-    r = suite.send({"model": MODEL, "input": [user(content)]})
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("test_id", list(UNREAD))
+def test_unread_input(suite: Suite, test_id: str) -> None:
+    """Expected failures, with the reason: the part is refused with a 400 in OpenAI's shape
+    naming it (never a 500); once the server reads such parts, the suite's checks run."""
+    reason, *content = UNREAD[test_id]
+    try:
+        r = suite.send({"model": MODEL, "input": [user(content)]})
+    except AssertionError as e:
+        assert str(e).startswith("HTTP 400") and content[1]["type"] in str(e), str(e)
+        pytest.xfail(f"{test_id}: {reason}")
     has_output(r)
     completed(r)
 
