@@ -25,6 +25,7 @@ import json
 import struct
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -40,7 +41,7 @@ from tests.integration.test_tool_calls import TEMPLATE
 MODEL = "scripted-open-responses"
 KEY = "sk-open-responses"
 CALL = {"name": "get_weather", "arguments": {"location": "San Francisco, CA"}}
-CALL_TEXT = [
+CALL_TEXT: list[dict[str, Any]] = [
     {"tokens": ["<tool_call>"]},
     {"text": "\n" + json.dumps(CALL) + "\n"},
     {"tokens": ["</tool_call>"]},
@@ -309,3 +310,16 @@ def test_unread_input(suite: Suite, test_id: str) -> None:
 def test_optional_hosted_tools(test_id: str) -> None:
     why = "optional in the suite (skipped there unless a vector store or an offline search index"
     pytest.skip(f"{test_id}: {why} is configured); this server has no hosted tools")
+
+
+def test_all_at_once(url: str, spec: Spec) -> None:
+    """The suite starts all its tests together (`Promise.all`): the same tests, concurrently on
+    the one server, each on its own connection, pass the same checks."""
+    tests: list[Callable[[Suite], None]] = [
+        test_basic_response, test_streaming_response, test_system_prompt, test_tool_calling,
+        test_tool_calling_streaming, test_function_call_roundtrip, test_multi_turn,
+        test_previous_response_id,
+    ]  # fmt: skip
+    with ThreadPoolExecutor(len(tests)) as pool:
+        for done in [pool.submit(t, Suite(url, spec)) for t in tests]:
+            done.result()
