@@ -34,7 +34,7 @@ import pytest
 from omlx_logprobs.config import Access
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from tests.helpers.open_responses import Spec, Stream
-from tests.helpers.scripted import write_description
+from tests.helpers.scripted import END, THINK, write_description
 from tests.helpers.server import thread_server
 from tests.integration.test_tool_calls import TEMPLATE
 
@@ -58,6 +58,7 @@ SCRIPTS: dict[str, list[dict[str, Any]]] = {
     "name?": [{"text": "Your name is Alice."}],
     "OK.": [{"text": "OK"}],
     "remember?": [{"text": "Papaya."}],
+    "first.": [THINK, {"text": "Five numbers."}, END, {"text": "1, 2, 3, 4, 5."}],
 }
 WEATHER_TOOL = {
     "type": "function",
@@ -119,7 +120,8 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                       chosen_slope=0.0, other_logits=[1.0], rest_logit=0.0)  # fmt: skip
     model: LoadedModel = load_model(str(path))
     model.tokenizer.chat_template = TEMPLATE
-    with thread_server(model, tool_format="hermes", access=Access(api_key=KEY)) as (base, _):
+    served = thread_server(model, reasoning=True, tool_format="hermes", access=Access(api_key=KEY))
+    with served as (base, _):
         yield base + "/v1"
 
 
@@ -212,6 +214,23 @@ def test_system_prompt(suite: Suite) -> None:
     has_output(r)
     completed(r)
     assert text(r) == "Ahoy, matey!"
+
+
+def test_streaming_response_with_reasoning(suite: Suite) -> None:
+    """streaming-response's checks on a reasoning model's answer (a reasoning item, then the
+    message). Expected to fail, and only on the reasoning events' names: they are OpenAI's
+    (`response.reasoning_text.delta` / `.done`, which its clients read), while the dated
+    document names them `response.reasoning.delta` / `.done`."""
+    prompt = "Count from 1 to 5, thinking first."
+    r = suite.send({"model": MODEL, "input": [user(prompt)]}, streaming=True)
+    completed(r)
+    assert [i["type"] for i in r["output"]] == ["reasoning", "message"]
+    assert r["output"][0]["content"][0]["text"] == "Five numbers." and text(r) == "1, 2, 3, 4, 5."
+    assert suite.stream is not None and suite.stream.events
+    errors = suite.stream.errors
+    assert all("event response.reasoning_text." in e for e in errors), "\n".join(errors)
+    if errors:
+        pytest.xfail("reasoning events keep OpenAI's names (response.reasoning_text.*)")
 
 
 def weather_question() -> dict[str, Any]:
