@@ -12,7 +12,9 @@ events of a streamed call). The schema is the published one: the specification's
 document of the dated release, as the PyPI package openresponses-py ships it, read as the suite's
 zod schemas read it (tests/helpers/open_responses.py). The suite's tests over its versions are
 all here; those a text model cannot pass are expected failures with the reason, the optional ones
-the suite itself skips without a vector store or a search index are skipped.
+the suite itself skips without a vector store or a search index are skipped. Two are ours
+besides: streaming-response's checks on a reasoning answer (an expected failure, on the
+reasoning events' names alone) and all the tests at once, as the suite starts them.
 
 The model is scripted (models/scripted.py): the script is chosen by the last token of the last
 message, so each of the suite's prompts ends on a token added for it and gets a fitting answer,
