@@ -73,7 +73,8 @@ class ResponseOutput:
             status, error = "incomplete", None
         else:
             status, error = "completed", None
-        self.meta.update(status=status, error=error)
+        done = int(time.time()) if status == "completed" else None
+        self.meta.update(status=status, error=error, completed_at=done)
         if status == "incomplete":
             self.meta["incomplete_details"] = {"reason": "max_output_tokens"}
         changes = self.items.finish(text_if_empty=status != "failed")
@@ -196,6 +197,7 @@ def meta(req_fields: dict[str, Any], response_id: str, model: str) -> dict[str, 
         "id": response_id,
         "object": "response",
         "created_at": int(time.time()),
+        "completed_at": None,  # set when the response completes (output.finish)
         "status": "in_progress",
         "error": None,
         "incomplete_details": None,

@@ -115,17 +115,27 @@ def _echoed(req: ResponsesRequest) -> dict[str, Any]:
     text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {}
     reasoning = req.reasoning.model_dump(exclude_none=True) if req.reasoning else {}
     return {
+        "background": False,  # a background request is refused (convert.REFUSED)
+        "frequency_penalty": req.frequency_penalty,
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": None,  # a limit is refused (convert.REFUSED)
         "metadata": req.metadata or {},
         "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "presence_penalty": req.presence_penalty,
         "previous_response_id": req.previous_response_id,
+        "prompt_cache_key": req.prompt_cache_key,
         "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+        "safety_identifier": req.safety_identifier,
+        "service_tier": "default",  # the tier used: this server has one, whatever was asked
         "store": req.store is not False,
         "temperature": req.temperature if req.temperature is not None else 1.0,
         "text": {"format": text.get("format", {"type": "text"})},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-        "tools": req.tools or [],
+        # the spec's FunctionTool names every field (null where the request left it out)
+        "tools": [
+            {"description": None, "parameters": None, "strict": None, **t} for t in req.tools or ()
+        ],
         "top_logprobs": req.top_logprobs or 0,
         "top_p": req.top_p if req.top_p is not None else 1.0,
         "truncation": req.truncation or "disabled",
