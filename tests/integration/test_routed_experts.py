@@ -2,7 +2,8 @@
 random qwen3_moe answers `return_routed_experts` on chat completions (the `openai` client's
 extra_body), completions (streamed: on the final chunk), vLLM's /inference/v1/generate and
 SGLang's /generate with the routing its router picks for the tokens alone; a routing sent back
-on /inference/v1/generate is replayed; a dense model and a routing of the wrong shape are 400s."""
+on /inference/v1/generate is replayed; a dense model, a model split over processes and a routing
+of the wrong shape are 400s."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -18,8 +20,13 @@ import numpy as np
 import openai
 import pytest
 
-from omlx_logprobs.config import EngineConfig
+from omlx_logprobs.api.core.bounds import model_bounds
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.routed_experts import with_routing
+from omlx_logprobs.api.core.validation import RequestLimits
+from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.models.loader import LoadedModel
+from omlx_logprobs.types import SamplingParams
 from tests.engine.test_families import built, prompt
 from tests.engine.test_routed_experts import forward, sorted_ids
 from tests.helpers.server import assert_openai_error, thread_server
@@ -169,3 +176,19 @@ def test_the_server_flag_makes_every_request_ask(moe: LoadedModel, tiny: LoadedM
     with thread_server(tiny, cfg) as (url, _):
         r = httpx.post(url + "/inference/v1/generate", json=body, timeout=60)
     assert r.status_code == 200 and "routed_experts" not in r.json()["choices"][0]
+
+
+def test_a_model_split_over_processes_refuses_them(moe: LoadedModel) -> None:
+    """Rank 0 of a group (`cfg.parallel` set) records no routing: asking or replaying is a 400
+    that says why, never a replay its other ranks would ignore."""
+    served = SimpleNamespace(
+        cfg=EngineConfig(parallel="tensor"),
+        checks=RequestLimits(Limits(), model_bounds(moe, 20)),
+        model=moe,
+    )
+    params = SamplingParams(max_tokens=1)
+    assert with_routing(SimpleNamespace(), served, 4, params) == (params, None)
+    for field, value in (("return_routed_experts", True), ("routed_experts", [[[0]]])):
+        with pytest.raises(APIError, match="split over processes") as e:
+            with_routing(SimpleNamespace(**{field: value}), served, 4, params)
+        assert e.value.param == field

@@ -7,7 +7,8 @@ carries the shape and dtype: `np.load(io.BytesIO(base64.b64decode(s)))`), on its
 A request's own `routed_experts` (no server has a standard field for it: this is ours) is a
 routing to replay on its prompt's first positions, in the same encoding or as nested lists; the
 model's forward uses those experts there instead of its router's choice (runner/routing.py).
-Both are 400s on a model whose routing is not recorded (a dense model, a family not known).
+Both are 400s on a model whose routing is not recorded (a dense model, a family not known, a
+model split over processes).
 `--enable-return-routed-experts` (vLLM's flag) makes every request on a model whose routing is
 recorded ask."""
 
@@ -65,7 +66,10 @@ def with_routing(
 ) -> tuple[SamplingParams, np.ndarray | None]:
     """The request's `return_routed_experts` in its params, and its routing to replay checked
     against the model's routing shape and its prompt (`served`: api/core/served.Served)."""
-    shape = served.checks.bounds.routing
+    # A model split over processes (rank 0 of a group: cfg.parallel set) records nothing: its
+    # other ranks would route a replayed prompt their own way (ModelRunner.routes).
+    split = served.cfg.parallel is not None
+    shape = None if split else served.checks.bounds.routing
     asked = bool(getattr(req, "return_routed_experts", False))
     asked |= served.cfg.return_routed_experts and shape is not None  # the server's flag
     given = getattr(req, "routed_experts", None)
@@ -73,9 +77,14 @@ def with_routing(
         return params, None
     if shape is None:
         field = "return_routed_experts" if asked else "routed_experts"
+        why = (
+            "is split over processes (routing is recorded on one process only)"
+            if split
+            else "is not one"
+        )
         raise APIError(
             f"{field} needs a mixture-of-experts model whose routing this server records"
-            f" (qwen3_moe, qwen2_moe, mixtral); `{served.model.name}` is not one",
+            f" (qwen3_moe, qwen2_moe, mixtral); `{served.model.name}` {why}",
             param=field,
         )
     params = replace(params, return_routed_experts=asked)
