@@ -22,6 +22,7 @@ from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.logprobs.format import Pieces
 from omlx_logprobs.logprobs.wire import Writers
+from omlx_logprobs.models.embedding import EmbeddingConfig
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.transport.client import EngineClient
 from omlx_logprobs.types import THINK_TAGS
@@ -45,6 +46,8 @@ class Served:
     # LoRA adapters served on this model, name -> path (api/core/slot.py keeps it across reloads);
     # a request names one by `model`.
     adapters: dict[str, str] = field(default_factory=dict)
+    # How it makes embeddings (models/embedding.py); None: it serves none (a 400 for them).
+    embedding: EmbeddingConfig | None = None
 
     @cached_property
     def checks(self) -> RequestLimits:

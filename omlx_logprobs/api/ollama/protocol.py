@@ -57,6 +57,27 @@ class OllamaGenerateRequest(_Generation):
     images: list[Any] | None = None
 
 
+class OllamaEmbedRequest(_Open):
+    """`/api/embed`: `input` absent or empty loads the model and embeds nothing (Ollama's way
+    to preload one); `truncate` (default true) cuts inputs to the context, else a 400."""
+
+    model: str
+    input: str | list[str] | None = None
+    truncate: bool = True
+    dimensions: int | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
+
+
+class OllamaEmbeddingsRequest(_Open):
+    """The older `/api/embeddings`: one `prompt` (empty: the model loaded, no vector)."""
+
+    model: str
+    prompt: str = ""
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
+
+
 class OllamaShowRequest(_Open):
     model: str = ""
     name: str | None = None  # older clients' name for model
