@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 from omlx_logprobs.api.core.protocol import _Model, _Open
 
@@ -64,7 +64,7 @@ class OllamaEmbedRequest(_Open):
     model: str
     input: str | list[str] | None = None
     truncate: bool = True
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None
     options: dict[str, Any] | None = None
     keep_alive: float | str | None = None
 

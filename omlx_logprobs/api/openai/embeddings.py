@@ -13,6 +13,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import StrictInt
 
 from omlx_logprobs.api.core.embedding import EmbedAsk, Embedded, Input, check_inputs, embed
 from omlx_logprobs.api.core.pool import ModelPool
@@ -27,7 +28,7 @@ class EmbeddingRequest(_Open):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None
     user: str | None = None
     priority: Priority = 0
     add_special_tokens: bool = True
