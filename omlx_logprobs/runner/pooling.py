@@ -6,6 +6,7 @@ truncating are the API's (api/embeddings/), so the engine hands out the model's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,6 @@ import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.batch.sequence import Sequence
-from omlx_logprobs.runner.head import SplitForward
 
 __all__ = ["PendingPooled", "last_hidden"]
 
@@ -30,10 +30,11 @@ class PendingPooled:
         return [(s, host[i].copy()) for i, s in enumerate(self.seqs)]
 
 
-def last_hidden(split: SplitForward | None, ids: mx.array, cache: Any) -> mx.array:
+def last_hidden(body: Callable[..., mx.array] | None, ids: mx.array, cache: Any) -> mx.array:
     """[B, H] float32: the body's hidden state at the last column of `ids` (left-padded rows
-    end together there). A model whose body and head were not found apart (runner/head.py)
-    has no hidden state to read: its embedding prompts fail alone, as a prefill that failed."""
-    if split is None:
+    end together there). A model whose body and head were not found apart (runner/head.py's
+    split: `body` None) has no hidden state to read: its embedding prompts fail alone, as a
+    prefill that failed."""
+    if body is None:
         raise RuntimeError("this model's hidden states cannot be read apart from its logits")
-    return split.body(ids, cache=cache)[:, -1, :].astype(mx.float32)
+    return body(ids, cache=cache)[:, -1, :].astype(mx.float32)

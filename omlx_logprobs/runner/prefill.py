@@ -209,7 +209,7 @@ class Prefill:
 
     def _last_hidden(self, ids: mx.array, cache: list[Any]) -> mx.array:
         """[B, H] hidden states of the last position (embedding prompts)."""
-        return last_hidden(self.split, ids, cache)
+        return last_hidden(self.split.body if self.split is not None else None, ids, cache)
 
     def _prefill_group(
         self, group: list[PrefillChunk], prefix: Prefix | None
