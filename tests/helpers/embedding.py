@@ -77,15 +77,18 @@ _POOLING = {
 }
 
 
-def embedding_model_dir(out: Path, tokenizer_dir: Path, seed: int = 4321) -> Path:
-    """The directory, saved as mlx-lm and transformers both read it."""
+def embedding_model_dir(
+    out: Path, tokenizer_dir: Path, seed: int = 4321, tied: bool = True
+) -> Path:
+    """The directory, saved as Qwen3-Embedding's are (transformers' base model alone: no
+    `model.` prefix, no head; `tied`: tie_word_embeddings, as the 0.6B's, else as the 4B's)."""
     tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     tok["post_processor"] = {"type": "Sequence", "processors": [tok["post_processor"], _APPEND_EOS]}
     (out / "tokenizer.json").write_text(json.dumps(tok))
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
-    (out / "config.json").write_text(json.dumps(QWEN3_EMBEDDING))
+    (out / "config.json").write_text(json.dumps({**QWEN3_EMBEDDING, "tie_word_embeddings": tied}))
     (out / "modules.json").write_text(json.dumps(_MODULES))
     (out / "1_Pooling").mkdir(exist_ok=True)
     (out / "1_Pooling" / "config.json").write_text(json.dumps(_POOLING))
@@ -103,7 +106,8 @@ def embedding_model_dir(out: Path, tokenizer_dir: Path, seed: int = 4321) -> Pat
     model = qwen3.Model(qwen3.ModelArgs.from_dict(QWEN3_EMBEDDING))
     model.model.embed_tokens.weight = mx.random.normal((49152, 64)) * 0.15
     weights = dict(nn.utils.tree_flatten(model.parameters()))  # type: ignore[attr-defined]
-    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    base = {k.removeprefix("model."): w for k, w in weights.items() if k.startswith("model.")}
+    mx.save_safetensors(str(out / "model.safetensors"), base)
     return out
 
 
