@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from omlx_logprobs.config import ServerConfig
 from omlx_logprobs.models.embedding import read_embedding
 
 POOL = "sentence_transformers.models."
@@ -71,3 +72,13 @@ def test_refused_at_start(tmp_path: Path, modules: list[str], pooling: str, word
     for task in ("auto", "embed"):
         with pytest.raises(ValueError, match=word):
             read_embedding(d, task)
+
+
+def test_task_per_model() -> None:
+    two = (("b", None),)
+    cfg = ServerConfig(model="a", other_models=two, tasks=("embed", "generate"))
+    assert (cfg.task(0), cfg.task(1)) == ("embed", "generate")
+    assert ServerConfig(model="a", other_models=two, tasks=("embed",)).task(1) == "embed"
+    assert ServerConfig(model="a").task(0) == "auto"
+    with pytest.raises(ValueError, match="--task"):
+        ServerConfig(model="a", other_models=two, tasks=("embed", "embed", "embed"))
