@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from mlx_lm.utils import _get_classes, load_model, load_tokenizer
+from mlx_lm.utils import load_model, load_tokenizer
 
 PREFIX = "model."
 _BODY = ("embed_tokens.", "layers.", "norm.")
@@ -39,6 +39,9 @@ def is_headless(path: Path) -> bool:
 
 def load_headless(path: Path) -> tuple[Any, Any, dict[str, Any]]:
     """(model, tokenizer wrapper, config) as mlx-lm's `load` returns them."""
+    # mlx-lm's own choice of class by config (private): imported here, so that only such a
+    # checkpoint's load depends on it
+    from mlx_lm.utils import _get_classes
 
     def classes(config: dict[str, Any]) -> tuple[type, type]:
         model_class, args_class = _get_classes(config)
