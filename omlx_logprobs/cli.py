@@ -135,6 +135,7 @@ def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
     import mlx.core as mx
 
     from omlx_logprobs.api.core.slot import ModelSlot
+    from omlx_logprobs.models.embedding import read_embedding
     from omlx_logprobs.models.footprint import weight_mib
     from omlx_logprobs.models.loader import gguf_origin, is_scripted, resolve_model_path
     from omlx_logprobs.models.scripted import ScriptedSpec
@@ -144,8 +145,9 @@ def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
     cpu, dtype = mx.default_device() == mx.cpu, cfg.engine.dtype
     float_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4 if cpu else None)
     slots = []
-    for source, name in cfg.models:
+    for i, (source, name) in enumerate(cfg.models):
         origin = None  # the GGUF file converted, if one was
+        embedding = None  # what it embeds with (models/embedding.py), if it does
         if is_scripted(source):
             path = Path(source).expanduser()
             name = name or ScriptedSpec.read(path).name
@@ -153,8 +155,9 @@ def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
             origin = gguf_origin(source)
             path, default_name = resolve_model_path(source, cfg.offline)
             source, name = str(path), name or default_name
+            embedding = read_embedding(path, cfg.task(i))
         need = weight_mib(path, float_bytes, dequantize=cpu and dtype == "auto")
-        slots.append(ModelSlot(name, source, need, origin=origin))
+        slots.append(ModelSlot(name, source, need, origin=origin, embedding=embedding))
     slots[0].adapters.update(cfg.lora)
     return slots
 
@@ -188,6 +191,9 @@ def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) ->
     tool_format, reasoning = parsers(args, model)
     log.info("reasoning parser: %s", "on" if reasoning else "off")
     log.info("tool-call parser: %s", tool_format.value)
+    if (e := slot.embedding) is not None:
+        log.info("embeddings: last-token pooling%s%s (%s)", ", normalized" if e.normalize else "",
+                 ", Matryoshka" if e.matryoshka else "", e.source)  # fmt: skip
     return Served(
         engine,
         model,
@@ -198,6 +204,7 @@ def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) ->
         limits=cfg.limits,
         ignore_unknown_fields=args.ignore_unknown_fields,
         faithful_answers=cfg.faithful_answers,
+        embedding=slot.embedding,
     )
 
 

@@ -198,6 +198,8 @@ class ServerConfig:
     offline: bool = False  # a Hugging Face name must be in the local cache: no download
     # Models served beside the first (the default of routes that name none): (source, name).
     other_models: tuple[tuple[str | None, str | None], ...] = ()
+    # Each model's --task (models/embedding.py), in order; one: every model's; none: auto.
+    tasks: tuple[str, ...] = ()
     # LoRA adapters (name, path) served on the first model from the start (--lora).
     lora: tuple[tuple[str, str], ...] = ()
     pool: PoolConfig = PoolConfig()
@@ -219,7 +221,15 @@ class ServerConfig:
         """Every served model as (source, name), the default first."""
         return ((self.model, self.served_model_name), *self.other_models)
 
+    def task(self, i: int) -> str:
+        """The i-th model's --task."""
+        if not self.tasks:
+            return "auto"
+        return self.tasks[0] if len(self.tasks) == 1 else self.tasks[i]
+
     def __post_init__(self) -> None:
+        if len(self.tasks) > 1 and len(self.tasks) != len(self.models):
+            raise ValueError("--task is given once, or once per --model")
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be in [0, 65535]")
         if not self.shutdown_grace_s >= 0:

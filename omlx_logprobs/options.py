@@ -81,6 +81,16 @@ def _add_model(s: argparse.ArgumentParser) -> None:
         " given once per --model, in the same order",
     )
     s.add_argument(
+        "--task",
+        action="append",
+        default=None,
+        choices=["auto", "generate", "embed"],
+        help="what the model serves besides generation: embed, embeddings too (/v1/embeddings,"
+        " /api/embed: last-token pooling, normalized); auto (default), embed where its"
+        " sentence-transformers files pool the last token (Qwen3-Embedding); generate, never."
+        " Given once per --model in the same order, or once for every model",
+    )
+    s.add_argument(
         "--lora",
         action="append",
         default=None,

@@ -29,6 +29,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         served_model_name=names[0],
         offline=args.offline,
         other_models=tuple(zip(models[1:], names[1:])),
+        tasks=tuple(args.task or ()),
         pool=PoolConfig(
             args.max_loaded_models, args.max_model_memory_mib, args.model_load_timeout_s
         ),

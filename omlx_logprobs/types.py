@@ -258,6 +258,9 @@ class EngineRequest:
     # A routing to replay (runner/routing.py): the top-k expert ids per MoE layer of the
     # prompt's first positions, [n, moe_layers, top_k] int16, used in place of the router's.
     routed_experts: np.ndarray | None = None
+    # An embedding: the prompt is prefilled and nothing is sampled (max_tokens 0); its output
+    # carries the final hidden state of the prompt's last position (RequestOutput.embedding).
+    embed: bool = False
 
 
 # vLLM's `priority` is a Python int; here it is bounded to what a 32-bit int holds.
@@ -402,6 +405,9 @@ class RequestOutput:
     # .return_routed_experts): [positions, moe_layers, top_k] int16 for every position the
     # model computed, the prompt's and every output token's but the last.
     routed_experts: np.ndarray | None = None
+    # An embedding request's (EngineRequest.embed) final output: the final normed hidden state
+    # of the prompt's last position, [hidden] float32, neither pooled further nor normalized.
+    embedding: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

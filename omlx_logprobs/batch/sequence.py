@@ -105,6 +105,10 @@ class Sequence:
         # positions, and what its forwards recorded, by first position (host arrays).
         self.replay: Any = None
         self.routes: dict[int, Any] = {}
+        # An embedding request (EngineRequest.embed): its last position's hidden state on the
+        # host once its prefill is collected (runner/pooling.py).
+        self.embed = False
+        self.embedding: Any = None
 
     @classmethod
     def of(cls, req: EngineRequest) -> Sequence:
@@ -119,7 +123,7 @@ class Sequence:
             reasoning_tags=req.reasoning_tags,
         )
         seq.cache_namespace, seq.priority = req.cache_namespace, req.priority
-        seq.replay = req.routed_experts
+        seq.replay, seq.embed = req.routed_experts, req.embed
         for i in range(1, req.n):
             seq.fork(i)
         return seq

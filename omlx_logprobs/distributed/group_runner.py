@@ -105,7 +105,9 @@ class LeaderRunner(_GroupRunner):
         s = c.seq
         new = None
         if s.seq_id not in self._known:  # its first chunk: what the followers need of it
-            new = (np.asarray(s.context_ids, np.int32), s.params, [f.seq_id for f in s.forks])
+            forks = [f.seq_id for f in s.forks]
+            # an embedding prompt prefills in groups of its own: every rank groups it alike
+            new = (np.asarray(s.context_ids, np.int32), s.params, forks, s.embed)
             self._known.update(m.seq_id for m in s.group)
         joining = [m.seq_id for m in s.joining()] if c.is_last else None
         return (s.seq_id, c.start, c.end, new, joining)
@@ -282,8 +284,9 @@ def follow(runner: FollowerRunner) -> None:
         prefill = []
         for lid, start, end, new, joining in chunks:
             if new is not None:
-                prompt, params, forks = new
+                prompt, params, forks, embed = new
                 seq = Sequence("", prompt.tolist(), params)
+                seq.embed = embed
                 seqs[lid], ids[seq.seq_id] = seq, lid
                 for index, fid in enumerate(forks, 1):
                     fork = seq.fork(index)

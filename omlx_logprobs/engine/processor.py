@@ -38,6 +38,11 @@ class OutputProcessor:
         finished: list[Sequence] = []
         for rows, entries in result.prompt:
             finished += self._record_prompt(rows, entries)
+        for seq, hidden in result.pooled:  # an embedding request's output, sent as it ends
+            if np.isfinite(hidden).all():
+                seq.embedding = hidden
+            elif seq.status is not Status.FINISHED:
+                self.fail(seq, "the model produced non-finite hidden states")
         for seq in result.prompt_only:  # max_tokens 0: the prompt was all there was to do
             if seq.status is not Status.FINISHED:
                 seq.finish(FinishReason.LENGTH)
@@ -191,6 +196,7 @@ class OutputProcessor:
             weight_spans=tuple(seq.weight_spans),
             adapter=seq.adapter_version,
             routed_experts=self._routed_experts(seq) if done else None,
+            embedding=seq.embedding if done else None,
         )
         seq.released_tokens = end
         self._outputs.append(out)

@@ -16,6 +16,7 @@ from mlx_lm.utils import load_tokenizer
 
 from omlx_logprobs.models.card import native_context
 from omlx_logprobs.models.dtype import apply_dtype
+from omlx_logprobs.models.headless import is_headless, load_headless
 from omlx_logprobs.models.padded_batch import fit_for_padded_batches
 from omlx_logprobs.vocab import Vocabulary, build_vocabulary
 
@@ -86,7 +87,9 @@ def load_model(
     if is_scripted(model):
         return _load_scripted(Path(model).expanduser(), name, max_model_len)
     path, default_name = resolve_model_path(model, offline)
-    if weights:
+    if weights and is_headless(path):  # a base model's weights alone (Qwen3-Embedding's)
+        net, wrapper, config = load_headless(path)
+    elif weights:
         net, wrapper, config = mlx_lm_load(str(path), return_config=True)  # type: ignore[misc]
     else:
         net, config = None, json.loads((path / "config.json").read_text())

@@ -153,21 +153,21 @@ class ModelRunner:
                 inputs = batch.last_tokens[rows][:, None]
             parts.append(self.forward_batch(inputs))
             seqs += batch.rows
-        more, chosen, prompt, prompt_only = self.prefill.launch(work)
+        more, chosen, prompt, prompt_only, pooled = self.prefill.launch(work)
         parts += more
         seqs += chosen
-        if prompt:  # queued now, collected with the step: no sync per scored block
-            self.queue(*(x for p in prompt for x in p.arrays()))
+        if prompt or pooled:  # queued now, collected with the step: no sync per scored block
+            self.queue(*(x for p in prompt for x in p.arrays()), *(p.hidden for p in pooled))
         routes = self.routing.take() if self.routing is not None else []
         if routes:  # read back with the step that computed them
             self.queue(*(r for _, _, r in routes))
         if not seqs:
             if not prompt and not prompt_only and not routes:
                 return None
-            return LaunchedStep([], None, prompt, prompt_only, routes=routes)
+            return LaunchedStep([], None, prompt, prompt_only, routes=routes, pooled=pooled)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
         step = self._sample(logits, seqs)
-        return replace(step, prompt=prompt, prompt_only=prompt_only, routes=routes)
+        return replace(step, prompt=prompt, prompt_only=prompt_only, routes=routes, pooled=pooled)
 
     def _routes_rows(self) -> bool:
         """Whether a batch row records or replays routed experts (runner/routing.py)."""
@@ -385,12 +385,15 @@ class ModelRunner:
         else:
             tokens, finite, logprobs = np.zeros(0, np.int32), np.ones(0, bool), None
         prompt = [x for p in step.prompt for x in p.to_host()]
+        pooled = [x for p in step.pooled for x in p.to_host()]
         for seqs, first, routes in step.routes:
             host = np.array(routes, copy=False)
             for s in seqs:
                 s.routes[first] = host
         self.time.read_s += time.perf_counter() - t0
-        return StepResult(step.seqs, tokens, finite, logprobs, prompt, step.prompt_only)
+        return StepResult(
+            step.seqs, tokens, finite, logprobs, prompt, step.prompt_only, pooled=pooled
+        )
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Move prefilled sequences' caches into the batch, as its last rows, in this order.

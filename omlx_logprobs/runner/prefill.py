@@ -27,6 +27,7 @@ from omlx_logprobs.runner.batch_cache import BatchCache
 from omlx_logprobs.runner.batch_state import BatchState, Prefilled
 from omlx_logprobs.runner.lora import AdapterSet
 from omlx_logprobs.runner.plan import Plan
+from omlx_logprobs.runner.pooling import PendingPooled, last_hidden
 from omlx_logprobs.runner.prefix import Key, Prefix
 from omlx_logprobs.runner.prefix_cache import PrefixCache
 from omlx_logprobs.runner.prompt_cache import PromptCache
@@ -94,9 +95,13 @@ class Prefill:
 
     def launch(
         self, work: SchedulerOutput
-    ) -> tuple[list[mx.array], list[Sequence], list[PendingPrompts], list[Sequence]]:
+    ) -> tuple[
+        list[mx.array], list[Sequence], list[PendingPrompts], list[Sequence], list[PendingPooled]
+    ]:
         """The step's prompts: the logits of those that sample now and their sequences (a row
-        per choice), the scored prompts' pending entries, the prompts done with no output."""
+        per choice), the scored prompts' pending entries, the prompts done with no output, and
+        the embedding prompts' hidden states (runner/pooling.py; they are prompts done too)."""
+        pooled: list[PendingPooled] = []
         parts: list[mx.array] = []
         seqs: list[Sequence] = []
         # Whole prompts prefill together in left-padded groups, scored ones in groups of their
@@ -124,6 +129,8 @@ class Prefill:
                     self._prefill_failed([group[0].seq], exc)
                 continue
             prompt += [pending] if pending is not None else []
+            if group[0].seq.embed:  # a group of embedding prompts: `logits` are hidden states
+                pooled.append(PendingPooled([c.seq for c in group], logits))
             sampled = [i for i, c in enumerate(group) if c.seq.params.max_tokens > 0]
             prompt_only += [c.seq for c in group if c.seq.params.max_tokens == 0]
             if sampled:
@@ -142,12 +149,14 @@ class Prefill:
             prompt += [scored] if scored is not None else []
             if last is None:
                 continue
+            if chunk.seq.embed:
+                pooled.append(PendingPooled([chunk.seq], last))
             if chunk.seq.params.max_tokens == 0:
                 prompt_only += chunk.seq.group
             elif members := chunk.seq.joining():  # one row per choice: forks sample here too
                 parts.append(mx.broadcast_to(last, (len(members), last.shape[-1])))
                 seqs += members
-        return parts, seqs, prompt, prompt_only
+        return parts, seqs, prompt, prompt_only, pooled
 
     def _settle(self, seqs: list[Sequence], logits: mx.array | None) -> None:
         """Queue a large prefill now, apart from the step: MLX allocates an op's buffers as it
@@ -198,6 +207,10 @@ class Prefill:
             return self.model(ids, cache=cache)[:, -1, :]
         return self._head(self.split.body(ids, cache=cache)[:, -1:, :])[:, 0, :]
 
+    def _last_hidden(self, ids: mx.array, cache: list[Any]) -> mx.array:
+        """[B, H] hidden states of the last position (embedding prompts)."""
+        return last_hidden(self.split.body if self.split is not None else None, ids, cache)
+
     def _prefill_group(
         self, group: list[PrefillChunk], prefix: Prefix | None
     ) -> tuple[mx.array, PendingPrompts | None]:
@@ -228,9 +241,8 @@ class Prefill:
         spans = [RowSpan(c.seq.group, f, c.end - f, max(p - start, 0))
                  for c, p in zip(group, pads) for f in [max(start - p, 0)]]  # fmt: skip
         if not scored:
-            logits = self._routed(
-                spans, width - start, lambda: self._last_logits(ids, cache.layers)
-            )
+            last = self._last_hidden if group[0].seq.embed else self._last_logits
+            logits = self._routed(spans, width - start, lambda: last(ids, cache.layers))
             cache.finish_prefill()
             return logits, None
         assert self.split is not None
@@ -303,6 +315,8 @@ class Prefill:
         # Prompts that record or replay routed experts are computed whole: a kept prefix's
         # routing was not recorded, and one computed with a replayed routing is not kept.
         chunks = [c for c in chunks if self.routing is None or not routed(c.seq)]
+        if self.prefixes.whole:  # a state resumed would give logits (`_resume_group`)
+            chunks = [c for c in chunks if not c.seq.embed]
         plain = [c for c in chunks if not c.seq.scored]
         scored = [c for c in chunks if c.seq.scored]
         keys = [self.key_of(c.seq) for c in plain]
@@ -354,7 +368,8 @@ class Prefill:
             scored = score([rows], lambda a, b: out[a:b], self.extractor, served, tuple(keep))
             logits = out[-1:, :]
         elif chunk.is_last:
-            logits = self._routed(span, n, lambda: self._last_logits(ids, cache))
+            last = self._last_hidden if seq.embed else self._last_logits
+            logits = self._routed(span, n, lambda: last(ids, cache))
         else:
             # Lazy: evaluating only the cache skips the head. Split over processes, the
             # forward's output is evaluated too (distributed/group_runner.py).
@@ -390,8 +405,8 @@ class Prefill:
 
 def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[list[PrefillChunk]]:
     """Split whole prompts into forward groups, in order: by the cached prefix they start from,
-    scored prompts apart from plain ones and by `score_key`, and so that left padding never
-    more than doubles a group's tokens."""
+    scored prompts apart from plain ones and by `score_key`, embedding prompts apart, and so
+    that left padding never more than doubles a group's tokens."""
     groups: list[list[PrefillChunk]] = []
     open_: dict[object, tuple[list[PrefillChunk], int, int]] = {}  # kind -> (group, width, total)
     for c in chunks:
@@ -400,6 +415,8 @@ def _groups(chunks: list[PrefillChunk], prefixes: dict[int, Prefix]) -> list[lis
         # tokens, so the prefix itself is the kind)
         prefix = prefixes.get(c.seq.seq_id)
         kind: object = ("prefix", id(prefix) if prefix is not None else None)
+        if c.seq.embed:  # their forward stops at the hidden states
+            kind = ("embed", kind)
         if c.seq.scored:
             kind = (score_key(p), kind)
         n = c.end

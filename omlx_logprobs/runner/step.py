@@ -11,6 +11,7 @@ import numpy as np
 
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.logprobs.extractor import PendingStep
+from omlx_logprobs.runner.pooling import PendingPooled
 from omlx_logprobs.runner.prompt_scoring import PendingPrompts, PromptSlice
 from omlx_logprobs.types import Entries
 
@@ -40,6 +41,8 @@ class LaunchedStep:
     # Routed experts its forwards recorded (runner/routing.py): (sequences, first position,
     # [positions, moe_layers, top_k] int16 on the device), read back by `collect`.
     routes: list[tuple[list[Sequence], int, Any]] = field(default_factory=list)
+    # Embedding prompts' last hidden states (runner/pooling.py); those prompts are prompt_only.
+    pooled: list[PendingPooled] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,8 @@ class StepResult:
     # Speculative steps: True where the row is an accepted draft from the request's prediction
     # (counted as accepted once the output takes it: drafts past a stop are in neither count).
     predicted: np.ndarray | None = None
+    # Embedding prompts' last hidden states, [H] float32 each, read before their prompt_only end.
+    pooled: list[tuple[Sequence, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

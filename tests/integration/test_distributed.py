@@ -1,13 +1,13 @@
 """A model split over two processes (distributed/distributed.py): `omlx-logprobs serve` under
 `mlx.launch -n 2 --backend ring` on loopback, through the `openai` client, against the same
 model served by one process. Every token and every logprob (sampled, top lists, prompt
-logprobs, echo, streamed) equals the one-process server's within 1e-4 (float32), with the
-requests batched together, an aborted stream beside them, and n > 1. Tensor parallel on a llama,
-pipeline parallel on qwen3_next (a family mlx-lm splits only by layers) and on a llama whose heads
-do not divide over two ranks (the runner's own layer ranges; forced to split its heads, it is
-refused at start-up on both ranks, naming them). A rank killed
-mid-stream fails the stream with an error naming the group, /health turns 503, and the next
-request fails at once."""
+logprobs, echo, streamed) and every embedding equals the one-process server's within 1e-4
+(float32), with the requests batched together, an aborted stream beside them, and n > 1.
+Tensor parallel on a llama, pipeline parallel on qwen3_next (a family mlx-lm splits only by
+layers) and on a llama whose heads do not divide over two ranks (the runner's own layer
+ranges; forced to split its heads, it is refused at start-up on both ranks, naming them). A
+rank killed mid-stream fails the stream with an error naming the group, /health turns 503, and
+the next request fails at once."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from tests.helpers.server import server_process, wait_idle
 pytestmark = pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch is not installed")
 
 TOLERANCE = 1e-4
-ARGS = ["--max-num-seqs", "16", "--prefill-chunk", "48", "--log-level", "info"]
+# --task embed: embedding prompts (prefill only, the body's hidden state) in the steps too
+ARGS = ["--max-num-seqs", "16", "--prefill-chunk", "48", "--task", "embed", "--log-level", "info"]
 QUESTIONS = ["Tell me about cats.", "What is two plus two?", "Name a colour."]
 
 
@@ -124,8 +125,13 @@ def workload(base: str, name: str) -> list[Any]:
         )
         return _completion(r)
 
+    def embeddings() -> list[Any]:
+        texts = [QUESTIONS[0], "Embed this longer text, " * 12]  # the second one chunked
+        r = client.embeddings.create(model=name, input=texts, encoding_format="float")
+        return [d.embedding for d in r.data]
+
     calls = [lambda i=i: chat(i) for i in range(4)]
-    calls += [echo, prompt_only, scored, lambda: _stream(client, name)]
+    calls += [echo, prompt_only, scored, embeddings, lambda: _stream(client, name)]
     with ThreadPoolExecutor(len(calls)) as ex:
         return list(ex.map(lambda f: f(), calls))
 

@@ -23,16 +23,19 @@ class Description:
     max_model_len: int  # the context served: prompt and output tokens together
     tools: bool  # tool calls are parsed from its output
     reasoning: bool  # its reasoning is parsed apart
+    embeddings: bool = False  # served as an embedding model (models/embedding.py)
 
     def capabilities(self) -> dict[str, bool]:
-        """/v1/models' `capabilities`: this server takes no images and serves no embeddings."""
+        """/v1/models' `capabilities`: this server takes no images."""
         return {"tools": self.tools, "reasoning": self.reasoning, "vision": False,
-                "embeddings": False}  # fmt: skip
+                "embeddings": self.embeddings}  # fmt: skip
 
     def ollama_capabilities(self) -> list[str]:
-        """Ollama's names ("completion", "tools", "thinking", "vision", "embedding")."""
+        """Ollama's names ("completion", "tools", "thinking", "vision", "embedding"): an
+        embedding model here generates too (the same engine), so it completes as well."""
         return ["completion", *(["tools"] if self.tools else []),
-                *(["thinking"] if self.reasoning else [])]  # fmt: skip
+                *(["thinking"] if self.reasoning else []),
+                *(["embedding"] if self.embeddings else [])]  # fmt: skip
 
 
 async def describe(pool: ModelPool, slot: ModelSlot) -> Description:
@@ -44,16 +47,17 @@ async def describe(pool: ModelPool, slot: ModelSlot) -> Description:
     served = slot.served
     source = str(served.model.path) if served is not None else slot.source
     card = await asyncio.to_thread(card_for, source, slot.origin) if source else None
+    embeds = (served.embedding if served is not None else slot.embedding) is not None
     if served is not None:
         known = Description(card, served.model.max_model_len, served.tool_format != "none",
-                            served.reasoning)  # fmt: skip
+                            served.reasoning, embeds)  # fmt: skip
     elif slot.tokenizer is not None or pool.load_tokenizer is not None:
         model, _ = await pool.tokenizer(slot.name)
-        known = Description(card, model.max_model_len, *_traits(pool, model))
+        known = Description(card, model.max_model_len, *_traits(pool, model), embeds)
     else:  # nothing to read it from without loading the model: the config's context
         limit = pool.engine.max_model_len
         native = card.context_length if card is not None else 0
-        return Description(card, min(native, limit) if limit else native, False, False)
+        return Description(card, min(native, limit) if limit else native, False, False, embeds)
     slot.description = known
     return known
 

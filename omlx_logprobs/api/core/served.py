@@ -22,6 +22,7 @@ from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.config import EngineConfig, Limits
 from omlx_logprobs.logprobs.format import Pieces
 from omlx_logprobs.logprobs.wire import Writers
+from omlx_logprobs.models.embedding import EmbeddingConfig
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.transport.client import EngineClient
 from omlx_logprobs.types import THINK_TAGS
@@ -47,6 +48,8 @@ class Served:
     adapters: dict[str, str] = field(default_factory=dict)
     # How many answers' sampled ids `sampled` keeps (--faithful-answers; 0: none, nor recorded).
     faithful_answers: int = MAX_ANSWERS
+    # How it makes embeddings (models/embedding.py); None: it serves none (a 400 for them).
+    embedding: EmbeddingConfig | None = None
 
     @cached_property
     def checks(self) -> RequestLimits:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.control import INITIAL_WEIGHTS, WeightVersion
+from omlx_logprobs.models.embedding import EmbeddingConfig
 from omlx_logprobs.transport.client import Observer
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ class ModelSlot:
     description: Description | None = field(default=None, repr=False)
     # What watches its requests for /metrics (api/metrics): given to each load's engine client.
     observer: Observer | None = field(default=None, repr=False)
+    # How it makes embeddings (models/embedding.py), read from its files at start; None: none.
+    embedding: EmbeddingConfig | None = None
 
     @property
     def live(self) -> Served:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 from omlx_logprobs.api.core.protocol import _Model, _Open
 
@@ -55,6 +55,27 @@ class OllamaGenerateRequest(_Generation):
     template: str | None = None
     context: list[int] | None = None
     images: list[Any] | None = None
+
+
+class OllamaEmbedRequest(_Open):
+    """`/api/embed`: `input` absent or empty loads the model and embeds nothing (Ollama's way
+    to preload one); `truncate` (default true) cuts inputs to the context, else a 400."""
+
+    model: str
+    input: str | list[str] | None = None
+    truncate: bool = True
+    dimensions: StrictInt | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
+
+
+class OllamaEmbeddingsRequest(_Open):
+    """The older `/api/embeddings`: one `prompt` (empty: the model loaded, no vector)."""
+
+    model: str
+    prompt: str = ""
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
 
 
 class OllamaShowRequest(_Open):

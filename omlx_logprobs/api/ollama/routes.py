@@ -1,6 +1,7 @@
 """Ollama's routes: `POST /api/chat` and `/api/generate` (NDJSON streams unless `stream` is
-false) on the one request path, and the model routes its clients list and probe with
-(`/api/tags`, `/api/show`, `/api/ps`, `/api/version`). Errors take Ollama's shape,
+false) on the one request path, the embeddings (`/api/embed`, `/api/embeddings`: embed.py), and
+the model routes its clients list and probe with (`/api/tags`, `/api/show`, `/api/ps`,
+`/api/version`). Errors take Ollama's shape,
 `{"error": message}` (api/core/errors.py, by path)."""
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.core.serving import respond
 from omlx_logprobs.api.core.slot import ModelSlot
 from omlx_logprobs.api.ollama.convert import NAMES, chat_request, generate_request
+from omlx_logprobs.api.ollama.embed import embed_route, embeddings_route
 from omlx_logprobs.api.ollama.output import OllamaOutput, now
 from omlx_logprobs.api.ollama.protocol import (
     OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
     OllamaGenerateRequest,
     OllamaShowRequest,
 )
@@ -120,6 +124,16 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
     @app.post("/api/generate")
     async def generate(req: OllamaGenerateRequest, raw: Request) -> Response:
         return await run(req, raw)
+
+    @app.post("/api/embed")
+    async def embed(req: OllamaEmbedRequest, raw: Request) -> Response:
+        req.model = _name(pool, req.model)
+        return await embed_route(pool, req, raw)
+
+    @app.post("/api/embeddings")
+    async def embeddings(req: OllamaEmbeddingsRequest, raw: Request) -> Response:
+        req.model = _name(pool, req.model)
+        return await embeddings_route(pool, req, raw)
 
     @app.get("/api/tags")
     async def tags() -> dict[str, Any]:

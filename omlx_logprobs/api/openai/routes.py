@@ -1,6 +1,7 @@
 """`GET /v1/models`, `POST /v1/chat/completions` (and `/v1/chat/completions/tokens`, the same
 request with the token ids) and `POST /v1/completions`: each body started as its `Run` (chat.py,
-completions.py) on the model it names, then streamed or awaited whole (api/core/serving.py)."""
+completions.py) on the model it names, then streamed or awaited whole (api/core/serving.py);
+`POST /v1/embeddings` (embeddings.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from omlx_logprobs.api.core.protocol import (
 from omlx_logprobs.api.core.serving import respond
 from omlx_logprobs.api.openai.chat import ChatRun
 from omlx_logprobs.api.openai.completions import CompletionRun
+from omlx_logprobs.api.openai.embeddings import EmbeddingRequest, embeddings
 
 
 def add_routes(app: FastAPI, pool: ModelPool, created: int) -> None:
@@ -40,3 +42,7 @@ def add_routes(app: FastAPI, pool: ModelPool, created: int) -> None:
     @app.post("/v1/chat/completions/tokens")
     async def chat_completions_tokens(req: ChatTokensRequest, raw: Request) -> Response:
         return await respond(pool, req, raw, lambda slot: ChatRun(req, slot.live))
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(req: EmbeddingRequest, raw: Request) -> Response:
+        return await embeddings(pool, req, raw)
