@@ -1,5 +1,6 @@
 """`POST /v1/responses` (JSON or the Responses event stream), `GET` and `DELETE
-/v1/responses/{id}`: the body read into a chat request (convert.py), prepared and submitted on
+/v1/responses/{id}`, `POST /v1/responses/compact` (compaction.py; WebSocket mode: socket.py): the
+body read into a chat request (convert.py), prepared and submitted on
 the one request path (api/core/prepare.py), its outputs written as Responses items and events
 (output.py), the response stored (store.py) unless `store` is false."""
 

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.errors import APIError, invalid_body
 from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.responses.protocol import ResponsesRequest
@@ -85,10 +85,8 @@ def request(message: str) -> ResponsesRequest:
     fields = {k: v for k, v in body.items() if k != "type"}
     try:
         return ResponsesRequest.model_validate({**fields, "stream": True})
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err.get("loc", ()))
-        raise APIError(f"{where}: {err.get('msg')}", param=where or None) from None
+    except ValidationError as e:  # as an HTTP body's: the first field at fault
+        raise invalid_body(e.errors()) from None
 
 
 def event_body(event: str) -> str:
