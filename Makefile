@@ -20,7 +20,7 @@ CONTROL_ROUNDS ?= 2
 VF_VENV := .venv-verifiers
 VF_PY := $(VF_VENV)/bin/python
 
-.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-guard bench-conversation bench-speculation bench-scoring fuzz soak distributed speculation rl-example clean
+.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-guard bench-conversation bench-speculation bench-scoring fuzz soak distributed speculation rl-example open-responses clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -116,6 +116,16 @@ distributed: install
 rl-example: install
 	$(PY) -m pip install -q -e '.[examples]'
 	$(PY) examples/rl_loop.py --steps 5 --png rl_loop.png
+
+# The published Open Responses compliance suite (TypeScript, run with bun) against the scripted
+# model served on loopback (scripts/open_responses.py; the result: docs/specs/responses.md). Not in
+# `make test`: the suite lives only on GitHub, which CI cannot reach; give a checkout of
+# openresponses/openresponses with its dependencies installed (`bun install` there).
+OPENRESPONSES_DIR ?=
+OPENRESPONSES_ARGS ?=
+open-responses: install
+	@test -n "$(OPENRESPONSES_DIR)" || { echo "usage: make open-responses OPENRESPONSES_DIR=/path/to/openresponses"; exit 2; }
+	$(PY) scripts/open_responses.py $(OPENRESPONSES_DIR) $(OPENRESPONSES_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VF_VENV) build *.egg-info

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest
+from omlx_logprobs.api.responses.compaction import unpack
 from omlx_logprobs.api.responses.protocol import ResponsesRequest
 
 # The chat request's field names as a Responses client knows them (prepare.wire_names).
@@ -121,17 +122,35 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(
                 {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text}
             )
+        elif kind == "compaction":
+            out += unpack(item, where)
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             reasoning += "".join(p.get("text", "") for p in parts if isinstance(p, dict))
         else:
             raise APIError(
                 f"{where}: items of type {kind!r} are not supported by this server (messages,"
-                " function_call, function_call_output and reasoning are)",
+                " function_call, function_call_output, reasoning and compaction are)",
                 param=where,
                 code="unsupported_value",
             )
     return out
+
+
+def check_calls(conversation: list[dict[str, Any]]) -> None:
+    """Each function call's output answers a call made before it in the conversation (a 400
+    otherwise, as OpenAI's: an output with no call is a client's mistake, never sent on to a
+    template that would render it as a result of nothing)."""
+    called: set[str] = set()
+    for message in conversation:
+        called.update(c.get("id") for c in message.get("tool_calls") or ())
+        if message["role"] == "tool" and message.get("tool_call_id") not in called:
+            raise APIError(
+                "No tool call found for function call output with call_id"
+                f" '{message.get('tool_call_id')}'.",
+                param="input",
+                code="tool_call_not_found",
+            )
 
 
 def _text(content: Any, where: str) -> str:
@@ -218,4 +237,3 @@ def _template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:
     if _effort(req) == "none":
         kwargs.setdefault("enable_thinking", False)
     return kwargs or None
-
