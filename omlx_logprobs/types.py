@@ -236,6 +236,22 @@ class ToolParsing:
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt: its content's hash (what the encoder's cache and the prefix
+    cache key it by), its pixel values as the model's processor computed them [1, C, H, W]
+    float32, and the run of placeholder tokens its embeddings take in the prompt."""
+
+    digest: str  # hex SHA-256 of the image file's bytes
+    pixels: np.ndarray
+    start: int  # the prompt position of its first placeholder token
+    length: int  # its placeholder tokens: the rows the encoder gives
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One prompt as the API submits it: the engine makes `n` choices of it, prefilled once."""
 
@@ -258,6 +274,8 @@ class EngineRequest:
     # A routing to replay (runner/routing.py): the top-k expert ids per MoE layer of the
     # prompt's first positions, [n, moe_layers, top_k] int16, used in place of the router's.
     routed_experts: np.ndarray | None = None
+    # A vision model's images, in prompt order (models/vision.py, runner/vision.py).
+    images: tuple[ImageInput, ...] = ()
 
 
 # vLLM's `priority` is a Python int; here it is bounded to what a 32-bit int holds.
@@ -265,12 +283,18 @@ PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 MAX_CACHE_SALT = 256  # characters of a `cache_salt`
 
 
-def cache_namespace(salt: str | None) -> int:
+def cache_namespace(salt: str | None, images: tuple[ImageInput, ...] = ()) -> int:
     """The prefix cache's namespace of a `cache_salt`: 63 bits of its SHA-256, never 0 (no salt,
-    the default namespace). A stable hash: the disk tier's files keep it across restarts."""
-    if salt is None:
+    the default namespace). A stable hash: the disk tier's files keep it across restarts. A
+    prompt with images is in the namespace of its images' hashes too: their placeholder tokens
+    are the same ids whatever the image, so kept keys and values serve only prompts with the
+    same images (a conversation's next turn about them)."""
+    if salt is None and not images:
         return 0
-    digest = hashlib.sha256(salt.encode("utf-8", "surrogatepass")).digest()
+    data = (salt or "").encode("utf-8", "surrogatepass")
+    if images:  # 0xff is no byte of UTF-8: no salt alone hashes the same
+        data = b"\xff" + repr([salt, *((i.digest, i.start) for i in images)]).encode()
+    digest = hashlib.sha256(data).digest()
     return int.from_bytes(digest[:8], "big") >> 1 or 1
 
 

@@ -105,6 +105,9 @@ class Sequence:
         # positions, and what its forwards recorded, by first position (host arrays).
         self.replay: Any = None
         self.routes: dict[int, Any] = {}
+        # A vision model's images (types.ImageInput), whose embeddings its prefill puts at
+        # their placeholder tokens (runner/vision.py).
+        self.images: tuple[Any, ...] = ()
 
     @classmethod
     def of(cls, req: EngineRequest) -> Sequence:
@@ -119,7 +122,7 @@ class Sequence:
             reasoning_tags=req.reasoning_tags,
         )
         seq.cache_namespace, seq.priority = req.cache_namespace, req.priority
-        seq.replay = req.routed_experts
+        seq.replay, seq.images = req.routed_experts, req.images
         for i in range(1, req.n):
             seq.fork(i)
         return seq
@@ -139,7 +142,7 @@ class Sequence:
         )
         seq.adapter, seq.adapter_version = self.adapter, self.adapter_version
         seq.cache_namespace, seq.priority = self.cache_namespace, self.priority
-        seq.replay = self.replay
+        seq.replay, seq.images = self.replay, self.images
         self.forks.append(seq)
         return seq
 

@@ -17,6 +17,7 @@ from mlx_lm.utils import load_tokenizer
 from omlx_logprobs.models.card import native_context
 from omlx_logprobs.models.dtype import apply_dtype
 from omlx_logprobs.models.padded_batch import fit_for_padded_batches
+from omlx_logprobs.models.vision import VisionSpec, load_encoder, text_config, vision_spec
 from omlx_logprobs.vocab import Vocabulary, build_vocabulary
 
 log = logging.getLogger("omlx_logprobs")
@@ -31,6 +32,8 @@ class LoadedModel:
     vocab: Vocabulary
     eos_token_ids: tuple[int, ...]
     max_model_len: int
+    # A vision-language model's processor and image token (models/vision.py); None: text only.
+    vision: VisionSpec | None = None
 
 
 def resolve_model_path(model: str | None, offline: bool = False) -> tuple[Path, str]:
@@ -86,10 +89,14 @@ def load_model(
     if is_scripted(model):
         return _load_scripted(Path(model).expanduser(), name, max_model_len)
     path, default_name = resolve_model_path(model, offline)
-    if weights:
-        net, wrapper, config = mlx_lm_load(str(path), return_config=True)  # type: ignore[misc]
+    raw = json.loads((path / "config.json").read_text())
+    if weights:  # a vision checkpoint's language half as mlx-lm reads it (models/vision.py)
+        net, wrapper, config = mlx_lm_load(  # type: ignore[misc]
+            str(path), model_config=text_config(raw), return_config=True
+        )
+        load_encoder(net, path, raw)
     else:
-        net, config = None, json.loads((path / "config.json").read_text())
+        net, config = None, raw
         wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     if net is not None:
         if fixed := fit_for_padded_batches(net):
@@ -115,6 +122,7 @@ def load_model(
         vocab=build_vocabulary(hf, max(size, len(hf))),
         eos_token_ids=eos_ids,
         max_model_len=max_len,
+        vision=vision_spec(path, raw),
     )
 
 

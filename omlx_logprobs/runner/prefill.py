@@ -41,6 +41,7 @@ from omlx_logprobs.runner.snapshot import (
     states_nbytes,
     states_of,
 )
+from omlx_logprobs.runner.vision import ImageEmbedder
 
 __all__ = ["Prefill"]
 
@@ -55,7 +56,8 @@ SETTLE_PAIRS = 1 << 24
 
 # A forward whose output nothing reads (a prompt's chunk before its last): what must be
 # evaluated with the cache (ModelRunner._forward_unread).
-ForwardUnread = Callable[[mx.array, list[Any]], tuple[mx.array, ...]]
+# Keyword arguments: the model's own (a prompt's input embeddings, runner/vision.py).
+ForwardUnread = Callable[..., tuple[mx.array, ...]]
 
 
 class Prefill:
@@ -73,11 +75,13 @@ class Prefill:
         queue: Callable[..., None],
         forward_unread: ForwardUnread,
         routing: Routing | None = None,
+        vision: ImageEmbedder | None = None,
     ) -> None:
         """The runner's parts that prefilling reads and its batch state, which it writes;
         `queue` queues arrays on the device, timed (ModelRunner.queue); `key_of`: a prompt's
         prefix-cache key, its adapter's and its namespace (runner/prefix.py); `routing` records
-        and replays routed experts (runner/routing.py)."""
+        and replays routed experts (runner/routing.py); `vision` puts a prompt's images in its
+        input embeddings (runner/vision.py)."""
         self.model = model
         self.templates = templates
         self.plan = plan
@@ -91,6 +95,7 @@ class Prefill:
         self.queue = queue
         self.forward_unread = forward_unread
         self.routing = routing
+        self.vision = vision
 
     def launch(
         self, work: SchedulerOutput
@@ -176,9 +181,10 @@ class Prefill:
 
     def _groupable(self, c: PrefillChunk) -> bool:
         """A whole prompt with one choice (every batch form takes left padding); a scored one
-        also needs the head apart from the body (to run it on its positions block by block)."""
-        if not (c.start == 0 and c.is_last and not c.seq.forks):
-            return False
+        also needs the head apart from the body (to run it on its positions block by block).
+        A prompt with images takes the one-prompt path, with its input embeddings."""
+        if not (c.start == 0 and c.is_last and not c.seq.forks) or c.seq.images:
+            return False  # a prompt with images prefills alone (its input embeddings)
         return not c.seq.scored or self.plan.split_head
 
     def _routed(self, rows: list[RowSpan], width: int, forward: Callable[[], T]) -> T:
@@ -192,11 +198,11 @@ class Prefill:
         assert self.split is not None
         return self.split.head(h)
 
-    def _last_logits(self, ids: mx.array, cache: list[Any]) -> mx.array:
-        """[B, V] logits of the last position only."""
+    def _last_logits(self, ids: mx.array, cache: list[Any], **extra: Any) -> mx.array:
+        """[B, V] logits of the last position only (`extra`: the model's keyword arguments)."""
         if self.split is None:
-            return self.model(ids, cache=cache)[:, -1, :]
-        return self._head(self.split.body(ids, cache=cache)[:, -1:, :])[:, 0, :]
+            return self.model(ids, cache=cache, **extra)[:, -1, :]
+        return self._head(self.split.body(ids, cache=cache, **extra)[:, -1:, :])[:, 0, :]
 
     def _prefill_group(
         self, group: list[PrefillChunk], prefix: Prefix | None
@@ -340,12 +346,13 @@ class Prefill:
         seq = chunk.seq
         cache, start, found = self._chunk_cache(chunk)
         ids = mx.array([seq.context_ids[start : chunk.end]])
+        extra = self._embedded(seq, ids, start)
         self.adapters.select_rows([seq])
         scored: Any = None
         unread: tuple[mx.array, ...] = ()
         span, n = [RowSpan(seq.group, start, chunk.end - start)], chunk.end - start
         if seq.scored:  # every position's logits but those of a kept start: the prompt is scored
-            out = self._routed(span, n, lambda: self.model(ids, cache=cache))[0]
+            out = self._routed(span, n, lambda: self.model(ids, cache=cache, **extra))[0]
             rows = chunk_slice(seq, start, out.shape[0])
             served = (found.scores.served(seq, start),) if found and found.scores else ()
             keep = []
@@ -354,11 +361,11 @@ class Prefill:
             scored = score([rows], lambda a, b: out[a:b], self.extractor, served, tuple(keep))
             logits = out[-1:, :]
         elif chunk.is_last:
-            logits = self._routed(span, n, lambda: self._last_logits(ids, cache))
+            logits = self._routed(span, n, lambda: self._last_logits(ids, cache, **extra))
         else:
             # Lazy: evaluating only the cache skips the head. Split over processes, the
             # forward's output is evaluated too (distributed/group_runner.py).
-            unread = self._routed(span, n, lambda: self.forward_unread(ids, cache))
+            unread = self._routed(span, n, lambda: self.forward_unread(ids, cache, **extra))
         if not chunk.is_last:
             kept = self._boundary(seq, cache, chunk.end)
             # Bound the lazy graph between chunks.
@@ -371,6 +378,14 @@ class Prefill:
             for row, m in enumerate(members):
                 self.batch.prefilled[m.seq_id] = Prefilled(rows_cache, row)
         return logits, scored
+
+    def _embedded(self, seq: Sequence, ids: mx.array, start: int) -> dict[str, Any]:
+        """The forward's keyword arguments for a chunk from `start`: its input embeddings
+        where it holds image positions (runner/vision.py), else none."""
+        if not seq.images or self.vision is None:
+            return {}
+        h = self.vision.inputs(seq, ids, start)
+        return {} if h is None else {"input_embeddings": h}
 
     def _boundary(self, seq: Sequence, cache: list[Any], n: int) -> list[mx.array]:
         """A recurrent model's states after a chunk, n tokens into the prompt (copies), where
