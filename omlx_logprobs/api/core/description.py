@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from omlx_logprobs.api.core.slot import ModelSlot
 from omlx_logprobs.models.card import ModelCard, card_for
+from omlx_logprobs.models.vision import serves_images
 
 if TYPE_CHECKING:
     from omlx_logprobs.api.core.pool import ModelPool
@@ -24,15 +25,22 @@ class Description:
     tools: bool  # tool calls are parsed from its output
     reasoning: bool  # its reasoning is parsed apart
 
+    @property
+    def vision(self) -> bool:
+        """It takes images: a vision family served here (models/vision.py), read from its card."""
+        card = self.card
+        return card is not None and serves_images(card.family, card.vision)
+
     def capabilities(self) -> dict[str, bool]:
-        """/v1/models' `capabilities`: this server takes no images and serves no embeddings."""
-        return {"tools": self.tools, "reasoning": self.reasoning, "vision": False,
+        """/v1/models' `capabilities`: this server serves no embeddings."""
+        return {"tools": self.tools, "reasoning": self.reasoning, "vision": self.vision,
                 "embeddings": False}  # fmt: skip
 
     def ollama_capabilities(self) -> list[str]:
         """Ollama's names ("completion", "tools", "thinking", "vision", "embedding")."""
         return ["completion", *(["tools"] if self.tools else []),
-                *(["thinking"] if self.reasoning else [])]  # fmt: skip
+                *(["thinking"] if self.reasoning else []),
+                *(["vision"] if self.vision else [])]  # fmt: skip
 
 
 async def describe(pool: ModelPool, slot: ModelSlot) -> Description:

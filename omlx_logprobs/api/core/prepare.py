@@ -202,7 +202,8 @@ def _chat_prompt(
         return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens), 0, ()
     parts = image_parts(req.messages)
     if parts:
-        return *image_chat_prompt(req, served, parts), 0  # type: ignore[return-value]
+        ids, images = image_chat_prompt(req, served, parts)
+        return ids, 0, images
     return *faithful_chat_prompt(req, served, known), ()
 
 

@@ -1,0 +1,204 @@
+"""Images through the real server (`omlx-logprobs serve` under uvicorn, the engine in its own
+process) and the `openai` client: the tiny seeded random LLaVA (tests/helpers/vision.py) served
+beside the embedded text model; chosen-token, top-5 and prompt logprobs against transformers'
+float32 forward of the same weights and image (1e-4), image positions null in prompt_logprobs;
+an image and a text request together; local files and the bad inputs' 400s; the model lists'
+`vision`."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from omlx_logprobs.models.loader import LoadedModel, load_model
+from tests.helpers.server import server_process
+from tests.helpers.vision import Reference, picture, png_bytes, tiny_llava_dir
+
+K = 5
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return tiny_llava_dir(tmp_path_factory.mktemp("llava"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "one.png").write_bytes(png_bytes(picture(1)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def base(llava_dir: Path, media: Path, embedded_dir: Path) -> Iterator[str]:
+    args = ["--model", str(llava_dir), "--served-model-name", "llava", "--model",
+            str(embedded_dir), "--served-model-name", "text", "--max-image-pixels", "10000",
+            "--allowed-local-media-path", str(media), "--log-level", "warning"]  # fmt: skip
+    with server_process(args) as s:
+        yield s.base
+
+
+@pytest.fixture(scope="module")
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llava(llava_dir: Path) -> LoadedModel:
+    return load_model(str(llava_dir), weights=False)
+
+
+def data_url(image: Any) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+def ask(client: openai.OpenAI, url: str, text: str = "What is this?", **extra: Any) -> Any:
+    return client.chat.completions.create(
+        model="llava",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": text},
+                ],
+            }
+        ],  # fmt: skip
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=K,
+        extra_body={"prompt_logprobs": K, "return_token_ids": True, **extra},
+    )
+
+
+def check(r: Any, ref: np.ndarray, image_token: int) -> None:
+    """The answer's and the prompt's logprobs against the reference rows of prompt + answer."""
+    prompt, out = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
+    for j, entry in enumerate(r.choices[0].logprobs.content):
+        row = ref[len(prompt) - 1 + j]
+        assert out[j] == int(np.argmax(row))
+        assert abs(entry.logprob - row[out[j]]) < 1e-4
+        top = [t.logprob for t in entry.top_logprobs]
+        np.testing.assert_allclose(top, np.sort(row)[::-1][:K], atol=1e-4)
+    scored = r.model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(prompt)
+    images = 0
+    for i in range(1, len(prompt)):
+        if prompt[i] == image_token:  # an image's position: marked, not scored as text
+            assert scored[i] is None
+            images += 1
+            continue
+        entry = scored[i][str(prompt[i])]
+        assert abs(entry["logprob"] - ref[i - 1][prompt[i]]) < 1e-4
+    assert images == 16
+
+
+def test_image_logprobs_against_transformers(
+    client: openai.OpenAI, llava: LoadedModel, llava_dir: Path, media: Path
+) -> None:
+    assert llava.vision is not None
+    reference = Reference(llava_dir)
+    r = ask(client, data_url(picture(1)))
+    pixels = llava.vision.processor.image_processor(picture(1), return_tensors="np")
+    ids = r.model_extra["prompt_token_ids"] + r.choices[0].model_extra["token_ids"]
+    check(r, reference.logprobs(ids, pixels["pixel_values"]), llava.vision.image_token_id)
+    # The same file from under --allowed-local-media-path: the same answer and logprobs.
+    again = ask(client, (media / "one.png").as_uri())
+    assert again.choices[0].message.content == r.choices[0].message.content
+    assert again.model_extra["prompt_logprobs"] == r.model_extra["prompt_logprobs"]
+
+
+def test_image_and_text_requests_together(
+    client: openai.OpenAI, llava: LoadedModel, llava_dir: Path
+) -> None:
+    assert llava.vision is not None
+    reference = Reference(llava_dir)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        images = [pool.submit(ask, client, data_url(picture(s))) for s in (5, 6)]
+        texts = [
+            pool.submit(
+                client.chat.completions.create,
+                model="llava",
+                messages=[{"role": "user", "content": f"Say something, {s}."}],
+                max_tokens=5,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=K,
+                extra_body={"return_token_ids": True},
+            )  # fmt: skip
+            for s in (1, 2)
+        ]
+        for seed, f in zip((5, 6), images):
+            r = f.result()
+            pixels = llava.vision.processor.image_processor(picture(seed), return_tensors="np")
+            ids = r.model_extra["prompt_token_ids"] + r.choices[0].model_extra["token_ids"]
+            check(r, reference.logprobs(ids, pixels["pixel_values"]), llava.vision.image_token_id)
+        for f in texts:
+            r = f.result()
+            prompt, out = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
+            ref = reference.logprobs(prompt + out)
+            for j, entry in enumerate(r.choices[0].logprobs.content):
+                assert abs(entry.logprob - ref[len(prompt) - 1 + j][out[j]]) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "not an image"),
+        ("data:image/png;base64," + base64.b64encode(png_bytes(picture(1))[:60]).decode(), ""),
+        ("data:image/png;base64,@@@", "base64"),
+        ("https://example.com/cat.png", "--allow-image-urls"),
+        ("file:///etc/hostname", "--allowed-local-media-path"),
+    ],
+)
+def test_bad_images_are_400s_naming_them(client: openai.OpenAI, url: str, says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, url)
+    body = e.value.body
+    assert isinstance(body, dict) and body["param"] == "messages[0].content[0].image_url"
+    assert says in body["message"]
+
+
+def test_too_many_pixels(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, data_url(picture(1, 200, 200)))
+    assert "200x200" in str(e.value) and "--max-image-pixels (10000)" in str(e.value)
+
+
+def test_image_to_a_text_model(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="text",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image_url", "image_url": {"url": data_url(picture(1))}},
+                    ],
+                }
+            ],  # fmt: skip
+            max_tokens=2,
+        )
+    body = e.value.body
+    assert isinstance(body, dict) and body["param"] == "messages[0].content[1]"
+    assert "takes no images" in body["message"]
+
+
+def test_model_lists_say_vision(base: str) -> None:
+    listed = {m["id"]: m for m in httpx.get(base + "/v1/models").json()["data"]}
+    assert listed["llava"]["capabilities"]["vision"] is True
+    assert listed["text"]["capabilities"]["vision"] is False
+    shown = httpx.post(base + "/api/show", json={"model": "llava"}).json()
+    assert "vision" in shown["capabilities"]
+    shown = httpx.post(base + "/api/show", json={"model": "text"}).json()
+    assert "vision" not in shown["capabilities"]
