@@ -202,3 +202,92 @@ def test_model_lists_say_vision(base: str) -> None:
     assert "vision" in shown["capabilities"]
     shown = httpx.post(base + "/api/show", json={"model": "text"}).json()
     assert "vision" not in shown["capabilities"]
+
+
+def chat_answer(client: openai.OpenAI, seed: int) -> tuple[str, list[float]]:
+    r = ask(client, data_url(picture(seed)))
+    return r.choices[0].message.content, [e.logprob for e in r.choices[0].logprobs.content]
+
+
+def test_responses_input_image(client: openai.OpenAI) -> None:
+    text, logprobs = chat_answer(client, 7)
+    image = data_url(picture(7))
+    r = client.responses.create(
+        model="llava",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": image},
+                    {"type": "input_text", "text": "What is this?"},
+                ],
+            }
+        ],  # fmt: skip
+        max_output_tokens=5,
+        temperature=0,
+        top_logprobs=K,
+        include=["message.output_text.logprobs"],
+    )
+    assert r.output_text == text
+    got = [e["logprob"] for e in r.model_dump()["output"][0]["content"][0]["logprobs"]]
+    np.testing.assert_allclose(got, logprobs, atol=1e-4)
+
+
+def test_anthropic_image_block(base: str, client: openai.OpenAI) -> None:
+    import anthropic
+
+    text, logprobs = chat_answer(client, 8)
+    png = base64.b64encode(png_bytes(picture(8))).decode()
+    claude = anthropic.Anthropic(base_url=base, api_key="-", max_retries=0, timeout=60)
+    m = claude.messages.create(
+        model="llava",
+        max_tokens=5,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image",
+                        "source": {"type": "base64", "media_type": "image/png", "data": png},
+                    },
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],  # fmt: skip
+        extra_body={"temperature": 0, "logprobs": True, "top_logprobs": K},
+    )
+    block = m.model_dump()["content"][0]
+    assert block["text"] == text
+    np.testing.assert_allclose([e["logprob"] for e in block["logprobs"]], logprobs, atol=1e-4)
+    with pytest.raises(anthropic.BadRequestError) as e:  # Anthropic's error shape
+        claude.messages.create(
+            model="text", max_tokens=2,
+            messages=[{"role": "user", "content": [{"type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": png}}]}],
+        )  # fmt: skip
+    body = e.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert "messages[0].content[0].source" in body["error"]["message"]
+    assert "takes no images" in body["error"]["message"]
+
+
+def test_ollama_images(base: str, client: openai.OpenAI) -> None:
+    import ollama
+
+    text, logprobs = chat_answer(client, 9)
+    png = base64.b64encode(png_bytes(picture(9))).decode()
+    c = ollama.Client(host=base)
+    # Ollama puts a message's images before its text, as the chat request above has them.
+    r = c.chat(
+        model="llava",
+        messages=[{"role": "user", "content": "What is this?", "images": [png]}],
+        options={"temperature": 0, "num_predict": 5},
+        logprobs=True,
+        top_logprobs=K,
+    )
+    assert r.message.content == text
+    np.testing.assert_allclose([e.logprob for e in r.logprobs or []], logprobs, atol=1e-4)
+    with pytest.raises(ollama.ResponseError) as e:  # Ollama's error shape: {"error": ...}
+        c.chat(model="text", messages=[{"role": "user", "content": "Hi", "images": [png]}])
+    assert e.value.status_code == 400
+    assert "messages[0].images[0]" in e.value.error and "takes no images" in e.value.error

@@ -25,7 +25,15 @@ from omlx_logprobs.config import Limits
 from omlx_logprobs.models.vision import VisionSpec
 from omlx_logprobs.types import ImageInput
 
-__all__ = ["Image", "expand", "image_parts", "read_image", "template_content"]
+__all__ = [
+    "Image",
+    "data_url",
+    "expand",
+    "image_part",
+    "image_parts",
+    "read_image",
+    "template_content",
+]
 
 
 @dataclass(frozen=True)
@@ -37,13 +45,28 @@ class Image:
     param: str  # the request's field it came from, for the 400s
 
 
-def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
-    """(field, url) of every image of the messages, in order."""
-    return [
-        (f"messages[{i}].content[{j}]", part.image_url.url)
-        for i, m in enumerate(messages)
-        for j, part in m.images()
-    ]
+def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str, str]]:
+    """(the part's field, its image's field, url) of every image of the messages, in order:
+    chat's own fields, or those of the API the part came from (`ImagePart.field`)."""
+    out = []
+    for i, m in enumerate(messages):
+        for j, part in m.images():
+            where = part.field or f"messages[{i}].content[{j}]"
+            out.append((where, part.field or f"{where}.image_url", part.image_url.url))
+    return out
+
+
+def image_part(url: str, field: str) -> dict[str, Any]:
+    """A chat image part of an image from another API's request (its `field`)."""
+    return {"type": "image_url", "image_url": {"url": url}, "field": field}
+
+
+def data_url(media_type: Any, data: Any, field: str) -> str:
+    """A data URL of base64 data as another API sends it (Anthropic's source, Ollama's images)."""
+    if not isinstance(data, str) or not data:
+        raise APIError(f"{field}: an image's data must be a base64 string", param=field)
+    kind = media_type if isinstance(media_type, str) and media_type else "image/*"
+    return f"data:{kind};base64,{data}"
 
 
 def template_content(m: ChatMessage) -> str | list[dict[str, Any]]:

@@ -36,7 +36,7 @@ def chat_prompt(
 
 
 def image_chat_prompt(
-    req: ChatCompletionRequest, served: Served, parts: list[tuple[str, str]]
+    req: ChatCompletionRequest, served: Served, parts: list[tuple[str, str, str]]
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
     """A chat prompt with images (`parts`: their fields and URLs, api/core/images.py): the
     template's text with an image token where each image is, through the model's processor.
@@ -59,7 +59,7 @@ def image_chat_prompt(
             "truncate_prompt_tokens cannot cut a prompt with images",
             param="truncate_prompt_tokens",
         )
-    images = [read_image(url, f"{p}.image_url", limits) for p, url in parts]
+    images = [read_image(url, field, limits) for _, field, url in parts]
     messages = tools.template_messages(req.messages)
     for d, m in zip(messages, req.messages):
         if m.images():

@@ -38,10 +38,12 @@ class ImageURL(_Model):
 
 
 class ImagePart(_Model):
-    """An image of a message (models that take images: models/vision.py)."""
+    """An image of a message (models that take images: models/vision.py). `field`: where the
+    image was in another API's request (Responses, Anthropic, Ollama), which its 400s name."""
 
     type: Literal["image_url"]
     image_url: ImageURL
+    field: str | None = None
 
 
 class FunctionCall(_Model):
