@@ -283,18 +283,25 @@ PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 MAX_CACHE_SALT = 256  # characters of a `cache_salt`
 
 
-def cache_namespace(salt: str | None, images: tuple[ImageInput, ...] = ()) -> int:
+def cache_namespace(salt: str | None) -> int:
     """The prefix cache's namespace of a `cache_salt`: 63 bits of its SHA-256, never 0 (no salt,
-    the default namespace). A stable hash: the disk tier's files keep it across restarts. A
-    prompt with images is in the namespace of its images' hashes too: their placeholder tokens
-    are the same ids whatever the image, so kept keys and values serve only prompts with the
-    same images (a conversation's next turn about them)."""
-    if salt is None and not images:
+    the default namespace). A stable hash: the disk tier's files keep it across restarts."""
+    if salt is None:
         return 0
-    data = (salt or "").encode("utf-8", "surrogatepass")
-    if images:  # 0xff is no byte of UTF-8: no salt alone hashes the same
-        data = b"\xff" + repr([salt, *((i.digest, i.start) for i in images)]).encode()
-    digest = hashlib.sha256(data).digest()
+    digest = hashlib.sha256(salt.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") >> 1 or 1
+
+
+def image_namespace(namespace: int, images: tuple[ImageInput, ...]) -> int:
+    """The prefix cache's namespace of a prompt with images: its own (its salt's) with its
+    images' hashes and places. Their placeholder tokens are the same ids whatever the image,
+    so kept keys and values serve only prompts with the same images in the same places (a
+    conversation's next turn about them). Stable, as `cache_namespace`; the 0xff byte, which
+    no UTF-8 text holds, keeps it apart from every salt's."""
+    if not images:
+        return namespace
+    data = repr([namespace, *((i.digest, i.start) for i in images)]).encode()
+    digest = hashlib.sha256(b"\xff" + data).digest()
     return int.from_bytes(digest[:8], "big") >> 1 or 1
 
 

@@ -18,6 +18,7 @@ from omlx_logprobs.types import (
     SamplingParams,
     ThinkStart,
     ToolParsing,
+    image_namespace,
 )
 
 _ids = itertools.count()
@@ -121,7 +122,9 @@ class Sequence:
             tools=req.tools,
             reasoning_tags=req.reasoning_tags,
         )
-        seq.cache_namespace, seq.priority = req.cache_namespace, req.priority
+        # A prompt with images is kept and looked up under its images' hashes too.
+        seq.cache_namespace = image_namespace(req.cache_namespace, req.images)
+        seq.priority = req.priority
         seq.replay, seq.images = req.routed_experts, req.images
         for i in range(1, req.n):
             seq.fork(i)

@@ -6,6 +6,7 @@ served from the prefix cache."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.runner.vision import ImageEmbedder
 from omlx_logprobs.types import EngineRequest, ImageInput, SamplingParams
-from tests.helpers.engine import Record, run_requests
+from tests.helpers.engine import Record, client_of, collect_outputs, run_requests
 from tests.helpers.vision import Reference, picture, png_bytes, tiny_llava_dir
 
 K = 5
@@ -137,3 +138,28 @@ def test_encoder_once_and_second_turn_from_the_prefix_cache(
     ref = reference.logprobs(turn + list(again[1].output_ids), images[0].pixels)
     for j, tok in enumerate(again[1].output_ids):
         assert abs(again[1].store.logprobs[j] - ref[len(turn) - 1 + j][tok]) < 1e-4  # type: ignore[union-attr]
+
+
+def test_another_image_in_the_same_place_takes_nothing_kept(
+    llava: LoadedModel, reference: Reference
+) -> None:
+    """The same text about another image: the same ids, so only the images' hashes in the
+    prefix cache's key keep the first image's keys and values from serving the second."""
+    ids, first = image_prompt(llava, "Which animal is it?", [10])
+    same, second = image_prompt(llava, "Which animal is it?", [11])
+    assert same == ids and first[0].digest != second[0].digest
+    reqs = [EngineRequest(name, ids, params(), stream=True, images=images)
+            for name, images in (("a", first), ("b", second), ("c", first))]  # fmt: skip
+    client = client_of(engine_of(llava))
+
+    async def one_by_one() -> list[Record]:
+        return [Record(r, (await collect_outputs(client, r))[0]) for r in reqs]
+
+    try:
+        recs = asyncio.run(one_by_one())
+    finally:
+        client.shutdown()
+    assert recs[0].cached_tokens == 0 and recs[1].cached_tokens == 0
+    assert recs[2].cached_tokens > 0  # the first image's prompt again: from the prefix cache
+    for rec, images in zip(recs, (first, second, first)):
+        check(rec, reference.logprobs(ids + list(rec.output_ids), images[0].pixels))

@@ -182,7 +182,7 @@ def _chat(
         tools=parsing,
         reasoning_tags=served.reasoning_tags,
         adapter=served.adapter(req.model),
-        cache_namespace=cache_namespace(req.cache_salt, images),
+        cache_namespace=cache_namespace(req.cache_salt),
         priority=req.priority,
         routed_experts=replay,
         images=images,
