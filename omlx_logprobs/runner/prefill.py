@@ -182,9 +182,12 @@ class Prefill:
     def _groupable(self, c: PrefillChunk) -> bool:
         """A whole prompt with one choice (every batch form takes left padding); a scored one
         also needs the head apart from the body (to run it on its positions block by block).
-        A prompt with images takes the one-prompt path, with its input embeddings."""
-        if not (c.start == 0 and c.is_last and not c.seq.forks) or c.seq.images:
-            return False  # a prompt with images prefills alone (its input embeddings)
+        A prompt with images groups as any other of a KV model; else it takes the one-prompt
+        path (its input embeddings go with each of its chunks)."""
+        if not (c.start == 0 and c.is_last and not c.seq.forks):
+            return False
+        if c.seq.images and (self.plan.whole or self.routing is not None):
+            return False  # resumed from a state, or routed: with images, alone
         return not c.seq.scored or self.plan.split_head
 
     def _routed(self, rows: list[RowSpan], width: int, forward: Callable[[], T]) -> T:
@@ -217,6 +220,7 @@ class Prefill:
         width += -width % self.plan.prefill_align + start
         pads = [width - c.end for c in group]
         ids = mx.array([([0] * p + c.seq.context_ids)[start:] for p, c in zip(pads, group)])
+        extra = self._embedded(ids, [(c.seq, start - p) for c, p in zip(group, pads)])
         if prefix is None:
             cache = BatchCache.for_prompts(self.templates, pads)
         else:
@@ -235,13 +239,13 @@ class Prefill:
                  for c, p in zip(group, pads) for f in [max(start - p, 0)]]  # fmt: skip
         if not scored:
             logits = self._routed(
-                spans, width - start, lambda: self._last_logits(ids, cache.layers)
+                spans, width - start, lambda: self._last_logits(ids, cache.layers, **extra)
             )
             cache.finish_prefill()
             return logits, None
         assert self.split is not None
         body = self.split.body
-        h = self._routed(spans, width - start, lambda: body(ids, cache=cache.layers))
+        h = self._routed(spans, width - start, lambda: body(ids, cache=cache.layers, **extra))
         cache.finish_prefill()
         # Every row's computed positions but its last, rows in group order: one flat [N, H]
         # block. A row's first `done` positions came with the prefix, their entries too.
@@ -309,12 +313,20 @@ class Prefill:
         # Prompts that record or replay routed experts are computed whole: a kept prefix's
         # routing was not recorded, and one computed with a replayed routing is not kept.
         chunks = [c for c in chunks if self.routing is None or not routed(c.seq)]
-        plain = [c for c in chunks if not c.seq.scored]
+        plain = [c for c in chunks if not c.seq.scored and not c.seq.images]
         scored = [c for c in chunks if c.seq.scored]
         keys = [self.key_of(c.seq) for c in plain]
         found = self.prefixes.assign([c.seq.context_ids for c in plain], keys)
         found += self.prompt_cache.starts([c.seq for c in scored])
-        return {c.seq.seq_id: p for c, p in zip(plain + scored, found) if p is not None}
+        # Plain prompts with images take kept starts but make none: a start is made by a
+        # forward of its tokens alone, which has no images (scored ones' starts are only
+        # found).
+        pictured = [c for c in chunks if c.seq.images and not c.seq.scored]
+        prefixes = self.prefixes
+        found += [prefixes.longest(c.seq.context_ids, c.end - 1, self.key_of(c.seq))
+                  for c in pictured]  # fmt: skip
+        chunks = plain + scored + pictured
+        return {c.seq.seq_id: p for c, p in zip(chunks, found) if p is not None}
 
     def _chunk_cache(self, chunk: PrefillChunk) -> tuple[list[Any], int, Prefix | None]:
         """A prompt's one-row cache between its chunks, where this chunk's forward starts, and
@@ -346,7 +358,7 @@ class Prefill:
         seq = chunk.seq
         cache, start, found = self._chunk_cache(chunk)
         ids = mx.array([seq.context_ids[start : chunk.end]])
-        extra = self._embedded(seq, ids, start)
+        extra = self._embedded(ids, [(seq, start)])
         self.adapters.select_rows([seq])
         scored: Any = None
         unread: tuple[mx.array, ...] = ()
@@ -379,12 +391,15 @@ class Prefill:
                 self.batch.prefilled[m.seq_id] = Prefilled(rows_cache, row)
         return logits, scored
 
-    def _embedded(self, seq: Sequence, ids: mx.array, start: int) -> dict[str, Any]:
-        """The forward's keyword arguments for a chunk from `start`: its input embeddings
-        where it holds image positions (runner/vision.py), else none."""
-        if not seq.images or self.vision is None:
+    def _embedded(self, ids: mx.array, rows: list[tuple[Sequence, int]]) -> dict[str, Any]:
+        """The forward's keyword arguments for `ids`: their input embeddings where a row holds
+        image positions (runner/vision.py), else none. `rows`: each row's sequence and the
+        prompt position of its column 0."""
+        if not any(seq.images for seq, _ in rows):
             return {}
-        h = self.vision.inputs(seq, ids, start)
+        if self.vision is None:  # a model loaded without its encoder (split over processes)
+            raise ValueError("this engine's model has no vision encoder: it takes no images")
+        h = self.vision.inputs(ids, rows)
         return {} if h is None else {"input_embeddings": h}
 
     def _boundary(self, seq: Sequence, cache: list[Any], n: int) -> list[mx.array]:

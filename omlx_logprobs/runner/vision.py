@@ -1,8 +1,9 @@
 """A prompt's images into its prefill: each image's rows of input embeddings, computed by the
 vision encoder (models/vision.py) once per image content and kept by its hash (bounded, least
 recently used first out), put at the image's placeholder tokens in place of their token
-embeddings. Prefill asks for the input embeddings of one chunk of one prompt (`inputs`): a chunk
-may cut an image, whose rows then go half to each chunk."""
+embeddings. Prefill asks for the input embeddings of a forward's rows (`inputs`): a
+left-padded group of whole prompts, or one chunk of one prompt, which may cut an image (its
+rows then go half to each chunk)."""
 
 from __future__ import annotations
 
@@ -66,16 +67,22 @@ class ImageEmbedder:
             self._bytes -= old.nbytes
         return rows
 
-    def inputs(self, seq: Sequence, ids: mx.array, start: int) -> mx.array | None:
-        """The input embeddings [1, L, hidden] of `ids` (the prompt's positions from `start`)
-        with the rows of the images there; None where no image is in that span."""
-        end = start + ids.shape[1]
-        within = [i for i in seq.images if i.start < end and i.end > start]
-        if not within:
+    def inputs(self, ids: mx.array, rows: list[tuple[Sequence, int]]) -> mx.array | None:
+        """The input embeddings [B, L, hidden] of `ids` [B, L] with the rows of the images
+        there; None where no image is. `rows`: each row's sequence and the prompt position of
+        its column 0 (negative in a left-padded row: its padding is before position 0)."""
+        width = ids.shape[1]
+        placed = [
+            (r, shift, image)
+            for r, (seq, shift) in enumerate(rows)
+            for image in seq.images
+            if image.start < shift + width and image.end > shift
+        ]
+        if not placed:
             return None
         h = self.embed(ids)
-        for image in within:
-            a, b = max(image.start, start), min(image.end, end)
-            rows = self.features(image)[a - image.start : b - image.start]
-            h[:, a - start : b - start, :] = rows.astype(h.dtype)
+        for r, shift, image in placed:
+            a, b = max(image.start, shift), min(image.end, shift + width)
+            rows_ = self.features(image)[a - image.start : b - image.start]
+            h[r, a - shift : b - shift, :] = rows_.astype(h.dtype)
         return h

@@ -55,9 +55,13 @@ def image_prompt(
     return expand(model.vision, rendered, images, False)
 
 
-def params(n: int = 6) -> SamplingParams:
+def params(n: int = 6, prompt: bool = True) -> SamplingParams:
     return SamplingParams(
-        max_tokens=n, temperature=0.0, logprobs=True, top_logprobs=K, prompt_logprobs=K
+        max_tokens=n,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=K,
+        prompt_logprobs=K if prompt else None,
     )
 
 
@@ -69,9 +73,10 @@ def engine_of(model: LoadedModel, **cfg: object) -> Engine:
 
 
 def check(rec: Record, ref: np.ndarray) -> None:
-    """Greedy output, its entries and every prompt position against the reference rows."""
+    """Greedy output, its entries and every prompt position (where asked) against the
+    reference rows."""
     prompt, out = rec.prompt_ids, list(rec.output_ids)
-    assert rec.store is not None and rec.prompt_store is not None
+    assert rec.store is not None
     assert len(out) == len(rec.store)
     for j, tok in enumerate(out):
         row = ref[len(prompt) - 1 + j]
@@ -79,6 +84,9 @@ def check(rec: Record, ref: np.ndarray) -> None:
         assert abs(rec.store.logprobs[j] - row[tok]) < 1e-4
         _, lps = rec.store.top(j)
         np.testing.assert_allclose(np.array(lps), np.sort(row)[::-1][:K], atol=1e-4)
+    if rec.params.prompt_logprobs is None:
+        return
+    assert rec.prompt_store is not None
     for i in range(1, len(prompt)):
         row = ref[i - 1]
         assert rec.prompt_store.token_ids[i - 1] == prompt[i]
@@ -87,22 +95,27 @@ def check(rec: Record, ref: np.ndarray) -> None:
         np.testing.assert_allclose(np.array(lps), np.sort(row)[::-1][:K], atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "chunk, scored", [(8, True), (None, True), (None, False)], ids=["chunks", "groups", "plain"]
+)
 def test_image_and_text_batched_against_transformers(
-    llava: LoadedModel, reference: Reference
+    llava: LoadedModel, reference: Reference, chunk: int | None, scored: bool
 ) -> None:
+    """Chunks of 8: each prompt with images is cut inside an image; whole prompts: image and
+    text prompts prefill in one left-padded group (scored: the model's body, then its head on
+    every position; plain: the last position's logits only)."""
     ids, images = image_prompt(llava, "What is in this picture?", [1])
     assert len(images) == 1 and images[0].length == 16
     assert ids[images[0].start : images[0].end] == [llava.vision.image_token_id] * 16  # type: ignore[union-attr]
     two, both = image_prompt(llava, "Compare them.", [2, 3])
     text = list(llava.tokenizer.encode("A plain text prompt about nothing in particular"))
-    # Chunks of 8: each prompt with images is cut inside an image.
-    engine = engine_of(llava, prefill_chunk=8)
+    engine = engine_of(llava, prefill_chunk=chunk)
     recs = run_requests(
         engine,
         [
-            EngineRequest("img", ids, params(), stream=True, images=images),
-            EngineRequest("txt", text, params(), stream=True),
-            EngineRequest("two", two, params(), stream=True, images=both),
+            EngineRequest("img", ids, params(prompt=scored), stream=True, images=images),
+            EngineRequest("txt", text, params(prompt=scored), stream=True),
+            EngineRequest("two", two, params(prompt=scored), stream=True, images=both),
         ],
     )
     pixels = np.concatenate([i.pixels for i in both])
@@ -114,30 +127,37 @@ def test_image_and_text_batched_against_transformers(
 def test_encoder_once_and_second_turn_from_the_prefix_cache(
     llava: LoadedModel, reference: Reference
 ) -> None:
+    """A conversation's second turn about an image takes the first turn's keys and values
+    from the prefix cache (the image's among them), and the encoder is not run again; with an
+    empty prefix cache, the encoder's kept rows serve the image again."""
     ids, images = image_prompt(llava, "Describe it.", [4])
     engine = engine_of(llava)
     vision = engine.runner.prefill.vision
     assert isinstance(vision, ImageEmbedder)
-    first = run_requests(engine, [EngineRequest("a", ids, params(), stream=True, images=images)])[0]
+    client = client_of(engine)
+    first_req = EngineRequest("a", ids, params(prompt=False), stream=True, images=images)
+    more = list(llava.tokenizer.encode("\nAnd the colours?"))
+
+    async def conversation() -> tuple[Record, Record]:
+        first = Record(first_req, (await collect_outputs(client, first_req))[0])
+        turn = ids + list(first.output_ids) + more
+        req = EngineRequest("b", turn, params(prompt=False), stream=True, images=images)
+        return first, Record(req, (await collect_outputs(client, req))[0])
+
+    try:
+        first, second = asyncio.run(conversation())
+    finally:
+        client.shutdown()
     assert vision.encoded == 1
-    # The next turn: the first answer, then a question, about the same image.
-    turn = ids + list(first.output_ids) + list(llava.tokenizer.encode("\nAnd the colours?"))
-    engine = engine_of(llava)  # a fresh engine whose runner holds the same encoder cache
+    assert first.cached_tokens == 0 and second.cached_tokens >= len(ids)
+    check(first, reference.logprobs(ids + list(first.output_ids), images[0].pixels))
+    turn = second.prompt_ids + list(second.output_ids)
+    check(second, reference.logprobs(turn, images[0].pixels))
+    engine = engine_of(llava)  # no kept sequences; the same encoder rows, kept by hash
     engine.runner.prefill.vision = vision
-    sp = SamplingParams(max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=K)
-    again = run_requests(
-        engine,
-        [
-            EngineRequest("b", ids, params(), stream=True, images=images),
-            EngineRequest("c", turn, sp, stream=True, images=images),
-        ],
-    )
-    assert vision.encoded == 1  # neither request ran the encoder again
-    ref = reference.logprobs(ids + list(again[0].output_ids), images[0].pixels)
-    check(again[0], ref)
-    ref = reference.logprobs(turn + list(again[1].output_ids), images[0].pixels)
-    for j, tok in enumerate(again[1].output_ids):
-        assert abs(again[1].store.logprobs[j] - ref[len(turn) - 1 + j][tok]) < 1e-4  # type: ignore[union-attr]
+    third = run_requests(engine, [EngineRequest("c", ids, params(), stream=True, images=images)])
+    assert vision.encoded == 1 and third[0].cached_tokens == 0
+    check(third[0], reference.logprobs(ids + list(third[0].output_ids), images[0].pixels))
 
 
 def test_another_image_in_the_same_place_takes_nothing_kept(
