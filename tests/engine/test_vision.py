@@ -183,3 +183,26 @@ def test_another_image_in_the_same_place_takes_nothing_kept(
     assert recs[2].cached_tokens > 0  # the first image's prompt again: from the prefix cache
     for rec, images in zip(recs, (first, second, first)):
         check(rec, reference.logprobs(ids + list(rec.output_ids), images[0].pixels))
+
+
+def test_choices_of_a_prompt_with_images(llava: LoadedModel, reference: Reference) -> None:
+    """n = 3 choices, prefilled once (the one-prompt path, with its input embeddings), each
+    sampled on its own: every entry against the reference."""
+    ids, images = image_prompt(llava, "Tell me about it.", [12])
+    sp = SamplingParams(max_tokens=5, temperature=1.0, seed=7, logprobs=True, top_logprobs=K)
+    req = EngineRequest("n", ids, sp, n=3, stream=True, images=images)
+    client = client_of(engine_of(llava))
+    try:
+        choices = asyncio.run(collect_outputs(client, req))
+    finally:
+        client.shutdown()
+    assert len(choices) == 3
+    for outs in choices:
+        rec = Record(req, outs)
+        assert rec.error is None and rec.store is not None
+        ref = reference.logprobs(ids + list(rec.output_ids), images[0].pixels)
+        for j, tok in enumerate(rec.output_ids):
+            row = ref[len(ids) - 1 + j]
+            assert abs(rec.store.logprobs[j] - row[tok]) < 1e-4
+            _, lps = rec.store.top(j)
+            np.testing.assert_allclose(np.array(lps), np.sort(row)[::-1][:K], atol=1e-4)

@@ -179,7 +179,7 @@ def expand(
         ) from None
     at = [p for p, t in enumerate(ids) if t == spec.image_token_id]
     counts = [_ids(a).count(spec.image_token_id) for a in alone]
-    if len(at) != sum(counts):
+    if len(at) != sum(counts) or 0 in counts:
         raise APIError(
             f"The chat template placed {len(at)} image tokens for {len(images)} image(s) of"
             f" {sum(counts)}",
