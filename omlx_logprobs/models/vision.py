@@ -44,6 +44,8 @@ class Family:
     text_model_type: str
     build: Callable[[Path, dict[str, Any]], Encoder]
     processor: str
+    # The text configs' model types that mlx-lm module reads (its language model's class).
+    text_types: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,15 @@ def text_config(config: dict[str, Any]) -> dict[str, Any] | None:
     """The override of config.json that has mlx-lm load a vision checkpoint's language half,
     None for a text model."""
     family = family_of(config)
-    return None if family is None else {"model_type": FAMILIES[family].text_model_type}
+    if family is None:
+        return None
+    spec, text = FAMILIES[family], str(config.get("text_config", {}).get("model_type", ""))
+    if text not in spec.text_types:
+        raise ValueError(
+            f"a {family} model with a {text!r} text model is not served yet (its text model"
+            f" must be one of {', '.join(sorted(spec.text_types))})"
+        )
+    return {"model_type": spec.text_model_type}
 
 
 def vision_spec(path: Path, config: dict[str, Any]) -> VisionSpec | None:
@@ -165,5 +175,9 @@ def _llava(path: Path, config: dict[str, Any]) -> Encoder:
 
 
 FAMILIES: dict[str, Family] = {
-    "llava": Family("mistral3", _llava, "LlavaProcessor"),
+    # mlx-lm's mistral3 module builds its language model as llama unless ministral3 or mistral4
+    "llava": Family(
+        "mistral3", _llava, "LlavaProcessor",
+        frozenset({"llama", "mistral", "ministral3", "mistral4"}),
+    ),  # fmt: skip
 }
