@@ -152,6 +152,7 @@ def _llava(path: Path, config: dict[str, Any]) -> Encoder:
     cfg = family.ModelConfig.from_dict(config)
     cfg = update_module_configs(cfg, family, config, ["text", "vision"])
     tower = family.VisionModel(cfg.vision_config)
+    _exact_activation(tower, config["vision_config"].get("hidden_act", "quick_gelu"))
     projector = LlavaMultiModalProjector(cfg)
     weights = _weights(path)
     # transformers 5 writes the tower's modules without CLIPVisionModel's `vision_model.`
@@ -174,10 +175,27 @@ def _llava(path: Path, config: dict[str, Any]) -> Encoder:
     return Encoder(forward, int(config["image_token_index"]))
 
 
+# The tower's activation as transformers names it, as MLX's GELU computes it.
+_GELU = {"quick_gelu": "fast", "gelu_pytorch_tanh": "precise", "gelu": "none"}
+
+
+def _exact_activation(tower: Any, act: str) -> None:
+    """mlx-vlm's LLaVA tower computes every MLP with CLIP's quick GELU; SigLIP's is the tanh
+    approximation (1e-4 apart in the logprobs of a tiny model): the config's own."""
+    import mlx.nn as nn
+
+    if act not in _GELU:
+        raise ValueError(f"a vision tower with the activation {act!r} is not served yet")
+    for layer in tower.vision_model.encoder.layers:
+        layer.mlp.activation_fn = nn.GELU(approx=_GELU[act])
+
+
 FAMILIES: dict[str, Family] = {
     # mlx-lm's mistral3 module builds its language model as llama unless ministral3 or mistral4
     "llava": Family(
-        "mistral3", _llava, "LlavaProcessor",
+        "mistral3",
+        _llava,
+        "LlavaProcessor",
         frozenset({"llama", "mistral", "ministral3", "mistral4"}),
-    ),  # fmt: skip
+    ),
 }

@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -17,6 +18,7 @@ from omlx_logprobs.api.core.images import Image, expand
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.engine.engine import Engine
 from omlx_logprobs.models.loader import LoadedModel, load_model
+from omlx_logprobs.models.vision import encoder_of
 from omlx_logprobs.runner.vision import ImageEmbedder
 from omlx_logprobs.types import EngineRequest, ImageInput, SamplingParams
 from tests.helpers.engine import Record, client_of, collect_outputs, run_requests
@@ -134,6 +136,8 @@ def test_encoder_once_and_second_turn_from_the_prefix_cache(
     engine = engine_of(llava)
     vision = engine.runner.prefill.vision
     assert isinstance(vision, ImageEmbedder)
+    got = np.array(vision.encoder(images[0].pixels).astype(mx.float32))  # not kept: a look
+    np.testing.assert_allclose(got, reference.image_rows(images[0].pixels), atol=1e-5)
     client = client_of(engine)
     first_req = EngineRequest("a", ids, params(prompt=False), stream=True, images=images)
     more = list(llava.tokenizer.encode("\nAnd the colours?"))
@@ -206,3 +210,23 @@ def test_choices_of_a_prompt_with_images(llava: LoadedModel, reference: Referenc
             assert abs(rec.store.logprobs[j] - row[tok]) < 1e-4
             _, lps = rec.store.top(j)
             np.testing.assert_allclose(np.array(lps), np.sort(row)[::-1][:K], atol=1e-4)
+
+
+def test_a_siglip_tower(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> None:
+    """LLaVA with a SigLIP tower (no class token, the `full` feature strategy, the tanh GELU
+    that mlx-vlm's tower is given here: models/vision.py), scored and chunked inside its
+    image, against transformers."""
+    path = tiny_llava_dir(tmp_path_factory.mktemp("siglip"), tokenizer_dir, tower="siglip")
+    model = load_model(str(path))
+    ids, images = image_prompt(model, "What is in it?", [13])
+    assert images[0].length == 16
+    # The encoder's rows themselves: the logprobs of a tiny model may hide a small difference.
+    encoder, reference = encoder_of(model.model), Reference(path)
+    assert encoder is not None
+    got = np.array(encoder(images[0].pixels).astype(mx.float32))
+    np.testing.assert_allclose(got, reference.image_rows(images[0].pixels), atol=1e-5)
+    rec = run_requests(
+        engine_of(model, prefill_chunk=8),
+        [EngineRequest("s", ids, params(), stream=True, images=images)],
+    )[0]
+    check(rec, reference.logprobs(ids + list(rec.output_ids), images[0].pixels))

@@ -1,4 +1,4 @@
-"""A tiny seeded random LLaVA (a CLIP tower, a projector, a 2-layer llama) built with
+"""A tiny seeded random LLaVA (a CLIP or SigLIP tower, a projector, a 2-layer llama) built with
 transformers from a config and saved as transformers saves it (weights, processor config, chat
 template; SmolLM2's tokenizer with an `<image>` token), and transformers' float32 forward of the
 same weights and images: the reference the served logprobs are held to."""
@@ -22,7 +22,9 @@ TEMPLATE = (
 )
 
 
-def tiny_llava_dir(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+def tiny_llava_dir(out: Path, tokenizer_dir: Path, seed: int = 0, tower: str = "clip") -> Path:
+    """`tower`: "clip" (its class token dropped: the `default` feature strategy, quick GELU)
+    or "siglip" (no class token: `full`; the tanh GELU)."""
     import torch
     from transformers import (
         AutoTokenizer,
@@ -31,8 +33,10 @@ def tiny_llava_dir(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
+        SiglipVisionConfig,
     )
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     if (out / "model.safetensors").exists():
         return out
@@ -58,21 +62,21 @@ def tiny_llava_dir(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
         eos_token_id=2,
     )
-    tower = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=SIDE,
-        patch_size=14,
-        projection_dim=32,
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "image_size": SIDE, "patch_size": 14}  # fmt: skip
+    clip = tower == "clip"
+    vision = (
+        CLIPVisionConfig(**shape, projection_dim=32)
+        if clip
+        else SiglipVisionConfig(**shape, vision_use_head=False)
     )
+    strategy = "default" if clip else "full"
     config = LlavaConfig(
         text_config=text,
-        vision_config=tower,
+        vision_config=vision,
         image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN),
         vision_feature_layer=-1,
-        vision_feature_select_strategy="default",
+        vision_feature_select_strategy=strategy,
         max_position_embeddings=2048,
     )
     torch.manual_seed(seed)
@@ -81,16 +85,20 @@ def tiny_llava_dir(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             p.normal_(0, 0.15 if "embed_tokens" in name else 0.08)
     model.save_pretrained(str(out))
-    images = CLIPImageProcessorPil(
-        size={"shortest_edge": SIDE}, crop_size={"height": SIDE, "width": SIDE}
+    images = (
+        CLIPImageProcessorPil(
+            size={"shortest_edge": SIDE}, crop_size={"height": SIDE, "width": SIDE}
+        )
+        if clip
+        else SiglipImageProcessorPil(size={"height": SIDE, "width": SIDE})
     )
     processor = LlavaProcessor(
         image_processor=images,
         tokenizer=tok,
         patch_size=14,
-        vision_feature_select_strategy="default",
+        vision_feature_select_strategy=strategy,
         chat_template=TEMPLATE,
-        num_additional_image_tokens=1,
+        num_additional_image_tokens=1 if clip else 0,
         image_token=IMAGE_TOKEN,
     )
     processor.save_pretrained(str(out))
@@ -135,3 +143,9 @@ class Reference:
         with torch.no_grad():
             logits = self.model(**kwargs).logits[0].double()
         return torch.log_softmax(logits, -1).float().numpy()
+
+    def image_rows(self, pixels: np.ndarray) -> np.ndarray:
+        """One image's rows of input embeddings [N, hidden]: its tower and projector alone."""
+        with self.torch.no_grad():
+            out = self.model.model.get_image_features(pixel_values=self.torch.tensor(pixels))
+        return np.asarray(out.pooler_output[0].double().numpy(), np.float32)
