@@ -291,3 +291,59 @@ def test_ollama_images(base: str, client: openai.OpenAI) -> None:
         c.chat(model="text", messages=[{"role": "user", "content": "Hi", "images": [png]}])
     assert e.value.status_code == 400
     assert "messages[0].images[0]" in e.value.error and "takes no images" in e.value.error
+
+
+def test_streamed_and_a_responses_continuation(client: openai.OpenAI) -> None:
+    """Streamed, the same tokens and logprobs; a Responses turn after one about an image (by
+    previous_response_id) is answered with the image still in its prompt."""
+    text, logprobs = chat_answer(client, 14)
+    stream = client.chat.completions.create(
+        model="llava",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(picture(14))}},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],  # fmt: skip
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=K,
+        stream=True,
+    )
+    got, entries = "", []
+    for chunk in stream:
+        for c in chunk.choices:
+            got += c.delta.content or ""
+            entries += [e.logprob for e in (c.logprobs.content if c.logprobs else None) or []]
+    assert got == text
+    np.testing.assert_allclose(entries, logprobs, atol=1e-4)
+    first = client.responses.create(
+        model="llava",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(picture(14))},
+                    {"type": "input_text", "text": "What is this?"},
+                ],
+            }
+        ],  # fmt: skip
+        max_output_tokens=5,
+        temperature=0,
+    )
+    assert first.output_text == text
+    second = client.responses.create(
+        model="llava",
+        previous_response_id=first.id,
+        input="And its colours?",
+        max_output_tokens=5,
+        temperature=0,
+        top_logprobs=K,
+        include=["message.output_text.logprobs"],
+    )
+    assert second.usage is not None and second.usage.input_tokens > first.usage.input_tokens + 16  # type: ignore[union-attr]
+    assert second.output_text
