@@ -347,3 +347,22 @@ def test_streamed_and_a_responses_continuation(client: openai.OpenAI) -> None:
     )
     assert second.usage is not None and second.usage.input_tokens > first.usage.input_tokens + 16  # type: ignore[union-attr]
     assert second.output_text
+
+
+def test_an_agent_framework_sends_an_image(base: str, client: openai.OpenAI) -> None:
+    """LangChain's ChatOpenAI with an image part in a HumanMessage: the chat route's answer and
+    logprobs."""
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    text, logprobs = chat_answer(client, 15)
+    chat = ChatOpenAI(base_url=base + "/v1", api_key="-", model="llava", temperature=0,
+                      max_tokens=5, logprobs=True, top_logprobs=K)  # type: ignore[call-arg]  # fmt: skip
+    message = HumanMessage(content=[
+        {"type": "image_url", "image_url": {"url": data_url(picture(15))}},
+        {"type": "text", "text": "What is this?"},
+    ])  # fmt: skip
+    answer = chat.invoke([message])
+    assert answer.content == text
+    got = [e["logprob"] for e in answer.response_metadata["logprobs"]["content"]]
+    np.testing.assert_allclose(got, logprobs, atol=1e-4)
