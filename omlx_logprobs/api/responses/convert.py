@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.images import image_part
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest
 from omlx_logprobs.api.responses.compaction import unpack
 from omlx_logprobs.api.responses.protocol import ResponsesRequest
@@ -97,7 +98,7 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(f"{where}.role: {role!r} is not a message role", param=where)
-            out.append({"role": role, "content": _text(item.get("content"), where)})
+            out.append({"role": role, "content": _content(item.get("content"), where)})
             if role == "assistant" and reasoning:
                 out[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call":
@@ -151,6 +152,29 @@ def check_calls(conversation: list[dict[str, Any]]) -> None:
                 param="input",
                 code="tool_call_not_found",
             )
+
+
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or, where it holds `input_image` parts, its parts in
+    order as chat's (text and image_url parts)."""
+    parts = content if isinstance(content, list) else []
+    if not any(isinstance(p, dict) and p.get("type") == "input_image" for p in parts):
+        return _text(content, where)
+    out = []
+    for j, part in enumerate(parts):
+        field = f"{where}.content[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise APIError(
+                    f"{field}: an input_image needs an image_url (a file_id is not supported)",
+                    param=field,
+                    code="unsupported_value",
+                )
+            out.append(image_part(url, f"{field}.image_url"))
+        else:
+            out.append({"type": "text", "text": _text([part], where)})
+    return out
 
 
 def _text(content: Any, where: str) -> str:
