@@ -8,7 +8,9 @@ dependencies installed (`bun install`, or zod and bun from npm in its node_modul
 the scripted model of tests/integration/test_open_responses.py with the real CLI on loopback
 (the tool-calling prompt gets a Hermes tool call, the others fitting text), runs the suite
 against it, prints the suite's own report and the checkout's commit, and exits with the suite's
-status. docs/specs/responses.md records the last result measured."""
+status. `--vision` runs `image-input` again on a vision model served beside it (a tiny seeded
+LLaVA that answers its end token at once: tests/helpers/vision.py). docs/specs/responses.md
+records the last result measured."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ sys.path.insert(0, str(ROOT))
 from tests.helpers.scripted import write_description  # noqa: E402
 from tests.integration.test_open_responses import KEY, MODEL, SCRIPTS  # noqa: E402
 
+VISION = "llava-open-responses"
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,6 +43,9 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
     ap.add_argument("--filter", help="the suite's test ids, comma-separated")
     ap.add_argument("--json", action="store_true", help="the suite's JSON report instead")
+    ap.add_argument(
+        "--vision", action="store_true", help="image-input again, on a tiny vision model"
+    )
     args = ap.parse_args()
     checkout = args.checkout.resolve()
     suite = checkout / "bin" / "compliance-test.ts"
@@ -52,24 +59,34 @@ def main() -> int:
     commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"],
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     port = args.port or free_port()
-    with tempfile.TemporaryDirectory() as tmp, serve(Path(tmp), port):
+    with tempfile.TemporaryDirectory() as tmp, serve(Path(tmp), port, args.vision):
         command = [bun, str(suite), "--base-url", f"http://127.0.0.1:{port}/v1",
-                   "--api-key", KEY, "--model", MODEL]  # fmt: skip
-        if args.filter:
-            command += ["--filter", args.filter]
-        if args.json:
-            command.append("--json")
-        else:
+                   "--api-key", KEY]  # fmt: skip
+        extra = ["--json"] if args.json else []
+        if not args.json:
             print(f"Open Responses compliance suite at {commit or 'an unknown commit'}")
         sys.stdout.flush()
-        return subprocess.run(command, cwd=checkout).returncode
+        code = subprocess.run(
+            [*command, "--model", MODEL, *(["--filter", args.filter] if args.filter else []),
+             *extra], cwd=checkout,
+        ).returncode  # fmt: skip
+        if args.vision:
+            if not args.json:
+                print(f"\nimage-input on the vision model {VISION}")
+            sys.stdout.flush()
+            seen = subprocess.run(
+                [*command, "--model", VISION, "--filter", "image-input", *extra], cwd=checkout
+            )
+            code = code or seen.returncode
+        return code
 
 
 class serve:
-    """The scripted model served by `omlx_logprobs.cli serve` until the block ends."""
+    """The scripted model served by `omlx_logprobs.cli serve` until the block ends (and the
+    tiny LLaVA beside it with `vision`)."""
 
-    def __init__(self, tmp: Path, port: int) -> None:
-        self.tmp, self.port = tmp, port
+    def __init__(self, tmp: Path, port: int, vision: bool) -> None:
+        self.tmp, self.port, self.vision = tmp, port, vision
 
     def __enter__(self) -> None:
         model = self.tmp / "model.json"
@@ -81,6 +98,14 @@ class serve:
         command = [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--model", str(model),
                    "--port", str(self.port), "--api-key", KEY, "--reasoning-parser", "think",
                    "--tool-call-parser", "hermes", "--log-level", "warning"]  # fmt: skip
+        if self.vision:
+            from omlx_logprobs.models.embedded import ensure_embedded_model
+            from tests.helpers.vision import tiny_llava_dir
+
+            llava = tiny_llava_dir(self.tmp / "llava", ensure_embedded_model(), ends=True)
+            # names go with the models in order: the scripted model's first
+            command += ["--served-model-name", MODEL, "--model", str(llava),
+                        "--served-model-name", VISION]  # fmt: skip
         self.log = open(self.tmp / "server.log", "w")  # noqa: SIM115 (closed in __exit__)
         self.proc = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip

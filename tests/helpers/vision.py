@@ -22,9 +22,13 @@ TEMPLATE = (
 )
 
 
-def tiny_llava_dir(out: Path, tokenizer_dir: Path, seed: int = 0, tower: str = "clip") -> Path:
+def tiny_llava_dir(
+    out: Path, tokenizer_dir: Path, seed: int = 0, tower: str = "clip", ends: bool = False
+) -> Path:
     """`tower`: "clip" (its class token dropped: the `default` feature strategy, quick GELU)
-    or "siglip" (no class token: `full`; the tanh GELU)."""
+    or "siglip" (no class token: `full`; the tanh GELU). `ends`: the model answers its end token
+    at once, by ~e^-70 (a random model otherwise runs to its length limit, and a client that
+    checks a response `completed` needs one that stops)."""
     import torch
     from transformers import (
         AutoTokenizer,
@@ -84,6 +88,14 @@ def tiny_llava_dir(out: Path, tokenizer_dir: Path, seed: int = 0, tower: str = "
     with torch.no_grad():  # logits with a spread: neither flat nor one-hot
         for name, p in model.named_parameters():
             p.normal_(0, 0.15 if "embed_tokens" in name else 0.08)
+        if ends:  # every text token's residual points along dimension 0, and only the end
+            # token's head row reads it: the final norm keeps dimension 0 alone
+            lm = model.model.language_model
+            lm.embed_tokens.weight[:, 0] = 100.0
+            lm.norm.weight.zero_()
+            lm.norm.weight[0] = 1.0
+            model.lm_head.weight[:, 0] = 0.0
+            model.lm_head.weight[text.eos_token_id, 0] = 10.0
     model.save_pretrained(str(out))
     images = (
         CLIPImageProcessorPil(

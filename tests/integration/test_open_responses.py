@@ -35,6 +35,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -47,6 +48,7 @@ from omlx_logprobs.models.loader import LoadedModel, load_model
 from tests.helpers.open_responses import Spec, Stream
 from tests.helpers.scripted import END, THINK, write_description
 from tests.helpers.server import thread_server
+from tests.helpers.vision import tiny_llava_dir
 from tests.integration.test_tool_calls import TEMPLATE
 
 MODEL = "scripted-open-responses"
@@ -565,12 +567,34 @@ def test_websocket_needs_the_key(url: str) -> None:
     assert e.value.response.status_code == 403
 
 
+IMAGE_INPUT = [
+    {"type": "input_text", "text": "What do you see in this image? Answer in one sentence."},
+    {"type": "input_image", "image_url": png()},
+]
+
+
+def test_image_input(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, spec: Spec
+) -> None:
+    """The suite's image-input on a vision model (a tiny seeded LLaVA that answers its end token
+    at once, docs/specs/vision.md): its response passes the suite's schema and checks."""
+    where = tmp_path_factory.mktemp("llava")
+    llava = load_model(str(tiny_llava_dir(where, tokenizer_dir, ends=True)))
+    with thread_server(llava, access=Access(api_key=KEY)) as (base, _):
+        r = Suite(base + "/v1", spec).send({"model": llava.name, "input": [user(IMAGE_INPUT)]})
+    has_output(r)
+    completed(r)
+
+
+def test_image_input_to_a_text_model_is_a_400(suite: Suite) -> None:
+    """The same request to a model that reads text only: a 400 in OpenAI's shape naming the
+    image part (never a 500, never the image dropped)."""
+    with pytest.raises(AssertionError, match=r"HTTP 400.*takes no images") as e:
+        suite.send({"model": MODEL, "input": [user(IMAGE_INPUT)]})
+    assert "input[0].content[1].image_url" in str(e.value)
+
+
 UNREAD = {
-    "image-input": (
-        "image input needs a vision model; this server serves text models",
-        {"type": "input_text", "text": "What do you see in this image? Answer in one sentence."},
-        {"type": "input_image", "image_url": png()},
-    ),
     "file-input": (
         "file input (a PDF) is not read by this server: no document reader",
         {"type": "input_text", "text": "Read the attached file and answer with its title only."},
