@@ -183,3 +183,11 @@ def test_bad_openai_requests(base: str, path: str, body: dict[str, Any], param: 
 def test_bad_ollama_requests(base: str, path: str, body: dict[str, Any], field: str) -> None:
     r = httpx.post(base + path, json=body, timeout=60)
     assert_api_error(r, 400, field, path)
+
+
+def test_sglang_generate_on_an_encoder_is_a_400(base: str) -> None:
+    """SGLang's /generate serves the first --model, here the mean-pooled encoder."""
+    body = {"input_ids": [2, 40, 3], "sampling_params": {"max_new_tokens": 2}}
+    r = httpx.post(base + "/generate", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "model_not_supported"
