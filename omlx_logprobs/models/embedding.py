@@ -5,8 +5,8 @@ makes any causal model one (its sentence-transformers pooling if it has one, els
 token, normalized, as vLLM's `--convert embed` pools a causal model); `--task generate` none.
 
 A causal model is pooled at its last token only: it is what a causal model's last position
-holds, read in the engine's prefill (runner/pooling.py). An encoder model (BERT: config.json's
-`model_type` among `ENCODER_FAMILIES`) only embeds, through `mlx-embeddings`' forward
+holds, read in the engine's prefill (runner/pooling.py). An encoder model (BERT, XLM-R:
+config.json's `model_type` among `ENCODER_FAMILIES`) only embeds, through `mlx-embeddings`' forward
 (runner/encoder.py), pooled as its Pooling module says (mean, CLS or the last token; a
 directory without modules.json: the mean, unnormalized, as sentence-transformers pools a bare
 transformer). A directory whose modules pool otherwise or transform after pooling (Dense) is
@@ -32,7 +32,7 @@ _MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
 _MATRYOSHKA_FAMILIES = ("qwen3",)  # with sentence-transformers' last-token pooling
 # config.json's model_type of the encoders served through mlx-embeddings (runner/encoder.py):
 # the families whose forward there takes the ids and a padding mask alone.
-ENCODER_FAMILIES = ("bert",)
+ENCODER_FAMILIES = ("bert", "xlm-roberta")
 # The poolings served, as the wire and the log name them; sentence-transformers' mode of each.
 POOLINGS = ("lasttoken", "mean", "cls")
 _ST_MODES = {"lasttoken": "lasttoken", "mean_tokens": "mean", "cls_token": "cls"}

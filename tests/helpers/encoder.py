@@ -1,7 +1,7 @@
-"""A tiny sentence-transformers BERT directory: transformers' `BertModel` from a small config with
-seeded random weights (torch), a WordPiece tokenizer over a small vocabulary, and the
-sentence-transformers files of a mean-pooled, normalized model (all-MiniLM's modules). Its
-reference is sentence-transformers' own encode (tests/helpers/embedding.py)."""
+"""A tiny sentence-transformers encoder directory: transformers' `BertModel` (or `XLMRobertaModel`)
+from a small config with seeded random weights (torch), a WordPiece tokenizer over a small
+vocabulary, and the sentence-transformers files of a pooled, normalized model (all-MiniLM's
+modules). Its reference is sentence-transformers' own encode (tests/helpers/embedding.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,20 @@ WORDS = (
 CONTEXT = 64  # max_position_embeddings
 
 
-def encoder_model_dir(out: Path, pooling: str = "mean_tokens", seed: int = 1234) -> Path:
+def encoder_model_dir(
+    out: Path, pooling: str = "mean_tokens", seed: int = 1234, family: str = "bert"
+) -> Path:
     """The directory: `pooling` sentence-transformers' mode (mean_tokens, cls_token), then
-    Normalize."""
+    Normalize. `family` xlm-roberta: an XLM-R model (BERT's tokenizer, whose [PAD] is its
+    pad_token_id; its positions count from after it, so CONTEXT + 1 of them)."""
     import torch
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import (
+        BertConfig,
+        BertModel,
+        BertTokenizerFast,
+        XLMRobertaConfig,
+        XLMRobertaModel,
+    )
 
     special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     pieces = [*string.ascii_lowercase, *string.digits, *".,!?;:'\"()-"]
@@ -30,16 +39,15 @@ def encoder_model_dir(out: Path, pooling: str = "mean_tokens", seed: int = 1234)
         vocab_file=str(out / "vocab.txt"), do_lower_case=True, model_max_length=CONTEXT
     )
     tok.save_pretrained(out)
-    config = BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=CONTEXT,
-    )
+    shape = {"vocab_size": len(vocab), "hidden_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "intermediate_size": 64}  # fmt: skip
     torch.manual_seed(seed)
-    BertModel(config).eval().save_pretrained(out, safe_serialization=True)
+    if family == "xlm-roberta":
+        xlmr = XLMRobertaConfig(**shape, max_position_embeddings=CONTEXT + 1, pad_token_id=0)
+        XLMRobertaModel(xlmr).eval().save_pretrained(out, safe_serialization=True)
+    else:
+        bert = BertConfig(**shape, max_position_embeddings=CONTEXT)
+        BertModel(bert).eval().save_pretrained(out, safe_serialization=True)
     modules = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
     listed = [{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{k}"}
               for i, (path, k) in enumerate(modules)]  # fmt: skip

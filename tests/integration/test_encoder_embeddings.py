@@ -1,9 +1,10 @@
-"""Encoder embedding models through the real server: two tiny sentence-transformers BERT
-directories (tests/helpers/encoder.py: mean pooling and CLS pooling, both normalized) served on
-mlx-embeddings' forward beside the tiny llama. The `openai` SDK's `embeddings.create` and the
-`ollama` SDK's `embed` give the vectors sentence-transformers' own encode computes from the same
-files (transformers float32 on the CPU); concurrent requests batch together and are each
-answered as alone; what an encoder cannot do, and bad input, are 400s in each API's shape."""
+"""Encoder embedding models through the real server: tiny sentence-transformers directories
+(tests/helpers/encoder.py: BERT with mean pooling and with CLS pooling, XLM-R with mean pooling,
+all normalized) served on mlx-embeddings' forward beside the tiny llama. The `openai` SDK's
+`embeddings.create` and the `ollama` SDK's `embed` give the vectors sentence-transformers' own
+encode computes from the same files (transformers float32 on the CPU); concurrent requests
+batch together and are each answered as alone; what an encoder cannot do, and bad input, are
+400s in each API's shape."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tests.helpers.embedding import reference_embeddings as st_embeddings
 from tests.helpers.encoder import CONTEXT, encoder_model_dir
 from tests.helpers.server import assert_api_error, server_process
 
-MEAN, CLS, TINY = "bert-mean", "bert-cls", "tiny"
+MEAN, CLS, XLMR, TINY = "bert-mean", "bert-cls", "xlmr", "tiny"
 TEXTS = [
     "The capital of France is Paris, on the Seine.",
     "Bananas are rich in potassium.",
@@ -39,6 +40,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         MEAN: encoder_model_dir(tmp_path_factory.mktemp("bert-mean"), "mean_tokens"),
         CLS: encoder_model_dir(tmp_path_factory.mktemp("bert-cls"), "cls_token", seed=99),
+        XLMR: encoder_model_dir(tmp_path_factory.mktemp("xlmr"), seed=7, family="xlm-roberta"),
     }
 
 
@@ -47,6 +49,7 @@ def base(dirs: dict[str, Path], tiny_dir: Path) -> Iterator[str]:
     args = [
         "--model", str(dirs[MEAN]), "--served-model-name", MEAN,
         "--model", str(dirs[CLS]), "--served-model-name", CLS,
+        "--model", str(dirs[XLMR]), "--served-model-name", XLMR,
         "--model", str(tiny_dir), "--served-model-name", TINY,
         "--log-level", "warning",
     ]  # fmt: skip
@@ -70,7 +73,7 @@ def close(got: Any, want: np.ndarray) -> None:
     assert cos > 0.99999 and worst < 1e-4, (cos, worst)
 
 
-@pytest.mark.parametrize("name", [MEAN, CLS])
+@pytest.mark.parametrize("name", [MEAN, CLS, XLMR])
 def test_openai_sdk(
     client: openai.OpenAI, reference: dict[str, np.ndarray], dirs: dict[str, Path], name: str
 ) -> None:
@@ -127,18 +130,20 @@ def test_concurrent_requests_batch(base: str, reference: dict[str, np.ndarray]) 
         close(e.data[0].embedding, reference[(MEAN, CLS)[i % 2]][i % len(TEXTS)])
 
 
-def test_truncation(base: str, dirs: dict[str, Path]) -> None:
-    """Past max_position_embeddings: OpenAI's route refuses, Ollama's cuts (keeping [SEP] last,
-    as sentence-transformers' tokenizer truncates to its max_seq_length, the same 64)."""
+@pytest.mark.parametrize("name", [MEAN, XLMR])
+def test_truncation(base: str, dirs: dict[str, Path], name: str) -> None:
+    """Past the context (BERT's max_position_embeddings; XLM-R's less its pad id and one):
+    OpenAI's route refuses, Ollama's cuts (keeping [SEP] last, as sentence-transformers'
+    tokenizer truncates to its max_seq_length, the same 64)."""
     text = " ".join(["paris"] * (2 * CONTEXT))
-    r = httpx.post(base + "/v1/embeddings", json={"model": MEAN, "input": text}, timeout=60)
+    r = httpx.post(base + "/v1/embeddings", json={"model": name, "input": text}, timeout=60)
     assert_api_error(r, 400, "input", "/v1/embeddings")
     assert r.json()["error"]["code"] == "context_length_exceeded"
-    got = ollama.Client(host=base).embed(model=MEAN, input=text)
+    got = ollama.Client(host=base).embed(model=name, input=text)
     assert got.prompt_eval_count == CONTEXT
-    close(got.embeddings[0], st_embeddings(dirs[MEAN], [text])[0])
+    close(got.embeddings[0], st_embeddings(dirs[name], [text])[0])
     with pytest.raises(ollama.ResponseError) as e:
-        ollama.Client(host=base).embed(model=MEAN, input=text, truncate=False)
+        ollama.Client(host=base).embed(model=name, input=text, truncate=False)
     assert e.value.status_code == 400
 
 
@@ -146,7 +151,8 @@ def test_capabilities(base: str) -> None:
     models = {m["id"]: m for m in httpx.get(base + "/v1/models").json()["data"]}
     assert models[MEAN]["capabilities"]["embeddings"] is True
     assert models[TINY]["capabilities"]["embeddings"] is False
-    assert models[MEAN]["max_model_len"] == CONTEXT
+    assert models[MEAN]["max_model_len"] == models[XLMR]["max_model_len"] == CONTEXT
+    assert models[XLMR]["capabilities"]["embeddings"] is True
     shown = ollama.Client(host=base).show(MEAN)
     assert shown.capabilities is not None and "embedding" in shown.capabilities
 

@@ -101,3 +101,13 @@ def test_encoder_without_files_and_refused(tmp_path: Path) -> None:
     d = write(tmp_path / "b", {"model_type": "bert"}, ["Transformer", "Pooling"], "max_tokens")
     with pytest.raises(ValueError, match="max_tokens"):
         read_embedding(d)
+
+
+def test_xlm_roberta_is_an_encoder_and_its_context(tmp_path: Path) -> None:
+    from omlx_logprobs.models.card import native_context
+
+    config = {"model_type": "xlm-roberta", "max_position_embeddings": 514, "pad_token_id": 1}
+    e = read_embedding(write(tmp_path, config, ["Transformer", "Pooling"], "cls_token"))
+    assert e is not None and e.encoder and e.pooling == "cls" and not e.normalize
+    assert native_context(config) == 512  # positions count from after the pad id
+    assert native_context({"model_type": "bert", "max_position_embeddings": 512}) == 512
