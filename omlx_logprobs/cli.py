@@ -286,6 +286,7 @@ def start_encoder(cfg: ServerConfig, slot: ModelSlot) -> tuple[LoadedModel, Engi
         0 if pad is None else int(pad),
         cfg.engine.max_num_seqs,
         max(ENCODER_BATCH_TOKENS, model.max_model_len),
+        cfg.engine.dtype,
     )
     return model, EngineClient(transport)
 

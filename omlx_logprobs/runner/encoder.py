@@ -6,28 +6,34 @@ API's (api/core/embedding.py), as for a causal model's last hidden state (runner
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from omlx_logprobs.models.dtype import apply_dtype
 from omlx_logprobs.models.embedding import POOLINGS
 
 __all__ = ["EncoderRunner"]
+log = logging.getLogger("omlx_logprobs")
 
 
 class EncoderRunner:
     """One encoder model's weights, and its forward over a padded batch."""
 
-    def __init__(self, path: Path, pooling: str, pad_id: int) -> None:
+    def __init__(self, path: Path, pooling: str, pad_id: int, dtype: str = "auto") -> None:
         from mlx_embeddings.utils import load_model
 
         if pooling not in POOLINGS:
             raise ValueError(f"pooling {pooling!r} is not one of {', '.join(POOLINGS)}")
-        # mlx-embeddings' loader evaluates the weights in this thread, the one that runs the
-        # forwards (a lazy array belongs to the stream of the thread that made it).
         self.model: Any = load_model(path)
+        # --dtype as for a causal model (models/dtype.py): float32 on the CPU by default
+        log.info("encoder weights: %s", apply_dtype(self.model, dtype))
+        # Evaluated in this thread, the one that runs the forwards (a lazy array belongs to
+        # the stream of the thread that made it).
+        mx.eval(self.model.parameters())
         self.pooling, self.pad_id = pooling, pad_id
 
     def embed(self, rows: list[list[int]]) -> list[np.ndarray]:

@@ -35,9 +35,15 @@ class EncoderTransport:
     """The encoder's thread, its queue of embedding requests, and their outputs."""
 
     def __init__(
-        self, path: Path, pooling: str, pad_id: int, max_rows: int, max_tokens: int
+        self,
+        path: Path,
+        pooling: str,
+        pad_id: int,
+        max_rows: int,
+        max_tokens: int,
+        dtype: str = "auto",
     ) -> None:
-        self.path, self.pooling, self.pad_id = path, pooling, pad_id
+        self.path, self.pooling, self.pad_id, self.dtype = path, pooling, pad_id, dtype
         self.max_rows, self.max_tokens = max(1, max_rows), max(1, max_tokens)
         self._inbox: queue.SimpleQueue[EngineRequest | None] = queue.SimpleQueue()
         self._aborted: set[str] = set()  # aborted while waiting: skipped when taken
@@ -101,7 +107,7 @@ class EncoderTransport:
 
     def _run(self, ready: Future[EncoderRunner]) -> None:
         try:
-            runner = EncoderRunner(self.path, self.pooling, self.pad_id)
+            runner = EncoderRunner(self.path, self.pooling, self.pad_id, self.dtype)
         except BaseException as e:  # the load's error, raised by start()
             ready.set_exception(e)
             return
