@@ -5,8 +5,8 @@ in `RequestOutput.embedding`, as the causal engine answers one). An encoder has 
 no steps to share, so there is no scheduler: the thread takes what waits, shortest first, in
 batches of at most `max_rows` rows and `max_tokens` padded tokens (one input alone may reach the
 model's context), and sends each batch's outputs as it ends. Anything but an embedding request
-ends at once with an error; the engine's other commands are refused as an engine that is gone
-refuses them."""
+ends at once with an error; pause, resume and flush change nothing (there is no generation to
+pause); new weights and adapters are refused as an engine that is gone refuses them."""
 
 from __future__ import annotations
 
@@ -20,8 +20,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from omlx_logprobs.control import INITIAL_WEIGHTS
-from omlx_logprobs.engine.commands import Abort, BeginShutdown, Command, Stop, Submit, posted
+from omlx_logprobs.control import INITIAL_WEIGHTS, ControlResult
+from omlx_logprobs.engine.commands import (
+    Abort,
+    BeginShutdown,
+    Command,
+    ControlCommand,
+    Stop,
+    Submit,
+    posted,
+)
 from omlx_logprobs.engine.stats import EngineStats
 from omlx_logprobs.runner.encoder import EncoderRunner
 from omlx_logprobs.transport.client import Deliver, Lost
@@ -79,6 +87,12 @@ class EncoderTransport:
                     self._aborted.add(rid)
             case BeginShutdown() | Stop():
                 pass  # a batch is short: the requests in flight finish before shutdown ends
+            case ControlCommand():
+                # The control plane pauses generation (the RL routes: every loaded model); an
+                # encoder generates nothing and holds no kept prefixes: its embeddings go on.
+                done: Future[Any] = Future()
+                done.set_result(ControlResult(paused=False))
+                return done
             case _:
                 answer: Future[Any] = Future()
                 answer.set_result(command.refused(ONLY_EMBEDS, INITIAL_WEIGHTS))

@@ -1,7 +1,7 @@
 """transport/encoder.py and runner/encoder.py alone: requests waiting together run in batches
 within the rows and padded tokens allowed, shortest first, each vector equal to its input's
 alone (right padding is masked out) and to sentence-transformers'; aborted requests are
-skipped, a generation request and the engine's other commands refused."""
+skipped, a generation request, new weights and adapters refused, pauses answered."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omlx_logprobs.control import WeightUpdate
-from omlx_logprobs.engine.commands import Abort, Submit, UpdateWeights
+from omlx_logprobs.control import Control, WeightUpdate
+from omlx_logprobs.engine.commands import Abort, ControlCommand, Submit, UpdateWeights
 from omlx_logprobs.runner.encoder import EncoderRunner
 from omlx_logprobs.transport.encoder import ONLY_EMBEDS, EncoderTransport
 from omlx_logprobs.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
@@ -100,6 +100,9 @@ def test_aborted_and_refused(bert: Path) -> None:
     assert by_id["r2"].finish_reason is FinishReason.ERROR and by_id["r2"].error == ONLY_EMBEDS
     answer = t.post(UpdateWeights(WeightUpdate(str(bert)))).result(5)
     assert answer.error == ONLY_EMBEDS
+    for action in ("pause", "flush", "resume"):  # nothing to pause: answered, no error
+        done_ = t.post(ControlCommand(Control(action))).result(5)
+        assert done_.error is None and not done_.paused
     assert t.state == "ok" and t.snapshot().waiting == 0
     t.shutdown(5)
     assert t.state == "stopped"

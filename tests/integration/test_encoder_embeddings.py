@@ -197,3 +197,17 @@ def test_sglang_generate_on_an_encoder_is_a_400(base: str) -> None:
     r = httpx.post(base + "/generate", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "model_not_supported"
+
+
+def test_control_plane_and_weights(
+    base: str, reference: dict[str, np.ndarray], dirs: dict[str, Path]
+) -> None:
+    """/pause and /resume reach every loaded model, encoders among them (nothing of theirs to
+    pause); new weights for an encoder (the default model here) are a 400."""
+    assert httpx.post(base + "/pause", timeout=60).status_code == 200
+    assert httpx.post(base + "/resume", timeout=60).status_code == 200
+    body = {"model_path": str(dirs[MEAN])}
+    r = httpx.post(base + "/update_weights_from_disk", json=body, timeout=60)
+    assert r.status_code == 400 and "encoder" in r.json()["error"]["message"], r.text
+    got = httpx.post(base + "/api/embed", json={"model": MEAN, "input": TEXTS[0]}, timeout=60)
+    close(got.json()["embeddings"][0], reference[MEAN][0])
