@@ -159,10 +159,24 @@ def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
             path, default_name = resolve_model_path(source, cfg.offline)
             source, name = str(path), name or default_name
             embedding = read_embedding(path, cfg.task(i))
+            if embedding is not None and embedding.encoder:
+                _require_mlx_embeddings(path)
         need = weight_mib(path, float_bytes, dequantize=cpu and dtype == "auto")
         slots.append(ModelSlot(name, source, need, origin=origin, embedding=embedding))
     slots[0].adapters.update(cfg.lora)
     return slots
+
+
+def _require_mlx_embeddings(path: Path) -> None:
+    """An encoder runs on mlx-embeddings, which `make install` adds with --no-deps: said at
+    start (a ValueError, as a refused directory) rather than at its first load."""
+    import importlib.util
+
+    if importlib.util.find_spec("mlx_embeddings") is None:
+        raise ValueError(
+            f"{path} is an encoder embedding model, served through mlx-embeddings, which is not"
+            " installed: pip install --no-deps mlx-embeddings==0.1.0 mlx-vlm==0.7.10"
+        )
 
 
 def load_tokenizer(cfg: ServerConfig, slot: ModelSlot) -> LoadedModel:
