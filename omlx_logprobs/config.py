@@ -134,9 +134,18 @@ class Limits:
     max_stop_token_ids: int = 128
     max_logprob_token_ids: int = 128
     max_bad_words: int = 128  # bad_words per request (each a scan of its row's output per step)
+    max_image_pixels: int = 4096 * 4096  # width x height of one image, checked before decoding
+    max_images: int = 8  # images in one request
+    # Images from local files only under this folder (None: none), and from http(s) URLs only
+    # when allowed (fetched within image_fetch_s, at most max_body_bytes).
+    allowed_local_media_path: str | None = None
+    allow_image_urls: bool = False
+    image_fetch_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                continue
             least = 0 if name in ("max_queued", "max_stop", "retry_after_s") else 1
             if value is not None and value < least:
                 raise ValueError(f"{name} must be >= {least}")

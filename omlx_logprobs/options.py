@@ -409,3 +409,20 @@ def _add_limits(s: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars)
     g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids)
     g.add_argument("--max-logprob-token-ids", type=int, default=d.max_logprob_token_ids)
+    g.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=d.max_image_pixels,
+        help="width x height of one image (checked before it is decoded)",
+    )
+    g.add_argument("--max-images", type=int, default=d.max_images, help="images per request")
+    g.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="images may be read from local files (file:// URLs) only under this folder",
+    )
+    g.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs (bounded by --max-body-bytes and 10 s); else a 400",
+    )

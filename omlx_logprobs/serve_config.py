@@ -45,6 +45,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_stop_chars=args.max_stop_chars,
             max_stop_token_ids=args.max_stop_token_ids,
             max_logprob_token_ids=args.max_logprob_token_ids,
+            max_image_pixels=args.max_image_pixels,
+            max_images=args.max_images,
+            allowed_local_media_path=args.allowed_local_media_path,
+            allow_image_urls=args.allow_image_urls,
         ),
         access=Access(
             api_key=args.api_key or None,

@@ -236,6 +236,22 @@ class ToolParsing:
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt: its content's hash (what the encoder's cache and the prefix
+    cache key it by), its pixel values as the model's processor computed them [1, C, H, W]
+    float32, and the run of placeholder tokens its embeddings take in the prompt."""
+
+    digest: str  # hex SHA-256 of the image file's bytes
+    pixels: np.ndarray
+    start: int  # the prompt position of its first placeholder token
+    length: int  # its placeholder tokens: the rows the encoder gives
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One prompt as the API submits it: the engine makes `n` choices of it, prefilled once."""
 
@@ -261,6 +277,8 @@ class EngineRequest:
     # An embedding: the prompt is prefilled and nothing is sampled (max_tokens 0); its output
     # carries the final hidden state of the prompt's last position (RequestOutput.embedding).
     embed: bool = False
+    # A vision model's images, in prompt order (models/vision.py, runner/vision.py).
+    images: tuple[ImageInput, ...] = ()
 
 
 # vLLM's `priority` is a Python int; here it is bounded to what a 32-bit int holds.
@@ -274,6 +292,19 @@ def cache_namespace(salt: str | None) -> int:
     if salt is None:
         return 0
     digest = hashlib.sha256(salt.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") >> 1 or 1
+
+
+def image_namespace(namespace: int, images: tuple[ImageInput, ...]) -> int:
+    """The prefix cache's namespace of a prompt with images: its own (its salt's) with its
+    images' hashes and places. Their placeholder tokens are the same ids whatever the image,
+    so kept keys and values serve only prompts with the same images in the same places (a
+    conversation's next turn about them). Stable, as `cache_namespace`; the 0xff byte, which
+    no UTF-8 text holds, keeps it apart from every salt's."""
+    if not images:
+        return namespace
+    data = repr([namespace, *((i.digest, i.start) for i in images)]).encode()
+    digest = hashlib.sha256(b"\xff" + data).digest()
     return int.from_bytes(digest[:8], "big") >> 1 or 1
 
 

@@ -28,6 +28,7 @@ from omlx_logprobs.api.metrics.routes import install_metrics
 from omlx_logprobs.api.ollama import routes as ollama
 from omlx_logprobs.api.openai import routes as openai
 from omlx_logprobs.api.responses import routes as responses
+from omlx_logprobs.api.responses.socket import add_socket
 from omlx_logprobs.api.responses.store import ResponseStore
 from omlx_logprobs.api.rl import routes as rl
 from omlx_logprobs.api.scoring import routes as scoring
@@ -90,7 +91,9 @@ def create_app(
     openai.add_routes(app, pool, int(time.time()))
     rl.add_routes(app, pool)
     scoring.add_routes(app, pool, rerank_template or YesNoTemplate())
-    responses.add_routes(app, pool, ResponseStore())
+    stored = ResponseStore()
+    responses.add_routes(app, pool, stored)
+    add_socket(app, pool, stored)
     anthropic.add_routes(app, pool)
     ollama.add_routes(app, pool)
     batches.add_routes(app, runner, batch.max_file_bytes)

@@ -43,6 +43,12 @@ class Guard:
         self.in_flight = 0
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":  # the Responses API's WebSocket mode: the key only
+            try:
+                self._authorize(scope)
+            except APIError:  # closed before the handshake: the client sees HTTP 403
+                await send({"type": "websocket.close", "code": 1008})
+                return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

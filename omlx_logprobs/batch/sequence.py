@@ -18,6 +18,7 @@ from omlx_logprobs.types import (
     SamplingParams,
     ThinkStart,
     ToolParsing,
+    image_namespace,
 )
 
 _ids = itertools.count()
@@ -109,6 +110,9 @@ class Sequence:
         # host once its prefill is collected (runner/pooling.py).
         self.embed = False
         self.embedding: Any = None
+        # A vision model's images (types.ImageInput), whose embeddings its prefill puts at
+        # their placeholder tokens (runner/vision.py).
+        self.images: tuple[Any, ...] = ()
 
     @classmethod
     def of(cls, req: EngineRequest) -> Sequence:
@@ -122,8 +126,10 @@ class Sequence:
             tools=req.tools,
             reasoning_tags=req.reasoning_tags,
         )
-        seq.cache_namespace, seq.priority = req.cache_namespace, req.priority
-        seq.replay, seq.embed = req.routed_experts, req.embed
+        # A prompt with images is kept and looked up under its images' hashes too.
+        seq.cache_namespace = image_namespace(req.cache_namespace, req.images)
+        seq.priority = req.priority
+        seq.replay, seq.embed, seq.images = req.routed_experts, req.embed, req.images
         for i in range(1, req.n):
             seq.fork(i)
         return seq
@@ -143,7 +149,7 @@ class Sequence:
         )
         seq.adapter, seq.adapter_version = self.adapter, self.adapter_version
         seq.cache_namespace, seq.priority = self.cache_namespace, self.priority
-        seq.replay = self.replay
+        seq.replay, seq.images = self.replay, self.images
         self.forks.append(seq)
         return seq
 

@@ -37,13 +37,15 @@ class _GroupRunner(ModelRunner):
     # Routed experts are recorded by one process alone (the followers hold no replay).
     routes = False
 
-    def _forward_unread(self, ids: mx.array, cache: list[Any]) -> tuple[mx.array, ...]:
+    def _forward_unread(
+        self, ids: mx.array, cache: list[Any], **extra: Any
+    ) -> tuple[mx.array, ...]:
         # A forward is a collective: its output must run on every rank, or a pipeline's
         # first stage never sends and its last waits for ever. The body's output is enough
         # (the head is the same on every rank and reads nothing from the others).
         if self.plan.split is not None:
-            return (self.plan.split.body(ids, cache=cache),)
-        return (self.model(ids, cache=cache),)
+            return (self.plan.split.body(ids, cache=cache, **extra),)
+        return (self.model(ids, cache=cache, **extra),)
 
     def warm_attention(self, chunk: int, context: int) -> None:
         """Not on a group: its probe forward would be a collective the other ranks never run."""

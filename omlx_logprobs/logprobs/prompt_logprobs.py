@@ -23,10 +23,10 @@ class PromptLogprobFormatter:
         text = json.dumps(token_string(self.vocab, tid, self.as_ids), ensure_ascii=False)
         return f',"decoded_token":{text}}}'
 
-    def json(self, e: Entries, k: int, fixed: bool) -> str:
+    def json(self, e: Entries, k: int, fixed: bool, blank: frozenset[int] = frozenset()) -> str:
         """The list for every prompt position: the prompt token and `k` top entries (rank = place
         in the list). With `fixed` ids, all of them, rank null: only the prompt token's rank is
-        computed."""
+        computed. Positions in `blank` (an image's placeholder tokens: not text) are null."""
         if fixed:
             k = e.k
         s = e.k
@@ -38,6 +38,9 @@ class PromptLogprobFormatter:
         top_ranks = [',"rank":null' if fixed else f',"rank":{j + 1}' for j in range(k)]
         parts = ["null"]
         for i, tid in enumerate(tids):
+            if i + 1 in blank:
+                parts.append("null")
+                continue
             items = [head[tid] + lps[i] + ',"rank":' + str(ranks[i]) + tail[tid]]
             for j in range(k):
                 t = top_ids[i * s + j]

@@ -41,12 +41,12 @@ class LogprobWriter:
             return self.chat.entries(e)
         return encode_block(e, e.k if e is not None else 0, self.compact)
 
-    def prompt(self, e: Entries, k: int, fixed: bool) -> str:
-        """vLLM's `prompt_logprobs` (a list, null first), or one block of the positions after
-        the first (with its tail masses, when asked: `prompt_tails` writes them beside the
-        list)."""
+    def prompt(self, e: Entries, k: int, fixed: bool, blank: frozenset[int] = frozenset()) -> str:
+        """vLLM's `prompt_logprobs` (a list, null first, and null at the `blank` positions: an
+        image's), or one block of the positions after the first (with its tail masses, when
+        asked: `prompt_tails` writes them beside the list; the block's ids show an image's)."""
         if self.compact is None:
-            return self.prompt_fmt.json(e, k, fixed)
+            return self.prompt_fmt.json(e, k, fixed, blank)
         return encode_block(e if fixed else narrowed(e, k), k, self.compact)
 
     def prompt_tails(self, e: Entries, k: int, fixed: bool) -> str:

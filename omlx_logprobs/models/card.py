@@ -34,7 +34,8 @@ class ModelCard:
     format: str  # "gguf" or "safetensors"
     size: int  # bytes of the weights files on disk (the GGUF file, or the safetensors)
     context_length: int  # the model's own, from its config (the server may serve less)
-    vision: bool  # the config has a vision tower (this server reads text only)
+    # The config has a vision tower (its images served where models/vision.py has its family).
+    vision: bool
 
     @property
     def parameter_size(self) -> str:

@@ -18,6 +18,7 @@ from omlx_logprobs.models.card import native_context
 from omlx_logprobs.models.dtype import apply_dtype
 from omlx_logprobs.models.headless import is_headless, load_headless
 from omlx_logprobs.models.padded_batch import fit_for_padded_batches
+from omlx_logprobs.models.vision import VisionSpec, load_encoder, text_config, vision_spec
 from omlx_logprobs.vocab import Vocabulary, build_vocabulary
 
 log = logging.getLogger("omlx_logprobs")
@@ -32,6 +33,8 @@ class LoadedModel:
     vocab: Vocabulary
     eos_token_ids: tuple[int, ...]
     max_model_len: int
+    # A vision-language model's processor and image token (models/vision.py); None: text only.
+    vision: VisionSpec | None = None
 
 
 def resolve_model_path(model: str | None, offline: bool = False) -> tuple[Path, str]:
@@ -87,12 +90,16 @@ def load_model(
     if is_scripted(model):
         return _load_scripted(Path(model).expanduser(), name, max_model_len)
     path, default_name = resolve_model_path(model, offline)
+    raw = json.loads((path / "config.json").read_text())
     if weights and is_headless(path):  # a base model's weights alone (Qwen3-Embedding's)
         net, wrapper, config = load_headless(path)
-    elif weights:
-        net, wrapper, config = mlx_lm_load(str(path), return_config=True)  # type: ignore[misc]
+    elif weights:  # a vision checkpoint's language half as mlx-lm reads it (models/vision.py)
+        net, wrapper, config = mlx_lm_load(  # type: ignore[misc]
+            str(path), model_config=text_config(raw), return_config=True
+        )
+        load_encoder(net, path, raw)
     else:
-        net, config = None, json.loads((path / "config.json").read_text())
+        net, config = None, raw
         wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     if net is not None:
         if fixed := fit_for_padded_batches(net):
@@ -120,6 +127,7 @@ def load_model(
         vocab=build_vocabulary(hf, max(size, len(hf))),
         eos_token_ids=eos_ids,
         max_model_len=max_len,
+        vision=vision_spec(path, raw),
     )
 
 

@@ -61,18 +61,22 @@ def split_forward(
     model: Any, ids: mx.array, want: mx.array, make_cache: Callable[[], list[Any]]
 ) -> SplitForward | None:
     """The model's body and head: the first candidate whose logits on `ids` (with a fresh cache
-    from `make_cache`) equal `want`, the model's own forward on them; None where none does."""
-    for body in _bodies(model):
-        try:
-            hidden = body(ids, cache=make_cache())
-            mx.eval(hidden)
-        except Exception:  # noqa: BLE001  (not a body after all: the next candidate)
-            continue
-        for head in _heads(model, body):
-            for post in _posts(model):
-                got = post(head(hidden))
-                if got.shape == want.shape and mx.allclose(got, want, rtol=1e-5, atol=1e-5):
-                    return SplitForward(body, _composed(head, post))
+    from `make_cache`) equal `want`, the model's own forward on them; None where none does.
+    The candidates are the model's, then those of the language model a vision checkpoint's
+    text module wraps (`language_model`: mlx-lm's mistral3, pixtral, gemma3...)."""
+    owners = [model, *([model.language_model] if hasattr(model, "language_model") else [])]
+    for owner in owners:
+        for body in _bodies(owner):
+            try:
+                hidden = body(ids, cache=make_cache())
+                mx.eval(hidden)
+            except Exception:  # noqa: BLE001  (not a body after all: the next candidate)
+                continue
+            for head in _heads(owner, body):
+                for post in _posts(owner):
+                    got = post(head(hidden))
+                    if got.shape == want.shape and mx.allclose(got, want, rtol=1e-5, atol=1e-5):
+                        return SplitForward(body, _composed(head, post))
     return None
 
 

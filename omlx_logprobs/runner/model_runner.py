@@ -50,6 +50,7 @@ from omlx_logprobs.runner.sampler import draw, step_key
 from omlx_logprobs.runner.snapshot import make_prefix
 from omlx_logprobs.runner.speculation import Speculator
 from omlx_logprobs.runner.step import DeviceTime, LaunchedStep, Memory, StepResult, Tallies
+from omlx_logprobs.runner.vision import ImageEmbedder
 from omlx_logprobs.runner.weights import load_into
 
 __all__ = ["ModelRunner"]
@@ -116,7 +117,7 @@ class ModelRunner:
         self.prefill = Prefill(
             model, self.templates, self.plan, self.adapters, self.prefixes, self.prompt_cache,
             self.prefix_key, self.extractor, self.batch, self.queue, self._forward_unread,
-            self.routing,
+            self.routing, ImageEmbedder.of(model),
         )  # fmt: skip
         if self.plan.cache_limit_mib is not None:
             mx.set_cache_limit(self.plan.cache_limit_mib << 20)
@@ -228,10 +229,12 @@ class ModelRunner:
         return LaunchedStep(seqs, pending)
 
     # ---- hooks a runner split over processes overrides (distributed/group_runner.py) ------------
-    def _forward_unread(self, ids: mx.array, cache: list[Any]) -> tuple[mx.array, ...]:
+    def _forward_unread(
+        self, ids: mx.array, cache: list[Any], **extra: Any
+    ) -> tuple[mx.array, ...]:
         """A forward whose output nothing reads (a prompt's chunk before its last): what must
-        be evaluated with the cache."""
-        self.model(ids, cache=cache)
+        be evaluated with the cache (`extra`: the model's keyword arguments)."""
+        self.model(ids, cache=cache, **extra)
         return ()
 
     def _shared(self, tokens: mx.array) -> mx.array:

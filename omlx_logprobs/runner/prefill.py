@@ -42,6 +42,7 @@ from omlx_logprobs.runner.snapshot import (
     states_nbytes,
     states_of,
 )
+from omlx_logprobs.runner.vision import ImageEmbedder
 
 __all__ = ["Prefill"]
 
@@ -56,7 +57,8 @@ SETTLE_PAIRS = 1 << 24
 
 # A forward whose output nothing reads (a prompt's chunk before its last): what must be
 # evaluated with the cache (ModelRunner._forward_unread).
-ForwardUnread = Callable[[mx.array, list[Any]], tuple[mx.array, ...]]
+# Keyword arguments: the model's own (a prompt's input embeddings, runner/vision.py).
+ForwardUnread = Callable[..., tuple[mx.array, ...]]
 
 
 class Prefill:
@@ -74,11 +76,13 @@ class Prefill:
         queue: Callable[..., None],
         forward_unread: ForwardUnread,
         routing: Routing | None = None,
+        vision: ImageEmbedder | None = None,
     ) -> None:
         """The runner's parts that prefilling reads and its batch state, which it writes;
         `queue` queues arrays on the device, timed (ModelRunner.queue); `key_of`: a prompt's
         prefix-cache key, its adapter's and its namespace (runner/prefix.py); `routing` records
-        and replays routed experts (runner/routing.py)."""
+        and replays routed experts (runner/routing.py); `vision` puts a prompt's images in its
+        input embeddings (runner/vision.py)."""
         self.model = model
         self.templates = templates
         self.plan = plan
@@ -92,6 +96,7 @@ class Prefill:
         self.queue = queue
         self.forward_unread = forward_unread
         self.routing = routing
+        self.vision = vision
 
     def launch(
         self, work: SchedulerOutput
@@ -185,9 +190,13 @@ class Prefill:
 
     def _groupable(self, c: PrefillChunk) -> bool:
         """A whole prompt with one choice (every batch form takes left padding); a scored one
-        also needs the head apart from the body (to run it on its positions block by block)."""
+        also needs the head apart from the body (to run it on its positions block by block).
+        A prompt with images groups as any other of a KV model; else it takes the one-prompt
+        path (its input embeddings go with each of its chunks)."""
         if not (c.start == 0 and c.is_last and not c.seq.forks):
             return False
+        if c.seq.images and (self.plan.whole or self.routing is not None):
+            return False  # resumed from a state, or routed: with images, alone
         return not c.seq.scored or self.plan.split_head
 
     def _routed(self, rows: list[RowSpan], width: int, forward: Callable[[], T]) -> T:
@@ -201,11 +210,11 @@ class Prefill:
         assert self.split is not None
         return self.split.head(h)
 
-    def _last_logits(self, ids: mx.array, cache: list[Any]) -> mx.array:
-        """[B, V] logits of the last position only."""
+    def _last_logits(self, ids: mx.array, cache: list[Any], **extra: Any) -> mx.array:
+        """[B, V] logits of the last position only (`extra`: the model's keyword arguments)."""
         if self.split is None:
-            return self.model(ids, cache=cache)[:, -1, :]
-        return self._head(self.split.body(ids, cache=cache)[:, -1:, :])[:, 0, :]
+            return self.model(ids, cache=cache, **extra)[:, -1, :]
+        return self._head(self.split.body(ids, cache=cache, **extra)[:, -1:, :])[:, 0, :]
 
     def _last_hidden(self, ids: mx.array, cache: list[Any]) -> mx.array:
         """[B, H] hidden states of the last position (embedding prompts)."""
@@ -224,6 +233,7 @@ class Prefill:
         width += -width % self.plan.prefill_align + start
         pads = [width - c.end for c in group]
         ids = mx.array([([0] * p + c.seq.context_ids)[start:] for p, c in zip(pads, group)])
+        extra = self._embedded(ids, [(c.seq, start - p) for c, p in zip(group, pads)])
         if prefix is None:
             cache = BatchCache.for_prompts(self.templates, pads)
         else:
@@ -241,13 +251,19 @@ class Prefill:
         spans = [RowSpan(c.seq.group, f, c.end - f, max(p - start, 0))
                  for c, p in zip(group, pads) for f in [max(start - p, 0)]]  # fmt: skip
         if not scored:
-            last = self._last_hidden if group[0].seq.embed else self._last_logits
-            logits = self._routed(spans, width - start, lambda: last(ids, cache.layers))
+            embed = group[0].seq.embed  # an embedding group's rows all embed
+
+            def last() -> mx.array:
+                if embed:
+                    return self._last_hidden(ids, cache.layers)
+                return self._last_logits(ids, cache.layers, **extra)
+
+            logits = self._routed(spans, width - start, last)
             cache.finish_prefill()
             return logits, None
         assert self.split is not None
         body = self.split.body
-        h = self._routed(spans, width - start, lambda: body(ids, cache=cache.layers))
+        h = self._routed(spans, width - start, lambda: body(ids, cache=cache.layers, **extra))
         cache.finish_prefill()
         # Every row's computed positions but its last, rows in group order: one flat [N, H]
         # block. A row's first `done` positions came with the prefix, their entries too.
@@ -317,12 +333,20 @@ class Prefill:
         chunks = [c for c in chunks if self.routing is None or not routed(c.seq)]
         if self.prefixes.whole:  # a state resumed would give logits (`_resume_group`)
             chunks = [c for c in chunks if not c.seq.embed]
-        plain = [c for c in chunks if not c.seq.scored]
+        plain = [c for c in chunks if not c.seq.scored and not c.seq.images]
         scored = [c for c in chunks if c.seq.scored]
         keys = [self.key_of(c.seq) for c in plain]
         found = self.prefixes.assign([c.seq.context_ids for c in plain], keys)
         found += self.prompt_cache.starts([c.seq for c in scored])
-        return {c.seq.seq_id: p for c, p in zip(plain + scored, found) if p is not None}
+        # Plain prompts with images take kept starts but make none: a start is made by a
+        # forward of its tokens alone, which has no images (scored ones' starts are only
+        # found).
+        pictured = [c for c in chunks if c.seq.images and not c.seq.scored]
+        prefixes = self.prefixes
+        found += [prefixes.longest(c.seq.context_ids, c.end - 1, self.key_of(c.seq))
+                  for c in pictured]  # fmt: skip
+        chunks = plain + scored + pictured
+        return {c.seq.seq_id: p for c, p in zip(chunks, found) if p is not None}
 
     def _chunk_cache(self, chunk: PrefillChunk) -> tuple[list[Any], int, Prefix | None]:
         """A prompt's one-row cache between its chunks, where this chunk's forward starts, and
@@ -354,12 +378,13 @@ class Prefill:
         seq = chunk.seq
         cache, start, found = self._chunk_cache(chunk)
         ids = mx.array([seq.context_ids[start : chunk.end]])
+        extra = self._embedded(ids, [(seq, start)])
         self.adapters.select_rows([seq])
         scored: Any = None
         unread: tuple[mx.array, ...] = ()
         span, n = [RowSpan(seq.group, start, chunk.end - start)], chunk.end - start
         if seq.scored:  # every position's logits but those of a kept start: the prompt is scored
-            out = self._routed(span, n, lambda: self.model(ids, cache=cache))[0]
+            out = self._routed(span, n, lambda: self.model(ids, cache=cache, **extra))[0]
             rows = chunk_slice(seq, start, out.shape[0])
             served = (found.scores.served(seq, start),) if found and found.scores else ()
             keep = []
@@ -368,12 +393,14 @@ class Prefill:
             scored = score([rows], lambda a, b: out[a:b], self.extractor, served, tuple(keep))
             logits = out[-1:, :]
         elif chunk.is_last:
-            last = self._last_hidden if seq.embed else self._last_logits
-            logits = self._routed(span, n, lambda: last(ids, cache))
+            if seq.embed:
+                logits = self._routed(span, n, lambda: self._last_hidden(ids, cache))
+            else:
+                logits = self._routed(span, n, lambda: self._last_logits(ids, cache, **extra))
         else:
             # Lazy: evaluating only the cache skips the head. Split over processes, the
             # forward's output is evaluated too (distributed/group_runner.py).
-            unread = self._routed(span, n, lambda: self.forward_unread(ids, cache))
+            unread = self._routed(span, n, lambda: self.forward_unread(ids, cache, **extra))
         if not chunk.is_last:
             kept = self._boundary(seq, cache, chunk.end)
             # Bound the lazy graph between chunks.
@@ -386,6 +413,17 @@ class Prefill:
             for row, m in enumerate(members):
                 self.batch.prefilled[m.seq_id] = Prefilled(rows_cache, row)
         return logits, scored
+
+    def _embedded(self, ids: mx.array, rows: list[tuple[Sequence, int]]) -> dict[str, Any]:
+        """The forward's keyword arguments for `ids`: their input embeddings where a row holds
+        image positions (runner/vision.py), else none. `rows`: each row's sequence and the
+        prompt position of its column 0."""
+        if not any(seq.images for seq, _ in rows):
+            return {}
+        if self.vision is None:  # a model loaded without its encoder (split over processes)
+            raise ValueError("this engine's model has no vision encoder: it takes no images")
+        h = self.vision.inputs(ids, rows)
+        return {} if h is None else {"input_embeddings": h}
 
     def _boundary(self, seq: Sequence, cache: list[Any], n: int) -> list[mx.array]:
         """A recurrent model's states after a chunk, n tokens into the prompt (copies), where

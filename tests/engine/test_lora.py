@@ -36,6 +36,7 @@ from tests.helpers.engine import (
     collect_outputs,
     encode,
     reference_logprobs,
+    run_requests,
 )
 from tests.helpers.lora import fused, make_adapter
 
@@ -71,19 +72,6 @@ def engine_with(
         adapters=tuple((n, str(p)) for n, p in adapters.items()),
     )  # fmt: skip
     return model, engine
-
-
-def run(engine: Engine, reqs: list[EngineRequest]) -> list[Record]:
-    client = client_of(engine)
-
-    async def main() -> list[list[list]]:
-        return await asyncio.gather(*[collect_outputs(client, r) for r in reqs])
-
-    try:
-        outs = asyncio.run(main())
-    finally:
-        client.shutdown()
-    return [Record(r, o[0]) for r, o in zip(reqs, outs)]
 
 
 def test_adapters_change_the_model(refs: dict) -> None:
@@ -122,7 +110,7 @@ def test_two_adapters_and_the_base_in_one_batch_each_equal_their_model(
         choices = SamplingParams(max_tokens=6, temperature=1.0, seed=5, logprobs=True,
                                  ignore_eos=True)  # fmt: skip
         reqs.append(EngineRequest(f"{name}-n", long, choices, n=2, stream=True, adapter=name))
-    records = run(engine, reqs)
+    records = run_requests(engine, reqs)
     for req, rec in zip(reqs, records):
         ref = refs[req.adapter]
         assert rec.finish_reason is FinishReason.LENGTH, rec.error
@@ -290,7 +278,7 @@ def test_an_adapter_over_a_quantized_model(tiny_dir: Path, adapters: dict[str, P
     ids = encode(model, PROMPTS[0])
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=True, ignore_eos=True)
     reqs = [EngineRequest("q", ids, params, adapter="one"), EngineRequest("b", ids, params)]
-    lora, base = run(engine, reqs)
+    lora, base = run_requests(engine, reqs)
     ref = quantized()
     net = load_adapters(ref.model, str(adapters["one"]))
     net.update_modules(tree_unflatten(

@@ -112,6 +112,21 @@ async def collect_outputs(client: EngineClient, req: EngineRequest) -> list[list
     return list(await asyncio.gather(*[choice(c) for c in handle.choices]))
 
 
+def run_requests(engine: Engine, reqs: list[EngineRequest]) -> list[Record]:
+    """Submit these requests at once to an engine made by the caller (shut down after); each
+    one's first choice as rebuilt from its outputs."""
+    client = client_of(engine)
+
+    async def main() -> list[list[list[RequestOutput]]]:
+        return await asyncio.gather(*[collect_outputs(client, r) for r in reqs])
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        client.shutdown()
+    return [Record(r, o[0]) for r, o in zip(reqs, outs)]
+
+
 def run_engine(
     model: LoadedModel,
     requests: list[tuple[list[int], SamplingParams]],

@@ -41,6 +41,14 @@ class Spec:
         content = doc["paths"]["/responses"]["post"]["responses"]["200"]["content"]
         self.response = self._validator(content["application/json"]["schema"], components)
         self.event = self._validator(content["text/event-stream"]["schema"], components)
+        compact = doc["paths"]["/responses/compact"]["post"]["responses"]["200"]["content"]
+        self.compacted = self._validator(compact["application/json"]["schema"], components)
+        # WebSocket mode: the suite checks each message it sends as a `response.create`, and
+        # each it receives as a streaming event or the WebSocket error envelope.
+        self.create = self._validator(_ref("WebSocketResponseCreateEvent"), components)
+        socket_event = {"anyOf": [content["text/event-stream"]["schema"],
+                                  _ref("WebSocketErrorEvent")]}  # fmt: skip
+        self.socket_event = self._validator(socket_event, components)
 
     @staticmethod
     def _validator(schema: dict[str, Any], components: dict[str, Any]) -> Draft202012Validator:
@@ -49,9 +57,20 @@ class Spec:
     def response_errors(self, body: Any) -> list[str]:
         return [_say(e) for e in self.response.iter_errors(body)]
 
-    def event_errors(self, event: Any) -> list[str]:
+    def event_errors(self, event: Any, socket: bool = False) -> list[str]:
         kind = event.get("type") if isinstance(event, dict) else None
-        return [f"event {kind}: {_say(e)}" for e in self.event.iter_errors(event)]
+        validator = self.socket_event if socket else self.event
+        return [f"event {kind}: {_say(e)}" for e in validator.iter_errors(event)]
+
+    def compacted_errors(self, body: Any) -> list[str]:
+        return [_say(e) for e in self.compacted.iter_errors(body)]
+
+    def create_errors(self, message: Any) -> list[str]:
+        return [f"WebSocket request {_say(e)}" for e in self.create.iter_errors(message)]
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
 
 
 def _say(error: Any) -> str:

@@ -1,6 +1,7 @@
 """Batch-invariant mode (`serve --batch-invariant`, runner/invariance.py): a sampled token's
 logprob and its top list are the same float32 bits alone, among other requests, from the prefix
-cache, through a speculative verify, on the thread engine with another prefill chunk, and
+cache's memory and from its disk tier, through a speculative verify, on the thread engine with
+another prefill chunk, and
 equal to runner/scorer.py's one forward of the whole sequence, as an RL trainer computes
 it. The servers are real processes (the mode restarts them with MLX's reference BLAS, which
 this test process, with OpenBLAS loaded, cannot take), the scorer a process of its own."""
@@ -38,10 +39,15 @@ OTHERS = ["Hi.", "Name three colours " * 3, "Write a haiku about bread.", "Why "
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[ServerProcess, ServerProcess]]:
+def servers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     common = ["--batch-invariant", "--max-num-seqs", "16", "--log-level", "warning"]
+    # b's prefix cache holds one answered conversation in memory: the next one's sends the
+    # first to the disk tier
+    disk = ["--kv-cache-dir", str(tmp_path_factory.mktemp("kv")), "--prefix-cache-mib", "4"]
     with server_process(common) as a:
-        with server_process([*common, "--engine", "thread", "--prefill-chunk", "7"]) as b:
+        with server_process([*common, "--engine", "thread", "--prefill-chunk", "7", *disk]) as b:
             yield a, b
 
 
@@ -88,6 +94,24 @@ def test_the_same_bits_whatever_else_runs(servers: tuple[ServerProcess, ServerPr
     assert verified["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
     same_bits(alone, verified)
     same_bits(alone, ask(b.base))  # the thread engine, prompts prefilled 7 tokens at a time
+
+
+def disk_hits(base: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("omlx_kv_disk_hits_total"))  # fmt: skip
+
+
+def test_the_same_bits_from_the_disk_tier(servers: tuple[ServerProcess, ServerProcess]) -> None:
+    a, b = servers
+    alone = ask(a.base, OTHERS[2])
+    same_bits(alone, ask(b.base, OTHERS[2]))  # kept in b's memory
+    ask(b.base, OTHERS[4])  # kept in its place: the first goes to disk
+    before = disk_hits(b.base)
+    again = ask(b.base, OTHERS[2])
+    assert disk_hits(b.base) == before + 1
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    same_bits(alone, again)
 
 
 SCORE = """

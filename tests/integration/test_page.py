@@ -366,3 +366,65 @@ def test_api_key_asked_once_and_reasoning_apart(browser: Any, keyed: str) -> Non
     browser.get(keyed + "/docs")
     wait_for(lambda: css(browser, ".swagger-ui .opblock"), 30, "Swagger UI's operations")
     assert_clean(browser, keyed)
+
+
+@pytest.fixture(scope="module")
+def llava_served(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Any
+) -> Iterator[tuple[str, str]]:
+    """The tiny random LLaVA (tests/helpers/vision.py) in this process: (base URL, its name)."""
+    from omlx_logprobs.models.loader import load_model
+    from tests.helpers.vision import tiny_llava_dir
+
+    model = load_model(str(tiny_llava_dir(tmp_path_factory.mktemp("llava"), tokenizer_dir)))
+    with thread_server(model) as (base, _):
+        yield base, model.name
+
+
+def test_an_image_goes_with_the_message(
+    browser: Any, llava_served: tuple[str, str], tmp_path: Any
+) -> None:
+    """An image chosen in the page goes with the user message as an image_url part: each
+    token of the answer carries the logprob the API gives for the same image and text."""
+    import base64
+
+    from tests.helpers.vision import picture, png_bytes
+
+    base, name = llava_served
+    data = png_bytes(picture(3))
+    (tmp_path / "picture.png").write_bytes(data)
+    open_page(browser, base)
+    by_id(browser, "image").send_keys(str(tmp_path / "picture.png"))
+    wait_for(lambda: browser.execute_script("return state.image !== null"), what="the image")
+    assert by_id(browser, "image-thumb").is_displayed()
+    fill(browser, {"user": "What is this?", "temperature": "0", "max_tokens": "6",
+                   "top_logprobs": "5", "stream": False})  # fmt: skip
+    run_and_wait(browser, "run", "gen-output")
+    assert by_id(browser, "gen-error").get_attribute("hidden")
+    got = page_tokens(browser, "#gen-output .tok")
+    client = openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=60)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    r = client.chat.completions.create(
+        model=name,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],  # fmt: skip
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    want = [e.model_dump() for e in r.choices[0].logprobs.content]
+    assert len(got) == len(want) == 6
+    for g, w in zip(got, want):
+        assert g["token"] == w["token"] and abs(float(g["logprob"]) - w["logprob"]) < TOL
+    screenshot(browser, "page-image")
+    by_id(browser, "image-clear").click()
+    assert browser.execute_script("return state.image") is None
+    assert_clean(browser, base)

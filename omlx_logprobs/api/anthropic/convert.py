@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from omlx_logprobs.api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.images import data_url, image_part
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest
 
 # The chat request's field names as an Anthropic client knows them (prepare.wire_names).
@@ -81,7 +82,7 @@ def messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
 def _user(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     """A user turn: its tool results as tool messages (first, as the calls they answer come
     right before), then its text."""
-    results, texts = [], []
+    results, parts = [], []
     for j, b in enumerate(blocks):
         kind = b.get("type")
         if kind == "tool_result":
@@ -90,10 +91,30 @@ def _user(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
             results.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id")),
                             "content": text})  # fmt: skip
         elif kind == "text":
-            texts.append(str(b.get("text", "")))
+            parts.append({"type": "text", "text": str(b.get("text", ""))})
+        elif kind == "image":
+            parts.append(_image(b.get("source"), f"{where}[{j}].source"))
         else:
             _refuse(kind, f"{where}[{j}]")
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts else [])
+    if not parts:
+        return results
+    if all(p["type"] == "text" for p in parts):
+        return [*results, {"role": "user", "content": "".join(p["text"] for p in parts)}]
+    return [*results, {"role": "user", "content": parts}]
+
+
+def _image(source: Any, field: str) -> dict[str, Any]:
+    """An image block's source (base64 data, or a URL) as a chat image part."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        assert isinstance(source, dict)
+        return image_part(data_url(source.get("media_type"), source.get("data"), field), field)
+    if kind == "url" and isinstance(source.get("url"), str):  # type: ignore[union-attr]
+        return image_part(source["url"], field)  # type: ignore[index]
+    raise APIError(
+        f"{field}: an image's source must be base64 data or a URL", param=field,
+        code="unsupported_value",
+    )  # fmt: skip
 
 
 def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:

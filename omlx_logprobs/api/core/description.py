@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from omlx_logprobs.api.core.slot import ModelSlot
 from omlx_logprobs.models.card import ModelCard, card_for
+from omlx_logprobs.models.vision import serves_images
 
 if TYPE_CHECKING:
     from omlx_logprobs.api.core.pool import ModelPool
@@ -25,9 +26,15 @@ class Description:
     reasoning: bool  # its reasoning is parsed apart
     embeddings: bool = False  # served as an embedding model (models/embedding.py)
 
+    @property
+    def vision(self) -> bool:
+        """It takes images: a vision family served here (models/vision.py), read from its card."""
+        card = self.card
+        return card is not None and serves_images(card.family, card.vision)
+
     def capabilities(self) -> dict[str, bool]:
-        """/v1/models' `capabilities`: this server takes no images."""
-        return {"tools": self.tools, "reasoning": self.reasoning, "vision": False,
+        """/v1/models' `capabilities`."""
+        return {"tools": self.tools, "reasoning": self.reasoning, "vision": self.vision,
                 "embeddings": self.embeddings}  # fmt: skip
 
     def ollama_capabilities(self) -> list[str]:
@@ -35,6 +42,7 @@ class Description:
         embedding model here generates too (the same engine), so it completes as well."""
         return ["completion", *(["tools"] if self.tools else []),
                 *(["thinking"] if self.reasoning else []),
+                *(["vision"] if self.vision else []),
                 *(["embedding"] if self.embeddings else [])]  # fmt: skip
 
 

@@ -19,8 +19,14 @@ from dataclasses import dataclass, field, replace
 from omlx_logprobs.api.core import tools
 from omlx_logprobs.api.core.constraints import constraint_field
 from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.images import image_parts
 from omlx_logprobs.api.core.prediction import prediction_ids
-from omlx_logprobs.api.core.prompts import completion_prompts, encode, faithful_chat_prompt
+from omlx_logprobs.api.core.prompts import (
+    completion_prompts,
+    encode,
+    faithful_chat_prompt,
+    image_chat_prompt,
+)
 from omlx_logprobs.api.core.protocol import (
     ChatCompletionRequest,
     ChatTokensRequest,
@@ -37,6 +43,7 @@ from omlx_logprobs.transport.client import RequestHandle
 from omlx_logprobs.types import (
     Constraint,
     EngineRequest,
+    ImageInput,
     LogprobsMode,
     RequestOutput,
     SamplingParams,
@@ -146,7 +153,7 @@ def _chat(
     tokenizer = served.model.tokenizer
     content = served.checks.check_chat(req)
     parsing = tools.tool_parsing(req, served.tool_format, tokenizer)
-    prompt, reused = _chat_prompt(req, served, ask.sampled)
+    prompt, reused, images = _chat_prompt(req, served, ask.sampled)
     params = sampling_params(ask, served, len(prompt), content)
     params, replay = with_routing(req, served, len(prompt), params)
     if req.prediction is not None:
@@ -179,20 +186,26 @@ def _chat(
         cache_namespace=cache_namespace(req.cache_salt),
         priority=req.priority,
         routed_experts=replay,
+        images=images,
     )
     return (ereq,), constraint, reused
 
 
 def _chat_prompt(
     req: ChatCompletionRequest, served: Served, known: Mapping[int, Sequence[int]]
-) -> tuple[list[int], int]:
+) -> tuple[list[int], int, tuple[ImageInput, ...]]:
     """The chat template's ids of the messages, earlier answers this server sampled spliced in
     as their sampled ids (and how many ids those are), or, on /v1/chat/completions/tokens, the
-    ids the client sent (the conversation as its trainer holds it: never re-tokenized)."""
-    if not isinstance(req, ChatTokensRequest):
-        return faithful_chat_prompt(req, served, known)
-    served.checks.check_token_ids(req.tokens, "tokens")
-    return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens), 0
+    ids the client sent (the conversation as its trainer holds it: never re-tokenized); with
+    images, the processor's ids and the images (api/core/images.py)."""
+    if isinstance(req, ChatTokensRequest):
+        served.checks.check_token_ids(req.tokens, "tokens")
+        return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens), 0, ()
+    parts = image_parts(req.messages)
+    if parts:
+        ids, images = image_chat_prompt(req, served, parts)
+        return ids, 0, images
+    return *faithful_chat_prompt(req, served, known), ()
 
 
 def _completion(

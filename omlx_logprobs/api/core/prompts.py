@@ -11,6 +11,7 @@ from typing import Any
 from omlx_logprobs.api.core import tools
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.heads import chained
+from omlx_logprobs.api.core.images import expand, read_image, template_content
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest
 from omlx_logprobs.api.core.sampled import chat_message_key
 from omlx_logprobs.api.core.served import Served
@@ -19,6 +20,7 @@ from omlx_logprobs.api.core.splice import Turn, splice
 from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.models.segments import segment_encoder
+from omlx_logprobs.types import ImageInput
 
 MAX_PROMPTS = 256  # prompts in one completions request (lm-eval batches several)
 
@@ -31,6 +33,40 @@ def chat_prompt(
         checks.check_text(text, "messages")
     ids = encode(model, text, "messages", special=req.add_special_tokens)
     return checks.truncated(ids, req.truncate_prompt_tokens) if checks is not None else ids
+
+
+def image_chat_prompt(
+    req: ChatCompletionRequest, served: Served, parts: list[tuple[str, str, str]]
+) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """A chat prompt with images (`parts`: their fields and URLs, api/core/images.py): the
+    template's text with an image token where each image is, through the model's processor.
+    Tokenized whole: earlier answers are not spliced in as their sampled ids."""
+    model, limits = served.model, served.limits
+    field = parts[0][0]
+    if model.vision is None:
+        raise APIError(
+            f"{field} is an image, and the model {model.name!r} takes no images (it reads text"
+            " only)",
+            param=field,
+        )
+    if len(parts) > limits.max_images:
+        raise APIError(
+            f"{len(parts)} images, more than --max-images ({limits.max_images})",
+            param=parts[limits.max_images][0],
+        )
+    if req.truncate_prompt_tokens is not None:
+        raise APIError(
+            "truncate_prompt_tokens cannot cut a prompt with images",
+            param="truncate_prompt_tokens",
+        )
+    images = [read_image(url, field, limits) for _, field, url in parts]
+    messages = tools.template_messages(req.messages)
+    for d, m in zip(messages, req.messages):
+        if m.images():
+            d["content"] = template_content(m)
+    text = render(req, model, messages, req.add_generation_prompt)
+    served.checks.check_text(text, "messages")
+    return expand(model.vision, text, images, req.add_special_tokens)
 
 
 def faithful_chat_prompt(

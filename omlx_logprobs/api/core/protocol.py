@@ -31,6 +31,21 @@ class TextPart(_Model):
     text: str
 
 
+class ImageURL(_Model):
+    # A data URL, a file:// URL (--allowed-local-media-path) or http(s) (--allow-image-urls).
+    url: str
+    detail: str | None = None  # OpenAI's; the model's processor decides the resolution
+
+
+class ImagePart(_Model):
+    """An image of a message (models that take images: models/vision.py). `field`: where the
+    image was in another API's request (Responses, Anthropic, Ollama), which its 400s name."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+    field: str | None = None
+
+
 class FunctionCall(_Model):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -47,7 +62,7 @@ class MessageToolCall(_Model):
 class ChatMessage(_Model):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call they answer
@@ -55,7 +70,13 @@ class ChatMessage(_Model):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def images(self) -> list[tuple[int, ImagePart]]:
+        """Its image parts, with their index in `content`."""
+        if self.content is None or isinstance(self.content, str):
+            return []
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, ImagePart)]
 
 
 class FunctionDefinition(_Model):

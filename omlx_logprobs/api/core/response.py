@@ -17,7 +17,7 @@ from omlx_logprobs.api.core.protocol import SamplingKnobs
 from omlx_logprobs.control import AdapterVersion, WeightVersion
 from omlx_logprobs.logprobs.wire import LogprobWriter
 from omlx_logprobs.transport.client import RequestHandle
-from omlx_logprobs.types import Entries, RequestOutput
+from omlx_logprobs.types import Entries, ImageInput, RequestOutput
 
 
 async def wait_or_disconnect(handles: list[RequestHandle], raw: Request) -> list[RequestOutput]:
@@ -117,13 +117,18 @@ def head(request_id: str, kind: str, model: str, fingerprint: str) -> str:
 
 
 def prompt_logprobs_fields(
-    req: SamplingKnobs, e: Entries, writer: LogprobWriter, asked: int | None = None
+    req: SamplingKnobs,
+    e: Entries,
+    writer: LogprobWriter,
+    asked: int | None = None,
+    images: tuple[ImageInput, ...] = (),
 ) -> str:
     """`,"prompt_logprobs":...`: vLLM's list (null for the first position) and, when the tail
     mass is asked, `prompt_tail_logprobs` beside it; or in the compact form one block of the
     positions after the first. `asked`: the alternatives wanted, when not the field's (chat
-    echo asks for them)."""
+    echo asks for them). An image's placeholder positions are null: they are not text."""
     fixed = bool(req.logprob_token_ids)
+    blank = frozenset(p for i in images for p in range(i.start, i.end))
     k = e.k if fixed else ((req.prompt_logprobs if asked is None else asked) or 0)
     tails = writer.prompt_tails(e, k, fixed)
-    return f',"prompt_logprobs":{writer.prompt(e, k, fixed)}{tails}'
+    return f',"prompt_logprobs":{writer.prompt(e, k, fixed, blank)}{tails}'

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.images import data_url, image_part
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest
 from omlx_logprobs.api.ollama.protocol import (
     OllamaChatRequest,
@@ -120,9 +121,9 @@ def chat_request(req: OllamaChatRequest) -> ChatCompletionRequest:
 
 
 def _message(m: OllamaMessage, i: int) -> dict[str, Any]:
-    if m.images:
-        raise APIError(f"messages[{i}].images: images are not supported", param="messages")
     out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    if m.images:
+        out["content"] = _with_images(m.content or "", m.images, f"messages[{i}].images")
     if m.thinking and m.role == "assistant":
         out["reasoning_content"] = m.thinking
     if m.tool_calls:
@@ -142,13 +143,23 @@ def _message(m: OllamaMessage, i: int) -> dict[str, Any]:
     return out
 
 
+def _with_images(text: str, images: list[Any] | None, field: str) -> Any:
+    """Text with Ollama's images (base64 strings) before it, as chat parts; the text alone
+    without images."""
+    if not images:
+        return text
+    parts = [image_part(data_url(None, d, f"{field}[{j}]"), f"{field}[{j}]")
+             for j, d in enumerate(images)]  # fmt: skip
+    return [*parts, {"type": "text", "text": text}]
+
+
 def generate_request(req: OllamaGenerateRequest) -> ChatCompletionRequest | CompletionRequest:
     """A chat turn (the system message and the prompt, through the chat template), or with
     `raw` the prompt as it is."""
     for name, why in (("suffix", "fill-in-the-middle"), ("template", "a template sent with"
                       " the request"), ("context", "a context of token ids (send the text)"),
-                      ("images", "images")):  # fmt: skip
-        if getattr(req, name):
+                      ("images" if req.raw else "", "images with a raw prompt")):  # fmt: skip
+        if name and getattr(req, name):
             raise APIError(f"{name}: {why} is not supported by this server", param=name)
     sampling = _sampling(req)
     fmt = _format(req.format)
@@ -158,7 +169,7 @@ def generate_request(req: OllamaGenerateRequest) -> ChatCompletionRequest | Comp
                 "response_format": fmt, "max_tokens": None, **sampling}  # fmt: skip
         return _validated(CompletionRequest, body)
     messages = [{"role": "system", "content": req.system}] if req.system else []
-    messages.append({"role": "user", "content": req.prompt})
+    messages.append({"role": "user", "content": _with_images(req.prompt, req.images, "images")})
     body = {"model": req.model, "messages": messages, "response_format": fmt,
             "logprobs": "top_logprobs" in sampling, **sampling, **_think(req)}  # fmt: skip
     return _validated(ChatCompletionRequest, body)

@@ -78,7 +78,8 @@ class ChatRun:
         scored, asked = out.prompt_logprobs, self.p.first.params.prompt_logprobs
         if asked is None or scored is None:
             return ""
-        return prompt_logprobs_fields(self.req, scored, self.p.writer, asked)
+        images = self.p.first.images
+        return prompt_logprobs_fields(self.req, scored, self.p.writer, asked, images)
 
     def _head(self, kind: str) -> str:
         return head(self.p.request_id, kind, self.p.model, self.served.fingerprint)

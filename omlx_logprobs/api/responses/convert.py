@@ -12,7 +12,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.images import image_part
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest
+from omlx_logprobs.api.responses.compaction import unpack
 from omlx_logprobs.api.responses.protocol import ResponsesRequest
 
 # The chat request's field names as a Responses client knows them (prepare.wire_names).
@@ -96,7 +98,7 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(f"{where}.role: {role!r} is not a message role", param=where)
-            out.append({"role": role, "content": _text(item.get("content"), where)})
+            out.append({"role": role, "content": _content(item.get("content"), where)})
             if role == "assistant" and reasoning:
                 out[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call":
@@ -121,16 +123,57 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(
                 {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text}
             )
+        elif kind == "compaction":
+            out += unpack(item, where)
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             reasoning += "".join(p.get("text", "") for p in parts if isinstance(p, dict))
         else:
             raise APIError(
                 f"{where}: items of type {kind!r} are not supported by this server (messages,"
-                " function_call, function_call_output and reasoning are)",
+                " function_call, function_call_output, reasoning and compaction are)",
                 param=where,
                 code="unsupported_value",
             )
+    return out
+
+
+def check_calls(conversation: list[dict[str, Any]]) -> None:
+    """Each function call's output answers a call made before it in the conversation (a 400
+    otherwise, as OpenAI's: an output with no call is a client's mistake, never sent on to a
+    template that would render it as a result of nothing)."""
+    called: set[str] = set()
+    for message in conversation:
+        called.update(c.get("id") for c in message.get("tool_calls") or ())
+        if message["role"] == "tool" and message.get("tool_call_id") not in called:
+            raise APIError(
+                "No tool call found for function call output with call_id"
+                f" '{message.get('tool_call_id')}'.",
+                param="input",
+                code="tool_call_not_found",
+            )
+
+
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or, where it holds `input_image` parts, its parts in
+    order as chat's (text and image_url parts)."""
+    parts = content if isinstance(content, list) else []
+    if not any(isinstance(p, dict) and p.get("type") == "input_image" for p in parts):
+        return _text(content, where)
+    out = []
+    for j, part in enumerate(parts):
+        field = f"{where}.content[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise APIError(
+                    f"{field}: an input_image needs an image_url (a file_id is not supported)",
+                    param=field,
+                    code="unsupported_value",
+                )
+            out.append(image_part(url, f"{field}.image_url"))
+        else:
+            out.append({"type": "text", "text": _text([part], where)})
     return out
 
 
@@ -218,4 +261,3 @@ def _template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:
     if _effort(req) == "none":
         kwargs.setdefault("enable_thinking", False)
     return kwargs or None
-

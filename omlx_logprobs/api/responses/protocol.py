@@ -90,3 +90,13 @@ class ResponsesRequest(_Open):
         """OpenAI's `include` turns entries on; `top_logprobs` alone does too (a client that
         asks for alternatives wants the entries: they are never silently left out)."""
         return LOGPROBS_INCLUDE in (self.include or ()) or self.top_logprobs is not None
+
+
+class CompactRequest(_Open):
+    """`POST /v1/responses/compact`: the conversation to compact (`input`, after the stored
+    one of `previous_response_id`); `prompt_cache_key` is a label, with no effect here."""
+
+    model: str
+    input: str | list[dict[str, Any]] | None = None
+    previous_response_id: str | None = None
+    prompt_cache_key: str | None = None

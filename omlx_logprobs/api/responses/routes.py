@@ -1,10 +1,13 @@
 """`POST /v1/responses` (JSON or the Responses event stream), `GET` and `DELETE
-/v1/responses/{id}`: the body read into a chat request (convert.py), prepared and submitted on
+/v1/responses/{id}`, `POST /v1/responses/compact` (compaction.py; WebSocket mode: socket.py): the
+body read into a chat request (convert.py), prepared and submitted on
 the one request path (api/core/prepare.py), its outputs written as Responses items and events
 (output.py), the response stored (store.py) unless `store` is false."""
 
 from __future__ import annotations
 
+import secrets
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -14,38 +17,42 @@ from fastapi.responses import Response
 
 from omlx_logprobs.api.core import sse
 from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.items import REASONING, TEXT, Item
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.core.prepare import Ask, prepare
 from omlx_logprobs.api.core.response import finished
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.core.serving import respond
-from omlx_logprobs.api.responses.convert import NAMES, chat_request, input_messages
+from omlx_logprobs.api.responses.compaction import pack
+from omlx_logprobs.api.responses.convert import NAMES, chat_request, check_calls, input_messages
 from omlx_logprobs.api.responses.output import ResponseOutput, meta
-from omlx_logprobs.api.responses.protocol import ResponsesRequest
+from omlx_logprobs.api.responses.protocol import CompactRequest, ResponsesRequest
 from omlx_logprobs.api.responses.store import ResponseStore, Stored
 from omlx_logprobs.types import RequestOutput
 
 
 class ResponseRun:
     """One response: prepared and submitted at once (a bad request raises here, before any
-    byte of a stream), then awaited whole or streamed."""
+    byte of a stream), then awaited whole or streamed. `local`: a WebSocket connection's own
+    store (api/responses/socket.py), read first and holding its responses whatever `store`
+    says, so that a `store: false` chain continues on its socket and nowhere else."""
 
-    def __init__(self, req: ResponsesRequest, served: Served, store: ResponseStore) -> None:
-        self.req, self.store = req, store
+    def __init__(
+        self,
+        req: ResponsesRequest,
+        served: Served,
+        store: ResponseStore,
+        local: ResponseStore | None = None,
+    ) -> None:
+        self.req, self.store, self.local = req, store, local
         history: list[dict[str, Any]] = []
         self.answers: tuple[tuple[int, tuple[int, ...]], ...] = ()
         if req.previous_response_id is not None:
-            stored = store.get(req.previous_response_id)
-            if stored is None:
-                raise APIError(
-                    f"Previous response with id '{req.previous_response_id}' not found (this"
-                    f" server keeps the last {store.count} stored responses, in memory).",
-                    param="previous_response_id",
-                    code="previous_response_not_found",
-                )
+            stored = previous(req.previous_response_id, store, local)
             history, self.answers = list(stored.conversation), stored.answers
         self.conversation = history + input_messages(req.input)
+        check_calls(self.conversation)
         chat = chat_request(req, self.conversation)
         # the chain's answers by their index among the chat messages (instructions first)
         first = len(chat.messages) - len(self.conversation)
@@ -83,13 +90,33 @@ class ResponseRun:
             self._keep()
 
     def _keep(self) -> None:
+        if self.req.store is False and self.local is None:
+            return
+        said = [*self.conversation, _assistant(self.output.items.items)]
+        answers = self.answers
+        recorder = self.p.recorder
+        if recorder is not None and 0 in recorder.sampled:
+            answers += ((len(self.conversation), tuple(recorder.sampled[0])),)
+        stored = Stored.of(self.output.body, said, answers)
         if self.req.store is not False:
-            said = [*self.conversation, _assistant(self.output.items.items)]
-            answers = self.answers
-            recorder = self.p.recorder
-            if recorder is not None and 0 in recorder.sampled:
-                answers += ((len(self.conversation), tuple(recorder.sampled[0])),)
-            self.store.put(self.p.request_id, Stored.of(self.output.body, said, answers))
+            self.store.put(self.p.request_id, stored)
+        if self.local is not None:
+            self.local.put(self.p.request_id, stored)
+
+
+def previous(response_id: str, store: ResponseStore, local: ResponseStore | None) -> Stored:
+    """The response `previous_response_id` names: the connection's own first, then the
+    server's store; a 400 `previous_response_not_found` when neither holds it."""
+    stored = (local.get(response_id) if local is not None else None) or store.get(response_id)
+    if stored is None:
+        raise APIError(
+            f"Previous response with id '{response_id}' not found (this server keeps the last"
+            f" {store.count} stored responses, in memory; a `store: false` response only on"
+            " its own WebSocket, and only the latest).",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return stored
 
 
 def _assistant(items: list[Item]) -> dict[str, Any]:
@@ -149,6 +176,31 @@ def add_routes(app: FastAPI, pool: ModelPool, store: ResponseStore) -> None:
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request) -> Response:
         return await respond(pool, req, raw, lambda slot: ResponseRun(req, slot.live, store))
+
+    @app.post("/v1/responses/compact")
+    async def compact_response(req: CompactRequest) -> dict[str, Any]:
+        """The conversation as one compaction item (api/responses/compaction.py): no model
+        runs, so no token is counted; the model is checked to be one this server serves."""
+        if not pool.ignore_unknown_fields:
+            check_unknown(req, False)
+        pool.slot(req.model)
+        history = (
+            []
+            if req.previous_response_id is None
+            else previous(req.previous_response_id, store, None).conversation
+        )
+        conversation = [*history, *input_messages(req.input or [])]
+        check_calls(conversation)
+        usage = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0},
+                 "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": 0}  # fmt: skip
+        return {
+            "id": "resp_" + secrets.token_hex(16),
+            "object": "response.compaction",
+            "created_at": int(time.time()),
+            "output": [pack(conversation)],
+            "usage": usage,
+        }
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:

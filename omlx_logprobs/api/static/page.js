@@ -11,6 +11,7 @@ const state = {
   scoring: null,
   abort: null,
   pinned: null, // the token element whose card stays open
+  image: null, // the chat message's image as a data URL, sent as an image_url part
 };
 
 // ---------- the API ----------
@@ -331,6 +332,43 @@ function showError(view, e) {
   box.textContent = e instanceof ApiError ? e.message : "Error: " + (e.message || e);
 }
 
+// ---------- an image with the chat message ----------
+
+function setImage(url) {
+  state.image = url;
+  $("image-thumb").src = url || "";
+  $("image-preview").hidden = !url;
+  if (!url) $("image").value = "";
+}
+
+function readImage(file) {
+  if (!file || !file.type.startsWith("image/")) return;
+  const reader = new FileReader();
+  reader.onload = () => setImage(reader.result);
+  reader.readAsDataURL(file);
+}
+
+function wireImage() {
+  $("image").addEventListener("change", () => readImage($("image").files[0]));
+  $("image-clear").addEventListener("click", () => setImage(null));
+  $("user").addEventListener("paste", (ev) => {
+    const item = [...(ev.clipboardData?.items || [])].find((i) => i.type.startsWith("image/"));
+    if (item) {
+      ev.preventDefault();
+      readImage(item.getAsFile());
+    }
+  });
+  const drop = $("chat-fields");
+  drop.addEventListener("dragover", (ev) => ev.preventDefault());
+  drop.addEventListener("drop", (ev) => {
+    const file = [...(ev.dataTransfer?.files || [])].find((f) => f.type.startsWith("image/"));
+    if (file) {
+      ev.preventDefault();
+      readImage(file);
+    }
+  });
+}
+
 // ---------- generation ----------
 
 function mode() {
@@ -348,7 +386,11 @@ function generationRequest() {
   if (chat) {
     const messages = [];
     if ($("system").value.trim()) messages.push({ role: "system", content: $("system").value });
-    messages.push({ role: "user", content: $("user").value });
+    const text = $("user").value;
+    const content = state.image
+      ? [{ type: "image_url", image_url: { url: state.image } }, { type: "text", text }]
+      : text;
+    messages.push({ role: "user", content });
     body.messages = messages;
   } else {
     body.prompt = $("prompt").value;
@@ -837,6 +879,7 @@ async function init() {
   }
   setMode();
   $("model").addEventListener("change", () => (state.model = $("model").value));
+  wireImage();
   $("gen-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
     generate();

@@ -1,0 +1,201 @@
+"""Vision-language models: which families take images, their processor (the API's side: pixel
+values and the prompt's placeholder tokens, as transformers computes them) and their vision
+encoder (the engine's side: mlx-vlm's vision tower and projector, which turn one image's pixel
+values into the rows of input embeddings its placeholder tokens stand for).
+
+The language half is the mlx-lm model of the checkpoint's text config, loaded as every text
+model is: the runner's batch caches, prefill and decode paths serve it unchanged, and an image's
+rows enter its forward as input embeddings (runner/vision.py). mlx-vlm is pinned (pyproject.toml):
+its module trees and weight names are what the loader maps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Encoder",
+    "Family",
+    "VisionSpec",
+    "encoder_of",
+    "family_of",
+    "load_encoder",
+    "serves_images",
+    "text_config",
+    "vision_spec",
+]
+
+# The attribute of the text model that carries its encoder: a plain holder, not a child
+# module, so the text model's parameters (weight updates, adapters, fingerprints) stay its own.
+_ATTR = "omlx_vision_encoder"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A vision family served: the mlx-lm model type of its text half (mlx-lm's module that
+    reads the whole checkpoint's weights and keeps the language model's), its encoder, and
+    its transformers processor class (named, not found through AutoProcessor: importing an
+    mlx-vlm family replaces AutoProcessor's choice with mlx-vlm's own processor, which would
+    make the API's ids depend on whether the engine shares its process)."""
+
+    text_model_type: str
+    build: Callable[[Path, dict[str, Any]], Encoder]
+    processor: str
+    # The text configs' model types that mlx-lm module reads (its language model's class).
+    text_types: frozenset[str]
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the API reads images with: the checkpoint's transformers processor and the id of
+    the token that stands for one row of an image's embeddings."""
+
+    family: str
+    processor: Any
+    image_token_id: int
+
+
+class Encoder:
+    """One image's pixel values [1, C, H, W] (the processor's, float32) to its rows of input
+    embeddings [N, hidden] (N: its placeholder tokens in the prompt)."""
+
+    def __init__(self, forward: Callable[[Any], Any], image_token_id: int) -> None:
+        self.forward = forward
+        self.image_token_id = image_token_id
+
+    def __call__(self, pixels: Any) -> Any:
+        return self.forward(pixels)
+
+
+def family_of(config: dict[str, Any]) -> str | None:
+    """The served vision family of a config.json, None for a text model (or a vision family
+    not served yet, which then loads as text, as mlx-lm reads it)."""
+    kind = str(config.get("model_type") or "")
+    return kind if kind in FAMILIES and "vision_config" in config else None
+
+
+def serves_images(card_family: str, vision: bool) -> bool:
+    """Whether a model of this card takes images here (/v1/models, /api/show)."""
+    return vision and card_family in FAMILIES
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The override of config.json that has mlx-lm load a vision checkpoint's language half,
+    None for a text model."""
+    family = family_of(config)
+    if family is None:
+        return None
+    spec, text = FAMILIES[family], str(config.get("text_config", {}).get("model_type", ""))
+    if text not in spec.text_types:
+        raise ValueError(
+            f"a {family} model with a {text!r} text model is not served yet (its text model"
+            f" must be one of {', '.join(sorted(spec.text_types))})"
+        )
+    return {"model_type": spec.text_model_type}
+
+
+def vision_spec(path: Path, config: dict[str, Any]) -> VisionSpec | None:
+    """The checkpoint's processor, None for a text model."""
+    family = family_of(config)
+    if family is None:
+        return None
+    import transformers
+
+    processor = getattr(transformers, FAMILIES[family].processor).from_pretrained(str(path))
+    return VisionSpec(family, processor, int(config["image_token_index"]))
+
+
+def load_encoder(net: Any, path: Path, config: dict[str, Any]) -> None:
+    """Load a vision checkpoint's encoder and give it to its text model (`encoder_of`)."""
+    family = family_of(config)
+    if family is not None:
+        object.__setattr__(net, _ATTR, FAMILIES[family].build(path, config))
+
+
+def encoder_of(net: Any) -> Encoder | None:
+    """The text model's vision encoder, None for a text model."""
+    found = getattr(net, _ATTR, None)
+    return found if isinstance(found, Encoder) else None
+
+
+def _weights(path: Path) -> dict[str, Any]:
+    import mlx.core as mx
+
+    out: dict[str, Any] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(dict(mx.load(str(f))))  # type: ignore[arg-type]
+    return out
+
+
+def _under(weights: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The weights under `prefix`, with it removed; transformers 5 writes them under `model.`
+    or without it, as earlier versions did."""
+    out = {}
+    for k, v in weights.items():
+        k = k.removeprefix("model.")
+        if k.startswith(prefix):
+            out[k[len(prefix) :]] = v
+    return out
+
+
+def _llava(path: Path, config: dict[str, Any]) -> Encoder:
+    """LLaVA: a CLIP (or SigLIP) tower, the chosen layer's patch states (the class token
+    dropped with the `default` strategy), a two-layer projector."""
+    import mlx.core as mx
+    import mlx_vlm.models.llava as family
+    from mlx_vlm.models.llava.llava import LlavaMultiModalProjector
+    from mlx_vlm.utils import update_module_configs
+
+    cfg = family.ModelConfig.from_dict(config)
+    cfg = update_module_configs(cfg, family, config, ["text", "vision"])
+    tower = family.VisionModel(cfg.vision_config)
+    _exact_activation(tower, config["vision_config"].get("hidden_act", "quick_gelu"))
+    projector = LlavaMultiModalProjector(cfg)
+    weights = _weights(path)
+    # transformers 5 writes the tower's modules without CLIPVisionModel's `vision_model.`
+    tw = {k if k.startswith("vision_model.") else f"vision_model.{k}": v
+          for k, v in _under(weights, "vision_tower.").items()}  # fmt: skip
+    tower.load_weights(list(tower.sanitize(tw).items()))
+    projector.load_weights(list(_under(weights, "multi_modal_projector.").items()))
+    mx.eval(tower.parameters(), projector.parameters())
+    layer, strategy = cfg.vision_feature_layer, cfg.vision_feature_select_strategy
+    if not isinstance(layer, int):
+        raise ValueError("LLaVA with several vision feature layers is not served yet")
+
+    def forward(pixels: Any) -> Any:
+        *_, states = tower(mx.array(pixels).transpose(0, 2, 3, 1), output_hidden_states=True)
+        chosen = states[layer]
+        if strategy == "default":
+            chosen = chosen[:, 1:]
+        return projector(chosen).reshape(-1, projector.linear_2.weight.shape[0])
+
+    return Encoder(forward, int(config["image_token_index"]))
+
+
+# The tower's activation as transformers names it, as MLX's GELU computes it.
+_GELU = {"quick_gelu": "fast", "gelu_pytorch_tanh": "precise", "gelu": "none"}
+
+
+def _exact_activation(tower: Any, act: str) -> None:
+    """mlx-vlm's LLaVA tower computes every MLP with CLIP's quick GELU; SigLIP's is the tanh
+    approximation (1e-4 apart in the logprobs of a tiny model): the config's own."""
+    import mlx.nn as nn
+
+    if act not in _GELU:
+        raise ValueError(f"a vision tower with the activation {act!r} is not served yet")
+    for layer in tower.vision_model.encoder.layers:
+        layer.mlp.activation_fn = nn.GELU(approx=_GELU[act])
+
+
+FAMILIES: dict[str, Family] = {
+    # mlx-lm's mistral3 module builds its language model as llama unless ministral3 or mistral4
+    "llava": Family(
+        "mistral3",
+        _llava,
+        "LlavaProcessor",
+        frozenset({"llama", "mistral", "ministral3", "mistral4"}),
+    ),
+}

@@ -1,0 +1,88 @@
+"""A prompt's images into its prefill: each image's rows of input embeddings, computed by the
+vision encoder (models/vision.py) once per image content and kept by its hash (bounded, least
+recently used first out), put at the image's placeholder tokens in place of their token
+embeddings. Prefill asks for the input embeddings of a forward's rows (`inputs`): a
+left-padded group of whole prompts, or one chunk of one prompt, which may cut an image (its
+rows then go half to each chunk)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import mlx.core as mx
+
+from omlx_logprobs.batch.sequence import Sequence
+from omlx_logprobs.models.vision import Encoder, encoder_of
+from omlx_logprobs.types import ImageInput
+
+__all__ = ["ImageEmbedder"]
+
+FEATURES_MIB = 256  # the encoder's outputs kept, by image hash
+
+
+class ImageEmbedder:
+    def __init__(self, encoder: Encoder, embed: Any, budget: int = FEATURES_MIB << 20) -> None:
+        """`embed`: the text model's token embedding (ids -> [B, L, hidden])."""
+        self.encoder = encoder
+        self.embed = embed
+        self.budget = budget
+        self._kept: OrderedDict[str, mx.array] = OrderedDict()
+        self._bytes = 0
+        self.encoded = 0  # images run through the encoder (a kept one is not run again)
+
+    @staticmethod
+    def of(model: Any) -> ImageEmbedder | None:
+        """The embedder of a vision model's text half, None for a text model."""
+        encoder = encoder_of(model)
+        if encoder is None:
+            return None
+        for path in (("language_model", "model"), ("model",)):
+            body = model
+            for name in path:
+                body = getattr(body, name, None)
+            if body is not None and hasattr(body, "embed_tokens"):
+                return ImageEmbedder(encoder, body.embed_tokens)
+        raise ValueError("a vision model whose text half has no token embedding to extend")
+
+    def features(self, image: ImageInput) -> mx.array:
+        """The image's rows [length, hidden]: kept ones by hash, else encoded (evaluated here:
+        what is kept is counted in bytes)."""
+        kept = self._kept.get(image.digest)
+        if kept is not None:
+            self._kept.move_to_end(image.digest)
+            return kept
+        rows = self.encoder(image.pixels)
+        if rows.shape[0] != image.length:
+            raise ValueError(
+                f"the image's encoder gave {rows.shape[0]} rows for {image.length} placeholder"
+                " tokens"
+            )
+        mx.eval(rows)
+        self.encoded += 1
+        self._kept[image.digest] = rows
+        self._bytes += rows.nbytes
+        while self._bytes > self.budget and len(self._kept) > 1:
+            _, old = self._kept.popitem(last=False)
+            self._bytes -= old.nbytes
+        return rows
+
+    def inputs(self, ids: mx.array, rows: list[tuple[Sequence, int]]) -> mx.array | None:
+        """The input embeddings [B, L, hidden] of `ids` [B, L] with the rows of the images
+        there; None where no image is. `rows`: each row's sequence and the prompt position of
+        its column 0 (negative in a left-padded row: its padding is before position 0)."""
+        width = ids.shape[1]
+        placed = [
+            (r, shift, image)
+            for r, (seq, shift) in enumerate(rows)
+            for image in seq.images
+            if image.start < shift + width and image.end > shift
+        ]
+        if not placed:
+            return None
+        h = self.embed(ids)
+        for r, shift, image in placed:
+            a, b = max(image.start, shift), min(image.end, shift + width)
+            rows_ = self.features(image)[a - image.start : b - image.start]
+            h[r, a - shift : b - shift, :] = rows_.astype(h.dtype)
+        return h

@@ -1,0 +1,151 @@
+"""A tiny seeded random LLaVA (a CLIP or SigLIP tower, a projector, a 2-layer llama) built with
+transformers from a config and saved as transformers saves it (weights, processor config, chat
+template; SmolLM2's tokenizer with an `<image>` token), and transformers' float32 forward of the
+same weights and images: the reference the served logprobs are held to."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+IMAGE_TOKEN = "<image>"
+SIDE = 56  # the tower's input: 4x4 patches of 14 pixels, so 16 placeholder tokens per image
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_llava_dir(out: Path, tokenizer_dir: Path, seed: int = 0, tower: str = "clip") -> Path:
+    """`tower`: "clip" (its class token dropped: the `default` feature strategy, quick GELU)
+    or "siglip" (no class token: `full`; the tanh GELU)."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        SiglipVisionConfig,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    if (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    staged = out / "tokenizer-src"
+    staged.mkdir(exist_ok=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, staged / f.name)
+    tok = AutoTokenizer.from_pretrained(str(staged))
+    tok.add_tokens([IMAGE_TOKEN], special_tokens=True)
+    shutil.rmtree(staged)
+    text = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49216,  # the tokenizer's 49,153 padded
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+    )
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "image_size": SIDE, "patch_size": 14}  # fmt: skip
+    clip = tower == "clip"
+    vision = (
+        CLIPVisionConfig(**shape, projection_dim=32)
+        if clip
+        else SiglipVisionConfig(**shape, vision_use_head=False)
+    )
+    strategy = "default" if clip else "full"
+    config = LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy=strategy,
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # logits with a spread: neither flat nor one-hot
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.15 if "embed_tokens" in name else 0.08)
+    model.save_pretrained(str(out))
+    images = (
+        CLIPImageProcessorPil(
+            size={"shortest_edge": SIDE}, crop_size={"height": SIDE, "width": SIDE}
+        )
+        if clip
+        else SiglipImageProcessorPil(size={"height": SIDE, "width": SIDE})
+    )
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=14,
+        vision_feature_select_strategy=strategy,
+        chat_template=TEMPLATE,
+        num_additional_image_tokens=1 if clip else 0,
+        image_token=IMAGE_TOKEN,
+    )
+    processor.save_pretrained(str(out))
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(out))
+    return out
+
+
+def picture(seed: int, width: int = 40, height: int = 60) -> Any:
+    """A seeded noise image (PIL)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((height, width, 3)) * 255).astype(np.uint8))
+
+
+def png_bytes(image: Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class Reference:
+    """transformers' LLaVA in float32 on the same weights: log-softmax of each position."""
+
+    def __init__(self, path: Path) -> None:
+        import torch
+        from transformers import LlavaForConditionalGeneration
+
+        self.torch = torch
+        self.model = LlavaForConditionalGeneration.from_pretrained(
+            str(path), dtype=torch.float32
+        ).eval()
+
+    def logprobs(self, ids: list[int], pixels: np.ndarray | None = None) -> np.ndarray:
+        torch = self.torch
+        kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids])}
+        if pixels is not None:
+            kwargs["pixel_values"] = torch.tensor(pixels)
+        with torch.no_grad():
+            logits = self.model(**kwargs).logits[0].double()
+        return torch.log_softmax(logits, -1).float().numpy()
+
+    def image_rows(self, pixels: np.ndarray) -> np.ndarray:
+        """One image's rows of input embeddings [N, hidden]: its tower and projector alone."""
+        with self.torch.no_grad():
+            out = self.model.model.get_image_features(pixel_values=self.torch.tensor(pixels))
+        return np.asarray(out.pooler_output[0].double().numpy(), np.float32)
