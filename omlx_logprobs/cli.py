@@ -57,6 +57,9 @@ MLX_ENVIRONMENT = {
     # With bounded caches MLX would raise after 2x capacity misses in total.
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
 }
+# Padded tokens in one encoder forward (transport/encoder.py): its activations and every
+# layer's attention scores are in memory at once.
+ENCODER_BATCH_TOKENS = 8192
 MLX_BACKENDS = {"MLX_ENABLE_TF32": ("cuda", "metal")}  # every other one: CUDA only
 
 
@@ -156,10 +159,24 @@ def model_slots(cfg: ServerConfig) -> list[ModelSlot]:
             path, default_name = resolve_model_path(source, cfg.offline)
             source, name = str(path), name or default_name
             embedding = read_embedding(path, cfg.task(i))
+            if embedding is not None and embedding.encoder:
+                _require_mlx_embeddings(path)
         need = weight_mib(path, float_bytes, dequantize=cpu and dtype == "auto")
         slots.append(ModelSlot(name, source, need, origin=origin, embedding=embedding))
     slots[0].adapters.update(cfg.lora)
     return slots
+
+
+def _require_mlx_embeddings(path: Path) -> None:
+    """An encoder runs on mlx-embeddings, which `make install` adds with --no-deps: said at
+    start (a ValueError, as a refused directory) rather than at its first load."""
+    import importlib.util
+
+    if importlib.util.find_spec("mlx_embeddings") is None:
+        raise ValueError(
+            f"{path} is an encoder embedding model, served through mlx-embeddings, which is not"
+            " installed: pip install --no-deps mlx-embeddings==0.1.0 mlx-vlm==0.7.10"
+        )
 
 
 def load_tokenizer(cfg: ServerConfig, slot: ModelSlot) -> LoadedModel:
@@ -173,14 +190,17 @@ def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) ->
     """A model's engine (not yet started) and what the routes need of it."""
     from omlx_logprobs.api.core.served import Served
 
-    model, engine = start_engine(
-        cfg,
-        args.log_level,
-        (slot.source, slot.name),
-        slot.weights_path,
-        slot.weights,
-        tuple(slot.adapters.items()),
-    )
+    if slot.embedding is not None and slot.embedding.encoder:
+        model, engine = start_encoder(cfg, slot)
+    else:
+        model, engine = start_engine(
+            cfg,
+            args.log_level,
+            (slot.source, slot.name),
+            slot.weights_path,
+            slot.weights,
+            tuple(slot.adapters.items()),
+        )
     log.info(
         "model %s from %s (vocab %d, context %d)",
         model.name,
@@ -192,8 +212,8 @@ def load_served(cfg: ServerConfig, args: argparse.Namespace, slot: ModelSlot) ->
     log.info("reasoning parser: %s", "on" if reasoning else "off")
     log.info("tool-call parser: %s", tool_format.value)
     if (e := slot.embedding) is not None:
-        log.info("embeddings: last-token pooling%s%s (%s)", ", normalized" if e.normalize else "",
-                 ", Matryoshka" if e.matryoshka else "", e.source)  # fmt: skip
+        log.info("embeddings: %s pooling%s%s (%s)", e.pooling, ", normalized" if e.normalize
+                 else "", ", Matryoshka" if e.matryoshka else "", e.source)  # fmt: skip
     return Served(
         engine,
         model,
@@ -261,6 +281,28 @@ def start_engine(
         vocab = build_vocabulary(model.tokenizer, max(proc.vocab_size, len(model.tokenizer)))
         model = replace(model, vocab=vocab)
     return replace(model, model=None), EngineClient(proc)
+
+
+def start_encoder(cfg: ServerConfig, slot: ModelSlot) -> tuple[LoadedModel, EngineClient]:
+    """An encoder embedding model's tokenizer and facts, and its client over a thread of this
+    process that runs its forward (transport/encoder.py): rows per batch within
+    --max-num-seqs, padded tokens within ENCODER_BATCH_TOKENS or one input at the context."""
+    from omlx_logprobs.models.loader import load_model
+    from omlx_logprobs.transport.client import EngineClient
+    from omlx_logprobs.transport.encoder import EncoderTransport
+
+    assert slot.source is not None and slot.embedding is not None
+    model = load_model(slot.source, slot.name, cfg.engine.max_model_len, weights=False)
+    pad = model.tokenizer.pad_token_id
+    transport = EncoderTransport(
+        model.path,
+        slot.embedding.pooling,
+        0 if pad is None else int(pad),
+        cfg.engine.max_num_seqs,
+        max(ENCODER_BATCH_TOKENS, model.max_model_len),
+        cfg.engine.dtype,
+    )
+    return model, EngineClient(transport)
 
 
 def mlx_environment() -> None:

@@ -47,10 +47,17 @@ class ModelCard:
 
 
 def native_context(config: dict[str, Any]) -> int:
-    """The context length a model's config.json declares (what the loader serves at most)."""
+    """The context length a model's config.json declares (what the loader serves at most). An
+    XLM-R encoder counts its positions from after its pad id (transformers' and mlx-embeddings'
+    position ids): its 514 positions hold 512 tokens."""
+    if config.get("model_type") in _POSITIONS_AFTER_PAD and config.get("max_position_embeddings"):
+        return int(config["max_position_embeddings"]) - int(config.get("pad_token_id", 1)) - 1
     return int(
         config.get("max_position_embeddings") or config.get("max_seq_len") or DEFAULT_CONTEXT
     )
+
+
+_POSITIONS_AFTER_PAD = ("xlm-roberta", "roberta")
 
 
 def read_card(path: Path, gguf: Path | None = None) -> ModelCard:

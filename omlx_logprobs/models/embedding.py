@@ -4,9 +4,13 @@ perhaps Normalize, makes a causal model an embedding model (`--task auto`); `--t
 makes any causal model one (its sentence-transformers pooling if it has one, else the last
 token, normalized, as vLLM's `--convert embed` pools a causal model); `--task generate` none.
 
-Only last-token pooling is served: it is what a causal model's last position holds, read in
-the engine's prefill (runner/pooling.py). A directory whose modules pool otherwise (mean, CLS)
-or transform after pooling (Dense) is refused at start rather than answered with other numbers.
+A causal model is pooled at its last token only: it is what a causal model's last position
+holds, read in the engine's prefill (runner/pooling.py). An encoder model (BERT, XLM-R:
+config.json's `model_type` among `ENCODER_FAMILIES`) only embeds, through `mlx-embeddings`' forward
+(runner/encoder.py), pooled as its Pooling module says (mean, CLS or the last token; a
+directory without modules.json: the mean, unnormalized, as sentence-transformers pools a bare
+transformer). A directory whose modules pool otherwise or transform after pooling (Dense) is
+refused at start rather than answered with other numbers.
 
 `dimensions` (OpenAI's, Ollama's) truncates a vector and normalizes it again, which only a
 model trained with Matryoshka Representation Learning keeps meaningful: vLLM's config keys say
@@ -26,6 +30,12 @@ _MODULE = "sentence_transformers.models."
 _MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
           "weightedmean_tokens", "lasttoken")  # fmt: skip
 _MATRYOSHKA_FAMILIES = ("qwen3",)  # with sentence-transformers' last-token pooling
+# config.json's model_type of the encoders served through mlx-embeddings (runner/encoder.py):
+# the families whose forward there takes the ids and a padding mask alone.
+ENCODER_FAMILIES = ("bert", "xlm-roberta")
+# The poolings served, as the wire and the log name them; sentence-transformers' mode of each.
+POOLINGS = ("lasttoken", "mean", "cls")
+_ST_MODES = {"lasttoken": "lasttoken", "mean_tokens": "mean", "cls_token": "cls"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,8 @@ class EmbeddingConfig:
     matryoshka: bool = False  # `dimensions` may truncate it
     dimensions: tuple[int, ...] = ()  # the widths it was trained for, when its config lists them
     source: str = "sentence-transformers"  # what made it an embedding model (for the log)
+    pooling: str = "lasttoken"  # one of POOLINGS
+    encoder: bool = False  # an encoder model (runner/encoder.py): it embeds and nothing else
 
     def check_dimensions(self, n: int) -> str | None:
         """Why `dimensions` n cannot be served (None: it can), in vLLM's words where it has
@@ -55,37 +67,48 @@ class EmbeddingConfig:
 
 def read_embedding(path: Path, task: str = "auto") -> EmbeddingConfig | None:
     """The model's embedding config, None for a generative model; ValueError for a directory
-    that declares embeddings this server would not make as its modules do."""
+    that declares embeddings this server would not make as its modules do, and for an encoder
+    model served to generate."""
     if task not in TASKS:
         raise ValueError(f"--task takes one of {', '.join(TASKS)}, not {task!r}")
-    if task == "generate":
-        return None
     config = _json(path / "config.json") or {}
     text = config.get("text_config", config)
+    family = str(config.get("model_type") or text.get("model_type") or "")
+    encoder = family in ENCODER_FAMILIES
+    if task == "generate":
+        if encoder:
+            raise ValueError(f"{path}: a {family} model is an encoder: it embeds, never generates")
+        return None
     hidden = int(text.get("hidden_size") or config.get("hidden_size") or 0)
     modules = _json(path / "modules.json")
     if not isinstance(modules, list) or not _pooling_module(modules):
+        if encoder:  # sentence-transformers' own default for a bare transformer: the mean
+            return EmbeddingConfig(hidden, False, _declared(config), _dims(config),
+                                   source=family, pooling="mean", encoder=True)  # fmt: skip
         if task == "embed":
             return EmbeddingConfig(hidden, matryoshka=_declared(config), dimensions=_dims(config),
                                    source="--task embed")  # fmt: skip
         return None
     pool = _json(path / _pooling_module(modules) / "config.json") or {}
     modes = [m for m in _MODES if pool.get(f"pooling_mode_{m}")]
-    if modes != ["lasttoken"]:
+    served = ["lasttoken", "mean_tokens", "cls_token"] if encoder else ["lasttoken"]
+    if len(modes) != 1 or modes[0] not in served:
         raise ValueError(
-            f"{path}: its sentence-transformers pooling is {', '.join(modes) or 'none'}; only"
-            " last-token pooling is served (serve it with --task generate to generate)"
+            f"{path}: its sentence-transformers pooling is {', '.join(modes) or 'none'}; a"
+            f" {'n encoder' if encoder else ' causal'} model is served pooled by"
+            f" {' or '.join(served)} alone"
+            + ("" if encoder else " (serve it with --task generate to generate)")
         )
     kinds = [str(m.get("type", "")).removeprefix(_MODULE) for m in modules]
     extra = [k for k in kinds if k not in ("Transformer", "Pooling", "Normalize")]
     if extra:
         raise ValueError(
             f"{path}: its sentence-transformers modules include {extra[0]}, which this server"
-            " does not apply (serve it with --task generate to generate)"
+            " does not apply" + ("" if encoder else " (serve it with --task generate to generate)")
         )
-    family = str(config.get("model_type") or text.get("model_type") or "")
-    matryoshka = _declared(config) or family in _MATRYOSHKA_FAMILIES
-    return EmbeddingConfig(hidden, "Normalize" in kinds, matryoshka, _dims(config))
+    matryoshka = _declared(config) or (family in _MATRYOSHKA_FAMILIES and not encoder)
+    return EmbeddingConfig(hidden, "Normalize" in kinds, matryoshka, _dims(config),
+                           pooling=_ST_MODES[modes[0]], encoder=encoder)  # fmt: skip
 
 
 def _pooling_module(modules: list[Any]) -> str:

@@ -113,8 +113,10 @@ def load_model(
         size = logits_width(net)
     else:
         size = int(config.get("vocab_size") or len(hf))
-    eos = config.get("eos_token_id", [])
-    eos_ids = tuple(sorted({*([eos] if isinstance(eos, int) else eos), *wrapper.eos_token_ids}))
+    eos = config.get("eos_token_id") or []  # an encoder's (BERT's) config and tokenizer: none
+    eos_ids = tuple(
+        sorted({*([eos] if isinstance(eos, int) else eos), *(wrapper.eos_token_ids or ())})
+    )
     native = native_context(config)
     max_len = min(max_model_len, native) if max_model_len else native
     return LoadedModel(

@@ -1,5 +1,5 @@
 """Rerank and score (/rerank, /v1/rerank, /v2/rerank, /score, /v1/score) through the real server,
-with httpx (no Cohere or Jina client is among the test extras): each score is p(yes) from the
+with httpx and with Cohere's own SDK (its v1 and v2 clients): each score is p(yes) from the
 completions route's `logprob_token_ids` numbers for the same prompt, and from an independent
 forward pass; vLLM's response shapes; the 400s in OpenAI's error shape."""
 
@@ -206,3 +206,31 @@ def test_rerank_template_option(tmp_path: Path, embedded: LoadedModel) -> None:
             route, reference, _ = completions_p_yes(s.base, embedded, text)
             assert abs(x["relevance_score"] - route) < 1e-6
             assert abs(x["relevance_score"] - reference) < 1e-4
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_the_cohere_client_reranks(server: str, embedded: LoadedModel, version: str) -> None:
+    """Cohere's own SDK (`Client` posts to /v1/rerank, `ClientV2` to /v2/rerank) parses the
+    answer: the best `top_n` documents, each score the completions route's p(yes)."""
+    import cohere
+
+    kw: dict[str, Any] = {"base_url": server, "api_key": "unused", "timeout": 120}
+    co = cohere.Client(**kw) if version == "v1" else cohere.ClientV2(**kw)
+    got = co.rerank(model=MODEL_NAME, query=QUERY, documents=DOCS, top_n=3)
+    assert got.id is not None and got.id.startswith("rerank-")
+    assert len(got.results) == 3
+    routes = []
+    for doc in DOCS:
+        route, _, _ = completions_p_yes(server, embedded, YesNoTemplate().render(QUERY, doc))
+        routes.append(route)
+    best = sorted(range(len(DOCS)), key=lambda i: -routes[i])[:3]
+    assert [x.index for x in got.results] == best
+    for x in got.results:
+        assert abs(x.relevance_score - routes[x.index]) < 1e-6
+    assert got.meta is not None and got.meta.billed_units is not None
+    assert got.meta.billed_units.input_tokens == sum(
+        len(encode(embedded, YesNoTemplate().render(QUERY, d), True)) for d in DOCS
+    )
+    with pytest.raises(cohere.BadRequestError) as bad:  # the SDK's error for a 400
+        co.rerank(model=MODEL_NAME, query=QUERY, documents=[])
+    assert bad.value.body["error"]["param"] == "documents"

@@ -82,3 +82,32 @@ def test_task_per_model() -> None:
     assert ServerConfig(model="a").task(0) == "auto"
     with pytest.raises(ValueError, match="--task"):
         ServerConfig(model="a", other_models=two, tasks=("embed", "embed", "embed"))
+
+
+@pytest.mark.parametrize(("pooling", "served"), [("mean_tokens", "mean"), ("cls_token", "cls")])
+def test_encoder_poolings(tmp_path: Path, pooling: str, served: str) -> None:
+    d = write(tmp_path, {"model_type": "bert"}, ["Transformer", "Pooling", "Normalize"], pooling)
+    for task in ("auto", "embed"):
+        e = read_embedding(d, task)
+        assert e is not None and e.encoder and e.pooling == served and e.normalize
+        assert not e.matryoshka
+    with pytest.raises(ValueError, match="encoder"):
+        read_embedding(d, "generate")
+
+
+def test_encoder_without_files_and_refused(tmp_path: Path) -> None:
+    e = read_embedding(write(tmp_path / "a", {"model_type": "bert"}, None))
+    assert e is not None and e.encoder and e.pooling == "mean" and not e.normalize
+    d = write(tmp_path / "b", {"model_type": "bert"}, ["Transformer", "Pooling"], "max_tokens")
+    with pytest.raises(ValueError, match="max_tokens"):
+        read_embedding(d)
+
+
+def test_xlm_roberta_is_an_encoder_and_its_context(tmp_path: Path) -> None:
+    from omlx_logprobs.models.card import native_context
+
+    config = {"model_type": "xlm-roberta", "max_position_embeddings": 514, "pad_token_id": 1}
+    e = read_embedding(write(tmp_path, config, ["Transformer", "Pooling"], "cls_token"))
+    assert e is not None and e.encoder and e.pooling == "cls" and not e.normalize
+    assert native_context(config) == 512  # positions count from after the pad id
+    assert native_context({"model_type": "bert", "max_position_embeddings": 512}) == 512

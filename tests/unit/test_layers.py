@@ -50,11 +50,11 @@ API_APP = ("app", "guard", "server")
 # imports only modules on floors below its own, type-level imports included.
 RUNNER_FLOORS = [
     # nothing of runner/: the batch's caches, the head, sampling, grammars, adapters, new
-    # weights, drafts from text, scored prompts, embedding prompts' hidden states, prefill
-    # attention, routed experts and two kernels of fast/, a prompt's images into its input
-    # embeddings
-    "__init__ fast batch_cache drafts grammar head lora pooling prompt_scoring query_blocks"
-    " routing sampler weights fast.attention fast.fusion vision",
+    # weights, drafts from text, scored prompts, embedding prompts' hidden states, an encoder
+    # model's forward, prefill attention, routed experts and two kernels of fast/, a prompt's
+    # images into its input embeddings
+    "__init__ fast batch_cache drafts encoder grammar head lora pooling prompt_scoring"
+    " query_blocks routing sampler weights fast.attention fast.fusion vision",
     # a draft model; a kept start; a step's and a verify's records
     "draft_model invariance prefix step verify",
     "batch_state disk_tier snapshot",  # the batch's rows; kept starts on disk, in and out of caches

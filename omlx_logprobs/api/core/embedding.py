@@ -1,7 +1,8 @@
 """Embeddings, whichever API asks (OpenAI's /v1/embeddings, Ollama's /api/embed): each input
 becomes one `EngineRequest` that prefills only (`EngineRequest.embed`), all submitted at once so
-that they batch with whatever else the engine runs, and each answer's last hidden state is made
-the model's embedding: normalized where its sentence-transformers modules normalize, or cut to
+that they batch with whatever else the engine runs (an encoder model's: with the other
+embedding requests, transport/encoder.py), and each answer's pooled hidden state is made the
+model's embedding: normalized where its sentence-transformers modules normalize, or cut to
 `dimensions` and normalized again where the model is trained for that (models/embedding.py).
 
 A text is tokenized with the tokenizer's own special tokens, as sentence-transformers tokenizes
@@ -67,12 +68,12 @@ def check_inputs(inputs: list[Input], param: str) -> None:
 def embedding_config(served: Served, name: str) -> EmbeddingConfig:
     """The model's embedding config; a 400 for a model served to generate only (vLLM refuses
     a model not served for pooling the same way)."""
-    served.check_model(name)
+    served.check_model(name, generates=False)
     if served.embedding is None:
         raise APIError(
             f"The model `{name}` does not serve embeddings: an embedding model is one whose"
-            " sentence-transformers files pool the last token (Qwen3-Embedding), or one served"
-            " with --task embed.",
+            " sentence-transformers files pool the last token (Qwen3-Embedding), one served"
+            " with --task embed, or an encoder (BERT).",
             param="model",
             code="model_not_supported",
         )

@@ -93,13 +93,22 @@ class Served:
         """The LoRA adapter a request's `model` names, None for the model itself."""
         return name if name != self.model.name and name in self.adapters else None
 
-    def check_model(self, name: str) -> None:
+    def check_model(self, name: str, generates: bool = True) -> None:
+        """A 404 for a name this model does not serve; with `generates`, a 400 for an encoder
+        embedding model, which serves embeddings alone (models/embedding.py)."""
         if name != self.model.name and name not in self.adapters:
             raise APIError(
                 f"The model `{name}` does not exist. This server serves `{self.model.name}`.",
                 param="model",
                 status=404,
                 code="model_not_found",
+            )
+        if generates and self.embedding is not None and self.embedding.encoder:
+            raise APIError(
+                f"The model `{name}` is an encoder embedding model: it serves /v1/embeddings"
+                " and /api/embed alone.",
+                param="model",
+                code="model_not_supported",
             )
 
 

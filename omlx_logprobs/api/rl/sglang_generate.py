@@ -174,6 +174,7 @@ class SglangRun:
         self, req: SglangGenerateRequest
     ) -> tuple[list[Item], list[RequestHandle], bool, float]:
         served = self.served
+        served.check_model(served.model.name)  # an encoder embedding model: a 400
         served.checks.check(req)
         adapter = self._adapter(req)
         prompts, batch = self._prompts(req)

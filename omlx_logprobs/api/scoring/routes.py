@@ -2,7 +2,8 @@
 the body's pairs scored on the model it names (scores.py), answered in vLLM's shapes: rerank's
 `results` best first (ties in the documents' order), at most `top_n`; score's `data` in the
 pairs' order, its usage with vLLM's `prompt_tokens_details` (the prompt tokens the prefix cache
-held: a query's documents share its start)."""
+held: a query's documents share its start). Cohere's SDK posts to /v1/rerank (`Client`) and
+/v2/rerank (`ClientV2`) and reads rerank's answer as it is, with `meta` added."""
 
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ def rerank_body(req: RerankRequest, docs: list[str], done: Scored) -> dict[str, 
         "id": f"rerank-{uuid.uuid4().hex}",
         "model": done.model,
         "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens},
+        # Cohere's account of the same tokens, which its SDK parses into `meta.billed_units`
+        "meta": {"billed_units": {"input_tokens": done.prompt_tokens}},
         "results": results,
     }
 
