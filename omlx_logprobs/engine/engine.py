@@ -28,6 +28,7 @@ from omlx_logprobs.engine.commands import (
     ControlCommand,
     Stop,
     Submit,
+    Train,
     UpdateWeights,
 )
 from omlx_logprobs.engine.inbox import Inbox
@@ -40,6 +41,8 @@ from omlx_logprobs.runner.grammar import GrammarError, Grammars
 from omlx_logprobs.runner.model_runner import ModelRunner
 from omlx_logprobs.runner.speculation import speculator
 from omlx_logprobs.runner.step import LaunchedStep
+from omlx_logprobs.training.calls import TrainAnswer, TrainCall
+from omlx_logprobs.training.trainer import Trainer
 from omlx_logprobs.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from omlx_logprobs.vocab import Vocabulary
 
@@ -111,6 +114,8 @@ class Engine:
             self.scheduler, self.runner, self.processor, self._live, self.has_work, self._abort
         )
         self._inbox = Inbox()
+        self._trainer: Trainer | None = None  # made at the first training call
+        self._vocab = len(vocab)
         self._aborted = {Status.WAITING: 0, Status.RUNNING: 0}
         self._busy = False  # stepped since the engine was last idle
         self._cached = False  # MLX may hold freed buffers from the last busy spell
@@ -340,6 +345,18 @@ class Engine:
                     self.life.change_adapter(change, done)
                 case ControlCommand(control=control):
                     self.life.control(control, done)
+                case Train(call=call):
+                    done.set_result(self._train(call))
+
+    def _train(self, call: TrainCall) -> TrainAnswer:
+        """A training call between two steps (training/trainer.py); the trainer works on the
+        model runner's model and adapters."""
+        if self._trainer is None:
+            r = self.runner
+            if not hasattr(r, "adapters") or not hasattr(r, "templates"):
+                return TrainAnswer(error="this model cannot be trained here", user=False)
+            self._trainer = Trainer(r.model, r.adapters, r.templates, self._vocab)
+        return self._trainer.handle(call)
 
     def _add(self, req: EngineRequest) -> None:
         leader = Sequence.of(req)

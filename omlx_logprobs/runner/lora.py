@@ -192,6 +192,20 @@ class AdapterSet:
         if name in self.by_name and not replace:
             raise AdapterError(f"an adapter named {name!r} is already loaded")
         scale, pairs = read_adapter(path)
+        self.put(name, path, scale, pairs, replace)
+
+    def put(
+        self,
+        name: str,
+        path: str,
+        scale: float,
+        pairs: dict[str, tuple[mx.array, mx.array]],
+        replace: bool = False,
+    ) -> None:
+        """`load` of weights already in memory (a trained adapter, training/trainer.py): each
+        layer's (lora_a, lora_b) by path, and the scale; `path` names where they came from."""
+        if name in self.by_name and not replace:
+            raise AdapterError(f"an adapter named {name!r} is already loaded")
         modules = dict(self.model.named_modules())
         layers = {}
         for where, (a, b) in pairs.items():
