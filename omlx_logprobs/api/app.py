@@ -1,6 +1,6 @@
 """The app: every API's routes (each package's `routes.py`: openai/, responses/, anthropic/,
-ollama/, rl/, scoring/, admin/, batches/) on one pool of models, behind the guard, with each
-API's error shape."""
+ollama/, rl/, tinker/, scoring/, admin/, batches/) on one pool of models, behind the guard,
+with each API's error shape."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from omlx_logprobs.api.responses.store import ResponseStore
 from omlx_logprobs.api.rl import routes as rl
 from omlx_logprobs.api.scoring import routes as scoring
 from omlx_logprobs.api.scoring.template import YesNoTemplate
+from omlx_logprobs.api.tinker import routes as tinker
 from omlx_logprobs.config import Access, BatchConfig
 
 log = logging.getLogger("omlx_logprobs")
@@ -89,6 +90,7 @@ def create_app(
     scoring.add_routes(app, pool, rerank_template or YesNoTemplate())
     responses.add_routes(app, pool, ResponseStore())
     anthropic.add_routes(app, pool)
+    tinker.add_routes(app, pool)  # /api/v1/ before Ollama's /api/
     ollama.add_routes(app, pool)
     batches.add_routes(app, runner, batch.max_file_bytes)
     page.add_routes(app, access.api_key is not None)

@@ -105,7 +105,7 @@ def _adapted(cls: type) -> type:
     return _ADAPTED[cls]
 
 
-def _dims(layer: nn.Module) -> tuple[int, int, Any]:
+def layer_dims(layer: nn.Module) -> tuple[int, int, Any]:
     """(in, out, compute dtype) of a linear layer, quantized or not."""
     out_dims, in_dims = layer.weight.shape
     dtype = layer.weight.dtype
@@ -220,7 +220,7 @@ class AdapterSet:
                     " transformer blocks' linear layers are served, not of the embedding, the"
                     " head or expert layers"
                 )
-            in_dims, out_dims, dtype = _dims(layer)
+            in_dims, out_dims, dtype = layer_dims(layer)
             fits = a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0]
             if not (fits and a.shape[0] == in_dims and b.shape[1] == out_dims):
                 raise AdapterError(
@@ -271,7 +271,7 @@ class AdapterSet:
         return len(self.slots) - 1
 
     def _adapt(self, where: str, layer: nn.Module) -> None:
-        in_dims, out_dims, dtype = _dims(layer)
+        in_dims, out_dims, dtype = layer_dims(layer)
         stack = _Stack(self, in_dims, out_dims, dtype)
         layer._lora = stack  # a plain attribute: not a parameter
         layer.__class__ = _adapted(type(layer))

@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from omlx_logprobs.runner.lora import layer_dims
 from omlx_logprobs.training.calls import LoraSpec
 
 ALPHA = 32.0
@@ -44,15 +45,6 @@ def _trained(cls: type) -> type:
 
         _TRAINED[cls] = type(f"Trained{cls.__name__}", (cls,), {"__call__": __call__})
     return _TRAINED[cls]
-
-
-def _dims(layer: nn.Module) -> tuple[int, int, Any]:
-    out_dims, in_dims = layer.weight.shape
-    dtype = layer.weight.dtype
-    if isinstance(layer, nn.QuantizedLinear):
-        in_dims = in_dims * 32 // layer.bits
-        dtype = layer.scales.dtype
-    return in_dims, out_dims, dtype
 
 
 def _kind(path: str) -> str | None:
@@ -100,7 +92,7 @@ class TrainableLora:
         params: Params = {}
         for path, layer in self.layers.items():
             key, sub = mx.random.split(key)
-            in_dims, out_dims, _ = _dims(layer)
+            in_dims, out_dims, _ = layer_dims(layer)
             bound = 1 / math.sqrt(in_dims)
             a = mx.random.uniform(-bound, bound, (in_dims, self.spec.rank), key=sub)
             params[path] = {"lora_a": a, "lora_b": mx.zeros((self.spec.rank, out_dims))}
@@ -113,7 +105,7 @@ class TrainableLora:
         classes = {}
         try:
             for path, layer in self.layers.items():
-                _, _, dtype = _dims(layer)
+                _, _, dtype = layer_dims(layer)
                 p = params[path]
                 layer._train = (
                     p["lora_a"].astype(dtype),

@@ -1,0 +1,152 @@
+"""Tinker's API through the real server (uvicorn on loopback, the engine in its own process) and
+the `tinker` SDK itself, pointed at it by its base URL: a ServiceClient makes a LoRA
+TrainingClient on the served tiny model; forward, forward_backward and optim_step move its
+loss; save_weights_for_sampler serves the trained weights at once, and a SamplingClient's
+sampled and prompt logprobs equal what `forward` computes for the same tokens; futures are
+polled as the SDK polls them. Bad input (an unknown loss, a wrong shape, a model not served)
+raises the SDK's errors, and the server keeps serving."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from tests.helpers.server import ServerProcess, server_process
+
+PROMPT = [5, 17, 300, 42, 9000, 77, 1200, 8]
+TEXT = [9, 31, 4000, 12, 700, 21, 3, 5, 88, 640, 2000, 14]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir: Path) -> Iterator[ServerProcess]:
+    args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--log-level", "info"]
+    with server_process(args) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def service(server: ServerProcess) -> Iterator[tinker.ServiceClient]:
+    client = tinker.ServiceClient(base_url=server.base, api_key="tml-local")
+    yield client
+    client.close("success").result()
+
+
+def ce_datum(tokens: list[int]) -> types.Datum:
+    n = len(tokens) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=tokens[1:], dtype="int64", shape=[n]),
+            "weights": types.TensorData(data=[1.0] * n, dtype="float32", shape=[n]),
+        },
+    )
+
+
+def forward_logprobs(tc: tinker.TrainingClient, tokens: list[int]) -> np.ndarray:
+    out = tc.forward([ce_datum(tokens)], "cross_entropy").result()
+    return np.asarray(out.loss_fn_outputs[0]["logprobs"].data, np.float32)
+
+
+def test_train_then_sample(service: tinker.ServiceClient, server: ServerProcess) -> None:
+    caps = service.get_server_capabilities()
+    assert [m.model_name for m in caps.supported_models] == ["tiny"]
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    info = tc.get_info()
+    assert info.model_data.model_name == "tiny" and info.lora_rank == 4
+    before = forward_logprobs(tc, TEXT)
+    fb = tc.forward_backward([ce_datum(TEXT)], "cross_entropy").result()
+    got = np.asarray(fb.loss_fn_outputs[0]["logprobs"].data, np.float32)
+    np.testing.assert_array_equal(got, before)  # lora_b starts at zero: the base model's
+    assert fb.metrics["loss:sum"] == pytest.approx(-before.sum(), rel=1e-5)
+    step = tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
+    assert step.metrics is not None and step.metrics["grad_norm"] > 0
+    after = forward_logprobs(tc, TEXT)
+    assert after.sum() > before.sum() + 0.5  # one step on the text made it likelier
+
+    # the trained weights, served at once: sampled and prompt logprobs equal forward's
+    sc = tc.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11, stop=[])
+    res = sc.sample(types.ModelInput.from_ints(PROMPT), 2, params,
+                    include_prompt_logprobs=True).result()  # fmt: skip
+    assert len(res.sequences) == 2
+    prompt_lp = forward_logprobs(tc, PROMPT)
+    assert res.prompt_logprobs is not None and res.prompt_logprobs[0] is None
+    np.testing.assert_allclose(res.prompt_logprobs[1:], prompt_lp, atol=2e-5)
+    for seq in res.sequences:
+        assert len(seq.tokens) == 6 and seq.stop_reason == "length"
+        full = forward_logprobs(tc, PROMPT + seq.tokens)
+        np.testing.assert_allclose(seq.logprobs, full[len(PROMPT) - 1 :], atol=2e-5)
+
+    # a named save, sampled through its path; the base model's sampler differs
+    path = tc.save_weights_for_sampler("first").result().path
+    assert path.startswith("tinker://")
+    named = service.create_sampling_client(model_path=path).result()
+    lps = named.compute_logprobs(types.ModelInput.from_ints(TEXT)).result()
+    np.testing.assert_allclose(lps[1:], after, atol=2e-5)
+    base = service.create_sampling_client(base_model="tiny").result()
+    base_lps = base.compute_logprobs(types.ModelInput.from_ints(TEXT)).result()
+    np.testing.assert_allclose(base_lps[1:], before, atol=2e-5)
+
+    # a later step does not change what an earlier snapshot samples
+    tc.forward_backward([ce_datum(TEXT)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
+    again = named.compute_logprobs(types.ModelInput.from_ints(TEXT)).result()
+    assert again == lps
+
+
+def test_importance_sampling_on_policy_ratio(service: tinker.ServiceClient) -> None:
+    tc = service.create_lora_training_client(base_model="tiny", rank=2, seed=5).result()
+    sc = tc.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=2, stop=[])
+    seq = sc.sample(types.ModelInput.from_ints(PROMPT), 1, params).result().sequences[0]
+    tokens = PROMPT + seq.tokens
+    n = len(tokens) - 1
+    k = len(PROMPT) - 1
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=tokens[1:], dtype="int64", shape=[n]),
+            "logprobs": types.TensorData(
+                data=[0.0] * k + seq.logprobs, dtype="float32", shape=[n]
+            ),  # fmt: skip
+            "advantages": types.TensorData(
+                data=[0.0] * k + [1.0] * len(seq.tokens), dtype="float32", shape=[n]
+            ),  # fmt: skip
+        },
+    )
+    out = tc.forward_backward([datum], "importance_sampling").result()
+    # the sampler's logprobs and the trainer's differ by the float noise of two paths at most
+    assert out.metrics["ratio_deviation:max"] < 1e-4
+    assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics
+
+
+def test_bad_input_raises_the_sdk_errors(
+    service: tinker.ServiceClient, server: ServerProcess
+) -> None:
+    with pytest.raises(tinker.BadRequestError, match="not served"):
+        service.create_lora_training_client(base_model="nope", rank=4).result()
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+    with pytest.raises(tinker.BadRequestError, match="is not available"):
+        tc.forward_backward([ce_datum(TEXT)], "nope").result()  # type: ignore[arg-type]
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+    wrong = ce_datum(TEXT)
+    wrong.loss_fn_inputs["weights"] = types.TensorData(data=[1.0] * 3, dtype="float32", shape=[3])
+    with pytest.raises(tinker.BadRequestError, match="must be"):
+        tc.forward_backward([wrong], "cross_entropy").result()
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+    # ids past the vocabulary: the engine's trainer refuses them, the future fails
+    with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary") as failed:
+        tc.forward_backward([ce_datum([10**7, 1, 2])], "cross_entropy").result()
+    assert failed.value.category == types.RequestErrorCategory.User
+    # the server goes on serving: training, sampling and the OpenAI routes
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+    assert tc.forward_backward([ce_datum(TEXT)], "cross_entropy").result().metrics
+    r = httpx.post(server.base + "/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3})  # fmt: skip
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
