@@ -5,6 +5,7 @@ with each API's error shape."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import threading
 import time
@@ -32,7 +33,6 @@ from omlx_logprobs.api.responses.store import ResponseStore
 from omlx_logprobs.api.rl import routes as rl
 from omlx_logprobs.api.scoring import routes as scoring
 from omlx_logprobs.api.scoring.template import YesNoTemplate
-from omlx_logprobs.api.tinker import routes as tinker
 from omlx_logprobs.config import Access, BatchConfig
 
 log = logging.getLogger("omlx_logprobs")
@@ -90,8 +90,18 @@ def create_app(
     scoring.add_routes(app, pool, rerank_template or YesNoTemplate())
     responses.add_routes(app, pool, ResponseStore())
     anthropic.add_routes(app, pool)
-    tinker.add_routes(app, pool)  # /api/v1/ before Ollama's /api/
+    _tinker_routes(app, pool)  # /api/v1/ before Ollama's /api/
     ollama.add_routes(app, pool)
     batches.add_routes(app, runner, batch.max_file_bytes)
     page.add_routes(app, access.api_key is not None)
     return app
+
+
+def _tinker_routes(app: FastAPI, pool: ModelPool) -> None:
+    """Tinker's routes, where its SDK is installed (it needs Python 3.11: pyproject.toml)."""
+    if importlib.util.find_spec("tinker") is None:
+        log.info("Tinker's API is off: the tinker package is not installed")
+        return
+    from omlx_logprobs.api.tinker import routes
+
+    routes.add_routes(app, pool)

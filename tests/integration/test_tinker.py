@@ -8,16 +8,19 @@ raises the SDK's errors, and the server keeps serving."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-import tinker
-from tinker import types
 
-from tests.helpers.server import ServerProcess, server_process
+tinker = pytest.importorskip("tinker")  # it needs Python 3.11 (pyproject.toml)
+from tinker import types  # noqa: E402
+
+from tests.helpers.server import ServerProcess, server_process  # noqa: E402
 
 PROMPT = [5, 17, 300, 42, 9000, 77, 1200, 8]
 TEXT = [9, 31, 4000, 12, 700, 21, 3, 5, 88, 640, 2000, 14]
@@ -44,6 +47,22 @@ def ce_datum(tokens: list[int]) -> types.Datum:
         loss_fn_inputs={
             "target_tokens": types.TensorData(data=tokens[1:], dtype="int64", shape=[n]),
             "weights": types.TensorData(data=[1.0] * n, dtype="float32", shape=[n]),
+        },
+    )
+
+
+def is_datum(prompt: list[int], sampled: list[int], logprobs: list[float]) -> types.Datum:
+    """An importance-sampling datum of a sampled continuation: the sampler's logprobs and an
+    advantage of 1 on its tokens, 0 on the prompt's."""
+    tokens, k, n = prompt + sampled, len(prompt) - 1, len(prompt) + len(sampled) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=tokens[1:], dtype="int64", shape=[n]),
+            "logprobs": types.TensorData(data=[0.0] * k + logprobs, dtype="float32", shape=[n]),
+            "advantages": types.TensorData(
+                data=[0.0] * k + [1.0] * len(sampled), dtype="float32", shape=[n]
+            ),
         },
     )
 
@@ -105,25 +124,38 @@ def test_importance_sampling_on_policy_ratio(service: tinker.ServiceClient) -> N
     sc = tc.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=2, stop=[])
     seq = sc.sample(types.ModelInput.from_ints(PROMPT), 1, params).result().sequences[0]
-    tokens = PROMPT + seq.tokens
-    n = len(tokens) - 1
-    k = len(PROMPT) - 1
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": types.TensorData(data=tokens[1:], dtype="int64", shape=[n]),
-            "logprobs": types.TensorData(
-                data=[0.0] * k + seq.logprobs, dtype="float32", shape=[n]
-            ),  # fmt: skip
-            "advantages": types.TensorData(
-                data=[0.0] * k + [1.0] * len(seq.tokens), dtype="float32", shape=[n]
-            ),  # fmt: skip
-        },
-    )
+    datum = is_datum(PROMPT, seq.tokens, seq.logprobs or [])
     out = tc.forward_backward([datum], "importance_sampling").result()
     # the sampler's logprobs and the trainer's differ by the float noise of two paths at most
     assert out.metrics["ratio_deviation:max"] < 1e-4
     assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics
+
+
+def test_serving_goes_on_while_training(
+    service: tinker.ServiceClient, server: ServerProcess
+) -> None:
+    """A forward_backward of many long datums runs one datum per engine call: completions sent
+    meanwhile are served between them, none lost, most finished before the training step."""
+    tc = service.create_lora_training_client(base_model="tiny", rank=8, seed=2).result()
+    rng = np.random.default_rng(0)
+    data = [ce_datum([int(t) for t in rng.integers(10, 40000, 400)]) for _ in range(16)]
+    fb = tc.forward_backward(data, "cross_entropy")
+    started = time.monotonic()
+
+    def complete(i: int) -> float:
+        r = httpx.post(server.base + "/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": PROMPT + [i], "max_tokens": 8})  # fmt: skip
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        return time.monotonic() - started
+
+    with ThreadPoolExecutor(8) as pool:
+        done = list(pool.map(complete, range(16)))
+    out = fb.result()
+    trained = time.monotonic() - started
+    assert len(out.loss_fn_outputs) == 16
+    print(f"completions done at {sorted(round(t, 2) for t in done)} s; training at {trained:.2f} s")
+    assert sum(t < trained for t in done) >= 8  # served while the step ran, not after it
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
 
 
 def test_bad_input_raises_the_sdk_errors(
@@ -150,3 +182,29 @@ def test_bad_input_raises_the_sdk_errors(
     r = httpx.post(server.base + "/v1/completions", timeout=60,
                    json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3})  # fmt: skip
     assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
+
+
+def test_batch_invariant_forward_equals_sample_bit_for_bit(tiny_dir: Path) -> None:
+    """With `--batch-invariant` (runner/invariance.py), the logprobs `forward` computes for
+    sampled tokens are the bits `sample` returned, and an on-policy importance ratio is 1.0."""
+    args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--batch-invariant",
+            "--log-level", "warning"]  # fmt: skip
+    with server_process(args) as s:
+        service = tinker.ServiceClient(base_url=s.base, api_key="tml-local")
+        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
+        tc.forward_backward([ce_datum(TEXT)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
+        sc = tc.save_weights_and_get_sampling_client().result()
+        params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=4, stop=[])
+        res = sc.sample(types.ModelInput.from_ints(PROMPT), 3, params,
+                        include_prompt_logprobs=True).result()  # fmt: skip
+        assert res.prompt_logprobs_np is not None
+        prompt_lp = forward_logprobs(tc, PROMPT)
+        np.testing.assert_array_equal(res.prompt_logprobs_np[1:], prompt_lp)
+        for seq in res.sequences:
+            full = forward_logprobs(tc, PROMPT + seq.tokens)
+            np.testing.assert_array_equal(seq.logprobs_np, full[len(PROMPT) - 1 :])
+            datum = is_datum(PROMPT, seq.tokens, seq.logprobs or [])
+            out = tc.forward([datum], "importance_sampling").result()
+            assert out.metrics["ratio_deviation:max"] == 0.0
+        service.close("success").result()
