@@ -43,10 +43,13 @@ def create_app(
     access: Access | None = None,
     rerank_template: YesNoTemplate | None = None,
     batch: BatchConfig | None = None,
+    tinker_dir: str | None = None,
 ) -> FastAPI:
     """The app over one model (a `Served`) or several (a `ModelPool`, api/core/pool.py);
     `rerank_template`: what /rerank and /score write each pair into (default: Qwen3-Reranker's
-    prompt, api/scoring/template.py); `batch`: where the Batch API keeps its files."""
+    prompt, api/scoring/template.py); `batch`: where the Batch API keeps its files;
+    `tinker_dir`: where Tinker's checkpoints go (None: a temporary folder, gone with the
+    process)."""
     pool = served if isinstance(served, ModelPool) else ModelPool.single(served)
     batch = batch or BatchConfig()
     runner = BatchRunner(batch.dir, batch.concurrency, lambda: pool.closing)
@@ -90,18 +93,18 @@ def create_app(
     scoring.add_routes(app, pool, rerank_template or YesNoTemplate())
     responses.add_routes(app, pool, ResponseStore())
     anthropic.add_routes(app, pool)
-    _tinker_routes(app, pool)  # /api/v1/ before Ollama's /api/
+    _tinker_routes(app, pool, tinker_dir)  # /api/v1/ before Ollama's /api/
     ollama.add_routes(app, pool)
     batches.add_routes(app, runner, batch.max_file_bytes)
     page.add_routes(app, access.api_key is not None)
     return app
 
 
-def _tinker_routes(app: FastAPI, pool: ModelPool) -> None:
+def _tinker_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None) -> None:
     """Tinker's routes, where its SDK is installed (it needs Python 3.11: pyproject.toml)."""
     if importlib.util.find_spec("tinker") is None:
         log.info("Tinker's API is off: the tinker package is not installed")
         return
     from omlx_logprobs.api.tinker import routes
 
-    routes.add_routes(app, pool)
+    routes.add_routes(app, pool, tinker_dir)

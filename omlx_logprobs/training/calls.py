@@ -74,7 +74,36 @@ class DropRun:
     run_id: str
 
 
-TrainCall = CreateRun | DatumPass | OptimStep | Publish | DropRun
+@dataclass(frozen=True)
+class SaveRun:
+    """Write the run's checkpoint into `directory` (training/checkpoint.py), with the optimizer
+    state if asked; `base` is the served model's name, kept with it."""
+
+    run_id: str
+    directory: str
+    base: str
+    optimizer: bool = True
+
+
+@dataclass(frozen=True)
+class LoadRun:
+    """Load a checkpoint into the run (`create`: a new run made from it), with its optimizer
+    state if asked (else the optimizer starts afresh); answered with a `Loaded`."""
+
+    run_id: str
+    directory: str
+    optimizer: bool
+    create: bool
+
+
+@dataclass(frozen=True)
+class Loaded:
+    base: str
+    lora: LoraSpec
+    layers: list[str]
+
+
+TrainCall = CreateRun | DatumPass | OptimStep | Publish | DropRun | SaveRun | LoadRun
 
 
 @dataclass(frozen=True)

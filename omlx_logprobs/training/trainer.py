@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -26,19 +27,23 @@ from mlx.utils import tree_map
 from omlx_logprobs.logprobs.extract import HostExtraction
 from omlx_logprobs.runner import query_blocks
 from omlx_logprobs.runner.batch_cache import BatchCache
-from omlx_logprobs.runner.lora import BASE, AdapterError, AdapterSet
-from omlx_logprobs.training import losses
+from omlx_logprobs.runner.lora import BASE, AdapterError, AdapterSet, layer_dims
+from omlx_logprobs.training import checkpoint, losses
 from omlx_logprobs.training.calls import (
     AdamSpec,
     CreateRun,
     DatumPass,
     DatumResult,
     DropRun,
+    Loaded,
+    LoadRun,
     OptimStep,
     Publish,
+    SaveRun,
     TrainAnswer,
     TrainCall,
 )
+from omlx_logprobs.training.checkpoint import CheckpointError
 from omlx_logprobs.training.lora import LoraError, Params, TrainableLora
 
 log = logging.getLogger("omlx_logprobs")
@@ -67,7 +72,7 @@ class Trainer:
         """Do the call; its answer, or why not (a fault of the call's, or of the server's)."""
         try:
             return TrainAnswer(self._do(call))
-        except (TrainingError, LoraError, losses.LossError, AdapterError) as exc:
+        except (TrainingError, LoraError, losses.LossError, AdapterError, CheckpointError) as exc:
             return TrainAnswer(error=str(exc))
         except Exception as exc:  # the server's fault: the run stays as it was before the call
             log.exception("training call %s failed", type(call).__name__)
@@ -94,7 +99,40 @@ class Trainer:
             case DropRun(run_id=run_id):
                 self.runs.pop(run_id, None)
                 return None
+            case SaveRun(run_id=run_id, directory=d, base=base, optimizer=with_state):
+                run = self.run(run_id)
+                state = run.optimizer.state if with_state and run.optimizer else None
+                checkpoint.write(Path(d), run.lora, run.params, base, run.steps, state)
+                return None
+            case LoadRun():
+                return self.load(call)
         raise TrainingError(f"unknown training call {type(call).__name__}")
+
+    def load(self, call: LoadRun) -> Loaded:
+        ck = checkpoint.read(Path(call.directory), call.optimizer)
+        lora = TrainableLora(self.model, ck.spec)
+        for path, layer in lora.layers.items():
+            in_dims, out_dims, _ = layer_dims(layer)
+            p = ck.params.get(path, {})
+            a, b = p.get("lora_a"), p.get("lora_b")
+            want = ((in_dims, ck.spec.rank), (ck.spec.rank, out_dims))
+            if a is None or b is None or (tuple(a.shape), tuple(b.shape)) != want:
+                raise TrainingError(f"{call.directory} does not fit this model at {path}")
+        if len(ck.params) != len(lora.layers):
+            raise TrainingError(f"{call.directory} adapts layers this model does not have")
+        if not call.create:
+            run = self.run(call.run_id)
+            if sorted(run.lora.layers) != sorted(lora.layers) or run.lora.spec.rank != ck.spec.rank:
+                raise TrainingError(
+                    f"{call.directory} has another LoRA shape (rank {ck.spec.rank}) than the run"
+                )
+            lora = run.lora
+        opt = None
+        if ck.optimizer is not None:
+            opt = optim.AdamW(learning_rate=0.0, bias_correction=True)
+            opt.state = ck.optimizer
+        self.runs[call.run_id] = Run(lora, ck.params, optimizer=opt, steps=ck.steps)
+        return Loaded(ck.base, ck.spec, sorted(lora.layers))
 
     def run(self, run_id: str) -> Run:
         run = self.runs.get(run_id)

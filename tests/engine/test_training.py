@@ -3,8 +3,9 @@ optimizer: one forward_backward + optim_step on the tiny model gives the gradien
 LoRA weights of the same step done with `LoRALinear` layers (scale alpha / rank) and mlx's
 AdamW (bias correction, decoupled weight decay, clipping); gradients add up over calls; the
 built-in losses' terms; a trained adapter published is served as runner/lora.py serves one
-(the trainer's forward and the served adapter's give the same bits); bad calls change
-nothing."""
+(the trainer's forward and the served adapter's agree); bad calls change
+nothing; a checkpoint in mlx-lm's adapter format loads in mlx-lm and back with its optimizer
+state."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tuner.lora import LoRALinear
+from mlx_lm.tuner.utils import load_adapters
 
 from omlx_logprobs.models.loader import load_model
 from omlx_logprobs.runner.batch_cache import BatchCache
@@ -27,9 +29,11 @@ from omlx_logprobs.training.calls import (
     AdamSpec,
     CreateRun,
     DatumPass,
+    LoadRun,
     LoraSpec,
     OptimStep,
     Publish,
+    SaveRun,
 )
 from omlx_logprobs.training.lora import ALPHA
 from omlx_logprobs.training.trainer import Trainer
@@ -209,3 +213,43 @@ def test_bad_calls_change_nothing(trainer: Trainer) -> None:
         got = trainer.handle(call)
         assert got.error and got.user, call
     assert trainer.run("run").grads is None and set(trainer.runs) == {"run"}
+
+
+def test_checkpoint_round_trip_in_mlx_lm_format(
+    trainer: Trainer, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """save_weights writes mlx-lm's adapter format: mlx-lm's own loader and `--lora` read it,
+    and a run loaded from it with its optimizer state takes the next step as the original."""
+    answer(trainer, CreateRun("run", LoraSpec(RANK, seed=6, mlp=False)))
+    adam = AdamSpec(learning_rate=0.02)
+    answer(trainer, datum())
+    answer(trainer, OptimStep("run", adam))
+    ck = tmp_path / "ck"
+    assert answer(trainer, SaveRun("run", str(ck), "tiny")) is None
+    loaded = answer(trainer, LoadRun("copy", str(ck), optimizer=True, create=True))
+    assert loaded.base == "tiny" and loaded.lora.rank == RANK and len(loaded.layers) == 8
+    mine = answer(trainer, datum(backward=False)).logprobs
+    # mlx-lm's loader (LoRALinear layers from adapter_config.json) gives the same logprobs
+    model = load_model(str(tiny_dir)).model
+    load_adapters(model, str(ck))
+    logits = model(mx.array(TOKENS[:-1])[None])[0].astype(mx.float32)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ref = np.array(mx.take_along_axis(lp, mx.array(TOKENS[1:])[:, None], axis=-1)[:, 0])
+    np.testing.assert_allclose(mine, ref, atol=1e-5)
+    trainer.adapters.load("from-disk", str(ck))  # what `serve --lora NAME=DIR` does
+    # the next step, on the run and on its copy: the same weights (the Adam moments came along)
+    for run_id in ("run", "copy"):
+        d = datum()
+        answer(trainer, DatumPass(run_id, d.tokens, d.inputs, d.loss_fn))
+        answer(trainer, OptimStep(run_id, adam))
+    a, b = flat(trainer.run("run").params), flat(trainer.run("copy").params)
+    for name in a:
+        np.testing.assert_array_equal(np.array(a[name]), np.array(b[name]))
+    # weights alone into an existing run; a checkpoint of another shape is refused
+    answer(trainer, LoadRun("run", str(ck), optimizer=False, create=False))
+    assert trainer.run("run").optimizer is None and trainer.run("run").steps == 1
+    answer(trainer, CreateRun("other", LoraSpec(RANK + 1, seed=6)))
+    got = trainer.handle(LoadRun("other", str(ck), optimizer=False, create=False))
+    assert got.error and "rank" in got.error
+    got = trainer.handle(LoadRun("x", str(tmp_path / "none"), optimizer=False, create=True))
+    assert got.error and "no checkpoint" in got.error

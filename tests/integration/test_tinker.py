@@ -27,8 +27,14 @@ TEXT = [9, 31, 4000, 12, 700, 21, 3, 5, 88, 640, 2000, 14]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir: Path) -> Iterator[ServerProcess]:
-    args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--log-level", "info"]
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tinker")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir: Path, checkpoints: Path) -> Iterator[ServerProcess]:
+    args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--log-level", "info",
+            "--tinker-dir", str(checkpoints)]  # fmt: skip
     with server_process(args) as s:
         yield s
 
@@ -129,6 +135,37 @@ def test_importance_sampling_on_policy_ratio(service: tinker.ServiceClient) -> N
     # the sampler's logprobs and the trainer's differ by the float noise of two paths at most
     assert out.metrics["ratio_deviation:max"] < 1e-4
     assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics
+
+
+def test_checkpoints(service: tinker.ServiceClient, checkpoints: Path) -> None:
+    """save_state writes mlx-lm's adapter format under --tinker-dir; a training client made from
+    it with the optimizer state takes the next step as the original does; load_state brings the
+    saved weights back."""
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=8).result()
+    adam = types.AdamParams(learning_rate=0.02)
+    tc.forward_backward([ce_datum(TEXT)], "cross_entropy").result()
+    tc.optim_step(adam).result()
+    saved = forward_logprobs(tc, TEXT)
+    path = tc.save_state("first").result().path
+    assert path == f"tinker://{tc.model_id}/weights/first"
+    folder = checkpoints / tc.model_id.replace(":", "_") / "weights" / "first"
+    names = {"adapter_config.json", "adapters.safetensors", "optimizer.safetensors"}
+    assert {p.name for p in folder.iterdir()} == names
+    copy = service.create_training_client_from_state_with_optimizer(path).result()
+    assert copy.get_info().lora_rank == 4
+    np.testing.assert_array_equal(forward_logprobs(copy, TEXT), saved)
+    for client in (tc, copy):
+        client.forward_backward([ce_datum(TEXT)], "cross_entropy").result()
+        client.optim_step(adam).result()
+    moved = forward_logprobs(tc, TEXT)
+    np.testing.assert_array_equal(forward_logprobs(copy, TEXT), moved)
+    assert np.abs(moved - saved).max() > 1e-3
+    tc.load_state(path).result()
+    np.testing.assert_array_equal(forward_logprobs(tc, TEXT), saved)
+    with pytest.raises(tinker.BadRequestError, match="exists"):
+        tc.save_state("first").result()
+    with pytest.raises(tinker.BadRequestError, match="no checkpoint"):
+        service.create_training_client_from_state("tinker://nope/weights/x").result()
 
 
 def test_serving_goes_on_while_training(

@@ -1,9 +1,10 @@
 """Tinker's routes under /api/v1/ (the `tinker` SDK pointed at this server by its base URL):
 the service's (client config, sessions, heartbeats, capabilities, health), the training
 model's (create_model, get_info, forward, forward_backward, optim_step,
-save_weights_for_sampler), the sampler's (create_sampling_session, samplers, asample) and the
-futures' (retrieve_future). Every call that works answers with a future at once; the SDK polls
-it (api/tinker/futures.py)."""
+save_weights_for_sampler; save_weights and load_weights, checkpoints in mlx-lm's format), the
+sampler's (create_sampling_session, samplers, asample) and the futures' (retrieve_future).
+Every call that works answers with a future at once; the SDK polls it (api/tinker/futures.py).
+A finished session's training runs are dropped."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from omlx_logprobs.api.tinker.futures import Futures
 from omlx_logprobs.api.tinker.sampling import Sampling
 from omlx_logprobs.api.tinker.sessions import Sessions
 from omlx_logprobs.api.tinker.training import Training
+from omlx_logprobs.training.store import CheckpointStore
 
 API = "/api/v1"
 M = TypeVar("M", bound=PydanticModel)
@@ -41,9 +43,10 @@ def _future(rid: str, model_id: str | None = None, **extra: Any) -> dict[str, An
     return {"request_id": rid, "model_id": model_id, **extra}
 
 
-def add_routes(app: FastAPI, pool: ModelPool) -> None:
+def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> None:
+    """`tinker_dir`: where save_weights writes (None: a temporary folder)."""
     sessions, futures = Sessions(), Futures()
-    training = Training(pool, sessions, futures)
+    training = Training(pool, sessions, futures, CheckpointStore(tinker_dir))
     sampling = Sampling(pool, sessions, futures)
 
     # ---- the service -------------------------------------------------------------------------
@@ -113,6 +116,16 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
     async def save_weights_for_sampler(raw: Request) -> dict[str, Any]:
         req = await _parse(raw, types.SaveWeightsForSamplerRequest)
         rid, model_id = training.save_for_sampler(req)
+        return _future(rid, model_id)
+
+    @app.post(f"{API}/save_weights")
+    async def save_weights(raw: Request) -> dict[str, Any]:
+        rid, model_id = training.save(await _parse(raw, types.SaveWeightsRequest))
+        return _future(rid, model_id)
+
+    @app.post(f"{API}/load_weights")
+    async def load_weights(raw: Request) -> dict[str, Any]:
+        rid, model_id = training.load(await _parse(raw, types.LoadWeightsRequest))
         return _future(rid, model_id)
 
     # ---- sampling ----------------------------------------------------------------------------

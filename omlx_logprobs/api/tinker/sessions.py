@@ -20,7 +20,6 @@ from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.training.calls import LoraSpec
 
 SNAPSHOTS = 4
-PREFIX = "tinker://"
 
 
 @dataclass

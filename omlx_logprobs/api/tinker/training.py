@@ -6,6 +6,7 @@ steps its requests between them."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 from tinker import types
@@ -14,26 +15,32 @@ from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.tinker import wire
 from omlx_logprobs.api.tinker.futures import Failed, Futures, Result
-from omlx_logprobs.api.tinker.sessions import PREFIX, SNAPSHOTS, Sessions, TrainingModel
+from omlx_logprobs.api.tinker.sessions import SNAPSHOTS, Sessions, TrainingModel
 from omlx_logprobs.control import AdapterChange
 from omlx_logprobs.engine.commands import Train
-from omlx_logprobs.training import losses
+from omlx_logprobs.training import checkpoint, losses
 from omlx_logprobs.training.calls import (
     AdamSpec,
     CreateRun,
     DatumPass,
     DatumResult,
     DropRun,
+    LoadRun,
     LoraSpec,
     OptimStep,
     Publish,
+    SaveRun,
     TrainCall,
 )
+from omlx_logprobs.training.store import PREFIX, CheckpointStore
 
 
 class Training:
-    def __init__(self, pool: ModelPool, sessions: Sessions, futures: Futures) -> None:
+    def __init__(
+        self, pool: ModelPool, sessions: Sessions, futures: Futures, checkpoints: CheckpointStore
+    ) -> None:
         self.pool, self.sessions, self.futures = pool, sessions, futures
+        self.checkpoints = checkpoints
 
     async def call(self, base: str, call: TrainCall) -> Any:
         """One training call in the engine of `base`; Failed when it did not go through."""
@@ -156,6 +163,54 @@ class Training:
                            "sampling_session_id": sampler.sampler_id})  # fmt: skip
 
         return self.futures.start("save_weights_for_sampler", work()), m.model_id
+
+    # ---- save_weights and load_weights -------------------------------------------------------
+    def save(self, req: types.SaveWeightsRequest) -> tuple[str, str]:
+        m = self.sessions.model(req.model_id)
+        name = req.path or f"checkpoint-{uuid.uuid4().hex[:12]}"
+        try:
+            path, directory = self.checkpoints.place(m.model_id, name)
+        except checkpoint.CheckpointError as e:
+            raise APIError(str(e), param="path") from None
+        if self.checkpoints.exists(directory) and not req.overwrite:
+            raise APIError(f"{path} exists; save under another name, or overwrite",
+                           param="path")  # fmt: skip
+
+        async def work() -> Result:
+            async with m.lock:
+                await self.call(m.base, SaveRun(m.model_id, str(directory), m.base))
+            return Result({"type": "save_weights", "path": path})
+
+        return self.futures.start("save_weights", work()), m.model_id
+
+    def load(self, req: types.LoadWeightsRequest) -> tuple[str, str]:
+        try:
+            directory = self.checkpoints.find(req.path)
+        except checkpoint.CheckpointError as e:
+            raise APIError(str(e), param="path") from None
+        if req.model_id is not None:  # into a model made by create_model
+            m = self.sessions.model(req.model_id)
+            model_id, base, create = m.model_id, m.base, False
+        elif req.session_id is not None and req.model_seq_id is not None:
+            self.sessions.session(req.session_id)
+            try:
+                base = self.base(req.base_model or checkpoint.base_of(directory))
+            except checkpoint.CheckpointError as e:
+                raise APIError(str(e), param="path") from None
+            model_id, create = f"{req.session_id}:train:{req.model_seq_id}", True
+        else:
+            raise APIError("give model_id, or session_id and model_seq_id", param="model_id")
+
+        async def work() -> Result:
+            if create:
+                got = await self.call(base, LoadRun(model_id, str(directory), req.optimizer, True))
+                self.sessions.models[model_id] = TrainingModel(model_id, base, got.lora, got.layers)
+            else:
+                async with m.lock:
+                    await self.call(base, LoadRun(model_id, str(directory), req.optimizer, False))
+            return Result({"type": "load_weights", "path": req.path, "model_id": model_id})
+
+        return self.futures.start("load_weights", work()), model_id
 
     async def finish(self, session_id: str) -> None:
         """A finished session's training runs leave their engines with their unnamed
