@@ -137,6 +137,33 @@ def test_importance_sampling_on_policy_ratio(service: tinker.ServiceClient) -> N
     assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics
 
 
+def test_forward_backward_custom(service: tinker.ServiceClient) -> None:
+    """`forward_backward_custom` as the SDK computes it: a forward, the loss and its gradient in
+    torch on the client, then a cross-entropy step weighted by that gradient. A custom loss that
+    is cross-entropy takes the built-in loss's step."""
+    torch = pytest.importorskip("torch")
+    builtin, custom = (
+        service.create_lora_training_client(base_model="tiny", rank=4, seed=12).result()
+        for _ in range(2)
+    )
+    data = [ce_datum(TEXT), ce_datum(PROMPT)]
+
+    def loss(data: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        total = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].data)).sum()
+                    for d, lp in zip(data, logprobs, strict=True))  # fmt: skip
+        return total, {"custom": 1.0}
+
+    out = custom.forward_backward_custom(data, loss).result()
+    ref = builtin.forward_backward(data, "cross_entropy").result()
+    assert out.metrics["custom"] == 1.0
+    assert out.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], rel=1e-5)
+    for client in (builtin, custom):
+        client.optim_step(types.AdamParams(learning_rate=0.02)).result()
+    np.testing.assert_allclose(
+        forward_logprobs(custom, TEXT), forward_logprobs(builtin, TEXT), atol=1e-6
+    )
+
+
 def test_checkpoints(service: tinker.ServiceClient, checkpoints: Path) -> None:
     """save_state writes mlx-lm's adapter format under --tinker-dir; a training client made from
     it with the optimizer state takes the next step as the original does; load_state brings the
@@ -213,12 +240,23 @@ def test_bad_input_raises_the_sdk_errors(
     with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary") as failed:
         tc.forward_backward([ce_datum([10**7, 1, 2])], "cross_entropy").result()
     assert failed.value.category == types.RequestErrorCategory.User
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+    with pytest.raises(tinker.BadRequestError, match="context"):
+        tc.forward_backward([ce_datum(list(range(10, 2060)))], "cross_entropy").result()
+    sc = service.create_sampling_client(base_model="tiny").result()
+    params = types.SamplingParams(max_tokens=4)
+    with pytest.raises(tinker.BadRequestError, match="not a token id"):
+        sc.sample(types.ModelInput.from_ints([5, 10**7]), 1, params).result()
+    with pytest.raises(tinker.BadRequestError, match="maximum context length"):
+        sc.sample(types.ModelInput.from_ints(PROMPT), 1,
+                  types.SamplingParams(max_tokens=5000)).result()  # fmt: skip
     # the server goes on serving: training, sampling and the OpenAI routes
     tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
     assert tc.forward_backward([ce_datum(TEXT)], "cross_entropy").result().metrics
     r = httpx.post(server.base + "/v1/completions", timeout=60,
                    json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3})  # fmt: skip
     assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
+    assert len(sc.sample(types.ModelInput.from_ints(PROMPT), 2, params).result().sequences) == 2
 
 
 def test_batch_invariant_forward_equals_sample_bit_for_bit(tiny_dir: Path) -> None:

@@ -14,6 +14,7 @@ from tinker.types.topk_logprobs import MASK_LOGPROB
 
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.pool import ModelPool
+from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.api.tinker import wire
 from omlx_logprobs.api.tinker.futures import Failed, Futures, Result
 from omlx_logprobs.api.tinker.sessions import Sampler, Sessions
@@ -48,6 +49,9 @@ class Sampling:
         last_n = req.prompt_logprobs_last_n
         if last_n is not None and not 1 <= last_n <= len(ids) - 1:
             raise APIError("prompt_logprobs_last_n must be in [1, len(prompt) - 1]")
+        slot = self.pool.slots[sampler.base]
+        if slot.served is not None:  # loaded: checked now, else in the engine's model
+            check(slot.served.checks, ids, req)
         ereq = EngineRequest(f"tinker-sample-{uuid.uuid4().hex}", ids,
                              params(req, len(ids)), req.num_samples,
                              adapter=sampler.adapter)  # fmt: skip
@@ -57,9 +61,10 @@ class Sampling:
     async def _run(self, sampler: Sampler, ereq: EngineRequest, req: types.SampleRequest) -> Result:
         async with self.pool.use(sampler.base) as slot:
             assert slot.served is not None
-            vocab = len(slot.served.model.vocab)
-            if max(ereq.prompt_ids) >= vocab:
-                raise Failed(f"the prompt holds ids outside the vocabulary [0, {vocab})")
+            try:
+                check(slot.served.checks, ereq.prompt_ids, req)
+            except APIError as e:
+                raise Failed(e.message) from None
             handle = slot.served.engine.submit(ereq)
             try:
                 outs = await handle.final()
@@ -88,6 +93,22 @@ def _top(entries: Entries | None, k: int) -> tuple[np.ndarray, np.ndarray] | Non
     if entries is None or k <= 0:
         return None
     return np.asarray(entries.top_ids)[:, :k], np.asarray(entries.top_logprobs)[:, :k]
+
+
+def check(checks: RequestLimits, ids: list[int], req: types.SampleRequest) -> None:
+    """The prompt's ids, its length with max_tokens against the context and memory, and the
+    logprob counts against the server's limits: a 400 as the OpenAI routes answer."""
+    checks.check_token_ids(ids, "prompt")
+    mt = req.sampling_params.max_tokens
+    checks.check_prompt(len(ids), DEFAULT_MAX_TOKENS if mt is None else mt, "prompt",
+                        "max_tokens")  # fmt: skip
+    top = checks.bounds.max_top_logprobs
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+        k = getattr(req, name)
+        if k < 0 or (top >= 0 and k > top):
+            raise APIError(f"{name} must be from 0 to {top}", param=name)
+    if req.num_samples > checks.limits.max_n:
+        raise APIError(f"num_samples must be at most {checks.limits.max_n}", param="num_samples")
 
 
 def prompt_ids(prompt: types.ModelInput) -> list[int]:

@@ -11,6 +11,7 @@ from typing import Any
 
 from tinker import types
 
+from omlx_logprobs.api.core.bounds import ModelBounds
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.tinker import wire
@@ -33,6 +34,9 @@ from omlx_logprobs.training.calls import (
     TrainCall,
 )
 from omlx_logprobs.training.store import PREFIX, CheckpointStore
+
+# Copies of a datum's [tokens, vocabulary] float32 logits a forward and backward hold at once.
+TRAIN_LOGIT_COPIES = 4
 
 
 class Training:
@@ -100,8 +104,10 @@ class Training:
             raise APIError(str(e), param="loss_fn") from None
         if not req.data:
             raise APIError("forward_backward needs at least one datum", param="data")
+        slot = self.pool.slots[m.base]
+        bounds = slot.served.checks.bounds if slot.served is not None else None
         for i, d in enumerate(req.data):
-            _check_datum(i, d, names, req.loss_fn)
+            _check_datum(i, d, names, req.loss_fn, bounds)
         calls = [
             DatumPass(m.model_id, d.tokens, {k: d.inputs[k] for k in names}, req.loss_fn,
                       req.config, not req.forward_only)
@@ -228,10 +234,31 @@ class Training:
             await slot.served.engine.change_adapter(AdapterChange(adapter))
 
 
-def _check_datum(i: int, d: wire.Datum, names: tuple[str, ...], loss_fn: str) -> None:
+def _check_datum(
+    i: int, d: wire.Datum, names: tuple[str, ...], loss_fn: str, bounds: ModelBounds | None
+) -> None:
+    """A 400 for a datum the loss cannot take, or (the model loaded) one longer than its
+    context, or whose forward and backward would need more memory than the weights leave."""
     n = len(d.tokens)
     if n == 0:
         raise APIError(f"datum {i}: model_input holds no tokens", param="data")
+    if bounds is not None:
+        if n > bounds.max_model_len:
+            raise APIError(
+                f"datum {i}: {n} tokens, more than the model's context of {bounds.max_model_len}",
+                param="data",
+                code="context_length_exceeded",
+            )
+        # the logits in float32, their log-softmax and its gradient: the most a step holds
+        need = n * bounds.vocab_size * 4 * TRAIN_LOGIT_COPIES + n * bounds.kv_bytes_per_token
+        if bounds.kv_budget_bytes and need > bounds.kv_budget_bytes:
+            raise APIError(
+                f"datum {i}: a forward and backward of {n} tokens needs about {need >> 20} MiB,"
+                f" more than the {bounds.kv_budget_bytes >> 20} MiB this machine has beside"
+                " the model's weights: send shorter datums",
+                param="data",
+                code="context_length_exceeded",
+            )
     for name in names:
         v = d.inputs.get(name)
         if v is None:
