@@ -20,7 +20,7 @@ CONTROL_ROUNDS ?= 2
 VF_VENV := .venv-verifiers
 VF_PY := $(VF_VENV)/bin/python
 
-.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-guard bench-conversation bench-speculation bench-scoring fuzz soak distributed speculation rl-example clean
+.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-guard bench-conversation bench-speculation bench-scoring fuzz soak distributed speculation rl-example tinker-example clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -116,6 +116,12 @@ distributed: install
 rl-example: install
 	$(PY) -m pip install -q -e '.[examples]'
 	$(PY) examples/rl_loop.py --steps 5 --png rl_loop.png
+
+# The same loop written against Tinker's SDK alone (examples/tinker_rl.py, docs/specs/tinker.md):
+# the LoRA trained in the server's process between its steps, each step's policy sampled at once,
+# the largest |ratio - 1| printed (0.0: the server in batch-invariant mode, slow on the CPU).
+tinker-example: install
+	$(PY) examples/tinker_rl.py --steps 3
 
 clean:
 	rm -rf $(VENV) $(VF_VENV) build *.egg-info

@@ -19,7 +19,7 @@ from typing import Any
 from omlx_logprobs.api.core.errors import APIError
 
 log = logging.getLogger("omlx_logprobs")
-LONG_POLL_S = 10.0
+LONG_POLL_S = 30.0  # under the SDK's 45 s timeout of a poll
 KEEP_S = 600.0  # how long a finished result waits for its poll
 KEEP = 4096  # finished results kept at most
 
