@@ -88,7 +88,3 @@ class Futures:
             if not (expired or (len(self._entries) > KEEP and e.task.done())):
                 break
             del self._entries[rid]
-
-    def cancel_all(self) -> None:
-        for e in self._entries.values():
-            e.task.cancel()
