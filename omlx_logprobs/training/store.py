@@ -50,7 +50,9 @@ class CheckpointStore:
         model_id, sep, name = path.removeprefix(PREFIX).partition("/weights/")
         ok = path.startswith(PREFIX) and sep and MODEL_ID.fullmatch(model_id)
         if not (ok and NAME.fullmatch(name)):
-            raise CheckpointError(f"{path!r} is no checkpoint path (tinker://MODEL_ID/weights/NAME)")
+            raise CheckpointError(
+                f"{path!r} is no checkpoint path (tinker://MODEL_ID/weights/NAME)"
+            )
         directory = self._dir(model_id, name)
         if not directory.is_dir():
             raise CheckpointError(f"no checkpoint at {path!r} on this server")
