@@ -29,7 +29,7 @@ CONTROL_ROUNDS ?= 2
 VF_VENV := .venv-verifiers
 VF_PY := $(VF_VENV)/bin/python
 
-.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-guard bench-conversation bench-speculation bench-scoring fuzz soak distributed speculation rl-example open-responses clean
+.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-guard bench-conversation bench-speculation bench-scoring fuzz soak distributed speculation rl-example open-responses tinker-example clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -137,6 +137,12 @@ OPENRESPONSES_ARGS ?=
 open-responses: install
 	@test -n "$(OPENRESPONSES_DIR)" || { echo "usage: make open-responses OPENRESPONSES_DIR=/path/to/openresponses"; exit 2; }
 	$(PY) scripts/open_responses.py $(OPENRESPONSES_DIR) $(OPENRESPONSES_ARGS)
+
+# The same loop written against Tinker's SDK alone (examples/tinker_rl.py, docs/specs/tinker.md):
+# the LoRA trained in the server's process between its steps, each step's policy sampled at once,
+# the largest |ratio - 1| printed (0.0: the server in batch-invariant mode, slow on the CPU).
+tinker-example: install
+	$(PY) examples/tinker_rl.py --steps 3
 
 clean:
 	rm -rf $(VENV) $(VF_VENV) build *.egg-info

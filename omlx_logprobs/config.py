@@ -218,6 +218,9 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     access: Access = field(default_factory=Access)
     batches: BatchConfig = field(default_factory=BatchConfig)
+    # Where Tinker's save_weights writes checkpoints (docs/specs/tinker.md); None: a new
+    # temporary folder, gone with the process.
+    tinker_dir: str | None = None
     shutdown_grace_s: float = 10.0  # on SIGINT/SIGTERM, in-flight requests get this long
     # The engine in a process of its own (its own GIL), or in a thread of the server's.
     engine_process: bool = True

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_batching(s)
     _add_batches(s)
+    _add_tinker(s)
     _add_speculation(s)
     _add_pool(s)
     _add_output(s)
@@ -299,10 +300,29 @@ def _add_batches(s: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tinker(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group("Tinker's training API (/api/v1/)")
+    g.add_argument(
+        "--tinker-dir",
+        default=default_tinker_dir(),
+        help="where save_weights writes checkpoints, in mlx-lm's adapter format (`--lora` and"
+        " mlx-lm load them); load_weights reads them back (default: %(default)s)",
+    )
+
+
 def default_batch_dir() -> str:
     """The user's cache folder (XDG_CACHE_HOME, else ~/.cache), `omlx_logprobs/batches`."""
+    return _cache_dir("batches")
+
+
+def default_tinker_dir() -> str:
+    """The user's cache folder, `omlx_logprobs/tinker`."""
+    return _cache_dir("tinker")
+
+
+def _cache_dir(name: str) -> str:
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "omlx_logprobs", "batches")
+    return os.path.join(cache, "omlx_logprobs", name)
 
 
 def _add_speculation(s: argparse.ArgumentParser) -> None:

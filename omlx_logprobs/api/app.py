@@ -1,10 +1,11 @@
 """The app: every API's routes (each package's `routes.py`: openai/, responses/, anthropic/,
-ollama/, rl/, scoring/, admin/, batches/) on one pool of models, behind the guard, with each
-API's error shape."""
+ollama/, rl/, tinker/, scoring/, admin/, batches/) on one pool of models, behind the guard,
+with each API's error shape."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import threading
 import time
@@ -44,11 +45,13 @@ def create_app(
     rerank_template: YesNoTemplate | None = None,
     batch: BatchConfig | None = None,
     metrics: bool = True,
+    tinker_dir: str | None = None,
 ) -> FastAPI:
     """The app over one model (a `Served`) or several (a `ModelPool`, api/core/pool.py);
     `rerank_template`: what /rerank and /score write each pair into (default: Qwen3-Reranker's
     prompt, api/scoring/template.py); `batch`: where the Batch API keeps its files; `metrics`:
-    whether GET /metrics is served (and requests observed for it)."""
+    whether GET /metrics is served (and requests observed for it); `tinker_dir`: where Tinker's
+    checkpoints go (None: a temporary folder, gone with the process)."""
     pool = served if isinstance(served, ModelPool) else ModelPool.single(served)
     batch = batch or BatchConfig()
     runner = BatchRunner(batch.dir, batch.concurrency, lambda: pool.closing)
@@ -95,7 +98,18 @@ def create_app(
     responses.add_routes(app, pool, stored)
     add_socket(app, pool, stored)
     anthropic.add_routes(app, pool)
+    _tinker_routes(app, pool, tinker_dir)  # /api/v1/ before Ollama's /api/
     ollama.add_routes(app, pool)
     batches.add_routes(app, runner, batch.max_file_bytes)
     page.add_routes(app, access.api_key is not None)
     return app
+
+
+def _tinker_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None) -> None:
+    """Tinker's routes, where its SDK is installed (it needs Python 3.11: pyproject.toml)."""
+    if importlib.util.find_spec("tinker") is None:
+        log.info("Tinker's API is off: the tinker package is not installed")
+        return
+    from omlx_logprobs.api.tinker import routes
+
+    routes.add_routes(app, pool, tinker_dir)

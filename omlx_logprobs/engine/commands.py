@@ -18,6 +18,7 @@ from omlx_logprobs.control import (
     WeightUpdateResult,
     WeightVersion,
 )
+from omlx_logprobs.training.calls import TrainAnswer, TrainCall
 from omlx_logprobs.types import EngineRequest
 
 A = TypeVar("A")
@@ -99,6 +100,18 @@ class ControlCommand(Command[ControlResult]):
 
     def refused(self, why: str, weights: WeightVersion) -> ControlResult:
         return ControlResult(False, error=why)
+
+
+@dataclass(frozen=True)
+class Train(Command[TrainAnswer]):
+    """One training call (training/calls.py), done on the engine's thread between two steps:
+    serving goes on between calls, each of which is bounded (one datum's forward and backward,
+    one optimizer step)."""
+
+    call: TrainCall
+
+    def refused(self, why: str, weights: WeightVersion) -> TrainAnswer:
+        return TrainAnswer(error=why, user=False)
 
 
 _POSTED: Future[Any] = Future()

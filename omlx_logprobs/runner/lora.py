@@ -105,7 +105,7 @@ def _adapted(cls: type) -> type:
     return _ADAPTED[cls]
 
 
-def _dims(layer: nn.Module) -> tuple[int, int, Any]:
+def layer_dims(layer: nn.Module) -> tuple[int, int, Any]:
     """(in, out, compute dtype) of a linear layer, quantized or not."""
     out_dims, in_dims = layer.weight.shape
     dtype = layer.weight.dtype
@@ -192,6 +192,20 @@ class AdapterSet:
         if name in self.by_name and not replace:
             raise AdapterError(f"an adapter named {name!r} is already loaded")
         scale, pairs = read_adapter(path)
+        self.put(name, path, scale, pairs, replace)
+
+    def put(
+        self,
+        name: str,
+        path: str,
+        scale: float,
+        pairs: dict[str, tuple[mx.array, mx.array]],
+        replace: bool = False,
+    ) -> None:
+        """`load` of weights already in memory (a trained adapter, training/trainer.py): each
+        layer's (lora_a, lora_b) by path, and the scale; `path` names where they came from."""
+        if name in self.by_name and not replace:
+            raise AdapterError(f"an adapter named {name!r} is already loaded")
         modules = dict(self.model.named_modules())
         layers = {}
         for where, (a, b) in pairs.items():
@@ -206,7 +220,7 @@ class AdapterSet:
                     " transformer blocks' linear layers are served, not of the embedding, the"
                     " head or expert layers"
                 )
-            in_dims, out_dims, dtype = _dims(layer)
+            in_dims, out_dims, dtype = layer_dims(layer)
             fits = a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0]
             if not (fits and a.shape[0] == in_dims and b.shape[1] == out_dims):
                 raise AdapterError(
@@ -257,7 +271,7 @@ class AdapterSet:
         return len(self.slots) - 1
 
     def _adapt(self, where: str, layer: nn.Module) -> None:
-        in_dims, out_dims, dtype = _dims(layer)
+        in_dims, out_dims, dtype = layer_dims(layer)
         stack = _Stack(self, in_dims, out_dims, dtype)
         layer._lora = stack  # a plain attribute: not a parameter
         layer.__class__ = _adapted(type(layer))

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -46,6 +47,8 @@ _host_side = False  # MLX computes on the CPU here: long prefill calls take nump
 # Batch-invariant mode (runner/invariance.py): every call takes MLX's own ops, whose reductions
 # do not depend on how many queries or rows a call holds (numpy's sums do).
 _exact = False
+# Inside `differentiable` (a training forward): numpy's attention is no MLX op a gradient traces.
+_traced = 0
 # While `warm` runs its probe forward: the head shapes (heads, key heads, query and value
 # widths, dtype) of the prefill calls seen.
 _heads: set[tuple[int, int, int, int, mx.Dtype]] | None = None
@@ -280,7 +283,7 @@ def _sdpa(
     call = _inner
     if _fused and "stream" not in extra:
         call = _unfused
-    elif not extra and _host_side and q.size // q.shape[-1] * lk >= HOST_ELEMENTS:
+    elif not extra and _host_side and not _traced and q.size // q.shape[-1] * lk >= HOST_ELEMENTS:
         call = _host
     step = blocks(q, k)
     if step >= lq or not (mask is None or isinstance(mask, (str, mx.array))):
@@ -317,6 +320,18 @@ def install() -> None:
     _fused = cudnn_on()
     _host_side = mx.default_device() == mx.cpu and not _exact
     mx.fast.scaled_dot_product_attention = _sdpa
+
+
+@contextmanager
+def differentiable() -> Iterator[None]:
+    """Every call in the block on MLX's ops, which a gradient can trace (a training forward,
+    training/trainer.py); on the engine's thread, as every forward."""
+    global _traced
+    _traced += 1
+    try:
+        yield
+    finally:
+        _traced -= 1
 
 
 def exact() -> None:

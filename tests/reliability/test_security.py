@@ -118,7 +118,8 @@ def test_template_kwargs_reach_the_template_as_variables(open_server: str) -> No
 def test_request_handling_reaches_no_shell_file_or_eval() -> None:
     """Static: the HTTP layer imports nothing that runs commands or opens files, and nothing in
     the package evaluates code (files are opened only when loading models and by the disk tier,
-    and by the Batch API's folder: batchdir/)."""
+    by the Batch API's folder, batchdir/, and by training/'s checkpoints under --tinker-dir,
+    under names it makes and checks: training/store.py)."""
     import ast
     from pathlib import Path
 

@@ -8,6 +8,7 @@ import dataclasses
 import pickle
 from typing import Any
 
+import numpy as np
 import pytest
 
 from omlx_logprobs.control import (
@@ -28,9 +29,11 @@ from omlx_logprobs.engine.commands import (
     Notice,
     Stop,
     Submit,
+    Train,
     UpdateWeights,
     posted,
 )
+from omlx_logprobs.training.calls import CreateRun, DatumPass, LoraSpec, TrainAnswer
 from omlx_logprobs.transport.messages import Reply
 from omlx_logprobs.types import EngineRequest, SamplingParams
 
@@ -42,6 +45,7 @@ EXAMPLES: list[Command[Any]] = [
     UpdateWeights(WeightUpdate("/weights/step-7", abort_in_flight=True, tag="step-7")),
     ChangeAdapter(AdapterChange("one", "/adapters/one", replace=True)),
     ControlCommand(Control("pause", PauseMode.RETRACT)),
+    Train(CreateRun("session-1:train:0", LoraSpec(8, seed=3, mlp=False))),
 ]
 
 
@@ -71,12 +75,13 @@ def test_records_are_frozen_and_picklable(command: Command[Any]) -> None:
 
 def test_answers_when_refused() -> None:
     v = WeightVersion(3, "step-3")
-    assert [c.answered for c in EXAMPLES] == [False] * 4 + [True] * 3
+    assert [c.answered for c in EXAMPLES] == [False] * 4 + [True] * 4
     assert all(isinstance(c, Notice) is (not c.answered) for c in EXAMPLES)
-    update, adapter, control = EXAMPLES[4:]
+    update, adapter, control, train = EXAMPLES[4:]
     assert update.refused("gone", v) == WeightUpdateResult(v, "gone")
     assert adapter.refused("gone", v) == "gone"
     assert control.refused("gone", v) == ControlResult(False, error="gone")
+    assert train.refused("gone", v) == TrainAnswer(error="gone", user=False)
     assert pickle.loads(pickle.dumps(Reply(9, ControlResult(True, held=2)))) == Reply(
         9, ControlResult(True, held=2)
     )
@@ -88,3 +93,12 @@ def test_a_notice_is_done_once_posted() -> None:
     seen: list[Any] = []
     done.add_done_callback(seen.append)  # called at once, kept nowhere
     assert seen == [done]
+
+
+def test_training_calls_carry_numpy_arrays() -> None:
+    """A datum's arrays cross the pipe as they are (ids and loss inputs, their dtypes kept)."""
+    weights = {"weights": np.array([0.5, 1.0, 2.0], np.float32)}
+    call = DatumPass("m", np.array([1, 2, 3], np.int32), weights, "cross_entropy")
+    got = pickle.loads(pickle.dumps(Train(call))).call
+    assert got.tokens.dtype == np.int32 and got.tokens.tolist() == [1, 2, 3]
+    assert got.inputs["weights"].dtype == np.float32 and got.loss_fn == "cross_entropy"

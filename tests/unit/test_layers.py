@@ -16,8 +16,9 @@ import omlx_logprobs
 ROOT = Path(omlx_logprobs.__file__).parent
 # Lowest first. Root modules (types, control, config, vocab, heap, blas) are level 0; cli.py is on
 # top, over options.py (its flags) and serve_config.py (the config they make). The engine's wing
-# is five floors: batch/ (plain Python), runner/ (all MLX, its fast paths in runner/fast/),
-# engine/ (the step loop), distributed/ (a model over several processes), transport/ (the engine
+# is six floors: batch/ (plain Python), runner/ (all MLX, its fast paths in runner/fast/),
+# training/ (LoRA runs trained on the runner's model, between the engine's steps), engine/ (the
+# step loop), distributed/ (a model over several processes), transport/ (the engine
 # in this process or a child, as the API sees it). batchdir/ (the Batch API's folder on disk) is
 # plain Python below api/, which reaches the disk only through it.
 TOP = ("options", "serve_config", "cli")
@@ -29,6 +30,7 @@ LAYERS = [
     "models",
     "batch",
     "runner",
+    "training",
     "engine",
     "distributed",
     "transport",
@@ -43,8 +45,9 @@ LAYERS = [
 # the app (app.py, the guard in front of it, the uvicorn server).
 API_CORE = "core"
 API_PACKAGES = (
-    "openai", "responses", "anthropic", "ollama", "rl", "admin", "metrics", "scoring", "batches"
-)
+    "openai", "responses", "anthropic", "ollama", "rl", "tinker", "admin", "metrics", "scoring",
+    "batches",
+)  # fmt: skip
 API_APP = ("app", "guard", "server")
 # Inside runner/, lowest first (names under runner/; "__init__" is the package itself): a module
 # imports only modules on floors below its own, type-level imports included.

@@ -1,7 +1,9 @@
 """Errors in each API's own shape: OpenAI's `{"error": {message, type, param, code}}` (every
-route but these two), Anthropic's `{"type": "error", "error": {type, message}}` (`/v1/messages`)
-and Ollama's `{"error": message}` (`/api/`). The path decides, so a body that fails pydantic, a
-missing key or an unknown model is answered in the shape its client parses."""
+route but these three), Anthropic's `{"type": "error", "error": {type, message}}` (`/v1/messages`),
+Tinker's `{"detail": message, "category": "user" or "server"}` (`/api/v1/`, which its SDK raises
+as `BadRequestError` and the like) and Ollama's `{"error": message}` (the rest of `/api/`).
+The path decides, so a body that fails pydantic, a missing key or an unknown model is answered
+in the shape its client parses."""
 
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def wire(path: str) -> str:
     """Which API a path belongs to, for the shape of its errors."""
     if path.startswith("/v1/messages"):
         return "anthropic"
+    if path.startswith("/api/v1/"):
+        return "tinker"
     return "ollama" if path.startswith("/api/") else "openai"
 
 
@@ -65,6 +69,8 @@ def shaped_body(e: APIError, path: str) -> dict[str, Any]:
         kind = ANTHROPIC_TYPES.get(e.status, "api_error" if e.status >= 500 else e.type)
         text = f"{param}: {message}" if param and not message.startswith(param) else message
         return {"type": "error", "error": {"type": kind, "message": text}}
+    if wire(path) == "tinker":
+        return {"detail": message, "category": "server" if e.status >= 500 else "user"}
     if wire(path) == "ollama":
         return {"error": message}
     return error_body(message, e.type, param, e.code)

@@ -1,0 +1,162 @@
+"""Tinker's routes under /api/v1/ (the `tinker` SDK pointed at this server by its base URL):
+the service's (client config, sessions, heartbeats, capabilities, health), the training
+model's (create_model, get_info, forward, forward_backward, optim_step,
+save_weights_for_sampler; save_weights and load_weights, checkpoints in mlx-lm's format), the
+sampler's (create_sampling_session, samplers, asample) and the futures' (retrieve_future).
+Every call that works answers with a future at once; the SDK polls it (api/tinker/futures.py).
+A finished session's training runs are dropped."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel as PydanticModel
+from pydantic import ValidationError
+from tinker import types
+
+from omlx_logprobs.api.core.errors import APIError, invalid_body
+from omlx_logprobs.api.core.pool import ModelPool
+from omlx_logprobs.api.tinker import wire
+from omlx_logprobs.api.tinker.futures import Futures
+from omlx_logprobs.api.tinker.sampling import Sampling
+from omlx_logprobs.api.tinker.sessions import Sessions
+from omlx_logprobs.api.tinker.training import Training
+from omlx_logprobs.training.store import CheckpointStore
+
+API = "/api/v1"
+M = TypeVar("M", bound=PydanticModel)
+
+
+async def _parse(raw: Request, model: type[M]) -> M:
+    """The body as the SDK's request type; a 400 naming what does not fit."""
+    try:
+        return model.model_validate(await raw.json())
+    except ValidationError as e:
+        raise invalid_body(e.errors()) from None
+    except ValueError:
+        raise APIError("the body is not JSON") from None
+
+
+def _future(rid: str, model_id: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {"request_id": rid, "model_id": model_id, **extra}
+
+
+def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> None:
+    """`tinker_dir`: where save_weights writes (None: a temporary folder)."""
+    sessions, futures = Sessions(), Futures()
+    training = Training(pool, sessions, futures, CheckpointStore(tinker_dir))
+    sampling = Sampling(pool, sessions, futures)
+
+    # ---- the service -------------------------------------------------------------------------
+    @app.get(f"{API}/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post(f"{API}/client/config")
+    async def client_config() -> dict[str, Any]:
+        # httpx's transport, and forward_backward chunks one after the other: the trainer runs
+        # a model's calls in order anyway.
+        return {"use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False}
+
+    @app.post(f"{API}/client/dynamic_config")
+    async def client_dynamic_config() -> dict[str, Any]:
+        return {}
+
+    @app.post(f"{API}/telemetry")
+    async def telemetry() -> dict[str, str]:
+        return {"status": "accepted"}
+
+    @app.post(f"{API}/create_session")
+    async def create_session(raw: Request) -> dict[str, Any]:
+        await _parse(raw, types.CreateSessionRequest)
+        return {"type": "create_session", "session_id": sessions.open()}
+
+    @app.post(f"{API}/session_heartbeat")
+    async def session_heartbeat(raw: Request) -> dict[str, str]:
+        req = await _parse(raw, types.SessionHeartbeatRequest)
+        sessions.session(req.session_id)
+        return {"type": "session_heartbeat"}
+
+    @app.post(API + "/sessions/{session_id}/finish")
+    async def finish_session(session_id: str) -> None:
+        await training.finish(session_id)
+
+    @app.get(f"{API}/get_server_capabilities")
+    async def capabilities() -> dict[str, Any]:
+        models = [{"model_name": name, "trainable": True, "sampleable": True,
+                   "max_context_length": slot.max_model_len}
+                  for name, slot in pool.slots.items()]  # fmt: skip
+        return {"supported_models": models}
+
+    # ---- training ----------------------------------------------------------------------------
+    @app.post(f"{API}/create_model")
+    async def create_model(raw: Request) -> dict[str, Any]:
+        rid, model_id = training.create_model(await _parse(raw, types.CreateModelRequest))
+        return _future(rid, model_id)
+
+    @app.post(f"{API}/get_info")
+    async def get_info(raw: Request) -> dict[str, Any]:
+        return training.info((await _parse(raw, types.GetInfoRequest)).model_id)
+
+    @app.post(f"{API}/forward_backward")
+    async def forward_backward(raw: Request) -> dict[str, Any]:
+        if raw.headers.get("content-encoding"):
+            raise APIError("send forward_backward uncompressed (proto_compress_fwdbwd is off)")
+        rid, model_id = training.forward_backward(await raw.body())
+        return _future(rid, model_id)
+
+    @app.post(f"{API}/optim_step")
+    async def optim_step(raw: Request) -> dict[str, Any]:
+        rid, model_id = training.optim_step(await _parse(raw, types.OptimStepRequest))
+        return _future(rid, model_id)
+
+    @app.post(f"{API}/save_weights_for_sampler")
+    async def save_weights_for_sampler(raw: Request) -> dict[str, Any]:
+        req = await _parse(raw, types.SaveWeightsForSamplerRequest)
+        rid, model_id = training.save_for_sampler(req)
+        return _future(rid, model_id)
+
+    @app.post(f"{API}/save_weights")
+    async def save_weights(raw: Request) -> dict[str, Any]:
+        rid, model_id = training.save(await _parse(raw, types.SaveWeightsRequest))
+        return _future(rid, model_id)
+
+    @app.post(f"{API}/load_weights")
+    async def load_weights(raw: Request) -> dict[str, Any]:
+        rid, model_id = training.load(await _parse(raw, types.LoadWeightsRequest))
+        return _future(rid, model_id)
+
+    # ---- sampling ----------------------------------------------------------------------------
+    @app.post(f"{API}/create_sampling_session")
+    async def create_sampling_session(raw: Request) -> dict[str, Any]:
+        req = await _parse(raw, types.CreateSamplingSessionRequest)
+        sessions.session(req.session_id)
+        if req.model_path is not None:
+            found = sessions.by_path(req.model_path)
+            made = sessions.add_sampler(found.base, found.adapter, found.path)
+        elif req.base_model is not None:
+            made = sessions.add_sampler(training.base(req.base_model), None, None)
+        else:
+            raise APIError("give model_path or base_model", param="base_model")
+        return {"type": "create_sampling_session", "sampling_session_id": made.sampler_id}
+
+    @app.get(API + "/samplers/{sampler_id}")
+    async def sampler(sampler_id: str) -> dict[str, Any]:
+        s = sessions.sampler(sampler_id)
+        return {"sampler_id": s.sampler_id, "base_model": s.base, "model_path": s.path}
+
+    @app.post(f"{API}/asample")
+    async def asample(raw: Request) -> dict[str, Any]:
+        rid, seq_ids = sampling.asample(await _parse(raw, types.SampleRequest))
+        return _future(rid, sample_sequence_ids=seq_ids)
+
+    # ---- futures -----------------------------------------------------------------------------
+    @app.post(f"{API}/retrieve_future")
+    async def retrieve_future(raw: Request) -> Response:
+        req = await _parse(raw, types.FutureRetrieveRequest)
+        result = await futures.retrieve(req.request_id)
+        if result.proto is not None:
+            return Response(result.proto, media_type=wire.PROTO)
+        return JSONResponse(result.json)

@@ -1,0 +1,116 @@
+"""What the Tinker routes remember between calls: sessions (made by the SDK's ServiceClient,
+kept alive by its heartbeats), the training models made in them (`create_model`: one training
+run each in the engine of the base model, training/trainer.py), and the samplers
+(`save_weights_for_sampler`, `create_sampling_session`): a base model and, for trained
+weights, the name of the adapter the engine serves them under.
+
+A training model's calls run one at a time in the order they arrived (`lock`), as the SDK
+numbers them; a model's unnamed sampler snapshots beyond SNAPSHOTS are unloaded, oldest
+first, so that an RL loop saving one a step keeps a bounded number of adapters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.training.calls import LoraSpec
+
+SNAPSHOTS = 4
+
+
+@dataclass
+class TrainingModel:
+    model_id: str
+    base: str  # the served model it trains on
+    lora: LoraSpec
+    layers: list[str]
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    snapshots: deque[str] = field(default_factory=deque)  # unnamed samplers' adapters
+
+
+@dataclass(frozen=True)
+class Sampler:
+    sampler_id: str
+    base: str
+    adapter: str | None  # None: the base model
+    path: str | None  # the tinker:// path it was made from
+
+
+@dataclass
+class Session:
+    session_id: str
+    last_seen: float
+
+
+class Sessions:
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, TrainingModel] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.paths: dict[str, Sampler] = {}  # tinker:// path -> its sampler
+        self.finished: set[str] = set()
+
+    def open(self) -> str:
+        sid = f"session-{uuid.uuid4().hex[:16]}"
+        self.sessions[sid] = Session(sid, time.monotonic())
+        return sid
+
+    def session(self, sid: str) -> Session:
+        """A live session; a 410 for a finished one (the SDK stops its heartbeats then)."""
+        if sid in self.finished:
+            raise APIError(f"the session {sid!r} has finished", param="session_id", status=410)
+        s = self.sessions.get(sid)
+        if s is None:
+            raise APIError(f"no session {sid!r}", param="session_id", status=404)
+        s.last_seen = time.monotonic()
+        return s
+
+    def finish(self, sid: str) -> list[TrainingModel]:
+        """End a session: its training models, which the caller drops from their engines."""
+        self.session(sid)
+        del self.sessions[sid]
+        self.finished.add(sid)
+        ids = [k for k in self.models if k.startswith(f"{sid}:")]
+        return [self.models.pop(k) for k in ids]
+
+    def model(self, model_id: str) -> TrainingModel:
+        m = self.models.get(model_id)
+        if m is None:
+            raise APIError(
+                f"no training model {model_id!r} (create_model makes one)", param="model_id"
+            )
+        return m
+
+    def sampler(self, sampler_id: str) -> Sampler:
+        s = self.samplers.get(sampler_id)
+        if s is None:
+            raise APIError(f"no sampler {sampler_id!r}", param="sampling_session_id")
+        return s
+
+    def by_path(self, path: str) -> Sampler:
+        s = self.paths.get(path)
+        if s is None:
+            raise APIError(
+                f"no weights saved at {path!r} on this server (save_weights_for_sampler"
+                " makes them)",
+                param="model_path",
+            )
+        return s
+
+    def add_sampler(self, base: str, adapter: str | None, path: str | None) -> Sampler:
+        s = Sampler(f"sampler-{uuid.uuid4().hex[:16]}", base, adapter, path)
+        self.samplers[s.sampler_id] = s
+        if path is not None:
+            self.paths[path] = s
+        return s
+
+    def forget_adapter(self, adapter: str) -> None:
+        """An unloaded adapter's samplers go (later samples on them are 400s)."""
+        for sid in [k for k, s in self.samplers.items() if s.adapter == adapter]:
+            gone = self.samplers.pop(sid)
+            if gone.path is not None:
+                self.paths.pop(gone.path, None)

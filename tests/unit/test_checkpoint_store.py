@@ -1,0 +1,51 @@
+"""training/store.py: a checkpoint's tinker:// path names a directory under the server's folder
+only through ids and names it checks, so no path a client sends reaches the disk as given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from omlx_logprobs.training.checkpoint import CheckpointError
+from omlx_logprobs.training.store import CheckpointStore
+
+MODEL = "session-0123abcd:train:2"
+
+
+def test_place_and_find(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path))
+    path, directory = store.place(MODEL, "step-10")
+    assert path == f"tinker://{MODEL}/weights/step-10"
+    assert directory == tmp_path / "session-0123abcd_train_2" / "weights" / "step-10"
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        store.find(path)
+    directory.mkdir(parents=True)
+    assert store.find(path) == directory
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/etc",
+        "tinker://../../etc/weights/x",
+        f"tinker://{MODEL}/weights/..",
+        f"tinker://{MODEL}/weights/a/b",
+        f"tinker://{MODEL}/sampler_weights/x",
+        "tinker://session-1:train:0/../weights/x",
+    ],
+)
+def test_other_paths_are_refused(tmp_path: Path, path: str) -> None:
+    with pytest.raises(CheckpointError, match="no checkpoint path"):
+        CheckpointStore(str(tmp_path)).find(path)
+
+
+@pytest.mark.parametrize("name", ["", "..", "a/b", ".hidden", "x" * 129, "a b"])
+def test_bad_names(tmp_path: Path, name: str) -> None:
+    with pytest.raises(CheckpointError, match="cannot name"):
+        CheckpointStore(str(tmp_path)).place(MODEL, name)
+
+
+def test_temporary_root() -> None:
+    store = CheckpointStore(None)
+    assert store.root.is_dir() and store.root == store.root
