@@ -64,10 +64,13 @@ class PauseMode(str, Enum):
 @dataclass(frozen=True)
 class Control:
     """A control-plane command for the engine, between two steps: pause (in a mode), resume,
-    or drop the kept prompt prefixes (`flush`)."""
+    drop the kept prompt prefixes (`flush`), sleep (at a `level`) or wake (the weights read
+    again from `path` if sleep dropped them)."""
 
-    action: str  # "pause", "resume", "flush"
+    action: str  # "pause", "resume", "flush", "sleep", "wake"
     mode: PauseMode = PauseMode.ABORT
+    level: int = 1  # sleep: 1 frees the prefix cache and MLX's buffer cache, 2 the weights too
+    path: str | None = None  # wake: where the weights are read from after a level-2 sleep
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,7 @@ class Engine:
             weights=self.processor.weights,
             updating=bool(self.life.updates),
             paused=self.life.paused.value if self.life.paused is not None else None,
+            sleeping=self.life.sleeping,
             distributed=self.runner.health(),
             tallies=self.runner.tallies(),
         )

@@ -1,10 +1,10 @@
 """What changes the engine's state between two steps besides requests (docs/specs/rl.md): pause
-(each mode), resume and flush; new weights, once the requests in flight allow; LoRA adapters
-loaded, replaced and unloaded; retraction, which frees running requests' keys and values so
-that they prefill again (all of them for a pause or new weights; a few lower-priority ones
-when a higher-priority prompt needs their rows: `preempt`). The engine hands it its parts and
-two callbacks (whether work is left to run, and how requests are aborted); it imports nothing
-above engine/."""
+(each mode), resume and flush; sleep (its memory released) and wake; new weights, once the
+requests in flight allow; LoRA adapters loaded, replaced and unloaded; retraction, which frees
+running requests' keys and values so that they prefill again (all of them for a pause or new
+weights; a few lower-priority ones when a higher-priority prompt needs their rows: `preempt`).
+The engine hands it its parts and two callbacks (whether work is left to run, and how requests
+are aborted); it imports nothing above engine/."""
 
 from __future__ import annotations
 
@@ -53,6 +53,15 @@ class PendingPause:
     done: Future[ControlResult]
 
 
+@dataclass(frozen=True)
+class PendingSleep:
+    """A sleep not yet answered: its requests were aborted; it takes effect once nothing runs."""
+
+    level: int
+    aborted: int
+    done: Future[ControlResult]
+
+
 class Lifecycle:
     def __init__(
         self,
@@ -75,6 +84,9 @@ class Lifecycle:
         self.held: list[Sequence] = []
         self.paused: PauseMode | None = None
         self._pausing: list[PendingPause] = []
+        # The sleep level while asleep (0: awake), and the sleeps asked for, not yet in effect.
+        self.sleeping = 0
+        self._sleeps: list[PendingSleep] = []
 
     @property
     def halted(self) -> bool:
@@ -84,7 +96,7 @@ class Lifecycle:
     def holds(self, leader: Sequence) -> bool:
         """Whether a new request waits (held here): while new weights are to come or the engine
         is paused, it starts on the weights asked for."""
-        if not self.updates and not self.paused:
+        if not self.updates and not self.paused and not self.sleeping:
             return False
         self.held.append(leader)
         return True
@@ -132,9 +144,17 @@ class Lifecycle:
             for pause in self._pausing:  # a pause not yet answered is overtaken
                 pause.done.set_result(ControlResult(False, error="resumed before it took effect"))
             self._pausing = []
-            if not self.updates:
+            if not self.updates and not self.sleeping:
                 self._release_held()
             done.set_result(ControlResult(False))
+        elif command.action == "sleep":
+            # vLLM's sleep needs an idle engine: the requests in flight end (finish reason
+            # abort), new ones wait (the API answers 503 meanwhile: api/rl/sleep.py).
+            aborted = self._abort_in_flight()
+            self.sleeping = max(self.sleeping, command.level)
+            self._sleeps.append(PendingSleep(command.level, aborted, done))
+        elif command.action == "wake":
+            self._wake(command.path, done)
         else:
             mode = command.mode
             aborted = self._abort_in_flight() if mode is PauseMode.ABORT else 0
@@ -151,6 +171,8 @@ class Lifecycle:
             self._release_adapters()
         if self._pausing:
             self._answer_pauses()
+        if self._sleeps and not self._has_work():
+            self._sleep()
         if self.updates and (not self._has_work() or self.halted):
             self._swap_weights()
 
@@ -160,7 +182,9 @@ class Lifecycle:
             pending.done.set_result(WeightUpdateResult(self.processor.weights, why))
         for pause in self._pausing:
             pause.done.set_result(ControlResult(False, error=why))
-        self.updates, self._pausing = [], []
+        for sleep in self._sleeps:
+            sleep.done.set_result(ControlResult(False, error=why))
+        self.updates, self._pausing, self._sleeps = [], [], []
 
     def _release_adapters(self) -> None:
         in_use = {
@@ -195,8 +219,40 @@ class Lifecycle:
             if s.num_output and (not s.weight_spans or s.weight_spans[-1][1] != now):
                 s.weight_spans = s.weight_spans or [(0, first)]
                 s.weight_spans.append((s.num_output, now))
-        if self.paused is None:
+        if self.paused is None and not self.sleeping:
             self._release_held()
+
+    def _sleep(self) -> None:
+        """Nothing runs: the memory of the deepest sleep asked goes (runner's `sleep`), and
+        each sleep is answered."""
+        try:
+            self.runner.sleep(max(s.level for s in self._sleeps))
+        except Exception as exc:  # the weights may be half dropped: say so, stay asleep
+            log.exception("sleeping failed")
+            for pending in self._sleeps:
+                pending.done.set_result(ControlResult(False, error=f"sleeping failed: {exc}"))
+        else:
+            for pending in self._sleeps:
+                pending.done.set_result(ControlResult(True, aborted=pending.aborted))
+        self._sleeps = []
+
+    def _wake(self, path: str | None, done: Future[ControlResult]) -> None:
+        """Weights dropped by a level-2 sleep read again from `path`, then the requests that
+        waited start; a failed read leaves the engine asleep."""
+        if self._sleeps:  # asked to sleep but not yet asleep: nothing was released
+            for pending in self._sleeps:
+                pending.done.set_result(ControlResult(False, error="woken before it took effect"))
+            self._sleeps = []
+        try:
+            self.runner.wake(path)
+        except Exception as exc:  # WeightsError or worse: the weights stay dropped
+            log.warning("waking failed: the weights from %s not loaded: %s", path, exc)
+            done.set_result(ControlResult(False, error=f"waking failed: {exc}"))
+            return
+        self.sleeping = 0
+        if not self.updates and self.paused is None:
+            self._release_held()
+        done.set_result(ControlResult(False))
 
     def _load(self, pending: PendingUpdate) -> None:
         """One update's weights in place, and its answer."""

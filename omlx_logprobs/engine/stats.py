@@ -56,6 +56,7 @@ class EngineStats:
     weights: WeightVersion = INITIAL_WEIGHTS  # the weights serving now
     updating: bool = False  # a weight update waits for the requests in flight
     paused: str | None = None  # the pause mode while paused (docs/specs/rl.md)
+    sleeping: int = 0  # the sleep level while asleep, else 0 (docs/specs/rl.md)
     distributed: GroupHealth | None = None  # the processes the model is split over, if any
     tallies: Tallies = Tallies()  # disk-tier hits, speculation's drafts (since the engine began)
 

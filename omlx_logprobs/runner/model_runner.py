@@ -11,7 +11,7 @@ What the engine uses of it: the step (`launch`, `collect`, `admit`, `release`, `
 `take_time`), the scheduler's look-ups (`cached_len`, `prompt_cache.waits`), the start-up
 `plan` and the `speculator` it is given (built from the plan and the `model`), the model's
 state between steps (`adapters`, `change_adapter`, `release_adapters`, `load_weights`,
-`flush_prefixes`, `attach_disk`, `keeps_finished`), the idle loop and its end
+`flush_prefixes`, `sleep`, `wake`, `attach_disk`, `keeps_finished`), the idle loop and its end
 (`warm_attention`, `heartbeat`, `idle`, `close`) and what /health shows (`memory`, `health`).
 """
 
@@ -51,7 +51,7 @@ from omlx_logprobs.runner.snapshot import make_prefix
 from omlx_logprobs.runner.speculation import Speculator
 from omlx_logprobs.runner.step import DeviceTime, LaunchedStep, Memory, StepResult, Tallies
 from omlx_logprobs.runner.vision import ImageEmbedder
-from omlx_logprobs.runner.weights import load_into
+from omlx_logprobs.runner.weights import Layout, WeightsError, drop_weights, load_into
 
 __all__ = ["ModelRunner"]
 
@@ -82,6 +82,8 @@ class ModelRunner:
         self.batch = BatchState()
         self._disk: tuple[str, int] | None = None  # the disk tier's folder and size limit
         self.time = DeviceTime()
+        # The parameters' layout while /sleep at level 2 has dropped them (`wake` loads them).
+        self.dropped: Layout | None = None
         self.speculator: Speculator | None = None  # set by the engine (runner/speculation.py)
         # On a GPU a decode step's masked attention is one kernel (attention.py), before the
         # probe below compares the batch with each row alone.
@@ -292,7 +294,8 @@ class ModelRunner:
         """New weights in place (runner/weights.py), with nothing running; the kept prefixes go:
         their keys and values came from the old weights. WeightsError leaves the old ones."""
         assert not self.batch.num_cached
-        load_into(self.model, path)
+        load_into(self.model, path, self.dropped)  # asleep at level 2: the layout they had
+        self.dropped = None
         self.fusion.rejoin()
         if self.plan.decode is not None:
             self.plan.decode.reset()
@@ -308,6 +311,32 @@ class ModelRunner:
             self.prefixes.clear()
             if self._disk is not None:
                 self.attach_disk(*self._disk)
+
+    def sleep(self, level: int) -> None:
+        """With nothing running (/sleep): the kept prefixes go (level 1), the weights too
+        (level 2: each parameter an empty array, what joined or traced them dropped), then
+        MLX's buffer cache, so that the memory goes back to the system."""
+        assert not self.batch.num_cached
+        self.flush_prefixes()
+        if level >= 2 and self.dropped is None:
+            self.dropped = drop_weights(self.model)
+            self.fusion.drop()
+            if self.plan.decode is not None:
+                self.plan.decode.forget()
+        self.idle()
+
+    def wake(self, path: str | None) -> None:
+        """After /sleep: weights dropped at level 2 are read again from `path` (runner/weights.py
+        checks them against the layout they had); WeightsError leaves them dropped."""
+        if self.dropped is None:
+            return
+        if path is None:
+            raise WeightsError("the weights were dropped and no path to load them from is known")
+        load_into(self.model, path, self.dropped)
+        self.dropped = None
+        self.fusion.rejoin()
+        if self.plan.decode is not None:
+            self.plan.decode.reset()
 
     def change_adapter(self, change: AdapterChange) -> None:
         """Load, replace or unload a LoRA adapter between steps (runner/lora.py); AdapterError

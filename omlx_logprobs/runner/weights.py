@@ -9,7 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
+
+# Each parameter's name, shape and dtype: what weights loaded into a model whose own arrays were
+# dropped (`drop_weights`) are checked and cast against.
+Layout = dict[str, tuple[tuple[int, ...], mx.Dtype]]
 
 
 class WeightsError(ValueError):
@@ -43,12 +47,26 @@ def _examples(names: set[str]) -> str:
     return ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
 
 
-def load_into(model: Any, path: str) -> None:
-    """Replace the model's parameters with those at `path`, all or none."""
+def layout_of(model: Any) -> Layout:
+    flat: dict[str, mx.array] = dict(tree_flatten(model.parameters()))
+    return {n: (tuple(w.shape), w.dtype) for n, w in flat.items()}
+
+
+def drop_weights(model: Any) -> Layout:
+    """Replace every parameter with an empty array, so that its memory can go back (/sleep at
+    level 2); the layout they had, for `load_into` on waking."""
+    layout = layout_of(model)
+    model.update(tree_unflatten([(n, mx.zeros((0,), dtype)) for n, (_, dtype) in layout.items()]))
+    return layout
+
+
+def load_into(model: Any, path: str, layout: Layout | None = None) -> None:
+    """Replace the model's parameters with those at `path`, all or none; `layout`: what they
+    must match when the model's own were dropped (else the model's current ones)."""
     weights = read_weights(path)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
-    current = dict(tree_flatten(model.parameters()))
+    current = layout if layout is not None else layout_of(model)
     missing, unknown = current.keys() - weights.keys(), weights.keys() - current.keys()
     if missing or unknown:
         raise WeightsError(
@@ -57,14 +75,14 @@ def load_into(model: Any, path: str) -> None:
             f"{len(unknown)} unknown ({_examples(unknown)})"
         )
     for name, w in weights.items():
-        if w.shape != current[name].shape:
+        if tuple(w.shape) != current[name][0]:
             raise WeightsError(
-                f"{name} has shape {tuple(w.shape)} in {path!r}, {tuple(current[name].shape)} "
+                f"{name} has shape {tuple(w.shape)} in {path!r}, {current[name][0]} "
                 "in the served model"
             )
     cast = [
-        (n, w if w.dtype == current[n].dtype else w.astype(current[n].dtype))
-        for n, w in weights.items()
+        (n, w if w.dtype == current[n][1] else w.astype(current[n][1])) for n, w in weights.items()
     ]
-    model.load_weights(cast, strict=True)
+    # Checked above against the layout: the dropped arrays' empty shapes are not the measure.
+    model.load_weights(cast, strict=layout is None)
     mx.eval(model.parameters())

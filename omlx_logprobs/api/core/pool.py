@@ -66,6 +66,9 @@ class ModelPool(Loading):
         self.traits = traits
         # --ignore-unknown-fields (one setting for every model): checked before any load
         self.ignore_unknown_fields = ignore_unknown_fields
+        # The sleep level while asleep (POST /sleep, api/rl/sleep.py), else 0: requests that
+        # compute are refused until /wake_up.
+        self.sleeping = 0
         self.slots: dict[str, ModelSlot] = {}
         for s in slots:
             if s.name in self.slots:

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from omlx_logprobs.api.core import sse
+from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.core.slot import ModelSlot
@@ -38,6 +39,14 @@ async def respond(
     """`name`: the model, when the body does not call it `model` (SGLang's)."""
     if not pool.ignore_unknown_fields:
         check_unknown(req, False)
+    if pool.sleeping:  # vLLM's answer while asleep (docs/specs/rl.md, "Sleep and wake")
+        raise APIError(
+            "Model is currently in sleep mode. Please wake it up first with a POST request to"
+            " /wake_up",
+            status=503,
+            code="model_sleeping",
+            type_="ModelSleepingError",
+        )
     async with pool.use(name if name is not None else req.model) as slot:
         headers = slot.live.fields_headers(req)
         run = start(slot)

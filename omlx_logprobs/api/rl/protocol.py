@@ -191,3 +191,14 @@ class UnloadLoRAAdapterRequest(_Model):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     lora_name: str = Field(min_length=1)
+
+
+class CollectiveRpcRequest(_Model):
+    """vLLM's `/collective_rpc` body: a worker method by name, its arguments, and how long the
+    caller waits (seconds; None: as long as it takes)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    method: str
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout: float | None = Field(None, gt=0)

@@ -1,6 +1,6 @@
 """Every RL route on the app: the token routes (`POST /inference/v1/generate`, vLLM's; `POST
 /generate`, SGLang's), each body started as its `Run` on the model it names, and the routes of
-render.py, tokenize.py, weights.py, lora.py and control.py."""
+render.py, tokenize.py, weights.py, lora.py, control.py and sleep.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.core.serving import respond
-from omlx_logprobs.api.rl import control, lora, render, tokenize, weights
+from omlx_logprobs.api.rl import control, lora, render, sleep, tokenize, weights
 from omlx_logprobs.api.rl.protocol import GenerateRequest, SglangGenerateRequest
 from omlx_logprobs.api.rl.sglang_generate import SglangRun
 from omlx_logprobs.api.rl.vllm_generate import GenerateRun
@@ -30,3 +30,4 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
     lora.add_routes(app, pool)
     render.add_routes(app, pool)
     control.add_routes(app, pool)
+    sleep.add_routes(app, pool)

@@ -90,6 +90,13 @@ class CompiledDecode:
             self.lean.blocks()  # its weights' transposes, evaluated outside any trace
         self._fn = mx.compile(self._forward)
 
+    def forget(self) -> None:
+        """Drop the traces and transposes, which hold the weights (dropped by /sleep at level
+        2); `reset` once new weights are in."""
+        if self.lean is not None:
+            self.lean.reset()
+        self._fn = None
+
     def _forward(
         self, inputs: mx.array, at: mx.array, offset: mx.array, pads: mx.array, *kv: mx.array
     ) -> list[mx.array]:

@@ -137,3 +137,10 @@ class Fusion:
     def rejoin(self) -> None:
         for group in self.groups:
             group.join()
+
+    def drop(self) -> None:
+        """The members' arrays were dropped (/sleep at level 2): the joined ones, which they
+        were views of, go too; `rejoin` once new weights are in."""
+        for group in self.groups:
+            group.layer = None
+            group._x = group._y = None

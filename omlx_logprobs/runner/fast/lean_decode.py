@@ -116,6 +116,10 @@ class LeanDecode:
         """Forget the weights' transposes (the weights changed)."""
         self._blocks = self._head = None
 
+    def forget(self) -> None:
+        """The weights were dropped (/sleep at level 2): their transposes go too."""
+        self.reset()
+
     def blocks(self) -> list[_Block]:
         """The layers' blocks, each weight's transpose made (once, after each `reset`)."""
         return self._blocks if self._blocks is not None else self._build()
