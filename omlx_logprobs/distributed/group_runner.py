@@ -131,6 +131,14 @@ class LeaderRunner(_GroupRunner):
             " restart the group with the new weights"
         )
 
+    def sleep(self, level: int) -> None:
+        if level >= 2:  # each process holds its own share: they would all have to drop theirs
+            raise WeightsError(
+                "sleep level 2 cannot drop the weights while the model is split over processes;"
+                " level 1 releases the caches"
+            )
+        super().sleep(level)
+
     # ---- idle and stop ------------------------------------------------------------------------
     def heartbeat(self) -> None:
         if self.fault is not None or time.monotonic() - self._sent_at < PING_S:

@@ -369,6 +369,9 @@ class Engine:
         """The next training call, between two steps (training/trainer.py, on the model
         runner's model and adapters); then requests that wait have the engine for a while."""
         call, done = self._trainings.popleft()
+        if self.life.sleeping:  # at level 2 there are no weights to train on
+            done.set_result(TrainAnswer(error="the model is asleep: POST /wake_up first"))
+            return
         t0 = time.monotonic()
         if self._trainer is None:
             r = self.runner

@@ -227,10 +227,14 @@ class Lifecycle:
         each sleep is answered."""
         try:
             self.runner.sleep(max(s.level for s in self._sleeps))
-        except Exception as exc:  # the weights may be half dropped: say so, stay asleep
+        except Exception as exc:  # asleep only if the weights went (perhaps half): else awake
             log.exception("sleeping failed")
             for pending in self._sleeps:
                 pending.done.set_result(ControlResult(False, error=f"sleeping failed: {exc}"))
+            if self.runner.dropped is None:
+                self.sleeping = 0
+                if not self.updates and self.paused is None:
+                    self._release_held()
         else:
             for pending in self._sleeps:
                 pending.done.set_result(ControlResult(True, aborted=pending.aborted))

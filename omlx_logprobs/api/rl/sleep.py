@@ -29,8 +29,13 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
         are a 503 (vLLM's ModelSleepingError) and the rest (tokenize, models) still serve."""
         if level not in LEVELS:
             raise APIError(f"level must be 1 or 2, not {level}", param="level")
-        pool.sleeping = max(pool.sleeping, level)
-        await run(pool, Control("sleep", level=level))
+        before = pool.sleeping
+        pool.sleeping = max(before, level)
+        try:
+            await run(pool, Control("sleep", level=level))
+        except APIError:  # not asleep (a split model cannot drop its weights): say why
+            pool.sleeping = before
+            raise
         return Response(status_code=200)
 
     @app.post("/wake_up", dependencies=NO_FIELDS)
