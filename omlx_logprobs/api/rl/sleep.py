@@ -79,9 +79,11 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
             path = pool.slot(None).source
         if not isinstance(path, str):
             raise APIError("weights_path must be a path", param="kwargs.weights_path")
-        update = load(pool, None, WeightUpdate(path), "weights_path")
+        # Shielded: past the timeout the reload goes on and is still recorded for a reload of
+        # the model (pool.updated).
+        update = asyncio.ensure_future(load(pool, None, WeightUpdate(path), "weights_path"))
         try:
-            await asyncio.wait_for(update, req.timeout)
+            await asyncio.wait_for(asyncio.shield(update), req.timeout)
         except TimeoutError:
             raise APIError(
                 f"reload_weights took longer than {req.timeout} s (it still completes)",
