@@ -22,12 +22,13 @@ class Route:
         return dict(resolve(self.body_schema or {}, self.body_schema or {}).get("properties", {}))
 
 
-# The RL control plane (pause, resume, flush): each changes what every later request meets, so
-# fuzzing them would pause the server under the other tests; tests/integration/test_control.py
-# covers them, their refusals included.
+# The RL control plane (pause, resume, flush, sleep, wake, reload): each changes what every later
+# request meets, so fuzzing them would pause the server under the other tests;
+# tests/integration/test_control.py and tests/integration/test_sleep.py cover them, their
+# refusals included.
 CONTROL = frozenset(
     ["/pause", "/resume", "/pause_generation", "/continue_generation", "/flush_cache",
-     "/reset_prefix_cache"]
+     "/reset_prefix_cache", "/sleep", "/wake_up", "/collective_rpc"]
 )  # fmt: skip
 
 
