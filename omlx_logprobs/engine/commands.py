@@ -93,8 +93,8 @@ class ChangeAdapter(Command[str | None]):
 
 @dataclass(frozen=True)
 class ControlCommand(Command[ControlResult]):
-    """Pause, resume or flush between two steps (docs/specs/rl.md); a pause that waits for its
-    requests is answered when they have finished."""
+    """Pause, resume, flush, sleep or wake between two steps (docs/specs/rl.md); a pause that
+    waits for its requests is answered when they have finished, a sleep once nothing runs."""
 
     control: Control
 
