@@ -20,6 +20,7 @@ from omlx_logprobs.api.core.protocol import (
     AnthropicErrorResponse,
     ErrorResponse,
     OllamaErrorResponse,
+    TinkerErrorResponse,
 )
 
 _REF = "#/components/schemas/{model}"
@@ -88,13 +89,14 @@ def with_bearer(spec: dict[str, Any]) -> dict[str, Any]:
 
 def with_openai_errors(spec: dict[str, Any]) -> dict[str, Any]:
     """Every operation that takes input answers 400 with its API's error shape (OpenAI's
-    `ErrorResponse`; Anthropic's and Ollama's on their routes); no 422 anywhere."""
+    `ErrorResponse`; Anthropic's, Ollama's and Tinker's on their routes); no 422 anywhere."""
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
     for name in _FASTAPI_VALIDATION:
         schemas.pop(name, None)
     shapes: dict[str, type[BaseModel]] = {"openai": ErrorResponse,
                                           "anthropic": AnthropicErrorResponse,
-                                          "ollama": OllamaErrorResponse}  # fmt: skip
+                                          "ollama": OllamaErrorResponse,
+                                          "tinker": TinkerErrorResponse}  # fmt: skip
     for model in shapes.values():
         error = model.model_json_schema(ref_template=_REF)
         schemas.update(error.pop("$defs", {}))

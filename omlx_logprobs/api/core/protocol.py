@@ -299,3 +299,10 @@ class OllamaErrorResponse(BaseModel):
     """What every rejection on `/api/` says (Ollama's shape)."""
 
     error: str
+
+
+class TinkerErrorResponse(BaseModel):
+    """What every rejection on `/api/v1/` says (Tinker's shape: the SDK raises by `category`)."""
+
+    detail: str
+    category: Literal["user", "server"]
