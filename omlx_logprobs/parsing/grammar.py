@@ -189,7 +189,7 @@ def calls_or_content(calls: str, content: Constraint) -> str:
     head, rest = calls.split("\n", 1)
     if not head.startswith("start:"):
         raise GrammarError("a tool-call grammar opens with its start rule")
-    main = f"start: calls | @content\ncalls:{head[len('start:'):]}\n{rest}"
+    main = f"start: calls | @content\ncalls:{head[len('start:') :]}\n{rest}"
     grammars = [{"name": "calls_or_content", "lark_grammar": main}, {**sub, "name": "content"}]
     return json.dumps({"grammars": grammars})
 

@@ -69,7 +69,9 @@ def ask(client: anthropic.Anthropic, case: str, stream: bool, **kw: Any) -> Any:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_thinking_text_and_tool_use(
-    client: anthropic.Anthropic, scripted_model: LoadedModel, stream: bool  # noqa: F811
+    client: anthropic.Anthropic,
+    scripted_model: LoadedModel,  # noqa: F811
+    stream: bool,
 ) -> None:
     m, events = ask(client, "think", stream, thinking={"type": "enabled", "budget_tokens": 64},
                     extra_body=LOGPROBS)  # fmt: skip
@@ -89,7 +91,8 @@ def test_thinking_text_and_tool_use(
 
 
 def test_streamed_deltas_carry_their_tokens(
-    client: anthropic.Anthropic, scripted_model: LoadedModel  # noqa: F811
+    client: anthropic.Anthropic,
+    scripted_model: LoadedModel,  # noqa: F811
 ) -> None:
     """The raw events: message_start, blocks started, grown and stopped in order, then
     message_delta and message_stop; the deltas' entries, joined, are the whole output's."""
@@ -172,18 +175,40 @@ def test_system_and_structured_output(client: anthropic.Anthropic) -> None:
     "body, status, kind",
     [
         ({"messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error"),
-        ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
-         400, "invalid_request_error"),  # fmt: skip
-        ({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
-          "tools": [{"type": "bash_20250124", "name": "bash"}]}, 400, "invalid_request_error"),
-        ({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 99},
-         400, "invalid_request_error"),  # fmt: skip
-        ({"max_tokens": 10**6, "messages": [{"role": "user", "content": "x"}]},
-         400, "invalid_request_error"),  # fmt: skip
-        ({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "wat": 1},
-         400, "invalid_request_error"),  # fmt: skip
-        ({"model": "nope", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]},
-         404, "not_found_error"),  # fmt: skip
+        (
+            {"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            400,
+            "invalid_request_error",
+        ),  # fmt: skip
+        (
+            {
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "bash_20250124", "name": "bash"}],
+            },
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {"max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 99},
+            400,
+            "invalid_request_error",
+        ),  # fmt: skip
+        (
+            {"max_tokens": 10**6, "messages": [{"role": "user", "content": "x"}]},
+            400,
+            "invalid_request_error",
+        ),  # fmt: skip
+        (
+            {"max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "wat": 1},
+            400,
+            "invalid_request_error",
+        ),  # fmt: skip
+        (
+            {"model": "nope", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]},
+            404,
+            "not_found_error",
+        ),  # fmt: skip
     ],
 )
 def test_errors_have_anthropics_shape(

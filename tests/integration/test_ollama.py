@@ -59,7 +59,9 @@ def chat(url: str, case: str, stream: bool, **kw: Any) -> tuple[dict[str, Any], 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "ndjson"])
 def test_chat_with_thinking_and_a_tool_call(
-    scripted_url: str, scripted_model: LoadedModel, stream: bool  # noqa: F811
+    scripted_url: str,
+    scripted_model: LoadedModel,  # noqa: F811
+    stream: bool,
 ) -> None:
     r, entries = chat(scripted_url, "think", stream, think=True)
     case = CASES["think"]
@@ -154,8 +156,10 @@ def test_list_show_ps_version(scripted_url: str) -> None:
     "path, body",
     [
         ("/api/chat", {"messages": []}),
-        ("/api/chat", {"messages": [{"role": "user", "content": "x"}],
-                       "options": {"mirostat": 2}}),  # fmt: skip
+        (
+            "/api/chat",
+            {"messages": [{"role": "user", "content": "x"}], "options": {"mirostat": 2}},
+        ),  # fmt: skip
         ("/api/chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 257}),
         ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}),
         ("/api/generate", {"prompt": "x", "suffix": "y"}),

@@ -100,8 +100,11 @@ def test_batch_text_and_n(base: str, tiny: LoadedModel) -> None:
     assert "output_token_logprobs" in outs[0]["meta_info"]
     assert "output_token_logprobs" not in outs[1]["meta_info"]
     assert outs[0]["meta_info"]["prompt_tokens"] == len(encode(tiny, PROMPT, True))
-    many = generate(base, input_ids=encode(tiny, PROMPT),
-                    sampling_params={"n": 3, "max_new_tokens": 4, "sampling_seed": 1})
+    many = generate(
+        base,
+        input_ids=encode(tiny, PROMPT),
+        sampling_params={"n": 3, "max_new_tokens": 4, "sampling_seed": 1},
+    )
     assert len(many) == 3 and len({m["meta_info"]["id"] for m in many}) == 1
 
 

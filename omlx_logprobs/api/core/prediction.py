@@ -29,10 +29,15 @@ def _text(prediction: Any) -> str:
     if isinstance(content, list) and content:
         parts = []
         for i, part in enumerate(content):
-            ok = isinstance(part, dict) and part.get("type") == "text" and set(part) <= {
-                "type",
-                "text",
-            }
+            ok = (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and set(part)
+                <= {
+                    "type",
+                    "text",
+                }
+            )
             if not ok or not isinstance(part.get("text"), str):
                 raise APIError(
                     'each part of prediction.content must be {"type": "text", "text": str}',

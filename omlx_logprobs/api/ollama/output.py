@@ -91,4 +91,3 @@ class OllamaOutput:
             "eval_count": out.completion_tokens,
             "eval_duration": end - first,
         }
-
