@@ -95,12 +95,14 @@ class _Stack:
 
     def _ordered(self, x: mx.array, index: mx.array) -> mx.array:
         """Batch-invariant mode over OpenBLAS (runner/ordered_blas.py): each position of each
-        row a product of one row, one kernel whatever the batch; one op (gather_mm) for one
-        adapter and for several, as a one-row product's layout is MLX's choice per op."""
+        row a product of its own (beside a row of zeros: MLX reads a one-row matrix's layout
+        from its strides, which can send it to another kernel), one kernel whatever the batch;
+        one op (gather_mm) for one adapter and for several."""
         assert self.a is not None and self.b is not None
         x1 = mx.expand_dims(x, -2)
-        z = mx.gather_mm(x1, self.a, rhs_indices=index)
-        return mx.gather_mm(z, self.b, rhs_indices=index).squeeze(-2)
+        x2 = mx.concatenate([x1, mx.zeros_like(x1)], axis=-2)
+        z = mx.gather_mm(x2, self.a, rhs_indices=index)
+        return mx.gather_mm(z, self.b, rhs_indices=index)[..., 0, :]
 
 
 _ADAPTED: dict[type, type] = {}

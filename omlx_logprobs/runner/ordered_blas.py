@@ -19,7 +19,7 @@ The values' product `P @ V` sums over the keys: blocked, a row left-padded in a 
 keys at other columns than alone, so they fall in other blocks; and the keys past a query
 (masked, weight 0) set where the last blocks end. One multiply-add after the other in key
 order gives one value whatever zeros come before and after. So `attention` takes the small
-kernel for it, one query row a call, within SMALL_WORK (wider heads split by columns).
+kernel for it, two query rows a call, within SMALL_WORK (wider heads split by columns).
 
 `check` in runner/invariance.py holds it at start-up, where another OpenBLAS could differ.
 """
@@ -79,18 +79,25 @@ def _as_linear(self: nn.Embedding, x: mx.array) -> mx.array:
 
 def _values(p: mx.array, v: mx.array) -> mx.array:
     """p [..., rows, keys] @ v [..., keys, width], each output one multiply-add after the other
-    over the keys: one query row an OpenBLAS call (MLX's batch loop), within SMALL_WORK."""
-    keys, width = v.shape[-2], v.shape[-1]
-    cols = SMALL_WORK // max(keys, 1)
+    over the keys: two query rows an OpenBLAS call (MLX's batch loop), within SMALL_WORK (wider
+    heads split by columns). Not one row a call: MLX reads a one-row matrix's layout from its
+    strides, and one whose row stride is 1 goes to another kernel (which crashed, with the
+    stride 1 for a leading dimension, in OpenBLAS 0.3.21)."""
+    *lead, rows, keys = p.shape
+    width = v.shape[-1]
+    cols = SMALL_WORK // (2 * max(keys, 1))
     if cols < 1:
-        raise ValueError(f"batch-invariant attention takes at most {SMALL_WORK} keys, not {keys}")
-    p = mx.expand_dims(p, -2)  # [..., rows, 1, keys]
+        raise ValueError(f"batch-invariant attention takes at most {SMALL_WORK // 2} keys")
+    if rows % 2:
+        p = mx.pad(p, [(0, 0)] * len(lead) + [(0, 1), (0, 0)])
+    pairs = p.reshape(*lead, -1, 2, keys)
+    v = mx.expand_dims(v, -3)
     if cols >= width:
-        return (p @ mx.expand_dims(v, -3)).squeeze(-2)
-    parts = [
-        (p @ mx.expand_dims(v[..., a : a + cols], -3)).squeeze(-2) for a in range(0, width, cols)
-    ]
-    return mx.concatenate(parts, axis=-1)
+        out = pairs @ v
+    else:
+        out = mx.concatenate([pairs @ v[..., a : a + cols] for a in range(0, width, cols)], -1)
+    out = out.reshape(*lead, -1, width)
+    return out[..., :rows, :] if rows % 2 else out
 
 
 def attention(
