@@ -91,11 +91,11 @@ def _values(p: mx.array, v: mx.array) -> mx.array:
     if rows % 2:
         p = mx.pad(p, [(0, 0)] * len(lead) + [(0, 1), (0, 0)])
     pairs = p.reshape(*lead, -1, 2, keys)
-    v = mx.expand_dims(v, -3)
-    if cols >= width:
-        out = pairs @ v
-    else:
-        out = mx.concatenate([pairs @ v[..., a : a + cols] for a in range(0, width, cols)], -1)
+    # Each part contiguous before it is broadcast over the pairs: MLX copies an operand whose
+    # last two axes are strided, and a broadcast one whole (gigabytes at long contexts).
+    parts = [v] if cols >= width else [v[..., a : a + cols] for a in range(0, width, cols)]
+    outs = [pairs @ mx.expand_dims(mx.contiguous(x), -3) for x in parts]
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
     out = out.reshape(*lead, -1, width)
     return out[..., :rows, :] if rows % 2 else out
 
