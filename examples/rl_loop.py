@@ -24,15 +24,19 @@ The reward is a toy (a colour named in the answer); the mechanics are the point.
 from __future__ import annotations
 
 # isort: off
-# OpenBLAS is loaded before MLX (omlx_logprobs/blas.py); in batch-invariant mode the scorer here
-# then computes its products as the server does (omlx_logprobs/runner/ordered_blas.py).
-import omlx_logprobs  # noqa: F401  (first: the BLAS is chosen before MLX loads)
+import os
+import sys
+
+# Batch-invariant mode's BLAS (omlx_logprobs/runner/invariance.py), chosen before MLX loads:
+# the scorer here then sums as the server does.
+if "--no-invariant" not in sys.argv:
+    os.environ.setdefault("OMLX_BLAS", "reference")
+import omlx_logprobs  # noqa: F401, E402  (first: the BLAS is chosen before MLX loads)
 
 # isort: on
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -1,16 +1,18 @@
-"""Which OpenBLAS products depend on the batch's shape, and whether runner/ordered_blas.py's
-routes do not (batch-invariant mode on the CPU; docs/specs/logprobs.md, "Batch-invariant mode").
+"""Which OpenBLAS products depend on the batch's shape, and whether two routes around it do not
+(batch-invariant mode on the CPU; docs/specs/logprobs.md, "Batch-invariant mode", OpenBLAS).
 
 Rows: `x @ W.T` at every row count from 1 to --top (the largest products sampled past
 --full-rows), each row's bits against the same row of a product of --top rows, plain and
-padded (`ordered_blas.linear`), for the linear shapes of SmolLM2-135M (and its joined q/k/v and
-gate/up), Qwen2.5-0.5B, Llama-3.2-1B and a tiny test model.
+padded (`linear`: zero rows up to the fewest OpenBLAS computes blocked), for the linear
+shapes of SmolLM2-135M (and its joined q/k/v and gate/up), Qwen2.5-0.5B, Llama-3.2-1B and a
+tiny test model.
 Scores: `q @ k.T` (K = the head's width) for key and query-row counts, against a large product.
 Values: one query's `P @ V` over T keys, left-padded by P and followed by Z keys of weight 0
 (another row's padding; the keys past a query), against the row alone: one OpenBLAS call of
-8 or 64 query rows (the blocked route) and `ordered_blas._values` (one row a call).
+8 or 64 query rows (the blocked route) and `values` (two rows a call: the small kernel, one
+multiply-add after the other over the keys).
 
-    .venv/bin/python -m bench.experiments.blas_invariance [--top 1100] [--full-rows 1100]
+    .venv/bin/python -m bench.experiments.blas_invariance [--top 1100] [--attention-only]
 """
 
 from __future__ import annotations
@@ -25,7 +27,34 @@ import omlx_logprobs  # OpenBLAS first (blas.py)
 import mlx.core as mx
 import numpy as np
 
-from omlx_logprobs.runner import ordered_blas
+# OpenBLAS 0.3.21's small-matrix kernels (sgemm_small_kernel_permit_skylakex.c): at most this
+# many multiply-adds, and for `x @ W.T` at most this many outputs.
+SMALL_WORK, SMALL_OUTPUTS = 1_000_000, 1200
+
+
+def rows_needed(outputs: int) -> int:
+    """The fewest rows of an `x @ W.T` that OpenBLAS computes blocked (2 at least)."""
+    return max(2, SMALL_OUTPUTS // outputs + 1)
+
+
+def linear(x: mx.array, wt: mx.array) -> mx.array:
+    """x @ wt, rows padded with zeros to `rows_needed`."""
+    m, need = x.shape[0], rows_needed(wt.shape[-1])
+    return (mx.pad(x, [(0, need - m), (0, 0)]) @ wt)[:m] if m < need else x @ wt
+
+
+def values(p: mx.array, v: mx.array) -> mx.array:
+    """p [rows, keys] @ v [keys, width] two rows an OpenBLAS call (MLX's batch loop), within
+    SMALL_WORK (columns split past it)."""
+    rows, keys = p.shape
+    cols = SMALL_WORK // (2 * keys)
+    pairs = mx.pad(p, [(0, rows % 2), (0, 0)]).reshape(-1, 2, keys)
+    parts = (
+        [v] if cols >= v.shape[-1] else [v[:, a : a + cols] for a in range(0, v.shape[-1], cols)]
+    )
+    out = mx.concatenate([pairs @ mx.contiguous(x)[None] for x in parts], axis=-1)
+    return out.reshape(-1, v.shape[-1])[:rows]
+
 
 SHAPES = {  # (in, out) of each linear product
     "SmolLM2-135M": [(576, 576), (576, 192), (576, 960), (576, 1536), (576, 3072), (1536, 576),
@@ -52,7 +81,7 @@ def rows_sweep(k: int, n: int, counts: list[int]) -> tuple[list[int], list[int]]
     for m in counts:
         if (bits(x[:m] @ w.T) != ref[:m]).any():
             plain.append(m)
-        if (bits(ordered_blas.linear(x[:m], w.T)) != ref[:m]).any():
+        if (bits(linear(x[:m], w.T)) != ref[:m]).any():
             padded.append(m)
     return plain, padded
 
@@ -69,8 +98,7 @@ def scores_sweep(width: int = 64) -> None:
                 differ.append(keys * rows)
     print(
         f"scores q @ k.T (width {width}): {len(differ)} of {tried} (keys, rows) differ, all with "
-        f"keys x rows <= {max(differ, default=0)} (ordered_blas pads rows past "
-        f"{ordered_blas.SMALL_OUTPUTS})"
+        f"keys x rows <= {max(differ, default=0)} (the small kernel takes up to {SMALL_OUTPUTS})"
     )
 
 
@@ -80,7 +108,7 @@ def values_sweep(width: int = 64) -> None:
         v = mx.random.normal((t, width), key=mx.random.key(t))
         w = mx.softmax(mx.random.normal((8, t), key=mx.random.key(t + 1)) * 3, axis=-1)
         junk = mx.random.normal((2000, width), key=mx.random.key(5))
-        alone = bits(ordered_blas._values(w[:1], v))
+        alone = bits(values(w[:1], v))
         same: dict[str, int] = {}
         for p in pads:
             for z in tails:
@@ -89,7 +117,7 @@ def values_sweep(width: int = 64) -> None:
                 for name, out in (
                     ("one call of 8 rows", pw @ pv),
                     ("one call of 64 rows", mx.concatenate([pw] * 8) @ pv),
-                    ("ordered_blas._values", ordered_blas._values(pw, pv)),
+                    ("values, two rows a call", values(pw, pv)),
                 ):
                     same[name] = same.get(name, 0) + bool((bits(out[:1]) == alone).all())
         print(
@@ -102,10 +130,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--top", type=int, default=1100)
     ap.add_argument("--full-rows", type=int, default=96, help="every count up to this (big)")
+    ap.add_argument("--attention-only", action="store_true", help="the scores and values sweeps")
     args = ap.parse_args()
     print(omlx_logprobs.BLAS)
     scores_sweep()
     values_sweep()
+    if args.attention_only:
+        return
     for model, shapes in SHAPES.items():
         for k, n in shapes:
             full = args.top if k * n <= BIG else args.full_rows
@@ -116,7 +147,7 @@ def main() -> None:
             print(
                 f"{model} x @ W.T, in {k} out {n}, {len(counts)} row counts to {args.top} "
                 f"({time.time() - t0:.0f} s): plain differs at {plain or 'none'}; padded to "
-                f"{ordered_blas.rows_needed(n)} rows: {padded or 'none'}",
+                f"{rows_needed(n)} rows: {padded or 'none'}",
                 flush=True,
             )
 

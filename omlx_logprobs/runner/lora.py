@@ -28,7 +28,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from omlx_logprobs.control import AdapterVersion
-from omlx_logprobs.runner import ordered_blas
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapters.safetensors"
@@ -79,30 +78,15 @@ class _Stack:
         if sel.single is not None:
             if sel.single not in self.targets:
                 return None
-            if ordered_blas.ACTIVE:
-                return self._ordered(x, mx.array([sel.single]))
             return (x @ self.a[sel.single]) @ self.b[sel.single]
         if not (sel.slots & self.targets):
             return None
         assert sel.index is not None
-        if ordered_blas.ACTIVE:
-            return self._ordered(x, sel.index.reshape(sel.index.shape + (1,) * (x.ndim - 2)))
         # Row i times A[index[i]] then B[index[i]], without copying the gathered matrices.
         flat = x.ndim == 2
         z = mx.gather_mm(x[:, None, :] if flat else x, self.a, rhs_indices=sel.index)
         z = mx.gather_mm(z, self.b, rhs_indices=sel.index)
         return z[:, 0, :] if flat else z
-
-    def _ordered(self, x: mx.array, index: mx.array) -> mx.array:
-        """Batch-invariant mode over OpenBLAS (runner/ordered_blas.py): each position of each
-        row a product of its own (beside a row of zeros: MLX reads a one-row matrix's layout
-        from its strides, which can send it to another kernel), one kernel whatever the batch;
-        one op (gather_mm) for one adapter and for several."""
-        assert self.a is not None and self.b is not None
-        x1 = mx.expand_dims(x, -2)
-        x2 = mx.concatenate([x1, mx.zeros_like(x1)], axis=-2)
-        z = mx.gather_mm(x2, self.a, rhs_indices=index)
-        return mx.gather_mm(z, self.b, rhs_indices=index)[..., 0, :]
 
 
 _ADAPTED: dict[type, type] = {}

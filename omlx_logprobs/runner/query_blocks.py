@@ -28,8 +28,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from omlx_logprobs.runner import ordered_blas
-
 # The scores one attention call may hold (float32), per call; OMLX_MAX_SCORE_MIB overrides it.
 MAX_SCORE_BYTES = int(os.environ.get("OMLX_MAX_SCORE_MIB", "512")) << 20
 # Query-key pairs a row from which a prefill call takes cuDNN's fused attention, where it is on
@@ -271,10 +269,7 @@ def _sdpa(
     if "sinks" in extra and extra["sinks"] is None:  # mlx-lm passes sinks=None on every call
         del extra["sinks"]
     lq, lk = q.shape[2], k.shape[2]
-    # Batch-invariant mode over OpenBLAS: every call, decode steps too, takes its products in
-    # an order that follows no shape of the batch (runner/ordered_blas.py).
-    ordered = _exact and ordered_blas.ACTIVE and set(extra) <= {"sinks"}
-    if lq == 1 and not ordered:
+    if lq == 1:
         return _inner(q, k, v, scale=scale, mask=mask, **extra)
     if _heads is not None:
         _heads.add((q.shape[1], k.shape[1], q.shape[3], v.shape[3], q.dtype))
@@ -283,9 +278,7 @@ def _sdpa(
     # Under cuDNN, the calls MLX would give it at a new shape each (short ones, batches, with
     # sinks) take the fallback's ops here instead; on the CPU backend, numpy's (see `_host`).
     call = _inner
-    if ordered:
-        call = ordered_blas.attention
-    elif _fused and "stream" not in extra:
+    if _fused and "stream" not in extra:
         call = _unfused
     elif not extra and _host_side and q.size // q.shape[-1] * lk >= HOST_ELEMENTS:
         call = _host

@@ -6,18 +6,17 @@ batch-invariant mode (runner/invariance.py) a sampled token's logprob depends on
 before it alone, so one forward of the whole sequence here computes it again exactly: the
 importance ratio of an on-policy sample is 1.0, not 1 +- 1e-5.
 
-    from omlx_logprobs.runner.scorer import Scorer
+    from omlx_logprobs.runner.scorer import Scorer   # with OMLX_BLAS=reference in the environment
     scorer = Scorer("path/to/model", adapter="path/to/lora")
     lp = scorer.logprobs(prompt_ids + sampled_ids, start=len(prompt_ids), temperature=0.7)
 
 It computes what the server computes: the model's forward through the same batch cache, the
 adapter's layers as the server stacks them (runner/lora.py), the logits divided by the
 temperature as the sampler divides them (the server's `processed_logprobs`, which rollouts
-ask for), and the host extraction's float32 log-softmax. Like the server it computes its
-products in batch-invariant mode's order on Linux's CPU backend (OpenBLAS through
-runner/ordered_blas.py, or MLX's reference BLAS where no OpenBLAS is loaded): it checks that at
-construction, as the server does at start-up, and raises InvarianceError where the bits could
-differ.
+ask for), and the host extraction's float32 log-softmax. Like the server it needs MLX's
+reference BLAS on Linux's CPU backend, chosen before MLX loads (`OMLX_BLAS=reference`): it
+checks that at construction, as the server does at start-up, and raises InvarianceError
+where the bits could differ.
 """
 
 from __future__ import annotations

@@ -3,14 +3,14 @@ logprob and its top list are the same float32 bits alone, among other requests, 
 cache's memory and from its disk tier, through a speculative verify, on the thread engine with
 another prefill chunk, and
 equal to runner/scorer.py's one forward of the whole sequence, as an RL trainer computes
-it; a long prompt too, whose attention sums over more keys than OpenBLAS's blocks hold. The
-servers are real processes on OpenBLAS (runner/ordered_blas.py), the scorer a process of its
-own."""
+it. The servers are real processes (the mode restarts them with MLX's reference BLAS, which
+this test process, with OpenBLAS loaded, cannot take), the scorer a process of its own."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -36,7 +36,6 @@ BODY: dict[str, Any] = {
 }
 OTHERS = ["Hi.", "Name three colours " * 3, "Write a haiku about bread.", "Why " * 40,
           "What is 2 + 2?", "Describe the moon in detail, please. " * 4, "Ok"]  # fmt: skip
-LONG = "".join(f"Note {i}: the river carried salt and silt to the sea. " for i in range(50))
 
 
 @pytest.fixture(scope="module")
@@ -124,16 +123,13 @@ print(json.dumps([float(x) for x in Scorer().logprobs(ids, start, t)]))
 
 
 def test_the_scorer_equals_the_server(servers: tuple[ServerProcess, ServerProcess]) -> None:
-    assert_scored(ask(servers[0].base))
-
-
-def assert_scored(answer: dict[str, Any]) -> None:
-    """The scorer, in a process of its own, computes the answer's sampled logprobs again."""
+    answer = ask(servers[0].base)
     prompt, sampled = answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
+    env = {**os.environ, "OMLX_BLAS": "reference"}
     out = subprocess.run(
         [sys.executable, "-c", SCORE],
         input=json.dumps([prompt + sampled, len(prompt), BODY["temperature"]]),
-        capture_output=True, text=True, timeout=300, check=True,
+        capture_output=True, text=True, env=env, timeout=300, check=True,
     )  # fmt: skip
     scored = np.array(json.loads(out.stdout.strip().splitlines()[-1]), np.float32)
     served = entries(answer)[0]
@@ -142,43 +138,10 @@ def assert_scored(answer: dict[str, Any]) -> None:
     assert np.abs(ratios - 1).max() == 0.0
 
 
-def test_a_long_prompt_the_same_bits(servers: tuple[ServerProcess, ServerProcess]) -> None:
-    """~700 prompt tokens, past OpenBLAS's blocks of 256-320 keys: alone, left-padded among
-    shorter prompts, prefilled 7 tokens at a time, and scored."""
-    a, b = servers
-    question = LONG + QUESTION
-    alone = ask(a.base, question, max_tokens=8)
-    assert alone["usage"]["prompt_tokens"] > 600
+def test_the_scorer_refuses_where_bits_would_differ() -> None:
+    """This process loaded OpenBLAS: its single-row products sum in another order."""
+    from omlx_logprobs.runner.invariance import InvarianceError
+    from omlx_logprobs.runner.scorer import Scorer
 
-    async def crowd() -> list[dict[str, Any]]:
-        async with httpx.AsyncClient(timeout=300) as c:
-            bodies = [{**BODY, "max_tokens": 8, "messages": [{"role": "user", "content": q}]}
-                      for q in [question, *OTHERS[:3]]]  # fmt: skip
-            rs = await asyncio.gather(*[c.post(a.base + "/v1/chat/completions", json=x)
-                                        for x in bodies])  # fmt: skip
-            return [r.json() for r in rs]
-
-    same_bits(alone, asyncio.run(crowd())[0])
-    same_bits(alone, ask(b.base, question, max_tokens=8))
-    assert_scored(alone)
-
-
-REFUSE = """
-from omlx_logprobs.runner import invariance, ordered_blas
-from omlx_logprobs.runner.scorer import Scorer
-scorer = Scorer()  # checked with the padding
-ordered_blas.rows_needed = lambda outputs: 1
-try:
-    invariance.check(scorer.model, scorer.templates, len(scorer.loaded.vocab))
-except invariance.InvarianceError as e:
-    print(e)
-"""
-
-
-def test_the_check_refuses_products_of_either_route() -> None:
-    """Under OpenBLAS one row of `x @ W.T` alone takes its small-matrix kernel, which sums in
-    another order than a product of many rows: without the padding the start-up check refuses."""
-    out = subprocess.run(
-        [sys.executable, "-c", REFUSE], capture_output=True, text=True, timeout=300, check=True
-    )
-    assert "product of 1 rows differs" in out.stdout, out.stdout + out.stderr
+    with pytest.raises(InvarianceError, match="OMLX_BLAS=reference"):
+        Scorer()

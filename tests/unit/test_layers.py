@@ -49,12 +49,10 @@ API_APP = ("app", "guard", "server")
 # Inside runner/, lowest first (names under runner/; "__init__" is the package itself): a module
 # imports only modules on floors below its own, type-level imports included.
 RUNNER_FLOORS = [
-    # the package itself; batch-invariant mode's products over OpenBLAS: nothing of runner/
-    "__init__ ordered_blas",
-    # nothing of runner/ but the package: the batch's caches, the head, sampling, grammars, adapters, new
+    # nothing of runner/: the batch's caches, the head, sampling, grammars, adapters, new
     # weights, drafts from text, scored prompts, embedding prompts' hidden states, prefill
     # attention, routed experts and two kernels of fast/
-    "fast batch_cache drafts grammar head lora pooling prompt_scoring query_blocks"
+    "__init__ fast batch_cache drafts grammar head lora pooling prompt_scoring query_blocks"
     " routing sampler weights fast.attention fast.fusion",
     # a draft model; a kept start; a step's and a verify's records
     "draft_model invariance prefix step verify",

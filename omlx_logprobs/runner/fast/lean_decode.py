@@ -28,7 +28,6 @@ from mlx_lm.models import llama, phi3, qwen2, qwen3
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 
-from omlx_logprobs.runner import ordered_blas
 from omlx_logprobs.runner.batch_cache import BatchCache
 from omlx_logprobs.runner.fast import compiled
 from omlx_logprobs.runner.fast.fusion import Fusion
@@ -64,8 +63,6 @@ class _Linear:
     def __call__(self, x: mx.array) -> mx.array:
         if self.wt is None:
             return self.layer(x)
-        if ordered_blas.ACTIVE:  # batch-invariant mode over OpenBLAS: rows padded
-            return ordered_blas.linear(x, self.wt, self.bias)
         return x @ self.wt if self.bias is None else mx.addmm(self.bias, x, self.wt)
 
 
