@@ -69,7 +69,8 @@ integration: install verifiers-venv
 	$(PY) -m pytest -q -p no:cacheprovider tests/integration
 
 lint: install
-	$(PY) -m ruff check omlx_logprobs tests bench
+	$(PY) -m ruff check omlx_logprobs tests bench scripts examples
+	$(PY) -m ruff format --check omlx_logprobs tests bench scripts examples
 
 types: install
 	$(PY) -m mypy omlx_logprobs

@@ -88,7 +88,7 @@ def check(model: Any, templates: list[Any], vocab: int) -> float:
             step = _logits(model, [[seq[i]]] + ([[seq[i]]] if beside else []), cache)
             steps.append(np.array(step[0, 0]))
         name = "decode steps beside a row" if beside else "decode steps alone"
-        ways[name] = np.concatenate([whole[: head], np.stack(steps)])
+        ways[name] = np.concatenate([whole[:head], np.stack(steps)])
     worst = 0.0
     for name, got in ways.items():
         d = float(np.abs(got - whole).max())
