@@ -43,6 +43,7 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
+from omlx_logprobs.api.responses.compaction import unpack
 from omlx_logprobs.config import Access
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from tests.helpers.open_responses import Spec, Stream
@@ -635,3 +636,14 @@ def test_all_at_once(url: str, spec: Spec) -> None:
     with ThreadPoolExecutor(len(tests)) as pool:
         for done in [pool.submit(t, Suite(url, spec)) for t in tests]:
             done.result()
+
+
+def test_compaction_keeps_a_lone_surrogate(url: str) -> None:
+    """Ours: text UTF-8 cannot hold (a lone surrogate, as JSON may carry one) compacts, and the
+    item expands to the same text (a 500 once)."""
+    body = json.dumps({"model": MODEL, "input": "\ud800 odd"})  # \u escaped: UTF-8 has none
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(url + "/responses/compact", content=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    item = r.json()["output"][0]
+    assert unpack(item, "input[0]") == [{"role": "user", "content": "\ud800 odd"}]

@@ -19,7 +19,8 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 def pack(messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The item holding `messages`."""
-    content = base64.b64encode(json.dumps(messages, ensure_ascii=False).encode()).decode()
+    # JSON's \u escapes keep a lone surrogate a client sent (UTF-8 cannot hold one) as it came
+    content = base64.b64encode(json.dumps(messages).encode("ascii")).decode()
     return {
         "type": "compaction",
         "id": "cmp_" + secrets.token_hex(12),
