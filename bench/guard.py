@@ -63,6 +63,8 @@ SERVERS: dict[str, list[str]] = {
     "no-metrics": ["--no-metrics"],
     "no-faithful": ["--faithful-answers", "0"],
     "batch-invariant": ["--batch-invariant"],
+    # The defaults again: a second server like the first, whose ratio is the guard's own noise
+    "default-again": [],
 }
 
 
@@ -97,7 +99,10 @@ PAIRS = (
 )
 # Modes a request or server asks for, measured against the default when `--servers` names
 # them (no floor: what they cost is published, docs/benchmarks.md).
-MODES = (Pair("batch-invariant mode / default", Cell("batch-invariant"), Cell("default")),)
+MODES = (
+    Pair("batch-invariant mode / default", Cell("batch-invariant"), Cell("default")),
+    Pair("the defaults / the defaults again (noise)", Cell("default"), Cell("default-again")),
+)
 
 
 @dataclass(frozen=True)
