@@ -294,15 +294,17 @@ class ModelRunner:
         """New weights in place (runner/weights.py), with nothing running; the kept prefixes go:
         their keys and values came from the old weights. WeightsError leaves the old ones."""
         assert not self.batch.num_cached
-        load_into(self.model, path, self.dropped)  # asleep at level 2: the layout they had
+        self._weights_from(path)
+        self.flush_prefixes()  # the disk tier attached again: the new weights' own folder
+
+    def _weights_from(self, path: str) -> None:
+        """Read the weights at `path` into the model (asleep at level 2: checked against the
+        layout they had), and rebuild what joined or traced the old ones."""
+        load_into(self.model, path, self.dropped)
         self.dropped = None
         self.fusion.rejoin()
         if self.plan.decode is not None:
             self.plan.decode.reset()
-        if self.prefixes is not None:
-            self.prefixes.clear()
-            if self._disk is not None:  # the new weights' own folder
-                self.attach_disk(*self._disk)
 
     def flush_prefixes(self) -> None:
         """Drop every kept prefix in memory (/flush_cache, /reset_prefix_cache); rows keep
@@ -332,11 +334,7 @@ class ModelRunner:
             return
         if path is None:
             raise WeightsError("the weights were dropped and no path to load them from is known")
-        load_into(self.model, path, self.dropped)
-        self.dropped = None
-        self.fusion.rejoin()
-        if self.plan.decode is not None:
-            self.plan.decode.reset()
+        self._weights_from(path)
 
     def change_adapter(self, change: AdapterChange) -> None:
         """Load, replace or unload a LoRA adapter between steps (runner/lora.py); AdapterError
