@@ -141,3 +141,9 @@ def compare(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
     """(cosine, max abs difference) of two vectors."""
     cos = float(np.dot(got, want) / (np.linalg.norm(got) * np.linalg.norm(want)))
     return cos, float(np.abs(got - want).max())
+
+
+def close(got: Any, want: np.ndarray) -> None:
+    """Equal within 1e-4: cosine > 0.99999 and every component within 1e-4."""
+    cos, worst = compare(np.asarray(got, np.float32), want)
+    assert cos > 0.99999 and worst < 1e-4, (cos, worst)

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from omlx_logprobs.models.loader import LoadedModel
-from tests.helpers.embedding import QUERY_PROMPT, compare, embedding_model_dir
+from tests.helpers.embedding import QUERY_PROMPT, close, embedding_model_dir
 from tests.helpers.embedding import reference_embeddings as st_embeddings
 from tests.helpers.server import assert_api_error, server_process
 
@@ -65,12 +65,6 @@ def client(base: str) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def reference(emb_dir: Path) -> np.ndarray:
     return st_embeddings(emb_dir, TEXTS)
-
-
-def close(got: Any, want: np.ndarray) -> None:
-    """Equal within 1e-4: cosine > 0.99999 and every component within 1e-4."""
-    cos, worst = compare(np.asarray(got, np.float32), want)
-    assert cos > 0.99999 and worst < 1e-4, (cos, worst)
 
 
 def test_openai_sdk_float_and_base64(

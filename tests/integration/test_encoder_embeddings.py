@@ -19,7 +19,7 @@ import ollama
 import openai
 import pytest
 
-from tests.helpers.embedding import compare
+from tests.helpers.embedding import close
 from tests.helpers.embedding import reference_embeddings as st_embeddings
 from tests.helpers.encoder import CONTEXT, encoder_model_dir
 from tests.helpers.server import assert_api_error, server_process
@@ -65,12 +65,6 @@ def client(base: str) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def reference(dirs: dict[str, Path]) -> dict[str, np.ndarray]:
     return {name: st_embeddings(d, TEXTS) for name, d in dirs.items()}
-
-
-def close(got: Any, want: np.ndarray) -> None:
-    """Equal within 1e-4: cosine > 0.99999 and every component within 1e-4."""
-    cos, worst = compare(np.asarray(got, np.float32), want)
-    assert cos > 0.99999 and worst < 1e-4, (cos, worst)
 
 
 @pytest.mark.parametrize("name", [MEAN, CLS, XLMR])
