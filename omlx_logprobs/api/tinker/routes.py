@@ -8,6 +8,7 @@ A finished session's training runs are dropped."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -41,6 +42,18 @@ async def _parse(raw: Request, model: type[M]) -> M:
 
 def _future(rid: str, model_id: str | None = None, **extra: Any) -> dict[str, Any]:
     return {"request_id": rid, "model_id": model_id, **extra}
+
+
+def _calling(
+    kind: type[PydanticModel], call: Callable[[Any], tuple[str, str]]
+) -> Callable[[Request], Awaitable[dict[str, Any]]]:
+    """A route whose body is `kind` and whose answer is the future `call` makes of it."""
+
+    async def route(raw: Request) -> dict[str, Any]:
+        rid, model_id = call(await _parse(raw, kind))
+        return _future(rid, model_id)
+
+    return route
 
 
 def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> None:
@@ -91,11 +104,6 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> 
         return {"supported_models": models}
 
     # ---- training ----------------------------------------------------------------------------
-    @app.post(f"{API}/create_model")
-    async def create_model(raw: Request) -> dict[str, Any]:
-        rid, model_id = training.create_model(await _parse(raw, types.CreateModelRequest))
-        return _future(rid, model_id)
-
     @app.post(f"{API}/get_info")
     async def get_info(raw: Request) -> dict[str, Any]:
         return training.info((await _parse(raw, types.GetInfoRequest)).model_id)
@@ -107,26 +115,16 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> 
         rid, model_id = training.forward_backward(await raw.body())
         return _future(rid, model_id)
 
-    @app.post(f"{API}/optim_step")
-    async def optim_step(raw: Request) -> dict[str, Any]:
-        rid, model_id = training.optim_step(await _parse(raw, types.OptimStepRequest))
-        return _future(rid, model_id)
-
-    @app.post(f"{API}/save_weights_for_sampler")
-    async def save_weights_for_sampler(raw: Request) -> dict[str, Any]:
-        req = await _parse(raw, types.SaveWeightsForSamplerRequest)
-        rid, model_id = training.save_for_sampler(req)
-        return _future(rid, model_id)
-
-    @app.post(f"{API}/save_weights")
-    async def save_weights(raw: Request) -> dict[str, Any]:
-        rid, model_id = training.save(await _parse(raw, types.SaveWeightsRequest))
-        return _future(rid, model_id)
-
-    @app.post(f"{API}/load_weights")
-    async def load_weights(raw: Request) -> dict[str, Any]:
-        rid, model_id = training.load(await _parse(raw, types.LoadWeightsRequest))
-        return _future(rid, model_id)
+    # The training calls whose body is one SDK request type and whose answer its future.
+    calls: dict[str, tuple[type[PydanticModel], Callable[[Any], tuple[str, str]]]] = {
+        "create_model": (types.CreateModelRequest, training.create_model),
+        "optim_step": (types.OptimStepRequest, training.optim_step),
+        "save_weights_for_sampler": (types.SaveWeightsForSamplerRequest, training.save_for_sampler),
+        "save_weights": (types.SaveWeightsRequest, training.save),
+        "load_weights": (types.LoadWeightsRequest, training.load),
+    }
+    for name, (kind, call) in calls.items():
+        app.add_api_route(f"{API}/{name}", _calling(kind, call), methods=["POST"], name=name)
 
     # ---- sampling ----------------------------------------------------------------------------
     @app.post(f"{API}/create_sampling_session")
