@@ -18,6 +18,11 @@ off side (higher is faster), the median over the rounds, at each concurrency; th
 - token-faithful conversations: the defaults (every answer's ids remembered) against
   `--faithful-answers 0`, on requests that send no earlier answer back.
 
+The servers are started anew for each launch (`--launches`, the rounds split among them), in
+an order that turns every launch: on the 2-core box a server started first of three read 5%
+slower than an identical one started last, so a fixed start order biased every ratio with the
+default server on one side.
+
 c = 1: one stream, streamed requests one after another, the per-token latency after the first
 token, as ms per token; the cells take turns request by request (a vCPU's speed phase then
 falls on each side of a ratio alike), a round's value the median over its requests, the verdict
@@ -114,13 +119,14 @@ class Preset:
     stream_requests: int  # a c=1 measurement's requests
     waves: int  # a higher concurrency's requests, in waves of it
     rounds: int
+    launches: int  # the servers started this many times, in turning order
 
 
 PRESETS = {
-    "cpu": Preset(None, (1, 32), 32, 16, 2, 1, 5),
+    "cpu": Preset(None, (1, 32), 32, 16, 2, 1, 6, 3),
     # Cells of two requests or waves and 15 rounds: each vCPU of a GPU host switches between two
     # speeds for seconds at a time; short cells keep the two sides of a ratio in one phase.
-    "gpu": Preset(None, (1, 64), 128, 32, 4, 2, 15),
+    "gpu": Preset(None, (1, 64), 128, 32, 4, 2, 15, 3),
 }
 
 
@@ -191,14 +197,19 @@ async def measure(
 
 
 async def run(
-    preset: Preset, servers: dict[str, Server], top: int, pairs: tuple[Pair, ...]
-) -> Results:
-    results = Results()
+    preset: Preset,
+    servers: dict[str, Server],
+    top: int,
+    pairs: tuple[Pair, ...],
+    results: Results,
+    rounds: range,
+) -> None:
+    """Measure `rounds` (numbered across every launch) on one launch's servers."""
     order = cells(pairs)
     for c in preset.concurrencies:
         for cell in order:  # unmeasured: each server's shapes at this concurrency built
             await measure(servers[cell.server], cell, c, preset, top, seed=999)
-        for r in range(preset.rounds):
+        for r in rounds:
             turn = order[r % len(order) :] + order[: r % len(order)]
             turn = turn if r % 2 == 0 else turn[::-1]
             # c = 1: the cells take turns request by request, each request its own measure
@@ -223,7 +234,13 @@ async def run(
                 + ", ".join(f"{cl.name} {results.values[(c, cl.name)][-1]:.2f}" for cl in order),
                 flush=True,
             )
-    return results
+
+
+def start_order(names: list[str], launch: int) -> list[str]:
+    """The order a launch starts its servers in: turned by one each launch, so that over as
+    many launches as servers each is started first once, and last once."""
+    k = launch % len(names)
+    return names[k:] + names[:k]
 
 
 def report(
@@ -269,6 +286,12 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="a model directory (default: the embedded model)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=None)
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument(
+        "--launches",
+        type=int,
+        default=None,
+        help="start the servers this many times, in turning order, the rounds split among them",
+    )
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--top", type=int, default=20, help="top logprobs on every request")
     ap.add_argument("--floor", type=float, default=FLOOR)
@@ -294,12 +317,6 @@ def main() -> int:
     ap.add_argument(
         "--logs", type=Path, default=None, help="copy each server's log into this folder"
     )
-    ap.add_argument(
-        "--reverse-start",
-        action="store_true",
-        help="start the servers in the reverse order (the first started read ~5%% slower on"
-        " the CPU than an identical one started last: does the order decide it?)",
-    )
     a = ap.parse_args()
     preset = PRESETS[a.preset]
     preset = Preset(
@@ -310,36 +327,47 @@ def main() -> int:
         preset.stream_requests,
         preset.waves,
         a.rounds or preset.rounds,
+        a.launches or preset.launches,
     )
     pairs = tuple(p for p in PAIRS if not a.servers or {p.on.server, p.off.server} <= a.servers)
     pairs += tuple(p for p in MODES if a.servers and {p.on.server, p.off.server} <= a.servers)
     wanted = {c.server for c in cells(pairs)}
     max_seqs = max(max(preset.concurrencies), 64)
-    servers: dict[str, Server] = {}
-    cores = pinned(len(SERVERS)) if a.pin else [None] * len(SERVERS)
+    cores: list[list[int] | None] = pinned(len(SERVERS)) if a.pin else [None] * len(SERVERS)
     if a.share_cores:
         first, second = halves()
         os.sched_setaffinity(0, second)
         cores = [first] * len(SERVERS)
-    try:
-        order = list(zip(SERVERS.items(), cores))
-        for (name, flags), cpus in order[::-1] if a.reverse_start else order:
-            if name not in wanted:
-                continue
-            port = free_port()
-            command = omlx_command(port, preset.model, max_seqs) + flags
-            servers[name] = start_server(command, port, cpus=cpus)
-            print(
-                f"{name}: ready in {servers[name].startup_s:.1f} s ({' '.join(flags)})", flush=True
+    where = dict(zip(SERVERS, cores))
+    results = Results()
+    problems: dict[str, list[str]] = {}
+    launches = max(1, min(preset.launches, preset.rounds))
+    for launch in range(launches):
+        servers: dict[str, Server] = {}
+        try:
+            for name in start_order([n for n in SERVERS if n in wanted], launch):
+                port = free_port()
+                command = omlx_command(port, preset.model, max_seqs) + SERVERS[name]
+                servers[name] = start_server(command, port, cpus=where[name])
+                print(
+                    f"launch {launch + 1}: {name} ready in {servers[name].startup_s:.1f} s"
+                    f" ({' '.join(SERVERS[name])})",
+                    flush=True,
+                )
+            # The rounds split among the launches as evenly as they go
+            rounds = range(
+                launch * preset.rounds // launches, (launch + 1) * preset.rounds // launches
             )
-        results = asyncio.run(run(preset, servers, a.top, pairs))
-        problems = {n: s.log_problems() for n, s in servers.items() if s.log_problems()}
-    finally:
-        for name, s in servers.items():
-            s.stop()
-            if a.logs is not None:
-                a.logs.mkdir(parents=True, exist_ok=True)
-                (a.logs / f"{name}.log").write_text(s.log_text())
+            asyncio.run(run(preset, servers, a.top, pairs, results, rounds))
+            for n, s in servers.items():
+                problems.setdefault(n, []).extend(s.log_problems())
+        finally:
+            for name, s in servers.items():
+                s.stop()
+                if a.logs is not None:
+                    a.logs.mkdir(parents=True, exist_ok=True)
+                    (a.logs / f"{name}-{launch + 1}.log").write_text(s.log_text())
+    problems = {n: lines for n, lines in problems.items() if lines}
     table, ok = report(preset, results, a.floor, pairs)
     print(table)
     for name, lines in problems.items():
