@@ -198,8 +198,9 @@ def test_checkpoints(service: tinker.ServiceClient, checkpoints: Path) -> None:
 def test_serving_goes_on_while_training(
     service: tinker.ServiceClient, server: ServerProcess
 ) -> None:
-    """A forward_backward of many long datums runs one datum per engine call: completions sent
-    meanwhile are served between them, none lost, most finished before the training step."""
+    """A forward_backward of many long datums runs in padded forwards of a prefill step's tokens
+    (two datums each here): completions sent meanwhile are served between them, none lost, most
+    finished before the training step."""
     tc = service.create_lora_training_client(base_model="tiny", rank=8, seed=2).result()
     rng = np.random.default_rng(0)
     data = [ce_datum([int(t) for t in rng.integers(10, 40000, 400)]) for _ in range(16)]
@@ -282,4 +283,12 @@ def test_batch_invariant_forward_equals_sample_bit_for_bit(tiny_dir: Path) -> No
             datum = is_datum(PROMPT, seq.tokens, seq.logprobs or [])
             out = tc.forward([datum], "importance_sampling").result()
             assert out.metrics["ratio_deviation:max"] == 0.0
+        # the same datums in one padded forward (the prompt alone the shorter row): the same bits
+        data = [ce_datum(PROMPT + seq.tokens) for seq in res.sequences] + [ce_datum(PROMPT)]
+        together = tc.forward(data, "cross_entropy").result().loss_fn_outputs
+        for seq, out in zip(res.sequences, together):
+            lp = np.asarray(out["logprobs"].data, np.float32)
+            np.testing.assert_array_equal(seq.logprobs_np, lp[len(PROMPT) - 1 :])
+        lp = np.asarray(together[-1]["logprobs"].data, np.float32)
+        np.testing.assert_array_equal(res.prompt_logprobs_np[1:], lp)
         service.close("success").result()
