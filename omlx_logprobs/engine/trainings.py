@@ -12,6 +12,7 @@ none running, nothing will, and the call fails saying how much it needed.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from omlx_logprobs.training.trainer import Trainer
 SERVE_SHARE = 1.0
 
 
+@functools.cache
 def device_memory() -> int:
     """The bytes MLX may hold: the machine's memory (a Mac's unified memory, as the requests'
     budget of models/footprint.py counts it), or a GPU's own where it reports less."""

@@ -292,3 +292,33 @@ def test_batch_invariant_forward_equals_sample_bit_for_bit(tiny_dir: Path) -> No
         lp = np.asarray(together[-1]["logprobs"].data, np.float32)
         np.testing.assert_array_equal(res.prompt_logprobs_np[1:], lp)
         service.close("success").result()
+
+
+def test_a_session_without_heartbeats_expires(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unheard of for longer than the server's bound (3 s here; the SDK's first heartbeat comes
+    after 10 s), a session ends as a finished one does: its training model and its sampler
+    snapshot go, and its heartbeat is the 410 on which the SDK stops heartbeating."""
+    monkeypatch.setenv("OMLX_TINKER_SESSION_EXPIRE_S", "3")
+    args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--log-level", "info"]
+    with server_process(args) as s:
+        service = tinker.ServiceClient(base_url=s.base, api_key="tml-local")
+        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+        sc = tc.save_weights_and_get_sampling_client().result()
+        params = types.SamplingParams(max_tokens=2)
+        assert sc.sample(types.ModelInput.from_ints(PROMPT), 1, params).result().sequences
+        time.sleep(6)  # the bound, and the sweep that runs every second of it
+        with pytest.raises(tinker.BadRequestError, match="no training model"):
+            tc.forward([ce_datum(TEXT)], "cross_entropy").result()
+        with pytest.raises(tinker.BadRequestError, match="no sampler"):
+            sc.sample(types.ModelInput.from_ints(PROMPT), 1, params).result()
+        sid = tc.model_id.split(":")[0]
+        r = httpx.post(s.base + "/api/v1/session_heartbeat", timeout=10,
+                       json={"session_id": sid, "type": "session_heartbeat"})  # fmt: skip
+        assert r.status_code == 410, r.text
+        assert "ended" in s.log()
+        # the server serves a new session as before
+        fresh = tinker.ServiceClient(base_url=s.base, api_key="tml-local")
+        tc = fresh.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+        assert tc.forward([ce_datum(TEXT)], "cross_entropy").result().loss_fn_outputs

@@ -4,7 +4,8 @@ model's (create_model, get_info, forward, forward_backward, optim_step,
 save_weights_for_sampler; save_weights and load_weights, checkpoints in mlx-lm's format), the
 sampler's (create_sampling_session, samplers, asample) and the futures' (retrieve_future).
 Every call that works answers with a future at once; the SDK polls it (api/tinker/futures.py).
-A finished session's training runs are dropped."""
+A finished session's training runs are dropped, and so are those of a session whose heartbeats
+stopped (api/tinker/expiry.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tinker import types
 from omlx_logprobs.api.core.errors import APIError, invalid_body
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.tinker import wire
+from omlx_logprobs.api.tinker.expiry import Expiry
 from omlx_logprobs.api.tinker.futures import Futures
 from omlx_logprobs.api.tinker.sampling import Sampling
 from omlx_logprobs.api.tinker.sessions import Sessions
@@ -61,6 +63,7 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> 
     sessions, futures = Sessions(), Futures()
     training = Training(pool, sessions, futures, CheckpointStore(tinker_dir))
     sampling = Sampling(pool, sessions, futures)
+    expiry = Expiry(sessions, training.finish)
 
     # ---- the service -------------------------------------------------------------------------
     @app.get(f"{API}/healthz")
@@ -84,7 +87,9 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> 
     @app.post(f"{API}/create_session")
     async def create_session(raw: Request) -> dict[str, Any]:
         await _parse(raw, types.CreateSessionRequest)
-        return {"type": "create_session", "session_id": sessions.open()}
+        sid = sessions.open()
+        expiry.watch()
+        return {"type": "create_session", "session_id": sid}
 
     @app.post(f"{API}/session_heartbeat")
     async def session_heartbeat(raw: Request) -> dict[str, str]:
