@@ -223,6 +223,40 @@ def test_serving_goes_on_while_training(
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
 
 
+def test_cancel_future_aborts_a_sample(server: ServerProcess) -> None:
+    """The SDK's cancel_future (on, by the dynamic config) stops a long sample: its engine
+    request is aborted at once, and a poll answers that it was cancelled."""
+    api = server.base + "/api/v1"
+    r = httpx.post(api + "/client/dynamic_config", json={}, timeout=10)
+    assert types.ClientDynamicConfigResponse.model_validate(r.json()).sample_cancel_enabled
+    req = types.SampleRequest(
+        prompt=types.ModelInput.from_ints(PROMPT), base_model="tiny",
+        sampling_params=types.SamplingParams(max_tokens=1900, stop=[]),
+    )  # fmt: skip
+    r = httpx.post(api + "/asample", json=req.model_dump(mode="json"), timeout=10)
+    rid = r.json()["request_id"]
+    health = {}
+    for _ in range(100):  # until it decodes
+        health = httpx.get(server.base + "/health", timeout=10).json()["engine"]
+        if health["running"]:
+            break
+        time.sleep(0.05)
+    assert health["running"] == 1, health
+    aborted = health["aborted_running"]
+    r = httpx.post(api + "/cancel_future", json={"request_id": rid}, timeout=10)
+    assert r.status_code == 200, r.text
+    r = httpx.post(api + "/retrieve_future", json={"request_id": rid}, timeout=60)
+    assert r.json() == {"error": f"the request {rid} was cancelled", "category": "user"}
+    for _ in range(100):
+        health = httpx.get(server.base + "/health", timeout=10).json()["engine"]
+        if not health["running"]:
+            break
+        time.sleep(0.05)
+    assert health["running"] == 0 and health["aborted_running"] == aborted + 1, health
+    r = httpx.post(api + "/cancel_future", json={"request_id": "nope"}, timeout=10)
+    assert r.status_code == 404
+
+
 def test_bad_input_raises_the_sdk_errors(
     service: tinker.ServiceClient, server: ServerProcess
 ) -> None:

@@ -2,7 +2,8 @@
 the service's (client config, sessions, heartbeats, capabilities, health), the training
 model's (create_model, get_info, forward, forward_backward, optim_step,
 save_weights_for_sampler; save_weights and load_weights, checkpoints in mlx-lm's format), the
-sampler's (create_sampling_session, samplers, asample) and the futures' (retrieve_future).
+sampler's (create_sampling_session, samplers, asample) and the futures' (retrieve_future,
+cancel_future).
 Every call that works answers with a future at once; the SDK polls it (api/tinker/futures.py).
 A finished session's training runs are dropped, and so are those of a session whose heartbeats
 stopped (api/tinker/expiry.py)."""
@@ -42,6 +43,13 @@ async def _parse(raw: Request, model: type[M]) -> M:
         raise APIError("the body is not JSON") from None
 
 
+class _CancelRequest(PydanticModel):
+    """The SDK's cancel_future body (it has no type of its own)."""
+
+    model_config = {"extra": "forbid"}
+    request_id: str
+
+
 def _future(rid: str, model_id: str | None = None, **extra: Any) -> dict[str, Any]:
     return {"request_id": rid, "model_id": model_id, **extra}
 
@@ -78,7 +86,8 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> 
 
     @app.post(f"{API}/client/dynamic_config")
     async def client_dynamic_config() -> dict[str, Any]:
-        return {}
+        # an abandoned sample is cancelled (cancel_future), its engine request aborted
+        return {"sample_cancel_enabled": True}
 
     @app.post(f"{API}/telemetry")
     async def telemetry() -> dict[str, str]:
@@ -163,3 +172,8 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> 
         if result.proto is not None:
             return Response(result.proto, media_type=wire.PROTO)
         return JSONResponse(result.json)
+
+    @app.post(f"{API}/cancel_future")
+    async def cancel_future(raw: Request) -> None:
+        body = await _parse(raw, _CancelRequest)
+        futures.cancel(body.request_id)
