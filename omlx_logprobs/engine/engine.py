@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -37,12 +36,12 @@ from omlx_logprobs.engine.lifecycle import Lifecycle
 from omlx_logprobs.engine.overlap import Overlap
 from omlx_logprobs.engine.processor import OutputProcessor
 from omlx_logprobs.engine.stats import EngineStats, StepStats
+from omlx_logprobs.engine.trainings import Trainings
 from omlx_logprobs.runner import invariance
 from omlx_logprobs.runner.grammar import GrammarError, Grammars
 from omlx_logprobs.runner.model_runner import ModelRunner
 from omlx_logprobs.runner.speculation import speculator
 from omlx_logprobs.runner.step import LaunchedStep
-from omlx_logprobs.training.calls import TrainAnswer, TrainCall
 from omlx_logprobs.training.trainer import Trainer
 from omlx_logprobs.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from omlx_logprobs.vocab import Vocabulary
@@ -50,9 +49,6 @@ from omlx_logprobs.vocab import Vocabulary
 log = logging.getLogger("omlx_logprobs")
 SMALL_BATCH = 4
 IDLE_WAIT_S = 0.5  # an idle engine looks at its inbox at least this often
-# After a training call of d seconds, requests that wait have the engine for SERVE_SHARE * d
-# before the next call: serving keeps at least half the engine's time while training runs.
-SERVE_SHARE = 1.0
 
 Sink = Callable[[list[RequestOutput]], None]
 A = TypeVar("A")
@@ -118,10 +114,8 @@ class Engine:
             self.scheduler, self.runner, self.processor, self._live, self.has_work, self._abort
         )
         self._inbox = Inbox()
-        self._trainer: Trainer | None = None  # made at the first training call
-        # Training calls waiting for their turn, and until when requests have the engine.
-        self._trainings: deque[tuple[TrainCall, Future[TrainAnswer]]] = deque()
-        self._serve_until = 0.0
+        # Training calls waiting for their turn, each between two steps (engine/trainings.py).
+        self.trainings = Trainings(self._trainer, chunk)
         self._vocab = len(vocab)
         self._aborted = {Status.WAITING: 0, Status.RUNNING: 0}
         self._busy = False  # stepped since the engine was last idle
@@ -274,10 +268,8 @@ class Engine:
             if closing_at is not None and time.monotonic() >= closing_at:
                 self._fail_all("the server is shutting down")
             self.flush()
-            if self._trainings and (
-                not self.has_work() or self.life.halted or time.monotonic() >= self._serve_until
-            ):
-                self._train_next()
+            serving = self.has_work() and not self.life.halted
+            if self.trainings.due(serving) and self.trainings.run(self.life.sleeping > 0, serving):
                 continue
             if not self.has_work() or self.life.halted:
                 if self._busy:  # just went idle: the batch's freed buffers go back to the OS
@@ -301,10 +293,7 @@ class Engine:
         self.flush()
         self.life.close("the server is shutting down")
         self._inbox.refuse("the server is shutting down", self.processor.weights)
-        while self._trainings:
-            self._trainings.popleft()[1].set_result(
-                TrainAnswer(error="the server is shutting down", user=False)
-            )
+        self.trainings.close("the server is shutting down")
         self.overlap.shutdown()
         self.runner.close()
 
@@ -363,25 +352,15 @@ class Engine:
                 case ControlCommand(control=control):
                     self.life.control(control, done)
                 case Train(call=call):
-                    self._trainings.append((call, done))
+                    self.trainings.post(call, done)
 
-    def _train_next(self) -> None:
-        """The next training call, between two steps (training/trainer.py, on the model
-        runner's model and adapters); then requests that wait have the engine for a while."""
-        call, done = self._trainings.popleft()
-        if self.life.sleeping:  # at level 2 there are no weights to train on
-            done.set_result(TrainAnswer(error="the model is asleep: POST /wake_up first"))
-            return
-        t0 = time.monotonic()
-        if self._trainer is None:
-            r = self.runner
-            if not hasattr(r, "adapters") or not hasattr(r, "templates"):
-                done.set_result(TrainAnswer(error="this model cannot be trained here", user=False))
-                return
-            self._trainer = Trainer(r.model, r.adapters, r.templates, self._vocab)
-        done.set_result(self._trainer.handle(call))
-        now = time.monotonic()
-        self._serve_until = now + SERVE_SHARE * (now - t0)
+    def _trainer(self) -> Trainer | None:
+        """The trainer on the model runner's model and adapters (training/trainer.py), or None
+        where the runner has no adapters to train (a model split over processes)."""
+        r = self.runner
+        if not hasattr(r, "adapters") or not hasattr(r, "templates"):
+            return None
+        return Trainer(r.model, r.adapters, r.templates, self._vocab)
 
     def _add(self, req: EngineRequest) -> None:
         leader = Sequence.of(req)

@@ -53,6 +53,18 @@ class DatumPass:
 
 
 @dataclass(frozen=True)
+class BatchPass:
+    """Datums of one run, loss and direction (a forward_backward's), done in as few padded
+    forwards as the engine admits when each runs (engine/trainings.py): at most a prefill
+    step's tokens each, within the memory free beside the batch then; answered with their
+    `DatumResult`s in order. `token_bytes`: what one token of a forward and backward holds
+    (its logits, their gradients, its keys and values; 0: not bounded by memory)."""
+
+    passes: tuple[DatumPass, ...]
+    token_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class OptimStep:
     """Adam on the gradients added since the last step; they are zeroed after it."""
 
@@ -103,7 +115,7 @@ class Loaded:
     layers: list[str]
 
 
-TrainCall = CreateRun | DatumPass | OptimStep | Publish | DropRun | SaveRun | LoadRun
+TrainCall = CreateRun | DatumPass | BatchPass | OptimStep | Publish | DropRun | SaveRun | LoadRun
 
 
 @dataclass(frozen=True)

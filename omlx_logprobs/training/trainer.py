@@ -1,23 +1,25 @@
 """The training runs a server holds, in the engine's process, and each call of
 training/calls.py done on the engine's thread between two steps (engine/engine.py's `Train`):
-serving goes on between calls, and a call is at most one datum's forward and backward, or one
-optimizer step, or a publish.
+serving goes on between calls, and a call is at most one padded batch of datums' forward and
+backward (as many as engine/trainings.py admits), or one optimizer step, or a publish.
 
-A datum's forward is the one runner/scorer.py computes (through a batch cache of one row, the
-logits in float32, the target tokens' logprobs extracted on the host as the sampler extracts
-them), so that in batch-invariant mode the logprobs `forward` returns are the bits `sample`
-returned for the same tokens. Its gradient traces the same forward, with the loss's
-log-softmax in MLX. Gradients add up over `forward_backward` calls until `optim_step`, as
-Tinker's do; the optimizer is mlx's AdamW with bias correction, as `AdamParams` describes.
+A datum's forward is the one runner/scorer.py computes (through a batch cache, left-padded as
+the engine pads a group of prompts it prefills together, the logits in float32, the target
+tokens' logprobs extracted on the host as the sampler extracts them), so that in
+batch-invariant mode the logprobs `forward` returns are the bits `sample` returned for the same
+tokens. Its gradient traces the same forward, with the loss's log-softmax in MLX. Gradients add
+up over `forward_backward` calls until `optim_step`, as Tinker's do; the optimizer is mlx's
+AdamW with bias correction, as `AdamParams` describes.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -31,6 +33,7 @@ from omlx_logprobs.runner.lora import BASE, AdapterError, AdapterSet, layer_dims
 from omlx_logprobs.training import checkpoint, losses
 from omlx_logprobs.training.calls import (
     AdamSpec,
+    BatchPass,
     CreateRun,
     DatumPass,
     DatumResult,
@@ -47,6 +50,7 @@ from omlx_logprobs.training.checkpoint import CheckpointError
 from omlx_logprobs.training.lora import LoraError, Params, TrainableLora
 
 log = logging.getLogger("omlx_logprobs")
+A = TypeVar("A")
 
 
 class TrainingError(ValueError):
@@ -70,12 +74,16 @@ class Trainer:
 
     def handle(self, call: TrainCall) -> TrainAnswer:
         """Do the call; its answer, or why not (a fault of the call's, or of the server's)."""
+        return self.answer(self._do, call)
+
+    def answer(self, fn: Callable[[A], Any], arg: A) -> TrainAnswer:
+        """fn(arg) as a call's answer: its value, or why not."""
         try:
-            return TrainAnswer(self._do(call))
+            return TrainAnswer(fn(arg))
         except (TrainingError, LoraError, losses.LossError, AdapterError, CheckpointError) as exc:
             return TrainAnswer(error=str(exc))
         except Exception as exc:  # the server's fault: the run stays as it was before the call
-            log.exception("training call %s failed", type(call).__name__)
+            log.exception("training call %s failed", type(arg).__name__)
             return TrainAnswer(error=f"internal error in training: {exc}", user=False)
 
     def _do(self, call: TrainCall) -> Any:
@@ -86,6 +94,8 @@ class Trainer:
                 return sorted(lora.layers)
             case DatumPass():
                 return self.datum(call)
+            case BatchPass(passes=passes):
+                return self.datums(list(passes))
             case OptimStep(run_id=run_id, adam=adam):
                 return self.step(self.run(run_id), adam)
             case Publish(run_id=run_id, name=name):
@@ -140,42 +150,70 @@ class Trainer:
             raise TrainingError(f"no training run {run_id!r} (created on this server)")
         return run
 
-    # ---- one datum ---------------------------------------------------------------------------
-    def logits(self, run: Run, params: Params, tokens: mx.array) -> mx.array:
-        """[N, V] float32: the model's logits with the run's adapter, as runner/scorer.py
-        computes them (served adapters off for this forward)."""
+    # ---- datums -----------------------------------------------------------------------------
+    def logits(self, run: Run, params: Params, tokens: mx.array, pads: list[int]) -> mx.array:
+        """[B, W, V] float32: the model's logits of the left-padded rows `tokens` with the run's
+        adapter, as runner/scorer.py computes them and as the engine prefills a group of
+        prompts (a batch cache padded by `pads`; served adapters off for this forward)."""
         self.adapters.select([BASE])
         with run.lora.attached(params), query_blocks.differentiable():
-            cache = BatchCache.for_prompts(self.templates, [0])
-            out = self.model(tokens[None], cache=cache.layers)
-        return out[0].astype(mx.float32)
+            cache = BatchCache.for_prompts(self.templates, pads)
+            out = self.model(tokens, cache=cache.layers)
+        return out.astype(mx.float32)
 
     def datum(self, call: DatumPass) -> DatumResult:
-        run = self.run(call.run_id)
-        tokens, x = self._inputs(call)
-        targets = x["target_tokens"]
-        fn = losses.LOSSES[call.loss_fn][0]
+        return self.datums([call])[0]
 
-        def loss_of(params: Params) -> tuple[mx.array, mx.array, mx.array]:
-            logits = self.logits(run, params, tokens)
+    def check(self, calls: list[DatumPass]) -> None:
+        """TrainingError for a datum the run, the loss or the vocabulary refuses (before any
+        forward: a refused call adds no gradient)."""
+        for call in calls:
+            self.run(call.run_id)
+            self._inputs(call)
+
+    def datums(self, calls: list[DatumPass]) -> list[DatumResult]:
+        """Datums of one run, loss and direction in one forward (and backward): left-padded
+        into one batch, each row's loss on its own positions, their sum's gradients added to
+        the run's. A row's logits are those of its datum alone (in batch-invariant mode the
+        same bits: runner/invariance.py checks a prompt batched against alone)."""
+        first = calls[0]
+        if any((c.run_id, c.loss_fn, c.backward) != (first.run_id, first.loss_fn, first.backward)
+               for c in calls):  # fmt: skip
+            raise TrainingError("the datums of one pass share their run, loss and direction")
+        run = self.run(first.run_id)
+        rows = [self._inputs(c) for c in calls]
+        width = max(len(c.tokens) for c in calls)
+        pads = [width - len(c.tokens) for c in calls]
+        tokens = mx.array(
+            np.stack([np.pad(c.tokens.astype(np.int32), (p, 0)) for c, p in zip(calls, pads)])
+        )
+        fn = losses.LOSSES[first.loss_fn][0]
+
+        def loss_of(params: Params) -> tuple[mx.array, list[mx.array], mx.array]:
+            logits = self.logits(run, params, tokens, pads)
             lp_all = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            lp = mx.take_along_axis(lp_all, targets[:, None], axis=-1)[:, 0]
-            terms = fn(lp, x, call.config)
-            return terms.sum(), terms, logits
+            terms = []
+            for i, (p, (_, x)) in enumerate(zip(pads, rows)):
+                lp = mx.take_along_axis(lp_all[i, p:], x["target_tokens"][:, None], axis=-1)
+                terms.append(fn(lp[:, 0], x, first.config))
+            return sum((t.sum() for t in terms), mx.array(0.0)), terms, logits
 
-        if call.backward:
-            (loss, terms, logits), grads = mx.value_and_grad(loss_of)(run.params)
+        if first.backward:
+            (_, terms, logits), grads = mx.value_and_grad(loss_of)(run.params)
             total = grads if run.grads is None else tree_map(mx.add, run.grads, grads)
-            mx.eval(loss, terms, logits, total)
+            mx.eval(terms, logits, total)
         else:
-            loss, terms, logits = loss_of(run.params)
-            mx.eval(loss, terms, logits)
+            _, terms, logits = loss_of(run.params)
+            mx.eval(terms, logits)
             total = run.grads
-        host = HostExtraction(logits, targets, 0, None, True).to_host()
-        lp = np.asarray(host.logprobs, dtype=np.float32)
         run.grads = total
-        return DatumResult(lp, np.array(terms, dtype=np.float32), float(loss),
-                           _deviation(lp, call.inputs))  # fmt: skip
+        out = []
+        for i, (call, p, (_, x)) in enumerate(zip(calls, pads, rows)):
+            host = HostExtraction(logits[i, p:], x["target_tokens"], 0, None, True).to_host()
+            lp = np.asarray(host.logprobs, dtype=np.float32)
+            out.append(DatumResult(lp, np.array(terms[i], dtype=np.float32),
+                                   float(terms[i].sum()), _deviation(lp, call.inputs)))  # fmt: skip
+        return out
 
     def _inputs(self, call: DatumPass) -> tuple[mx.array, dict[str, mx.array]]:
         names = losses.needs(call.loss_fn)

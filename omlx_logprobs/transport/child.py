@@ -54,6 +54,17 @@ class _PipeSink:
         with self._lock:
             self.conn.send(msg)
 
+    def answer(self, reply: Reply) -> None:
+        """A command's answer, after the stats it changed: the parent's snapshot, which the
+        API reads (/is_sleeping after /sleep, /is_paused after /pause), is the engine's by the
+        time the command is answered. The snapshot is taken outside the lock, as the step's."""
+        stats = self.engine.snapshot() if self.engine is not None else None
+        with self._lock:
+            if stats is not None and stats != self._stats:
+                self.conn.send(StepOutputs([], stats))
+                self._stats = stats
+            self.conn.send(reply)
+
 
 def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
     """The engine process: load, report ready, run the engine until told to stop (or until the
@@ -100,7 +111,7 @@ def _fault(sink: _PipeSink, message: str) -> None:
 
 
 def _reply(sink: _PipeSink, uid: int, done: Future[Any]) -> None:
-    sink.reply(Reply(uid, done.result()))
+    sink.answer(Reply(uid, done.result()))
 
 
 def _serve_inbox(engine: Engine, inbox: Connection, sink: _PipeSink) -> None:

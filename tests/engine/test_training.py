@@ -5,7 +5,8 @@ AdamW (bias correction, decoupled weight decay, clipping); gradients add up over
 built-in losses' terms; a trained adapter published is served as runner/lora.py serves one
 (the trainer's forward and the served adapter's agree); bad calls change
 nothing; a checkpoint in mlx-lm's adapter format loads in mlx-lm and back with its optimizer
-state."""
+state; datums of several lengths in one padded forward give each datum's numbers alone, and the
+sum of their gradients."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from omlx_logprobs.runner.batch_cache import BatchCache
 from omlx_logprobs.runner.lora import AdapterSet
 from omlx_logprobs.training.calls import (
     AdamSpec,
+    BatchPass,
     CreateRun,
     DatumPass,
     LoadRun,
@@ -49,16 +51,16 @@ def trainer(tiny_dir: Path) -> Trainer:
     return Trainer(model, AdapterSet(model), make_prompt_cache(model), vocab)
 
 
-def datum(loss: str = "cross_entropy", **extra: Any) -> DatumPass:
-    n = len(TOKENS) - 1
+def datum(loss: str = "cross_entropy", tokens: np.ndarray = TOKENS, **extra: Any) -> DatumPass:
+    n = len(tokens) - 1
     rng = np.random.default_rng(3)
     inputs = {
-        "target_tokens": TOKENS[1:].astype(np.int64),
+        "target_tokens": tokens[1:].astype(np.int64),
         "weights": np.linspace(0.5, 1.5, n).astype(np.float32),
         "advantages": rng.normal(size=n).astype(np.float32),
         "logprobs": rng.uniform(-9, -8, n).astype(np.float32),
     }
-    return DatumPass("run", TOKENS[:-1], inputs, loss, **extra)
+    return DatumPass("run", tokens[:-1], inputs, loss, **extra)
 
 
 def answer(trainer: Trainer, call: Any) -> Any:
@@ -191,6 +193,37 @@ def test_published_adapter_serves_the_trained_bits(trainer: Trainer) -> None:
     d = datum(backward=False)
     fresh = answer(trainer, DatumPass("base", d.tokens, d.inputs, d.loss_fn, backward=False))
     assert np.abs(mine - fresh.logprobs).max() > 1e-3  # the step moved the trained run
+
+
+def test_a_padded_batch_equals_its_datums_one_by_one(trainer: Trainer) -> None:
+    answer(trainer, CreateRun("run", LoraSpec(RANK, seed=8)))
+    run = trainer.run("run")
+    key = mx.random.key(2)
+    for p in run.params.values():  # lora_b non-zero: every layer's gradient is not 0
+        key, sub = mx.random.split(key)
+        p["lora_b"] = 0.05 * mx.random.normal(p["lora_b"].shape, key=sub)
+    rng = np.random.default_rng(5)
+    calls = [datum("ppo", rng.integers(3, 40000, n).astype(np.int32)) for n in (12, 4, 9)]
+    alone = [answer(trainer, c) for c in calls]
+    summed = flat(run.grads or {})
+    run.grads = None
+    together = answer(trainer, BatchPass(tuple(calls)))
+    assert len(together) == 3
+    for a, b in zip(alone, together):
+        assert b.logprobs.shape == a.logprobs.shape
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=2e-5)
+        np.testing.assert_allclose(b.elementwise_loss, a.elementwise_loss, rtol=1e-4, atol=1e-6)
+        assert b.loss == pytest.approx(a.loss, rel=1e-4, abs=1e-6)
+        assert b.ratio_deviation == pytest.approx(a.ratio_deviation, rel=1e-4)
+    grads = flat(run.grads or {})
+    assert set(grads) == set(summed)
+    for name, g in grads.items():
+        np.testing.assert_allclose(np.array(g), np.array(summed[name]), rtol=1e-4, atol=1e-6)
+    # a datum the vocabulary refuses refuses the whole batch, before any gradient
+    run.grads = None
+    bad = datum("ppo", np.array([5, 10**6, 3], np.int32))
+    got = trainer.handle(BatchPass((calls[0], bad)))
+    assert got.error and "vocabulary" in got.error and run.grads is None
 
 
 def test_bad_calls_change_nothing(trainer: Trainer) -> None:

@@ -7,7 +7,8 @@ Tensor parallel on a llama, pipeline parallel on qwen3_next (a family mlx-lm spl
 layers) and on a llama whose heads do not divide over two ranks (the runner's own layer
 ranges; forced to split its heads, it is refused at start-up on both ranks, naming them). A
 rank killed mid-stream fails the stream with an error naming the group, /health turns 503, and
-the next request fails at once."""
+the next request fails at once. Asleep, a split model releases its caches (level 1); level 2,
+which would drop every rank's weights, is a 400 naming `level` that leaves it serving."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import pytest
 
 from tests.helpers.families import ODD_HEADS, build_family
 from tests.helpers.group import MLX_LAUNCH, group_server, run_to_exit
-from tests.helpers.server import server_process, wait_idle
+from tests.helpers.server import assert_openai_error, server_process, wait_idle
 
 pytestmark = pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch is not installed")
 
@@ -261,6 +262,29 @@ def test_the_gpu_path_split_equals_one_process(tiny_dir: Path) -> None:
     entry = (str(Path(__file__).parents[1] / "helpers" / "gpu_path_serve.py"),)
     health = check_split(tiny_dir, tiny_dir.name, ["--engine", "thread"], entry)
     assert health["engine"]["distributed"]["state"] == "ok"
+
+
+def test_a_split_model_sleeps_at_level_1_and_refuses_level_2(tiny_dir: Path) -> None:
+    name = tiny_dir.name
+    with group_server(tiny_dir, ARGS) as group:
+        client = _client(group.base)
+
+        def greedy() -> list[Any]:
+            r = client.completions.create(
+                model=name, prompt=QUESTIONS[1], max_tokens=4, temperature=0, logprobs=1
+            )
+            return _completion(r)
+
+        before = greedy()
+        r = httpx.post(group.base + "/sleep", params={"level": 2}, timeout=30)
+        assert "split over processes" in assert_openai_error(r, 400, "level")["message"]
+        assert httpx.get(group.base + "/is_sleeping", timeout=5).json() == {"is_sleeping": False}
+        assert greedy() == before  # nothing aborted, nothing dropped
+        assert httpx.post(group.base + "/sleep", params={"level": 1}, timeout=30).status_code == 200
+        assert httpx.get(group.base + "/is_sleeping", timeout=5).json() == {"is_sleeping": True}
+        assert httpx.post(group.base + "/wake_up", timeout=30).status_code == 200
+        assert httpx.get(group.base + "/is_sleeping", timeout=5).json() == {"is_sleeping": False}
+        assert greedy() == before
 
 
 def test_a_rank_killed_mid_stream_fails_its_requests(tiny_dir: Path) -> None:

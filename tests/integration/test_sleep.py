@@ -2,11 +2,15 @@
 1 and 2, /is_sleeping, a completion while asleep is vLLM's 503, and after /wake_up the same
 greedy completion gives the same tokens and logprobs; /collective_rpc reload_weights after the
 weights on disk changed serves the new weights (against a full forward of a model loaded from
-them, 1e-4); bad input is a 400 in OpenAI's shape."""
+them, 1e-4); bad input is a 400 in OpenAI's shape. The level is the engine's alone: an engine
+process killed asleep comes back awake, and /is_sleeping says so."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,12 @@ import pytest
 
 from omlx_logprobs.models.loader import load_model
 from tests.helpers.engine import moved_copy, reference_logprobs
-from tests.helpers.server import ServerProcess, assert_openai_error, server_process
+from tests.helpers.server import (
+    ServerProcess,
+    assert_openai_error,
+    engine_child,
+    server_process,
+)
 
 PROMPT = "The quick brown fox jumps over the lazy"
 
@@ -107,3 +116,22 @@ def test_reload_weights_serves_the_weights_on_disk(
     for i, tok in enumerate(out):
         assert abs(got[i] - ref[i][tok]) < 1e-4, (i, got[i], ref[i][tok])
     assert got != before["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def test_a_restarted_engine_is_awake(server: ServerProcess) -> None:
+    """The engine process killed asleep: the new one starts awake (its weights read at start),
+    and /is_sleeping reads that from it, not from what the API last asked."""
+    before = numbers(complete(server.base))
+    assert httpx.post(server.base + "/sleep", params={"level": 2}, timeout=60).status_code == 200
+    assert sleeping(server.base) == {"is_sleeping": True}
+    first = engine_child(server.proc.pid)
+    os.kill(first, signal.SIGKILL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        time.sleep(0.5)
+        h = httpx.get(server.base + "/health", timeout=10)
+        if h.status_code == 200 and h.json()["engine"] is not None:
+            break
+    assert engine_child(server.proc.pid) != first
+    assert sleeping(server.base) == {"is_sleeping": False}
+    assert numbers(complete(server.base)) == before  # served, not the sleeping 503

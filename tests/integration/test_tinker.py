@@ -198,8 +198,9 @@ def test_checkpoints(service: tinker.ServiceClient, checkpoints: Path) -> None:
 def test_serving_goes_on_while_training(
     service: tinker.ServiceClient, server: ServerProcess
 ) -> None:
-    """A forward_backward of many long datums runs one datum per engine call: completions sent
-    meanwhile are served between them, none lost, most finished before the training step."""
+    """A forward_backward of many long datums runs in padded forwards of a prefill step's tokens
+    (two datums each here): completions sent meanwhile are served between them, none lost, most
+    finished before the training step."""
     tc = service.create_lora_training_client(base_model="tiny", rank=8, seed=2).result()
     rng = np.random.default_rng(0)
     data = [ce_datum([int(t) for t in rng.integers(10, 40000, 400)]) for _ in range(16)]
@@ -220,6 +221,40 @@ def test_serving_goes_on_while_training(
     print(f"completions done at {sorted(round(t, 2) for t in done)} s; training at {trained:.2f} s")
     assert sum(t < trained for t in done) >= 8  # served while the step ran, not after it
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+
+def test_cancel_future_aborts_a_sample(server: ServerProcess) -> None:
+    """The SDK's cancel_future (on, by the dynamic config) stops a long sample: its engine
+    request is aborted at once, and a poll answers that it was cancelled."""
+    api = server.base + "/api/v1"
+    r = httpx.post(api + "/client/dynamic_config", json={}, timeout=10)
+    assert types.ClientDynamicConfigResponse.model_validate(r.json()).sample_cancel_enabled
+    req = types.SampleRequest(
+        prompt=types.ModelInput.from_ints(PROMPT), base_model="tiny",
+        sampling_params=types.SamplingParams(max_tokens=1900, stop=[]),
+    )  # fmt: skip
+    r = httpx.post(api + "/asample", json=req.model_dump(mode="json"), timeout=10)
+    rid = r.json()["request_id"]
+    health = {}
+    for _ in range(100):  # until it decodes
+        health = httpx.get(server.base + "/health", timeout=10).json()["engine"]
+        if health["running"]:
+            break
+        time.sleep(0.05)
+    assert health["running"] == 1, health
+    aborted = health["aborted_running"]
+    r = httpx.post(api + "/cancel_future", json={"request_id": rid}, timeout=10)
+    assert r.status_code == 200, r.text
+    r = httpx.post(api + "/retrieve_future", json={"request_id": rid}, timeout=60)
+    assert r.json() == {"error": f"the request {rid} was cancelled", "category": "user"}
+    for _ in range(100):
+        health = httpx.get(server.base + "/health", timeout=10).json()["engine"]
+        if not health["running"]:
+            break
+        time.sleep(0.05)
+    assert health["running"] == 0 and health["aborted_running"] == aborted + 1, health
+    r = httpx.post(api + "/cancel_future", json={"request_id": "nope"}, timeout=10)
+    assert r.status_code == 404
 
 
 def test_bad_input_raises_the_sdk_errors(
@@ -282,4 +317,42 @@ def test_batch_invariant_forward_equals_sample_bit_for_bit(tiny_dir: Path) -> No
             datum = is_datum(PROMPT, seq.tokens, seq.logprobs or [])
             out = tc.forward([datum], "importance_sampling").result()
             assert out.metrics["ratio_deviation:max"] == 0.0
+        # the same datums in one padded forward (the prompt alone the shorter row): the same bits
+        data = [ce_datum(PROMPT + seq.tokens) for seq in res.sequences] + [ce_datum(PROMPT)]
+        together = tc.forward(data, "cross_entropy").result().loss_fn_outputs
+        for seq, out in zip(res.sequences, together):
+            lp = np.asarray(out["logprobs"].data, np.float32)
+            np.testing.assert_array_equal(seq.logprobs_np, lp[len(PROMPT) - 1 :])
+        lp = np.asarray(together[-1]["logprobs"].data, np.float32)
+        np.testing.assert_array_equal(res.prompt_logprobs_np[1:], lp)
         service.close("success").result()
+
+
+def test_a_session_without_heartbeats_expires(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unheard of for longer than the server's bound (3 s here; the SDK's first heartbeat comes
+    after 10 s), a session ends as a finished one does: its training model and its sampler
+    snapshot go, and its heartbeat is the 410 on which the SDK stops heartbeating."""
+    monkeypatch.setenv("OMLX_TINKER_SESSION_EXPIRE_S", "3")
+    args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--log-level", "info"]
+    with server_process(args) as s:
+        service = tinker.ServiceClient(base_url=s.base, api_key="tml-local")
+        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+        sc = tc.save_weights_and_get_sampling_client().result()
+        params = types.SamplingParams(max_tokens=2)
+        assert sc.sample(types.ModelInput.from_ints(PROMPT), 1, params).result().sequences
+        time.sleep(6)  # the bound, and the sweep that runs every second of it
+        with pytest.raises(tinker.BadRequestError, match="no training model"):
+            tc.forward([ce_datum(TEXT)], "cross_entropy").result()
+        with pytest.raises(tinker.BadRequestError, match="no sampler"):
+            sc.sample(types.ModelInput.from_ints(PROMPT), 1, params).result()
+        sid = tc.model_id.split(":")[0]
+        r = httpx.post(s.base + "/api/v1/session_heartbeat", timeout=10,
+                       json={"session_id": sid, "type": "session_heartbeat"})  # fmt: skip
+        assert r.status_code == 410, r.text
+        assert "ended" in s.log()
+        # the server serves a new session as before
+        fresh = tinker.ServiceClient(base_url=s.base, api_key="tml-local")
+        tc = fresh.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+        assert tc.forward([ce_datum(TEXT)], "cross_entropy").result().loss_fn_outputs

@@ -66,9 +66,6 @@ class ModelPool(Loading):
         self.traits = traits
         # --ignore-unknown-fields (one setting for every model): checked before any load
         self.ignore_unknown_fields = ignore_unknown_fields
-        # The sleep level while asleep (POST /sleep, api/rl/sleep.py), else 0: requests that
-        # compute are refused until /wake_up.
-        self.sleeping = 0
         self.slots: dict[str, ModelSlot] = {}
         for s in slots:
             if s.name in self.slots:
@@ -266,6 +263,14 @@ class ModelPool(Loading):
         slot.weights_path, slot.weights = path, version
 
     # ---- reports -------------------------------------------------------------------------------
+    @property
+    def sleeping(self) -> int:
+        """The deepest sleep level of the loaded models (POST /sleep, api/rl/sleep.py), else 0:
+        requests that compute are refused until /wake_up. Read from the engines, the one place
+        it is kept, so that an engine process started again (awake) is not reported asleep."""
+        levels = [s.served.engine.snapshot().sleeping for s in self.slots.values() if s.served]
+        return max(levels, default=0)
+
     def health(self) -> tuple[dict[str, Any], int]:
         """/health: the default model's fields at the top (as with one model), every model's
         state under `models`; 503 when a loaded model's engine is down."""

@@ -29,13 +29,15 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
         are a 503 (vLLM's ModelSleepingError) and the rest (tokenize, models) still serve."""
         if level not in LEVELS:
             raise APIError(f"level must be 1 or 2, not {level}", param="level")
-        before = pool.sleeping
-        pool.sleeping = max(before, level)
-        try:
-            await run(pool, Control("sleep", level=level))
-        except APIError:  # not asleep (a split model cannot drop its weights): say why
-            pool.sleeping = before
-            raise
+        split = [n for n, s in pool.slots.items() if s.served and s.served.cfg.parallel]
+        if level == 2 and split:  # each process holds its share: all would have to drop it
+            raise APIError(
+                f"level 2 cannot drop the weights of `{split[0]}`: it is split over processes"
+                " (level 1 releases the caches)",
+                param="level",
+            )
+        # The engines keep the level (their /health stats): /is_sleeping reads it from them.
+        await run(pool, Control("sleep", level=level))
         return Response(status_code=200)
 
     @app.post("/wake_up", dependencies=NO_FIELDS)
@@ -53,12 +55,11 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
                 result = await slot.served.engine.control(Control("wake", path=path))
                 if result.error is not None:
                     raise APIError(result.error, status=500, type_="server_error")
-        pool.sleeping = 0
         return Response(status_code=200)
 
     @app.get("/is_sleeping")
     async def is_sleeping() -> dict[str, Any]:
-        return {"is_sleeping": pool.sleeping > 0}
+        return {"is_sleeping": pool.sleeping > 0}  # an engine started again is awake
 
     @app.post("/collective_rpc")
     async def collective_rpc(req: CollectiveRpcRequest) -> dict[str, Any]:

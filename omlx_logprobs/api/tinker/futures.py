@@ -3,7 +3,10 @@ a task, and is polled with `POST /api/v1/retrieve_future`. A poll waits up to LO
 the task (the SDK polls again at once on `try_again`), then answers its result: JSON, the
 protobuf bytes of a forward or a sample, or `{"error", "category"}` (the SDK raises
 `RequestFailedError`). Results are kept a while after they finish, for a poll that is retried
-after a broken connection."""
+after a broken connection. A sample the SDK abandons (a timeout, a local cancel) is cancelled
+with `POST /api/v1/cancel_future`: its engine request is aborted, and a later poll answers that
+it was cancelled; training calls run to their end (a half-done one would leave half a
+gradient)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ log = logging.getLogger("omlx_logprobs")
 LONG_POLL_S = 30.0  # under the SDK's 45 s timeout of a poll
 KEEP_S = 600.0  # how long a finished result waits for its poll
 KEEP = 4096  # finished results kept at most
+CANCELLABLE = frozenset({"sample"})  # the kinds of call cancel_future stops
 
 
 class Failed(Exception):
@@ -69,6 +73,8 @@ class Futures:
             done, _ = await asyncio.wait({entry.task}, timeout=LONG_POLL_S)
             if not done:
                 return Result({"type": "try_again", "request_id": rid, "queue_state": "active"})
+        if entry.task.cancelled():
+            return Result({"error": f"the request {rid} was cancelled", "category": "user"})
         exc = entry.task.exception()
         if exc is None:
             return entry.task.result()
@@ -78,6 +84,14 @@ class Futures:
             return Result({"error": exc.message, "category": "user"})
         log.error("tinker %s request failed", entry.kind, exc_info=exc)
         return Result({"error": f"internal error: {exc}", "category": "server"})
+
+    def cancel(self, rid: str) -> None:
+        """Stop a sample in flight (a finished one, or another kind of call: nothing)."""
+        entry = self._entries.get(rid)
+        if entry is None:
+            raise APIError(f"no request {rid!r} (unknown, or its result expired)", status=404)
+        if entry.kind in CANCELLABLE:
+            entry.task.cancel()
 
     def _trim(self) -> None:
         """The oldest finished results go once expired, or while more than KEEP are kept."""

@@ -2,9 +2,11 @@
 the service's (client config, sessions, heartbeats, capabilities, health), the training
 model's (create_model, get_info, forward, forward_backward, optim_step,
 save_weights_for_sampler; save_weights and load_weights, checkpoints in mlx-lm's format), the
-sampler's (create_sampling_session, samplers, asample) and the futures' (retrieve_future).
+sampler's (create_sampling_session, samplers, asample) and the futures' (retrieve_future,
+cancel_future).
 Every call that works answers with a future at once; the SDK polls it (api/tinker/futures.py).
-A finished session's training runs are dropped."""
+A finished session's training runs are dropped, and so are those of a session whose heartbeats
+stopped (api/tinker/expiry.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from tinker import types
 from omlx_logprobs.api.core.errors import APIError, invalid_body
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.tinker import wire
+from omlx_logprobs.api.tinker.expiry import Expiry
 from omlx_logprobs.api.tinker.futures import Futures
 from omlx_logprobs.api.tinker.sampling import Sampling
 from omlx_logprobs.api.tinker.sessions import Sessions
@@ -38,6 +41,13 @@ async def _parse(raw: Request, model: type[M]) -> M:
         raise invalid_body(e.errors()) from None
     except ValueError:
         raise APIError("the body is not JSON") from None
+
+
+class _CancelRequest(PydanticModel):
+    """The SDK's cancel_future body (it has no type of its own)."""
+
+    model_config = {"extra": "forbid"}
+    request_id: str
 
 
 def _future(rid: str, model_id: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -61,6 +71,7 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> 
     sessions, futures = Sessions(), Futures()
     training = Training(pool, sessions, futures, CheckpointStore(tinker_dir))
     sampling = Sampling(pool, sessions, futures)
+    expiry = Expiry(sessions, training.finish)
 
     # ---- the service -------------------------------------------------------------------------
     @app.get(f"{API}/healthz")
@@ -75,7 +86,8 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> 
 
     @app.post(f"{API}/client/dynamic_config")
     async def client_dynamic_config() -> dict[str, Any]:
-        return {}
+        # an abandoned sample is cancelled (cancel_future), its engine request aborted
+        return {"sample_cancel_enabled": True}
 
     @app.post(f"{API}/telemetry")
     async def telemetry() -> dict[str, str]:
@@ -84,7 +96,9 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> 
     @app.post(f"{API}/create_session")
     async def create_session(raw: Request) -> dict[str, Any]:
         await _parse(raw, types.CreateSessionRequest)
-        return {"type": "create_session", "session_id": sessions.open()}
+        sid = sessions.open()
+        expiry.watch()
+        return {"type": "create_session", "session_id": sid}
 
     @app.post(f"{API}/session_heartbeat")
     async def session_heartbeat(raw: Request) -> dict[str, str]:
@@ -158,3 +172,8 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> 
         if result.proto is not None:
             return Response(result.proto, media_type=wire.PROTO)
         return JSONResponse(result.json)
+
+    @app.post(f"{API}/cancel_future")
+    async def cancel_future(raw: Request) -> None:
+        body = await _parse(raw, _CancelRequest)
+        futures.cancel(body.request_id)

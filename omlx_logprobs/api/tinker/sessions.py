@@ -4,6 +4,11 @@ run each in the engine of the base model, training/trainer.py), and the samplers
 (`save_weights_for_sampler`, `create_sampling_session`): a base model and, for trained
 weights, the name of the adapter the engine serves them under.
 
+A session unheard of (no heartbeat, no call naming it or its models) for EXPIRE_S ends as a
+finished one does (api/tinker/expiry.py): the SDK heartbeats every HEARTBEAT_S (its
+SESSION_HEARTBEAT_PERIOD_SEC), and after 120 s without an answer warns that the session will
+be terminated; OMLX_TINKER_SESSION_EXPIRE_S sets another bound.
+
 A training model's calls run one at a time in the order they arrived (`lock`), as the SDK
 numbers them; a model's unnamed sampler snapshots beyond SNAPSHOTS are unloaded, oldest
 first, so that an RL loop saving one a step keeps a bounded number of adapters."""
@@ -11,6 +16,7 @@ first, so that an RL loop saving one a step keeps a bounded number of adapters."
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections import deque
@@ -20,6 +26,8 @@ from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.training.calls import LoraSpec
 
 SNAPSHOTS = 4
+HEARTBEAT_S = 10.0
+EXPIRE_S = float(os.environ.get("OMLX_TINKER_SESSION_EXPIRE_S", str(12 * HEARTBEAT_S)))
 
 
 @dataclass
@@ -83,7 +91,14 @@ class Sessions:
             raise APIError(
                 f"no training model {model_id!r} (create_model makes one)", param="model_id"
             )
+        if (s := self.sessions.get(model_id.split(":", 1)[0])) is not None:
+            s.last_seen = time.monotonic()  # a call on its model: the session is alive
         return m
+
+    def expired(self) -> list[str]:
+        """The live sessions unheard of for EXPIRE_S."""
+        before = time.monotonic() - EXPIRE_S
+        return [sid for sid, s in self.sessions.items() if s.last_seen < before]
 
     def sampler(self, sampler_id: str) -> Sampler:
         s = self.samplers.get(sampler_id)

@@ -1,7 +1,8 @@
 """The training calls behind Tinker's routes: each checked here (a 400 before any work), then
-run as a future (api/tinker/futures.py) that posts the engine one bounded training call at a
-time (engine/commands.py's `Train`): a forward_backward is a call per datum, so the engine
-steps its requests between them."""
+run as a future (api/tinker/futures.py) that posts the engine one training call at a time
+(engine/commands.py's `Train`): a forward_backward is one call, whose datums the engine takes
+in padded forwards of as many as it admits when each runs (engine/trainings.py), stepping its
+requests between them."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from omlx_logprobs.engine.commands import Train
 from omlx_logprobs.training import checkpoint, losses
 from omlx_logprobs.training.calls import (
     AdamSpec,
+    BatchPass,
     CreateRun,
     DatumPass,
     DatumResult,
@@ -108,19 +110,18 @@ class Training:
         bounds = slot.served.checks.bounds if slot.served is not None else None
         for i, d in enumerate(req.data):
             _check_datum(i, d, names, req.loss_fn, bounds)
-        calls = [
+        passes = tuple(
             DatumPass(m.model_id, d.tokens, {k: d.inputs[k] for k in names}, req.loss_fn,
                       req.config, not req.forward_only)
             for d in req.data
-        ]  # fmt: skip
+        )  # fmt: skip
+        token_bytes = _token_bytes(bounds) if bounds is not None else 0
         kind = "forward" if req.forward_only else "forward_backward"
-        return self.futures.start(kind, self._passes(m, calls)), m.model_id
+        return self.futures.start(kind, self._passes(m, BatchPass(passes, token_bytes))), m.model_id
 
-    async def _passes(self, m: TrainingModel, calls: list[DatumPass]) -> Result:
-        results: list[DatumResult] = []
+    async def _passes(self, m: TrainingModel, call: BatchPass) -> Result:
         async with m.lock:
-            for c in calls:  # one call each: the engine steps its requests in between
-                results.append(await self.call(m.base, c))
+            results: list[DatumResult] = await self.call(m.base, call)
         metrics = {"loss:sum": float(sum(r.loss for r in results))}
         ratios = [r.ratio_deviation for r in results if r.ratio_deviation is not None]
         if ratios:
@@ -234,6 +235,12 @@ class Training:
             await slot.served.engine.change_adapter(AdapterChange(adapter))
 
 
+def _token_bytes(bounds: ModelBounds) -> int:
+    """What one token of a training forward and backward holds: its logits in float32, their
+    log-softmax and its gradient (the most a step holds), and its keys and values."""
+    return bounds.vocab_size * 4 * TRAIN_LOGIT_COPIES + bounds.kv_bytes_per_token
+
+
 def _check_datum(
     i: int, d: wire.Datum, names: tuple[str, ...], loss_fn: str, bounds: ModelBounds | None
 ) -> None:
@@ -249,8 +256,7 @@ def _check_datum(
                 param="data",
                 code="context_length_exceeded",
             )
-        # the logits in float32, their log-softmax and its gradient: the most a step holds
-        need = n * bounds.vocab_size * 4 * TRAIN_LOGIT_COPIES + n * bounds.kv_bytes_per_token
+        need = n * _token_bytes(bounds)
         if bounds.kv_budget_bytes and need > bounds.kv_budget_bytes:
             raise APIError(
                 f"datum {i}: a forward and backward of {n} tokens needs about {need >> 20} MiB,"
