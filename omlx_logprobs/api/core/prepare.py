@@ -10,6 +10,7 @@ logprobs (logprobs/wire.py). A 400 names the field as the client sent it (`Ask.n
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -145,6 +146,17 @@ def prepare(ask: Ask, served: Served) -> Prepared:
     writer = served.writers.choose(req.logprobs_format, req.return_tokens_as_token_ids)
     model = served.adapter(req.model) or served.model.name
     return Prepared(rid, requests, constraint, writer, model, reused, recorder)
+
+
+async def prepared(ask: Ask, served: Served) -> Prepared:
+    """`prepare`, in a worker thread when the request has images: reading them (an http(s)
+    one fetched, within its bounds), decoding them and the processor's pass take from
+    milliseconds to seconds, which the event loop, and every stream on it, must not wait for.
+    A text request is prepared on the loop (a thread's hop costs more than its tokenizing)."""
+    req = ask.req
+    if isinstance(req, ChatCompletionRequest) and image_parts(req.messages):
+        return await asyncio.to_thread(prepare, ask, served)
+    return prepare(ask, served)
 
 
 def _chat(

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from omlx_logprobs.api.core.pool import ModelPool
-from omlx_logprobs.api.core.prepare import Ask, prepare
+from omlx_logprobs.api.core.prepare import Ask, prepare, prepared
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from omlx_logprobs.api.rl.protocol import GenerateSampling
 from omlx_logprobs.types import EngineRequest
@@ -53,7 +53,7 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
         async with pool.use(req.model) as slot:
             served = slot.live
             headers = served.fields_headers(req)
-            p = prepare(Ask.chat(req), served)
+            p = await prepared(Ask.chat(req), served)
             top = (req.top_logprobs or 0) if req.logprobs else None
             body = generate_body(req, p.first, "chatcmpl", top)
         return JSONResponse(body, headers=headers)

@@ -1,0 +1,121 @@
+"""Images beyond the chat answer, through the real server and the tiny seeded random LLaVA
+(tests/helpers/vision.py): an http(s) image fetched off the event loop (a slow image server
+dribbling bytes while `/health` answers at once; its limit a 400); every answer's and prompt's
+logprobs against transformers' float32 forward of the same weights and image (1e-4)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from omlx_logprobs.models.loader import LoadedModel, load_model
+from tests.helpers.server import server_process
+from tests.helpers.vision import Reference, picture, png_bytes, tiny_llava_dir
+from tests.integration.test_vision import ask, check
+
+FETCH_S = 1.5  # --image-fetch-timeout
+PNG = png_bytes(picture(3))
+
+
+class _Images(BaseHTTPRequestHandler):
+    """`/fast.png` at once; `/slow.png` a byte every 50 ms (past the fetch limit)."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(PNG)))
+        self.end_headers()
+        try:
+            if self.path == "/fast.png":
+                self.wfile.write(PNG)
+                return
+            for b in PNG:
+                self.wfile.write(bytes([b]))
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:  # the fetch gave up: the connection is closed
+            pass
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def images() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return tiny_llava_dir(tmp_path_factory.mktemp("llava"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def llava(llava_dir: Path) -> LoadedModel:
+    return load_model(str(llava_dir), weights=False)
+
+
+@pytest.fixture(scope="module")
+def reference(llava_dir: Path) -> Reference:
+    return Reference(llava_dir)
+
+
+@pytest.fixture(scope="module")
+def base(llava_dir: Path) -> Iterator[str]:
+    args = ["--model", str(llava_dir), "--served-model-name", "llava", "--allow-image-urls",
+            "--image-fetch-timeout", str(FETCH_S), "--log-level", "warning"]  # fmt: skip
+    with server_process(args) as s:
+        yield s.base
+
+
+@pytest.fixture(scope="module")
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def pixels(llava: LoadedModel, seed: int) -> np.ndarray:
+    assert llava.vision is not None
+    out = llava.vision.processor.image_processor(picture(seed), return_tensors="np")
+    return np.asarray(out["pixel_values"], np.float32)
+
+
+def test_an_image_url_is_fetched_off_the_event_loop(
+    base: str, client: openai.OpenAI, images: str, llava: LoadedModel, reference: Reference
+) -> None:
+    assert llava.vision is not None
+    r = ask(client, images + "/fast.png")
+    ids = r.model_extra["prompt_token_ids"] + r.choices[0].model_extra["token_ids"]
+    check(r, reference.logprobs(ids, pixels(llava, 3)), llava.vision.image_token_id)
+    # A server that dribbles the image: the fetch runs out of its time while /health answers.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        slow = pool.submit(ask, client, images + "/slow.png")
+        waits = []
+        while not slow.done():
+            t = time.monotonic()
+            assert httpx.get(base + "/health", timeout=10).status_code == 200
+            waits.append(time.monotonic() - t)
+            time.sleep(0.05)
+        with pytest.raises(openai.BadRequestError) as e:
+            slow.result()
+    took = time.monotonic() - started
+    assert FETCH_S <= took < 2 * FETCH_S + 1
+    assert len(waits) >= 5 and max(waits) < 0.5, waits
+    body = e.value.body
+    assert isinstance(body, dict) and body["param"] == "messages[0].content[0].image_url"
+    assert f"not fetched within {FETCH_S:g} s" in body["message"]
