@@ -21,7 +21,7 @@ import pytest
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from tests.helpers.server import server_process
 from tests.helpers.vision import Reference, picture, png_bytes, tiny_llava_dir
-from tests.integration.test_vision import ask, check
+from tests.integration.test_vision import ask, check, data_url
 
 FETCH_S = 1.5  # --image-fetch-timeout
 PNG = png_bytes(picture(3))
@@ -119,3 +119,90 @@ def test_an_image_url_is_fetched_off_the_event_loop(
     body = e.value.body
     assert isinstance(body, dict) and body["param"] == "messages[0].content[0].image_url"
     assert f"not fetched within {FETCH_S:g} s" in body["message"]
+
+
+def image_chat(url: str, **extra: Any) -> dict[str, Any]:
+    content = [{"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": "What is this?"}]  # fmt: skip
+    return {"model": "llava", "messages": [{"role": "user", "content": content}],
+            "max_tokens": 5, "temperature": 0, **extra}  # fmt: skip
+
+
+def post(base: str, path: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:
+    r = httpx.post(base + path, json=body, timeout=120)
+    assert r.status_code == status, r.text
+    out = r.json()
+    assert isinstance(out, dict)
+    return out
+
+
+def check_generated(out: dict[str, Any], prompt: list[int], ref: np.ndarray, image: int) -> None:
+    """A generate answer's entries (`token_id:<id>` strings) and prompt logprobs against the
+    reference rows of prompt + answer; the image's positions null."""
+    (choice,) = out["choices"]
+    for j, entry in enumerate(choice["logprobs"]["content"]):
+        row, t = ref[len(prompt) - 1 + j], choice["token_ids"][j]
+        assert t == int(np.argmax(row)) and entry["token"] == f"token_id:{t}"
+        assert abs(entry["logprob"] - row[t]) < 1e-4
+        top = [e["logprob"] for e in entry["top_logprobs"]]
+        np.testing.assert_allclose(top, np.sort(row)[::-1][:5], atol=1e-4)
+    scored = out["prompt_logprobs"]
+    assert len(scored) == len(prompt) and scored[0] is None
+    for i in range(1, len(prompt)):
+        if prompt[i] == image:
+            assert scored[i] is None
+        else:
+            assert abs(scored[i][str(prompt[i])]["logprob"] - ref[i - 1][prompt[i]]) < 1e-4
+
+
+def test_render_then_generate_with_an_image(
+    base: str, llava: LoadedModel, reference: Reference
+) -> None:
+    """prime-rl and SkyRL: the render route answers the expanded ids and the image's hash and
+    placeholder range; /inference/v1/generate takes them back, its logprobs exact."""
+    import hashlib
+
+    assert llava.vision is not None
+    image = llava.vision.image_token_id
+    png = png_bytes(picture(4))
+    url = data_url(picture(4))
+    rendered = post(base, "/v1/chat/completions/render",
+                    image_chat(url, logprobs=True, top_logprobs=5))  # fmt: skip
+    ids = rendered["token_ids"]
+    chat = post(base, "/v1/chat/completions", image_chat(url, return_token_ids=True))
+    assert ids == chat["prompt_token_ids"]
+    at = ids.index(image)
+    assert ids.count(image) == 16 and ids[at : at + 16] == [image] * 16
+    assert rendered["features"] == {
+        "mm_hashes": {"image": [hashlib.sha256(png).hexdigest()]},
+        "mm_placeholders": {"image": [{"offset": at, "length": 16}]},
+        "kwargs_data": None,
+    }
+    rendered["sampling_params"]["prompt_logprobs"] = 5
+    out = post(base, "/inference/v1/generate", rendered)
+    answer = out["choices"][0]["token_ids"]
+    assert answer == chat["choices"][0]["token_ids"]
+    check_generated(out, ids, reference.logprobs(ids + answer, pixels(llava, 4)), image)
+
+
+def test_generate_features_refusals(base: str, llava: LoadedModel) -> None:
+    assert llava.vision is not None
+    rendered = post(base, "/v1/chat/completions/render", image_chat(data_url(picture(4))))
+    ids, features = rendered["token_ids"], rendered["features"]
+    at = features["mm_placeholders"]["image"][0]["offset"]
+
+    def bad(param: str, says: str, **change: Any) -> None:
+        body = {"model": "llava", "token_ids": ids, "features": features, **change}
+        error = post(base, "/inference/v1/generate", body, 400)["error"]
+        assert error["param"] == param and says in error["message"], error
+
+    unknown = {**features, "mm_hashes": {"image": ["0" * 64]}}
+    bad("features.mm_hashes.image[0]", "render the prompt", features=unknown)
+    short = {**features, "mm_placeholders": {"image": [{"offset": at, "length": 15}]}}
+    bad("features.mm_placeholders.image[0]", "takes 16 placeholder tokens", features=short)
+    moved = {**features, "mm_placeholders": {"image": [{"offset": at - 1, "length": 16}]}}
+    bad("features.mm_placeholders.image[0]", "not all the image token", features=moved)
+    bad("token_ids", f"token_ids[{at}] is the image token", features=None)
+    bad("features.mm_hashes", "only images", features={**features, "mm_hashes": {"audio": []}})
+    bad("features.mm_placeholders", "1 image hashes for 0", features={**features,
+        "mm_placeholders": {}})  # fmt: skip

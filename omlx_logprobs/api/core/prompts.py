@@ -66,7 +66,9 @@ def image_chat_prompt(
             d["content"] = template_content(m)
     text = render(req, model, messages, req.add_generation_prompt)
     served.checks.check_text(text, "messages")
-    return expand(model.vision, text, images, req.add_special_tokens)
+    ids, inputs = expand(model.vision, text, images, req.add_special_tokens)
+    served.kept_images.keep(inputs)  # for the token routes to name by hash (api/rl/features.py)
+    return ids, inputs
 
 
 def faithful_chat_prompt(

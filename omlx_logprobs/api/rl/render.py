@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.core.prepare import Ask, prepare, prepared
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from omlx_logprobs.api.rl.features import features_json
 from omlx_logprobs.api.rl.protocol import GenerateSampling
 from omlx_logprobs.types import EngineRequest
 
@@ -33,7 +34,7 @@ def generate_body(
     return {
         "request_id": f"{prefix}-{uuid.uuid4().hex}",
         "token_ids": ereq.prompt_ids,
-        "features": None,
+        "features": features_json(ereq.images),
         "sampling_params": sp,
         "model": req.model,
         "stream": req.stream,
