@@ -20,7 +20,7 @@ import pytest
 
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from tests.helpers.server import server_process
-from tests.helpers.vision import Reference, picture, png_bytes, tiny_llava_dir
+from tests.helpers.vision import TEMPLATE, Reference, picture, png_bytes, tiny_llava_dir
 from tests.integration.test_vision import ask, check, data_url
 
 FETCH_S = 1.5  # --image-fetch-timeout
@@ -62,7 +62,11 @@ def images() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def llava_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
-    return tiny_llava_dir(tmp_path_factory.mktemp("llava"), tokenizer_dir)
+    """The tiny LLaVA with a template that shows the model its tools (a system turn first)."""
+    path = tiny_llava_dir(tmp_path_factory.mktemp("llava"), tokenizer_dir)
+    tools = "{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+    (path / "chat_template.jinja").write_text(tools + TEMPLATE)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +82,8 @@ def reference(llava_dir: Path) -> Reference:
 @pytest.fixture(scope="module")
 def base(llava_dir: Path) -> Iterator[str]:
     args = ["--model", str(llava_dir), "--served-model-name", "llava", "--allow-image-urls",
-            "--image-fetch-timeout", str(FETCH_S), "--log-level", "warning"]  # fmt: skip
+            "--image-fetch-timeout", str(FETCH_S), "--tool-call-parser", "hermes",
+            "--log-level", "warning"]  # fmt: skip
     with server_process(args) as s:
         yield s.base
 
@@ -206,3 +211,111 @@ def test_generate_features_refusals(base: str, llava: LoadedModel) -> None:
     bad("features.mm_hashes", "only images", features={**features, "mm_hashes": {"audio": []}})
     bad("features.mm_placeholders", "1 image hashes for 0", features={**features,
         "mm_placeholders": {}})  # fmt: skip
+
+
+def chat_ids(r: dict[str, Any]) -> tuple[list[int], list[int]]:
+    return r["prompt_token_ids"], r["choices"][0]["token_ids"]
+
+
+def test_echo_scores_the_text_and_marks_the_image(
+    base: str, llava: LoadedModel, reference: Reference
+) -> None:
+    """Chat `echo` with an image: the prompt's entries (vLLM's prompt_logprobs) null at the
+    image's placeholders, the text around it scored with the image as context."""
+    assert llava.vision is not None
+    body = image_chat(data_url(picture(5)), echo=True, logprobs=True, top_logprobs=5,
+                      return_token_ids=True, add_generation_prompt=False,
+                      return_tail_logprob=True)  # fmt: skip
+    body["messages"].append({"role": "assistant", "content": "It is"})
+    r = post(base, "/v1/chat/completions", body)
+    assert r["choices"][0]["message"]["content"].startswith("It is")
+    prompt, out = chat_ids(r)
+    ref = reference.logprobs(prompt + out, pixels(llava, 5))
+    scored, image = r["prompt_logprobs"], llava.vision.image_token_id
+    tails = r["prompt_tail_logprobs"]  # the mass past the top 5, null where the entry is
+    assert len(scored) == len(prompt) and scored[0] is None and prompt.count(image) == 16
+    for i in range(1, len(prompt)):
+        if prompt[i] == image:
+            assert scored[i] is None and tails[i] is None
+            continue
+        rest = np.sort(ref[i - 1].astype(np.float64))[::-1][5:]
+        assert abs(tails[i] - np.log(np.exp(rest).sum())) < 1e-4
+        top = sorted((e["logprob"] for e in scored[i].values()), reverse=True)[:5]
+        np.testing.assert_allclose(top, np.sort(ref[i - 1])[::-1][:5], atol=1e-4)
+        assert abs(scored[i][str(prompt[i])]["logprob"] - ref[i - 1][prompt[i]]) < 1e-4
+    for j, entry in enumerate(r["choices"][0]["logprobs"]["content"]):
+        assert abs(entry["logprob"] - ref[len(prompt) - 1 + j][out[j]]) < 1e-4
+
+
+def test_logprob_token_ids_with_an_image(
+    base: str, llava: LoadedModel, reference: Reference
+) -> None:
+    assert llava.vision is not None
+    fixed = [2, 17, 300, 4000]
+    body = image_chat(data_url(picture(6)), logprobs=True, top_logprobs=2, prompt_logprobs=1,
+                      logprob_token_ids=fixed, return_token_ids=True,
+                      return_tokens_as_token_ids=True)  # fmt: skip
+    r = post(base, "/v1/chat/completions", body)
+    prompt, out = chat_ids(r)
+    ref = reference.logprobs(prompt + out, pixels(llava, 6))
+    for j, entry in enumerate(r["choices"][0]["logprobs"]["content"]):
+        row = ref[len(prompt) - 1 + j]
+        assert [e["token"] for e in entry["top_logprobs"]] == [f"token_id:{t}" for t in fixed]
+        got = [e["logprob"] for e in entry["top_logprobs"]]
+        np.testing.assert_allclose(got, row[fixed], atol=1e-4)
+    image = llava.vision.image_token_id
+    for i in range(1, len(prompt)):
+        at = r["prompt_logprobs"][i]
+        if prompt[i] == image:
+            assert at is None
+            continue
+        for t in fixed:
+            assert abs(at[str(t)]["logprob"] - ref[i - 1][t]) < 1e-4
+
+
+# JSON without free whitespace: a random model would otherwise spend its tokens on it.
+TIGHT = {"disable_any_whitespace": True}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+    "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+
+
+def check_answer(r: dict[str, Any], llava: LoadedModel, reference: Reference, seed: int) -> None:
+    """Every generated token's entry (flat: the calls' tokens too) against the reference: the
+    grammar picks the token, the logprobs are the model's own (raw) distribution."""
+    prompt, out = chat_ids(r)
+    ref = reference.logprobs(prompt + out, pixels(llava, seed))
+    entries = r["choices"][0]["logprobs"]["content"]
+    assert len(entries) == len(out)
+    for j, entry in enumerate(entries):
+        assert abs(entry["logprob"] - ref[len(prompt) - 1 + j][out[j]]) < 1e-4
+
+
+def test_a_tool_call_about_an_image(base: str, llava: LoadedModel, reference: Reference) -> None:
+    """A named tool_choice forces the call (its grammar): parsed back as a tool call."""
+    import json
+
+    body = image_chat(data_url(picture(7)), tools=[WEATHER], logprobs=True, max_tokens=40,
+                      tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                      return_token_ids=True, flat_logprobs=True,
+                      structured_outputs=TIGHT)  # fmt: skip
+    r = post(base, "/v1/chat/completions", body)
+    (call,) = r["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
+    check_answer(r, llava, reference, 7)
+
+
+def test_structured_output_about_an_image(
+    base: str, llava: LoadedModel, reference: Reference
+) -> None:
+    import json
+
+    schema = {"type": "object", "properties": {"animal": {"enum": ["cat", "dog"]}},
+              "required": ["animal"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    body = image_chat(data_url(picture(8)), response_format=fmt, logprobs=True, max_tokens=40,
+                      return_token_ids=True, structured_outputs=TIGHT)  # fmt: skip
+    r = post(base, "/v1/chat/completions", body)
+    assert json.loads(r["choices"][0]["message"]["content"])["animal"] in ("cat", "dog")
+    check_answer(r, llava, reference, 8)
