@@ -319,3 +319,56 @@ def test_structured_output_about_an_image(
     r = post(base, "/v1/chat/completions", body)
     assert json.loads(r["choices"][0]["message"]["content"])["animal"] in ("cat", "dog")
     check_answer(r, llava, reference, 8)
+
+
+# ---- last: the weights change under it ----------------------------------------------------------
+def answer(base: str, seed: int) -> dict[str, Any]:
+    body = image_chat(data_url(picture(seed)), logprobs=True, top_logprobs=5,
+                      return_token_ids=True)  # fmt: skip
+    return post(base, "/v1/chat/completions", body)
+
+
+def check_model(r: dict[str, Any], llava: LoadedModel, reference: Reference, seed: int) -> None:
+    prompt, out = chat_ids(r)
+    ref = reference.logprobs(prompt + out, pixels(llava, seed))
+    for j, entry in enumerate(r["choices"][0]["logprobs"]["content"]):
+        row = ref[len(prompt) - 1 + j]
+        assert out[j] == int(np.argmax(row)) and abs(entry["logprob"] - row[out[j]]) < 1e-4
+        top = [e["logprob"] for e in entry["top_logprobs"]]
+        np.testing.assert_allclose(top, np.sort(row)[::-1][:5], atol=1e-4)
+
+
+def test_new_weights_reach_the_encoder(
+    base: str,
+    llava: LoadedModel,
+    llava_dir: Path,
+    reference: Reference,
+    tmp_path_factory: pytest.TempPathFactory,
+    tokenizer_dir: Path,
+) -> None:
+    """/update_weights_from_disk with a whole checkpoint (another seed: every weight moved,
+    the tower's and projector's too): the next answer about an image already seen is the new
+    model's (its rows computed again); a checkpoint whose projector does not fit is a 400 that
+    changes nothing."""
+    import mlx.core as mx
+
+    check_model(answer(base, 9), llava, reference, 9)  # the image's rows kept, old weights
+    new_dir = tiny_llava_dir(tmp_path_factory.mktemp("llava_next"), tokenizer_dir, seed=1)
+    r = httpx.post(base + "/update_weights_from_disk", json={"model_path": str(new_dir)},
+                   timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    new = Reference(new_dir)
+    after = answer(base, 9)
+    check_model(after, llava, new, 9)
+    weights = dict(mx.load(str(new_dir / "model.safetensors")))  # type: ignore[arg-type]
+    name = next(k for k in weights if "multi_modal_projector" in k and k.endswith("weight"))
+    weights[name] = weights[name][:, :-1]
+    bad = tmp_path_factory.mktemp("llava_bad")
+    mx.save_safetensors(str(bad / "model.safetensors"), weights)
+    r = httpx.post(base + "/update_weights_from_disk", json={"model_path": str(bad)}, timeout=120)
+    assert r.status_code == 400 and "projector" in r.json()["error"]["message"], r.text
+    assert answer(base, 9)["choices"][0]["logprobs"] == after["choices"][0]["logprobs"]
+    r = httpx.post(base + "/update_weights_from_disk", json={"model_path": str(llava_dir)},
+                   timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    check_model(answer(base, 9), llava, reference, 9)
