@@ -321,6 +321,29 @@ def test_structured_output_about_an_image(
     check_answer(r, llava, reference, 8)
 
 
+def test_an_answer_about_an_image_comes_back_as_its_sampled_ids(
+    base: str, llava: LoadedModel, reference: Reference
+) -> None:
+    """The next turn of a chat about an image: its prompt is the first turn's prompt ids and
+    the answer's sampled ids (docs/specs/rl.md), then the new text; the image where it was."""
+    assert llava.vision is not None
+    first = post(base, "/v1/chat/completions", image_chat(data_url(picture(10)),
+                 return_token_ids=True))  # fmt: skip
+    prompt, out = chat_ids(first)
+    body = image_chat(data_url(picture(10)), logprobs=True, return_token_ids=True)
+    said = first["choices"][0]["message"]["content"]
+    body["messages"] += [{"role": "assistant", "content": said},
+                         {"role": "user", "content": "And then?"}]  # fmt: skip
+    second = post(base, "/v1/chat/completions", body)
+    prompt2, out2 = chat_ids(second)
+    assert prompt2[: len(prompt) + len(out)] == prompt + out
+    assert second["usage"]["prompt_tokens_details"]["reused_output_tokens"] == len(out)
+    assert prompt2.count(llava.vision.image_token_id) == 16
+    ref = reference.logprobs(prompt2 + out2, pixels(llava, 10))
+    for j, entry in enumerate(second["choices"][0]["logprobs"]["content"]):
+        assert abs(entry["logprob"] - ref[len(prompt2) - 1 + j][out2[j]]) < 1e-4
+
+
 # ---- last: the weights change under it ----------------------------------------------------------
 def answer(base: str, seed: int) -> dict[str, Any]:
     body = image_chat(data_url(picture(seed)), logprobs=True, top_logprobs=5,

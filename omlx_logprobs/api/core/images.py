@@ -171,20 +171,35 @@ def _fetch(url: str, param: str, limits: Limits) -> bytes:
 
 
 def expand(
-    spec: VisionSpec, text: str, images: list[Image], special: bool
+    spec: VisionSpec,
+    text: str,
+    images: list[Image],
+    special: bool,
+    spliced: list[int] | None = None,
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
     """The prompt's ids with each image's placeholder tokens expanded (the processor's own
     expansion), and each image's pixel values and run of placeholders. Each image goes through
     the processor alone too: its pixel values and how many placeholders it takes (two images
-    side by side make one run of placeholders)."""
+    side by side make one run of placeholders). `spliced`: the text's ids already, earlier
+    answers in them as their sampled ids (api/core/splice.py), one image token an image: each
+    is replaced by its image's expansion alone (the processor's pass over the whole text would
+    tokenize the answers from their text)."""
     processor = spec.processor
     try:
-        ids = _ids(processor(text=text, images=[i.picture for i in images], return_tensors="np",
-                             add_special_tokens=special))  # fmt: skip
         alone = [
-            processor(text=processor.image_token, images=[i.picture], return_tensors="np")
+            processor(
+                text=processor.image_token,
+                images=[i.picture],
+                return_tensors="np",
+                add_special_tokens=False,
+            )  # fmt: skip
             for i in images
         ]
+        if spliced is None:
+            ids = _ids(processor(text=text, images=[i.picture for i in images],
+                                 return_tensors="np", add_special_tokens=special))  # fmt: skip
+        else:
+            ids = _substituted(spliced, spec.image_token_id, [_ids(a) for a in alone])
     except Exception as e:  # the processor refuses this image (size, mode): the request's
         raise APIError(
             f"The model's processor could not read the images: {e}", param=images[0].param
@@ -206,6 +221,15 @@ def expand(
         inputs.append(ImageInput(image.digest, pixels, start, n))
         first += n
     return ids, tuple(inputs)
+
+
+def _substituted(ids: list[int], token: int, expansions: list[list[int]]) -> list[int]:
+    """`ids` with the k-th `token` replaced by the k-th expansion."""
+    out: list[int] = []
+    left = iter(expansions)
+    for t in ids:
+        out.extend(next(left) if t == token else (t,))
+    return out
 
 
 def _ids(out: Any) -> list[int]:

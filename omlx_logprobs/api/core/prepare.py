@@ -215,8 +215,7 @@ def _chat_prompt(
         return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens), 0, ()
     parts = image_parts(req.messages)
     if parts:
-        ids, images = image_chat_prompt(req, served, parts)
-        return ids, 0, images
+        return image_chat_prompt(req, served, parts, known)
     return *faithful_chat_prompt(req, served, known), ()
 
 

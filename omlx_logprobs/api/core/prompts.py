@@ -15,8 +15,8 @@ from omlx_logprobs.api.core.images import expand, read_image, template_content
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest
 from omlx_logprobs.api.core.sampled import chat_message_key
 from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.core.splice import Spliced, Turn, splice
 from omlx_logprobs.api.core.splice import Tokenizer as SpliceTokenizer
-from omlx_logprobs.api.core.splice import Turn, splice
 from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.models.segments import segment_encoder
@@ -36,11 +36,15 @@ def chat_prompt(
 
 
 def image_chat_prompt(
-    req: ChatCompletionRequest, served: Served, parts: list[tuple[str, str, str]]
-) -> tuple[list[int], tuple[ImageInput, ...]]:
+    req: ChatCompletionRequest,
+    served: Served,
+    parts: list[tuple[str, str, str]],
+    known: Mapping[int, Sequence[int]] | None = None,
+) -> tuple[list[int], int, tuple[ImageInput, ...]]:
     """A chat prompt with images (`parts`: their fields and URLs, api/core/images.py): the
-    template's text with an image token where each image is, through the model's processor.
-    Tokenized whole: earlier answers are not spliced in as their sampled ids."""
+    template's text with an image token where each image is, through the model's processor;
+    earlier answers spliced in as their sampled ids as in a text chat (`faithful_chat_prompt`),
+    each image token then replaced by its image's placeholders; how many ids are sampled ones."""
     model, limits = served.model, served.limits
     field = parts[0][0]
     if model.vision is None:
@@ -66,9 +70,13 @@ def image_chat_prompt(
             d["content"] = template_content(m)
     text = render(req, model, messages, req.add_generation_prompt)
     served.checks.check_text(text, "messages")
-    ids, inputs = expand(model.vision, text, images, req.add_special_tokens)
+    spliced = _faithful_ids(req, served, messages, text, known)
+    # the image tokens are the template's, one an image (not an answer's: else not spliced)
+    fits = spliced.spans and spliced.ids.count(model.vision.image_token_id) == len(images)
+    ids, inputs = expand(model.vision, text, images, req.add_special_tokens,
+                         spliced.ids if fits else None)  # fmt: skip
     served.kept_images.keep(inputs)  # for the token routes to name by hash (api/rl/features.py)
-    return ids, inputs
+    return ids, spliced.reused() if fits else 0, inputs
 
 
 def faithful_chat_prompt(
@@ -80,10 +88,24 @@ def faithful_chat_prompt(
     (api/core/splice.py), and how many prompt ids those are: the ids `known` gives by message
     index (a Responses continuation's, kept with its stored response), else those the served
     model's store holds for the message's text (its adapter's, when `model` names one)."""
-    model, checks = served.model, served.checks
     messages = tools.template_messages(req.messages)
-    text = render(req, model, messages, req.add_generation_prompt)
-    checks.check_text(text, "messages")
+    text = render(req, served.model, messages, req.add_generation_prompt)
+    served.checks.check_text(text, "messages")
+    spliced = _faithful_ids(req, served, messages, text, known)
+    ids = served.checks.truncated(spliced.ids, req.truncate_prompt_tokens)
+    return ids, spliced.reused(len(spliced.ids) - len(ids))
+
+
+def _faithful_ids(
+    req: ChatCompletionRequest,
+    served: Served,
+    messages: list[dict[str, Any]],
+    text: str,
+    known: Mapping[int, Sequence[int]] | None,
+) -> Spliced:
+    """The ids of `text`, the template's of `messages`, with the earlier answers found spliced
+    in as their sampled ids, and where those are (none: `text` encoded as it is)."""
+    model = served.model
     known, scope = known or {}, served.adapter(req.model) or ""
     turns = []
     for i, m in enumerate(messages):
@@ -93,17 +115,14 @@ def faithful_chat_prompt(
                 turns.append(Turn(i, ids))
     segments = segment_encoder(model.tokenizer)
     if not turns or req.add_special_tokens or not segments.active:
-        ids = encode(model, text, "messages", special=req.add_special_tokens)
-        return checks.truncated(ids, req.truncate_prompt_tokens), 0
+        return Spliced(encode(model, text, "messages", special=req.add_special_tokens), ())
     settings = {"tools": tools.template_tools(req.tools), "kwargs": _template_kwargs(req, True)}
     starts = chained(settings, messages)
 
     def head(i: int) -> str | None:
         return served.heads.get(starts[i], lambda: _head(req, model, messages[:i]))
 
-    spliced = splice(text, turns, head, _splice_tokenizer(model))
-    ids = checks.truncated(spliced.ids, req.truncate_prompt_tokens)
-    return ids, spliced.reused(len(spliced.ids) - len(ids))
+    return splice(text, turns, head, _splice_tokenizer(model))
 
 
 def _head(
