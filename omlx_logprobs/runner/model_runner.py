@@ -322,7 +322,7 @@ class ModelRunner:
         any weight is replaced; None for a text model or text weights alone."""
         if self.vision is None:
             return None
-        weights = read_weights(path)  # lazily: only what the encoder takes is read
+        weights = read_weights(path)  # lazily: MLX reads an array when it is used
         try:
             return self.vision.new_weights(weights)
         except ValueError as e:  # the encoder's own arrays do not fit: the old ones stay

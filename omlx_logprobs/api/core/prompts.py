@@ -70,13 +70,16 @@ def image_chat_prompt(
             d["content"] = template_content(m)
     text = render(req, model, messages, req.add_generation_prompt)
     served.checks.check_text(text, "messages")
-    spliced = _faithful_ids(req, served, messages, text, known)
-    # the image tokens are the template's, one an image (not an answer's: else not spliced)
-    fits = spliced.spans and spliced.ids.count(model.vision.image_token_id) == len(images)
+    spliced = _spliced(req, served, messages, text, known)
+    # Only with an answer in it; its image tokens the template's, one an image (an answer
+    # that holds one is not spliced): else the processor's pass over the whole text.
+    token = model.vision.image_token_id
+    if spliced is not None and (not spliced.spans or spliced.ids.count(token) != len(images)):
+        spliced = None
     ids, inputs = expand(model.vision, text, images, req.add_special_tokens,
-                         spliced.ids if fits else None)  # fmt: skip
+                         spliced.ids if spliced is not None else None)  # fmt: skip
     served.kept_images.keep(inputs)  # for the token routes to name by hash (api/rl/features.py)
-    return ids, spliced.reused() if fits else 0, inputs
+    return ids, spliced.reused() if spliced is not None else 0, inputs
 
 
 def faithful_chat_prompt(
@@ -91,20 +94,24 @@ def faithful_chat_prompt(
     messages = tools.template_messages(req.messages)
     text = render(req, served.model, messages, req.add_generation_prompt)
     served.checks.check_text(text, "messages")
-    spliced = _faithful_ids(req, served, messages, text, known)
+    spliced = _spliced(req, served, messages, text, known)
+    if spliced is None:
+        ids = encode(served.model, text, "messages", special=req.add_special_tokens)
+        return served.checks.truncated(ids, req.truncate_prompt_tokens), 0
     ids = served.checks.truncated(spliced.ids, req.truncate_prompt_tokens)
     return ids, spliced.reused(len(spliced.ids) - len(ids))
 
 
-def _faithful_ids(
+def _spliced(
     req: ChatCompletionRequest,
     served: Served,
     messages: list[dict[str, Any]],
     text: str,
     known: Mapping[int, Sequence[int]] | None,
-) -> Spliced:
+) -> Spliced | None:
     """The ids of `text`, the template's of `messages`, with the earlier answers found spliced
-    in as their sampled ids, and where those are (none: `text` encoded as it is)."""
+    in as their sampled ids, and where those are; None when no answer is found, or the request
+    or the tokenizer cannot take them (`text` is then encoded as it is)."""
     model = served.model
     known, scope = known or {}, served.adapter(req.model) or ""
     turns = []
@@ -115,7 +122,7 @@ def _faithful_ids(
                 turns.append(Turn(i, ids))
     segments = segment_encoder(model.tokenizer)
     if not turns or req.add_special_tokens or not segments.active:
-        return Spliced(encode(model, text, "messages", special=req.add_special_tokens), ())
+        return None
     settings = {"tools": tools.template_tools(req.tools), "kwargs": _template_kwargs(req, True)}
     starts = chained(settings, messages)
 
