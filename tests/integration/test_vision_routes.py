@@ -190,6 +190,28 @@ def test_render_then_generate_with_an_image(
     check_generated(out, ids, reference.logprobs(ids + answer, pixels(llava, 4)), image)
 
 
+def test_tokenize_then_the_chat_tokens_route(
+    base: str, llava: LoadedModel, reference: Reference
+) -> None:
+    """verifiers' token client: /tokenize the messages (each image's placeholders expanded, as
+    the chat route's prompt has them), then the chat tokens route with those ids and the
+    messages' images, placed on their runs: the chat route's answer, exact."""
+    assert llava.vision is not None
+    chat = image_chat(data_url(picture(11)), logprobs=True, top_logprobs=5,
+                      return_token_ids=True)  # fmt: skip
+    ids = post(base, "/tokenize", {"model": "llava", "messages": chat["messages"]})["tokens"]
+    plain = post(base, "/v1/chat/completions", chat)
+    assert ids == plain["prompt_token_ids"]
+    r = post(base, "/v1/chat/completions/tokens", {**chat, "tokens": ids})
+    assert r["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    check_model(r, llava, reference, 11)
+    image = llava.vision.image_token_id
+    text_only = [t for t in ids if t != image]
+    error = post(base, "/v1/chat/completions/tokens", {**chat, "tokens": text_only}, 400)["error"]
+    assert error["param"] == "messages[0].content[0].image_url"
+    assert "0 image tokens for 1 image(s) of 16" in error["message"]
+
+
 def test_generate_features_refusals(base: str, llava: LoadedModel) -> None:
     assert llava.vision is not None
     rendered = post(base, "/v1/chat/completions/render", image_chat(data_url(picture(4))))

@@ -32,6 +32,7 @@ __all__ = [
     "expand",
     "image_part",
     "image_parts",
+    "placed_in",
     "read_image",
     "template_content",
 ]
@@ -184,32 +185,50 @@ def expand(
     answers in them as their sampled ids (api/core/splice.py), one image token an image: each
     is replaced by its image's expansion alone (the processor's pass over the whole text would
     tokenize the answers from their text)."""
-    processor = spec.processor
+    alone = _alone(spec, images)
+    if spliced is not None:
+        ids = _substituted(spliced, spec.image_token_id, [_ids(a) for a in alone])
+    else:
+        pictures = [i.picture for i in images]
+        ids = _ids(_processed(spec, images, text=text, images=pictures, add_special_tokens=special))
+    return ids, _placed(spec, ids, images, alone, "The chat template placed")
+
+
+def placed_in(spec: VisionSpec, ids: list[int], images: list[Image]) -> tuple[ImageInput, ...]:
+    """The images of a prompt whose ids the client sent, each image's placeholders already
+    expanded in them as the processor expands them (the ids of /tokenize, of the render route
+    and of the chat route's `prompt_token_ids`), found in order."""
+    return _placed(spec, ids, images, _alone(spec, images), "The ids hold")
+
+
+def _alone(spec: VisionSpec, images: list[Image]) -> list[Any]:
+    """Each image through the processor alone: its pixel values and its placeholders."""
+    token = spec.processor.image_token
+    return [
+        _processed(spec, [i], text=token, images=[i.picture], add_special_tokens=False)
+        for i in images
+    ]
+
+
+def _processed(spec: VisionSpec, of: list[Image], **kwargs: Any) -> Any:
+    """The processor's output; a 400 naming the first image of `of` when it fails."""
     try:
-        alone = [
-            processor(
-                text=processor.image_token,
-                images=[i.picture],
-                return_tensors="np",
-                add_special_tokens=False,
-            )  # fmt: skip
-            for i in images
-        ]
-        if spliced is None:
-            ids = _ids(processor(text=text, images=[i.picture for i in images],
-                                 return_tensors="np", add_special_tokens=special))  # fmt: skip
-        else:
-            ids = _substituted(spliced, spec.image_token_id, [_ids(a) for a in alone])
+        return spec.processor(return_tensors="np", **kwargs)
     except Exception as e:  # the processor refuses this image (size, mode): the request's
         raise APIError(
-            f"The model's processor could not read the images: {e}", param=images[0].param
+            f"The model's processor could not read the images: {e}", param=of[0].param
         ) from None
+
+
+def _placed(
+    spec: VisionSpec, ids: list[int], images: list[Image], alone: list[Any], where: str
+) -> tuple[ImageInput, ...]:
+    """Each image's run of placeholders in `ids`, in order, its count its processor's own."""
     at = [p for p, t in enumerate(ids) if t == spec.image_token_id]
     counts = [_ids(a).count(spec.image_token_id) for a in alone]
     if len(at) != sum(counts) or 0 in counts:
         raise APIError(
-            f"The chat template placed {len(at)} image tokens for {len(images)} image(s) of"
-            f" {sum(counts)}",
+            f"{where} {len(at)} image tokens for {len(images)} image(s) of {sum(counts)}",
             param=images[0].param,
         )
     inputs, first = [], 0
@@ -220,7 +239,7 @@ def expand(
         pixels = np.asarray(a["pixel_values"], dtype=np.float32)
         inputs.append(ImageInput(image.digest, pixels, start, n))
         first += n
-    return ids, tuple(inputs)
+    return tuple(inputs)
 
 
 def _substituted(ids: list[int], token: int, expansions: list[list[int]]) -> list[int]:

@@ -27,6 +27,7 @@ from omlx_logprobs.api.core.prompts import (
     encode,
     faithful_chat_prompt,
     image_chat_prompt,
+    token_images,
 )
 from omlx_logprobs.api.core.protocol import (
     ChatCompletionRequest,
@@ -210,10 +211,11 @@ def _chat_prompt(
     as their sampled ids (and how many ids those are), or, on /v1/chat/completions/tokens, the
     ids the client sent (the conversation as its trainer holds it: never re-tokenized); with
     images, the processor's ids and the images (api/core/images.py)."""
+    parts = image_parts(req.messages)
     if isinstance(req, ChatTokensRequest):
         served.checks.check_token_ids(req.tokens, "tokens")
-        return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens), 0, ()
-    parts = image_parts(req.messages)
+        ids = served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens)
+        return ids, 0, token_images(req, served, parts, ids) if parts else ()
     if parts:
         return image_chat_prompt(req, served, parts, known)
     return *faithful_chat_prompt(req, served, known), ()
