@@ -149,6 +149,8 @@ class Limits:
             least = 0 if name in ("max_queued", "max_stop", "retry_after_s") else 1
             if value is not None and value < least:
                 raise ValueError(f"{name} must be >= {least}")
+        if not self.image_fetch_s > 0:
+            raise ValueError("image_fetch_s must be > 0")
 
 
 @dataclass(frozen=True)

@@ -444,5 +444,12 @@ def _add_limits(s: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--allow-image-urls",
         action="store_true",
-        help="fetch http(s) image URLs (bounded by --max-body-bytes and 10 s); else a 400",
+        help="fetch http(s) image URLs (bounded by --max-body-bytes and"
+        " --image-fetch-timeout); else a 400",
+    )
+    g.add_argument(
+        "--image-fetch-timeout",
+        type=float,
+        default=d.image_fetch_s,
+        help="seconds an http(s) image URL's whole fetch may take (--allow-image-urls)",
     )

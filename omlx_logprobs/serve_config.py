@@ -49,6 +49,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_images=args.max_images,
             allowed_local_media_path=args.allowed_local_media_path,
             allow_image_urls=args.allow_image_urls,
+            image_fetch_s=args.image_fetch_timeout,
         ),
         access=Access(
             api_key=args.api_key or None,

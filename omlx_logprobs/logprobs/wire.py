@@ -49,14 +49,17 @@ class LogprobWriter:
             return self.prompt_fmt.json(e, k, fixed, blank)
         return encode_block(e if fixed else narrowed(e, k), k, self.compact)
 
-    def prompt_tails(self, e: Entries, k: int, fixed: bool) -> str:
+    def prompt_tails(
+        self, e: Entries, k: int, fixed: bool, blank: frozenset[int] = frozenset()
+    ) -> str:
         """`,"prompt_tail_logprobs":[null, ...]` beside vLLM's list, for entries with a tail
-        mass (the tail of the first k alternatives); "" otherwise, and in the compact form
-        (its block holds them)."""
+        mass (the tail of the first k alternatives), null where the list is (the `blank`
+        positions: an image's); "" otherwise, and in the compact form (its block holds them)."""
         if e.tail is None or self.compact is not None:
             return ""
         tails = float_numbers((e if fixed else narrowed(e, k)).tail)
-        return ',"prompt_tail_logprobs":[null' + "".join("," + t for t in tails) + "]"
+        body = "".join(",null" if i + 1 in blank else "," + t for i, t in enumerate(tails))
+        return ',"prompt_tail_logprobs":[null' + body + "]"
 
     def legacy(
         self,

@@ -58,16 +58,29 @@ class VisionSpec:
     image_token_id: int
 
 
+# New weights for an encoder: from a checkpoint's arrays, its own checked (a ValueError naming
+# the first that does not fit, nothing changed), a function that puts them in; None when the
+# checkpoint has none of the encoder's (a text model's update: the encoder keeps its own).
+Update = Callable[[dict[str, Any]], Callable[[], None] | None]
+
+
 class Encoder:
     """One image's pixel values [1, C, H, W] (the processor's, float32) to its rows of input
     embeddings [N, hidden] (N: its placeholder tokens in the prompt)."""
 
-    def __init__(self, forward: Callable[[Any], Any], image_token_id: int) -> None:
+    def __init__(
+        self, forward: Callable[[Any], Any], image_token_id: int, update: Update | None = None
+    ) -> None:
         self.forward = forward
         self.image_token_id = image_token_id
+        self.update = update
 
     def __call__(self, pixels: Any) -> Any:
         return self.forward(pixels)
+
+    def new_weights(self, weights: dict[str, Any]) -> Callable[[], None] | None:
+        """The checked update of its weights in `weights` (`Update`), None without any."""
+        return self.update(weights) if self.update is not None else None
 
 
 def family_of(config: dict[str, Any]) -> str | None:
@@ -154,13 +167,27 @@ def _llava(path: Path, config: dict[str, Any]) -> Encoder:
     tower = family.VisionModel(cfg.vision_config)
     _exact_activation(tower, config["vision_config"].get("hidden_act", "quick_gelu"))
     projector = LlavaMultiModalProjector(cfg)
-    weights = _weights(path)
-    # transformers 5 writes the tower's modules without CLIPVisionModel's `vision_model.`
-    tw = {k if k.startswith("vision_model.") else f"vision_model.{k}": v
-          for k, v in _under(weights, "vision_tower.").items()}  # fmt: skip
-    tower.load_weights(list(tower.sanitize(tw).items()))
-    projector.load_weights(list(_under(weights, "multi_modal_projector.").items()))
-    mx.eval(tower.parameters(), projector.parameters())
+
+    def update(weights: dict[str, Any]) -> Callable[[], None] | None:
+        # transformers 5 writes the tower's modules without CLIPVisionModel's `vision_model.`
+        tw = {k if k.startswith("vision_model.") else f"vision_model.{k}": v
+              for k, v in _under(weights, "vision_tower.").items()}  # fmt: skip
+        pw = _under(weights, "multi_modal_projector.")
+        if not tw and not pw:
+            return None
+        checked = [(tower, _fitted(tower, tower.sanitize(tw), "vision tower")),
+                   (projector, _fitted(projector, pw, "projector"))]  # fmt: skip
+
+        def apply() -> None:
+            for module, arrays in checked:
+                module.load_weights(arrays)
+            mx.eval(tower.parameters(), projector.parameters())
+
+        return apply
+
+    put = update(_weights(path))
+    assert put is not None, "a LLaVA checkpoint without its vision tower's weights"
+    put()
     layer, strategy = cfg.vision_feature_layer, cfg.vision_feature_select_strategy
     if not isinstance(layer, int):
         raise ValueError("LLaVA with several vision feature layers is not served yet")
@@ -172,7 +199,25 @@ def _llava(path: Path, config: dict[str, Any]) -> Encoder:
             chosen = chosen[:, 1:]
         return projector(chosen).reshape(-1, projector.linear_2.weight.shape[0])
 
-    return Encoder(forward, int(config["image_token_index"]))
+    return Encoder(forward, int(config["image_token_index"]), update)
+
+
+def _fitted(module: Any, weights: dict[str, Any], what: str) -> list[tuple[str, Any]]:
+    """`weights` as `module.load_weights` takes them (in its dtypes), once their names and
+    shapes are the module's own; a ValueError naming the first that is not."""
+    from mlx.utils import tree_flatten
+
+    own = dict(tree_flatten(module.parameters()))
+    odd = sorted(own.keys() ^ weights.keys())
+    if odd:
+        raise ValueError(f"the new weights of the {what} do not match its parameters: {odd[0]}")
+    for name, w in weights.items():
+        if tuple(w.shape) != tuple(own[name].shape):
+            raise ValueError(
+                f"the {what}'s {name} has shape {tuple(w.shape)} in the new weights, "
+                f"{tuple(own[name].shape)} served"
+            )
+    return [(n, w.astype(own[n].dtype)) for n, w in weights.items()]
 
 
 # The tower's activation as transformers names it, as MLX's GELU computes it.

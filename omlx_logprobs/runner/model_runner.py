@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -51,7 +52,13 @@ from omlx_logprobs.runner.snapshot import make_prefix
 from omlx_logprobs.runner.speculation import Speculator
 from omlx_logprobs.runner.step import DeviceTime, LaunchedStep, Memory, StepResult, Tallies
 from omlx_logprobs.runner.vision import ImageEmbedder
-from omlx_logprobs.runner.weights import Layout, WeightsError, drop_weights, load_into
+from omlx_logprobs.runner.weights import (
+    Layout,
+    WeightsError,
+    drop_weights,
+    load_into,
+    read_weights,
+)
 
 __all__ = ["ModelRunner"]
 
@@ -116,10 +123,11 @@ class ModelRunner:
         # Where entries are computed: in numpy at collect time on the CPU backend, on the
         # device elsewhere (logprobs/extractor.py); chosen once, here.
         self.extractor: Extractor = choose_extractor(self.plan.cpu)
+        self.vision = ImageEmbedder.of(model)  # a vision model's images (runner/vision.py)
         self.prefill = Prefill(
             model, self.templates, self.plan, self.adapters, self.prefixes, self.prompt_cache,
             self.prefix_key, self.extractor, self.batch, self.queue, self._forward_unread,
-            self.routing, ImageEmbedder.of(model),
+            self.routing, self.vision,
         )  # fmt: skip
         if self.plan.cache_limit_mib is not None:
             mx.set_cache_limit(self.plan.cache_limit_mib << 20)
@@ -300,11 +308,25 @@ class ModelRunner:
     def _weights_from(self, path: str) -> None:
         """Read the weights at `path` into the model (asleep at level 2: checked against the
         layout they had), and rebuild what joined or traced the old ones."""
+        encoder = self._encoder_update(path)
         load_into(self.model, path, self.dropped)
+        if encoder is not None:
+            encoder()
         self.dropped = None
         self.fusion.rejoin()
         if self.plan.decode is not None:
             self.plan.decode.reset()
+
+    def _encoder_update(self, path: str) -> Callable[[], None] | None:
+        """A vision model's encoder weights at `path` (a whole checkpoint's), checked before
+        any weight is replaced; None for a text model or text weights alone."""
+        if self.vision is None:
+            return None
+        weights = read_weights(path)  # lazily: MLX reads an array when it is used
+        try:
+            return self.vision.new_weights(weights)
+        except ValueError as e:  # the encoder's own arrays do not fit: the old ones stay
+            raise WeightsError(f"{path!r}: {e}") from None
 
     def flush_prefixes(self) -> None:
         """Drop every kept prefix in memory (/flush_cache, /reset_prefix_cache); rows keep

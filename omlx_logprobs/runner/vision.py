@@ -8,6 +8,7 @@ rows then go half to each chunk)."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -44,6 +45,21 @@ class ImageEmbedder:
             if body is not None and hasattr(body, "embed_tokens"):
                 return ImageEmbedder(encoder, body.embed_tokens)
         raise ValueError("a vision model whose text half has no token embedding to extend")
+
+    def new_weights(self, weights: dict[str, mx.array]) -> Callable[[], None] | None:
+        """The encoder's update from a checkpoint's arrays, checked (a ValueError naming the
+        first that does not fit), to apply once the text model's are in: its kept rows go
+        with the old weights; None when the checkpoint holds none of the encoder's."""
+        put = self.encoder.new_weights(weights)
+        if put is None:
+            return None
+
+        def apply() -> None:
+            put()
+            self._kept.clear()
+            self._bytes = 0
+
+        return apply
 
     def features(self, image: ImageInput) -> mx.array:
         """The image's rows [length, hidden]: kept ones by hash, else encoded (evaluated here:

@@ -18,7 +18,7 @@ from omlx_logprobs.api.anthropic.protocol import CountTokensRequest, MessagesReq
 from omlx_logprobs.api.core import sse
 from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.pool import ModelPool
-from omlx_logprobs.api.core.prepare import Ask, prepare, wire_names
+from omlx_logprobs.api.core.prepare import Ask, Prepared, prepared, wire_names
 from omlx_logprobs.api.core.prompts import chat_prompt, faithful_chat_prompt
 from omlx_logprobs.api.core.response import finished
 from omlx_logprobs.api.core.served import Served
@@ -30,13 +30,17 @@ class MessageRun:
     """One message: prepared and submitted at once (a bad request raises here, before any byte
     of a stream), then awaited whole or streamed."""
 
-    def __init__(self, req: MessagesRequest, served: Served) -> None:
-        self.p = prepare(
-            Ask.chat(chat_request(req, served.reasoning), prefix="msg_", names=NAMES), served
-        )
+    def __init__(self, req: MessagesRequest, served: Served, p: Prepared) -> None:
+        self.p = p
         stops = list(req.stop_sequences or [])
-        self.output = MessageOutput(self.p, req.stream, stops, served.model.vocab)
-        self.handle = self.p.submit(served)[0]
+        self.output = MessageOutput(p, req.stream, stops, served.model.vocab)
+        self.handle = p.submit(served)[0]
+
+    @classmethod
+    async def start(cls, req: MessagesRequest, served: Served) -> MessageRun:
+        """Prepared (off the event loop when it has images) and submitted."""
+        ask = Ask.chat(chat_request(req, served.reasoning), prefix="msg_", names=NAMES)
+        return cls(req, served, await prepared(ask, served))
 
     async def complete(self, raw: Request) -> str:
         outs = await finished([self.handle], raw)
@@ -71,7 +75,7 @@ def _dumps(obj: Any) -> str:
 def add_routes(app: FastAPI, pool: ModelPool) -> None:
     @app.post("/v1/messages")
     async def create_message(req: MessagesRequest, raw: Request) -> Response:
-        return await respond(pool, req, raw, lambda slot: MessageRun(req, slot.live))
+        return await respond(pool, req, raw, lambda slot: MessageRun.start(req, slot.live))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest) -> dict[str, int]:

@@ -55,7 +55,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     ),
     Unsupported("chat_template", given, "a chat template sent with the request"),
     Unsupported("mm_processor_kwargs", given, "multimodal input"),
-    Unsupported("features", given, "multimodal input"),
     Unsupported("image_data", given, "multimodal input"),
     Unsupported("video_data", given, "multimodal input"),
     Unsupported("audio_data", given, "multimodal input"),

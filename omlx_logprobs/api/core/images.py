@@ -11,6 +11,7 @@ import base64
 import binascii
 import hashlib
 import io
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ __all__ = [
     "expand",
     "image_part",
     "image_parts",
+    "placed_in",
     "read_image",
     "template_content",
 ]
@@ -148,41 +150,85 @@ def _local(path: str, param: str, limits: Limits) -> bytes:
 
 
 def _fetch(url: str, param: str, limits: Limits) -> bytes:
+    """The URL's bytes within image_fetch_s in all, not only between two reads (a server that
+    dribbles a byte at a time runs out of it too: checked as bytes arrive, so a fetch ends by
+    twice the limit at worst), at most max_body_bytes. Run off the event loop (prepare.py)."""
+    cap, deadline = limits.max_body_bytes, time.monotonic() + limits.image_fetch_s
+    data = bytearray()
     try:
         with urllib.request.urlopen(url, timeout=limits.image_fetch_s) as r:  # noqa: S310
-            data = bytes(r.read(limits.max_body_bytes + 1))
+            while len(data) <= cap:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not fetched within {limits.image_fetch_s:g} s")
+                chunk = r.read1(cap + 1 - len(data))
+                if not chunk:
+                    break
+                data += chunk
     except Exception as e:  # unreachable, refused, timed out: the client's URL
         raise APIError(f"{param}: the image could not be fetched: {e}", param=param) from None
-    if len(data) > limits.max_body_bytes:
+    if len(data) > cap:
         raise APIError(f"{param}: the image is larger than --max-body-bytes", param=param)
-    return data
+    return bytes(data)
 
 
 def expand(
-    spec: VisionSpec, text: str, images: list[Image], special: bool
+    spec: VisionSpec,
+    text: str,
+    images: list[Image],
+    special: bool,
+    spliced: list[int] | None = None,
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
     """The prompt's ids with each image's placeholder tokens expanded (the processor's own
     expansion), and each image's pixel values and run of placeholders. Each image goes through
     the processor alone too: its pixel values and how many placeholders it takes (two images
-    side by side make one run of placeholders)."""
-    processor = spec.processor
+    side by side make one run of placeholders). `spliced`: the text's ids already, earlier
+    answers in them as their sampled ids (api/core/splice.py), one image token an image: each
+    is replaced by its image's expansion alone (the processor's pass over the whole text would
+    tokenize the answers from their text)."""
+    alone = _alone(spec, images)
+    if spliced is not None:
+        ids = _substituted(spliced, spec.image_token_id, [_ids(a) for a in alone])
+    else:
+        pictures = [i.picture for i in images]
+        ids = _ids(_processed(spec, images, text=text, images=pictures, add_special_tokens=special))
+    return ids, _placed(spec, ids, images, alone, "The chat template placed")
+
+
+def placed_in(spec: VisionSpec, ids: list[int], images: list[Image]) -> tuple[ImageInput, ...]:
+    """The images of a prompt whose ids the client sent, each image's placeholders already
+    expanded in them as the processor expands them (the ids of /tokenize, of the render route
+    and of the chat route's `prompt_token_ids`), found in order."""
+    return _placed(spec, ids, images, _alone(spec, images), "The ids hold")
+
+
+def _alone(spec: VisionSpec, images: list[Image]) -> list[Any]:
+    """Each image through the processor alone: its pixel values and its placeholders."""
+    token = spec.processor.image_token
+    return [
+        _processed(spec, [i], text=token, images=[i.picture], add_special_tokens=False)
+        for i in images
+    ]
+
+
+def _processed(spec: VisionSpec, of: list[Image], **kwargs: Any) -> Any:
+    """The processor's output; a 400 naming the first image of `of` when it fails."""
     try:
-        ids = _ids(processor(text=text, images=[i.picture for i in images], return_tensors="np",
-                             add_special_tokens=special))  # fmt: skip
-        alone = [
-            processor(text=processor.image_token, images=[i.picture], return_tensors="np")
-            for i in images
-        ]
+        return spec.processor(return_tensors="np", **kwargs)
     except Exception as e:  # the processor refuses this image (size, mode): the request's
         raise APIError(
-            f"The model's processor could not read the images: {e}", param=images[0].param
+            f"The model's processor could not read the images: {e}", param=of[0].param
         ) from None
+
+
+def _placed(
+    spec: VisionSpec, ids: list[int], images: list[Image], alone: list[Any], where: str
+) -> tuple[ImageInput, ...]:
+    """Each image's run of placeholders in `ids`, in order, its count its processor's own."""
     at = [p for p, t in enumerate(ids) if t == spec.image_token_id]
     counts = [_ids(a).count(spec.image_token_id) for a in alone]
     if len(at) != sum(counts) or 0 in counts:
         raise APIError(
-            f"The chat template placed {len(at)} image tokens for {len(images)} image(s) of"
-            f" {sum(counts)}",
+            f"{where} {len(at)} image tokens for {len(images)} image(s) of {sum(counts)}",
             param=images[0].param,
         )
     inputs, first = [], 0
@@ -193,7 +239,16 @@ def expand(
         pixels = np.asarray(a["pixel_values"], dtype=np.float32)
         inputs.append(ImageInput(image.digest, pixels, start, n))
         first += n
-    return ids, tuple(inputs)
+    return tuple(inputs)
+
+
+def _substituted(ids: list[int], token: int, expansions: list[list[int]]) -> list[int]:
+    """`ids` with the k-th `token` replaced by the k-th expansion."""
+    out: list[int] = []
+    left = iter(expansions)
+    for t in ids:
+        out.extend(next(left) if t == token else (t,))
+    return out
 
 
 def _ids(out: Any) -> list[int]:

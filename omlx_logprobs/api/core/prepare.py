@@ -10,6 +10,7 @@ logprobs (logprobs/wire.py). A 400 names the field as the client sent it (`Ask.n
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -26,6 +27,7 @@ from omlx_logprobs.api.core.prompts import (
     encode,
     faithful_chat_prompt,
     image_chat_prompt,
+    token_images,
 )
 from omlx_logprobs.api.core.protocol import (
     ChatCompletionRequest,
@@ -147,6 +149,17 @@ def prepare(ask: Ask, served: Served) -> Prepared:
     return Prepared(rid, requests, constraint, writer, model, reused, recorder)
 
 
+async def prepared(ask: Ask, served: Served) -> Prepared:
+    """`prepare`, in a worker thread when the request has images: reading them (an http(s)
+    one fetched, within its bounds), decoding them and the processor's pass take from
+    milliseconds to seconds, which the event loop, and every stream on it, must not wait for.
+    A text request is prepared on the loop (a thread's hop costs more than its tokenizing)."""
+    req = ask.req
+    if isinstance(req, ChatCompletionRequest) and image_parts(req.messages):
+        return await asyncio.to_thread(prepare, ask, served)
+    return prepare(ask, served)
+
+
 def _chat(
     ask: Ask, req: ChatCompletionRequest, served: Served, rid: str
 ) -> tuple[tuple[EngineRequest, ...], Constraint | None, int]:
@@ -198,13 +211,13 @@ def _chat_prompt(
     as their sampled ids (and how many ids those are), or, on /v1/chat/completions/tokens, the
     ids the client sent (the conversation as its trainer holds it: never re-tokenized); with
     images, the processor's ids and the images (api/core/images.py)."""
+    parts = image_parts(req.messages)
     if isinstance(req, ChatTokensRequest):
         served.checks.check_token_ids(req.tokens, "tokens")
-        return served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens), 0, ()
-    parts = image_parts(req.messages)
+        ids = served.checks.truncated(list(req.tokens), req.truncate_prompt_tokens)
+        return ids, 0, token_images(req, served, parts, ids) if parts else ()
     if parts:
-        ids, images = image_chat_prompt(req, served, parts)
-        return ids, 0, images
+        return image_chat_prompt(req, served, parts, known)
     return *faithful_chat_prompt(req, served, known), ()
 
 

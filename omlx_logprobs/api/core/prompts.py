@@ -11,13 +11,14 @@ from typing import Any
 from omlx_logprobs.api.core import tools
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.heads import chained
-from omlx_logprobs.api.core.images import expand, read_image, template_content
-from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest
+from omlx_logprobs.api.core.images import Image, expand, placed_in, read_image, template_content
+from omlx_logprobs.api.core.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from omlx_logprobs.api.core.sampled import chat_message_key
 from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.core.splice import Spliced, Turn, splice
 from omlx_logprobs.api.core.splice import Tokenizer as SpliceTokenizer
-from omlx_logprobs.api.core.splice import Turn, splice
 from omlx_logprobs.api.core.validation import RequestLimits
+from omlx_logprobs.config import Limits
 from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.models.segments import segment_encoder
 from omlx_logprobs.types import ImageInput
@@ -36,12 +37,53 @@ def chat_prompt(
 
 
 def image_chat_prompt(
-    req: ChatCompletionRequest, served: Served, parts: list[tuple[str, str, str]]
-) -> tuple[list[int], tuple[ImageInput, ...]]:
+    req: ChatCompletionRequest,
+    served: Served,
+    parts: list[tuple[str, str, str]],
+    known: Mapping[int, Sequence[int]] | None = None,
+) -> tuple[list[int], int, tuple[ImageInput, ...]]:
     """A chat prompt with images (`parts`: their fields and URLs, api/core/images.py): the
-    template's text with an image token where each image is, through the model's processor.
-    Tokenized whole: earlier answers are not spliced in as their sampled ids."""
-    model, limits = served.model, served.limits
+    template's text with an image token where each image is, through the model's processor;
+    earlier answers spliced in as their sampled ids as in a text chat (`faithful_chat_prompt`),
+    each image token then replaced by its image's placeholders; how many ids are sampled ones."""
+    model = served.model
+    _no_truncation(req)
+    images, vision = read_images(model, served.limits, parts), model.vision
+    assert vision is not None  # read_images refuses images to a text model
+    messages = image_messages(req.messages)
+    text = render(req, model, messages, req.add_generation_prompt)
+    served.checks.check_text(text, "messages")
+    spliced = _spliced(req, served, messages, text, known)
+    # Only with an answer in it; its image tokens the template's, one an image (an answer
+    # that holds one is not spliced): else the processor's pass over the whole text.
+    token = vision.image_token_id
+    if spliced is not None and (not spliced.spans or spliced.ids.count(token) != len(images)):
+        spliced = None
+    ids, inputs = expand(vision, text, images, req.add_special_tokens,
+                         spliced.ids if spliced is not None else None)  # fmt: skip
+    served.kept_images.keep(inputs)  # for the token routes to name by hash (api/rl/features.py)
+    return ids, spliced.reused() if spliced is not None else 0, inputs
+
+
+def token_images(
+    req: ChatCompletionRequest, served: Served, parts: list[tuple[str, str, str]], ids: list[int]
+) -> tuple[ImageInput, ...]:
+    """The images of a chat request whose prompt is the client's ids (`/v1/chat/completions/
+    tokens`): each image of the messages, in order, on its run of placeholders in the ids
+    (expanded as the processor expands them: /tokenize's ids)."""
+    _no_truncation(req)
+    images, vision = read_images(served.model, served.limits, parts), served.model.vision
+    assert vision is not None  # read_images refuses images to a text model
+    inputs = placed_in(vision, ids, images)
+    served.kept_images.keep(inputs)
+    return inputs
+
+
+def read_images(
+    model: LoadedModel, limits: Limits, parts: list[tuple[str, str, str]]
+) -> list[Image]:
+    """The images of `parts` (their fields and URLs, api/core/images.py), read and checked; a
+    400 for images to a text model, or more than --max-images."""
     field = parts[0][0]
     if model.vision is None:
         raise APIError(
@@ -54,19 +96,24 @@ def image_chat_prompt(
             f"{len(parts)} images, more than --max-images ({limits.max_images})",
             param=parts[limits.max_images][0],
         )
+    return [read_image(url, field, limits) for _, field, url in parts]
+
+
+def image_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as vision templates read them: an image part where each image is."""
+    out = tools.template_messages(messages)
+    for d, m in zip(out, messages):
+        if m.images():
+            d["content"] = template_content(m)
+    return out
+
+
+def _no_truncation(req: ChatCompletionRequest) -> None:
     if req.truncate_prompt_tokens is not None:
         raise APIError(
             "truncate_prompt_tokens cannot cut a prompt with images",
             param="truncate_prompt_tokens",
         )
-    images = [read_image(url, field, limits) for _, field, url in parts]
-    messages = tools.template_messages(req.messages)
-    for d, m in zip(messages, req.messages):
-        if m.images():
-            d["content"] = template_content(m)
-    text = render(req, model, messages, req.add_generation_prompt)
-    served.checks.check_text(text, "messages")
-    return expand(model.vision, text, images, req.add_special_tokens)
 
 
 def faithful_chat_prompt(
@@ -78,10 +125,28 @@ def faithful_chat_prompt(
     (api/core/splice.py), and how many prompt ids those are: the ids `known` gives by message
     index (a Responses continuation's, kept with its stored response), else those the served
     model's store holds for the message's text (its adapter's, when `model` names one)."""
-    model, checks = served.model, served.checks
     messages = tools.template_messages(req.messages)
-    text = render(req, model, messages, req.add_generation_prompt)
-    checks.check_text(text, "messages")
+    text = render(req, served.model, messages, req.add_generation_prompt)
+    served.checks.check_text(text, "messages")
+    spliced = _spliced(req, served, messages, text, known)
+    if spliced is None:
+        ids = encode(served.model, text, "messages", special=req.add_special_tokens)
+        return served.checks.truncated(ids, req.truncate_prompt_tokens), 0
+    ids = served.checks.truncated(spliced.ids, req.truncate_prompt_tokens)
+    return ids, spliced.reused(len(spliced.ids) - len(ids))
+
+
+def _spliced(
+    req: ChatCompletionRequest,
+    served: Served,
+    messages: list[dict[str, Any]],
+    text: str,
+    known: Mapping[int, Sequence[int]] | None,
+) -> Spliced | None:
+    """The ids of `text`, the template's of `messages`, with the earlier answers found spliced
+    in as their sampled ids, and where those are; None when no answer is found, or the request
+    or the tokenizer cannot take them (`text` is then encoded as it is)."""
+    model = served.model
     known, scope = known or {}, served.adapter(req.model) or ""
     turns = []
     for i, m in enumerate(messages):
@@ -91,17 +156,14 @@ def faithful_chat_prompt(
                 turns.append(Turn(i, ids))
     segments = segment_encoder(model.tokenizer)
     if not turns or req.add_special_tokens or not segments.active:
-        ids = encode(model, text, "messages", special=req.add_special_tokens)
-        return checks.truncated(ids, req.truncate_prompt_tokens), 0
+        return None
     settings = {"tools": tools.template_tools(req.tools), "kwargs": _template_kwargs(req, True)}
     starts = chained(settings, messages)
 
     def head(i: int) -> str | None:
         return served.heads.get(starts[i], lambda: _head(req, model, messages[:i]))
 
-    spliced = splice(text, turns, head, _splice_tokenizer(model))
-    ids = checks.truncated(spliced.ids, req.truncate_prompt_tokens)
-    return ids, spliced.reused(len(spliced.ids) - len(ids))
+    return splice(text, turns, head, _splice_tokenizer(model))
 
 
 def _head(

@@ -130,5 +130,5 @@ def prompt_logprobs_fields(
     fixed = bool(req.logprob_token_ids)
     blank = frozenset(p for i in images for p in range(i.start, i.end))
     k = e.k if fixed else ((req.prompt_logprobs if asked is None else asked) or 0)
-    tails = writer.prompt_tails(e, k, fixed)
+    tails = writer.prompt_tails(e, k, fixed, blank)
     return f',"prompt_logprobs":{writer.prompt(e, k, fixed, blank)}{tails}'

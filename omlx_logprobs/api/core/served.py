@@ -17,6 +17,7 @@ from omlx_logprobs.api.core.bounds import model_bounds
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.heads import Heads
+from omlx_logprobs.api.core.kept_images import KeptImages
 from omlx_logprobs.api.core.sampled import MAX_ANSWERS, SampledStore
 from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.config import EngineConfig, Limits
@@ -66,6 +67,12 @@ class Served:
         """The prompt texts the answers were sampled after, kept for the next turns
         (api/core/heads.py)."""
         return Heads()
+
+    @cached_property
+    def kept_images(self) -> KeptImages:
+        """The images this model's requests brought, by hash, for the token routes to name
+        (api/core/kept_images.py)."""
+        return KeptImages()
 
     @cached_property
     def writers(self) -> Writers:

@@ -7,7 +7,8 @@ starts (`Run`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -32,11 +33,12 @@ async def respond(
     pool: ModelPool,
     req: Any,
     raw: Request,
-    start: Callable[[ModelSlot], Run],
+    start: Callable[[ModelSlot], Run | Awaitable[Run]],
     media: str = sse.SSE,
     name: str | None = None,
 ) -> Response:
-    """`name`: the model, when the body does not call it `model` (SGLang's)."""
+    """`name`: the model, when the body does not call it `model` (SGLang's). `start` may be
+    awaited: a request with images is prepared off the event loop (api/core/prepare.py)."""
     if not pool.ignore_unknown_fields:
         check_unknown(req, False)
     if pool.sleeping:  # vLLM's answer while asleep (docs/specs/rl.md, "Sleep and wake")
@@ -49,7 +51,8 @@ async def respond(
         )
     async with pool.use(name if name is not None else req.model) as slot:
         headers = slot.live.fields_headers(req)
-        run = start(slot)
+        started = start(slot)
+        run = await started if inspect.isawaitable(started) else started
         if req.stream:  # submitted by now: the engine counts it as in flight until it ends
             return sse.streaming(run.events(), media, headers)
         try:

@@ -19,7 +19,7 @@ from omlx_logprobs.api.core import sse
 from omlx_logprobs.api.core.description import Description, describe
 from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.pool import ModelPool
-from omlx_logprobs.api.core.prepare import Ask, prepare
+from omlx_logprobs.api.core.prepare import Ask, Prepared, prepared
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest
 from omlx_logprobs.api.core.response import finished
 from omlx_logprobs.api.core.served import Served
@@ -41,12 +41,21 @@ class OllamaRun:
     """One chat or generate request: prepared and submitted at once, then awaited or
     streamed."""
 
-    def __init__(self, req: OllamaChatRequest | OllamaGenerateRequest, served: Served) -> None:
+    def __init__(
+        self, req: OllamaChatRequest | OllamaGenerateRequest, served: Served, p: Prepared
+    ) -> None:
+        self.p = p
+        self.output = OllamaOutput(p, isinstance(req, OllamaChatRequest), req.model)
+        self.handle = p.submit(served)[0]
+
+    @classmethod
+    async def start(
+        cls, req: OllamaChatRequest | OllamaGenerateRequest, served: Served
+    ) -> OllamaRun:
+        """Prepared (off the event loop when it has images) and submitted."""
         inner = chat_request(req) if isinstance(req, OllamaChatRequest) else generate_request(req)
         ask = Ask.chat(inner) if isinstance(inner, ChatCompletionRequest) else Ask.completion(inner)
-        self.p = prepare(replace(ask, prefix="ollama-", names=NAMES), served)
-        self.output = OllamaOutput(self.p, isinstance(req, OllamaChatRequest), req.model)
-        self.handle = self.p.submit(served)[0]
+        return cls(req, served, await prepared(replace(ask, prefix="ollama-", names=NAMES), served))
 
     async def complete(self, raw: Request) -> str:
         outs = await finished([self.handle], raw)
@@ -115,7 +124,8 @@ def _model_info(d: Description, vocab_size: int) -> dict[str, Any]:
 def add_routes(app: FastAPI, pool: ModelPool) -> None:
     async def run(req: OllamaChatRequest | OllamaGenerateRequest, raw: Request) -> Response:
         req.model = _name(pool, req.model)
-        return await respond(pool, req, raw, lambda slot: OllamaRun(req, slot.live), sse.NDJSON)
+        start = lambda slot: OllamaRun.start(req, slot.live)  # noqa: E731
+        return await respond(pool, req, raw, start, sse.NDJSON)
 
     @app.post("/api/chat")
     async def chat(req: OllamaChatRequest, raw: Request) -> Response:

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from omlx_logprobs.api.core import sections, sse, tools
-from omlx_logprobs.api.core.prepare import Ask, Prepared, prepare
+from omlx_logprobs.api.core.prepare import Ask, Prepared, prepared
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest, NamedToolChoice
 from omlx_logprobs.api.core.response import (
     finished,
@@ -59,10 +59,14 @@ class ChatRun:
     """One chat completion: prepared and submitted at once (a bad request raises here, before
     any byte of a stream), then awaited whole or streamed."""
 
-    def __init__(self, req: ChatCompletionRequest, served: Served) -> None:
-        self.req, self.served = req, served
-        self.p = prepare(Ask.chat(req), served)
-        self.handle = self.p.submit(served)[0]
+    def __init__(self, req: ChatCompletionRequest, served: Served, p: Prepared) -> None:
+        self.req, self.served, self.p = req, served, p
+        self.handle = p.submit(served)[0]
+
+    @classmethod
+    async def start(cls, req: ChatCompletionRequest, served: Served) -> ChatRun:
+        """Prepared (off the event loop when it has images) and submitted."""
+        return cls(req, served, await prepared(Ask.chat(req), served))
 
     def flat(self) -> bool:
         """Whether every generated token's entry goes in logprobs.content (docs/specs/rl.md:

@@ -33,7 +33,7 @@ def add_routes(app: FastAPI, pool: ModelPool, created: int) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        return await respond(pool, req, raw, lambda slot: ChatRun(req, slot.live))
+        return await respond(pool, req, raw, lambda slot: ChatRun.start(req, slot.live))
 
     @app.post("/v1/completions")
     async def text_completions(req: CompletionRequest, raw: Request) -> Response:
@@ -41,7 +41,7 @@ def add_routes(app: FastAPI, pool: ModelPool, created: int) -> None:
 
     @app.post("/v1/chat/completions/tokens")
     async def chat_completions_tokens(req: ChatTokensRequest, raw: Request) -> Response:
-        return await respond(pool, req, raw, lambda slot: ChatRun(req, slot.live))
+        return await respond(pool, req, raw, lambda slot: ChatRun.start(req, slot.live))
 
     @app.post("/v1/embeddings")
     async def create_embeddings(req: EmbeddingRequest, raw: Request) -> Response:

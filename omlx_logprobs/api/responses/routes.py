@@ -20,7 +20,7 @@ from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.fields import check_unknown
 from omlx_logprobs.api.core.items import REASONING, TEXT, Item
 from omlx_logprobs.api.core.pool import ModelPool
-from omlx_logprobs.api.core.prepare import Ask, prepare
+from omlx_logprobs.api.core.prepare import Ask, Prepared, prepared
 from omlx_logprobs.api.core.response import finished
 from omlx_logprobs.api.core.served import Served
 from omlx_logprobs.api.core.serving import respond
@@ -43,25 +43,39 @@ class ResponseRun:
         req: ResponsesRequest,
         served: Served,
         store: ResponseStore,
-        local: ResponseStore | None = None,
+        local: ResponseStore | None,
+        said: tuple[list[dict[str, Any]], tuple[tuple[int, tuple[int, ...]], ...]],
+        p: Prepared,
     ) -> None:
-        self.req, self.store, self.local = req, store, local
+        self.req, self.store, self.local, self.p = req, store, local, p
+        self.conversation, self.answers = said
+        self.output = ResponseOutput(p, meta(_echoed(req), p.request_id, p.model), req.stream)
+        self.handle = p.submit(served)[0]
+
+    @classmethod
+    async def start(
+        cls,
+        req: ResponsesRequest,
+        served: Served,
+        store: ResponseStore,
+        local: ResponseStore | None = None,
+    ) -> ResponseRun:
+        """The conversation (the chain's, then the input), prepared (off the event loop when
+        it has images) and submitted."""
         history: list[dict[str, Any]] = []
-        self.answers: tuple[tuple[int, tuple[int, ...]], ...] = ()
+        answers: tuple[tuple[int, tuple[int, ...]], ...] = ()
         if req.previous_response_id is not None:
             stored = previous(req.previous_response_id, store, local)
-            history, self.answers = list(stored.conversation), stored.answers
-        self.conversation = history + input_messages(req.input)
-        check_calls(self.conversation)
-        chat = chat_request(req, self.conversation)
+            history, answers = list(stored.conversation), stored.answers
+        conversation = history + input_messages(req.input)
+        check_calls(conversation)
+        chat = chat_request(req, conversation)
         # the chain's answers by their index among the chat messages (instructions first)
-        first = len(chat.messages) - len(self.conversation)
-        sampled = {first + i: ids for i, ids in self.answers}
+        first = len(chat.messages) - len(conversation)
+        sampled = {first + i: ids for i, ids in answers}
         ask = replace(Ask.chat(chat, prefix="resp_", names=NAMES), sampled=sampled)
-        self.p = prepare(ask, served)
-        self.output = ResponseOutput(self.p, meta(_echoed(req), self.p.request_id, self.p.model),
-                                     req.stream)  # fmt: skip
-        self.handle = self.p.submit(served)[0]
+        p = await prepared(ask, served)
+        return cls(req, served, store, local, (conversation, answers), p)
 
     async def complete(self, raw: Request) -> str:
         outs = await finished([self.handle], raw)
@@ -175,7 +189,7 @@ def add_routes(app: FastAPI, pool: ModelPool, store: ResponseStore) -> None:
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request) -> Response:
-        return await respond(pool, req, raw, lambda slot: ResponseRun(req, slot.live, store))
+        return await respond(pool, req, raw, lambda slot: ResponseRun.start(req, slot.live, store))
 
     @app.post("/v1/responses/compact")
     async def compact_response(req: CompactRequest) -> dict[str, Any]:

@@ -52,7 +52,7 @@ def add_socket(app: FastAPI, pool: ModelPool, store: ResponseStore) -> None:
                 if not pool.ignore_unknown_fields:
                     check_unknown(req, False)
                 async with pool.use(req.model) as slot:
-                    run = ResponseRun(req, slot.live, store, local)
+                    run = await ResponseRun.start(req, slot.live, store, local)
                     async for event in run.events():
                         await ws.send_text(event_body(event))
             except APIError as e:

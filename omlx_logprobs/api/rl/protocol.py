@@ -35,6 +35,25 @@ class GenerateSampling(SamplingKnobs):
     output_kind: int | None = None  # vLLM's engine-side detail (the route sets it itself)
 
 
+class PlaceholderRange(_Model):
+    """One image's placeholder tokens in the prompt (vLLM's `PlaceholderRangeInfo`)."""
+
+    offset: int = Field(ge=0)
+    length: int = Field(ge=1)
+
+
+class MultiModalFeatures(_Model):
+    """vLLM's `features` of /inference/v1/generate, as its render route answers them: per
+    modality, each item's hash and placeholder range. `kwargs_data` (vLLM's serialized
+    tensors) and `mm_metadata` are not read: an image is found by its hash among those this
+    server read (api/core/kept_images.py)."""
+
+    mm_hashes: dict[str, list[str]] = Field(default_factory=dict)
+    mm_placeholders: dict[str, list[PlaceholderRange]] = Field(default_factory=dict)
+    kwargs_data: dict[str, list[str | None]] | None = None
+    mm_metadata: dict[str, list[str | None]] | None = None
+
+
 class GenerateRequest(_Open):
     """vLLM's `/inference/v1/generate` body (its tokens-in, tokens-out route): prompt ids and
     sampling params, no chat template, no text."""
@@ -54,8 +73,9 @@ class GenerateRequest(_Open):
     # (api/core/routed_experts.py).
     return_routed_experts: bool = False
     routed_experts: str | list[Any] | None = None
-    # Refused unless they ask for nothing (fields.UNSUPPORTED says why).
-    features: dict[str, Any] | None = None
+    # Images by their hashes and placeholder ranges (api/rl/features.py).
+    features: MultiModalFeatures | None = None
+    # Refused unless it asks for nothing (fields.UNSUPPORTED says why).
     kv_transfer_params: dict[str, Any] | None = None
 
 

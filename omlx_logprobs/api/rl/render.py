@@ -12,8 +12,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from omlx_logprobs.api.core.pool import ModelPool
-from omlx_logprobs.api.core.prepare import Ask, prepare
+from omlx_logprobs.api.core.prepare import Ask, prepare, prepared
 from omlx_logprobs.api.core.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from omlx_logprobs.api.rl.features import features_json
 from omlx_logprobs.api.rl.protocol import GenerateSampling
 from omlx_logprobs.types import EngineRequest
 
@@ -33,7 +34,7 @@ def generate_body(
     return {
         "request_id": f"{prefix}-{uuid.uuid4().hex}",
         "token_ids": ereq.prompt_ids,
-        "features": None,
+        "features": features_json(ereq.images),
         "sampling_params": sp,
         "model": req.model,
         "stream": req.stream,
@@ -53,7 +54,7 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
         async with pool.use(req.model) as slot:
             served = slot.live
             headers = served.fields_headers(req)
-            p = prepare(Ask.chat(req), served)
+            p = await prepared(Ask.chat(req), served)
             top = (req.top_logprobs or 0) if req.logprobs else None
             body = generate_body(req, p.first, "chatcmpl", top)
         return JSONResponse(body, headers=headers)

@@ -1,9 +1,12 @@
 """The tokenizer over HTTP, in vLLM's shapes (what lm-evaluation-harness's remote tokenizer reads):
-`POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`. They need the tokenizer alone: a
-model that is not loaded is not loaded for them (api/core/pool.py keeps or loads its tokenizer)."""
+`POST /tokenize` (chat messages with images: each image's placeholders expanded, as the chat
+route's prompt has them), `POST /detokenize`, `GET /tokenizer_info`. They need the tokenizer
+alone: a model that is not loaded is not loaded for them (api/core/pool.py keeps or loads its
+tokenizer)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI
@@ -11,8 +14,9 @@ from fastapi.responses import JSONResponse
 
 from omlx_logprobs.api.core import tools
 from omlx_logprobs.api.core.errors import APIError
+from omlx_logprobs.api.core.images import expand, image_parts
 from omlx_logprobs.api.core.pool import ModelPool
-from omlx_logprobs.api.core.prompts import encode
+from omlx_logprobs.api.core.prompts import encode, image_messages, read_images
 from omlx_logprobs.api.core.served import fields_headers
 from omlx_logprobs.api.core.validation import RequestLimits
 from omlx_logprobs.api.rl.protocol import DetokenizeRequest, TokenizeRequest
@@ -31,7 +35,8 @@ def tokenize(req: TokenizeRequest, model: Any, checks: RequestLimits) -> dict[st
         checks.check_text(req.prompt, "prompt")
         ids = encode(model, req.prompt, "prompt", special=add)
     else:
-        messages = tools.template_messages(req.messages or [])
+        parts = image_parts(req.messages or [])
+        messages = image_messages(req.messages or [])
         kwargs = dict(req.chat_template_kwargs or {})
         if req.continue_final_message:
             if req.add_generation_prompt:
@@ -52,7 +57,12 @@ def tokenize(req: TokenizeRequest, model: Any, checks: RequestLimits) -> dict[st
         except Exception as e:  # a template error is the request's fault
             raise APIError(f"The chat template could not render: {e}", param="messages") from None
         checks.check_text(text, "messages")
-        ids = encode(model, text, "messages", special=bool(req.add_special_tokens))
+        special = bool(req.add_special_tokens)
+        if parts:  # each image's placeholders expanded, as the chat route's prompt has them
+            images = read_images(model, checks.limits, parts)
+            ids = expand(model.vision, text, images, special)[0]
+        else:
+            ids = encode(model, text, "messages", special=special)
     out: dict[str, Any] = {
         "tokens": ids,
         "count": len(ids),
@@ -97,7 +107,10 @@ def add_routes(app: FastAPI, pool: ModelPool) -> None:
     @app.post("/tokenize")
     async def _tokenize(req: TokenizeRequest) -> JSONResponse:
         headers = fields_headers(req, pool.ignore_unknown_fields)
-        return JSONResponse(tokenize(req, *await pool.tokenizer(req.model)), headers=headers)
+        held = await pool.tokenizer(req.model)
+        if image_parts(req.messages or []):  # read and processed off the event loop
+            return JSONResponse(await asyncio.to_thread(tokenize, req, *held), headers=headers)
+        return JSONResponse(tokenize(req, *held), headers=headers)
 
     @app.post("/detokenize")
     async def _detokenize(req: DetokenizeRequest) -> JSONResponse:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from omlx_logprobs.api.core.errors import error_body
+from omlx_logprobs.api.core.errors import APIError, error_body
 from omlx_logprobs.api.core.prepare import Ask, sampling_params
 from omlx_logprobs.api.core.response import (
     prompt_logprobs_fields,
@@ -23,6 +23,7 @@ from omlx_logprobs.api.core.response import (
 )
 from omlx_logprobs.api.core.routed_experts import routed_experts_json, with_routing
 from omlx_logprobs.api.core.served import Served
+from omlx_logprobs.api.rl.features import images_of
 from omlx_logprobs.api.rl.protocol import GenerateRequest
 from omlx_logprobs.transport.client import merged
 from omlx_logprobs.types import EngineRequest, RequestOutput, cache_namespace
@@ -37,7 +38,13 @@ def engine_request(req: GenerateRequest, served: Served) -> tuple[str, EngineReq
     served.checks.check(req)
     constraint = served.checks.check(sp)
     served.checks.check_token_ids(req.token_ids, "token_ids")
+    if req.features is not None and sp.truncate_prompt_tokens is not None:
+        raise APIError(
+            "truncate_prompt_tokens cannot cut a prompt with images",
+            param="sampling_params.truncate_prompt_tokens",
+        )
     ids = served.checks.truncated(list(req.token_ids), sp.truncate_prompt_tokens)
+    images = images_of(req.features, ids, served)
     ask = Ask(sp, sp.max_tokens, sp.logprobs is not None, sp.logprobs or 0,
               sp.prompt_logprobs, prompt_param="token_ids")  # fmt: skip
     params = sampling_params(ask, served, len(ids), constraint)
@@ -47,7 +54,7 @@ def engine_request(req: GenerateRequest, served: Served) -> tuple[str, EngineReq
     ereq = EngineRequest(
         f"{rid}-{uuid.uuid4().hex[:8]}", ids, params, sp.n, stream=req.stream,
         adapter=served.adapter(name), cache_namespace=cache_namespace(req.cache_salt),
-        priority=req.priority, routed_experts=replay,
+        priority=req.priority, routed_experts=replay, images=images,
     )  # fmt: skip
     return rid, ereq
 
@@ -92,7 +99,8 @@ class GenerateRun:
         scored = outs[0].prompt_logprobs
         prompt = ',"prompt_logprobs":null'
         if ereq.params.prompt_logprobs is not None and scored is not None:
-            prompt = prompt_logprobs_fields(self.req.sampling_params, scored, self.writer)
+            sp = self.req.sampling_params
+            prompt = prompt_logprobs_fields(sp, scored, self.writer, images=ereq.images)
         return (
             f'{self._head()}"choices":[{choices}]{prompt},'
             f'"kv_transfer_params":null,"usage":{json.dumps(usage(outs))}'
