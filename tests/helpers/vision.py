@@ -136,16 +136,20 @@ def png_bytes(image: Any) -> bytes:
 
 
 class Reference:
-    """transformers' LLaVA in float32 on the same weights: log-softmax of each position."""
+    """transformers' model of the checkpoint (its config's architecture: LLaVA, Idefics3,
+    SmolVLM) in float32 on the same weights: log-softmax of each position."""
 
     def __init__(self, path: Path) -> None:
+        import json
+
         import torch
-        from transformers import LlavaForConditionalGeneration
+        import transformers
 
         self.torch = torch
-        self.model = LlavaForConditionalGeneration.from_pretrained(
-            str(path), dtype=torch.float32
-        ).eval()
+        arch = json.loads((path / "config.json").read_text())["architectures"][0]
+        self.model = (
+            getattr(transformers, arch).from_pretrained(str(path), dtype=torch.float32).eval()
+        )
 
     def logprobs(self, ids: list[int], pixels: np.ndarray | None = None) -> np.ndarray:
         torch = self.torch

@@ -162,9 +162,11 @@ def expand(
     spec: VisionSpec, text: str, images: list[Image], special: bool
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
     """The prompt's ids with each image's placeholder tokens expanded (the processor's own
-    expansion), and each image's pixel values and run of placeholders. Each image goes through
-    the processor alone too: its pixel values and how many placeholders it takes (two images
-    side by side make one run of placeholders)."""
+    expansion), and each image's pixel values and runs of placeholders. Each image goes through
+    the processor alone too: its pixel values, how many placeholders it takes (two images side
+    by side make one run of placeholders) and what lies from its first to its last (one run;
+    Idefics3's tiles, each a run after its row and column marker), which its place in the
+    prompt must repeat."""
     processor = spec.processor
     try:
         ids = _ids(processor(text=text, images=[i.picture for i in images], return_tensors="np",
@@ -178,7 +180,8 @@ def expand(
             f"The model's processor could not read the images: {e}", param=images[0].param
         ) from None
     at = [p for p, t in enumerate(ids) if t == spec.image_token_id]
-    counts = [_ids(a).count(spec.image_token_id) for a in alone]
+    owns = [_ids(a) for a in alone]
+    counts = [own.count(spec.image_token_id) for own in owns]
     if len(at) != sum(counts) or 0 in counts:
         raise APIError(
             f"The chat template placed {len(at)} image tokens for {len(images)} image(s) of"
@@ -186,14 +189,29 @@ def expand(
             param=images[0].param,
         )
     inputs, first = [], 0
-    for image, a, n in zip(images, alone, counts):
-        start = at[first]
-        if at[first + n - 1] != start + n - 1:
-            raise APIError(f"{image.param}: its image tokens are not together", image.param)
+    for image, a, own, n in zip(images, alone, owns, counts):
+        runs = _runs(at[first : first + n])
+        mine = [p for p, t in enumerate(own) if t == spec.image_token_id]
+        if ids[runs[0][0] : runs[-1][0] + runs[-1][1]] != own[mine[0] : mine[-1] + 1]:
+            raise APIError(
+                f"{image.param}: its image tokens are not as the processor places them",
+                param=image.param,
+            )
         pixels = np.asarray(a["pixel_values"], dtype=np.float32)
-        inputs.append(ImageInput(image.digest, pixels, start, n))
+        inputs.append(ImageInput(image.digest, pixels, runs))
         first += n
     return ids, tuple(inputs)
+
+
+def _runs(positions: list[int]) -> tuple[tuple[int, int], ...]:
+    """(start, count) of each run of consecutive positions."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return tuple(runs)
 
 
 def _ids(out: Any) -> list[int]:

@@ -1,0 +1,114 @@
+"""A tiny seeded random Idefics3 or SmolVLM (a SigLIP-shaped tower, the connector's pixel
+shuffle and projection, a 2-layer llama) built with transformers from a config and saved as
+transformers saves it (weights, processor, chat template; SmolLM2's tokenizer with the image,
+tile marker and row/column tokens these models' tokenizers have). Its reference forward is
+tests/helpers/vision.py's `Reference`.
+
+The Idefics3 cuts an image into tiles: scaled to 112 pixels on its longest side, then into
+56-pixel tiles (2 x 2, or 1 x 2 for a long one) and the whole image scaled to one more tile,
+each tile 4 placeholder tokens after its row and column marker. The SmolVLM scales an image to
+one tile (its longest side at most the tile's), 16 placeholders with the global-image marker,
+in the layout the hub's SmolVLM checkpoints have (`preprocessor_config.json` beside a
+`processor_config.json` naming SmolVLMProcessor, which transformers cannot build here: it
+needs num2words)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+MARKERS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
+]
+# SmolVLM's chat template, with a branch for a message whose content is a string
+TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
+    "{% else %}{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}"
+    "{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}"
+    "{{ line['text'] }}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def tiny_idefics3_dir(
+    out: Path, tokenizer_dir: Path, family: str = "idefics3", seed: int = 0
+) -> Path:
+    """`family`: "idefics3" (tiles of 56 pixels, patches of 14: 4 placeholders a tile; an
+    untied head) or "smolvlm" (one tile, patches of 7: 16 placeholders; the head tied to the
+    token embedding, so the checkpoint has no `lm_head`)."""
+    import torch
+    import transformers as tf
+
+    if (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    staged = out / "tokenizer-src"
+    staged.mkdir(exist_ok=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, staged / f.name)
+    tok = tf.AutoTokenizer.from_pretrained(str(staged))
+    tok.add_tokens(MARKERS, special_tokens=True)
+    shutil.rmtree(staged)
+    smol = family == "smolvlm"
+    text = tf.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49216,  # the tokenizer's 49,192 padded
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,  # SmolLM2's; transformers 5 writes it under rope_parameters
+        tie_word_embeddings=smol,
+        eos_token_id=2,
+    )
+    patch = 7 if smol else 14
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "image_size": 56, "patch_size": patch}  # fmt: skip
+    vision = (tf.SmolVLMVisionConfig if smol else tf.Idefics3VisionConfig)(**shape)
+    config = (tf.SmolVLMConfig if smol else tf.Idefics3Config)(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+        tie_word_embeddings=smol,
+    )
+    torch.manual_seed(seed)
+    cls = tf.SmolVLMForConditionalGeneration if smol else tf.Idefics3ForConditionalGeneration
+    model = cls(config).eval()
+    with torch.no_grad():  # logits with a spread: neither flat nor one-hot
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.15 if "embed_tokens" in name else 0.08)
+    model.save_pretrained(str(out))
+    seq_len = (56 // patch) ** 2 // 4  # the pixel shuffle: 2 x 2 patches a row
+    if smol:
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import (
+            SmolVLMImageProcessorPil,
+        )
+
+        images = SmolVLMImageProcessorPil(
+            size={"longest_edge": 56}, max_image_size={"longest_edge": 56}
+        )
+        images.save_pretrained(str(out))
+        processor = {"image_seq_len": seq_len, "processor_class": "SmolVLMProcessor"}
+        (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    else:
+        from transformers.models.idefics3.image_processing_pil_idefics3 import (
+            Idefics3ImageProcessorPil,
+        )
+
+        images = Idefics3ImageProcessorPil(
+            size={"longest_edge": 112}, max_image_size={"longest_edge": 56}
+        )
+        tf.Idefics3Processor(
+            image_processor=images, tokenizer=tok, image_seq_len=seq_len, chat_template=TEMPLATE
+        ).save_pretrained(str(out))
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(out))
+    return out
