@@ -1,0 +1,120 @@
+"""Images cut into tiles through the real server (`omlx-logprobs serve` under uvicorn, the
+engine in its own process) and the `openai` client: the tiny seeded random Idefics3 (an image
+in 2 x 2 tiles and the whole, each tile a run of placeholders after its row and column marker)
+and SmolVLM (one tile) of tests/helpers/idefics3.py; chosen-token, top-5 and prompt logprobs
+against transformers' float32 forward of the same weights and image (1e-4), null exactly at the
+placeholders (the markers between them are text, scored); the bad inputs' 400s."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+
+from omlx_logprobs.models.loader import LoadedModel, load_model
+from tests.helpers.idefics3 import tiny_idefics3_dir
+from tests.helpers.server import server_process
+from tests.helpers.vision import Reference, picture, png_bytes
+
+K = 5
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> dict[str, Path]:
+    return {
+        family: tiny_idefics3_dir(tmp_path_factory.mktemp(family), tokenizer_dir, family)
+        for family in ("idefics3", "smolvlm")
+    }
+
+
+@pytest.fixture(scope="module")
+def client(dirs: dict[str, Path]) -> Iterator[openai.OpenAI]:
+    args = ["--model", str(dirs["idefics3"]), "--served-model-name", "idefics3",
+            "--model", str(dirs["smolvlm"]), "--served-model-name", "smolvlm",
+            "--max-image-pixels", "40000", "--log-level", "warning"]  # fmt: skip
+    with server_process(args) as s:
+        yield openai.OpenAI(base_url=s.base + "/v1", api_key="-", max_retries=0, timeout=120)
+
+
+def data_url(image: Any) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+def ask(client: openai.OpenAI, model: str, url: str) -> Any:
+    return client.chat.completions.create(
+        model=model,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],  # fmt: skip
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=K,
+        extra_body={"prompt_logprobs": K, "return_token_ids": True},
+    )
+
+
+@pytest.mark.parametrize(
+    "family, size, runs", [("idefics3", (90, 70), 5), ("smolvlm", (90, 70), 1)]
+)
+def test_tiled_image_logprobs_against_transformers(
+    client: openai.OpenAI, dirs: dict[str, Path], family: str, size: tuple[int, int], runs: int
+) -> None:
+    model: LoadedModel = load_model(str(dirs[family]), weights=False)
+    assert model.vision is not None
+    image = picture(1, *size)
+    r = ask(client, family, data_url(image))
+    prompt, out = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
+    pixels = model.vision.processor.image_processor(image, return_tensors="np")["pixel_values"]
+    ref = Reference(dirs[family]).logprobs(prompt + out, pixels)
+    for j, entry in enumerate(r.choices[0].logprobs.content):
+        row = ref[len(prompt) - 1 + j]
+        assert out[j] == int(np.argmax(row))
+        assert abs(entry.logprob - row[out[j]]) < 1e-4
+        top = [t.logprob for t in entry.top_logprobs]
+        np.testing.assert_allclose(top, np.sort(row)[::-1][:K], atol=1e-4)
+    scored = r.model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(prompt)
+    token = model.vision.image_token_id
+    placeholders = [i for i, t in enumerate(prompt) if t == token]
+    assert len(placeholders) == runs * (4 if family == "idefics3" else 16)
+    starts = [p for p in placeholders if prompt[p - 1] != token]
+    assert len(starts) == runs  # each run after its marker, which is text
+    for i in range(1, len(prompt)):
+        if prompt[i] == token:
+            assert scored[i] is None
+            continue
+        entry = scored[i][str(prompt[i])]
+        assert abs(entry["logprob"] - ref[i - 1][prompt[i]]) < 1e-4
+        np.testing.assert_allclose(
+            sorted((e["logprob"] for e in scored[i].values()), reverse=True)[:K],
+            np.sort(ref[i - 1])[::-1][:K],
+            atol=1e-4,
+        )
+
+
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "not an image"),
+        ("data:image/png;base64," + base64.b64encode(png_bytes(picture(1))[:60]).decode(), ""),
+        (data_url(picture(1, 300, 300)), "300x300"),
+    ],
+)
+def test_bad_images_are_400s(client: openai.OpenAI, url: str, says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, "idefics3", url)
+    body = e.value.body
+    assert isinstance(body, dict) and body["param"] == "messages[0].content[0].image_url"
+    assert says in body["message"]
