@@ -4,12 +4,13 @@ processor's row, column and global-image markers between them (or one run, for a
 tile), served with the chosen-token, top-5 and prompt logprobs of transformers' float32 forward
 of the same weights and images (1e-4): whole prompts grouped with a text prompt, and prompts
 cut into chunks inside a tile and between tiles; a second turn about the same image from the
-prefix cache, the encoder run once."""
+prefix cache, the encoder run once; the same model from an mlx-vlm directory."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +128,30 @@ def test_second_turn_from_the_prefix_cache(served: tuple[LoadedModel, Reference]
     check(first, reference.logprobs(ids + list(first.output_ids), pixels_of(images)))
     turn = second.prompt_ids + list(second.output_ids)
     check(second, reference.logprobs(turn, pixels_of(images)))
+
+
+def test_an_mlx_vlm_directory(
+    served: tuple[LoadedModel, Reference], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The same model as mlx-vlm writes it (its names: `language_model.`, `vision_model.` with
+    the patch embedding in MLX's layout, `connector.`; SmolVLM's tied head has no
+    `lm_head`): the same logits and image rows."""
+    model, _ = served
+    from mlx_vlm.models.idefics3 import Model as MlxVlmIdefics3
+
+    out = tmp_path_factory.mktemp("mlx-vlm")
+    for f in model.path.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    weights = dict(mx.load(str(model.path / "model.safetensors")))  # type: ignore[arg-type]
+    named = MlxVlmIdefics3.sanitize(None, weights)  # its names (no use of the instance)
+    conv = "vision_model.embeddings.patch_embedding.weight"
+    named[conv] = named[conv].transpose(0, 2, 3, 1)
+    mx.save_safetensors(str(out / "model.safetensors"), named)
+    again = load_model(str(out))
+    ids, images = image_prompt(model, "Same?", [picture(7, 90, 70)])
+    probe = mx.array([ids[:12]])
+    np.testing.assert_array_equal(np.array(again.model(probe)), np.array(model.model(probe)))
+    a, b = encoder_of(model.model), encoder_of(again.model)
+    assert a is not None and b is not None
+    np.testing.assert_array_equal(np.array(a(images[0].pixels)), np.array(b(images[0].pixels)))
