@@ -15,8 +15,9 @@ needs num2words)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
+
+from tests.helpers.vision import tiny_llama_config, tokenizer_with
 
 MARKERS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
     f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
@@ -45,28 +46,10 @@ def tiny_idefics3_dir(
     if (out / "model.safetensors").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    staged = out / "tokenizer-src"
-    staged.mkdir(exist_ok=True)
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, staged / f.name)
-    tok = tf.AutoTokenizer.from_pretrained(str(staged))
-    tok.add_tokens(MARKERS, special_tokens=True)
-    shutil.rmtree(staged)
+    tok = tokenizer_with(out, tokenizer_dir, MARKERS)
     smol = family == "smolvlm"
-    text = tf.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=49216,  # the tokenizer's 49,192 padded
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,  # SmolLM2's; transformers 5 writes it under rope_parameters
-        tie_word_embeddings=smol,
-        eos_token_id=2,
-    )
+    # SmolLM2's rotary base, which transformers 5 writes under rope_parameters
+    text = tiny_llama_config(rope_theta=100000.0, tie=smol)
     patch = 7 if smol else 14
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 4, "image_size": 56, "patch_size": patch}  # fmt: skip

@@ -20,6 +20,7 @@ from omlx_logprobs.models.loader import LoadedModel, load_model
 from tests.helpers.idefics3 import tiny_idefics3_dir
 from tests.helpers.server import server_process
 from tests.helpers.vision import Reference, picture, png_bytes
+from tests.integration.test_vision import data_url
 
 K = 5
 
@@ -39,10 +40,6 @@ def client(dirs: dict[str, Path]) -> Iterator[openai.OpenAI]:
             "--max-image-pixels", "40000", "--log-level", "warning"]  # fmt: skip
     with server_process(args) as s:
         yield openai.OpenAI(base_url=s.base + "/v1", api_key="-", max_retries=0, timeout=120)
-
-
-def data_url(image: Any) -> str:
-    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
 
 def ask(client: openai.OpenAI, model: str, url: str) -> Any:
