@@ -49,6 +49,9 @@ class Family:
     processor: str
     # The text configs' model types that mlx-lm module reads (its language model's class).
     text_types: frozenset[str]
+    # The vision configs' model types its encoder builds (a config without one: transformers'
+    # default tower of the family, which is among them).
+    towers: frozenset[str]
     # mlx-lm's `get_model_classes` of the text half where mlx-lm's module of `text_model_type`
     # cannot read the checkpoint's weight names (models/vision_text.py); None: that module.
     classes: Callable[[dict[str, Any]], tuple[type, type]] | None = None
@@ -100,6 +103,12 @@ def text_config(config: dict[str, Any]) -> dict[str, Any] | None:
         raise ValueError(
             f"a {family} model with a {kind!r} text model is not served yet (its text model"
             f" must be one of {', '.join(sorted(spec.text_types))})"
+        )
+    tower = config["vision_config"].get("model_type")
+    if tower is not None and tower not in spec.towers:
+        raise ValueError(
+            f"a {family} model with a {tower!r} vision tower is not served yet (its tower must"
+            f" be one of {', '.join(sorted(spec.towers))})"
         )
     # transformers 5 writes the rotary base under `rope_parameters`, which mlx-lm's llama
     # does not read (it would take its default, 10,000), and ties the head by the top config
@@ -212,15 +221,18 @@ def _idefics3(path: Path, config: dict[str, Any]) -> Encoder:
     with `scale_factor` 2) and a projection."""
     import mlx.core as mx
     import mlx_vlm.models.idefics3 as family
+    import transformers
     from mlx_vlm.models.idefics3.idefics3 import Idefics3Connector
     from mlx_vlm.utils import update_module_configs
 
+    # The tower's config as transformers completes it: the hub's SmolVLM2 leaves out what its
+    # config class defaults (depth, width, activation, epsilon), which mlx-vlm's may not
+    vision = transformers.AutoConfig.from_pretrained(str(path)).vision_config.to_dict()
+    config = {**config, "vision_config": vision}
     cfg = family.ModelConfig.from_dict(config)
     cfg = update_module_configs(cfg, family, config, ["text", "vision"])
     tower = family.VisionModel(cfg.vision_config)
-    _exact_activation(
-        tower.encoder.layers, config["vision_config"].get("hidden_act", "gelu_pytorch_tanh")
-    )
+    _exact_activation(tower.encoder.layers, vision["hidden_act"])
     # mlx-vlm gives the last norm MLX's default epsilon (1e-5), not the config's (1e-6)
     tower.post_layernorm.eps = cfg.vision_config.layer_norm_eps
     connector = Idefics3Connector(cfg)
@@ -259,6 +271,12 @@ def _exact_activation(layers: Any, act: str) -> None:
         layer.mlp.activation_fn = nn.GELU(approx=_GELU[act])
 
 
+# The towers mlx-vlm's Idefics3 vision model builds: the names transformers and earlier
+# checkpoints give Idefics3's and SmolVLM's
+_IDEFICS3_TOWERS = frozenset(
+    {"idefics3", "idefics3_vision", "siglip_vision_model", "smolvlm_vision"}
+)
+
 FAMILIES: dict[str, Family] = {
     # mlx-lm's mistral3 module builds its language model as llama unless ministral3 or mistral4
     "llava": Family(
@@ -266,16 +284,28 @@ FAMILIES: dict[str, Family] = {
         _llava,
         "LlavaProcessor",
         frozenset({"llama", "mistral", "ministral3", "mistral4"}),
+        # not Pixtral-12B's `pixtral` tower (2D rotary positions, images of any shape)
+        frozenset({"clip_vision_model", "siglip_vision_model"}),
     ),
     # Idefics3's language half is llama's, under weight names of its own (vision_text.py)
     "idefics3": Family(
-        "mistral3", _idefics3, "Idefics3Processor", frozenset({"llama"}), idefics3_classes
+        "mistral3",
+        _idefics3,
+        "Idefics3Processor",
+        frozenset({"llama"}),
+        _IDEFICS3_TOWERS,
+        idefics3_classes,
     ),
     # SmolVLM is Idefics3 under another name. transformers' SmolVLMProcessor needs num2words
     # (for video frames' counts) and a video processor; for images it expands the prompt as
     # Idefics3Processor does (the same tile markers, the same image processor), which reads
     # the same checkpoint files.
     "smolvlm": Family(
-        "mistral3", _idefics3, "Idefics3Processor", frozenset({"llama"}), idefics3_classes
+        "mistral3",
+        _idefics3,
+        "Idefics3Processor",
+        frozenset({"llama"}),
+        _IDEFICS3_TOWERS,
+        idefics3_classes,
     ),
 }

@@ -10,7 +10,7 @@ each tile 4 placeholder tokens after its row and column marker. The SmolVLM scal
 one tile (its longest side at most the tile's), 16 placeholders with the global-image marker,
 in the layout the hub's SmolVLM checkpoints have (`preprocessor_config.json` beside a
 `processor_config.json` naming SmolVLMProcessor, which transformers cannot build here: it
-needs num2words)."""
+needs num2words; a vision config without the fields its class defaults)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,11 @@ def tiny_idefics3_dir(
         images.save_pretrained(str(out))
         processor = {"image_seq_len": seq_len, "processor_class": "SmolVLMProcessor"}
         (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
+        # the hub's SmolVLM2 config leaves out what SmolVLMVisionConfig defaults
+        saved = json.loads((out / "config.json").read_text())
+        for key in ("hidden_act", "layer_norm_eps", "num_channels"):
+            del saved["vision_config"][key]
+        (out / "config.json").write_text(json.dumps(saved, indent=2))
     else:
         from transformers.models.idefics3.image_processing_pil_idefics3 import (
             Idefics3ImageProcessorPil,

@@ -25,6 +25,9 @@ def test_families() -> None:
     qwen_text = {**llava, "text_config": {"model_type": "qwen2"}}
     with pytest.raises(ValueError, match="'qwen2' text model is not served yet"):
         text_config(qwen_text)
+    pixtral = {**llava, "vision_config": {"model_type": "pixtral"}}  # Pixtral-12B's
+    with pytest.raises(ValueError, match="'pixtral' vision tower is not served yet"):
+        text_config(pixtral)
 
 
 def test_idefics3_text_half() -> None:
