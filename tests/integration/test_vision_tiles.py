@@ -3,7 +3,8 @@ engine in its own process) and the `openai` client: the tiny seeded random Idefi
 in 2 x 2 tiles and the whole, each tile a run of placeholders after its row and column marker)
 and SmolVLM (one tile) of tests/helpers/idefics3.py; chosen-token, top-5 and prompt logprobs
 against transformers' float32 forward of the same weights and image (1e-4), null exactly at the
-placeholders (the markers between them are text, scored); the bad inputs' 400s."""
+placeholders (the markers between them are text, scored); the same answer through Anthropic's
+and Ollama's clients; the model list's `vision`; the bad inputs' 400s."""
 
 from __future__ import annotations
 
@@ -115,3 +116,41 @@ def test_bad_images_are_400s(client: openai.OpenAI, url: str, says: str) -> None
     body = e.value.body
     assert isinstance(body, dict) and body["param"] == "messages[0].content[0].image_url"
     assert says in body["message"]
+
+
+def test_every_api_and_the_model_list(client: openai.OpenAI) -> None:
+    """Anthropic's image block and Ollama's images, a tiled image each: the chat route's
+    answer and logprobs; `/v1/models` says both families take images."""
+    import anthropic
+    import ollama
+
+    image = picture(2, 90, 70)
+    chat = ask(client, "idefics3", data_url(image))
+    logprobs = [e.logprob for e in chat.choices[0].logprobs.content]
+    png = base64.b64encode(png_bytes(image)).decode()
+    base = str(client.base_url).removesuffix("/v1/")
+    claude = anthropic.Anthropic(base_url=base, api_key="-", max_retries=0, timeout=60)
+    m = claude.messages.create(
+        model="idefics3",
+        max_tokens=5,
+        messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}},
+            {"type": "text", "text": "What is this?"},
+        ]}],
+        extra_body={"temperature": 0, "logprobs": True, "top_logprobs": K},
+    )  # fmt: skip
+    block = m.model_dump()["content"][0]
+    assert block["text"] == chat.choices[0].message.content
+    np.testing.assert_allclose([e["logprob"] for e in block["logprobs"]], logprobs, atol=1e-4)
+    r = ollama.Client(host=base).chat(
+        model="idefics3",
+        messages=[{"role": "user", "content": "What is this?", "images": [png]}],
+        options={"temperature": 0, "num_predict": 5},
+        logprobs=True,
+        top_logprobs=K,
+    )
+    assert r.message.content == chat.choices[0].message.content
+    np.testing.assert_allclose([e.logprob for e in r.logprobs or []], logprobs, atol=1e-4)
+    listed = {m.id: m.model_extra for m in client.models.list().data}
+    assert listed["idefics3"]["capabilities"]["vision"] is True
+    assert listed["smolvlm"]["capabilities"]["vision"] is True
