@@ -5,12 +5,13 @@ tile marker and row/column tokens these models' tokenizers have). Its reference 
 tests/helpers/vision.py's `Reference`.
 
 The Idefics3 cuts an image into tiles: scaled to 112 pixels on its longest side, then into
-56-pixel tiles (2 x 2, or 1 x 2 for a long one) and the whole image scaled to one more tile,
+56-pixel tiles (2 x 2, or 2 x 1 for a tall one) and the whole image scaled to one more tile,
 each tile 4 placeholder tokens after its row and column marker. The SmolVLM scales an image to
-one tile (its longest side at most the tile's), 16 placeholders with the global-image marker,
-in the layout the hub's SmolVLM checkpoints have (`preprocessor_config.json` beside a
-`processor_config.json` naming SmolVLMProcessor, which transformers cannot build here: it
-needs num2words; a vision config without the fields its class defaults)."""
+one 112-pixel tile (its longest side no longer than a tile's), 16 placeholders (SmolVLM2's
+pixel shuffle, 4 x 4 patches a row) after the global-image marker, in the layout the hub's
+SmolVLM checkpoints have (`preprocessor_config.json` beside a `processor_config.json` naming
+SmolVLMProcessor, which transformers cannot build here: it needs num2words; a vision config
+without the fields its class defaults)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ TEMPLATE = (
 def tiny_idefics3_dir(
     out: Path, tokenizer_dir: Path, family: str = "idefics3", seed: int = 0
 ) -> Path:
-    """`family`: "idefics3" (tiles of 56 pixels, patches of 14: 4 placeholders a tile; an
-    untied head) or "smolvlm" (one tile, patches of 7: 16 placeholders; the head tied to the
-    token embedding, so the checkpoint has no `lm_head`)."""
+    """`family`: "idefics3" (tiles of 56 pixels, patches of 14, the pixel shuffle's 2 x 2
+    patches a row: 4 placeholders a tile; an untied head) or "smolvlm" (one tile of 112
+    pixels, patches of 7, SmolVLM2's 4 x 4 patches a row: 16 placeholders; the head tied to
+    the token embedding, so the checkpoint has no `lm_head`)."""
     import torch
     import transformers as tf
 
@@ -50,15 +52,15 @@ def tiny_idefics3_dir(
     smol = family == "smolvlm"
     # SmolLM2's rotary base, which transformers 5 writes under rope_parameters
     text = tiny_llama_config(rope_theta=100000.0, tie=smol)
-    patch = 7 if smol else 14
+    side, patch, scale = (112, 7, 4) if smol else (56, 14, 2)
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "image_size": 56, "patch_size": patch}  # fmt: skip
+             "num_attention_heads": 4, "image_size": side, "patch_size": patch}  # fmt: skip
     vision = (tf.SmolVLMVisionConfig if smol else tf.Idefics3VisionConfig)(**shape)
     config = (tf.SmolVLMConfig if smol else tf.Idefics3Config)(
         text_config=text,
         vision_config=vision,
         image_token_id=tok.convert_tokens_to_ids("<image>"),
-        scale_factor=2,
+        scale_factor=scale,
         tie_word_embeddings=smol,
     )
     torch.manual_seed(seed)
@@ -69,14 +71,14 @@ def tiny_idefics3_dir(
             if "norm" not in name:
                 p.normal_(0, 0.15 if "embed_tokens" in name else 0.08)
     model.save_pretrained(str(out))
-    seq_len = (56 // patch) ** 2 // 4  # the pixel shuffle: 2 x 2 patches a row
+    seq_len = (side // patch) ** 2 // scale**2
     if smol:
         from transformers.models.smolvlm.image_processing_pil_smolvlm import (
             SmolVLMImageProcessorPil,
         )
 
         images = SmolVLMImageProcessorPil(
-            size={"longest_edge": 56}, max_image_size={"longest_edge": 56}
+            size={"longest_edge": side}, max_image_size={"longest_edge": side}
         )
         images.save_pretrained(str(out))
         processor = {"image_seq_len": seq_len, "processor_class": "SmolVLMProcessor"}
