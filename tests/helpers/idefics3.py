@@ -23,15 +23,14 @@ from tests.helpers.vision import tiny_llama_config, tokenizer_with
 MARKERS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
     f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
 ]
-# SmolVLM's chat template, with a branch for a message whose content is a string
+# SmolVLM's chat template as the hub has it: a message's content read only as parts (a string
+# content is given to it as one text part: api/core/parts.py)
 TEMPLATE = (
-    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
-    "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
-    "{% else %}{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}"
-    "{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}"
-    "{{ line['text'] }}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
-    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 
 

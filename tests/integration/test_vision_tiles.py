@@ -154,3 +154,30 @@ def test_every_api_and_the_model_list(client: openai.OpenAI) -> None:
     listed = {m.id: m.model_extra for m in client.models.list().data}
     assert listed["idefics3"]["capabilities"]["vision"] is True
     assert listed["smolvlm"]["capabilities"]["vision"] is True
+
+
+def test_string_contents_for_a_template_of_parts(
+    client: openai.OpenAI, dirs: dict[str, Path]
+) -> None:
+    """The SmolVLM's hub template reads content only as parts: a system prompt, an earlier
+    answer and a text turn given as strings are in the prompt, with and without an image."""
+    tokenizer = load_model(str(dirs["smolvlm"]), weights=False).tokenizer
+    image = {"type": "image_url", "image_url": {"url": data_url(picture(3))}}
+    turns: list[Any] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": "A cat."},
+        {"role": "user", "content": "And its colour?"},
+    ]
+    for messages in (turns, [turns[0], turns[3]]):
+        r = client.chat.completions.create(
+            model="smolvlm",
+            messages=messages,
+            max_tokens=1,
+            extra_body={"return_token_ids": True},
+        )
+        prompt = tokenizer.decode(r.model_extra["prompt_token_ids"])
+        for text in ("System: Be brief.", "User: And its colour?"):
+            assert text in prompt
+        assert ("Assistant: A cat." in prompt) == (messages is turns)
+        assert prompt.count("<image>") == (16 if messages is turns else 0)
