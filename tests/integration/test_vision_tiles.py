@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -160,7 +161,8 @@ def test_string_contents_for_a_template_of_parts(
     client: openai.OpenAI, dirs: dict[str, Path]
 ) -> None:
     """The SmolVLM's hub template reads content only as parts: a system prompt, an earlier
-    answer and a text turn given as strings are in the prompt, with and without an image."""
+    answer and a text turn given as strings are in the prompt, with and without an image, and
+    in vLLM's /tokenize."""
     tokenizer = load_model(str(dirs["smolvlm"]), weights=False).tokenizer
     image = {"type": "image_url", "image_url": {"url": data_url(picture(3))}}
     turns: list[Any] = [
@@ -181,3 +183,8 @@ def test_string_contents_for_a_template_of_parts(
             assert text in prompt
         assert ("Assistant: A cat." in prompt) == (messages is turns)
         assert prompt.count("<image>") == (16 if messages is turns else 0)
+    # vLLM's /tokenize renders the text-only chat as the chat route does
+    base = str(client.base_url).removesuffix("/v1/")
+    body = {"model": "smolvlm", "messages": [turns[0], turns[3]]}
+    tokens = httpx.post(base + "/tokenize", json=body, timeout=60).json()["tokens"]
+    assert tokens == r.model_extra["prompt_token_ids"]

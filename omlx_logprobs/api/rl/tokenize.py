@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from omlx_logprobs.api.core import tools
+from omlx_logprobs.api.core import parts, tools
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.core.prompts import encode
@@ -43,7 +43,7 @@ def tokenize(req: TokenizeRequest, model: Any, checks: RequestLimits) -> dict[st
             kwargs["continue_final_message"] = True
         try:
             text = tok.apply_chat_template(
-                messages,
+                parts.as_parts(messages, tok),  # as the chat route renders them
                 tools=tools.template_tools(req.tools),
                 add_generation_prompt=req.add_generation_prompt,
                 tokenize=False,
