@@ -271,10 +271,19 @@ def _exact_activation(layers: Any, act: str) -> None:
         layer.mlp.activation_fn = nn.GELU(approx=_GELU[act])
 
 
-# The towers mlx-vlm's Idefics3 vision model builds: the names transformers and earlier
-# checkpoints give Idefics3's and SmolVLM's
-_IDEFICS3_TOWERS = frozenset(
-    {"idefics3", "idefics3_vision", "siglip_vision_model", "smolvlm_vision"}
+# Idefics3's language half is llama's, under weight names of its own (vision_text.py); its
+# towers are those mlx-vlm's Idefics3 vision model builds (the names transformers and earlier
+# checkpoints give Idefics3's and SmolVLM's). SmolVLM is Idefics3 under another name:
+# transformers' SmolVLMProcessor needs num2words (for video frames' counts) and a video
+# processor; for images it expands the prompt as Idefics3Processor does (the same tile
+# markers, the same image processor), which reads the same checkpoint files.
+_IDEFICS3 = Family(
+    "mistral3",
+    _idefics3,
+    "Idefics3Processor",
+    frozenset({"llama"}),
+    frozenset({"idefics3", "idefics3_vision", "siglip_vision_model", "smolvlm_vision"}),
+    idefics3_classes,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -287,25 +296,6 @@ FAMILIES: dict[str, Family] = {
         # not Pixtral-12B's `pixtral` tower (2D rotary positions, images of any shape)
         frozenset({"clip_vision_model", "siglip_vision_model"}),
     ),
-    # Idefics3's language half is llama's, under weight names of its own (vision_text.py)
-    "idefics3": Family(
-        "mistral3",
-        _idefics3,
-        "Idefics3Processor",
-        frozenset({"llama"}),
-        _IDEFICS3_TOWERS,
-        idefics3_classes,
-    ),
-    # SmolVLM is Idefics3 under another name. transformers' SmolVLMProcessor needs num2words
-    # (for video frames' counts) and a video processor; for images it expands the prompt as
-    # Idefics3Processor does (the same tile markers, the same image processor), which reads
-    # the same checkpoint files.
-    "smolvlm": Family(
-        "mistral3",
-        _idefics3,
-        "Idefics3Processor",
-        frozenset({"llama"}),
-        _IDEFICS3_TOWERS,
-        idefics3_classes,
-    ),
+    "idefics3": _IDEFICS3,
+    "smolvlm": _IDEFICS3,
 }
