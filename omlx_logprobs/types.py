@@ -238,17 +238,42 @@ class ToolParsing:
 @dataclass(frozen=True)
 class ImageInput:
     """One image of a prompt: its content's hash (what the encoder's cache and the prefix
-    cache key it by), its pixel values as the model's processor computed them [1, C, H, W]
-    float32, and the run of placeholder tokens its embeddings take in the prompt."""
+    cache key it by), its pixel values as the model's processor computed them ([1, C, H, W]
+    float32; Idefics3's [1, tiles, C, H, W]), and the runs of placeholder tokens its
+    embeddings take in the prompt: one run (LLaVA's), or several with the processor's own
+    tokens between them (Idefics3's tiles, each after its row and column marker). The encoder
+    gives one row per placeholder, in prompt order."""
 
     digest: str  # hex SHA-256 of the image file's bytes
     pixels: np.ndarray
-    start: int  # the prompt position of its first placeholder token
-    length: int  # its placeholder tokens: the rows the encoder gives
+    runs: tuple[tuple[int, int], ...]  # (prompt position of its first placeholder, count)
+
+    @property
+    def start(self) -> int:
+        """The prompt position of its first placeholder token."""
+        return self.runs[0][0]
 
     @property
     def end(self) -> int:
-        return self.start + self.length
+        """One past its last placeholder token."""
+        return self.runs[-1][0] + self.runs[-1][1]
+
+    @property
+    def length(self) -> int:
+        """Its placeholder tokens: the rows the encoder gives."""
+        return sum(n for _, n in self.runs)
+
+    def placed(self) -> list[tuple[int, int, int]]:
+        """(prompt position, count, the encoder's row) of each run."""
+        out, row = [], 0
+        for start, n in self.runs:
+            out.append((start, n, row))
+            row += n
+        return out
+
+    def positions(self) -> list[int]:
+        """Every placeholder position, in order."""
+        return [p for start, n in self.runs for p in range(start, start + n)]
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,20 @@ from typing import Any, TypeGuard
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 
 from omlx_logprobs.models.card import native_context
 from omlx_logprobs.models.dtype import apply_dtype
 from omlx_logprobs.models.headless import is_headless, load_headless
 from omlx_logprobs.models.padded_batch import fit_for_padded_batches
-from omlx_logprobs.models.vision import VisionSpec, load_encoder, text_config, vision_spec
+from omlx_logprobs.models.vision import (
+    VisionSpec,
+    load_encoder,
+    text_classes,
+    text_config,
+    vision_spec,
+)
 from omlx_logprobs.vocab import Vocabulary, build_vocabulary
 
 log = logging.getLogger("omlx_logprobs")
@@ -94,9 +101,7 @@ def load_model(
     if weights and is_headless(path):  # a base model's weights alone (Qwen3-Embedding's)
         net, wrapper, config = load_headless(path)
     elif weights:  # a vision checkpoint's language half as mlx-lm reads it (models/vision.py)
-        net, wrapper, config = mlx_lm_load(  # type: ignore[misc]
-            str(path), model_config=text_config(raw), return_config=True
-        )
+        net, wrapper, config = _mlx_lm(path, raw)
         load_encoder(net, path, raw)
     else:
         net, config = None, raw
@@ -129,6 +134,16 @@ def load_model(
         max_model_len=max_len,
         vision=vision_spec(path, raw),
     )
+
+
+def _mlx_lm(path: Path, raw: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """The model, tokenizer and config as mlx-lm loads them; a vision checkpoint's text half
+    with the model classes of its family where no mlx-lm module reads its weights."""
+    classes = text_classes(raw)
+    if classes is None:
+        return mlx_lm_load(str(path), model_config=text_config(raw), return_config=True)  # type: ignore[return-value]
+    net, config = mlx_lm_load_model(path, model_config=text_config(raw), get_model_classes=classes)
+    return net, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")), config
 
 
 def logits_width(net: Any) -> int:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omlx_logprobs.models.vision_text import idefics3_classes
+
 __all__ = [
     "Encoder",
     "Family",
@@ -24,6 +26,7 @@ __all__ = [
     "family_of",
     "load_encoder",
     "serves_images",
+    "text_classes",
     "text_config",
     "vision_spec",
 ]
@@ -46,6 +49,12 @@ class Family:
     processor: str
     # The text configs' model types that mlx-lm module reads (its language model's class).
     text_types: frozenset[str]
+    # The vision configs' model types its encoder builds (a config without one: transformers'
+    # default tower of the family, which is among them).
+    towers: frozenset[str]
+    # mlx-lm's `get_model_classes` of the text half where mlx-lm's module of `text_model_type`
+    # cannot read the checkpoint's weight names (models/vision_text.py); None: that module.
+    classes: Callable[[dict[str, Any]], tuple[type, type]] | None = None
 
 
 @dataclass(frozen=True)
@@ -101,13 +110,36 @@ def text_config(config: dict[str, Any]) -> dict[str, Any] | None:
     family = family_of(config)
     if family is None:
         return None
-    spec, text = FAMILIES[family], str(config.get("text_config", {}).get("model_type", ""))
-    if text not in spec.text_types:
+    spec, text = FAMILIES[family], dict(config.get("text_config", {}))
+    kind = str(text.get("model_type", ""))
+    if kind not in spec.text_types:
         raise ValueError(
-            f"a {family} model with a {text!r} text model is not served yet (its text model"
+            f"a {family} model with a {kind!r} text model is not served yet (its text model"
             f" must be one of {', '.join(sorted(spec.text_types))})"
         )
-    return {"model_type": spec.text_model_type}
+    tower = config["vision_config"].get("model_type")
+    if tower is not None and tower not in spec.towers:
+        raise ValueError(
+            f"a {family} model with a {tower!r} vision tower is not served yet (its tower must"
+            f" be one of {', '.join(sorted(spec.towers))})"
+        )
+    # transformers 5 writes the rotary base under `rope_parameters`, which mlx-lm's llama
+    # does not read (it would take its default, 10,000), and ties the head by the top config
+    rope = text.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        text.setdefault("rope_theta", rope["rope_theta"])
+    if rope.get("rope_type", "default") != "default":
+        text.setdefault("rope_scaling", rope)
+    if "tie_word_embeddings" in config:
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return {"model_type": spec.text_model_type, "text_config": text}
+
+
+def text_classes(config: dict[str, Any]) -> Callable[[dict[str, Any]], tuple[type, type]] | None:
+    """mlx-lm's `get_model_classes` for a vision checkpoint's text half, None where mlx-lm's
+    own module reads it (a text model, LLaVA)."""
+    family = family_of(config)
+    return None if family is None else FAMILIES[family].classes
 
 
 def vision_spec(path: Path, config: dict[str, Any]) -> VisionSpec | None:
@@ -118,7 +150,7 @@ def vision_spec(path: Path, config: dict[str, Any]) -> VisionSpec | None:
     import transformers
 
     processor = getattr(transformers, FAMILIES[family].processor).from_pretrained(str(path))
-    return VisionSpec(family, processor, int(config["image_token_index"]))
+    return VisionSpec(family, processor, _image_token(config))
 
 
 def load_encoder(net: Any, path: Path, config: dict[str, Any]) -> None:
@@ -126,6 +158,12 @@ def load_encoder(net: Any, path: Path, config: dict[str, Any]) -> None:
     family = family_of(config)
     if family is not None:
         object.__setattr__(net, _ATTR, FAMILIES[family].build(path, config))
+
+
+def _image_token(config: dict[str, Any]) -> int:
+    """The placeholder's id: LLaVA's config names it `image_token_index`, Idefics3's
+    `image_token_id`."""
+    return int(config["image_token_index" if "image_token_index" in config else "image_token_id"])
 
 
 def encoder_of(net: Any) -> Encoder | None:
@@ -165,26 +203,20 @@ def _llava(path: Path, config: dict[str, Any]) -> Encoder:
     cfg = family.ModelConfig.from_dict(config)
     cfg = update_module_configs(cfg, family, config, ["text", "vision"])
     tower = family.VisionModel(cfg.vision_config)
-    _exact_activation(tower, config["vision_config"].get("hidden_act", "quick_gelu"))
+    act = config["vision_config"].get("hidden_act", "quick_gelu")
+    _exact_activation(tower.vision_model.encoder.layers, act)
     projector = LlavaMultiModalProjector(cfg)
 
-    def update(weights: dict[str, Any]) -> Callable[[], None] | None:
+    def tower_weights(weights: dict[str, Any]) -> dict[str, Any]:
         # transformers 5 writes the tower's modules without CLIPVisionModel's `vision_model.`
         tw = {k if k.startswith("vision_model.") else f"vision_model.{k}": v
               for k, v in _under(weights, "vision_tower.").items()}  # fmt: skip
-        pw = _under(weights, "multi_modal_projector.")
-        if not tw and not pw:
-            return None
-        checked = [(tower, _fitted(tower, tower.sanitize(tw), "vision tower")),
-                   (projector, _fitted(projector, pw, "projector"))]  # fmt: skip
+        return tower.sanitize(tw) if tw else {}
 
-        def apply() -> None:
-            for module, arrays in checked:
-                module.load_weights(arrays)
-            mx.eval(tower.parameters(), projector.parameters())
-
-        return apply
-
+    update = _updating(
+        (tower, tower_weights, "vision tower"),
+        (projector, lambda w: _under(w, "multi_modal_projector."), "projector"),
+    )
     put = update(_weights(path))
     assert put is not None, "a LLaVA checkpoint without its vision tower's weights"
     put()
@@ -199,7 +231,29 @@ def _llava(path: Path, config: dict[str, Any]) -> Encoder:
             chosen = chosen[:, 1:]
         return projector(chosen).reshape(-1, projector.linear_2.weight.shape[0])
 
-    return Encoder(forward, int(config["image_token_index"]), update)
+    return Encoder(forward, _image_token(config), update)
+
+
+def _updating(*parts: tuple[Any, Callable[[dict[str, Any]], dict[str, Any]], str]) -> Update:
+    """An encoder's `Update` over its modules: each (module, what of a checkpoint's weights is
+    its own, its name in errors); every module's new weights checked before any is replaced."""
+
+    def update(weights: dict[str, Any]) -> Callable[[], None] | None:
+        import mlx.core as mx
+
+        found = [(module, pick(weights), what) for module, pick, what in parts]
+        if not any(w for _, w, _ in found):
+            return None
+        checked = [(module, _fitted(module, w, what)) for module, w, what in found]
+
+        def apply() -> None:
+            for module, arrays in checked:
+                module.load_weights(arrays)
+            mx.eval([module.parameters() for module, _ in checked])
+
+        return apply
+
+    return update
 
 
 def _fitted(module: Any, weights: dict[str, Any], what: str) -> list[tuple[str, Any]]:
@@ -220,20 +274,81 @@ def _fitted(module: Any, weights: dict[str, Any], what: str) -> list[tuple[str, 
     return [(n, w.astype(own[n].dtype)) for n, w in weights.items()]
 
 
+def _idefics3(path: Path, config: dict[str, Any]) -> Encoder:
+    """Idefics3 (and SmolVLM): a SigLIP-shaped tower over each tile of an image (the
+    processor cuts it into rows and columns of tiles and adds the whole image, scaled down, as
+    the last), then the connector: a pixel shuffle (each 2 x 2 block of patches into one row,
+    with `scale_factor` 2) and a projection."""
+    import mlx.core as mx
+    import mlx_vlm.models.idefics3 as family
+    import transformers
+    from mlx_vlm.models.idefics3.idefics3 import Idefics3Connector
+    from mlx_vlm.utils import update_module_configs
+
+    # The tower's config as transformers completes it: the hub's SmolVLM2 leaves out what its
+    # config class defaults (depth, width, activation, epsilon), which mlx-vlm's may not
+    vision = transformers.AutoConfig.from_pretrained(str(path)).vision_config.to_dict()
+    config = {**config, "vision_config": vision}
+    cfg = family.ModelConfig.from_dict(config)
+    cfg = update_module_configs(cfg, family, config, ["text", "vision"])
+    tower = family.VisionModel(cfg.vision_config)
+    _exact_activation(tower.encoder.layers, vision["hidden_act"])
+    # mlx-vlm gives the last norm MLX's default epsilon (1e-5), not the config's (1e-6)
+    tower.post_layernorm.eps = cfg.vision_config.layer_norm_eps
+    connector = Idefics3Connector(cfg)
+
+    update = _updating(
+        (tower, lambda w: tower.sanitize(_under(w, "vision_model.")), "vision tower"),
+        (connector, lambda w: _under(w, "connector."), "connector"),
+    )
+    put = update(_weights(path))
+    assert put is not None, "an Idefics3 checkpoint without its vision tower's weights"
+    put()
+    patch, hidden = cfg.vision_config.patch_size, cfg.text_config.hidden_size
+
+    def forward(pixels: Any) -> Any:
+        tiles = mx.array(pixels).reshape(-1, *pixels.shape[-3:]).transpose(0, 2, 3, 1)
+        # Every patch of a tile is the image's (an image processed alone is cut into whole
+        # tiles, none padded); the mask has the tower put a tile smaller than its native size
+        # on its grid of positions, as transformers does.
+        n, h, w, _ = tiles.shape
+        mask = mx.ones((n, h // patch, w // patch), dtype=mx.bool_)
+        states, *_ = tower(tiles, patch_attention_mask=mask)
+        return connector(states).reshape(-1, hidden)
+
+    return Encoder(forward, _image_token(config), update)
+
+
 # The tower's activation as transformers names it, as MLX's GELU computes it.
 _GELU = {"quick_gelu": "fast", "gelu_pytorch_tanh": "precise", "gelu": "none"}
 
 
-def _exact_activation(tower: Any, act: str) -> None:
+def _exact_activation(layers: Any, act: str) -> None:
     """mlx-vlm's LLaVA tower computes every MLP with CLIP's quick GELU; SigLIP's is the tanh
-    approximation (1e-4 apart in the logprobs of a tiny model): the config's own."""
+    approximation (1e-4 apart in the logprobs of a tiny model): the config's own, in each of
+    the tower's encoder layers."""
     import mlx.nn as nn
 
     if act not in _GELU:
         raise ValueError(f"a vision tower with the activation {act!r} is not served yet")
-    for layer in tower.vision_model.encoder.layers:
+    for layer in layers:
         layer.mlp.activation_fn = nn.GELU(approx=_GELU[act])
 
+
+# Idefics3's language half is llama's, under weight names of its own (vision_text.py); its
+# towers are those mlx-vlm's Idefics3 vision model builds (the names transformers and earlier
+# checkpoints give Idefics3's and SmolVLM's). SmolVLM is Idefics3 under another name:
+# transformers' SmolVLMProcessor needs num2words (for video frames' counts) and a video
+# processor; for images it expands the prompt as Idefics3Processor does (the same tile
+# markers, the same image processor), which reads the same checkpoint files.
+_IDEFICS3 = Family(
+    "mistral3",
+    _idefics3,
+    "Idefics3Processor",
+    frozenset({"llama"}),
+    frozenset({"idefics3", "idefics3_vision", "siglip_vision_model", "smolvlm_vision"}),
+    idefics3_classes,
+)
 
 FAMILIES: dict[str, Family] = {
     # mlx-lm's mistral3 module builds its language model as llama unless ministral3 or mistral4
@@ -242,5 +357,9 @@ FAMILIES: dict[str, Family] = {
         _llava,
         "LlavaProcessor",
         frozenset({"llama", "mistral", "ministral3", "mistral4"}),
+        # not Pixtral-12B's `pixtral` tower (2D rotary positions, images of any shape)
+        frozenset({"clip_vision_model", "siglip_vision_model"}),
     ),
+    "idefics3": _IDEFICS3,
+    "smolvlm": _IDEFICS3,
 }

@@ -3,7 +3,8 @@ vision encoder (models/vision.py) once per image content and kept by its hash (b
 recently used first out), put at the image's placeholder tokens in place of their token
 embeddings. Prefill asks for the input embeddings of a forward's rows (`inputs`): a
 left-padded group of whole prompts, or one chunk of one prompt, which may cut an image (its
-rows then go half to each chunk)."""
+rows then go half to each chunk). An image's rows fill its runs of placeholder tokens in order
+(one run, or several with the processor's tokens between them: Idefics3's tiles)."""
 
 from __future__ import annotations
 
@@ -89,16 +90,18 @@ class ImageEmbedder:
         its column 0 (negative in a left-padded row: its padding is before position 0)."""
         width = ids.shape[1]
         placed = [
-            (r, shift, image)
+            (r, shift, image, start, n, row)
             for r, (seq, shift) in enumerate(rows)
             for image in seq.images
             if image.start < shift + width and image.end > shift
+            for start, n, row in image.placed()
+            if start < shift + width and start + n > shift
         ]
         if not placed:
             return None
         h = self.embed(ids)
-        for r, shift, image in placed:
-            a, b = max(image.start, shift), min(image.end, shift + width)
-            rows_ = self.features(image)[a - image.start : b - image.start]
+        for r, shift, image, start, n, row in placed:
+            a, b = max(start, shift), min(start + n, shift + width)
+            rows_ = self.features(image)[row + a - start : row + b - start]
             h[r, a - shift : b - shift, :] = rows_.astype(h.dtype)
         return h

@@ -97,6 +97,26 @@ def check(rec: Record, ref: np.ndarray) -> None:
         np.testing.assert_allclose(np.array(lps), np.sort(row)[::-1][:K], atol=1e-4)
 
 
+def two_turns(
+    engine: Engine, ids: list[int], images: tuple[ImageInput, ...], more: list[int]
+) -> tuple[Record, Record]:
+    """A first turn about the images, then a second: the first's prompt and answer and
+    `more`, the same images in their places."""
+    client = client_of(engine)
+    first_req = EngineRequest("a", ids, params(prompt=False), stream=True, images=images)
+
+    async def conversation() -> tuple[Record, Record]:
+        first = Record(first_req, (await collect_outputs(client, first_req))[0])
+        turn = ids + list(first.output_ids) + more
+        req = EngineRequest("b", turn, params(prompt=False), stream=True, images=images)
+        return first, Record(req, (await collect_outputs(client, req))[0])
+
+    try:
+        return asyncio.run(conversation())
+    finally:
+        client.shutdown()
+
+
 @pytest.mark.parametrize(
     "chunk, scored", [(8, True), (None, True), (None, False)], ids=["chunks", "groups", "plain"]
 )
@@ -138,20 +158,8 @@ def test_encoder_once_and_second_turn_from_the_prefix_cache(
     assert isinstance(vision, ImageEmbedder)
     got = np.array(vision.encoder(images[0].pixels).astype(mx.float32))  # not kept: a look
     np.testing.assert_allclose(got, reference.image_rows(images[0].pixels), atol=1e-5)
-    client = client_of(engine)
-    first_req = EngineRequest("a", ids, params(prompt=False), stream=True, images=images)
     more = list(llava.tokenizer.encode("\nAnd the colours?"))
-
-    async def conversation() -> tuple[Record, Record]:
-        first = Record(first_req, (await collect_outputs(client, first_req))[0])
-        turn = ids + list(first.output_ids) + more
-        req = EngineRequest("b", turn, params(prompt=False), stream=True, images=images)
-        return first, Record(req, (await collect_outputs(client, req))[0])
-
-    try:
-        first, second = asyncio.run(conversation())
-    finally:
-        client.shutdown()
+    first, second = two_turns(engine, ids, images, more)
     assert vision.encoded == 1
     assert first.cached_tokens == 0 and second.cached_tokens >= len(ids)
     check(first, reference.logprobs(ids + list(first.output_ids), images[0].pixels))

@@ -31,9 +31,7 @@ def tiny_llava_dir(
     checks a response `completed` needs one that stops)."""
     import torch
     from transformers import (
-        AutoTokenizer,
         CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
@@ -45,27 +43,8 @@ def tiny_llava_dir(
     if (out / "model.safetensors").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    staged = out / "tokenizer-src"
-    staged.mkdir(exist_ok=True)
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, staged / f.name)
-    tok = AutoTokenizer.from_pretrained(str(staged))
-    tok.add_tokens([IMAGE_TOKEN], special_tokens=True)
-    shutil.rmtree(staged)
-    text = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=49216,  # the tokenizer's 49,153 padded
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-    )
+    tok = tokenizer_with(out, tokenizer_dir, [IMAGE_TOKEN])
+    text = tiny_llama_config()
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 4, "image_size": SIDE, "patch_size": 14}  # fmt: skip
     clip = tower == "clip"
@@ -119,6 +98,41 @@ def tiny_llava_dir(
     return out
 
 
+def tiny_llama_config(rope_theta: float = 10000.0, tie: bool = False) -> Any:
+    """The language half's config: a 2-layer llama over SmolLM2's tokenizer, its vocabulary
+    (49,153 with LLaVA's image token, 49,192 with Idefics3's markers) padded to 49,216."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49216,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=rope_theta,
+        tie_word_embeddings=tie,
+        eos_token_id=2,
+    )
+
+
+def tokenizer_with(out: Path, tokenizer_dir: Path, tokens: list[str]) -> Any:
+    """SmolLM2's tokenizer (its files staged in `out` and removed) with these special tokens."""
+    from transformers import AutoTokenizer
+
+    staged = out / "tokenizer-src"
+    staged.mkdir(exist_ok=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, staged / f.name)
+    tok = AutoTokenizer.from_pretrained(str(staged))
+    tok.add_tokens(tokens, special_tokens=True)
+    shutil.rmtree(staged)
+    return tok
+
+
 def picture(seed: int, width: int = 40, height: int = 60) -> Any:
     """A seeded noise image (PIL)."""
     from PIL import Image
@@ -136,16 +150,20 @@ def png_bytes(image: Any) -> bytes:
 
 
 class Reference:
-    """transformers' LLaVA in float32 on the same weights: log-softmax of each position."""
+    """transformers' model of the checkpoint (its config's architecture: LLaVA, Idefics3,
+    SmolVLM) in float32 on the same weights: log-softmax of each position."""
 
     def __init__(self, path: Path) -> None:
+        import json
+
         import torch
-        from transformers import LlavaForConditionalGeneration
+        import transformers
 
         self.torch = torch
-        self.model = LlavaForConditionalGeneration.from_pretrained(
-            str(path), dtype=torch.float32
-        ).eval()
+        arch = json.loads((path / "config.json").read_text())["architectures"][0]
+        self.model = (
+            getattr(transformers, arch).from_pretrained(str(path), dtype=torch.float32).eval()
+        )
 
     def logprobs(self, ids: list[int], pixels: np.ndarray | None = None) -> np.ndarray:
         torch = self.torch

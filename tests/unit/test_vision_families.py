@@ -1,22 +1,49 @@
-"""Which configs load as vision models (models/vision.py), and the clear refusal of a served
-family whose text model its mlx-lm module cannot build."""
+"""Which configs load as vision models (models/vision.py), the text config mlx-lm builds their
+language half from, and the clear refusal of a served family whose text model its mlx-lm
+module cannot build."""
 
 from __future__ import annotations
 
 import pytest
 
-from omlx_logprobs.models.vision import family_of, serves_images, text_config
+from omlx_logprobs.models.vision import family_of, serves_images, text_classes, text_config
+from omlx_logprobs.models.vision_text import Idefics3Text
 
 
 def test_families() -> None:
     llava = {"model_type": "llava", "vision_config": {}, "text_config": {"model_type": "llama"}}
-    assert family_of(llava) == "llava" and text_config(llava) == {"model_type": "mistral3"}
+    assert family_of(llava) == "llava"
+    assert text_config(llava) == {"model_type": "mistral3", "text_config": {"model_type": "llama"}}
+    assert text_classes(llava) is None  # mlx-lm's own mistral3 module reads it
     assert (
         family_of({"model_type": "llama"}) is None and text_config({"model_type": "llama"}) is None
     )
     assert family_of({"model_type": "qwen2_vl", "vision_config": {}}) is None  # loads as text
     assert serves_images("llava", True) and not serves_images("qwen2_vl", True)
+    assert serves_images("idefics3", True) and serves_images("smolvlm", True)
     assert not serves_images("llava", False)
     qwen_text = {**llava, "text_config": {"model_type": "qwen2"}}
     with pytest.raises(ValueError, match="'qwen2' text model is not served yet"):
         text_config(qwen_text)
+    pixtral = {**llava, "vision_config": {"model_type": "pixtral"}}  # Pixtral-12B's
+    with pytest.raises(ValueError, match="'pixtral' vision tower is not served yet"):
+        text_config(pixtral)
+
+
+def test_idefics3_text_half() -> None:
+    """transformers 5 writes the rotary base under `rope_parameters` (mlx-lm's llama reads
+    `rope_theta`) and ties the head by the top config; the weights' names are read by the
+    family's own classes."""
+    rope = {"rope_theta": 100000.0, "rope_type": "default"}
+    smol = {"model_type": "smolvlm", "vision_config": {}, "tie_word_embeddings": True,
+            "text_config": {"model_type": "llama", "rope_parameters": rope,
+                            "tie_word_embeddings": False}}  # fmt: skip
+    text = text_config(smol)
+    assert text is not None and text["text_config"]["rope_theta"] == 100000.0
+    assert text["text_config"]["tie_word_embeddings"] is True
+    assert "rope_scaling" not in text["text_config"]
+    classes = text_classes(smol)
+    assert classes is not None and classes(smol)[0] is Idefics3Text
+    scaled = {**rope, "rope_type": "llama3", "factor": 8.0}
+    text = text_config({**smol, "text_config": {"model_type": "llama", "rope_parameters": scaled}})
+    assert text is not None and text["text_config"]["rope_scaling"] == scaled

@@ -179,12 +179,14 @@ def expand(
     spliced: list[int] | None = None,
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
     """The prompt's ids with each image's placeholder tokens expanded (the processor's own
-    expansion), and each image's pixel values and run of placeholders. Each image goes through
-    the processor alone too: its pixel values and how many placeholders it takes (two images
-    side by side make one run of placeholders). `spliced`: the text's ids already, earlier
-    answers in them as their sampled ids (api/core/splice.py), one image token an image: each
-    is replaced by its image's expansion alone (the processor's pass over the whole text would
-    tokenize the answers from their text)."""
+    expansion), and each image's pixel values and runs of placeholders. Each image goes through
+    the processor alone too: its pixel values, how many placeholders it takes (two images side
+    by side make one run of placeholders) and what lies from its first to its last (one run;
+    Idefics3's tiles, each a run after its row and column marker), which its place in the
+    prompt must repeat. `spliced`: the text's ids already, earlier answers in them as their
+    sampled ids (api/core/splice.py), one image token an image: each is replaced by its image's
+    expansion alone (the processor's pass over the whole text would tokenize the answers from
+    their text)."""
     alone = _alone(spec, images)
     if spliced is not None:
         ids = _substituted(spliced, spec.image_token_id, [_ids(a) for a in alone])
@@ -223,21 +225,26 @@ def _processed(spec: VisionSpec, of: list[Image], **kwargs: Any) -> Any:
 def _placed(
     spec: VisionSpec, ids: list[int], images: list[Image], alone: list[Any], where: str
 ) -> tuple[ImageInput, ...]:
-    """Each image's run of placeholders in `ids`, in order, its count its processor's own."""
+    """Each image's runs of placeholders in `ids`, in order, as its processor places them."""
     at = [p for p, t in enumerate(ids) if t == spec.image_token_id]
-    counts = [_ids(a).count(spec.image_token_id) for a in alone]
+    owns = [_ids(a) for a in alone]
+    counts = [own.count(spec.image_token_id) for own in owns]
     if len(at) != sum(counts) or 0 in counts:
         raise APIError(
             f"{where} {len(at)} image tokens for {len(images)} image(s) of {sum(counts)}",
             param=images[0].param,
         )
     inputs, first = [], 0
-    for image, a, n in zip(images, alone, counts):
-        start = at[first]
-        if at[first + n - 1] != start + n - 1:
-            raise APIError(f"{image.param}: its image tokens are not together", image.param)
+    for image, a, own, n in zip(images, alone, owns, counts):
+        runs = _runs(at[first : first + n])
+        mine = [p for p, t in enumerate(own) if t == spec.image_token_id]
+        if ids[runs[0][0] : runs[-1][0] + runs[-1][1]] != own[mine[0] : mine[-1] + 1]:
+            raise APIError(
+                f"{image.param}: its image tokens are not as the processor places them",
+                param=image.param,
+            )
         pixels = np.asarray(a["pixel_values"], dtype=np.float32)
-        inputs.append(ImageInput(image.digest, pixels, start, n))
+        inputs.append(ImageInput(image.digest, pixels, runs))
         first += n
     return tuple(inputs)
 
@@ -249,6 +256,17 @@ def _substituted(ids: list[int], token: int, expansions: list[list[int]]) -> lis
     for t in ids:
         out.extend(next(left) if t == token else (t,))
     return out
+
+
+def _runs(positions: list[int]) -> tuple[tuple[int, int], ...]:
+    """(start, count) of each run of consecutive positions."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return tuple(runs)
 
 
 def _ids(out: Any) -> list[int]:

@@ -6,7 +6,7 @@ how many placeholders the image takes, not the file.
 
 An image's placeholder positions and range, and an image moved to another place in a prompt,
 are computed here alone (`positions`, `span`, `placed`): the only code of the token routes that
-reads the shape of `types.ImageInput`'s run of placeholders."""
+reads the shape of `types.ImageInput`'s runs of placeholders."""
 
 from __future__ import annotations
 
@@ -21,21 +21,22 @@ __all__ = ["KeptImages", "placed", "positions", "span"]
 MAX_BYTES = 256 << 20  # pixel values kept per served model
 
 
-def positions(image: ImageInput) -> range:
-    """The prompt positions of the image's placeholder tokens."""
-    return range(image.start, image.end)
+def positions(image: ImageInput) -> list[int]:
+    """The prompt positions of the image's placeholder tokens (not the processor's tokens
+    between its runs: Idefics3's tile markers)."""
+    return image.positions()
 
 
 def span(image: ImageInput) -> tuple[int, int]:
     """The image's placeholder range in its prompt, as vLLM writes it: (offset, length), from
-    its first placeholder to its last."""
-    at = positions(image)
-    return at[0], at[-1] + 1 - at[0]
+    its first placeholder to its last (the tokens between its runs within it)."""
+    return image.start, image.end - image.start
 
 
 def placed(image: ImageInput, offset: int) -> ImageInput:
     """The image with its placeholder range starting at `offset` of another prompt."""
-    return replace(image, start=offset)
+    moved = tuple((start - image.start + offset, n) for start, n in image.runs)
+    return replace(image, runs=moved)
 
 
 class KeptImages:

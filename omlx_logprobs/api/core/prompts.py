@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from omlx_logprobs.api.core import tools
+from omlx_logprobs.api.core import parts, tools
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.heads import chained
 from omlx_logprobs.api.core.images import Image, expand, placed_in, read_image, template_content
@@ -211,7 +211,7 @@ def render(
     try:
         return str(
             model.tokenizer.apply_chat_template(
-                messages,
+                parts.as_parts(messages, model.tokenizer),
                 tools=tools.template_tools(req.tools),
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,

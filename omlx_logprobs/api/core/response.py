@@ -128,7 +128,7 @@ def prompt_logprobs_fields(
     positions after the first. `asked`: the alternatives wanted, when not the field's (chat
     echo asks for them). An image's placeholder positions are null: they are not text."""
     fixed = bool(req.logprob_token_ids)
-    blank = frozenset(p for i in images for p in range(i.start, i.end))
+    blank = frozenset(p for i in images for p in i.positions())
     k = e.k if fixed else ((req.prompt_logprobs if asked is None else asked) or 0)
     tails = writer.prompt_tails(e, k, fixed, blank)
     return f',"prompt_logprobs":{writer.prompt(e, k, fixed, blank)}{tails}'

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from omlx_logprobs.api.core import tools
+from omlx_logprobs.api.core import parts, tools
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.images import expand, image_parts
 from omlx_logprobs.api.core.pool import ModelPool
@@ -35,7 +35,7 @@ def tokenize(req: TokenizeRequest, model: Any, checks: RequestLimits) -> dict[st
         checks.check_text(req.prompt, "prompt")
         ids = encode(model, req.prompt, "prompt", special=add)
     else:
-        parts = image_parts(req.messages or [])
+        pictured = image_parts(req.messages or [])
         messages = image_messages(req.messages or [])
         kwargs = dict(req.chat_template_kwargs or {})
         if req.continue_final_message:
@@ -48,7 +48,7 @@ def tokenize(req: TokenizeRequest, model: Any, checks: RequestLimits) -> dict[st
             kwargs["continue_final_message"] = True
         try:
             text = tok.apply_chat_template(
-                messages,
+                parts.as_parts(messages, tok),  # as the chat route renders them
                 tools=tools.template_tools(req.tools),
                 add_generation_prompt=req.add_generation_prompt,
                 tokenize=False,
@@ -58,8 +58,8 @@ def tokenize(req: TokenizeRequest, model: Any, checks: RequestLimits) -> dict[st
             raise APIError(f"The chat template could not render: {e}", param="messages") from None
         checks.check_text(text, "messages")
         special = bool(req.add_special_tokens)
-        if parts:  # each image's placeholders expanded, as the chat route's prompt has them
-            images = read_images(model, checks.limits, parts)
+        if pictured:  # each image's placeholders expanded, as the chat route's prompt has them
+            images = read_images(model, checks.limits, pictured)
             ids = expand(model.vision, text, images, special)[0]
         else:
             ids = encode(model, text, "messages", special=special)
