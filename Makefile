@@ -28,8 +28,9 @@ CONTROL_ROUNDS ?= 2
 
 VF_VENV := .venv-verifiers
 VF_PY := $(VF_VENV)/bin/python
+VLM_VENV := .venv-mlxvlm
 
-.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-guard bench-conversation bench-speculation bench-scoring fuzz soak distributed speculation rl-example open-responses tinker-example clean
+.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-guard bench-conversation bench-speculation bench-scoring bench-vision mlx-vlm-venv fuzz soak distributed speculation rl-example open-responses tinker-example clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +54,15 @@ $(VF_VENV)/.installed: tests/verifiers_driver/requirements.txt
 	touch $@
 
 verifiers-venv: $(VF_VENV)/.installed
+
+# mlx-vlm's server, the vision benchmark's peer, in a venv of its own (its pins are not ours).
+$(VLM_VENV)/.installed: bench/mlx_vlm_requirements.txt
+	$(PYTHON) -m venv $(VLM_VENV)
+	$(VLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLM_VENV)/bin/python -m pip install -q -r bench/mlx_vlm_requirements.txt
+	touch $@
+
+mlx-vlm-venv: $(VLM_VENV)/.installed
 
 # Debian's chromium and chromium-driver for the page's browser tests (they skip without them).
 browser:
@@ -81,6 +91,11 @@ check: lint types test
 # its section of docs/bench-results.md. Other presets and the GPU run: docs/benchmarks.md.
 bench: install
 	$(PY) -m bench.run --preset cpu
+
+# Images: time to first token for one image and for a second turn about it, and c=8 throughput,
+# against mlx-vlm's server on the same random LLaVA (bench/vision.py, docs/benchmarks.md).
+bench-vision: install mlx-vlm-venv
+	$(PY) -m bench.vision --preset cpu
 
 # The guard: the default server against each feature off (prefix cache, prediction mode, a wrong
 # prediction, lookup, the process engine) at c=1 and c=32, every ratio printed; it fails when one
