@@ -76,8 +76,19 @@ def write(
 
 def base_of(directory: Path) -> str:
     """The base model's name a checkpoint was trained on (its config alone is read)."""
+    return _meta(directory)[0]
+
+
+def rank_of(directory: Path) -> int:
+    """A checkpoint's LoRA rank (its config alone is read)."""
+    return _meta(directory)[1]
+
+
+def _meta(directory: Path) -> tuple[str, int]:
+    """The base model and the rank a checkpoint's config names."""
     try:
-        return str(json.loads((directory / CONFIG).read_text())["tinker"]["base_model"])
+        config = json.loads((directory / CONFIG).read_text())
+        return str(config["tinker"]["base_model"]), int(config["lora_parameters"]["rank"])
     except FileNotFoundError:
         raise CheckpointError(f"{directory} holds no checkpoint") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
