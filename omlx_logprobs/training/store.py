@@ -92,7 +92,7 @@ class CheckpointStore:
 
     def listing(self, model_id: str | None = None) -> list[Saved]:
         """The checkpoints on disk, oldest first: one training run's, or all."""
-        if self._named is None and self._temporary is None:
+        if (self._named is None and self._temporary is None) or not self.root.is_dir():
             return []  # nothing saved yet
         runs = [self.root / model_id.replace(":", "_")] if model_id else self.root.iterdir()
         found = []

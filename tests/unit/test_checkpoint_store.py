@@ -54,6 +54,7 @@ def test_temporary_root() -> None:
 def test_listing_copy_and_remove(tmp_path: Path) -> None:
     store = CheckpointStore(str(tmp_path))
     assert CheckpointStore(None).listing() == []  # nothing saved: no folder made to list
+    assert CheckpointStore(str(tmp_path / "later")).listing() == []  # nor the folder made yet
     for kind, name in (("weights", "a"), ("external_weights", "b")):
         _, directory = store.place(MODEL, name, kind)
         directory.mkdir(parents=True)
