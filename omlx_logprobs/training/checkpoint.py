@@ -79,16 +79,16 @@ def base_of(directory: Path) -> str:
     return _meta(directory)[0]
 
 
-def rank_of(directory: Path) -> int:
-    """A checkpoint's LoRA rank (its config alone is read)."""
+def spec_of(directory: Path) -> LoraSpec:
+    """A checkpoint's LoRA spec (its config alone is read)."""
     return _meta(directory)[1]
 
 
-def _meta(directory: Path) -> tuple[str, int]:
-    """The base model and the rank a checkpoint's config names."""
+def _meta(directory: Path) -> tuple[str, LoraSpec]:
+    """The base model and the LoRA spec a checkpoint's config names."""
     try:
-        config = json.loads((directory / CONFIG).read_text())
-        return str(config["tinker"]["base_model"]), int(config["lora_parameters"]["rank"])
+        meta = json.loads((directory / CONFIG).read_text())["tinker"]
+        return str(meta["base_model"]), LoraSpec(**meta["lora"])
     except FileNotFoundError:
         raise CheckpointError(f"{directory} holds no checkpoint") from None
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -200,8 +200,8 @@ def test_checkpoint_listings_external_weights_and_copies(
 ) -> None:
     """save_weights_external writes the weights alone (mlx-lm's format) under
     external_weights; the REST client lists the runs and their checkpoints (files and served
-    sampler weights), hands out an external checkpoint's files, copies a checkpoint into a run
-    of its own (which loads as the original) and deletes it."""
+    sampler weights), says what one is trained on, hands out an external checkpoint's files,
+    copies a checkpoint into a run of its own (which loads as the original) and deletes it."""
     tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=6).result()
     tc.forward_backward([ce_datum(TEXT)], "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
@@ -229,6 +229,11 @@ def test_checkpoint_listings_external_weights_and_copies(
     assert runs.cursor.total_count >= len(runs.training_runs)
     everyone = {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints}
     assert {state, external, served} <= everyone
+    info = rest.get_weights_info_by_tinker_path(state).result()
+    assert (info.base_model, info.lora_rank, info.train_mlp) == ("tiny", 4, True)
+    assert rest.get_weights_info_by_tinker_path(served).result().lora_rank == 4
+    with pytest.raises(tinker.BadRequestError, match="no checkpoint"):
+        rest.get_weights_info_by_tinker_path(f"tinker://{tc.model_id}/weights/nope").result()
     urls = rest.get_external_weights_urls(external).result().urls
     assert urls == {p.name: p.resolve().as_uri() for p in folder.iterdir()}
 

@@ -3,7 +3,8 @@ mlx-lm's adapter format, at `tinker://MODEL_ID/external_weights/NAME`), `copy_we
 checkpoint's files under another training run), and the REST client's listings: the training
 runs (`GET training_runs`, `training_runs/{id}`), a run's checkpoints and everyone's
 (`training_runs/{id}/checkpoints`, `checkpoints`), deleting one, and an external one's files
-(`external_weights_urls`: file:// URLs on the server's own disk).
+(`external_weights_urls`: file:// URLs on the server's own disk), and what a checkpoint is
+trained on (`weights_info`).
 
 A training run is listed while its model lives (create_model, until its session finishes) or
 while checkpoints of it are on disk (under `--tinker-dir`, across restarts). Checkpoints are
@@ -18,7 +19,7 @@ import datetime
 import uuid
 from typing import Any, TypeVar
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from tinker import types
 
 from omlx_logprobs.api.core.errors import APIError
@@ -134,10 +135,8 @@ class Checkpoints:
             base, rank, last = live.base, live.lora.rank, live.created
         else:
             try:
-                base, rank = (
-                    checkpoint.base_of(saved[-1].directory),
-                    checkpoint.rank_of(saved[-1].directory),
-                )
+                d = saved[-1].directory
+                base, rank = checkpoint.base_of(d), checkpoint.spec_of(d).rank
             except checkpoint.CheckpointError:  # written by another program
                 base, rank = "", None
             last = 0.0
@@ -156,6 +155,24 @@ class Checkpoints:
         ids = set(self.sessions.models) | {s.model_id for s in self.store.listing()}
         page, cursor = _page(sorted(ids), limit, offset)
         return {"training_runs": [self.run(i) for i in page], "cursor": cursor}
+
+    def weights_info(self, path: str) -> dict[str, Any]:
+        """What a checkpoint is trained on: a file's config, or a served sampler's model."""
+        if path in self.sessions.paths:
+            run = self.sessions.models.get(path.removeprefix(PREFIX).split("/")[0])
+            spec = run.lora if run is not None else None
+            base = self.sessions.paths[path].base
+        else:
+            try:
+                d = self.store.saved(path).directory
+                base, spec = checkpoint.base_of(d), checkpoint.spec_of(d)
+            except checkpoint.CheckpointError as e:
+                raise APIError(str(e), param="tinker_path") from None
+        info: dict[str, Any] = {"base_model": base, "is_lora": True}
+        if spec is not None:
+            info |= {"lora_rank": spec.rank, "train_attn": spec.attn, "train_mlp": spec.mlp,
+                     "train_unembed": spec.unembed}  # fmt: skip
+        return info
 
     def delete(self, run_id: str, checkpoint_id: str) -> None:
         path = f"{PREFIX}{run_id}/{checkpoint_id}"
@@ -199,6 +216,16 @@ def add_listing_routes(app: FastAPI, checkpoints: Checkpoints) -> None:
     @app.delete(API + "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(run_id: str, checkpoint_id: str) -> None:
         checkpoints.delete(run_id, checkpoint_id)
+
+    @app.post(f"{API}/weights_info")
+    async def weights_info(raw: Request) -> dict[str, Any]:
+        try:
+            path = (await raw.json())["tinker_path"]
+        except (ValueError, KeyError, TypeError):
+            raise APIError('the body is {"tinker_path": PATH}', param="tinker_path") from None
+        if not isinstance(path, str):
+            raise APIError("tinker_path is a string", param="tinker_path")
+        return checkpoints.weights_info(path)
 
     @app.get(f"{API}/checkpoints")
     async def all_checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
