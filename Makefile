@@ -29,8 +29,16 @@ CONTROL_ROUNDS ?= 2
 VF_VENV := .venv-verifiers
 VF_PY := $(VF_VENV)/bin/python
 VLM_VENV := .venv-mlxvlm
+# tinker-cookbook's venv (`make tinker-example`): it requires torch>=2.10 and tml-renderers.
+# tinker-cookbook itself without its dependencies: it requires tml-renderers>=0.4.1, not on
+# PyPI (0.2.1 the latest), which it imports only for Inkling models and the audio recipes;
+# the rest of its requirements: examples/tinker_cookbook/requirements.txt.
+TINKER_VENV := .venv-tinker
+TINKER_PY := $(TINKER_VENV)/bin/python
+TINKER_COOKBOOK := tinker-cookbook==0.6.1
+TINKER_STEPS ?= 3
 
-.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-guard bench-conversation bench-speculation bench-scoring bench-vision mlx-vlm-venv fuzz soak distributed speculation rl-example open-responses tinker-example clean
+.PHONY: install verifiers-venv browser serve test integration check lint types bench bench-guard bench-conversation bench-speculation bench-scoring bench-vision mlx-vlm-venv fuzz soak distributed speculation rl-example open-responses tinker-example tinker-venv tinker-sdk-example clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +71,15 @@ $(VLM_VENV)/.installed: bench/mlx_vlm_requirements.txt
 	touch $@
 
 mlx-vlm-venv: $(VLM_VENV)/.installed
+
+$(TINKER_VENV)/.installed: examples/tinker_cookbook/requirements.txt
+	$(PYTHON) -m venv $(TINKER_VENV)
+	$(TINKER_PY) -m pip install -q --upgrade pip
+	$(TINKER_PY) -m pip install -q -r examples/tinker_cookbook/requirements.txt
+	$(TINKER_PY) -m pip install -q --no-deps '$(TINKER_COOKBOOK)'
+	touch $@
+
+tinker-venv: $(TINKER_VENV)/.installed
 
 # Debian's chromium and chromium-driver for the page's browser tests (they skip without them).
 browser:
@@ -154,11 +171,18 @@ open-responses: install
 	@test -n "$(OPENRESPONSES_DIR)" || { echo "usage: make open-responses OPENRESPONSES_DIR=/path/to/openresponses"; exit 2; }
 	$(PY) scripts/open_responses.py $(OPENRESPONSES_DIR) $(OPENRESPONSES_ARGS)
 
+# tinker-cookbook's own RL recipe, unmodified (math_rl's arithmetic environment, the
+# importance_sampling loss), against the embedded model served on the CPU
+# (examples/tinker_cookbook_rl.py, docs/specs/tinker.md): each step's reward and the largest
+# |ratio - 1| the server saw, printed. Eleven to nineteen minutes a step on the 2-core box.
+tinker-example: install tinker-venv
+	$(PY) examples/tinker_cookbook_rl.py --steps $(TINKER_STEPS)
+
 # The same loop written against Tinker's SDK alone (examples/tinker_rl.py, docs/specs/tinker.md):
 # the LoRA trained in the server's process between its steps, each step's policy sampled at once,
 # the largest |ratio - 1| printed (0.0: the server in batch-invariant mode, slow on the CPU).
-tinker-example: install
+tinker-sdk-example: install
 	$(PY) examples/tinker_rl.py --steps 3
 
 clean:
-	rm -rf $(VENV) $(VF_VENV) build *.egg-info
+	rm -rf $(VENV) $(VF_VENV) $(TINKER_VENV) build *.egg-info

@@ -40,9 +40,11 @@ def reward(text: str) -> float:
     return 1.0 if any(c in text.lower() for c in COLOURS) else 0.0
 
 
-def start_server(model_dir: Path, port: int, invariant: bool) -> subprocess.Popen[bytes]:
+def start_server(
+    model_dir: Path, port: int, invariant: bool, name: str = "smollm2"
+) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--model", str(model_dir),
-           "--served-model-name", "smollm2", "--port", str(port),
+           "--served-model-name", name, "--port", str(port),
            "--log-level", "warning"]  # fmt: skip
     cmd += ["--batch-invariant"] if invariant else []
     proc = subprocess.Popen(cmd)

@@ -76,8 +76,19 @@ def write(
 
 def base_of(directory: Path) -> str:
     """The base model's name a checkpoint was trained on (its config alone is read)."""
+    return _meta(directory)[0]
+
+
+def spec_of(directory: Path) -> LoraSpec:
+    """A checkpoint's LoRA spec (its config alone is read)."""
+    return _meta(directory)[1]
+
+
+def _meta(directory: Path) -> tuple[str, LoraSpec]:
+    """The base model and the LoRA spec a checkpoint's config names."""
     try:
-        return str(json.loads((directory / CONFIG).read_text())["tinker"]["base_model"])
+        meta = json.loads((directory / CONFIG).read_text())["tinker"]
+        return str(meta["base_model"]), LoraSpec(**meta["lora"])
     except FileNotFoundError:
         raise CheckpointError(f"{directory} holds no checkpoint") from None
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -9,6 +9,9 @@ reports them (`elementwise_loss`).
 - ppo: -min(ratio * adv, clip(ratio, clip_low_threshold, clip_high_threshold) * adv)
 - cispo: -stop_gradient(clip(ratio, low, high)) * lp * adv
 - dro: -(lp * adv - beta / 2 * (lp - logprobs) ** 2), `beta` from the config
+- gspo (GSPO-token): ppo's term with every position's ratio the sequence's, s =
+  exp(mean(lp - logprobs) over the positions `sequence_ratio_mask` marks), carrying the
+  gradient of the position's own lp: s_t = stop_gradient(s) * exp(lp - stop_gradient(lp))
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-CLIP = (0.8, 1.2)  # the ratio's default bounds for ppo and cispo
+CLIP = (0.8, 1.2)  # the ratio's default bounds for ppo, cispo and gspo
 
 
 class LossError(ValueError):
@@ -66,6 +69,17 @@ def dro(lp: mx.array, x: Inputs, config: Config) -> mx.array:
     return -(lp * x["advantages"] - beta / 2 * (lp - x["logprobs"]) ** 2)
 
 
+def gspo(lp: mx.array, x: Inputs, config: Config) -> mx.array:
+    low, high = _bounds(config)
+    marked = x["sequence_ratio_mask"] != 0
+    # a mask that marks nothing: the mean over no positions taken as 0, a ratio of 1
+    count = mx.maximum(marked.sum(), 1)
+    log_ratio = mx.where(marked, mx.stop_gradient(lp) - x["logprobs"], 0.0).sum() / count
+    ratio = mx.exp(log_ratio + lp - mx.stop_gradient(lp))
+    adv = x["advantages"]
+    return -mx.minimum(ratio * adv, mx.clip(ratio, low, high) * adv)
+
+
 Loss = Callable[[mx.array, Inputs, Config], mx.array]
 
 # Each loss and the loss_fn_inputs it reads besides target_tokens.
@@ -75,6 +89,7 @@ LOSSES: dict[str, tuple[Loss, tuple[str, ...]]] = {
     "ppo": (ppo, ("logprobs", "advantages")),
     "cispo": (cispo, ("logprobs", "advantages")),
     "dro": (dro, ("logprobs", "advantages")),
+    "gspo": (gspo, ("logprobs", "advantages", "sequence_ratio_mask")),
 }
 
 

@@ -1,8 +1,10 @@
-"""Where Tinker's checkpoints live: `tinker://MODEL_ID/weights/NAME` is the directory
-`ROOT/MODEL_ID/weights/NAME` (the model id's `:` as `_`) under the server's `--tinker-dir`, in
+"""Where Tinker's checkpoints live: `tinker://MODEL_ID/KIND/NAME` is the directory
+`ROOT/MODEL_ID/KIND/NAME` (the model id's `:` as `_`) under the server's `--tinker-dir`, in
 mlx-lm's adapter format (training/checkpoint.py), so that a server started later on the same
-folder loads it again. Only names this server makes and checks resolve (no path from a client
-reaches the disk as given). Without a folder: a temporary one, removed when the process ends."""
+folder loads it again. KIND is `weights` (save_state: the weights and Adam's state) or
+`external_weights` (save_weights_external: the weights alone). Only names this server makes
+and checks resolve (no path from a client reaches the disk as given). Without a folder: a
+temporary one, removed when the process ends."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import atexit
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from omlx_logprobs.training.checkpoint import CheckpointError
@@ -17,6 +20,29 @@ from omlx_logprobs.training.checkpoint import CheckpointError
 PREFIX = "tinker://"
 MODEL_ID = re.compile(r"session-[0-9a-f]+:train:[0-9]+")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+KINDS = ("weights", "external_weights")  # the kinds of checkpoint written as files
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A checkpoint on disk."""
+
+    model_id: str
+    kind: str
+    name: str
+    directory: Path
+
+    @property
+    def path(self) -> str:
+        return f"{PREFIX}{self.model_id}/{self.kind}/{self.name}"
+
+    @property
+    def time(self) -> float:
+        return self.directory.stat().st_mtime
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.directory.iterdir() if f.is_file())
 
 
 class CheckpointStore:
@@ -33,30 +59,60 @@ class CheckpointStore:
             atexit.register(shutil.rmtree, self._temporary, True)
         return self._temporary
 
-    def place(self, model_id: str, name: str) -> tuple[str, Path]:
+    def place(self, model_id: str, name: str, kind: str = "weights") -> tuple[str, Path]:
         """The tinker:// path and the directory of a checkpoint to save."""
         if not NAME.fullmatch(name):
             raise CheckpointError(
                 f"{name!r} cannot name a checkpoint: letters, digits, '.', '_' and '-', at most"
                 " 128, the first a letter or digit"
             )
-        return f"{PREFIX}{model_id}/weights/{name}", self._dir(model_id, name)
+        return f"{PREFIX}{model_id}/{kind}/{name}", self._dir(model_id, kind, name)
 
-    def _dir(self, model_id: str, name: str) -> Path:
-        return self.root / model_id.replace(":", "_") / "weights" / name
+    def _dir(self, model_id: str, kind: str, name: str) -> Path:
+        return self.root / model_id.replace(":", "_") / kind / name
 
-    def find(self, path: str) -> Path:
-        """A saved checkpoint's directory from its tinker:// path."""
-        model_id, sep, name = path.removeprefix(PREFIX).partition("/weights/")
-        ok = path.startswith(PREFIX) and sep and MODEL_ID.fullmatch(model_id)
-        if not (ok and NAME.fullmatch(name)):
-            raise CheckpointError(
-                f"{path!r} is no checkpoint path (tinker://MODEL_ID/weights/NAME)"
-            )
-        directory = self._dir(model_id, name)
+    def find(self, path: str, kinds: tuple[str, ...] = ("weights",)) -> Path:
+        """A saved checkpoint's directory from its tinker:// path, of one of `kinds`."""
+        return self.saved(path, kinds).directory
+
+    def saved(self, path: str, kinds: tuple[str, ...] = KINDS) -> Saved:
+        """The checkpoint a tinker:// path names, of one of `kinds`."""
+        model_id, kind, name = (path.removeprefix(PREFIX).split("/") + ["", "", ""])[:3]
+        ok = path.startswith(PREFIX) and path.count("/") == 4 and kind in kinds
+        if not (ok and MODEL_ID.fullmatch(model_id) and NAME.fullmatch(name)):
+            shapes = " or ".join(f"tinker://MODEL_ID/{k}/NAME" for k in kinds)
+            raise CheckpointError(f"{path!r} is no checkpoint path ({shapes})")
+        directory = self._dir(model_id, kind, name)
         if not directory.is_dir():
             raise CheckpointError(f"no checkpoint at {path!r} on this server")
-        return directory
+        return Saved(model_id, kind, name, directory)
 
     def exists(self, directory: Path) -> bool:
         return directory.exists()
+
+    def listing(self, model_id: str | None = None) -> list[Saved]:
+        """The checkpoints on disk, oldest first: one training run's, or all."""
+        if (self._named is None and self._temporary is None) or not self.root.is_dir():
+            return []  # nothing saved yet
+        runs = [self.root / model_id.replace(":", "_")] if model_id else self.root.iterdir()
+        found = []
+        for run in runs:
+            run_id = run.name.replace("_train_", ":train:")
+            if not MODEL_ID.fullmatch(run_id):
+                continue
+            for kind in KINDS:
+                if (run / kind).is_dir():
+                    found += [Saved(run_id, kind, d.name, d) for d in (run / kind).iterdir()
+                              if d.is_dir() and NAME.fullmatch(d.name)]  # fmt: skip
+        return sorted(found, key=lambda s: (s.time, s.path))
+
+    def remove(self, saved: Saved) -> None:
+        shutil.rmtree(saved.directory)
+
+    def copy(self, saved: Saved, model_id: str) -> Saved:
+        """A copy of a checkpoint under another training run, the same kind and name."""
+        path, directory = self.place(model_id, saved.name, saved.kind)
+        if directory.exists():
+            raise CheckpointError(f"{path} exists")
+        shutil.copytree(saved.directory, directory)
+        return Saved(model_id, saved.kind, saved.name, directory)

@@ -59,6 +59,7 @@ def datum(loss: str = "cross_entropy", tokens: np.ndarray = TOKENS, **extra: Any
         "weights": np.linspace(0.5, 1.5, n).astype(np.float32),
         "advantages": rng.normal(size=n).astype(np.float32),
         "logprobs": rng.uniform(-9, -8, n).astype(np.float32),
+        "sequence_ratio_mask": (np.arange(n) >= 3).astype(np.float32),
     }
     return DatumPass("run", tokens[:-1], inputs, loss, **extra)
 
@@ -158,10 +159,12 @@ def test_losses(trainer: Trainer) -> None:
     np.testing.assert_allclose(ce.elementwise_loss, -d["weights"] * lp, rtol=1e-5)
     ratio = np.exp(lp - d["logprobs"])
     adv = d["advantages"]
+    seq = np.exp((lp - d["logprobs"])[d["sequence_ratio_mask"] != 0].mean())  # GSPO's ratio
     expected = {
         "importance_sampling": -ratio * adv,
         "ppo": -np.minimum(ratio * adv, np.clip(ratio, 0.7, 1.3) * adv),
         "cispo": -np.clip(ratio, 0.7, 1.3) * lp * adv,
+        "gspo": -np.minimum(seq * adv, np.clip(seq, 0.7, 1.3) * adv),
     }
     for name, terms in expected.items():
         cfg = {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}

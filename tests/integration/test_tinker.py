@@ -195,6 +195,59 @@ def test_checkpoints(service: tinker.ServiceClient, checkpoints: Path) -> None:
         service.create_training_client_from_state("tinker://nope/weights/x").result()
 
 
+def test_checkpoint_listings_external_weights_and_copies(
+    service: tinker.ServiceClient, server: ServerProcess, checkpoints: Path
+) -> None:
+    """save_weights_external writes the weights alone (mlx-lm's format) under
+    external_weights; the REST client lists the runs and their checkpoints (files and served
+    sampler weights), says what one is trained on, hands out an external checkpoint's files,
+    copies a checkpoint into a run of its own (which loads as the original) and deletes it."""
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=6).result()
+    tc.forward_backward([ce_datum(TEXT)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
+    state = tc.save_state("listed").result().path
+    external = tc.save_weights_external("exported").result().path
+    assert external == f"tinker://{tc.model_id}/external_weights/exported"
+    folder = checkpoints / tc.model_id.replace(":", "_") / "external_weights" / "exported"
+    assert {p.name for p in folder.iterdir()} == {"adapter_config.json", "adapters.safetensors"}
+    with pytest.raises(tinker.BadRequestError, match="exists"):
+        tc.save_weights_external("exported").result()
+    served = tc.save_weights_for_sampler("served").result().path
+
+    rest = tinker.RestClient(base_url=server.base, api_key="tml-local")
+    listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert [(c.checkpoint_type, c.tinker_path) for c in listed] == [
+        ("training", state), ("external", external), ("sampler", served)]  # fmt: skip
+    assert listed[0].checkpoint_id == "weights/listed" and (listed[0].size_bytes or 0) > 0
+    run = rest.get_training_run(tc.model_id).result()
+    assert (run.base_model, run.lora_rank, run.is_lora) == ("tiny", 4, True)
+    assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == state
+    assert run.last_sampler_checkpoint is not None
+    assert run.last_sampler_checkpoint.tinker_path == served
+    runs = rest.list_training_runs(limit=100).result()
+    assert tc.model_id in [r.training_run_id for r in runs.training_runs]
+    assert runs.cursor.total_count >= len(runs.training_runs)
+    everyone = {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints}
+    assert {state, external, served} <= everyone
+    info = rest.get_weights_info_by_tinker_path(state).result()
+    assert (info.base_model, info.lora_rank, info.train_mlp) == ("tiny", 4, True)
+    assert rest.get_weights_info_by_tinker_path(served).result().lora_rank == 4
+    with pytest.raises(tinker.BadRequestError, match="no checkpoint"):
+        rest.get_weights_info_by_tinker_path(f"tinker://{tc.model_id}/weights/nope").result()
+    urls = rest.get_external_weights_urls(external).result().urls
+    assert urls == {p.name: p.resolve().as_uri() for p in folder.iterdir()}
+
+    copied = rest.copy_weights(state, "archive").result()
+    assert copied != state and copied.endswith("/weights/listed")
+    again = service.create_training_client_from_state(copied).result()
+    np.testing.assert_array_equal(forward_logprobs(again, TEXT), forward_logprobs(tc, TEXT))
+    rest.delete_checkpoint_from_tinker_path(copied).result()
+    with pytest.raises(tinker.BadRequestError, match="no checkpoint"):
+        service.create_training_client_from_state(copied).result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_training_run("session-0:train:99").result()
+
+
 def test_serving_goes_on_while_training(
     service: tinker.ServiceClient, server: ServerProcess
 ) -> None:

@@ -49,3 +49,30 @@ def test_bad_names(tmp_path: Path, name: str) -> None:
 def test_temporary_root() -> None:
     store = CheckpointStore(None)
     assert store.root.is_dir() and store.root == store.root
+
+
+def test_listing_copy_and_remove(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path))
+    assert CheckpointStore(None).listing() == []  # nothing saved: no folder made to list
+    assert CheckpointStore(str(tmp_path / "later")).listing() == []  # nor the folder made yet
+    for kind, name in (("weights", "a"), ("external_weights", "b")):
+        _, directory = store.place(MODEL, name, kind)
+        directory.mkdir(parents=True)
+        (directory / "adapters.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "not-a-run").mkdir()
+    got = store.listing()
+    assert {s.path for s in got} == {f"tinker://{MODEL}/weights/a",
+                                     f"tinker://{MODEL}/external_weights/b"}  # fmt: skip
+    assert [s.size_bytes for s in got] == [10, 10]
+    assert store.listing("session-ff:train:0") == []
+    external = store.saved(f"tinker://{MODEL}/external_weights/b")
+    with pytest.raises(CheckpointError, match="no checkpoint path"):
+        store.find(external.path)  # load_weights reads save_state's kind alone
+    other = "session-ff:train:0"
+    copied = store.copy(external, other)
+    assert copied.path == f"tinker://{other}/external_weights/b"
+    assert (copied.directory / "adapters.safetensors").read_bytes() == b"x" * 10
+    with pytest.raises(CheckpointError, match="exists"):
+        store.copy(external, other)
+    store.remove(external)
+    assert [s.path for s in store.listing(MODEL)] == [f"tinker://{MODEL}/weights/a"]

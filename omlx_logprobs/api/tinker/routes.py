@@ -2,8 +2,9 @@
 the service's (client config, sessions, heartbeats, capabilities, health), the training
 model's (create_model, get_info, forward, forward_backward, optim_step,
 save_weights_for_sampler; save_weights and load_weights, checkpoints in mlx-lm's format), the
-sampler's (create_sampling_session, samplers, asample) and the futures' (retrieve_future,
-cancel_future).
+checkpoints' (save_weights_external, copy_weights, the REST client's listings:
+api/tinker/checkpoints.py), the sampler's (create_sampling_session, samplers, asample) and the
+futures' (retrieve_future, cancel_future).
 Every call that works answers with a future at once; the SDK polls it (api/tinker/futures.py).
 A finished session's training runs are dropped, and so are those of a session whose heartbeats
 stopped (api/tinker/expiry.py)."""
@@ -22,6 +23,7 @@ from tinker import types
 from omlx_logprobs.api.core.errors import APIError, invalid_body
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.tinker import wire
+from omlx_logprobs.api.tinker.checkpoints import Checkpoints, add_listing_routes
 from omlx_logprobs.api.tinker.expiry import Expiry
 from omlx_logprobs.api.tinker.futures import Futures
 from omlx_logprobs.api.tinker.sampling import Sampling
@@ -72,6 +74,7 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> 
     training = Training(pool, sessions, futures, CheckpointStore(tinker_dir))
     sampling = Sampling(pool, sessions, futures)
     expiry = Expiry(sessions, training.finish)
+    checkpoints = Checkpoints(training, sessions, futures)
 
     # ---- the service -------------------------------------------------------------------------
     @app.get(f"{API}/healthz")
@@ -136,9 +139,17 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> 
         "save_weights_for_sampler": (types.SaveWeightsForSamplerRequest, training.save_for_sampler),
         "save_weights": (types.SaveWeightsRequest, training.save),
         "load_weights": (types.LoadWeightsRequest, training.load),
+        "save_weights_external": (types.SaveWeightsExternalRequest, checkpoints.save_external),
     }
     for name, (kind, call) in calls.items():
         app.add_api_route(f"{API}/{name}", _calling(kind, call), methods=["POST"], name=name)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    @app.post(f"{API}/copy_weights")
+    async def copy_weights(raw: Request) -> dict[str, str]:
+        return await checkpoints.copy(await _parse(raw, types.CopyWeightsRequest))
+
+    add_listing_routes(app, checkpoints)
 
     # ---- sampling ----------------------------------------------------------------------------
     @app.post(f"{API}/create_sampling_session")

@@ -38,6 +38,7 @@ class TrainingModel:
     layers: list[str]
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     snapshots: deque[str] = field(default_factory=deque)  # unnamed samplers' adapters
+    created: float = field(default_factory=time.time)  # wall-clock seconds, for the listings
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class Sampler:
     base: str
     adapter: str | None  # None: the base model
     path: str | None  # the tinker:// path it was made from
+    created: float = field(default_factory=time.time)
 
 
 @dataclass
