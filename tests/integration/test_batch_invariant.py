@@ -4,7 +4,10 @@ cache's memory and from its disk tier, through a speculative verify, on the thre
 another prefill chunk, and
 equal to runner/scorer.py's one forward of the whole sequence, as an RL trainer computes
 it. The servers are real processes (the mode restarts them with MLX's reference BLAS, which
-this test process, with OpenBLAS loaded, cannot take), the scorer a process of its own."""
+this test process, with OpenBLAS loaded, cannot take), the scorer a process of its own. The
+model: the tests' tiny llama (seeded random weights, SmolLM2's tokenizer), whose servers start
+in a third of the embedded model's time under the reference BLAS; the bits it keeps are the
+same property, shown on another model's shapes."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +26,7 @@ import pytest
 
 from tests.helpers.server import ServerProcess, server_process
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "tiny"
 QUESTION = "Tell me about rivers and the sea, and why the sea is salty."
 BODY: dict[str, Any] = {
     "model": MODEL,
@@ -36,16 +40,20 @@ BODY: dict[str, Any] = {
 }
 OTHERS = ["Hi.", "Name three colours " * 3, "Write a haiku about bread.", "Why " * 40,
           "What is 2 + 2?", "Describe the moon in detail, please. " * 4, "Ok"]  # fmt: skip
+# The disk tier's two conversations: each over half of b's 1 MiB prefix cache (the tiny model
+# keeps 512 bytes a token), so that keeping the second sends the first to disk.
+LONG = ["Write a haiku about bread. " * 190, "What is 2 + 2? " * 200]
 
 
 @pytest.fixture(scope="module")
 def servers(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path
 ) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    common = ["--batch-invariant", "--max-num-seqs", "16", "--log-level", "warning"]
+    common = ["--model", str(tiny_dir), "--served-model-name", MODEL, "--batch-invariant",
+              "--max-num-seqs", "16", "--log-level", "warning"]  # fmt: skip
     # b's prefix cache holds one answered conversation in memory: the next one's sends the
     # first to the disk tier
-    disk = ["--kv-cache-dir", str(tmp_path_factory.mktemp("kv")), "--prefix-cache-mib", "4"]
+    disk = ["--kv-cache-dir", str(tmp_path_factory.mktemp("kv")), "--prefix-cache-mib", "1"]
     with server_process(common) as a:
         with server_process([*common, "--engine", "thread", "--prefill-chunk", "7", *disk]) as b:
             yield a, b
@@ -104,11 +112,11 @@ def disk_hits(base: str) -> float:
 
 def test_the_same_bits_from_the_disk_tier(servers: tuple[ServerProcess, ServerProcess]) -> None:
     a, b = servers
-    alone = ask(a.base, OTHERS[2])
-    same_bits(alone, ask(b.base, OTHERS[2]))  # kept in b's memory
-    ask(b.base, OTHERS[4])  # kept in its place: the first goes to disk
+    alone = ask(a.base, LONG[0])
+    same_bits(alone, ask(b.base, LONG[0]))  # kept in b's memory
+    ask(b.base, LONG[1])  # kept in its place: the first goes to disk
     before = disk_hits(b.base)
-    again = ask(b.base, OTHERS[2])
+    again = ask(b.base, LONG[0])
     assert disk_hits(b.base) == before + 1
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     same_bits(alone, again)
@@ -117,18 +125,20 @@ def test_the_same_bits_from_the_disk_tier(servers: tuple[ServerProcess, ServerPr
 SCORE = """
 import json, sys
 from omlx_logprobs.runner.scorer import Scorer
-ids, start, t = json.loads(sys.stdin.read())
-print(json.dumps([float(x) for x in Scorer().logprobs(ids, start, t)]))
+model, ids, start, t = json.loads(sys.stdin.read())
+print(json.dumps([float(x) for x in Scorer(model).logprobs(ids, start, t)]))
 """
 
 
-def test_the_scorer_equals_the_server(servers: tuple[ServerProcess, ServerProcess]) -> None:
+def test_the_scorer_equals_the_server(
+    servers: tuple[ServerProcess, ServerProcess], tiny_dir: Path
+) -> None:
     answer = ask(servers[0].base)
     prompt, sampled = answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
     env = {**os.environ, "OMLX_BLAS": "reference"}
     out = subprocess.run(
         [sys.executable, "-c", SCORE],
-        input=json.dumps([prompt + sampled, len(prompt), BODY["temperature"]]),
+        input=json.dumps([str(tiny_dir), prompt + sampled, len(prompt), BODY["temperature"]]),
         capture_output=True, text=True, env=env, timeout=300, check=True,
     )  # fmt: skip
     scored = np.array(json.loads(out.stdout.strip().splitlines()[-1]), np.float32)

@@ -37,7 +37,9 @@ def test_a_dead_engine_fails_requests_clearly(tiny_dir: Path, tmp_path: Path) ->
         assert "engine process stopped (killed by SIGKILL)" in err["message"]
         health = httpx.get(server.base + "/health")
         assert health.status_code == 503 and health.json()["status"] == "engine restarting"
-        late = httpx.post(server.base + "/v1/chat/completions", json=chat_body("Hi"), timeout=60)
+        late = httpx.post(
+            server.base + "/v1/chat/completions", json=chat_body("Hi", max_tokens=8), timeout=60
+        )
         assert late.status_code == 200 and late.json()["choices"][0]["finish_reason"]
         health = httpx.get(server.base + "/health")
         assert health.status_code == 200 and health.json()["status"] == "ok"

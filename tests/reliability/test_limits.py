@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,15 @@ def limited(tiny_served: LoadedModel) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
+def short_limited(tiny_served: LoadedModel) -> Iterator[str]:
+    """The same limits over a 160-token context (the longest smallest prompt: /rerank's, 84
+    tokens): a route's smallest accepted body names no token limit and generates to the
+    context's end (~9 s a route at the tiny model's 2,048 tokens)."""
+    with thread_server(replace(tiny_served, max_model_len=160), CFG, LIMITS) as (base, _):
+        yield base
+
+
+@pytest.fixture(scope="module")
 def post_routes(limited: str) -> list[Route]:
     # With a JSON body: an upload is multipart (tests/integration/test_batches.py limits it).
     found = [r for r in routes(limited) if r.method == "POST" and r.body_schema is not None]
@@ -104,8 +114,9 @@ EMBEDDING_ROUTES = frozenset(["/v1/embeddings", "/api/embed", "/api/embeddings"]
 
 
 def test_field_limits_on_every_route(
-    limited: str, post_routes: list[Route], tiny_served: LoadedModel, tmp_path: Path
+    short_limited: str, post_routes: list[Route], tiny_served: LoadedModel, tmp_path: Path
 ) -> None:
+    limited = short_limited
     checked = []
     # The weights route's smallest accepted body names weights: the served model's own; the
     # LoRA routes', an adapter of it, loaded, then unloaded (so the unloading route goes last).
