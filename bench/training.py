@@ -189,9 +189,8 @@ def main() -> int:
     finally:
         server.stop()
     mine, peer = statistics.median(ours), statistics.median(theirs)
-    print(
-        "\n| | ours (Tinker SDK, server) | mlx-lm's LoRA trainer | ours / mlx-lm |\n|---|---:|---:|---:|"
-    )
+    print("\n| | ours (Tinker SDK, server) | mlx-lm's LoRA trainer | ours / mlx-lm |")
+    print("|---|---:|---:|---:|")
     print(
         f"| forward_backward + optim_step, {preset.batch} x {preset.length} tokens, rank"
         f" {preset.rank}, s | {mine:.3f} | {peer:.3f} | {mine / peer:.2f} |"

@@ -129,7 +129,7 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
             "listening on %s without --api-key: anyone who can reach it may use it", cfg.host
         )
     app = create_app(
-        pool, cfg.access, template, cfg.batches, metrics=cfg.metrics, tinker_dir=cfg.tinker_dir
+        pool, cfg.access, template, cfg.batches, metrics=cfg.metrics, tinker=cfg.tinker
     )
     heap.freeze_startup_objects()
     return run_server(app, pool.begin_shutdown, cfg, args.log_level)

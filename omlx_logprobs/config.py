@@ -154,6 +154,21 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class TinkerConfig:
+    """Tinker's training API (docs/specs/tinker.md): where save_weights writes checkpoints
+    (None: a new temporary folder, gone with the process), and how long a session goes unheard
+    of (no heartbeat, no call) before it ends as a finished one does (the SDK heartbeats every
+    10 s and warns after 120 s without an answer)."""
+
+    dir: str | None = None
+    session_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not self.session_timeout_s > 0:
+            raise ValueError("tinker_session_timeout must be > 0")
+
+
+@dataclass(frozen=True)
 class BatchConfig:
     """OpenAI's Batch API (api/batches/): where its files and batches are kept (None: a new
     temporary folder, gone with the process), how many batch lines run at once (of all batches
@@ -220,9 +235,7 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     access: Access = field(default_factory=Access)
     batches: BatchConfig = field(default_factory=BatchConfig)
-    # Where Tinker's save_weights writes checkpoints (docs/specs/tinker.md); None: a new
-    # temporary folder, gone with the process.
-    tinker_dir: str | None = None
+    tinker: TinkerConfig = field(default_factory=lambda: TinkerConfig())
     shutdown_grace_s: float = 10.0  # on SIGINT/SIGTERM, in-flight requests get this long
     # The engine in a process of its own (its own GIL), or in a thread of the server's.
     engine_process: bool = True

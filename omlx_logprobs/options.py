@@ -13,6 +13,7 @@ from omlx_logprobs.config import (
     Limits,
     PoolConfig,
     ServerConfig,
+    TinkerConfig,
 )
 from omlx_logprobs.parsing.thinking import ReasoningParser
 from omlx_logprobs.parsing.tools import ToolCallFormat
@@ -307,6 +308,14 @@ def _add_tinker(s: argparse.ArgumentParser) -> None:
         default=default_tinker_dir(),
         help="where save_weights writes checkpoints, in mlx-lm's adapter format (`--lora` and"
         " mlx-lm load them); load_weights reads them back (default: %(default)s)",
+    )
+    g.add_argument(
+        "--tinker-session-timeout",
+        type=float,
+        default=TinkerConfig.session_timeout_s,
+        metavar="SECONDS",
+        help="a session unheard of this long (no heartbeat, no call; the SDK heartbeats every"
+        " 10 s) ends, its training runs and sampler snapshots dropped (default: %(default)s)",
     )
 
 

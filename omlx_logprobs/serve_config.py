@@ -13,6 +13,7 @@ from omlx_logprobs.config import (
     Limits,
     PoolConfig,
     ServerConfig,
+    TinkerConfig,
 )
 
 
@@ -56,7 +57,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         ),
         batches=BatchConfig(args.batch_dir, args.batch_concurrency, args.max_file_bytes),
-        tinker_dir=args.tinker_dir,
+        tinker=TinkerConfig(args.tinker_dir, args.tinker_session_timeout),
         shutdown_grace_s=args.shutdown_grace,
         engine_process=args.engine == "process",
         metrics=args.metrics,

@@ -34,7 +34,7 @@ from omlx_logprobs.api.responses.store import ResponseStore
 from omlx_logprobs.api.rl import routes as rl
 from omlx_logprobs.api.scoring import routes as scoring
 from omlx_logprobs.api.scoring.template import YesNoTemplate
-from omlx_logprobs.config import Access, BatchConfig
+from omlx_logprobs.config import Access, BatchConfig, TinkerConfig
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -45,13 +45,14 @@ def create_app(
     rerank_template: YesNoTemplate | None = None,
     batch: BatchConfig | None = None,
     metrics: bool = True,
-    tinker_dir: str | None = None,
+    tinker: TinkerConfig | None = None,
 ) -> FastAPI:
     """The app over one model (a `Served`) or several (a `ModelPool`, api/core/pool.py);
     `rerank_template`: what /rerank and /score write each pair into (default: Qwen3-Reranker's
     prompt, api/scoring/template.py); `batch`: where the Batch API keeps its files; `metrics`:
-    whether GET /metrics is served (and requests observed for it); `tinker_dir`: where Tinker's
-    checkpoints go (None: a temporary folder, gone with the process)."""
+    whether GET /metrics is served (and requests observed for it); `tinker`: where Tinker's
+    checkpoints go and when its sessions expire (the default: a temporary folder, gone with the
+    process, and 120 s)."""
     pool = served if isinstance(served, ModelPool) else ModelPool.single(served)
     batch = batch or BatchConfig()
     runner = BatchRunner(batch.dir, batch.concurrency, lambda: pool.closing)
@@ -98,18 +99,18 @@ def create_app(
     responses.add_routes(app, pool, stored)
     add_socket(app, pool, stored)
     anthropic.add_routes(app, pool)
-    _tinker_routes(app, pool, tinker_dir)  # /api/v1/ before Ollama's /api/
+    _tinker_routes(app, pool, tinker or TinkerConfig())  # /api/v1/ before Ollama's /api/
     ollama.add_routes(app, pool)
     batches.add_routes(app, runner, batch.max_file_bytes)
     page.add_routes(app, access.api_key is not None)
     return app
 
 
-def _tinker_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None) -> None:
+def _tinker_routes(app: FastAPI, pool: ModelPool, tinker: TinkerConfig) -> None:
     """Tinker's routes, where its SDK is installed (it needs Python 3.11: pyproject.toml)."""
     if importlib.util.find_spec("tinker") is None:
         log.info("Tinker's API is off: the tinker package is not installed")
         return
     from omlx_logprobs.api.tinker import routes
 
-    routes.add_routes(app, pool, tinker_dir)
+    routes.add_routes(app, pool, tinker)

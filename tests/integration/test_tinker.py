@@ -381,14 +381,12 @@ def test_batch_invariant_forward_equals_sample_bit_for_bit(tiny_dir: Path) -> No
         service.close("success").result()
 
 
-def test_a_session_without_heartbeats_expires(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_session_without_heartbeats_expires(tiny_dir: Path) -> None:
     """Unheard of for longer than the server's bound (3 s here; the SDK's first heartbeat comes
     after 10 s), a session ends as a finished one does: its training model and its sampler
     snapshot go, and its heartbeat is the 410 on which the SDK stops heartbeating."""
-    monkeypatch.setenv("OMLX_TINKER_SESSION_EXPIRE_S", "3")
     args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--log-level", "info"]
+    args += ["--tinker-session-timeout", "3"]
     with server_process(args) as s:
         service = tinker.ServiceClient(base_url=s.base, api_key="tml-local")
         tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()

@@ -1,4 +1,4 @@
-"""Sessions whose client is gone (api/tinker/sessions.py's EXPIRE_S without a heartbeat or a
+"""Sessions whose client is gone (api/tinker/sessions.py's `expire_s` without a heartbeat or a
 call) end as finished ones do, so that their training runs and sampler snapshots do not hold
 the engine's memory for good: a task on the event loop looks every few seconds while any
 session is live, and stops when none is."""
@@ -9,7 +9,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from omlx_logprobs.api.tinker.sessions import EXPIRE_S, HEARTBEAT_S, Sessions
+from omlx_logprobs.api.tinker.sessions import HEARTBEAT_S, Sessions
 
 log = logging.getLogger("omlx_logprobs")
 
@@ -18,7 +18,7 @@ class Expiry:
     def __init__(self, sessions: Sessions, finish: Callable[[str], Awaitable[None]]) -> None:
         """`finish`: what ends a session (its training runs dropped from their engines)."""
         self.sessions, self.finish = sessions, finish
-        self.every_s = min(HEARTBEAT_S, EXPIRE_S / 3)
+        self.every_s = min(HEARTBEAT_S, sessions.expire_s / 3)
         self._task: asyncio.Task[None] | None = None
 
     def watch(self) -> None:
@@ -30,7 +30,9 @@ class Expiry:
         while self.sessions.sessions:
             await asyncio.sleep(self.every_s)
             for sid in self.sessions.expired():
-                log.info("tinker: session %s unheard of for %.0f s: ended", sid, EXPIRE_S)
+                log.info(
+                    "tinker: session %s unheard of for %.0f s: ended", sid, self.sessions.expire_s
+                )
                 try:
                     await self.finish(sid)
                 except Exception:  # finished meanwhile, or its engine gone: the next one

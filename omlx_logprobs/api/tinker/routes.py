@@ -29,6 +29,7 @@ from omlx_logprobs.api.tinker.futures import Futures
 from omlx_logprobs.api.tinker.sampling import Sampling
 from omlx_logprobs.api.tinker.sessions import Sessions
 from omlx_logprobs.api.tinker.training import Training
+from omlx_logprobs.config import TinkerConfig
 from omlx_logprobs.training.store import CheckpointStore
 
 API = "/api/v1"
@@ -68,10 +69,11 @@ def _calling(
     return route
 
 
-def add_routes(app: FastAPI, pool: ModelPool, tinker_dir: str | None = None) -> None:
-    """`tinker_dir`: where save_weights writes (None: a temporary folder)."""
-    sessions, futures = Sessions(), Futures()
-    training = Training(pool, sessions, futures, CheckpointStore(tinker_dir))
+def add_routes(app: FastAPI, pool: ModelPool, tinker: TinkerConfig | None = None) -> None:
+    """`tinker`: where save_weights writes and when sessions expire (config.TinkerConfig)."""
+    tinker = tinker or TinkerConfig()
+    sessions, futures = Sessions(tinker.session_timeout_s), Futures()
+    training = Training(pool, sessions, futures, CheckpointStore(tinker.dir))
     sampling = Sampling(pool, sessions, futures)
     expiry = Expiry(sessions, training.finish)
     checkpoints = Checkpoints(training, sessions, futures)

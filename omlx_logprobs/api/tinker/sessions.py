@@ -4,10 +4,10 @@ run each in the engine of the base model, training/trainer.py), and the samplers
 (`save_weights_for_sampler`, `create_sampling_session`): a base model and, for trained
 weights, the name of the adapter the engine serves them under.
 
-A session unheard of (no heartbeat, no call naming it or its models) for EXPIRE_S ends as a
+A session unheard of (no heartbeat, no call naming it or its models) for its bound ends as a
 finished one does (api/tinker/expiry.py): the SDK heartbeats every HEARTBEAT_S (its
 SESSION_HEARTBEAT_PERIOD_SEC), and after 120 s without an answer warns that the session will
-be terminated; OMLX_TINKER_SESSION_EXPIRE_S sets another bound.
+be terminated; `--tinker-session-timeout` sets another bound.
 
 A training model's calls run one at a time in the order they arrived (`lock`), as the SDK
 numbers them; a model's unnamed sampler snapshots beyond SNAPSHOTS are unloaded, oldest
@@ -16,7 +16,6 @@ first, so that an RL loop saving one a step keeps a bounded number of adapters."
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
 from collections import deque
@@ -27,7 +26,6 @@ from omlx_logprobs.training.calls import LoraSpec
 
 SNAPSHOTS = 4
 HEARTBEAT_S = 10.0
-EXPIRE_S = float(os.environ.get("OMLX_TINKER_SESSION_EXPIRE_S", str(12 * HEARTBEAT_S)))
 
 
 @dataclass
@@ -57,7 +55,8 @@ class Session:
 
 
 class Sessions:
-    def __init__(self) -> None:
+    def __init__(self, expire_s: float = 12 * HEARTBEAT_S) -> None:
+        self.expire_s = expire_s  # a session unheard of this long ends (api/tinker/expiry.py)
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
@@ -98,8 +97,8 @@ class Sessions:
         return m
 
     def expired(self) -> list[str]:
-        """The live sessions unheard of for EXPIRE_S."""
-        before = time.monotonic() - EXPIRE_S
+        """The live sessions unheard of for `expire_s`."""
+        before = time.monotonic() - self.expire_s
         return [sid for sid, s in self.sessions.items() if s.last_seen < before]
 
     def sampler(self, sampler_id: str) -> Sampler:
