@@ -4,7 +4,8 @@ the same step in mlx-lm's LoRA trainer, and the rollouts' throughput while train
 The same weights, the same batch of rollouts (B sequences of L tokens, cross-entropy on every
 position after the first), LoRA of the same rank on every attention and MLP projection, Adam:
 
-- mlx-lm: `linear_to_lora_layers` on the model `mlx_lm.load` gives, its trainer's
+- mlx-lm: `linear_to_lora_layers` on the model `mlx_lm.load` gives (in the dtype our server
+  computes in: float32 on the CPU, a quantized model dequantized), its trainer's
   `default_loss` under `nn.value_and_grad`, `optim.Adam`, evaluated each step: what its
   `train` loop does per batch (in this process, before the server starts);
 - ours: the SDK's `forward_backward(..., "cross_entropy")` then `optim_step`, each waited on,
@@ -16,7 +17,11 @@ position after the first), LoRA of the same rank on every attention and MLP proj
     python3 -m bench.training --preset gpu --model /root/m1b
 """
 
+# ruff: noqa: I001  (omlx_logprobs before anything imports mlx: it preloads OpenBLAS, which
+# mlx-lm's step in this process then uses as our server does; bench/mlx_lm_server.py)
 from __future__ import annotations
+
+from omlx_logprobs import BLAS
 
 import argparse
 import asyncio
@@ -63,7 +68,13 @@ def mlx_lm_step_s(model_dir: str, tokens: np.ndarray, preset: Preset) -> list[fl
     from mlx_lm.tuner.trainer import default_loss
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
+    from omlx_logprobs.models.dtype import apply_dtype
+
     model, _ = load(model_dir)
+    # The activations' dtype our server computes in (models/dtype.py: on the CPU, float32, a
+    # quantized model dequantized once), so that the two steps do the same arithmetic: MLX's
+    # CPU quantized matmul alone made mlx-lm's step 16x ours on the embedded Q8 model.
+    apply_dtype(model)
     model.freeze()
     config = {"rank": preset.rank, "scale": ALPHA / preset.rank, "dropout": 0.0}
     layers = len(model.layers)
@@ -152,6 +163,7 @@ def main() -> int:
         a.model = str(ensure_embedded_model())
     from transformers import AutoTokenizer
 
+    print(f"BLAS: {BLAS}", flush=True)
     vocab = len(AutoTokenizer.from_pretrained(a.model))
     tokens = rollouts(vocab, preset)
     theirs = mlx_lm_step_s(a.model, tokens, preset)
