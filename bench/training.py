@@ -182,6 +182,7 @@ def main() -> int:
         data = datums(tokens)
         ours = our_step_s(client, data, preset.steps)
         print(f"ours: a step {statistics.median(ours):.3f} s ({ours})", flush=True)
+        rollouts_tok_s(server.base_url, name, preset, seed=0)  # unmeasured: shapes built
         alone = rollouts_tok_s(server.base_url, name, preset, seed=1)
         done = threading.Event()
         trained = [0]

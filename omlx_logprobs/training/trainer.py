@@ -189,28 +189,37 @@ class Trainer:
         )
         fn = losses.LOSSES[first.loss_fn][0]
 
-        def loss_of(params: Params) -> tuple[mx.array, list[mx.array], mx.array]:
+        # On MLX's CPU backend each row's logprobs come from the engine's host extraction of
+        # its logits (the bits `sample` returns); on a device the chosen ids' log-softmax stays
+        # there (the [W, V] logits of every datum copied out had taken 7x mlx-lm's step).
+        on_host = mx.default_device() == mx.cpu
+
+        def loss_of(params: Params) -> tuple[mx.array, list[mx.array], list[mx.array], mx.array]:
             logits = self.logits(run, params, tokens, pads)
             lp_all = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            terms = []
+            terms, chosen = [], []
             for i, (p, (_, x)) in enumerate(zip(pads, rows)):
                 lp = mx.take_along_axis(lp_all[i, p:], x["target_tokens"][:, None], axis=-1)
+                chosen.append(lp[:, 0])
                 terms.append(fn(lp[:, 0], x, first.config))
-            return sum((t.sum() for t in terms), mx.array(0.0)), terms, logits
+            return sum((t.sum() for t in terms), mx.array(0.0)), terms, chosen, logits
 
         if first.backward:
-            (_, terms, logits), grads = mx.value_and_grad(loss_of)(run.params)
+            (_, terms, chosen, logits), grads = mx.value_and_grad(loss_of)(run.params)
             total = grads if run.grads is None else tree_map(mx.add, run.grads, grads)
-            mx.eval(terms, logits, total)
+            mx.eval(terms, [logits] if on_host else chosen, total)
         else:
-            _, terms, logits = loss_of(run.params)
-            mx.eval(terms, logits)
+            _, terms, chosen, logits = loss_of(run.params)
+            mx.eval(terms, [logits] if on_host else chosen)
             total = run.grads
         run.grads = total
         out = []
         for i, (call, p, (_, x)) in enumerate(zip(calls, pads, rows)):
-            host = HostExtraction(logits[i, p:], x["target_tokens"], 0, None, True).to_host()
-            lp = np.asarray(host.logprobs, dtype=np.float32)
+            if on_host:
+                host = HostExtraction(logits[i, p:], x["target_tokens"], 0, None, True).to_host()
+                lp = np.asarray(host.logprobs, dtype=np.float32)
+            else:
+                lp = np.array(chosen[i], dtype=np.float32)
             out.append(DatumResult(lp, np.array(terms[i], dtype=np.float32),
                                    float(terms[i].sum()), _deviation(lp, call.inputs)))  # fmt: skip
         return out
