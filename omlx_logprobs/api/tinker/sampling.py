@@ -100,6 +100,9 @@ def check(checks: RequestLimits, ids: list[int], req: types.SampleRequest) -> No
     logprob counts against the server's limits: a 400 as the OpenAI routes answer."""
     checks.check_token_ids(ids, "prompt")
     mt = req.sampling_params.max_tokens
+    cap = checks.limits.max_output_tokens
+    if mt is not None and cap is not None and mt > cap:  # --max-output-tokens, as every route
+        raise APIError(f"max_tokens: at most {cap} allowed, got {mt}", param="max_tokens")
     checks.check_prompt(len(ids), DEFAULT_MAX_TOKENS if mt is None else mt, "prompt",
                         "max_tokens")  # fmt: skip
     top = checks.bounds.max_top_logprobs
