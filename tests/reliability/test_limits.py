@@ -76,8 +76,9 @@ def limited(tiny_served: LoadedModel) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def short_limited(tiny_served: LoadedModel) -> Iterator[str]:
     """The same limits over a 160-token context (the longest smallest prompt: /rerank's, 84
-    tokens): a route's smallest accepted body names no token limit and generates to the
-    context's end (~9 s a route at the tiny model's 2,048 tokens)."""
+    tokens): a route's smallest accepted body names no token limit, and a server that did not
+    hold it to --max-output-tokens would generate to the context's end (~9 s a route at the
+    tiny model's 2,048 tokens)."""
     with thread_server(replace(tiny_served, max_model_len=160), CFG, LIMITS) as (base, _):
         yield base
 
