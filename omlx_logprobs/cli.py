@@ -83,7 +83,9 @@ def serve(cfg: ServerConfig, args: argparse.Namespace) -> list[int]:
     from omlx_logprobs.api.core.pool import ModelPool
     from omlx_logprobs.api.scoring.template import YesNoTemplate
     from omlx_logprobs.api.server import run_server
+    from omlx_logprobs.transport.starting import end_on_signal
 
+    end_on_signal()  # engine processes started before uvicorn's handlers end with the server
     log.info("BLAS: %s", omlx_logprobs.BLAS)
     log.info("heap: %s", omlx_logprobs.HEAP)
     log.info("MLX: %s", mlx_settings(mlx_backend()))

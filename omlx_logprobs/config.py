@@ -127,7 +127,8 @@ class Limits:
     max_body_bytes: int = 8 << 20  # 413 above this
     max_queued: int = 256  # requests in flight beyond max_num_seqs before a 429
     retry_after_s: int = 1  # the 429's Retry-After
-    max_output_tokens: int | None = None  # cap on max_tokens; None: the context window
+    # Output tokens of one request, sent or not (a larger max_tokens: 400); None: the context
+    max_output_tokens: int | None = None
     max_n: int = 16
     max_stop: int = 16  # stop strings per request
     max_stop_chars: int = 512  # characters per stop string (each costs a scan per token)

@@ -432,7 +432,13 @@ def _add_limits(s: argparse.ArgumentParser) -> None:
         default=d.max_queued,
         help="requests in flight beyond --max-num-seqs before a 429",
     )
-    g.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens)
+    g.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=d.max_output_tokens,
+        help="output tokens of one request: a larger max_tokens sent is a 400; a request that"
+        " sends none gets the smaller of this and the context left (default: the context)",
+    )
     g.add_argument("--max-n", type=int, default=d.max_n)
     g.add_argument("--max-stop", type=int, default=d.max_stop)
     g.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars)

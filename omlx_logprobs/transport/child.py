@@ -5,6 +5,7 @@ the pipe; the loop that posts the parent's commands to the engine and sends thei
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import signal
 import sys
@@ -31,6 +32,9 @@ from omlx_logprobs.transport.messages import (
 from omlx_logprobs.types import RequestOutput
 
 log = logging.getLogger("omlx_logprobs")
+# The engine's own bound on its stop (the step in flight, the prefix cache's disk tier written);
+# the parent waits for this process longer than that (transport/process.py).
+STOP_S = 10.0
 
 
 class _PipeSink:
@@ -78,27 +82,60 @@ def child_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
         level=spec.log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s"
     )
     heap.set_switch_interval()
+    ready = threading.Event()
+    threading.Thread(
+        target=_end_with_parent, args=(ready,), name="omlx-parent", daemon=True
+    ).start()
     sink = _PipeSink(outbox)
     try:
         from omlx_logprobs.transport.build import build_engine
 
         model, engine = build_engine(spec, sink, on_hang=partial(_fault, sink))
     except SplitRefused as exc:  # said in the log already, on every rank: no traceback
-        outbox.send(Failed(str(exc)))
+        _tell(outbox, Failed(str(exc)))
         os._exit(2)
     except Exception as exc:
         log.exception("the engine process could not start")
-        outbox.send(Failed(f"{type(exc).__name__}: {exc}"))
+        _tell(outbox, Failed(f"{type(exc).__name__}: {exc}"))
         os._exit(1)
     heap.freeze_startup_objects()
     engine.start()  # returns once the engine's start-up warms are done: ready means ready
-    outbox.send(Ready(len(model.vocab)))  # first: from here on the engine thread sends
+    ready.set()
+    _tell(outbox, Ready(len(model.vocab)))  # first: from here on the engine thread sends
     sink.engine = engine
     _serve_inbox(engine, inbox, sink)
-    engine.shutdown()
+    engine.shutdown(STOP_S)
+    if engine.alive:  # the parent waits longer (transport/process.py): say why it waited
+        log.warning("the engine did not stop in %.0f s; the engine process exits anyway", STOP_S)
     logging.shutdown()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _tell(outbox: Connection, msg: Failed | Ready) -> None:
+    """Send the parent what became of the start; if it is gone, end here: an exception would
+    leave through multiprocessing's interpreter teardown, which waits on the engine's threads
+    (and MLX's) and, as SIGTERM is ignored, only SIGKILL ended."""
+    try:
+        outbox.send(msg)
+    except OSError:
+        log.warning("the server's process is gone: the engine process ends")
+        logging.shutdown()
+        os._exit(1)
+
+
+def _end_with_parent(ready: threading.Event) -> None:
+    """Until the engine is ready: if the server's process is gone (killed outright; SIGTERM and
+    SIGINT end this process from there: transport/starting.py), end rather than load and warm
+    a model for nobody. Once ready, the inbox's end stops the engine (`_serve_inbox`)."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+    parent.join()  # its sentinel: closed when the parent exits, however it does
+    if not ready.is_set():
+        log.warning("the server's process is gone: the engine process ends before it is ready")
+        logging.shutdown()
+        os._exit(1)
 
 
 def _fault(sink: _PipeSink, message: str) -> None:

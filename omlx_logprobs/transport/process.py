@@ -34,7 +34,7 @@ from omlx_logprobs.engine.commands import (
     posted,
 )
 from omlx_logprobs.engine.stats import EngineStats
-from omlx_logprobs.transport.child import child_main
+from omlx_logprobs.transport.child import STOP_S, child_main
 from omlx_logprobs.transport.client import Deliver, Lost
 from omlx_logprobs.transport.messages import (
     NO_STATS,
@@ -50,6 +50,10 @@ from omlx_logprobs.transport.messages import (
 log = logging.getLogger("omlx_logprobs")
 BACKOFF_S = (0.5, 30.0)  # the first restart's delay, doubled after each failure up to the second
 STABLE_S = 60.0  # a child that ran this long before it died restarts after the first delay
+# Beyond the engine's own bound on its stop (child.STOP_S), the child process's exit: a GPU's
+# memory released. One bound for both, the parent's counted from before the child even read
+# `Stop`, killed an engine that was still writing the prefix cache's disk tier.
+EXIT_S = 20.0
 A = TypeVar("A")
 
 
@@ -143,14 +147,21 @@ class ProcessTransport:
             thread.start()
             self._threads.append(thread)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = STOP_S) -> None:
+        """Stop the child: its engine stops within `timeout` (the child's own bound, counted
+        from when it reads `Stop`), its process exits within EXIT_S more. A child not yet
+        ready (a restart loading or warming) holds nothing to keep: it is ended at once."""
         self._stopping.set()
         self._outgoing.put((0, Stop()))
         child = self._child
         if child is not None:
-            child.proc.join(timeout)
+            if not self._up.is_set():
+                child.proc.kill()
+            child.proc.join(timeout + EXIT_S)
             if child.proc.is_alive():
-                log.warning("the engine process did not stop in %.0f s; killing it", timeout)
+                log.warning(
+                    "the engine process did not exit in %.0f s; killing it", timeout + EXIT_S
+                )
                 child.proc.kill()
                 child.proc.join(5)
         self._outgoing.put(None)  # ends the sender
@@ -338,6 +349,8 @@ class ProcessTransport:
                 self.spawn()
                 self.wait_ready()
             except RuntimeError as exc:
+                if self._stopping.is_set():  # ended by `shutdown` while it loaded
+                    break
                 log.error("%s; trying again in %.1f s", exc, delay)
                 continue
             log.info("the engine process is back (pid %s)", self.pid)

@@ -5,6 +5,7 @@ OpenAI-shaped error check."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -56,6 +57,32 @@ class ServerProcess:
         return int(psutil.Process(self.proc.pid).memory_info().rss)
 
 
+def spawn_server(
+    args: list[str], log_dir: Path | None = None, group: bool = False
+) -> ServerProcess:
+    """`omlx-logprobs serve ARGS` started on a free loopback port (`server_process` says
+    what the arguments mean), not waited for."""
+    port = free_port()
+    log_path = Path(log_dir or tempfile.gettempdir()) / f"omlx-server-{port}.log"
+    with open(log_path, "wb") as log:
+        cmd = [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--port", str(port), *args]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=group)
+    return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+
+
+def group_alive(pgid: int) -> list[int]:
+    """The processes of a process group still running (zombies, whose parent has not yet
+    reaped them, aside)."""
+    alive = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return alive
+
+
 @contextmanager
 def server_process(
     args: list[str], log_dir: Path | None = None, start_s: float = 180, group: bool = False
@@ -64,12 +91,8 @@ def server_process(
     LOG_DIR (default: the temporary directory); stopped with SIGTERM (SIGKILL after 15 s).
     `group`: in a process group of its own (its id the server's), as a service manager starts
     it, so that a signal can reach the server and its engine process together (`os.killpg`)."""
-    port = free_port()
-    log_path = Path(log_dir or tempfile.gettempdir()) / f"omlx-server-{port}.log"
-    with open(log_path, "wb") as log:
-        cmd = [sys.executable, "-m", "omlx_logprobs.cli", "serve", "--port", str(port), *args]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=group)
-    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    server = spawn_server(args, log_dir, group)
+    proc = server.proc
     try:
         deadline = time.time() + start_s
         while True:
@@ -81,7 +104,7 @@ def server_process(
             except httpx.HTTPError:
                 pass
             if time.time() > deadline:
-                raise RuntimeError(f"server did not start in {start_s:g} s; see {log_path}")
+                raise RuntimeError(f"server did not start in {start_s:g} s; see {server.log_path}")
             time.sleep(0.2)
         yield server
     finally:
@@ -188,8 +211,20 @@ def assert_api_error(r: httpx.Response, status: int, param: str | None, path: st
     assert isinstance(message, str) and (param is None or param.split("[")[0] in message), body
 
 
-def engine_child(pid: int) -> int:
-    """The server's engine process (its multiprocessing spawn child, not the resource tracker)."""
+def engine_child(pid: int, wait_s: float = 0.0) -> int:
+    """The server's engine process (its multiprocessing spawn child, not the resource tracker);
+    `wait_s`: how long to wait for it to be started."""
+    deadline = time.time() + wait_s
+    while True:
+        found = _engine_child(pid)
+        if found is not None:
+            return found
+        if time.time() > deadline:
+            raise AssertionError(f"no engine process under {pid}")
+        time.sleep(0.05)
+
+
+def _engine_child(pid: int) -> int | None:
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             text = status.read_text()
@@ -198,4 +233,4 @@ def engine_child(pid: int) -> int:
             continue
         if f"\nPPid:\t{pid}\n" in text and b"spawn_main" in cmd:
             return int(status.parent.name)
-    raise AssertionError(f"no engine process under {pid}")
+    return None

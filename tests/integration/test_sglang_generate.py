@@ -136,6 +136,8 @@ def test_refusals(base: str, tiny: LoadedModel) -> None:
     bad({"input_ids": prompt, "sampling_params": {"max_new_tokenz": 3}},
         "sampling_params.max_new_tokenz")  # fmt: skip
     bad({"input_ids": [len(tiny.vocab)]}, "input_ids")
+    bad({"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}},
+        "min_new_tokens")  # fmt: skip
     bad({"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 2,
          "token_ids_logprob": [1]}, "token_ids_logprob")  # fmt: skip
     bad({"input_ids": prompt, "lora_path": "nope"}, "model", 404)

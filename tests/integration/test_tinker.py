@@ -407,3 +407,26 @@ def test_a_session_without_heartbeats_expires(tiny_dir: Path) -> None:
         fresh = tinker.ServiceClient(base_url=s.base, api_key="tml-local")
         tc = fresh.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
         assert tc.forward([ce_datum(TEXT)], "cross_entropy").result().loss_fn_outputs
+
+
+def test_max_output_tokens_bounds_a_sample(tiny_dir: Path) -> None:
+    """--max-output-tokens bounds Tinker's samples as every route's: the default (16) held at
+    it, a larger max_tokens the SDK's BadRequestError; and a chat request that names none."""
+    args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--log-level", "info"]
+    with server_process([*args, "--max-output-tokens", "4"]) as s:
+        service = tinker.ServiceClient(base_url=s.base, api_key="tml-local")
+        sc = service.create_sampling_client(base_model="tiny").result()
+        prompt = types.ModelInput.from_ints(PROMPT)
+        [seq] = sc.sample(prompt, 1, types.SamplingParams(stop=[])).result().sequences
+        assert len(seq.tokens) == 4 and seq.stop_reason == "length"
+        with pytest.raises(tinker.BadRequestError, match="at most 4"):
+            sc.sample(prompt, 1, types.SamplingParams(max_tokens=5)).result()
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "ignore_eos": True,
+        }
+        r = httpx.post(s.base + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        assert r.json()["choices"][0]["finish_reason"] == "length"

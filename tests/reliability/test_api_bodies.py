@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -85,13 +84,12 @@ def replaced(obj: Any, path: tuple[Any, ...], value: Any) -> Any:
 def url(scripted_model: LoadedModel) -> Iterator[str]:  # noqa: F811
     # A short context: a body whose token limit is replaced by none (Ollama's `options: null`,
     # a null max_output_tokens) generates to the end of the context: 67 s at the model's own,
-    # 42 s at 512, 39 s at 192. The routes bound a request by the model's context
-    # (LoadedModel.max_model_len), which the engine's max_model_len leaves as it is, so both are
-    # set (the engine's alone left /v1/responses at the model's 4,096 tokens: 80 s); 320 holds
-    # the longest body's prompt (/api/chat's, with its tools: 279 tokens).
+    # 42 s at 512, 39 s at 192 (/v1/responses at the model's 4,096 tokens: 80 s). The routes
+    # bound a request by the served context, the engine config's max_model_len where it is below
+    # the model's (api/core/served.py holds the model's context at it); 320 holds the longest
+    # body's prompt (/api/chat's, with its tools: 279 tokens).
     cfg = EngineConfig(max_num_seqs=64, prefill_chunk=64, max_model_len=320)
-    model = replace(scripted_model, max_model_len=320)
-    with thread_server(model, cfg, reasoning=True, tool_format="hermes") as (base, _):
+    with thread_server(scripted_model, cfg, reasoning=True, tool_format="hermes") as (base, _):
         yield base
 
 

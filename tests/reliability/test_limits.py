@@ -76,8 +76,9 @@ def limited(tiny_served: LoadedModel) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def short_limited(tiny_served: LoadedModel) -> Iterator[str]:
     """The same limits over a 160-token context (the longest smallest prompt: /rerank's, 84
-    tokens): a route's smallest accepted body names no token limit and generates to the
-    context's end (~9 s a route at the tiny model's 2,048 tokens)."""
+    tokens): a route's smallest accepted body names no token limit, and a server that did not
+    hold it to --max-output-tokens would generate to the context's end (~9 s a route at the
+    tiny model's 2,048 tokens)."""
     with thread_server(replace(tiny_served, max_model_len=160), CFG, LIMITS) as (base, _):
         yield base
 
@@ -147,6 +148,79 @@ def test_field_limits_on_every_route(
             checked.append((route.path, field))
     chat = {f for p, f in checked if p == "/v1/chat/completions"}
     assert {"n", "max_tokens", "max_completion_tokens", "top_logprobs", "stop"} <= chat
+
+
+HI = [{"role": "user", "content": "hi"}]
+# route -> (a body that sends no output limit, the output tokens and why it ended, from the answer)
+UNBOUNDED: dict[str, tuple[dict[str, Any], Any]] = {
+    "/v1/chat/completions": (
+        {"messages": HI},
+        lambda b: (b["usage"]["completion_tokens"], b["choices"][0]["finish_reason"]),
+    ),
+    "/v1/completions": (  # OpenAI's default 16, over the flag
+        {"prompt": "hi"},
+        lambda b: (b["usage"]["completion_tokens"], b["choices"][0]["finish_reason"]),
+    ),
+    "/v1/responses": (
+        {"input": "hi"},
+        lambda b: (b["usage"]["output_tokens"], b["incomplete_details"]["reason"]),
+    ),
+    "/api/chat": (
+        {"messages": HI, "stream": False, "options": {"num_predict": -1}},
+        lambda b: (b["eval_count"], b["done_reason"]),
+    ),
+    "/api/generate": (
+        {"prompt": "hi", "stream": False},
+        lambda b: (b["eval_count"], b["done_reason"]),
+    ),
+    "/inference/v1/generate": (
+        {"token_ids": [1, 2, 3], "sampling_params": {}},
+        lambda b: (len(b["choices"][0]["token_ids"]), b["choices"][0]["finish_reason"]),
+    ),
+    "/generate": (  # SGLang's default 128, over the flag
+        {"input_ids": [1, 2, 3], "sampling_params": {}},
+        lambda b: (len(b["output_ids"]), b["meta_info"]["finish_reason"]["type"]),
+    ),
+}
+ENDED = {"length", "max_output_tokens"}
+
+
+def test_a_request_without_an_output_limit_stops_at_max_output_tokens(
+    short_limited: str,
+) -> None:
+    """--max-output-tokens (8) bounds what a request that sends no output limit generates (vLLM
+    lets it run to the context's end, ~150 tokens here; a route's own default, over the flag,
+    is no 400 either); a larger value sent stays a 400 on every route."""
+    for path, (body, read) in UNBOUNDED.items():
+        r = httpx.post(short_limited + path, json={"model": TINY_NAME, **body}, timeout=120)
+        assert r.status_code == 200, (path, r.text)
+        tokens, why = read(r.json())
+        assert tokens == LIMITS.max_output_tokens and why in ENDED, (path, r.json())
+    over = {
+        "/v1/responses": ({"input": "hi", "max_output_tokens": 9}, "max_output_tokens"),
+        "/api/chat": ({"messages": HI, "stream": False, "options": {"num_predict": 9}},
+                      "options.num_predict"),
+        "/generate": ({"input_ids": [1], "sampling_params": {"max_new_tokens": 9}},
+                      "max_new_tokens"),
+        "/v1/messages": ({"messages": HI, "max_tokens": 9}, "max_tokens"),
+    }  # fmt: skip
+    for path, (body, param) in over.items():
+        r = httpx.post(short_limited + path, json={"model": TINY_NAME, **body}, timeout=60)
+        assert_api_error(r, 400, param, path)
+
+
+def test_the_engine_configs_context_bounds_the_routes(tiny_served: LoadedModel) -> None:
+    """The context the routes check against is the engine config's (--max-model-len) where it
+    is below the model's, whoever loaded the model."""
+    with thread_server(tiny_served, EngineConfig(max_model_len=64), LIMITS) as (base, _):
+        card = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]
+        assert card["max_model_len"] == 64, card
+        words = {"model": TINY_NAME, "prompt": " ".join(["word"] * 70), "max_tokens": 1}
+        r = httpx.post(base + "/v1/completions", json=words, timeout=60)
+        assert assert_openai_error(r, 400, "prompt")["code"] == "context_length_exceeded"
+        short = {"model": TINY_NAME, "prompt": " ".join(["word"] * 60), "max_tokens": 8}
+        r = httpx.post(base + "/v1/completions", json=short, timeout=60)
+        assert assert_openai_error(r, 400, "max_tokens")["code"] == "context_length_exceeded"
 
 
 def test_openapi_says_400_in_openai_shape(limited: str, post_routes: list[Route]) -> None:

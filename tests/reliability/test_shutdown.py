@@ -1,6 +1,7 @@
 """SIGTERM and SIGINT to a real server process with requests in flight: those that can finish
 within the grace period finish, the rest get an error (an error event on a stream, an error body
-otherwise), no connection is dropped, and the process exits with its engine thread joined."""
+otherwise), no connection is dropped, and the process exits with its engine thread joined. While
+it starts, a signal (or the server killed outright) ends its engine process too."""
 
 from __future__ import annotations
 
@@ -8,13 +9,21 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.helpers.server import engine_child, server_process
+from tests.helpers.server import (
+    ServerProcess,
+    engine_child,
+    group_alive,
+    server_process,
+    spawn_server,
+)
 from tests.reliability.client import ChatResult, chat, chat_body
 
 GRACE_S = 3
@@ -93,3 +102,63 @@ def test_sigterm_to_the_process_group_leaves_shutdown_to_the_server(
         time.sleep(0.1)
     files = list(disk.rglob("*.safetensors"))
     assert len(files) == 1 and files[0].stat().st_size > 0, files
+
+
+@contextmanager
+def starting(tiny_dir: Path, tmp_path: Path) -> Iterator[tuple[ServerProcess, int]]:
+    """A server (in a process group of its own) whose engine process is held in its start-up
+    with SIGSTOP: a model that takes minutes to load and warm (--batch-invariant's reference
+    BLAS does), with no hook in the server. Yields the server and its engine process; whatever
+    of the group is left at the end is killed."""
+    args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--log-level", "info"]
+    server = spawn_server([*args, "--engine", "process"], tmp_path, group=True)
+    try:
+        child = engine_child(server.proc.pid, wait_s=120)
+        os.kill(child, signal.SIGSTOP)
+        with pytest.raises(httpx.HTTPError):  # not serving: still starting
+            httpx.get(server.base + "/health", timeout=2)
+        yield server, child
+    finally:
+        for pid in group_alive(server.proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        server.proc.wait(30)
+
+
+def wait_group_gone(pgid: int, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while left := group_alive(pgid):
+        assert time.time() < deadline, f"still running after {seconds:g} s: {left}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    "sig, group, code", [(signal.SIGTERM, False, -signal.SIGTERM), (signal.SIGINT, True, 130)]
+)
+def test_a_signal_while_starting_ends_the_engine_process_too(
+    tiny_dir: Path, tmp_path: Path, sig: signal.Signals, group: bool, code: int
+) -> None:
+    """SIGTERM to the server alone (a test's or a user's `kill`), SIGINT to its whole group
+    (Ctrl-C) while its engine process loads: the engine process ignores both, the server ends
+    it, then exits as a stopped server does; nothing of the group is left."""
+    with starting(tiny_dir, tmp_path) as (server, child):
+        (os.killpg if group else os.kill)(server.proc.pid, sig)
+        assert server.proc.wait(30) == code
+        wait_group_gone(server.proc.pid, 10)
+        log = server.log()
+    assert f"{sig.name}: ending the engine processes ({child})" in log, log[-3000:]
+    assert "Traceback" not in log, log[-4000:]
+
+
+def test_an_engine_process_whose_server_is_killed_ends_before_it_is_ready(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """SIGKILL leaves the server no say: its engine process, still loading, sees its parent
+    gone and ends rather than load and warm for nobody (which it ignored SIGTERM through)."""
+    with starting(tiny_dir, tmp_path) as (server, child):
+        server.proc.kill()
+        assert server.proc.wait(30) == -signal.SIGKILL
+        os.kill(child, signal.SIGCONT)  # its load goes on, for nobody
+        wait_group_gone(server.proc.pid, 60)
+        log = server.log()
+    assert "the server's process is gone: the engine process ends" in log, log[-3000:]
+    assert "Traceback" not in log, log[-4000:]

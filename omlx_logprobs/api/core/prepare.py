@@ -263,7 +263,13 @@ def sampling_params(
     room = checks.check_prompt(prompt_len, ask.max_tokens, prompt_param, tokens_param)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     any_logprobs = ask.logprobs or ask.prompt_top is not None
+    # vLLM's default is the context left; --max-output-tokens bounds every request's output,
+    # sent or not (a value sent above it is a 400 already: validation.py), and a route's own
+    # default (completions' 16, SGLang's 128) too.
     limit = ask.max_tokens if ask.max_tokens is not None else room
+    cap = checks.limits.max_output_tokens
+    if cap is not None:
+        limit = min(limit, cap)
     if req.min_tokens > limit:
         raise APIError(
             f"min_tokens ({req.min_tokens}) must be at most {tokens_param} ({limit})",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from pydantic import BaseModel
@@ -51,6 +51,13 @@ class Served:
     faithful_answers: int = MAX_ANSWERS
     # How it makes embeddings (models/embedding.py); None: it serves none (a 400 for them).
     embedding: EmbeddingConfig | None = None
+
+    def __post_init__(self) -> None:
+        # The context served is the smaller of the model's and the engine's (--max-model-len),
+        # whoever loaded the model: every route reads it from `model.max_model_len`.
+        limit = self.cfg.max_model_len
+        if limit is not None and limit < self.model.max_model_len:
+            object.__setattr__(self, "model", replace(self.model, max_model_len=limit))
 
     @cached_property
     def checks(self) -> RequestLimits:

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 
 from omlx_logprobs.api.core.errors import APIError, error_body
-from omlx_logprobs.api.core.prepare import Ask, sampling_params
+from omlx_logprobs.api.core.prepare import Ask, sampling_params, wire_names
 from omlx_logprobs.api.core.prompts import encode
 from omlx_logprobs.api.core.response import finished
 from omlx_logprobs.api.core.routed_experts import with_routing
@@ -30,6 +30,8 @@ from omlx_logprobs.transport.client import RequestHandle, merged
 from omlx_logprobs.types import EngineRequest, Entries, FinishReason, RequestOutput
 
 MAX_PROMPTS = 256  # prompts in one batch, as /v1/completions
+# vLLM's fields SGLang's are read into (`_engine_request`), by SGLang's names for the 400s
+SGLANG_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 
 
 @dataclass(frozen=True)
@@ -145,9 +147,12 @@ class SglangRun:
         checks as every route)."""
         sp = item.sp
         structured = {"json": sp.json_schema, "regex": sp.regex, "grammar": sp.ebnf}
+        # max_new_tokens as sent, checked against --max-output-tokens; SGLang's default (128)
+        # is not the client's ask: it is bounded by the flag in `sampling_params`, never a 400
+        sent = {"max_tokens": sp.max_new_tokens} if "max_new_tokens" in sp.model_fields_set else {}
         knobs = GenerateSampling.model_validate(
             dict(
-                max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens,
+                **sent, min_tokens=sp.min_new_tokens,
                 temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
                 stop=sp.stop, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
                 skip_special_tokens=sp.skip_special_tokens,
@@ -161,11 +166,12 @@ class SglangRun:
         )  # fmt: skip
         checks = self.served.checks
         checks.check(sp)
-        constraint = checks.check(knobs)
         scored = item.logprob and item.start < len(item.ids) - 1
         ask = Ask(knobs, sp.max_new_tokens, item.logprob, item.top,
                   item.top if scored else None, prompt_param="input_ids")  # fmt: skip
-        params = sampling_params(ask, self.served, len(item.ids), constraint)
+        with wire_names(SGLANG_NAMES):  # a 400 names SGLang's field, not vLLM's
+            constraint = checks.check(knobs)
+            params = sampling_params(ask, self.served, len(item.ids), constraint)
         params, _ = with_routing(req, self.served, len(item.ids), params)
         rid = f"{item.rid}-{uuid.uuid4().hex[:8]}"  # unique in the engine whatever was sent
         return EngineRequest(rid, item.ids, params, sp.n, stream=req.stream, adapter=adapter)

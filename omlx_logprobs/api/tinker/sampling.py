@@ -53,7 +53,8 @@ class Sampling:
         if slot.served is not None:  # loaded: checked now, else in the engine's model
             check(slot.served.checks, ids, req)
         ereq = EngineRequest(f"tinker-sample-{uuid.uuid4().hex}", ids,
-                             params(req, len(ids)), req.num_samples,
+                             params(req, len(ids), self.pool.limits.max_output_tokens),
+                             req.num_samples,
                              adapter=sampler.adapter)  # fmt: skip
         rid = self.futures.start("sample", self._run(sampler, ereq, req))
         return rid, [f"{rid}:{i}" for i in range(req.num_samples)]
@@ -100,6 +101,9 @@ def check(checks: RequestLimits, ids: list[int], req: types.SampleRequest) -> No
     logprob counts against the server's limits: a 400 as the OpenAI routes answer."""
     checks.check_token_ids(ids, "prompt")
     mt = req.sampling_params.max_tokens
+    cap = checks.limits.max_output_tokens
+    if mt is not None and cap is not None and mt > cap:  # --max-output-tokens, as every route
+        raise APIError(f"max_tokens: at most {cap} allowed, got {mt}", param="max_tokens")
     checks.check_prompt(len(ids), DEFAULT_MAX_TOKENS if mt is None else mt, "prompt",
                         "max_tokens")  # fmt: skip
     top = checks.bounds.max_top_logprobs
@@ -123,8 +127,10 @@ def prompt_ids(prompt: types.ModelInput) -> list[int]:
     return ids
 
 
-def params(req: types.SampleRequest, n_prompt: int) -> SamplingParams:
+def params(req: types.SampleRequest, n_prompt: int, cap: int | None = None) -> SamplingParams:
+    """`cap`: --max-output-tokens, which bounds the default (16) as every route's."""
     sp = req.sampling_params
+    default = DEFAULT_MAX_TOKENS if cap is None else min(DEFAULT_MAX_TOKENS, cap)
     stop = sp.stop
     words = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str))
     tokens = tuple(int(s) for s in stop or () if isinstance(s, int) and not isinstance(stop, str))
@@ -132,7 +138,7 @@ def params(req: types.SampleRequest, n_prompt: int) -> SamplingParams:
     scored = (req.prompt_logprobs or k > 0) and n_prompt > 1
     try:
         return SamplingParams(
-            max_tokens=DEFAULT_MAX_TOKENS if sp.max_tokens is None else sp.max_tokens,
+            max_tokens=default if sp.max_tokens is None else sp.max_tokens,
             temperature=sp.temperature, top_p=sp.top_p, top_k=max(sp.top_k, 0), seed=sp.seed,
             stop=words, stop_token_ids=tokens, ignore_eos=stop is not None and len(stop) == 0,
             logprobs=True, top_logprobs=req.topk_sample_logprobs,
