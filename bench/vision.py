@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import ctypes.util
 import io
 import json
 import statistics
@@ -38,6 +39,7 @@ from bench.server import REPO, Server, free_port, omlx_command, start_server
 from bench.vlmmodel import SIDE, build
 
 PEER_PYTHON = REPO / ".venv-mlxvlm" / "bin" / "python"
+BLAS_LIB = sys.platform == "linux" and ctypes.util.find_library("openblas")
 QUESTIONS = ("What is in this picture?", "Which colours are in it, and where?")
 
 
@@ -215,7 +217,11 @@ def main() -> int:
         peers.append(Peer("omlx", ours, model.name))
         print(f"omlx: ready in {ours.startup_s:.1f} s", flush=True)
         port = free_port()
-        theirs = [str(a.peer_python), "-m", "mlx_vlm.server", "--model", str(model)]
+        # OpenBLAS loaded first, as our server loads it (bench/mlx_lm_server.py): else the mlx
+        # wheel's reference BLAS does its matmuls on a Linux CPU (minutes an image)
+        preload = [f"LD_PRELOAD={BLAS_LIB}"] if BLAS_LIB else []
+        theirs = ["env", *preload, str(a.peer_python), "-m", "mlx_vlm.server"]
+        theirs += ["--model", str(model)]
         theirs += ["--host", "127.0.0.1", "--port", str(port)]
         theirs += ["--max-num-seqs", str(preset.concurrency)]
         peer = start_server(theirs, port)
