@@ -1,4 +1,6 @@
-"""The real server: `omlx-logprobs serve` under uvicorn on a loopback port, the embedded model."""
+"""The real servers: `omlx-logprobs serve` under uvicorn on a loopback port, the embedded model;
+and those that several modules ask for with the same flags, started once: the scripted
+reasoning model (test_thinking, test_thinking_budget)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,17 @@ from tests.helpers.server import server_process
 @pytest.fixture(scope="session")
 def server(embedded_dir: Path) -> Iterator[str]:
     with server_process(["--max-num-seqs", "32", "--log-level", "warning"]) as s:
+        yield s.base
+
+
+@pytest.fixture(scope="session")
+def thinker(scripted_path: Path) -> Iterator[str]:
+    """The scripted reasoning model served with a prefill chunk shorter than its prompts and
+    thinking budgets for two efforts (which apply only to a request naming one): one server
+    for the reasoning tests and the budget tests, whose answers are closed forms."""
+    args = ["--model", str(scripted_path), "--max-num-seqs", "32", "--prefill-chunk", "16"]
+    args += ["--reasoning-budgets", "low=2,medium=4"]
+    with server_process([*args, "--log-level", "warning"]) as s:
         yield s.base
 
 
