@@ -1,6 +1,7 @@
 """The real servers: `omlx-logprobs serve` under uvicorn on a loopback port, the embedded model;
 and those that several modules ask for with the same flags, started once: the scripted
-reasoning model (test_thinking, test_thinking_budget)."""
+reasoning model (test_thinking, test_thinking_budget) and the tiny model in batch-invariant
+mode (test_batch_invariant, test_tinker)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import openai
 import pytest
 
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from tests.helpers.server import server_process
+from tests.helpers.server import ServerProcess, server_process
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +30,18 @@ def thinker(scripted_path: Path) -> Iterator[str]:
     args += ["--reasoning-budgets", "low=2,medium=4"]
     with server_process([*args, "--log-level", "warning"]) as s:
         yield s.base
+
+
+@pytest.fixture(scope="session")
+def invariant(tiny_dir: Path) -> Iterator[ServerProcess]:
+    """The tiny model as "tiny" in batch-invariant mode, its engine in a process of its own (the
+    mode restarts the server with MLX's reference BLAS, which makes its start a slow one).
+    What the modules do on it leaves the base model's answers as they were: Tinker's training
+    is on LoRA sessions of its own."""
+    args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--batch-invariant",
+            "--max-num-seqs", "16", "--log-level", "warning"]  # fmt: skip
+    with server_process(args) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")
