@@ -1,7 +1,7 @@
-"""The real servers: `omlx-logprobs serve` under uvicorn on a loopback port, the embedded model;
-and those that several modules ask for with the same flags, started once: the scripted
-reasoning model (test_thinking, test_thinking_budget) and the tiny model in batch-invariant
-mode (test_batch_invariant, test_tinker)."""
+"""The real servers: `omlx-logprobs serve` under uvicorn on a loopback port, the embedded model
+(the batch API's too); and those that several modules ask for with the same flags, started
+once: the scripted reasoning model (test_thinking, test_thinking_budget) and the tiny model in
+batch-invariant mode (test_batch_invariant, test_tinker)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,16 @@ import openai
 import pytest
 
 from omlx_logprobs.models.loader import LoadedModel, load_model
-from tests.helpers.server import ServerProcess, server_process
+from tests.helpers.server import MAX_FILE_BYTES, ServerProcess, server_process
 
 
 @pytest.fixture(scope="session")
-def server(embedded_dir: Path) -> Iterator[str]:
-    with server_process(["--max-num-seqs", "32", "--log-level", "warning"]) as s:
+def server(embedded_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The embedded model; its batch folder a fresh one and its uploads bounded, for
+    test_batches (which leaves it idle)."""
+    batches = tmp_path_factory.mktemp("batches")
+    args = ["--batch-dir", str(batches), "--max-file-bytes", str(MAX_FILE_BYTES)]
+    with server_process(["--max-num-seqs", "32", *args, "--log-level", "warning"]) as s:
         yield s.base
 
 
