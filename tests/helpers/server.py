@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded model, as served
 TINY_NAME = "tiny"  # the tiny model, as the reliability servers serve it
+# The session's embedded-model server (tests/integration/conftest.py): --max-file-bytes, its
+# uploads' bound (test_batches refuses one byte past it)
+MAX_FILE_BYTES = 100_000
 
 
 def free_port() -> int:

@@ -47,16 +47,17 @@ LONG = ["Write a haiku about bread. " * 190, "What is 2 + 2? " * 200]
 
 @pytest.fixture(scope="module")
 def servers(
-    tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path
+    tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, invariant: ServerProcess
 ) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """a: the session's batch-invariant server (conftest.py); b: the same model and mode on the
+    thread engine with another prefill chunk and a disk tier."""
     common = ["--model", str(tiny_dir), "--served-model-name", MODEL, "--batch-invariant",
               "--max-num-seqs", "16", "--log-level", "warning"]  # fmt: skip
     # b's prefix cache holds one answered conversation in memory: the next one's sends the
     # first to the disk tier
     disk = ["--kv-cache-dir", str(tmp_path_factory.mktemp("kv")), "--prefix-cache-mib", "1"]
-    with server_process(common) as a:
-        with server_process([*common, "--engine", "thread", "--prefill-chunk", "7", *disk]) as b:
-            yield a, b
+    with server_process([*common, "--engine", "thread", "--prefill-chunk", "7", *disk]) as b:
+        yield invariant, b
 
 
 def ask(base: str, question: str = QUESTION, **extra: Any) -> dict[str, Any]:

@@ -22,17 +22,21 @@ from omlx_logprobs.models.loader import LoadedModel
 from omlx_logprobs.transport.client import EngineClient, RequestHandle
 from omlx_logprobs.types import EngineRequest
 from tests.helpers.engine import encode, reference_logprobs
-from tests.helpers.server import MODEL_NAME, server_process, thread_server
-
-MAX_FILE_BYTES = 100_000  # the module's server: a larger upload is a 400
+from tests.helpers.server import (
+    MAX_FILE_BYTES,
+    MODEL_NAME,
+    server_process,
+    thread_server,
+    wait_idle,
+)
 
 
 @pytest.fixture(scope="module")
-def batch_server(embedded_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    folder = tmp_path_factory.mktemp("batches")
-    args = ["--batch-dir", str(folder), "--max-file-bytes", str(MAX_FILE_BYTES)]
-    with server_process([*args, "--log-level", "warning"]) as s:
-        yield s.base
+def batch_server(server: str) -> Iterator[str]:
+    """The session's embedded-model server (conftest.py: a batch folder of its own, uploads up
+    to MAX_FILE_BYTES), left idle for the modules after this one."""
+    yield server
+    wait_idle(server, 120)
 
 
 def sdk(base: str) -> openai.OpenAI:

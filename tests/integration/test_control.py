@@ -19,7 +19,7 @@ import pytest
 from omlx_logprobs.config import EngineConfig
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from tests.helpers.engine import moved_copy, reference_logprobs
-from tests.helpers.server import server_process, thread_server
+from tests.helpers.server import server_process, thread_server, wait_idle
 
 PROMPTS = ["The quick brown fox jumps over the lazy", "Once upon a time", "Hello there, my"]
 TOKENS = 60
@@ -33,10 +33,32 @@ def new_dir(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Path:
 
 @pytest.fixture
 def served(tiny_dir: Path) -> Iterator[tuple[str, LoadedModel]]:
-    """A server of its own per test: its model's weights change under some of them."""
+    """A server of its own per test: its model's weights change under the test."""
     model = load_model(str(tiny_dir))
     with thread_server(model, EngineConfig(max_num_seqs=16, prefill_chunk=64)) as (url, _):
         yield url, model
+
+
+@pytest.fixture(scope="module")
+def kept_server(tiny_dir: Path) -> Iterator[tuple[str, LoadedModel]]:
+    """One server for the tests that pause and resume but change no weights (`kept`)."""
+    model = load_model(str(tiny_dir))
+    with thread_server(model, EngineConfig(max_num_seqs=16, prefill_chunk=64)) as (url, _):
+        yield url, model
+
+
+@pytest.fixture
+def kept(kept_server: tuple[str, LoadedModel]) -> Iterator[tuple[str, LoadedModel]]:
+    """The module's server as a fresh one is: idle, running, weights as loaded, and its prefix
+    cache flushed (each test prefills its prompts as on a server of its own); a test that
+    failed while paused leaves it resumed."""
+    base, model = kept_server
+    assert httpx.get(base + "/health", timeout=10).json()["weight_version"]["counter"] == 0
+    post(base, "/flush_cache")
+    yield base, model
+    if httpx.get(base + "/is_paused", timeout=10).json()["is_paused"]:
+        post(base, "/resume")
+    wait_idle(base, 120)
 
 
 class Stream:
@@ -107,10 +129,10 @@ def frozen(streams: list[Stream], seconds: float = 0.3) -> bool:
 
 
 @pytest.mark.parametrize("how", ["keep", "in_place", "retract"])
-def test_a_pause_in_place_changes_nothing(served: tuple[str, LoadedModel], how: str) -> None:
+def test_a_pause_in_place_changes_nothing(kept: tuple[str, LoadedModel], how: str) -> None:
     """Paused in place (or retracted and prefilled again), resumed: the same tokens and
     logprobs as a run without the pause; a request sent while paused waits, then runs."""
-    base, model = served
+    base, model = kept
     streams = start(base, model.name)
     if how == "keep":
         assert post(base, "/pause", params={"mode": "keep"}).json()["status"] == "paused"
@@ -127,8 +149,8 @@ def test_a_pause_in_place_changes_nothing(served: tuple[str, LoadedModel], how: 
     assert [len(s.ids) for s in streams] == [TOKENS] * 3 and len(late.ids) == 8
 
 
-def test_pause_abort_and_wait(served: tuple[str, LoadedModel]) -> None:
-    base, model = served
+def test_pause_abort_and_wait(kept: tuple[str, LoadedModel]) -> None:
+    base, model = kept
     streams = start(base, model.name)
     body = post(base, "/pause", params={"mode": "abort"}).json()
     assert body["status"] == "paused" and body["aborted"] == 3
@@ -183,8 +205,8 @@ def test_new_weights_while_paused(
     check(late, [new, new])
 
 
-def test_cache_routes(served: tuple[str, LoadedModel]) -> None:
-    base, model = served
+def test_cache_routes(kept: tuple[str, LoadedModel]) -> None:
+    base, model = kept
     assert post(base, "/flush_cache").text == "Cache flushed.\n"
     assert httpx.get(base + "/flush_cache").status_code == 200
     assert post(base, "/reset_prefix_cache").content == b""

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -22,25 +23,41 @@ from tests.helpers.server import thread_server
 PROMPT = "The three primary colors are"
 
 
-@pytest.fixture
-def emitted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Tokens each speculative step emitted, as collected; the served model proposes all K
-    (its draft costs as much as a step of its own, for which the length rule would say one)."""
-    counts = count_verifies(monkeypatch)
-    monkeypatch.setattr(Speculator, "_length", lambda self, row: self.k)
-    return counts
+@pytest.fixture(scope="module")
+def counted() -> Iterator[list[int]]:
+    """Tokens each speculative step emitted, as collected, over the module's server; the served
+    model proposes all K (its draft costs as much as a step of its own, for which the length
+    rule would say one)."""
+    with pytest.MonkeyPatch.context() as mp:
+        counts = count_verifies(mp)
+        mp.setattr(Speculator, "_length", lambda self, row: self.k)
+        yield counts
 
 
-@pytest.fixture
-def client(
-    embedded: LoadedModel, embedded_dir: Path, emitted: list[int]
-) -> Iterator[openai.OpenAI]:
+@pytest.fixture(scope="module")
+def drafting(embedded: LoadedModel, embedded_dir: Path, counted: list[int]) -> Iterator[str]:
+    """One server for the module (the draft model's load is most of a start): what a test
+    reads of it is its own request's answer and the steps it emitted (`emitted`)."""
     cfg = EngineConfig(
         max_num_seqs=8, prefill_chunk=64, speculate="draft", draft_model=str(embedded_dir),
         num_draft_tokens=4,
     )  # fmt: skip
     with thread_server(embedded, cfg) as (url, _):
-        yield openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=300)
+        yield url
+
+
+@pytest.fixture
+def emitted(drafting: str, counted: list[int]) -> list[int]:
+    """The steps of this test's requests alone, on a fresh prefix cache: the server is idle
+    between tests, and the other test's answer to the same prompt is flushed from its cache."""
+    assert httpx.post(drafting + "/flush_cache", timeout=30).status_code == 200
+    counted.clear()
+    return counted
+
+
+@pytest.fixture
+def client(drafting: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=drafting + "/v1", api_key="-", max_retries=0, timeout=300)
 
 
 def ask(client: openai.OpenAI, stream: bool) -> tuple[list[int], list[int], list[Any]]:

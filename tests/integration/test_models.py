@@ -216,74 +216,93 @@ def test_busy_model_past_the_timeout_is_a_503(
         served(s.base, "alpha", {"alpha": tiny, "beta": other})
 
 
+@pytest.fixture(scope="module")
+def one_at_a_time_server(tiny_dir: Path, other_dir: Path) -> Iterator[ServerProcess]:
+    """--max-loaded-models 1, engines as threads: the server of the lists test and the fairness
+    test (`one_at_a_time` gives it to each as it started)."""
+    extra = ["--max-loaded-models", "1", "--model-load-timeout-s", "30", "--engine", "thread"]
+    with serve_two(tiny_dir, other_dir, *extra) as s:
+        yield s
+
+
+@pytest.fixture
+def one_at_a_time(one_at_a_time_server: ServerProcess) -> ServerProcess:
+    """The shared server as it started, alpha loaded and beta not: a test before that loaded
+    beta has alpha loaded again (the lists test comes first, so it meets beta never loaded)."""
+    s = one_at_a_time_server
+    if states(s.base) != {"alpha": "loaded", "beta": "unloaded"}:
+        assert completion(s.base, "alpha").status_code == 200
+    assert states(s.base) == {"alpha": "loaded", "beta": "unloaded"}
+    return s
+
+
+def test_lists_describe_a_model_not_loaded(one_at_a_time: ServerProcess, other_dir: Path) -> None:
+    """/v1/models and Ollama's /api/tags and /api/show describe the model that is not loaded
+    from its files and its tokenizer alone: it stays unloaded."""
+    s = one_at_a_time
+    cards = httpx.get(s.base + "/v1/models", timeout=30).json()["data"]
+    assert [(c["id"], c["loaded"], c["max_model_len"], c["context_length"]) for c in cards] == [
+        ("alpha", True, 2048, 2048),
+        ("beta", False, 2048, 2048),
+    ]
+    assert cards[1]["capabilities"] == cards[0]["capabilities"]
+    tags = httpx.get(s.base + "/api/tags", timeout=30).json()["models"]
+    beta = next(m for m in tags if m["name"] == "beta")
+    assert beta["size"] == (other_dir / "model.safetensors").stat().st_size
+    assert beta["details"]["format"] == "safetensors"
+    assert beta["details"]["family"] == "llama"
+    assert beta["details"]["quantization_level"] == "F32"
+    shown = httpx.post(s.base + "/api/show", json={"model": "beta"}, timeout=30).json()
+    assert shown["model_info"]["llama.context_length"] == 2048
+    assert shown["capabilities"][0] == "completion"
+    assert states(s.base) == {"alpha": "loaded", "beta": "unloaded"}
+
+
 def test_one_loaded_at_a_time_is_fair_and_loads_nothing_it_need_not(
-    tiny_dir: Path, other_dir: Path, tiny: LoadedModel, other: LoadedModel
+    one_at_a_time: ServerProcess, tiny: LoadedModel, other: LoadedModel
 ) -> None:
     """--max-loaded-models 1: a request with an unknown field is a 400 before any load; the
     tokenizer routes read an unloaded model's tokenizer without loading it; and a request for
     the unloaded model is served while requests for the loaded one keep coming (they wait
     behind it, so the loaded model drains), every answer with its model's numbers."""
     refs = {"alpha": tiny, "beta": other}
-    extra = ["--max-loaded-models", "1", "--model-load-timeout-s", "30", "--engine", "thread"]
-    with serve_two(tiny_dir, other_dir, *extra) as s:
-        loaded = {"alpha": "loaded", "beta": "unloaded"}
-        assert_openai_error(completion(s.base, "beta", foo=1), 400, "foo")
-        body = {"model": "beta", "messages": [{"role": "user", "content": "hi"}], "bar": 2}
-        r = httpx.post(s.base + "/v1/chat/completions", json=body, timeout=30)
-        assert_openai_error(r, 400, "bar")
-        r = httpx.post(s.base + "/tokenize", json={"model": "beta", "prompt": PROMPT}, timeout=30)
-        assert r.status_code == 200 and r.json()["tokens"] == list(
-            other.tokenizer.encode(PROMPT, add_special_tokens=True)
-        )
-        r = httpx.post(s.base + "/detokenize", json={"model": "beta", "tokens": r.json()["tokens"]})
-        assert r.status_code == 200 and PROMPT in r.json()["prompt"]
-        info = httpx.get(s.base + "/tokenizer_info", params={"model": "beta"}, timeout=30).json()
-        assert info["model"] == "beta" and info["vocab_size"] == len(other.vocab)
-        assert states(s.base) == loaded
+    s = one_at_a_time
+    loaded = {"alpha": "loaded", "beta": "unloaded"}
+    assert_openai_error(completion(s.base, "beta", foo=1), 400, "foo")
+    body = {"model": "beta", "messages": [{"role": "user", "content": "hi"}], "bar": 2}
+    r = httpx.post(s.base + "/v1/chat/completions", json=body, timeout=30)
+    assert_openai_error(r, 400, "bar")
+    r = httpx.post(s.base + "/tokenize", json={"model": "beta", "prompt": PROMPT}, timeout=30)
+    assert r.status_code == 200 and r.json()["tokens"] == list(
+        other.tokenizer.encode(PROMPT, add_special_tokens=True)
+    )
+    r = httpx.post(s.base + "/detokenize", json={"model": "beta", "tokens": r.json()["tokens"]})
+    assert r.status_code == 200 and PROMPT in r.json()["prompt"]
+    info = httpx.get(s.base + "/tokenizer_info", params={"model": "beta"}, timeout=30).json()
+    assert info["model"] == "beta" and info["vocab_size"] == len(other.vocab)
+    assert states(s.base) == loaded
 
-        stop = threading.Event()
+    stop = threading.Event()
 
-        def alpha_loop(n: int) -> list[httpx.Response]:
-            out = []
-            while not stop.is_set():  # lengths apart: they end at different steps
-                out.append(completion(s.base, "alpha", max_tokens=n, ignore_eos=True))
-            return out
+    def alpha_loop(n: int) -> list[httpx.Response]:
+        out = []
+        while not stop.is_set():  # lengths apart: they end at different steps
+            out.append(completion(s.base, "alpha", max_tokens=n, ignore_eos=True))
+        return out
 
-        with ThreadPoolExecutor(6) as pool:
-            loops = [pool.submit(alpha_loop, 40 + 23 * i) for i in range(6)]
-            time.sleep(0.5)  # alpha busy, continuously
-            began = time.monotonic()
-            r = completion(s.base, "beta")
-            waited = time.monotonic() - began
-            time.sleep(0.5)  # alpha's requests that waited behind beta's are answered
-            stop.set()
-            alphas = [r for f in loops for r in f.result()]
-        assert r.status_code == 200, r.text
-        check_against(other, r.json())
-        assert waited < 25  # not the 30 s timeout: alpha drained for it
-        assert len(alphas) >= 3
-        for a in alphas:
-            assert a.status_code == 200, a.text
-            check_against(refs["alpha"], a.json())
-
-
-def test_lists_describe_a_model_not_loaded(tiny_dir: Path, other_dir: Path) -> None:
-    """/v1/models and Ollama's /api/tags and /api/show describe the model that is not loaded
-    from its files and its tokenizer alone: it stays unloaded."""
-    with serve_two(tiny_dir, other_dir, "--engine", "thread", "--max-loaded-models", "1") as s:
-        cards = httpx.get(s.base + "/v1/models", timeout=30).json()["data"]
-        assert [(c["id"], c["loaded"], c["max_model_len"], c["context_length"]) for c in cards] == [
-            ("alpha", True, 2048, 2048),
-            ("beta", False, 2048, 2048),
-        ]
-        assert cards[1]["capabilities"] == cards[0]["capabilities"]
-        tags = httpx.get(s.base + "/api/tags", timeout=30).json()["models"]
-        beta = next(m for m in tags if m["name"] == "beta")
-        assert beta["size"] == (other_dir / "model.safetensors").stat().st_size
-        assert beta["details"]["format"] == "safetensors"
-        assert beta["details"]["family"] == "llama"
-        assert beta["details"]["quantization_level"] == "F32"
-        shown = httpx.post(s.base + "/api/show", json={"model": "beta"}, timeout=30).json()
-        assert shown["model_info"]["llama.context_length"] == 2048
-        assert shown["capabilities"][0] == "completion"
-        assert states(s.base) == {"alpha": "loaded", "beta": "unloaded"}
+    with ThreadPoolExecutor(6) as pool:
+        loops = [pool.submit(alpha_loop, 40 + 23 * i) for i in range(6)]
+        time.sleep(0.5)  # alpha busy, continuously
+        began = time.monotonic()
+        r = completion(s.base, "beta")
+        waited = time.monotonic() - began
+        time.sleep(0.5)  # alpha's requests that waited behind beta's are answered
+        stop.set()
+        alphas = [r for f in loops for r in f.result()]
+    assert r.status_code == 200, r.text
+    check_against(other, r.json())
+    assert waited < 25  # not the 30 s timeout: alpha drained for it
+    assert len(alphas) >= 3
+    for a in alphas:
+        assert a.status_code == 200, a.text
+        check_against(refs["alpha"], a.json())

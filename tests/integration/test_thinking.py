@@ -5,7 +5,6 @@ against its closed form."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,13 +19,6 @@ from tests.helpers.server import server_process
 
 MODEL = "scripted-thinker"
 OPEN = {"enable_thinking": True}  # the scripted template then ends the prompt with "<think>\n"
-
-
-@pytest.fixture(scope="module")
-def thinker(scripted_path: Path) -> Iterator[str]:
-    args = ["--model", str(scripted_path), "--max-num-seqs", "32", "--prefill-chunk", "16"]
-    with server_process([*args, "--log-level", "warning"]) as s:
-        yield s.base
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ budget of N, N reasoning tokens, the model's own `</think>` forced (its entry ma
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -18,18 +16,17 @@ import pytest
 from omlx_logprobs.logprobs.columnar import decode_block
 from omlx_logprobs.models.loader import LoadedModel
 from tests.helpers.scripted import case_ids
-from tests.helpers.server import server_process, thread_server
+from tests.helpers.server import thread_server
 
 MODEL = "scripted-thinker"
-BUDGETS = "low=2,medium=4"
 MESSAGES = [{"role": "user", "content": "Case: open"}]
 
 
 @pytest.fixture(scope="module")
-def url(scripted_path: Path) -> Iterator[str]:
-    args = ["--model", str(scripted_path), "--reasoning-budgets", BUDGETS]
-    with server_process([*args, "--log-level", "warning"]) as s:
-        yield s.base
+def url(thinker: str) -> str:
+    """The scripted model's server that test_thinking shares (conftest.py), its
+    --reasoning-budgets low=2,medium=4."""
+    return thinker
 
 
 @pytest.fixture(scope="module")

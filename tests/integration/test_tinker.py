@@ -347,38 +347,37 @@ def test_bad_input_raises_the_sdk_errors(
     assert len(sc.sample(types.ModelInput.from_ints(PROMPT), 2, params).result().sequences) == 2
 
 
-def test_batch_invariant_forward_equals_sample_bit_for_bit(tiny_dir: Path) -> None:
+def test_batch_invariant_forward_equals_sample_bit_for_bit(invariant: ServerProcess) -> None:
     """With `--batch-invariant` (runner/invariance.py), the logprobs `forward` computes for
-    sampled tokens are the bits `sample` returned, and an on-policy importance ratio is 1.0."""
-    args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--batch-invariant",
-            "--log-level", "warning"]  # fmt: skip
-    with server_process(args) as s:
-        service = tinker.ServiceClient(base_url=s.base, api_key="tml-local")
-        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
-        tc.forward_backward([ce_datum(TEXT)], "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
-        sc = tc.save_weights_and_get_sampling_client().result()
-        params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=4, stop=[])
-        res = sc.sample(types.ModelInput.from_ints(PROMPT), 3, params,
-                        include_prompt_logprobs=True).result()  # fmt: skip
-        assert res.prompt_logprobs_np is not None
-        prompt_lp = forward_logprobs(tc, PROMPT)
-        np.testing.assert_array_equal(res.prompt_logprobs_np[1:], prompt_lp)
-        for seq in res.sequences:
-            full = forward_logprobs(tc, PROMPT + seq.tokens)
-            np.testing.assert_array_equal(seq.logprobs_np, full[len(PROMPT) - 1 :])
-            datum = is_datum(PROMPT, seq.tokens, seq.logprobs or [])
-            out = tc.forward([datum], "importance_sampling").result()
-            assert out.metrics["ratio_deviation:max"] == 0.0
-        # the same datums in one padded forward (the prompt alone the shorter row): the same bits
-        data = [ce_datum(PROMPT + seq.tokens) for seq in res.sequences] + [ce_datum(PROMPT)]
-        together = tc.forward(data, "cross_entropy").result().loss_fn_outputs
-        for seq, out in zip(res.sequences, together):
-            lp = np.asarray(out["logprobs"].data, np.float32)
-            np.testing.assert_array_equal(seq.logprobs_np, lp[len(PROMPT) - 1 :])
-        lp = np.asarray(together[-1]["logprobs"].data, np.float32)
-        np.testing.assert_array_equal(res.prompt_logprobs_np[1:], lp)
-        service.close("success").result()
+    sampled tokens are the bits `sample` returned, and an on-policy importance ratio is 1.0.
+    The server: the session's batch-invariant one (conftest.py), which test_batch_invariant
+    asks too."""
+    service = tinker.ServiceClient(base_url=invariant.base, api_key="tml-local")
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
+    tc.forward_backward([ce_datum(TEXT)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
+    sc = tc.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=4, stop=[])
+    res = sc.sample(types.ModelInput.from_ints(PROMPT), 3, params,
+                    include_prompt_logprobs=True).result()  # fmt: skip
+    assert res.prompt_logprobs_np is not None
+    prompt_lp = forward_logprobs(tc, PROMPT)
+    np.testing.assert_array_equal(res.prompt_logprobs_np[1:], prompt_lp)
+    for seq in res.sequences:
+        full = forward_logprobs(tc, PROMPT + seq.tokens)
+        np.testing.assert_array_equal(seq.logprobs_np, full[len(PROMPT) - 1 :])
+        datum = is_datum(PROMPT, seq.tokens, seq.logprobs or [])
+        out = tc.forward([datum], "importance_sampling").result()
+        assert out.metrics["ratio_deviation:max"] == 0.0
+    # the same datums in one padded forward (the prompt alone the shorter row): the same bits
+    data = [ce_datum(PROMPT + seq.tokens) for seq in res.sequences] + [ce_datum(PROMPT)]
+    together = tc.forward(data, "cross_entropy").result().loss_fn_outputs
+    for seq, out in zip(res.sequences, together):
+        lp = np.asarray(out["logprobs"].data, np.float32)
+        np.testing.assert_array_equal(seq.logprobs_np, lp[len(PROMPT) - 1 :])
+    lp = np.asarray(together[-1]["logprobs"].data, np.float32)
+    np.testing.assert_array_equal(res.prompt_logprobs_np[1:], lp)
+    service.close("success").result()
 
 
 def test_a_session_without_heartbeats_expires(tiny_dir: Path) -> None:
