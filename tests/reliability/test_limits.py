@@ -74,6 +74,14 @@ def limited(tiny_served: LoadedModel) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
+def unbounded_output(tiny_served: LoadedModel) -> Iterator[str]:
+    """The same limits but output's: a request that names no limit runs to the context's end
+    (--max-output-tokens bounds those too), so a stream holds its row while others arrive."""
+    with thread_server(tiny_served, CFG, replace(LIMITS, max_output_tokens=1 << 20)) as (base, _):
+        yield base
+
+
+@pytest.fixture(scope="module")
 def short_limited(tiny_served: LoadedModel) -> Iterator[str]:
     """The same limits over a 160-token context (the longest smallest prompt: /rerank's, 84
     tokens): a route's smallest accepted body names no token limit, and a server that did not
@@ -305,9 +313,9 @@ def test_body_size(limited: str) -> None:
     assert httpx.get(limited + "/health").status_code == 200
 
 
-def test_overload_gets_429_with_retry_after(limited: str) -> None:
-    url = limited + "/v1/chat/completions"
-    # No max_tokens (the cap of 8 applies to values sent): the whole context, so both holders
+def test_overload_gets_429_with_retry_after(unbounded_output: str) -> None:
+    url = unbounded_output + "/v1/chat/completions"
+    # No max_tokens on a server without an output bound: the whole context, so both holders
     # are still generating, one running and one queued, when the third request arrives.
     long = {
         "model": TINY_NAME,
@@ -336,12 +344,14 @@ def test_overload_gets_429_with_retry_after(limited: str) -> None:
         r = httpx.post(url, json={**long, "stream": False, "max_tokens": 4}, timeout=60)
         err = assert_openai_error(r, 429, None)
         assert err["code"] == "server_busy" and r.headers["retry-after"] == "1"
-        assert httpx.get(limited + "/v1/models").status_code == 200  # reads are never queued
+        assert (
+            httpx.get(unbounded_output + "/v1/models").status_code == 200
+        )  # reads are never queued
     finally:
         release.set()
         for t in holders:
             t.join(60)
-    wait_idle(limited)
+    wait_idle(unbounded_output)
     r = httpx.post(url, json={**long, "stream": False, "max_tokens": 4}, timeout=60)
     assert r.status_code == 200, r.text
 
