@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import shutil
 from pathlib import Path
+from typing import Any
 
 IMAGE_TOKEN = "<image>"
 SIDE, PATCH = 224, 16
@@ -29,7 +30,6 @@ def build(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import (
-        AutoTokenizer,
         CLIPVisionConfig,
         LlamaConfig,
         LlavaConfig,
@@ -41,14 +41,7 @@ def build(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     if (out / "model.safetensors").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    staged = out / "tokenizer-src"
-    staged.mkdir(exist_ok=True)
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, staged / f.name)
-    tok = AutoTokenizer.from_pretrained(str(staged))
-    tok.add_tokens([IMAGE_TOKEN], special_tokens=True)
-    shutil.rmtree(staged)
+    tok = tokenizer_with(out, tokenizer_dir, [IMAGE_TOKEN])
     image_token = tok.convert_tokens_to_ids(IMAGE_TOKEN)
     assert isinstance(image_token, int)
     text = LlamaConfig(
@@ -100,6 +93,22 @@ def build(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     tok.chat_template = TEMPLATE
     tok.save_pretrained(str(out))
     return out
+
+
+def tokenizer_with(out: Path, tokenizer_dir: Path, tokens: list[str]) -> Any:
+    """SmolLM2's tokenizer (its files staged in `out` and removed) with these special tokens
+    (the tests' tiny vision models take theirs from here too: tests/helpers/vision.py)."""
+    from transformers import AutoTokenizer
+
+    staged = out / "tokenizer-src"
+    staged.mkdir(exist_ok=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, staged / f.name)
+    tok = AutoTokenizer.from_pretrained(str(staged))
+    tok.add_tokens(tokens, special_tokens=True)
+    shutil.rmtree(staged)
+    return tok
 
 
 def main() -> None:

@@ -5,11 +5,12 @@ same weights and images: the reference the served logprobs are held to."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.vlmmodel import tokenizer_with
 
 IMAGE_TOKEN = "<image>"
 SIDE = 56  # the tower's input: 4x4 patches of 14 pixels, so 16 placeholder tokens per image
@@ -116,21 +117,6 @@ def tiny_llama_config(rope_theta: float = 10000.0, tie: bool = False) -> Any:
         tie_word_embeddings=tie,
         eos_token_id=2,
     )
-
-
-def tokenizer_with(out: Path, tokenizer_dir: Path, tokens: list[str]) -> Any:
-    """SmolLM2's tokenizer (its files staged in `out` and removed) with these special tokens."""
-    from transformers import AutoTokenizer
-
-    staged = out / "tokenizer-src"
-    staged.mkdir(exist_ok=True)
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, staged / f.name)
-    tok = AutoTokenizer.from_pretrained(str(staged))
-    tok.add_tokens(tokens, special_tokens=True)
-    shutil.rmtree(staged)
-    return tok
 
 
 def picture(seed: int, width: int = 40, height: int = 60) -> Any:
