@@ -119,6 +119,17 @@ def tiny_llama_config(rope_theta: float = 10000.0, tie: bool = False) -> Any:
     )
 
 
+def assert_answer_rows(entries: Any, out: list[int], rows: np.ndarray, k: int) -> None:
+    """Each answer entry (the chat API's logprobs content) against the reference row that
+    predicts it: the greedy id, its logprob and the top k, within 1e-4."""
+    for j, entry in enumerate(entries):
+        row = rows[j]
+        assert out[j] == int(np.argmax(row))
+        assert abs(entry.logprob - row[out[j]]) < 1e-4
+        top = [t.logprob for t in entry.top_logprobs]
+        np.testing.assert_allclose(top, np.sort(row)[::-1][:k], atol=1e-4)
+
+
 def picture(seed: int, width: int = 40, height: int = 60) -> Any:
     """A seeded noise image (PIL)."""
     from PIL import Image

@@ -20,7 +20,13 @@ import pytest
 
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from tests.helpers.server import server_process
-from tests.helpers.vision import Reference, picture, png_bytes, tiny_llava_dir
+from tests.helpers.vision import (
+    Reference,
+    assert_answer_rows,
+    picture,
+    png_bytes,
+    tiny_llava_dir,
+)
 
 K = 5
 
@@ -83,12 +89,7 @@ def ask(client: openai.OpenAI, url: str, text: str = "What is this?", **extra: A
 def check(r: Any, ref: np.ndarray, image_token: int) -> None:
     """The answer's and the prompt's logprobs against the reference rows of prompt + answer."""
     prompt, out = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
-    for j, entry in enumerate(r.choices[0].logprobs.content):
-        row = ref[len(prompt) - 1 + j]
-        assert out[j] == int(np.argmax(row))
-        assert abs(entry.logprob - row[out[j]]) < 1e-4
-        top = [t.logprob for t in entry.top_logprobs]
-        np.testing.assert_allclose(top, np.sort(row)[::-1][:K], atol=1e-4)
+    assert_answer_rows(r.choices[0].logprobs.content, out, ref[len(prompt) - 1 :], K)
     scored = r.model_extra["prompt_logprobs"]
     assert scored[0] is None and len(scored) == len(prompt)
     images = 0

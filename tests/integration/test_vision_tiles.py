@@ -21,7 +21,7 @@ import pytest
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from tests.helpers.idefics3 import tiny_idefics3_dir
 from tests.helpers.server import server_process
-from tests.helpers.vision import Reference, picture, png_bytes
+from tests.helpers.vision import Reference, assert_answer_rows, picture, png_bytes
 from tests.integration.test_vision import data_url
 
 K = 5
@@ -77,12 +77,7 @@ def test_tiled_image_logprobs_against_transformers(
     prompt, out = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
     pixels = model.vision.processor.image_processor(image, return_tensors="np")["pixel_values"]
     ref = Reference(dirs[family]).logprobs(prompt + out, pixels)
-    for j, entry in enumerate(r.choices[0].logprobs.content):
-        row = ref[len(prompt) - 1 + j]
-        assert out[j] == int(np.argmax(row))
-        assert abs(entry.logprob - row[out[j]]) < 1e-4
-        top = [t.logprob for t in entry.top_logprobs]
-        np.testing.assert_allclose(top, np.sort(row)[::-1][:K], atol=1e-4)
+    assert_answer_rows(r.choices[0].logprobs.content, out, ref[len(prompt) - 1 :], K)
     scored = r.model_extra["prompt_logprobs"]
     assert scored[0] is None and len(scored) == len(prompt)
     token = model.vision.image_token_id
