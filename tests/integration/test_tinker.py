@@ -8,6 +8,7 @@ raises the SDK's errors, and the server keeps serving."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -39,11 +40,24 @@ def server(tiny_dir: Path, checkpoints: Path) -> Iterator[ServerProcess]:
         yield s
 
 
+@contextlib.contextmanager
+def open_service(base: str) -> Iterator[tinker.ServiceClient]:
+    """A ServiceClient closed on the way out, pass or fail, while its server lives: an open one
+    heartbeats on from a thread of this process after the server is gone, and its log records
+    read as a leak to test_memory later in the run. Closing an expired session's client may
+    fail on the server's side; the client's own loops stop all the same."""
+    client = tinker.ServiceClient(base_url=base, api_key="tml-local")
+    try:
+        yield client
+    finally:
+        with contextlib.suppress(Exception):
+            client.close("success").result(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def service(server: ServerProcess) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=server.base, api_key="tml-local")
-    yield client
-    client.close("success").result()
+    with open_service(server.base) as client:
+        yield client
 
 
 def ce_datum(tokens: list[int]) -> types.Datum:
@@ -352,32 +366,31 @@ def test_batch_invariant_forward_equals_sample_bit_for_bit(invariant: ServerProc
     sampled tokens are the bits `sample` returned, and an on-policy importance ratio is 1.0.
     The server: the session's batch-invariant one (conftest.py), which test_batch_invariant
     asks too."""
-    service = tinker.ServiceClient(base_url=invariant.base, api_key="tml-local")
-    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
-    tc.forward_backward([ce_datum(TEXT)], "cross_entropy").result()
-    tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
-    sc = tc.save_weights_and_get_sampling_client().result()
-    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=4, stop=[])
-    res = sc.sample(types.ModelInput.from_ints(PROMPT), 3, params,
-                    include_prompt_logprobs=True).result()  # fmt: skip
-    assert res.prompt_logprobs_np is not None
-    prompt_lp = forward_logprobs(tc, PROMPT)
-    np.testing.assert_array_equal(res.prompt_logprobs_np[1:], prompt_lp)
-    for seq in res.sequences:
-        full = forward_logprobs(tc, PROMPT + seq.tokens)
-        np.testing.assert_array_equal(seq.logprobs_np, full[len(PROMPT) - 1 :])
-        datum = is_datum(PROMPT, seq.tokens, seq.logprobs or [])
-        out = tc.forward([datum], "importance_sampling").result()
-        assert out.metrics["ratio_deviation:max"] == 0.0
-    # the same datums in one padded forward (the prompt alone the shorter row): the same bits
-    data = [ce_datum(PROMPT + seq.tokens) for seq in res.sequences] + [ce_datum(PROMPT)]
-    together = tc.forward(data, "cross_entropy").result().loss_fn_outputs
-    for seq, out in zip(res.sequences, together):
-        lp = np.asarray(out["logprobs"].data, np.float32)
-        np.testing.assert_array_equal(seq.logprobs_np, lp[len(PROMPT) - 1 :])
-    lp = np.asarray(together[-1]["logprobs"].data, np.float32)
-    np.testing.assert_array_equal(res.prompt_logprobs_np[1:], lp)
-    service.close("success").result()
+    with open_service(invariant.base) as service:
+        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
+        tc.forward_backward([ce_datum(TEXT)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
+        sc = tc.save_weights_and_get_sampling_client().result()
+        params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=4, stop=[])
+        res = sc.sample(types.ModelInput.from_ints(PROMPT), 3, params,
+                        include_prompt_logprobs=True).result()  # fmt: skip
+        assert res.prompt_logprobs_np is not None
+        prompt_lp = forward_logprobs(tc, PROMPT)
+        np.testing.assert_array_equal(res.prompt_logprobs_np[1:], prompt_lp)
+        for seq in res.sequences:
+            full = forward_logprobs(tc, PROMPT + seq.tokens)
+            np.testing.assert_array_equal(seq.logprobs_np, full[len(PROMPT) - 1 :])
+            datum = is_datum(PROMPT, seq.tokens, seq.logprobs or [])
+            out = tc.forward([datum], "importance_sampling").result()
+            assert out.metrics["ratio_deviation:max"] == 0.0
+        # the same datums in one padded forward (the prompt alone the shorter row): the same bits
+        data = [ce_datum(PROMPT + seq.tokens) for seq in res.sequences] + [ce_datum(PROMPT)]
+        together = tc.forward(data, "cross_entropy").result().loss_fn_outputs
+        for seq, out in zip(res.sequences, together):
+            lp = np.asarray(out["logprobs"].data, np.float32)
+            np.testing.assert_array_equal(seq.logprobs_np, lp[len(PROMPT) - 1 :])
+        lp = np.asarray(together[-1]["logprobs"].data, np.float32)
+        np.testing.assert_array_equal(res.prompt_logprobs_np[1:], lp)
 
 
 def test_a_session_without_heartbeats_expires(tiny_dir: Path) -> None:
@@ -387,28 +400,25 @@ def test_a_session_without_heartbeats_expires(tiny_dir: Path) -> None:
     args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--log-level", "info"]
     args += ["--tinker-session-timeout", "3"]
     with server_process(args) as s:
-        service = tinker.ServiceClient(base_url=s.base, api_key="tml-local")
-        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
-        sc = tc.save_weights_and_get_sampling_client().result()
-        params = types.SamplingParams(max_tokens=2)
-        assert sc.sample(types.ModelInput.from_ints(PROMPT), 1, params).result().sequences
-        time.sleep(6)  # the bound, and the sweep that runs every second of it
-        with pytest.raises(tinker.BadRequestError, match="no training model"):
-            tc.forward([ce_datum(TEXT)], "cross_entropy").result()
-        with pytest.raises(tinker.BadRequestError, match="no sampler"):
-            sc.sample(types.ModelInput.from_ints(PROMPT), 1, params).result()
-        sid = tc.model_id.split(":")[0]
-        r = httpx.post(s.base + "/api/v1/session_heartbeat", timeout=10,
-                       json={"session_id": sid, "type": "session_heartbeat"})  # fmt: skip
-        assert r.status_code == 410, r.text
-        assert "ended" in s.log()
+        with open_service(s.base) as service:
+            tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+            sc = tc.save_weights_and_get_sampling_client().result()
+            params = types.SamplingParams(max_tokens=2)
+            assert sc.sample(types.ModelInput.from_ints(PROMPT), 1, params).result().sequences
+            time.sleep(6)  # the bound, and the sweep that runs every second of it
+            with pytest.raises(tinker.BadRequestError, match="no training model"):
+                tc.forward([ce_datum(TEXT)], "cross_entropy").result()
+            with pytest.raises(tinker.BadRequestError, match="no sampler"):
+                sc.sample(types.ModelInput.from_ints(PROMPT), 1, params).result()
+            sid = tc.model_id.split(":")[0]
+            r = httpx.post(s.base + "/api/v1/session_heartbeat", timeout=10,
+                           json={"session_id": sid, "type": "session_heartbeat"})  # fmt: skip
+            assert r.status_code == 410, r.text
+            assert "ended" in s.log()
         # the server serves a new session as before
-        fresh = tinker.ServiceClient(base_url=s.base, api_key="tml-local")
-        tc = fresh.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
-        assert tc.forward([ce_datum(TEXT)], "cross_entropy").result().loss_fn_outputs
-        # Closed while its server lives: an open client heartbeats on from a thread of this
-        # process after the server is gone (its log records read as a leak by test_memory)
-        fresh.close("success").result()
+        with open_service(s.base) as fresh:
+            tc = fresh.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+            assert tc.forward([ce_datum(TEXT)], "cross_entropy").result().loss_fn_outputs
 
 
 def test_max_output_tokens_bounds_a_sample(tiny_dir: Path) -> None:
@@ -416,20 +426,19 @@ def test_max_output_tokens_bounds_a_sample(tiny_dir: Path) -> None:
     it, a larger max_tokens the SDK's BadRequestError; and a chat request that names none."""
     args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--log-level", "info"]
     with server_process([*args, "--max-output-tokens", "4"]) as s:
-        service = tinker.ServiceClient(base_url=s.base, api_key="tml-local")
-        sc = service.create_sampling_client(base_model="tiny").result()
-        prompt = types.ModelInput.from_ints(PROMPT)
-        [seq] = sc.sample(prompt, 1, types.SamplingParams(stop=[])).result().sequences
-        assert len(seq.tokens) == 4 and seq.stop_reason == "length"
-        with pytest.raises(tinker.BadRequestError, match="at most 4"):
-            sc.sample(prompt, 1, types.SamplingParams(max_tokens=5)).result()
-        body = {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "Hi"}],
-            "ignore_eos": True,
-        }
-        r = httpx.post(s.base + "/v1/chat/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 4
-        service.close("success").result()
-        assert r.json()["choices"][0]["finish_reason"] == "length"
+        with open_service(s.base) as service:
+            sc = service.create_sampling_client(base_model="tiny").result()
+            prompt = types.ModelInput.from_ints(PROMPT)
+            [seq] = sc.sample(prompt, 1, types.SamplingParams(stop=[])).result().sequences
+            assert len(seq.tokens) == 4 and seq.stop_reason == "length"
+            with pytest.raises(tinker.BadRequestError, match="at most 4"):
+                sc.sample(prompt, 1, types.SamplingParams(max_tokens=5)).result()
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "ignore_eos": True,
+            }
+            r = httpx.post(s.base + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4
+            assert r.json()["choices"][0]["finish_reason"] == "length"
