@@ -4,7 +4,12 @@ mlx-lm's adapter format (training/checkpoint.py), so that a server started later
 folder loads it again. KIND is `weights` (save_state: the weights and Adam's state) or
 `external_weights` (save_weights_external: the weights alone). Only names this server makes
 and checks resolve (no path from a client reaches the disk as given). Without a folder: a
-temporary one, removed when the process ends."""
+temporary one, removed when the process ends.
+
+A checkpoint saved with a time to live (`ttl_seconds`) holds its end as a file beside its
+weights (EXPIRES, wall-clock seconds): past it, the checkpoint is gone for every lookup and
+listing, and its files are removed at the first of them, on this server or a later one on the
+same folder."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import atexit
 import re
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +28,19 @@ PREFIX = "tinker://"
 MODEL_ID = re.compile(r"session-[0-9a-f]+:train:[0-9]+")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 KINDS = ("weights", "external_weights")  # the kinds of checkpoint written as files
+EXPIRES = ".expires_at"
+# Tinker's bounds on a checkpoint's time to live (the SDK's SaveWeightsRequest): an hour to ten
+# years.
+TTL_S = (3600, 10 * 365 * 86400)
+
+
+def check_ttl(ttl_seconds: int | None) -> None:
+    """A CheckpointError for a time to live outside Tinker's bounds; None is for ever."""
+    if ttl_seconds is not None and not TTL_S[0] <= ttl_seconds <= TTL_S[1]:
+        raise CheckpointError(
+            f"ttl_seconds is {ttl_seconds}: between {TTL_S[0]} (an hour) and {TTL_S[1]}"
+            " (ten years), or none for a checkpoint that stays until deleted"
+        )
 
 
 @dataclass(frozen=True)
@@ -42,13 +62,37 @@ class Saved:
 
     @property
     def size_bytes(self) -> int:
-        return sum(f.stat().st_size for f in self.directory.iterdir() if f.is_file())
+        files = [f for f in self.directory.iterdir() if f.is_file() and f.name != EXPIRES]
+        return sum(f.stat().st_size for f in files)
+
+    @property
+    def expires_at(self) -> float | None:
+        """Wall-clock seconds past which it is gone; None: it stays until deleted."""
+        try:
+            return float((self.directory / EXPIRES).read_text())
+        except (OSError, ValueError):
+            return None
 
 
 class CheckpointStore:
-    def __init__(self, root: str | None) -> None:
+    def __init__(self, root: str | None, clock: Callable[[], float] = time.time) -> None:
         self._named = Path(root).expanduser() if root else None
         self._temporary: Path | None = None
+        self.clock = clock  # wall-clock seconds, for the times to live
+
+    def expire_after(self, directory: Path, ttl_seconds: int | None) -> None:
+        """Give a checkpoint just written its end (None: for ever, as a saved-over one's)."""
+        (directory / EXPIRES).unlink(missing_ok=True)
+        if ttl_seconds is not None:
+            (directory / EXPIRES).write_text(repr(self.clock() + ttl_seconds))
+
+    def _live(self, saved: Saved) -> bool:
+        """False, the files removed, for a checkpoint past its time to live."""
+        end = saved.expires_at
+        if end is None or self.clock() < end:
+            return True
+        shutil.rmtree(saved.directory, ignore_errors=True)
+        return False
 
     @property
     def root(self) -> Path:
@@ -85,10 +129,14 @@ class CheckpointStore:
         directory = self._dir(model_id, kind, name)
         if not directory.is_dir():
             raise CheckpointError(f"no checkpoint at {path!r} on this server")
-        return Saved(model_id, kind, name, directory)
+        saved = Saved(model_id, kind, name, directory)
+        if not self._live(saved):
+            raise CheckpointError(f"the checkpoint at {path!r} has expired (its ttl_seconds)")
+        return saved
 
     def exists(self, directory: Path) -> bool:
-        return directory.exists()
+        """Whether a checkpoint's directory holds one (an expired one goes, and does not)."""
+        return directory.exists() and self._live(Saved("", "", directory.name, directory))
 
     def listing(self, model_id: str | None = None) -> list[Saved]:
         """The checkpoints on disk, oldest first: one training run's, or all."""
@@ -104,15 +152,17 @@ class CheckpointStore:
                 if (run / kind).is_dir():
                     found += [Saved(run_id, kind, d.name, d) for d in (run / kind).iterdir()
                               if d.is_dir() and NAME.fullmatch(d.name)]  # fmt: skip
-        return sorted(found, key=lambda s: (s.time, s.path))
+        return sorted(filter(self._live, found), key=lambda s: (s.time, s.path))
 
     def remove(self, saved: Saved) -> None:
         shutil.rmtree(saved.directory)
 
-    def copy(self, saved: Saved, model_id: str) -> Saved:
-        """A copy of a checkpoint under another training run, the same kind and name."""
+    def copy(self, saved: Saved, model_id: str, ttl_seconds: int | None = None) -> Saved:
+        """A copy of a checkpoint under another training run, the same kind and name, with a
+        time to live of its own (not the original's)."""
         path, directory = self.place(model_id, saved.name, saved.kind)
         if directory.exists():
             raise CheckpointError(f"{path} exists")
         shutil.copytree(saved.directory, directory)
+        self.expire_after(directory, ttl_seconds)
         return Saved(model_id, saved.kind, saved.name, directory)

@@ -251,6 +251,22 @@ def test_checkpoint_listings_external_weights_and_copies(
     urls = rest.get_external_weights_urls(external).result().urls
     assert urls == {p.name: p.resolve().as_uri() for p in folder.iterdir()}
 
+    # a time to live (Tinker's bounds: an hour to ten years): listed with its end; the expiry
+    # itself is tests/unit/test_checkpoint_store.py's, on a clock of its own
+    started = time.time()
+    kept = tc.save_state("for-a-day", ttl_seconds=86400).result().path
+    brief = tc.save_weights_for_sampler("brief", ttl_seconds=3600).result().path
+    ends = {
+        c.tinker_path: c.expires_at for c in rest.list_checkpoints(tc.model_id).result().checkpoints
+    }
+    assert ends[state] is None and ends[served] is None
+    for path, ttl in ((kept, 86400), (brief, 3600)):
+        end = ends[path]
+        assert end is not None and abs(end.timestamp() - started - ttl) < 60, (path, end)
+    for save in (tc.save_state, tc.save_weights_for_sampler, tc.save_weights_external):
+        with pytest.raises(tinker.BadRequestError, match="ttl_seconds is 60"):
+            save("too-short", ttl_seconds=60).result()
+
     copied = rest.copy_weights(state, "archive").result()
     assert copied != state and copied.endswith("/weights/listed")
     again = service.create_training_client_from_state(copied).result()

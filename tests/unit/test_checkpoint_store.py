@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from omlx_logprobs.training.checkpoint import CheckpointError
-from omlx_logprobs.training.store import CheckpointStore
+from omlx_logprobs.training.store import CheckpointStore, check_ttl
 
 MODEL = "session-0123abcd:train:2"
 
@@ -76,3 +76,35 @@ def test_listing_copy_and_remove(tmp_path: Path) -> None:
         store.copy(external, other)
     store.remove(external)
     assert [s.path for s in store.listing(MODEL)] == [f"tinker://{MODEL}/weights/a"]
+
+
+def test_a_time_to_live(tmp_path: Path) -> None:
+    """A checkpoint given ttl_seconds is found and listed until its end, then gone for every
+    lookup, its files removed; a copy takes a time to live of its own; saving over an expired
+    name is saving anew. The bounds are Tinker's: an hour to ten years."""
+    now = [1000.0]
+    store = CheckpointStore(str(tmp_path), clock=lambda: now[0])
+    path, directory = store.place(MODEL, "short")
+    directory.mkdir(parents=True)
+    (directory / "adapters.safetensors").write_bytes(b"x" * 10)
+    store.expire_after(directory, 3600)
+    saved = store.saved(path)
+    assert saved.expires_at == 4600.0 and saved.size_bytes == 10  # the end is no weight
+    copy = store.copy(saved, "session-0123abcd:train:3", None)
+    assert copy.expires_at is None
+    now[0] = 4599.0
+    assert [s.path for s in store.listing(MODEL)] == [path]
+    now[0] = 4600.0
+    assert store.listing(MODEL) == [] and not directory.exists()
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        store.saved(path)
+    assert store.saved(copy.path).directory.is_dir()  # the copy stays
+    directory.mkdir(parents=True)
+    store.expire_after(directory, 3600)
+    now[0] = 9000.0
+    assert not store.exists(directory)  # an expired one is no obstacle to a new save
+    for ttl in (0, 3599, 10 * 365 * 86400 + 1):
+        with pytest.raises(CheckpointError, match="between 3600"):
+            check_ttl(ttl)
+    check_ttl(None)
+    check_ttl(3600)

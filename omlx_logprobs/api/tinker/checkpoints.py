@@ -9,8 +9,9 @@ trained on (`weights_info`).
 A training run is listed while its model lives (create_model, until its session finishes) or
 while checkpoints of it are on disk (under `--tinker-dir`, across restarts). Checkpoints are
 files (training/store.py) but for named sampler weights, which are served, not written: they
-are listed while served and go with their session. `ttl_seconds` is accepted and not honoured
-(checkpoints stay until deleted)."""
+are listed while served and go with their session. A checkpoint saved or copied with
+`ttl_seconds` is listed with its `expires_at` and gone past it (training/store.py); named
+sampler weights with one are listed and found by their path until then."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from tinker import types
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.tinker.futures import Futures, Result
 from omlx_logprobs.api.tinker.sessions import Sessions
-from omlx_logprobs.api.tinker.training import Training
+from omlx_logprobs.api.tinker.training import Training, checked_ttl
 from omlx_logprobs.training import checkpoint
 from omlx_logprobs.training.calls import SaveRun
 from omlx_logprobs.training.store import PREFIX, Saved
@@ -37,6 +38,10 @@ TYPES = {"weights": "training", "external_weights": "external", "sampler_weights
 
 def _when(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat()
+
+
+def _until(seconds: float | None) -> str | None:
+    return None if seconds is None else _when(seconds)
 
 
 def _page(items: list[T], limit: int, offset: int) -> tuple[list[T], dict[str, int]]:
@@ -54,6 +59,7 @@ class Checkpoints:
     # ---- save_weights_external and copy_weights ----------------------------------------------
     def save_external(self, req: types.SaveWeightsExternalRequest) -> tuple[str, str]:
         m = self.sessions.model(req.model_id)
+        ttl = checked_ttl(req.ttl_seconds)
         if req.age_encryption_recipients:
             raise APIError("encrypted exports are not available here",
                            param="age_encryption_recipients")  # fmt: skip
@@ -69,6 +75,7 @@ class Checkpoints:
                 await self.training.call(
                     m.base, SaveRun(m.model_id, str(directory), m.base, optimizer=False)
                 )
+            self.store.expire_after(directory, ttl)
             size = self.store.saved(path).size_bytes
             return Result({"type": "save_weights_external", "path": path, "size_bytes": size})
 
@@ -77,6 +84,7 @@ class Checkpoints:
     async def copy(self, req: types.CopyWeightsRequest) -> dict[str, str]:
         """A checkpoint's files under the training run a session's slot names, or (a project
         given) under a run of their own that nothing trains."""
+        ttl = checked_ttl(req.ttl_seconds)
         try:
             saved = self.store.saved(req.source_path)
         except checkpoint.CheckpointError as e:
@@ -90,7 +98,7 @@ class Checkpoints:
             raise APIError("give session_id and model_seq_id, or destination_project_id",
                            param="session_id")  # fmt: skip
         try:
-            copied = await asyncio.to_thread(self.store.copy, saved, run)
+            copied = await asyncio.to_thread(self.store.copy, saved, run, ttl)
         except checkpoint.CheckpointError as e:
             raise APIError(str(e), param="source_path") from None
         return {"tinker_path": copied.path}
@@ -99,18 +107,18 @@ class Checkpoints:
     def _file(self, s: Saved) -> dict[str, Any]:
         return {"checkpoint_id": f"{s.kind}/{s.name}", "checkpoint_type": TYPES[s.kind],
                 "time": _when(s.time), "tinker_path": s.path, "size_bytes": s.size_bytes,
-                "public": False, "expires_at": None}  # fmt: skip
+                "public": False, "expires_at": _until(s.expires_at)}  # fmt: skip
 
     def _served(self, run_id: str | None) -> list[dict[str, Any]]:
         """Named sampler weights, served (not files), of one run or of all."""
         found = []
-        for path, s in self.sessions.paths.items():
+        for path, s in self.sessions.live_paths().items():
             run, _, name = path.removeprefix(PREFIX).partition("/sampler_weights/")
             if name and run_id in (None, run):
                 found.append({"checkpoint_id": f"sampler_weights/{name}",
                               "checkpoint_type": "sampler", "time": _when(s.created),
                               "tinker_path": path, "size_bytes": None, "public": False,
-                              "expires_at": None})  # fmt: skip
+                              "expires_at": _until(s.expires_at)})  # fmt: skip
         return found
 
     def _checkpoints(self, run_id: str | None) -> list[dict[str, Any]]:
@@ -158,10 +166,10 @@ class Checkpoints:
 
     def weights_info(self, path: str) -> dict[str, Any]:
         """What a checkpoint is trained on: a file's config, or a served sampler's model."""
-        if path in self.sessions.paths:
+        if (served := self.sessions.live_paths().get(path)) is not None:
             run = self.sessions.models.get(path.removeprefix(PREFIX).split("/")[0])
             spec = run.lora if run is not None else None
-            base = self.sessions.paths[path].base
+            base = served.base
         else:
             try:
                 d = self.store.saved(path).directory

@@ -46,6 +46,7 @@ class Sampler:
     adapter: str | None  # None: the base model
     path: str | None  # the tinker:// path it was made from
     created: float = field(default_factory=time.time)
+    expires_at: float | None = None  # wall-clock seconds: the path's time to live, if given
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Sessions:
         return s
 
     def by_path(self, path: str) -> Sampler:
-        s = self.paths.get(path)
+        s = self.live_paths().get(path)
         if s is None:
             raise APIError(
                 f"no weights saved at {path!r} on this server (save_weights_for_sampler"
@@ -117,8 +118,17 @@ class Sessions:
             )
         return s
 
-    def add_sampler(self, base: str, adapter: str | None, path: str | None) -> Sampler:
-        s = Sampler(f"sampler-{uuid.uuid4().hex[:16]}", base, adapter, path)
+    def live_paths(self) -> dict[str, Sampler]:
+        """The named sampler weights within their time to live (past it, a path names nothing;
+        the weights stay loaded for the samplers made from them, until their session ends)."""
+        now = time.time()
+        return {p: s for p, s in self.paths.items() if s.expires_at is None or now < s.expires_at}
+
+    def add_sampler(
+        self, base: str, adapter: str | None, path: str | None, ttl_seconds: int | None = None
+    ) -> Sampler:
+        end = None if ttl_seconds is None else time.time() + ttl_seconds
+        s = Sampler(f"sampler-{uuid.uuid4().hex[:16]}", base, adapter, path, expires_at=end)
         self.samplers[s.sampler_id] = s
         if path is not None:
             self.paths[path] = s

@@ -35,10 +35,19 @@ from omlx_logprobs.training.calls import (
     SaveRun,
     TrainCall,
 )
-from omlx_logprobs.training.store import PREFIX, CheckpointStore
+from omlx_logprobs.training.store import PREFIX, CheckpointStore, check_ttl
 
 # Copies of a datum's [tokens, vocabulary] float32 logits a forward and backward hold at once.
 TRAIN_LOGIT_COPIES = 4
+
+
+def checked_ttl(ttl_seconds: int | None) -> int | None:
+    """A checkpoint's time to live as Tinker bounds it (training/store.py), else a 400."""
+    try:
+        check_ttl(ttl_seconds)
+    except checkpoint.CheckpointError as e:
+        raise APIError(str(e), param="ttl_seconds") from None
+    return ttl_seconds
 
 
 class Training:
@@ -147,6 +156,7 @@ class Training:
     # ---- save_weights_for_sampler ------------------------------------------------------------
     def save_for_sampler(self, req: types.SaveWeightsForSamplerRequest) -> tuple[str, str]:
         m = self.sessions.model(req.model_id)
+        ttl = checked_ttl(req.ttl_seconds)
         if req.path is not None:
             if not req.path or "/" in req.path:
                 raise APIError("path names the weights: a non-empty name without /",
@@ -161,7 +171,7 @@ class Training:
         async def work() -> Result:
             async with m.lock:
                 await self.call(m.base, Publish(m.model_id, adapter))
-                sampler = self.sessions.add_sampler(m.base, adapter, path)
+                sampler = self.sessions.add_sampler(m.base, adapter, path, ttl)
                 if path is None:
                     m.snapshots.append(adapter)
                     while len(m.snapshots) > SNAPSHOTS:
@@ -175,6 +185,7 @@ class Training:
     def save(self, req: types.SaveWeightsRequest) -> tuple[str, str]:
         m = self.sessions.model(req.model_id)
         name = req.path or f"checkpoint-{uuid.uuid4().hex[:12]}"
+        checked_ttl(req.ttl_seconds)
         try:
             path, directory = self.checkpoints.place(m.model_id, name)
         except checkpoint.CheckpointError as e:
@@ -186,6 +197,7 @@ class Training:
         async def work() -> Result:
             async with m.lock:
                 await self.call(m.base, SaveRun(m.model_id, str(directory), m.base))
+            self.checkpoints.expire_after(directory, req.ttl_seconds)
             return Result({"type": "save_weights", "path": path})
 
         return self.futures.start("save_weights", work()), m.model_id
