@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -41,12 +42,12 @@ def server(tiny_dir: Path, checkpoints: Path) -> Iterator[ServerProcess]:
 
 
 @contextlib.contextmanager
-def open_service(base: str) -> Iterator[tinker.ServiceClient]:
+def open_service(base: str, **kw: Any) -> Iterator[tinker.ServiceClient]:
     """A ServiceClient closed on the way out, pass or fail, while its server lives: an open one
     heartbeats on from a thread of this process after the server is gone, and its log records
     read as a leak to test_memory later in the run. Closing an expired session's client may
     fail on the server's side; the client's own loops stop all the same."""
-    client = tinker.ServiceClient(base_url=base, api_key="tml-local")
+    client = tinker.ServiceClient(base_url=base, api_key="tml-local", **kw)
     try:
         yield client
     finally:
@@ -276,6 +277,44 @@ def test_checkpoint_listings_external_weights_and_copies(
         service.create_training_client_from_state(copied).result()
     with pytest.raises(tinker.NotFoundError):
         rest.get_training_run("session-0:train:99").result()
+
+
+def test_sessions_metadata_and_a_checkpoints_ttl(server: ServerProcess) -> None:
+    """The REST client's sessions (list_sessions, get_session: the session's training runs,
+    samplers, metadata and name); user_metadata of a session, a training run and named sampler
+    weights answered back where Tinker lists them; set_checkpoint_ttl on a checkpoint file and
+    on sampler weights, and off again."""
+    rest = tinker.RestClient(base_url=server.base, api_key="tml-local")
+    with open_service(server.base, user_metadata={"run": "a"}, display_name="math") as service:
+        tc = service.create_lora_training_client(
+            base_model="tiny", rank=4, seed=3, user_metadata={"lr": "1e-3"}
+        ).result()
+        served = tc.save_weights_for_sampler("meta", user_metadata={"step": "0"}).result().path
+        sid = tc.model_id.split(":")[0]
+        got = rest.get_session(sid).result()
+        assert (got.training_run_ids, got.user_metadata, got.display_name) == (
+            [tc.model_id], {"run": "a"}, "math")  # fmt: skip
+        assert len(got.sampler_ids) == 1
+        assert sid in rest.list_sessions(limit=100).result().sessions
+        assert rest.get_training_run(tc.model_id).result().user_metadata == {"lr": "1e-3"}
+
+        def listed() -> dict[str, types.Checkpoint]:
+            return {
+                c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints
+            }
+
+        assert listed()[served].user_metadata == {"step": "0"}
+        state = tc.save_state("ttl").result().path
+        started = time.time()
+        for path in (state, served):
+            rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result()
+            end = listed()[path].expires_at
+            assert end is not None and abs(end.timestamp() - started - 7200) < 60, (path, end)
+            rest.set_checkpoint_ttl_from_tinker_path(path, None).result()
+            assert listed()[path].expires_at is None
+        with pytest.raises(tinker.BadRequestError, match="ttl_seconds is 5"):
+            rest.set_checkpoint_ttl_from_tinker_path(state, 5).result()
+    assert sid not in rest.list_sessions(limit=100).result().sessions  # closed: finished
 
 
 def test_serving_goes_on_while_training(

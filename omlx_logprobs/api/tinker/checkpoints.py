@@ -44,7 +44,7 @@ def _until(seconds: float | None) -> str | None:
     return None if seconds is None else _when(seconds)
 
 
-def _page(items: list[T], limit: int, offset: int) -> tuple[list[T], dict[str, int]]:
+def page_of(items: list[T], limit: int, offset: int) -> tuple[list[T], dict[str, int]]:
     if limit < 1 or offset < 0:
         raise APIError("limit must be at least 1 and offset at least 0", param="limit")
     cursor = {"offset": offset, "limit": limit, "total_count": len(items)}
@@ -118,7 +118,8 @@ class Checkpoints:
                 found.append({"checkpoint_id": f"sampler_weights/{name}",
                               "checkpoint_type": "sampler", "time": _when(s.created),
                               "tinker_path": path, "size_bytes": None, "public": False,
-                              "expires_at": _until(s.expires_at)})  # fmt: skip
+                              "expires_at": _until(s.expires_at),
+                              "user_metadata": s.user_metadata})  # fmt: skip
         return found
 
     def _checkpoints(self, run_id: str | None) -> list[dict[str, Any]]:
@@ -131,7 +132,7 @@ class Checkpoints:
         return {"checkpoints": self._checkpoints(run_id), "cursor": None}
 
     def all_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
-        page, cursor = _page(self._checkpoints(None)[::-1], limit, offset)  # newest first
+        page, cursor = page_of(self._checkpoints(None)[::-1], limit, offset)  # newest first
         return {"checkpoints": page, "cursor": cursor}
 
     def run(self, run_id: str) -> dict[str, Any]:
@@ -139,8 +140,9 @@ class Checkpoints:
         saved = self.store.listing(run_id)
         if live is None and not saved:
             raise APIError(f"no training run {run_id!r}", param="training_run_id", status=404)
+        meta = None
         if live is not None:
-            base, rank, last = live.base, live.lora.rank, live.created
+            base, rank, last, meta = live.base, live.lora.rank, live.created, live.user_metadata
         else:
             try:
                 d = saved[-1].directory
@@ -157,11 +159,11 @@ class Checkpoints:
                 "last_request_time": _when(max([last, *times])),
                 "last_checkpoint": files[-1] if files else None,
                 "last_sampler_checkpoint": samplers[-1] if samplers else None,
-                "user_metadata": None}  # fmt: skip
+                "user_metadata": meta}  # fmt: skip
 
     def runs(self, limit: int, offset: int) -> dict[str, Any]:
         ids = set(self.sessions.models) | {s.model_id for s in self.store.listing()}
-        page, cursor = _page(sorted(ids), limit, offset)
+        page, cursor = page_of(sorted(ids), limit, offset)
         return {"training_runs": [self.run(i) for i in page], "cursor": cursor}
 
     def weights_info(self, path: str) -> dict[str, Any]:
@@ -189,6 +191,18 @@ class Checkpoints:
                            param="checkpoint_id")  # fmt: skip
         try:
             self.store.remove(self.store.saved(path))
+        except checkpoint.CheckpointError as e:
+            raise APIError(str(e), param="checkpoint_id", status=404) from None
+
+    def set_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        """The REST client's set_checkpoint_ttl: a new end from now, or none."""
+        checked_ttl(ttl_seconds)
+        path = f"{PREFIX}{run_id}/{checkpoint_id}"
+        if checkpoint_id.startswith("sampler_weights/"):
+            self.sessions.set_ttl(path, ttl_seconds)
+            return
+        try:
+            self.store.expire_after(self.store.saved(path).directory, ttl_seconds)
         except checkpoint.CheckpointError as e:
             raise APIError(str(e), param="checkpoint_id", status=404) from None
 
@@ -220,6 +234,17 @@ def add_listing_routes(app: FastAPI, checkpoints: Checkpoints) -> None:
     @app.get(API + "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     async def external_weights_urls(run_id: str, checkpoint_id: str) -> dict[str, Any]:
         return checkpoints.urls(run_id, checkpoint_id)
+
+    @app.put(API + "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def checkpoint_ttl(run_id: str, checkpoint_id: str, raw: Request) -> None:
+        try:
+            ttl = (await raw.json())["ttl_seconds"]
+        except (ValueError, KeyError, TypeError):
+            raise APIError('the body is {"ttl_seconds": SECONDS or null}',
+                           param="ttl_seconds") from None  # fmt: skip
+        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):
+            raise APIError("ttl_seconds is a whole number of seconds, or null", param="ttl_seconds")
+        checkpoints.set_ttl(run_id, checkpoint_id, ttl)
 
     @app.delete(API + "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(run_id: str, checkpoint_id: str) -> None:

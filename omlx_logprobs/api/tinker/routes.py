@@ -1,5 +1,6 @@
 """Tinker's routes under /api/v1/ (the `tinker` SDK pointed at this server by its base URL):
-the service's (client config, sessions, heartbeats, capabilities, health), the training
+the service's (client config, sessions and the REST client's listing and reading of them,
+heartbeats, capabilities, health), the training
 model's (create_model, get_info, forward, forward_backward, optim_step,
 save_weights_for_sampler; save_weights and load_weights, checkpoints in mlx-lm's format), the
 checkpoints' (save_weights_external, copy_weights, the REST client's listings:
@@ -23,7 +24,7 @@ from tinker import types
 from omlx_logprobs.api.core.errors import APIError, invalid_body
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.tinker import wire
-from omlx_logprobs.api.tinker.checkpoints import Checkpoints, add_listing_routes
+from omlx_logprobs.api.tinker.checkpoints import Checkpoints, add_listing_routes, page_of
 from omlx_logprobs.api.tinker.expiry import Expiry
 from omlx_logprobs.api.tinker.futures import Futures
 from omlx_logprobs.api.tinker.sampling import Sampling
@@ -100,8 +101,8 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker: TinkerConfig | None = None
 
     @app.post(f"{API}/create_session")
     async def create_session(raw: Request) -> dict[str, Any]:
-        await _parse(raw, types.CreateSessionRequest)
-        sid = sessions.open()
+        req = await _parse(raw, types.CreateSessionRequest)
+        sid = sessions.open(req.user_metadata, req.display_name)
         expiry.watch()
         return {"type": "create_session", "session_id": sid}
 
@@ -114,6 +115,15 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker: TinkerConfig | None = None
     @app.post(API + "/sessions/{session_id}/finish")
     async def finish_session(session_id: str) -> None:
         await training.finish(session_id)
+
+    @app.get(f"{API}/sessions")
+    async def list_sessions(limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        page, _ = page_of(sorted(sessions.sessions), limit, offset)
+        return {"sessions": page}
+
+    @app.get(API + "/sessions/{session_id}")
+    async def get_session(session_id: str) -> dict[str, Any]:
+        return sessions.described(session_id)
 
     @app.get(f"{API}/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:

@@ -16,10 +16,12 @@ first, so that an RL loop saving one a step keeps a bounded number of adapters."
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.training.calls import LoraSpec
@@ -37,6 +39,7 @@ class TrainingModel:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     snapshots: deque[str] = field(default_factory=deque)  # unnamed samplers' adapters
     created: float = field(default_factory=time.time)  # wall-clock seconds, for the listings
+    user_metadata: dict[str, str] | None = None  # create_model's (or load_weights'), listed
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,22 @@ class Sampler:
     path: str | None  # the tinker:// path it was made from
     created: float = field(default_factory=time.time)
     expires_at: float | None = None  # wall-clock seconds: the path's time to live, if given
+    user_metadata: dict[str, str] | None = None  # save_weights_for_sampler's, listed
 
 
 @dataclass
 class Session:
     session_id: str
     last_seen: float
+    user_metadata: dict[str, str] | None = None  # create_session's, for the REST client
+    display_name: str | None = None
+
+
+def metadata(given: dict[str, Any] | None) -> dict[str, str] | None:
+    """User metadata as Tinker's answers carry it (strings: the requests allow any values)."""
+    if given is None:
+        return None
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in given.items()}
 
 
 class Sessions:
@@ -64,10 +77,22 @@ class Sessions:
         self.paths: dict[str, Sampler] = {}  # tinker:// path -> its sampler
         self.finished: set[str] = set()
 
-    def open(self) -> str:
+    def open(
+        self, user_metadata: dict[str, Any] | None = None, display_name: str | None = None
+    ) -> str:
         sid = f"session-{uuid.uuid4().hex[:16]}"
-        self.sessions[sid] = Session(sid, time.monotonic())
+        self.sessions[sid] = Session(sid, time.monotonic(), metadata(user_metadata), display_name)
         return sid
+
+    def described(self, sid: str) -> dict[str, Any]:
+        """A live session as the REST client's get_session reads it: its training runs and
+        samplers (a finished one is a 410, as for its heartbeat)."""
+        s = self.session(sid)
+        runs = sorted(k for k in self.models if k.startswith(f"{sid}:"))
+        samplers = sorted(k for k, v in self.samplers.items()
+                          if v.adapter is not None and v.adapter.startswith(f"{sid}:"))  # fmt: skip
+        return {"training_run_ids": runs, "sampler_ids": samplers,
+                "user_metadata": s.user_metadata, "display_name": s.display_name}  # fmt: skip
 
     def session(self, sid: str) -> Session:
         """A live session; a 410 for a finished one (the SDK stops its heartbeats then)."""
@@ -125,14 +150,26 @@ class Sessions:
         return {p: s for p, s in self.paths.items() if s.expires_at is None or now < s.expires_at}
 
     def add_sampler(
-        self, base: str, adapter: str | None, path: str | None, ttl_seconds: int | None = None
+        self,
+        base: str,
+        adapter: str | None,
+        path: str | None,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, Any] | None = None,
     ) -> Sampler:
         end = None if ttl_seconds is None else time.time() + ttl_seconds
-        s = Sampler(f"sampler-{uuid.uuid4().hex[:16]}", base, adapter, path, expires_at=end)
+        s = Sampler(f"sampler-{uuid.uuid4().hex[:16]}", base, adapter, path, expires_at=end,
+                    user_metadata=metadata(user_metadata))  # fmt: skip
         self.samplers[s.sampler_id] = s
         if path is not None:
             self.paths[path] = s
         return s
+
+    def set_ttl(self, path: str, ttl_seconds: int | None) -> None:
+        """A new end for named sampler weights (None: they stay while their session lives)."""
+        s = self.by_path(path)
+        end = None if ttl_seconds is None else time.time() + ttl_seconds
+        self.paths[path] = self.samplers[s.sampler_id] = replace(s, expires_at=end)
 
     def forget_adapter(self, adapter: str) -> None:
         """An unloaded adapter's samplers go (later samples on them are 400s)."""

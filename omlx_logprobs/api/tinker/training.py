@@ -17,7 +17,7 @@ from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.tinker import wire
 from omlx_logprobs.api.tinker.futures import Failed, Futures, Result
-from omlx_logprobs.api.tinker.sessions import SNAPSHOTS, Sessions, TrainingModel
+from omlx_logprobs.api.tinker.sessions import SNAPSHOTS, Sessions, TrainingModel, metadata
 from omlx_logprobs.control import AdapterChange
 from omlx_logprobs.engine.commands import Train
 from omlx_logprobs.training import checkpoint, losses
@@ -93,7 +93,9 @@ class Training:
 
         async def work() -> Result:
             layers = await self.call(base, CreateRun(model_id, spec))
-            self.sessions.models[model_id] = TrainingModel(model_id, base, spec, layers)
+            self.sessions.models[model_id] = TrainingModel(
+                model_id, base, spec, layers, user_metadata=metadata(req.user_metadata)
+            )
             return Result({"model_id": model_id, "type": "create_model"})
 
         return self.futures.start("create_model", work()), model_id
@@ -171,7 +173,7 @@ class Training:
         async def work() -> Result:
             async with m.lock:
                 await self.call(m.base, Publish(m.model_id, adapter))
-                sampler = self.sessions.add_sampler(m.base, adapter, path, ttl)
+                sampler = self.sessions.add_sampler(m.base, adapter, path, ttl, req.user_metadata)
                 if path is None:
                     m.snapshots.append(adapter)
                     while len(m.snapshots) > SNAPSHOTS:
@@ -223,7 +225,9 @@ class Training:
         async def work() -> Result:
             if create:
                 got = await self.call(base, LoadRun(model_id, str(directory), req.optimizer, True))
-                self.sessions.models[model_id] = TrainingModel(model_id, base, got.lora, got.layers)
+                self.sessions.models[model_id] = TrainingModel(
+                    model_id, base, got.lora, got.layers, user_metadata=metadata(req.user_metadata)
+                )
             else:
                 async with m.lock:
                     await self.call(base, LoadRun(model_id, str(directory), req.optimizer, False))
