@@ -1,6 +1,6 @@
 """Tinker's routes under /api/v1/ (the `tinker` SDK pointed at this server by its base URL):
-the service's (client config, sessions and the REST client's listing and reading of them,
-heartbeats, capabilities, health), the training
+the service's (api/tinker/service.py: client config, sessions, heartbeats, capabilities,
+health), the training
 model's (create_model, get_info, forward, forward_backward, optim_step,
 save_weights_for_sampler; save_weights and load_weights, checkpoints in mlx-lm's format), the
 checkpoints' (save_weights_external, copy_weights, the REST client's listings:
@@ -13,38 +13,27 @@ stopped (api/tinker/expiry.py)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel as PydanticModel
-from pydantic import ValidationError
 from tinker import types
 
-from omlx_logprobs.api.core.errors import APIError, invalid_body
+from omlx_logprobs.api.core.errors import APIError
 from omlx_logprobs.api.core.pool import ModelPool
 from omlx_logprobs.api.tinker import wire
-from omlx_logprobs.api.tinker.checkpoints import Checkpoints, add_listing_routes, page_of
+from omlx_logprobs.api.tinker.checkpoints import Checkpoints, add_listing_routes
 from omlx_logprobs.api.tinker.expiry import Expiry
 from omlx_logprobs.api.tinker.futures import Futures
 from omlx_logprobs.api.tinker.sampling import Sampling
+from omlx_logprobs.api.tinker.service import add_service_routes, parse
 from omlx_logprobs.api.tinker.sessions import Sessions
 from omlx_logprobs.api.tinker.training import Training
 from omlx_logprobs.config import TinkerConfig
 from omlx_logprobs.training.store import CheckpointStore
 
 API = "/api/v1"
-M = TypeVar("M", bound=PydanticModel)
-
-
-async def _parse(raw: Request, model: type[M]) -> M:
-    """The body as the SDK's request type; a 400 naming what does not fit."""
-    try:
-        return model.model_validate(await raw.json())
-    except ValidationError as e:
-        raise invalid_body(e.errors()) from None
-    except ValueError:
-        raise APIError("the body is not JSON") from None
 
 
 class _CancelRequest(PydanticModel):
@@ -64,7 +53,7 @@ def _calling(
     """A route whose body is `kind` and whose answer is the future `call` makes of it."""
 
     async def route(raw: Request) -> dict[str, Any]:
-        rid, model_id = call(await _parse(raw, kind))
+        rid, model_id = call(await parse(raw, kind))
         return _future(rid, model_id)
 
     return route
@@ -79,63 +68,12 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker: TinkerConfig | None = None
     expiry = Expiry(sessions, training.finish)
     checkpoints = Checkpoints(training, sessions, futures)
 
-    # ---- the service -------------------------------------------------------------------------
-    @app.get(f"{API}/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.post(f"{API}/client/config")
-    async def client_config() -> dict[str, Any]:
-        # httpx's transport, and forward_backward chunks one after the other: the trainer runs
-        # a model's calls in order anyway.
-        return {"use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False}
-
-    @app.post(f"{API}/client/dynamic_config")
-    async def client_dynamic_config() -> dict[str, Any]:
-        # an abandoned sample is cancelled (cancel_future), its engine request aborted
-        return {"sample_cancel_enabled": True}
-
-    @app.post(f"{API}/telemetry")
-    async def telemetry() -> dict[str, str]:
-        return {"status": "accepted"}
-
-    @app.post(f"{API}/create_session")
-    async def create_session(raw: Request) -> dict[str, Any]:
-        req = await _parse(raw, types.CreateSessionRequest)
-        sid = sessions.open(req.user_metadata, req.display_name)
-        expiry.watch()
-        return {"type": "create_session", "session_id": sid}
-
-    @app.post(f"{API}/session_heartbeat")
-    async def session_heartbeat(raw: Request) -> dict[str, str]:
-        req = await _parse(raw, types.SessionHeartbeatRequest)
-        sessions.session(req.session_id)
-        return {"type": "session_heartbeat"}
-
-    @app.post(API + "/sessions/{session_id}/finish")
-    async def finish_session(session_id: str) -> None:
-        await training.finish(session_id)
-
-    @app.get(f"{API}/sessions")
-    async def list_sessions(limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        page, _ = page_of(sorted(sessions.sessions), limit, offset)
-        return {"sessions": page}
-
-    @app.get(API + "/sessions/{session_id}")
-    async def get_session(session_id: str) -> dict[str, Any]:
-        return sessions.described(session_id)
-
-    @app.get(f"{API}/get_server_capabilities")
-    async def capabilities() -> dict[str, Any]:
-        models = [{"model_name": name, "trainable": True, "sampleable": True,
-                   "max_context_length": slot.max_model_len}
-                  for name, slot in pool.slots.items()]  # fmt: skip
-        return {"supported_models": models}
+    add_service_routes(app, pool, sessions, training, expiry)
 
     # ---- training ----------------------------------------------------------------------------
     @app.post(f"{API}/get_info")
     async def get_info(raw: Request) -> dict[str, Any]:
-        return training.info((await _parse(raw, types.GetInfoRequest)).model_id)
+        return training.info((await parse(raw, types.GetInfoRequest)).model_id)
 
     @app.post(f"{API}/forward_backward")
     async def forward_backward(raw: Request) -> dict[str, Any]:
@@ -159,14 +97,14 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker: TinkerConfig | None = None
     # ---- checkpoints -------------------------------------------------------------------------
     @app.post(f"{API}/copy_weights")
     async def copy_weights(raw: Request) -> dict[str, str]:
-        return await checkpoints.copy(await _parse(raw, types.CopyWeightsRequest))
+        return await checkpoints.copy(await parse(raw, types.CopyWeightsRequest))
 
     add_listing_routes(app, checkpoints)
 
     # ---- sampling ----------------------------------------------------------------------------
     @app.post(f"{API}/create_sampling_session")
     async def create_sampling_session(raw: Request) -> dict[str, Any]:
-        req = await _parse(raw, types.CreateSamplingSessionRequest)
+        req = await parse(raw, types.CreateSamplingSessionRequest)
         sessions.session(req.session_id)
         if req.model_path is not None:
             found = sessions.by_path(req.model_path)
@@ -184,13 +122,13 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker: TinkerConfig | None = None
 
     @app.post(f"{API}/asample")
     async def asample(raw: Request) -> dict[str, Any]:
-        rid, seq_ids = sampling.asample(await _parse(raw, types.SampleRequest))
+        rid, seq_ids = sampling.asample(await parse(raw, types.SampleRequest))
         return _future(rid, sample_sequence_ids=seq_ids)
 
     # ---- futures -----------------------------------------------------------------------------
     @app.post(f"{API}/retrieve_future")
     async def retrieve_future(raw: Request) -> Response:
-        req = await _parse(raw, types.FutureRetrieveRequest)
+        req = await parse(raw, types.FutureRetrieveRequest)
         result = await futures.retrieve(req.request_id)
         if result.proto is not None:
             return Response(result.proto, media_type=wire.PROTO)
@@ -198,5 +136,5 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker: TinkerConfig | None = None
 
     @app.post(f"{API}/cancel_future")
     async def cancel_future(raw: Request) -> None:
-        body = await _parse(raw, _CancelRequest)
+        body = await parse(raw, _CancelRequest)
         futures.cancel(body.request_id)
