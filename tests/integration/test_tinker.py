@@ -402,6 +402,9 @@ def test_bad_input_raises_the_sdk_errors(
         tc.forward_backward([ce_datum(list(range(10, 2060)))], "cross_entropy").result()
     sc = service.create_sampling_client(base_model="tiny").result()
     params = types.SamplingParams(max_tokens=4)
+    stable = service.create_sampling_client(base_model="tiny", record_stability_info=True)
+    with pytest.raises(tinker.BadRequestError, match="record_stability_info is not served"):
+        stable.result().sample(types.ModelInput.from_ints(PROMPT), 1, params).result()
     with pytest.raises(tinker.BadRequestError, match="not a token id"):
         sc.sample(types.ModelInput.from_ints([5, 10**7]), 1, params).result()
     with pytest.raises(tinker.BadRequestError, match="maximum context length"):

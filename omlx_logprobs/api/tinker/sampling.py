@@ -44,6 +44,12 @@ class Sampling:
         ids = prompt_ids(req.prompt)
         if req.target_prompt_logprobs is not None or req.prompt_alt_tokens_k:
             raise APIError("target_prompt_logprobs and prompt_alt_tokens_k are not served yet")
+        if req.record_stability_info:
+            raise APIError(
+                "record_stability_info is not served: the records the stable_reinforce loss"
+                " reads are not kept here (train with importance_sampling, ppo, cispo or gspo)",
+                param="record_stability_info",
+            )
         if req.num_samples < 1:
             raise APIError("num_samples must be at least 1", param="num_samples")
         last_n = req.prompt_logprobs_last_n
