@@ -92,6 +92,8 @@ def _joined(mask: Any, ahead: mx.array) -> Any:
 class _Language(gemma3_text.Model):
     """mlx-lm's `gemma3_text` model over `Gemma3Body`."""
 
+    model: Gemma3Body
+
     def __init__(self, args: gemma3_text.ModelArgs) -> None:
         super().__init__(args)
         self.model = Gemma3Body(args)
@@ -113,6 +115,8 @@ class Gemma3Text(gemma3.Model):
     """Gemma 3's language half under the names transformers writes (`language_model.model.`,
     with or without `model.` before it, and `lm_head.`) or mlx-vlm's (`language_model.model.`,
     `language_model.lm_head.`); the vision tower and projector dropped."""
+
+    language_model: _Language
 
     def __init__(self, args: gemma3.ModelArgs) -> None:
         super().__init__(args)
