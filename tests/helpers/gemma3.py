@@ -22,13 +22,15 @@ from tests.helpers.vision import Reference, tokenizer_with
 NAMED = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
          "image_token": "<image_soft_token>"}  # fmt: skip
 TURNS = ["<start_of_turn>", "<end_of_turn>"]
-# Gemma 3's chat template, shortened: a string content or parts, each image its start token
+# Gemma 3's chat template, shortened: a string content or parts, each image its start token;
+# without its trims (a random model's answer that begins with a space would not be spliced
+# back as its sampled ids: api/core/splice.py)
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>"
     "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] | trim }}{% else %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}<start_of_image>"
-    "{% elif p['type'] == 'text' %}{{ p['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 SIDE = 56  # 8 x 8 patches of 7 pixels, pooled 2 x 2: 16 placeholders an image
