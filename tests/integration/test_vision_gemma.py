@@ -90,10 +90,10 @@ def test_image_and_text_then_a_second_turn(client: openai.OpenAI, gemma_dir: Pat
         first, text = pictured.result(), plain.result()
     prompt, out = first.model_extra["prompt_token_ids"], first.choices[0].model_extra["token_ids"]
     # the processor's ids of the whole prompt (its line breaks merged with the template's)
+    parts = [{"type": "image"}, {"type": "text", "text": "What is this?"}]
     rendered = model.tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
-        add_generation_prompt=True, tokenize=False,
-    )  # fmt: skip
+        [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
+    )
     processed = model.vision.processor(text=rendered, images=[image], add_special_tokens=False)
     assert prompt == list(processed["input_ids"][0])
     check(first, reference.logprobs(prompt + out, pixels), token)
