@@ -20,7 +20,7 @@ import pytest
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from tests.helpers.gemma3 import Gemma3Reference, tiny_gemma3_dir
 from tests.helpers.server import server_process
-from tests.helpers.vision import assert_answer_rows, picture
+from tests.helpers.vision import assert_answer_rows, assert_prompt_rows, picture
 from tests.integration.test_vision import data_url
 
 K = 5
@@ -60,19 +60,7 @@ def check(r: Any, ref: np.ndarray, image_token: int | None) -> None:
     the image's 16 positions null in the prompt's."""
     prompt, out = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
     assert_answer_rows(r.choices[0].logprobs.content, out, ref[len(prompt) - 1 :], K)
-    scored = r.model_extra["prompt_logprobs"]
-    assert scored[0] is None and len(scored) == len(prompt)
-    for i in range(1, len(prompt)):
-        if prompt[i] == image_token:
-            assert scored[i] is None
-            continue
-        entry = scored[i][str(prompt[i])]
-        assert abs(entry["logprob"] - ref[i - 1][prompt[i]]) < 1e-4
-        np.testing.assert_allclose(
-            sorted((e["logprob"] for e in scored[i].values()), reverse=True)[:K],
-            np.sort(ref[i - 1])[::-1][:K],
-            atol=1e-4,
-        )
+    assert_prompt_rows(r.model_extra["prompt_logprobs"], prompt, ref, K, image_token)
     if image_token is not None:
         assert prompt.count(image_token) == 16
 
