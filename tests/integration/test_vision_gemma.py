@@ -4,7 +4,8 @@ tests/helpers/gemma3.py, an image request and a text request at once; chosen-tok
 prompt logprobs against transformers' float32 forward (Gemma3Processor's `token_type_ids`: an
 image's placeholders attend both ways) of the same weights and image (1e-4), null exactly at
 the placeholders; a second turn about the same image, its first answer spliced in as its
-sampled ids and the rest as the processor tokenizes the whole text, exact too."""
+sampled ids and the rest as the processor tokenizes the whole text, exact too; the model list
+says it takes images."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -95,3 +97,5 @@ def test_image_and_text_then_a_second_turn(client: openai.OpenAI, gemma_dir: Pat
     assert second.usage.prompt_tokens_details.model_extra["reused_output_tokens"] == len(out)
     ids = again + second.choices[0].model_extra["token_ids"]
     check(second, reference.logprobs(ids, pixels), token)
+    listed = httpx.get(f"{client.base_url}models").json()["data"]
+    assert listed[0]["capabilities"]["vision"] is True
