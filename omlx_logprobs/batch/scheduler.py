@@ -52,8 +52,13 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         cached: Callable[[Sequence], int] = lambda seq: 0,
         waits: Callable[[Sequence, list[Sequence]], bool] = lambda seq, busy: False,
+        whole_runs: bool = False,
     ) -> None:
         self.max_num_seqs = max_num_seqs
+        # A prompt's chunk never ends inside a run of an image's placeholders: the model's
+        # images attend to each other both ways in the prefill (Gemma 3's), so one forward
+        # must hold each run whole.
+        self.whole_runs = whole_runs
         # Prompt tokens a whole prompt would take from the runner's prefix cache, not compute.
         self.cached = cached
         # Whether a prompt is better off a step later, when prompts prefilling now (the second
@@ -151,7 +156,9 @@ class Scheduler:
             if cost <= budget:
                 chunk = PrefillChunk(seq, start, seq.prompt_len)
             else:
-                chunk = PrefillChunk(seq, start + cached, start + cached + budget)
+                first = start + cached
+                end = _uncut(seq, first, first + budget) if self.whole_runs else first + budget
+                chunk = PrefillChunk(seq, first, end)
             out.prefill.append(chunk)
             busy += [seq] if start == 0 else []  # one between chunks is there already
             budget -= min(cost, budget)
@@ -205,6 +212,17 @@ class Scheduler:
             self.arrivals.pop(seq.seq_id, None)
         self.running = [s for s in self.running if s is not seq]
         self.scored = [s for s in self.scored if s is not seq]
+
+
+def _uncut(seq: Sequence, start: int, end: int) -> int:
+    """A chunk's end from `start`, moved off the inside of a run of placeholders: back to the
+    run's start, or, where the chunk would then be empty, on to its end (a run longer than the
+    step's budget prefills whole, past it)."""
+    for image in seq.images:
+        for first, n in image.runs:
+            if first < end < first + n:
+                return first if first > start else min(first + n, seq.prompt_len)
+    return end
 
 
 def _order(seq: Sequence) -> tuple[int, int, int]:

@@ -97,6 +97,7 @@ class Engine:
             delay_ms / 1e3,
             cached=self.runner.cached_len,
             waits=self.runner.prompt_cache.waits,
+            whole_runs=self.runner.vision is not None and self.runner.vision.encoder.bidirectional,
         )
         self.processor = OutputProcessor(vocab, eos)
         self.processor.weights = weights

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omlx_logprobs.models.vision_gemma import gemma3_classes, gemma3_encoder
 from omlx_logprobs.models.vision_text import idefics3_classes
 
 __all__ = [
@@ -65,6 +66,11 @@ class VisionSpec:
     family: str
     processor: Any
     image_token_id: int
+    # The text the processor writes for every image, where it is more than its placeholders
+    # and tokenizes with the text around it (Gemma 3's: line breaks, its start and end of image
+    # tokens): a chat's earlier answers are then spliced into the text so expanded
+    # (api/core/prompts.py). None: an image's placeholders stand where its token was.
+    expansion: str | None = None
 
 
 # New weights for an encoder: from a checkpoint's arrays, its own checked (a ValueError naming
@@ -78,11 +84,19 @@ class Encoder:
     embeddings [N, hidden] (N: its placeholder tokens in the prompt)."""
 
     def __init__(
-        self, forward: Callable[[Any], Any], image_token_id: int, update: Update | None = None
+        self,
+        forward: Callable[[Any], Any],
+        image_token_id: int,
+        update: Update | None = None,
+        bidirectional: bool = False,
     ) -> None:
         self.forward = forward
         self.image_token_id = image_token_id
         self.update = update
+        # The placeholders of one run attend to each other both ways in the prefill (Gemma 3's):
+        # the text model takes each forward's runs (runner/vision.py), and no prefill chunk
+        # may cut one (batch/scheduler.py).
+        self.bidirectional = bidirectional
 
     def __call__(self, pixels: Any) -> Any:
         return self.forward(pixels)
@@ -150,7 +164,12 @@ def vision_spec(path: Path, config: dict[str, Any]) -> VisionSpec | None:
     import transformers
 
     processor = getattr(transformers, FAMILIES[family].processor).from_pretrained(str(path))
-    return VisionSpec(family, processor, _image_token(config))
+    if getattr(processor.image_processor, "do_pan_and_scan", None):
+        raise ValueError("a Gemma 3 processor with pan and scan is not served yet")
+    # Gemma3Processor's text for an image (its `image_token` is the start of image token the
+    # chat template writes, which it expands to this)
+    expansion = getattr(processor, "full_image_sequence", None)
+    return VisionSpec(family, processor, _image_token(config), expansion)
 
 
 def load_encoder(net: Any, path: Path, config: dict[str, Any]) -> None:
@@ -362,4 +381,13 @@ FAMILIES: dict[str, Family] = {
     ),
     "idefics3": _IDEFICS3,
     "smolvlm": _IDEFICS3,
+    # Gemma 3: a SigLIP tower, the pooling projector, gemma3_text (models/vision_gemma.py)
+    "gemma3": Family(
+        "gemma3",
+        gemma3_encoder,
+        "Gemma3Processor",
+        frozenset({"gemma3_text"}),
+        frozenset({"siglip_vision_model"}),
+        gemma3_classes,
+    ),
 }

@@ -423,7 +423,10 @@ class Prefill:
         if self.vision is None:  # a model loaded without its encoder (split over processes)
             raise ValueError("this engine's model has no vision encoder: it takes no images")
         h = self.vision.inputs(ids, rows)
-        return {} if h is None else {"input_embeddings": h}
+        if h is None:
+            return {}
+        blocks = self.vision.blocks(ids.shape[1], rows)  # Gemma 3's images attend both ways
+        return {"input_embeddings": h, **({} if blocks is None else {"image_blocks": blocks})}
 
     def _boundary(self, seq: Sequence, cache: list[Any], n: int) -> list[mx.array]:
         """A recurrent model's states after a chunk, n tokens into the prompt (copies), where

@@ -4,7 +4,9 @@ recently used first out), put at the image's placeholder tokens in place of thei
 embeddings. Prefill asks for the input embeddings of a forward's rows (`inputs`): a
 left-padded group of whole prompts, or one chunk of one prompt, which may cut an image (its
 rows then go half to each chunk). An image's rows fill its runs of placeholder tokens in order
-(one run, or several with the processor's tokens between them: Idefics3's tiles)."""
+(one run, or several with the processor's tokens between them: Idefics3's tiles). Where the
+encoder's images attend to each other both ways (Gemma 3's), the forward also takes each
+position's run (`blocks`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.models.vision import Encoder, encoder_of
@@ -25,7 +28,8 @@ FEATURES_MIB = 256  # the encoder's outputs kept, by image hash
 
 class ImageEmbedder:
     def __init__(self, encoder: Encoder, embed: Any, budget: int = FEATURES_MIB << 20) -> None:
-        """`embed`: the text model's token embedding (ids -> [B, L, hidden])."""
+        """`embed`: the text model's token embedding (ids -> [B, L, hidden]), as its first
+        layer reads it."""
         self.encoder = encoder
         self.embed = embed
         self.budget = budget
@@ -44,7 +48,9 @@ class ImageEmbedder:
             for name in path:
                 body = getattr(body, name, None)
             if body is not None and hasattr(body, "embed_tokens"):
-                return ImageEmbedder(encoder, body.embed_tokens)
+                # A body that scales its token embeddings in its forward (Gemma's) takes input
+                # embeddings scaled already: its `embed_inputs`
+                return ImageEmbedder(encoder, getattr(body, "embed_inputs", body.embed_tokens))
         raise ValueError("a vision model whose text half has no token embedding to extend")
 
     def new_weights(self, weights: dict[str, mx.array]) -> Callable[[], None] | None:
@@ -105,3 +111,20 @@ class ImageEmbedder:
             rows_ = self.features(image)[row + a - start : row + b - start]
             h[r, a - shift : b - shift, :] = rows_.astype(h.dtype)
         return h
+
+    def blocks(self, width: int, rows: list[tuple[Sequence, int]]) -> mx.array | None:
+        """[B, width] int32: each position's run of placeholders (numbered in the forward),
+        -1 for text; None where the encoder's images attend causally, as text does. `rows` as
+        `inputs` takes them."""
+        if not self.encoder.bidirectional:
+            return None
+        out = np.full((len(rows), width), -1, np.int32)
+        block = 0
+        for r, (seq, shift) in enumerate(rows):
+            for image in seq.images:
+                for start, n, _ in image.placed():
+                    a, b = max(start, shift), min(start + n, shift + width)
+                    if a < b:
+                        out[r, a - shift : b - shift] = block
+                        block += 1
+        return mx.array(out)

@@ -130,6 +130,26 @@ def assert_answer_rows(entries: Any, out: list[int], rows: np.ndarray, k: int) -
         np.testing.assert_allclose(top, np.sort(row)[::-1][:k], atol=1e-4)
 
 
+def assert_prompt_rows(
+    scored: list[Any], prompt: list[int], rows: np.ndarray, k: int, image_token: int | None
+) -> None:
+    """vLLM's `prompt_logprobs` of a prompt against the reference rows of its positions: null
+    first and at each image placeholder (not text), every other position's token and top k
+    within 1e-4."""
+    assert scored[0] is None and len(scored) == len(prompt)
+    for i in range(1, len(prompt)):
+        if prompt[i] == image_token:
+            assert scored[i] is None
+            continue
+        entry = scored[i][str(prompt[i])]
+        assert abs(entry["logprob"] - rows[i - 1][prompt[i]]) < 1e-4
+        np.testing.assert_allclose(
+            sorted((e["logprob"] for e in scored[i].values()), reverse=True)[:k],
+            np.sort(rows[i - 1])[::-1][:k],
+            atol=1e-4,
+        )
+
+
 def picture(seed: int, width: int = 40, height: int = 60) -> Any:
     """A seeded noise image (PIL)."""
     from PIL import Image

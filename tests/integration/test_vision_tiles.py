@@ -21,7 +21,13 @@ import pytest
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from tests.helpers.idefics3 import tiny_idefics3_dir
 from tests.helpers.server import server_process
-from tests.helpers.vision import Reference, assert_answer_rows, picture, png_bytes
+from tests.helpers.vision import (
+    Reference,
+    assert_answer_rows,
+    assert_prompt_rows,
+    picture,
+    png_bytes,
+)
 from tests.integration.test_vision import data_url
 
 K = 5
@@ -78,24 +84,12 @@ def test_tiled_image_logprobs_against_transformers(
     pixels = model.vision.processor.image_processor(image, return_tensors="np")["pixel_values"]
     ref = Reference(dirs[family]).logprobs(prompt + out, pixels)
     assert_answer_rows(r.choices[0].logprobs.content, out, ref[len(prompt) - 1 :], K)
-    scored = r.model_extra["prompt_logprobs"]
-    assert scored[0] is None and len(scored) == len(prompt)
     token = model.vision.image_token_id
     placeholders = [i for i, t in enumerate(prompt) if t == token]
     assert len(placeholders) == runs * (4 if family == "idefics3" else 16)
     starts = [p for p in placeholders if prompt[p - 1] != token]
     assert len(starts) == runs  # each run after its marker, which is text
-    for i in range(1, len(prompt)):
-        if prompt[i] == token:
-            assert scored[i] is None
-            continue
-        entry = scored[i][str(prompt[i])]
-        assert abs(entry["logprob"] - ref[i - 1][prompt[i]]) < 1e-4
-        np.testing.assert_allclose(
-            sorted((e["logprob"] for e in scored[i].values()), reverse=True)[:K],
-            np.sort(ref[i - 1])[::-1][:K],
-            atol=1e-4,
-        )
+    assert_prompt_rows(r.model_extra["prompt_logprobs"], prompt, ref, K, token)
 
 
 @pytest.mark.parametrize(

@@ -186,9 +186,12 @@ def expand(
     prompt must repeat. `spliced`: the text's ids already, earlier answers in them as their
     sampled ids (api/core/splice.py), one image token an image: each is replaced by its image's
     expansion alone (the processor's pass over the whole text would tokenize the answers from
-    their text)."""
+    their text). Where the processor writes a text for an image (`VisionSpec.expansion`),
+    `spliced` are the ids of the text so expanded already."""
     alone = _alone(spec, images)
-    if spliced is not None:
+    if spliced is not None and spec.expansion is not None:
+        ids = spliced
+    elif spliced is not None:
         ids = _substituted(spliced, spec.image_token_id, [_ids(a) for a in alone])
     else:
         pictures = [i.picture for i in images]

@@ -5,7 +5,7 @@ request's 400."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from omlx_logprobs.api.core import parts, tools
@@ -53,11 +53,19 @@ def image_chat_prompt(
     messages = image_messages(req.messages)
     text = render(req, model, messages, req.add_generation_prompt)
     served.checks.check_text(text, "messages")
-    spliced = _spliced(req, served, messages, text, known)
-    # Only with an answer in it; its image tokens the template's, one an image (an answer
-    # that holds one is not spliced): else the processor's pass over the whole text.
-    token = vision.image_token_id
-    if spliced is not None and (not spliced.spans or spliced.ids.count(token) != len(images)):
+    token, wide = vision.image_token_id, vision.expansion
+    if wide is None:
+        spliced = _spliced(req, served, messages, text, known)
+        # Only with an answer in it; its image tokens the template's, one an image (an answer
+        # that holds one is not spliced): else the processor's pass over the whole text.
+        if spliced is not None and spliced.ids.count(token) != len(images):
+            spliced = None
+    else:  # the text expanded as the processor expands it, then spliced (VisionSpec.expansion)
+        mark = vision.processor.image_token
+        spliced = _spliced(req, served, messages, text, known, lambda t: t.replace(mark, wide))
+        if spliced is not None and any(token in spliced.ids[a:b] for a, b in spliced.spans):
+            spliced = None
+    if spliced is not None and not spliced.spans:
         spliced = None
     ids, inputs = expand(vision, text, images, req.add_special_tokens,
                          spliced.ids if spliced is not None else None)  # fmt: skip
@@ -142,10 +150,13 @@ def _spliced(
     messages: list[dict[str, Any]],
     text: str,
     known: Mapping[int, Sequence[int]] | None,
+    expand: Callable[[str], str] = lambda t: t,
 ) -> Spliced | None:
     """The ids of `text`, the template's of `messages`, with the earlier answers found spliced
     in as their sampled ids, and where those are; None when no answer is found, or the request
-    or the tokenizer cannot take them (`text` is then encoded as it is)."""
+    or the tokenizer cannot take them (`text` is then encoded as it is). `expand`: what the
+    text, and each answer's head in it, is before it is tokenized (a processor's expansion of
+    its images)."""
     model = served.model
     known, scope = known or {}, served.adapter(req.model) or ""
     turns = []
@@ -161,9 +172,10 @@ def _spliced(
     starts = chained(settings, messages)
 
     def head(i: int) -> str | None:
-        return served.heads.get(starts[i], lambda: _head(req, model, messages[:i]))
+        found = served.heads.get(starts[i], lambda: _head(req, model, messages[:i]))
+        return None if found is None else expand(found)
 
-    return splice(text, turns, head, _splice_tokenizer(model))
+    return splice(expand(text), turns, head, _splice_tokenizer(model))
 
 
 def _head(
