@@ -16,6 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omlx_logprobs.models.vision_qwen import (
+    qwen_encoder,
+    qwen_processor,
+    qwen_text,
+    qwen_vl_classes,
+)
 from omlx_logprobs.models.vision_text import idefics3_classes
 
 __all__ = [
@@ -46,7 +52,8 @@ class Family:
 
     text_model_type: str
     build: Callable[[Path, dict[str, Any]], Encoder]
-    processor: str
+    # transformers' class by name, or what builds the processor from the checkpoint's path
+    processor: str | Callable[[Path], Any]
     # The text configs' model types that mlx-lm module reads (its language model's class).
     text_types: frozenset[str]
     # The vision configs' model types its encoder builds (a config without one: transformers'
@@ -55,6 +62,9 @@ class Family:
     # mlx-lm's `get_model_classes` of the text half where mlx-lm's module of `text_model_type`
     # cannot read the checkpoint's weight names (models/vision_text.py); None: that module.
     classes: Callable[[dict[str, Any]], tuple[type, type]] | None = None
+    # The text config of a checkpoint, where it is not its `text_config` as it stands
+    # (models/vision_qwen.py: the hub's Qwen2-VL keeps it at the top); None: that.
+    text: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,17 +82,27 @@ class VisionSpec:
 # checkpoint has none of the encoder's (a text model's update: the encoder keeps its own).
 Update = Callable[[dict[str, Any]], Callable[[], None] | None]
 
+# A family whose rotary positions are multimodal (Qwen's M-RoPE, models/vision_qwen.py): the
+# [3, n] positions of a prompt's first n tokens from its images; None: a token's position is
+# its place in the prompt.
+Positions = Callable[[Any, int], Any]
+
 
 class Encoder:
     """One image's pixel values [1, C, H, W] (the processor's, float32) to its rows of input
     embeddings [N, hidden] (N: its placeholder tokens in the prompt)."""
 
     def __init__(
-        self, forward: Callable[[Any], Any], image_token_id: int, update: Update | None = None
+        self,
+        forward: Callable[[Any], Any],
+        image_token_id: int,
+        update: Update | None = None,
+        positions: Positions | None = None,
     ) -> None:
         self.forward = forward
         self.image_token_id = image_token_id
         self.update = update
+        self.positions = positions
 
     def __call__(self, pixels: Any) -> Any:
         return self.forward(pixels)
@@ -110,7 +130,8 @@ def text_config(config: dict[str, Any]) -> dict[str, Any] | None:
     family = family_of(config)
     if family is None:
         return None
-    spec, text = FAMILIES[family], dict(config.get("text_config", {}))
+    spec = FAMILIES[family]
+    text = spec.text(config) if spec.text is not None else dict(config.get("text_config", {}))
     kind = str(text.get("model_type", ""))
     if kind not in spec.text_types:
         raise ValueError(
@@ -149,7 +170,11 @@ def vision_spec(path: Path, config: dict[str, Any]) -> VisionSpec | None:
         return None
     import transformers
 
-    processor = getattr(transformers, FAMILIES[family].processor).from_pretrained(str(path))
+    make = FAMILIES[family].processor
+    if isinstance(make, str):
+        processor = getattr(transformers, make).from_pretrained(str(path))
+    else:
+        processor = make(path)
     return VisionSpec(family, processor, _image_token(config))
 
 
@@ -350,6 +375,24 @@ _IDEFICS3 = Family(
     idefics3_classes,
 )
 
+
+
+def _qwen(kind: str) -> Family:
+    """Qwen2-VL and Qwen2.5-VL (models/vision_qwen.py): a Qwen2 text model with multimodal
+    rotary positions, in mlx-lm's `qwen2_vl` module tree (which reads both families'
+    weights), mlx-vlm's tower of the family, transformers' processor less its videos."""
+    return Family(
+        "qwen2_vl",
+        qwen_encoder,
+        qwen_processor,
+        frozenset({f"{kind}_text"}),
+        # the hub's towers name the family; transformers 5's add `_vision`
+        frozenset({kind, f"{kind}_vision"}),
+        qwen_vl_classes,
+        qwen_text,
+    )
+
+
 FAMILIES: dict[str, Family] = {
     # mlx-lm's mistral3 module builds its language model as llama unless ministral3 or mistral4
     "llava": Family(
@@ -362,4 +405,6 @@ FAMILIES: dict[str, Family] = {
     ),
     "idefics3": _IDEFICS3,
     "smolvlm": _IDEFICS3,
+    "qwen2_vl": _qwen("qwen2_vl"),
+    "qwen2_5_vl": _qwen("qwen2_5_vl"),
 }

@@ -4,7 +4,11 @@ recently used first out), put at the image's placeholder tokens in place of thei
 embeddings. Prefill asks for the input embeddings of a forward's rows (`inputs`): a
 left-padded group of whole prompts, or one chunk of one prompt, which may cut an image (its
 rows then go half to each chunk). An image's rows fill its runs of placeholder tokens in order
-(one run, or several with the processor's tokens between them: Idefics3's tiles)."""
+(one run, or several with the processor's tokens between them: Idefics3's tiles).
+
+A family with multimodal rotary positions (Qwen's M-RoPE, models/vision_qwen.py) is also
+given each column's positions in such a forward (`positions`), and each row's decode positions
+are moved by its prompt's delta once it is prefilled (`shift`)."""
 
 from __future__ import annotations
 
@@ -13,9 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache
 
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.models.vision import Encoder, encoder_of
+from omlx_logprobs.runner.batch_cache import BatchCache, leaves
 from omlx_logprobs.types import ImageInput
 
 __all__ = ["ImageEmbedder"]
@@ -105,3 +112,34 @@ class ImageEmbedder:
             rows_ = self.features(image)[row + a - start : row + b - start]
             h[r, a - shift : b - shift, :] = rows_.astype(h.dtype)
         return h
+
+    def positions(self, width: int, rows: list[tuple[Sequence, int]]) -> dict[str, mx.array]:
+        """The forward's `position_ids` [3, B, width] for a family with multimodal rotary
+        positions (each row's from its prompt's images; a padding column's are 0, masked),
+        else none. `rows` as for `inputs`."""
+        of = self.encoder.positions
+        if of is None:
+            return {}
+        out = np.zeros((3, len(rows), width), np.int64)
+        for r, (seq, shift) in enumerate(rows):
+            n = min(shift + width, len(seq.context_ids))
+            a = max(shift, 0)
+            out[:, r, a - shift : n - shift] = of(seq.images, n)[:, a:n]
+        return {"position_ids": mx.array(out)}
+
+    def shift(self, cache: BatchCache, rows: list[tuple[int, Sequence, int]]) -> None:
+        """After a prefill, move the decode positions of these (row, sequence, tokens in its
+        cache) by their prompts' deltas (a family with multimodal rotary positions; its
+        layers' plain keys and values: mlx-lm's rotation reads each row's position there)."""
+        if self.encoder.positions is None:
+            return
+        deltas = [0] * len(cache)
+        for row, seq, n in rows:
+            if seq.images:
+                pos = self.encoder.positions(seq.images, n)
+                deltas[row] = int(pos.max()) + 1 - n
+        if any(deltas):
+            moved = mx.array(deltas)
+            for c in leaves(cache.layers):
+                if type(c) is BatchKVCache:
+                    c.offset = c.offset + moved
