@@ -376,7 +376,6 @@ _IDEFICS3 = Family(
 )
 
 
-
 def _qwen(kind: str) -> Family:
     """Qwen2-VL and Qwen2.5-VL (models/vision_qwen.py): a Qwen2 text model with multimodal
     rotary positions, in mlx-lm's `qwen2_vl` module tree (which reads both families'

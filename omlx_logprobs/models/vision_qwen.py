@@ -78,17 +78,19 @@ class _Positions:
     own, from the cache's offset) or the (cos, sin) of its columns' M-RoPE positions."""
 
     def __init__(self, dims: int, base: float, section: list[int]) -> None:
-        self.inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
+        # Host arrays: a lazy MLX array made here would belong to the loading thread's stream
+        self.inv_freq = 1.0 / (base ** (np.arange(0, dims, 2, dtype=np.float32) / dims))
         # Which of (frame, row, column) each frequency reads, as transformers splits them
-        self.axis = mx.array(np.repeat(np.arange(3), section))
+        self.axis = np.repeat(np.arange(3), section)
         self.rotation: tuple[mx.array, mx.array] | None = None
 
     def set(self, position_ids: mx.array | None) -> None:
         if position_ids is None:
             self.rotation = None
             return
-        freqs = position_ids.astype(mx.float32)[..., None] * self.inv_freq  # [3, B, L, D/2]
-        picked = mx.take_along_axis(freqs, self.axis[None, None, None, :], axis=0)[0]
+        inv_freq = mx.array(self.inv_freq)
+        freqs = position_ids.astype(mx.float32)[..., None] * inv_freq  # [3, B, L, D/2]
+        picked = mx.take_along_axis(freqs, mx.array(self.axis)[None, None, None, :], axis=0)[0]
         emb = mx.concatenate([picked, picked], axis=-1)[:, None]  # [B, 1, L, D]
         self.rotation = (mx.cos(emb), mx.sin(emb))
 
@@ -155,7 +157,7 @@ class QwenVLText(qwen2_vl.Model):
         position_ids: mx.array | None = None,
     ) -> mx.array:
         lm = self.language_model
-        out = lm.model(inputs, cache, input_embeddings, position_ids)
+        out = lm.model(inputs, cache, input_embeddings, position_ids)  # type: ignore[call-arg]
         if lm.args.tie_word_embeddings:
             return lm.model.embed_tokens.as_linear(out)  # type: ignore[no-any-return]
         return lm.lm_head(out)  # type: ignore[no-any-return]
@@ -175,15 +177,13 @@ def qwen_text(config: dict[str, Any]) -> dict[str, Any]:
     if not text:
         text = {k: v for k, v in config.items() if k != "vision_config"}
         text["model_type"] = f"{config['model_type']}_text"
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    rope: dict[str, Any] = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     if "mrope_section" not in rope:
         raise ValueError(f"a {config['model_type']} text config without its mrope_section")
     text["mrope_section"] = list(rope["mrope_section"])
-    if text.get("rope_scaling") is rope:
-        del text["rope_scaling"]
-    if "rope_theta" not in text and "rope_theta" in rope:
-        text["rope_theta"] = rope["rope_theta"]
-    if isinstance(text.get("rope_parameters"), dict):
+    text.pop("rope_scaling", None)  # `mrope`, or `default` with its sections: no scaling
+    text.setdefault("rope_theta", rope.get("rope_theta", 1000000.0))
+    if "rope_parameters" in text:
         text["rope_parameters"] = {**rope, "rope_type": "default"}
     return text
 

@@ -2,17 +2,21 @@
 frames, each 2 x 2 block of patches merged into one row; a 2-layer Qwen2 text model with
 multimodal rotary positions) built with transformers from a config and saved as transformers
 saves it (weights, processor, chat template; SmolLM2's tokenizer with Qwen's vision tokens).
-Its reference forward is tests/helpers/vision.py's `Reference`, which passes the image's grid.
+Its reference forward is `QwenReference`: transformers' with the images' grids.
 
-An image is resized to multiples of 28 pixels (at least 4, at most 64 such blocks: a 40 x 60
-picture is 28 x 56, one row of 2 merged patches by 2... see `grid_of`)."""
+The processor resizes an image to multiples of 28 pixels, from 4 to 64 blocks of 28 x 28 (each
+a 2 x 2 block of 14-pixel patches, one placeholder token): the 40 x 60 picture is 56 x 84, 2
+columns by 3 rows of placeholders."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from tests.helpers.vision import tokenizer_with
+import numpy as np
+
+from tests.helpers.vision import Reference, tokenizer_with
 
 TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 TEMPLATE = (
@@ -25,7 +29,9 @@ TEMPLATE = (
 )
 
 
-def tiny_qwen_vl_dir(out: Path, tokenizer_dir: Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
+def tiny_qwen_vl_dir(
+    out: Path, tokenizer_dir: Path, family: str = "qwen2_vl", seed: int = 0
+) -> Path:
     """`family`: "qwen2_vl" or "qwen2_5_vl" (its tower: RMS norms, a gated MLP, windowed
     attention in all but its full-attention blocks)."""
     import torch
@@ -81,7 +87,9 @@ def tiny_qwen_vl_dir(out: Path, tokenizer_dir: Path, family: str = "qwen2_vl", s
     processor.save_pretrained(str(out))
     named = out / "processor_config.json"
     config_ = json.loads(named.read_text())
-    config_["processor_class"] = "Qwen2VLProcessor" if family == "qwen2_vl" else "Qwen2_5_VLProcessor"
+    config_["processor_class"] = (
+        "Qwen2VLProcessor" if family == "qwen2_vl" else "Qwen2_5_VLProcessor"
+    )
     named.write_text(json.dumps(config_, indent=2))
     tok.chat_template = TEMPLATE
     tok.save_pretrained(str(out))
@@ -95,3 +103,42 @@ def _ids(ids: dict[str, int]) -> dict[str, int]:
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
     }
+
+
+class QwenReference(Reference):
+    """transformers' float32 forward of a Qwen VL checkpoint: an image's patches flattened as
+    the processor gave them, its grid, and which tokens are an image's (M-RoPE's positions)."""
+
+    def logprobs(self, ids: list[int], images: Any = None) -> np.ndarray:  # type: ignore[override]
+        torch = self.torch
+        kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids])}
+        if images:
+            token = self.model.config.image_token_id
+            flat = [i.pixels.reshape(-1, i.pixels.shape[-1]) for i in images]
+            kwargs["pixel_values"] = torch.tensor(np.concatenate(flat))
+            kwargs["image_grid_thw"] = torch.tensor([list(i.pixels.shape[1:4]) for i in images])
+            kwargs["mm_token_type_ids"] = torch.tensor([[int(t == token) for t in ids]])
+        with torch.no_grad():
+            logits = self.model(**kwargs).logits[0].double()
+        return torch.log_softmax(logits, -1).float().numpy()
+
+    def image_rows(self, pixels: np.ndarray) -> np.ndarray:
+        """One image's rows of input embeddings: its tower and merger alone."""
+        torch = self.torch
+        with torch.no_grad():
+            out = self.model.model.get_image_features(
+                pixel_values=torch.tensor(pixels.reshape(-1, pixels.shape[-1])),
+                image_grid_thw=torch.tensor([list(pixels.shape[1:4])]),
+            )
+        return np.asarray(torch.cat(list(out.pooler_output)).numpy(), np.float32)
+
+    def rope_index(self, ids: list[int], images: Any) -> tuple[np.ndarray, int]:
+        """transformers' M-RoPE positions [3, n] of the prompt and its rope delta."""
+        torch = self.torch
+        token = self.model.config.image_token_id
+        pos, deltas = self.model.model.get_rope_index(
+            torch.tensor([ids]),
+            image_grid_thw=torch.tensor([list(i.pixels.shape[1:4]) for i in images]),
+            mm_token_type_ids=torch.tensor([[int(t == token) for t in ids]]),
+        )
+        return pos[:, 0].numpy(), int(deltas[0, 0])
