@@ -7,7 +7,6 @@ weights and image (1e-4), image positions null in prompt_logprobs; `/v1/models` 
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,8 @@ import pytest
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from tests.helpers.qwen_vl import QwenReference, tiny_qwen_vl_dir
 from tests.helpers.server import server_process
-from tests.helpers.vision import assert_answer_rows, picture, png_bytes
+from tests.helpers.vision import picture
+from tests.integration.test_vision import check, data_url
 
 K = 5
 
@@ -47,10 +47,6 @@ def client(base: str) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def qwen(qwen_dir: Path) -> LoadedModel:
     return load_model(str(qwen_dir), weights=False)
-
-
-def data_url(image: Any) -> str:
-    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
 
 def image_turn(image: Any, text: str) -> dict[str, Any]:
@@ -81,23 +77,6 @@ def the_image(qwen: LoadedModel, image: Any) -> Any:
     out = qwen.vision.processor.image_processor(image, return_tensors="np")
     t, h, w = (int(x) for x in out["image_grid_thw"][0])
     return SimpleNamespace(pixels=np.asarray(out["pixel_values"]).reshape(1, t, h, w, -1))
-
-
-def check(r: Any, ref: np.ndarray, image_token: int, placeholders: int) -> None:
-    """The answer's and the prompt's logprobs against the reference rows of prompt + answer."""
-    prompt, out = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
-    assert_answer_rows(r.choices[0].logprobs.content, out, ref[len(prompt) - 1 :], K)
-    scored = r.model_extra["prompt_logprobs"]
-    assert scored[0] is None and len(scored) == len(prompt)
-    images = 0
-    for i in range(1, len(prompt)):
-        if prompt[i] == image_token:  # an image's position: marked, not scored as text
-            assert scored[i] is None
-            images += 1
-            continue
-        entry = scored[i][str(prompt[i])]
-        assert abs(entry["logprob"] - ref[i - 1][prompt[i]]) < 1e-4
-    assert images == placeholders
 
 
 def test_a_conversation_about_an_image_against_transformers(
