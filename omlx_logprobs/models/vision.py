@@ -90,7 +90,9 @@ Positions = Callable[[Any, int], Any]
 
 class Encoder:
     """One image's pixel values [1, C, H, W] (the processor's, float32) to its rows of input
-    embeddings [N, hidden] (N: its placeholder tokens in the prompt)."""
+    embeddings [N, hidden] (N: its placeholder tokens in the prompt); Qwen3-VL's [1 + k, N,
+    hidden]: the rows, then what its first k text layers add at the image's positions
+    (deepstack, runner/vision.py)."""
 
     def __init__(
         self,
@@ -377,11 +379,12 @@ _IDEFICS3 = Family(
 
 
 def _qwen(kind: str) -> Family:
-    """Qwen2-VL and Qwen2.5-VL (models/vision_qwen.py): a Qwen2 text model with multimodal
-    rotary positions, in mlx-lm's `qwen2_vl` module tree (which reads both families'
-    weights), mlx-vlm's tower of the family, transformers' processor less its videos."""
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL (models/vision_qwen.py): a Qwen2 (Qwen3) text model
+    with multimodal rotary positions, in mlx-lm's `qwen2_vl` (`qwen3_vl`) module tree, which
+    reads transformers' and mlx-vlm's weight names; mlx-vlm's tower of the family;
+    transformers' processor less its videos."""
     return Family(
-        "qwen2_vl",
+        "qwen3_vl" if kind == "qwen3_vl" else "qwen2_vl",
         qwen_encoder,
         qwen_processor,
         frozenset({f"{kind}_text"}),
@@ -406,4 +409,5 @@ FAMILIES: dict[str, Family] = {
     "smolvlm": _IDEFICS3,
     "qwen2_vl": _qwen("qwen2_vl"),
     "qwen2_5_vl": _qwen("qwen2_5_vl"),
+    "qwen3_vl": _qwen("qwen3_vl"),
 }

@@ -24,9 +24,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models import qwen2, qwen2_vl
+from mlx_lm.models import qwen2, qwen2_vl, qwen3, qwen3_vl
+from mlx_lm.models.base import create_attention_mask
 
 __all__ = [
+    "Qwen3VLText",
     "QwenVLText",
     "positions",
     "qwen_encoder",
@@ -77,11 +79,18 @@ class _Positions:
     """The rotation of the forward under way, shared by every attention layer: None (mlx-lm's
     own, from the cache's offset) or the (cos, sin) of its columns' M-RoPE positions."""
 
-    def __init__(self, dims: int, base: float, section: list[int]) -> None:
+    def __init__(self, dims: int, base: float, section: list[int], interleaved: bool) -> None:
         # Host arrays: a lazy MLX array made here would belong to the loading thread's stream
         self.inv_freq = 1.0 / (base ** (np.arange(0, dims, 2, dtype=np.float32) / dims))
-        # Which of (frame, row, column) each frequency reads, as transformers splits them
-        self.axis = np.repeat(np.arange(3), section)
+        # Which of (frame, row, column) each frequency reads, as transformers takes them:
+        # Qwen2-VL's in three blocks of `section`'s sizes; Qwen3-VL's interleaved (row and
+        # column every third frequency from the second and third on, the rest frame)
+        if interleaved:
+            self.axis = np.zeros(dims // 2, np.int64)
+            self.axis[1 : 3 * section[1] : 3] = 1
+            self.axis[2 : 3 * section[2] : 3] = 2
+        else:
+            self.axis = np.repeat(np.arange(3), section)
         self.rotation: tuple[mx.array, mx.array] | None = None
 
     def set(self, position_ids: mx.array | None) -> None:
@@ -114,23 +123,81 @@ class _MRoPE(nn.Module):
         return (x.astype(mx.float32) * cos + turned.astype(mx.float32) * sin).astype(x.dtype)
 
 
-class _Body(qwen2.Qwen2Model):
-    """mlx-lm's Qwen2 body, taking the forward's M-RoPE positions (`position_ids`) too."""
+class _Multimodal:
+    """A Qwen text body (mlx-lm's) that takes the forward's M-RoPE positions
+    (`position_ids`) and Qwen3-VL's deepstack rows (`deepstack` [k, B, L, H]: added to the
+    hidden states after each of the first k layers; zeros but at an image's positions)."""
 
     shared: _Positions
+    layers: list[Any]
+    embed_tokens: Any
+    norm: Any
 
-    def __call__(  # type: ignore[override]
+    def __call__(
         self,
         inputs: mx.array,
         cache: Any = None,
         input_embeddings: mx.array | None = None,
         position_ids: mx.array | None = None,
+        deepstack: mx.array | None = None,
     ) -> mx.array:
         self.shared.set(position_ids)
         try:
-            return super().__call__(inputs, cache, input_embeddings)  # type: ignore[no-any-return]
+            if deepstack is None:
+                return super().__call__(inputs, cache, input_embeddings)  # type: ignore[misc, no-any-return]
+            return self._stacked(inputs, cache, input_embeddings, deepstack)
         finally:
             self.shared.set(None)
+
+    def _stacked(
+        self, inputs: mx.array, cache: Any, input_embeddings: mx.array | None, deep: mx.array
+    ) -> mx.array:
+        """mlx-lm's body (one process: no pipeline) with the deepstack rows added."""
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            h = layer(h, mask, c)
+            if i < deep.shape[0]:
+                h = h + deep[i]
+        return self.norm(h)  # type: ignore[no-any-return]
+
+
+class _Qwen2Body(_Multimodal, qwen2.Qwen2Model):
+    pass
+
+
+class _Qwen3Body(_Multimodal, qwen3.Qwen3Model):
+    pass
+
+
+def _multimodal(model: Any, body_class: type, interleaved: bool) -> None:
+    """Give a Qwen VL text module (mlx-lm's) the body that takes M-RoPE positions."""
+    lm = model.language_model
+    text = lm.args
+    body = body_class(text)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    section = list(model.args.text_config["mrope_section"])
+    body.shared = _Positions(head_dim, text.rope_theta, section, interleaved)
+    for layer in body.layers:
+        layer.self_attn.rope = _MRoPE(layer.self_attn.rope, body.shared)
+    lm.model = body
+
+
+def _forward(
+    model: Any,
+    inputs: mx.array,
+    cache: Any = None,
+    input_embeddings: mx.array | None = None,
+    position_ids: mx.array | None = None,
+    deepstack: mx.array | None = None,
+) -> mx.array:
+    """The text module's forward, its body given the positions and deepstack rows."""
+    lm = model.language_model
+    out = lm.model(inputs, cache, input_embeddings, position_ids, deepstack)
+    if lm.args.tie_word_embeddings:
+        return lm.model.embed_tokens.as_linear(out)  # type: ignore[no-any-return]
+    return lm.lm_head(out)  # type: ignore[no-any-return]
 
 
 class QwenVLText(qwen2_vl.Model):
@@ -140,31 +207,26 @@ class QwenVLText(qwen2_vl.Model):
 
     def __init__(self, args: qwen2_vl.ModelArgs) -> None:
         super().__init__(args)
-        lm = self.language_model
-        text = lm.args
-        body = _Body(text)
-        head_dim = text.hidden_size // text.num_attention_heads
-        body.shared = _Positions(head_dim, text.rope_theta, list(args.text_config["mrope_section"]))
-        for layer in body.layers:
-            layer.self_attn.rope = _MRoPE(layer.self_attn.rope, body.shared)
-        lm.model = body
+        _multimodal(self, _Qwen2Body, interleaved=False)
 
-    def __call__(  # type: ignore[override]
-        self,
-        inputs: mx.array,
-        cache: Any = None,
-        input_embeddings: mx.array | None = None,
-        position_ids: mx.array | None = None,
-    ) -> mx.array:
-        lm = self.language_model
-        out = lm.model(inputs, cache, input_embeddings, position_ids)  # type: ignore[call-arg]
-        if lm.args.tie_word_embeddings:
-            return lm.model.embed_tokens.as_linear(out)  # type: ignore[no-any-return]
-        return lm.lm_head(out)  # type: ignore[no-any-return]
+    __call__ = _forward  # type: ignore[assignment]
+
+
+class Qwen3VLText(qwen3_vl.Model):
+    """Qwen3-VL's language model: mlx-lm's `qwen3_vl` module (Qwen3's layers), its rotations
+    able to take interleaved M-RoPE positions and its body the deepstack rows."""
+
+    def __init__(self, args: qwen3_vl.ModelArgs) -> None:
+        super().__init__(args)
+        _multimodal(self, _Qwen3Body, interleaved=True)
+
+    __call__ = _forward  # type: ignore[assignment]
 
 
 def qwen_vl_classes(config: dict[str, Any]) -> tuple[type, type]:
     """mlx-lm's `get_model_classes` for the Qwen VL text half."""
+    if config.get("model_type") == "qwen3_vl":
+        return Qwen3VLText, qwen3_vl.ModelArgs
     return QwenVLText, qwen2_vl.ModelArgs
 
 
@@ -196,6 +258,10 @@ def qwen_processor(path: Path) -> Any:
     return QwenImagesProcessor.from_pretrained(str(path))
 
 
+# The towers' activations (mlx-vlm computes each family's own)
+_ACTIVATION = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu", "qwen3_vl": "gelu_pytorch_tanh"}
+
+
 def qwen_encoder(path: Path, config: dict[str, Any]) -> Any:
     """mlx-vlm's vision tower of the family (its patch embedding over 2 frames of 14-pixel
     patches, rotary positions over the grid; Qwen2.5-VL's windowed attention) with its patch
@@ -209,8 +275,8 @@ def qwen_encoder(path: Path, config: dict[str, Any]) -> Any:
     vision = {**config["vision_config"], "model_type": kind}
     if int(vision.get("spatial_merge_size", MERGE)) != MERGE:
         raise ValueError(f"a {kind} model with a spatial merge other than {MERGE}")
-    act = vision.get("hidden_act", "quick_gelu" if kind == "qwen2_vl" else "silu")
-    if act != ("quick_gelu" if kind == "qwen2_vl" else "silu"):
+    act = vision.get("hidden_act", _ACTIVATION[kind])
+    if act != _ACTIVATION[kind]:  # mlx-vlm's tower computes the family's own
         raise ValueError(f"a {kind} vision tower with the activation {act!r} is not served yet")
     tower = family.VisionModel(family.VisionConfig.from_dict(vision))
 
@@ -227,6 +293,10 @@ def qwen_encoder(path: Path, config: dict[str, Any]) -> Any:
 
     def forward(pixels: Any) -> Any:
         _, t, h, w, d = pixels.shape
-        return tower(mx.array(pixels.reshape(-1, d)), mx.array([[t, h, w]]))
+        out = tower(mx.array(pixels.reshape(-1, d)), mx.array([[t, h, w]]))
+        if isinstance(out, tuple):  # Qwen3-VL: the rows, then each deepstack layer's
+            rows, deep = out
+            return mx.stack([rows, *deep])
+        return out
 
     return v.Encoder(forward, v._image_token(config), update, positions)

@@ -420,16 +420,14 @@ class Prefill:
 
     def _embedded(self, ids: mx.array, rows: list[tuple[Sequence, int]]) -> dict[str, Any]:
         """The forward's keyword arguments for `ids`: their input embeddings where a row holds
-        image positions (runner/vision.py), else none, and where a row's prompt has images,
-        its family's multimodal positions (if it has them). `rows`: each row's sequence and the
-        prompt position of its column 0."""
+        image positions, and where a row's prompt has images its family's multimodal positions
+        (runner/vision.py), else none. `rows`: each row's sequence and the prompt position of
+        its column 0."""
         if not any(seq.images for seq, _ in rows):
             return {}
         if self.vision is None:  # a model loaded without its encoder (split over processes)
             raise ValueError("this engine's model has no vision encoder: it takes no images")
-        h = self.vision.inputs(ids, rows)
-        extra = {} if h is None else {"input_embeddings": h}
-        return {**extra, **self.vision.positions(ids.shape[1], rows)}
+        return self.vision.inputs(ids, rows)
 
     def _boundary(self, seq: Sequence, cache: list[Any], n: int) -> list[mx.array]:
         """A recurrent model's states after a chunk, n tokens into the prompt (copies), where

@@ -70,16 +70,16 @@ class ImageEmbedder:
         return apply
 
     def features(self, image: ImageInput) -> mx.array:
-        """The image's rows [length, hidden]: kept ones by hash, else encoded (evaluated here:
-        what is kept is counted in bytes)."""
+        """The image's rows [length, hidden] (a deepstack family's [1 + k, length, hidden]):
+        kept ones by hash, else encoded (evaluated here: what is kept is counted in bytes)."""
         kept = self._kept.get(image.digest)
         if kept is not None:
             self._kept.move_to_end(image.digest)
             return kept
         rows = self.encoder(image.pixels)
-        if rows.shape[0] != image.length:
+        if rows.shape[-2] != image.length:
             raise ValueError(
-                f"the image's encoder gave {rows.shape[0]} rows for {image.length} placeholder"
+                f"the image's encoder gave {rows.shape[-2]} rows for {image.length} placeholder"
                 " tokens"
             )
         mx.eval(rows)
@@ -91,11 +91,15 @@ class ImageEmbedder:
             self._bytes -= old.nbytes
         return rows
 
-    def inputs(self, ids: mx.array, rows: list[tuple[Sequence, int]]) -> mx.array | None:
-        """The input embeddings [B, L, hidden] of `ids` [B, L] with the rows of the images
-        there; None where no image is. `rows`: each row's sequence and the prompt position of
-        its column 0 (negative in a left-padded row: its padding is before position 0)."""
+    def inputs(self, ids: mx.array, rows: list[tuple[Sequence, int]]) -> dict[str, mx.array]:
+        """The forward's keyword arguments for `ids` [B, L]: the input embeddings [B, L,
+        hidden] with the rows of the images there (none where no image is), a deepstack
+        family's rows for its first layers [k, B, L, hidden] (zeros but at the images), and a
+        family's multimodal positions (`positions`). `rows`: each row's sequence and the prompt
+        position of its column 0 (negative in a left-padded row: its padding is before
+        position 0)."""
         width = ids.shape[1]
+        out = self.positions(width, rows)
         placed = [
             (r, shift, image, start, n, row)
             for r, (seq, shift) in enumerate(rows)
@@ -105,13 +109,22 @@ class ImageEmbedder:
             if start < shift + width and start + n > shift
         ]
         if not placed:
-            return None
+            return out
         h = self.embed(ids)
+        deep: mx.array | None = None
         for r, shift, image, start, n, row in placed:
             a, b = max(start, shift), min(start + n, shift + width)
-            rows_ = self.features(image)[row + a - start : row + b - start]
+            rows_ = self.features(image)[..., row + a - start : row + b - start, :]
+            if rows_.ndim == 3:  # the rows, then each deepstack layer's
+                if deep is None:
+                    deep = mx.zeros((rows_.shape[0] - 1, *h.shape), h.dtype)
+                deep[:, r, a - shift : b - shift, :] = rows_[1:].astype(h.dtype)
+                rows_ = rows_[0]
             h[r, a - shift : b - shift, :] = rows_.astype(h.dtype)
-        return h
+        out["input_embeddings"] = h
+        if deep is not None:
+            out["deepstack"] = deep
+        return out
 
     def positions(self, width: int, rows: list[tuple[Sequence, int]]) -> dict[str, mx.array]:
         """The forward's `position_ids` [3, B, width] for a family with multimodal rotary

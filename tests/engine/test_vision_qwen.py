@@ -30,7 +30,7 @@ from tests.helpers.qwen_vl import QwenReference, tiny_qwen_vl_dir
 from tests.helpers.vision import picture
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 ) -> tuple[LoadedModel, QwenReference]:

@@ -29,11 +29,16 @@ TEMPLATE = (
 )
 
 
+PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+              "qwen3_vl": "Qwen3VLProcessor"}  # fmt: skip
+
+
 def tiny_qwen_vl_dir(
     out: Path, tokenizer_dir: Path, family: str = "qwen2_vl", seed: int = 0
 ) -> Path:
-    """`family`: "qwen2_vl" or "qwen2_5_vl" (its tower: RMS norms, a gated MLP, windowed
-    attention in all but its full-attention blocks)."""
+    """`family`: "qwen2_vl", "qwen2_5_vl" (its tower: RMS norms, a gated MLP, windowed
+    attention in all but its full-attention blocks) or "qwen3_vl" (interleaved M-RoPE
+    sections, deepstack)."""
     import torch
     import transformers as tf
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -62,13 +67,25 @@ def tiny_qwen_vl_dir(
                   "temporal_patch_size": 2}  # fmt: skip
         config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, **_ids(ids))
         cls = tf.Qwen2VLForConditionalGeneration
-    else:
+    elif family == "qwen2_5_vl":
         vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
                   "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
                   "temporal_patch_size": 2, "window_size": 56,
                   "fullatt_block_indexes": [1]}  # fmt: skip
         config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **_ids(ids))
         cls = tf.Qwen2_5_VLForConditionalGeneration
+    else:
+        # Qwen3's layers (q and k norms, no biases); 14-pixel patches as the others' (the
+        # hub's are 16), learned position embeddings on a 4 x 4 grid (interpolated to an
+        # image's), each tower layer's merged rows added to the text layer of the same index
+        text = {**text, "head_dim": 16}
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
+                  "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+                  "temporal_patch_size": 2, "num_position_embeddings": 16,
+                  "deepstack_visual_indexes": [0, 1]}  # fmt: skip
+        config = tf.Qwen3VLConfig(text_config=text, vision_config=vision, **_ids(ids))
+        cls = tf.Qwen3VLForConditionalGeneration
     config.tie_word_embeddings = False
     torch.manual_seed(seed)
     model = cls(config).eval()
@@ -87,9 +104,7 @@ def tiny_qwen_vl_dir(
     processor.save_pretrained(str(out))
     named = out / "processor_config.json"
     config_ = json.loads(named.read_text())
-    config_["processor_class"] = (
-        "Qwen2VLProcessor" if family == "qwen2_vl" else "Qwen2_5_VLProcessor"
-    )
+    config_["processor_class"] = PROCESSORS[family]
     named.write_text(json.dumps(config_, indent=2))
     tok.chat_template = TEMPLATE
     tok.save_pretrained(str(out))
@@ -123,14 +138,19 @@ class QwenReference(Reference):
         return torch.log_softmax(logits, -1).float().numpy()
 
     def image_rows(self, pixels: np.ndarray) -> np.ndarray:
-        """One image's rows of input embeddings: its tower and merger alone."""
+        """One image's rows of input embeddings: its tower and merger alone (Qwen3-VL's, then
+        its deepstack layers' rows: [1 + k, N, hidden])."""
         torch = self.torch
         with torch.no_grad():
             out = self.model.model.get_image_features(
                 pixel_values=torch.tensor(pixels.reshape(-1, pixels.shape[-1])),
                 image_grid_thw=torch.tensor([list(pixels.shape[1:4])]),
             )
-        return np.asarray(torch.cat(list(out.pooler_output)).numpy(), np.float32)
+        rows = torch.cat(list(out.pooler_output))
+        deep = getattr(out, "deepstack_features", None)
+        if deep is not None:
+            rows = torch.stack([rows, *(torch.cat(list(layer)) for layer in deep)])
+        return np.asarray(rows.numpy(), np.float32)
 
     def rope_index(self, ids: list[int], images: Any) -> tuple[np.ndarray, int]:
         """transformers' M-RoPE positions [3, n] of the prompt and its rope delta."""
