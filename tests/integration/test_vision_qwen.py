@@ -1,9 +1,10 @@
-"""A Qwen VL model through the real server (`omlx-logprobs serve` under uvicorn, the engine in
-its own process) and the `openai` client: the tiny seeded random Qwen2-VL
-(tests/helpers/qwen_vl.py), whose rotary positions are multimodal; the chosen-token, top-5 and
-prompt logprobs of an image question, and of a conversation's second turn about the same
-image sent together with a text request, against transformers' float32 forward of the same
-weights and image (1e-4), image positions null in prompt_logprobs; `/v1/models` says vision."""
+"""Qwen VL models through the real server (`omlx-logprobs serve` under uvicorn, the engine in
+its own process) and the `openai` client: the tiny seeded random Qwen2-VL and Qwen3-VL
+(tests/helpers/qwen_vl.py), whose rotary positions are multimodal, served together; the
+chosen-token, top-5 and prompt logprobs of an image question, and of a conversation's second
+turn about the same image sent together with a text request, against transformers' float32
+forward of the same weights and image (1e-4), image positions null in prompt_logprobs;
+`/v1/models` says vision."""
 
 from __future__ import annotations
 
@@ -27,26 +28,24 @@ from tests.integration.test_vision import check, data_url
 K = 5
 
 
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
-    return tiny_qwen_vl_dir(tmp_path_factory.mktemp("qwen2_vl"), tokenizer_dir)
+FAMILIES = ("qwen2_vl", "qwen3_vl")
 
 
 @pytest.fixture(scope="module")
-def base(qwen_dir: Path) -> Iterator[str]:
-    args = ["--model", str(qwen_dir), "--served-model-name", "qwen", "--log-level", "warning"]
-    with server_process(args) as s:
+def dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> dict[str, Path]:
+    return {f: tiny_qwen_vl_dir(tmp_path_factory.mktemp(f), tokenizer_dir, f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def base(dirs: dict[str, Path]) -> Iterator[str]:
+    args = [a for f, path in dirs.items() for a in ("--model", str(path), "--served-model-name", f)]
+    with server_process([*args, "--log-level", "warning"]) as s:
         yield s.base
 
 
 @pytest.fixture(scope="module")
 def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def qwen(qwen_dir: Path) -> LoadedModel:
-    return load_model(str(qwen_dir), weights=False)
 
 
 def image_turn(image: Any, text: str) -> dict[str, Any]:
@@ -59,9 +58,9 @@ def image_turn(image: Any, text: str) -> dict[str, Any]:
     }
 
 
-def ask(client: openai.OpenAI, messages: list[Any]) -> Any:
+def ask(client: openai.OpenAI, model: str, messages: list[Any]) -> Any:
     return client.chat.completions.create(
-        model="qwen",
+        model=model,
         messages=messages,
         max_tokens=6,
         temperature=0,
@@ -79,24 +78,27 @@ def the_image(qwen: LoadedModel, image: Any) -> Any:
     return SimpleNamespace(pixels=np.asarray(out["pixel_values"]).reshape(1, t, h, w, -1))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_conversation_about_an_image_against_transformers(
-    client: openai.OpenAI, qwen: LoadedModel, qwen_dir: Path
+    client: openai.OpenAI, dirs: dict[str, Path], family: str
 ) -> None:
     """A first turn about a 40 x 60 picture (6 placeholders: 2 x 3 merged patches), then the
     second turn about it (the first answer in the messages) sent together with a text
     request: every logprob transformers', the text request's too."""
+    qwen = load_model(str(dirs[family]), weights=False)
     assert qwen.vision is not None
-    reference, token = QwenReference(qwen_dir), qwen.vision.image_token_id
+    reference, token = QwenReference(dirs[family]), qwen.vision.image_token_id
     image = the_image(qwen, picture(1))
     first = [image_turn(picture(1), "What is this?")]
-    r = ask(client, first)
+    r = ask(client, family, first)
     ids = r.model_extra["prompt_token_ids"] + r.choices[0].model_extra["token_ids"]
     check(r, reference.logprobs(ids, [image]), token, 6)
     turn = [*first, {"role": "assistant", "content": r.choices[0].message.content},
             {"role": "user", "content": "And its colours?"}]  # fmt: skip
     text = [{"role": "user", "content": "Say something."}]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        second, other = pool.submit(ask, client, turn), pool.submit(ask, client, text)
+        second = pool.submit(ask, client, family, turn)
+        other = pool.submit(ask, client, family, text)
         r2, t = second.result(), other.result()
     ids = r2.model_extra["prompt_token_ids"] + r2.choices[0].model_extra["token_ids"]
     assert len(ids) > len(r.model_extra["prompt_token_ids"]) + 6
@@ -107,4 +109,4 @@ def test_a_conversation_about_an_image_against_transformers(
 
 def test_model_lists_say_vision(base: str) -> None:
     listed = {m["id"]: m for m in httpx.get(base + "/v1/models").json()["data"]}
-    assert listed["qwen"]["capabilities"]["vision"] is True
+    assert all(listed[f]["capabilities"]["vision"] is True for f in FAMILIES)
