@@ -16,12 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omlx_logprobs.models.vision_qwen import (
-    qwen_encoder,
-    qwen_processor,
-    qwen_text,
-    qwen_vl_classes,
-)
+from omlx_logprobs.models.qwen_vl_text import qwen_vl_classes
+from omlx_logprobs.models.vision_qwen import qwen_encoder, qwen_processor, qwen_text
 from omlx_logprobs.models.vision_text import idefics3_classes
 
 __all__ = [

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from omlx_logprobs.models.qwen_vl_text import Qwen3VLText, QwenVLText
 from omlx_logprobs.models.vision import family_of, serves_images, text_classes, text_config
-from omlx_logprobs.models.vision_qwen import Qwen3VLText, QwenVLText
 from omlx_logprobs.models.vision_text import Idefics3Text
 
 
