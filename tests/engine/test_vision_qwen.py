@@ -1,11 +1,12 @@
-"""Qwen2-VL and Qwen2.5-VL in the engine: tiny seeded random models (tests/helpers/qwen_vl.py)
-whose rotary positions are multimodal (an image's placeholders at their frame, row and column,
-the text after it counting on from the largest), served with the chosen-token, top-5 and prompt
-logprobs of transformers' float32 forward of the same weights and images (1e-4): image and text
-prompts grouped in one left-padded prefill and decoded in one batch (each image row's decode
-positions moved by its prompt's delta), prompts cut into chunks inside an image, a second turn
-about the same image from the prefix cache batched with a text request, the encoder run once;
-the same model from an mlx-vlm directory."""
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL in the engine: tiny seeded random models
+(tests/helpers/qwen_vl.py) whose rotary positions are multimodal (an image's placeholders at
+their frame, row and column, the text after it counting on from the largest; Qwen3-VL's
+deepstack rows besides), served with the chosen-token, top-5 and prompt logprobs of
+transformers' float32 forward of the same weights and images (1e-4): image and text prompts
+grouped in one left-padded prefill and decoded in one batch (each image row's decode positions
+moved by its prompt's delta), prompts cut into chunks inside an image, a second turn about the
+same image from the prefix cache batched with a text request, the encoder run once, n choices
+of one prompt; the same model from an mlx-vlm directory."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.models.vision import encoder_of
 from omlx_logprobs.models.vision_qwen import positions
 from omlx_logprobs.runner.vision import ImageEmbedder
-from omlx_logprobs.types import EngineRequest
+from omlx_logprobs.types import EngineRequest, SamplingParams
 from tests.engine.test_vision import check, engine_of, params
 from tests.engine.test_vision_tiles import image_prompt
 from tests.helpers.engine import Record, client_of, collect_outputs, run_requests
@@ -121,6 +122,31 @@ def test_second_turn_from_the_prefix_cache_batched_with_text(
     check(first, reference.logprobs(ids + list(first.output_ids), images))
     check(second, reference.logprobs(second.prompt_ids + list(second.output_ids), images))
     check(other, reference.logprobs(text + list(other.output_ids)))
+
+
+def test_choices_of_a_prompt_with_images(served: tuple[LoadedModel, QwenReference]) -> None:
+    """n = 2 choices, prefilled once (the one-prompt path), the prompt's cache copied to a row
+    per choice, each row's decode positions moved by the prompt's delta: every sampled entry
+    against the reference."""
+    model, reference = served
+    ids, images = image_prompt(model, "Tell me about it.", [picture(8)])
+    sp = SamplingParams(max_tokens=5, temperature=1.0, seed=7, logprobs=True, top_logprobs=5)
+    req = EngineRequest("n", ids, sp, n=2, stream=True, images=images)
+    client = client_of(engine_of(model))
+    try:
+        choices = asyncio.run(collect_outputs(client, req))
+    finally:
+        client.shutdown()
+    assert len(choices) == 2
+    for outs in choices:
+        rec = Record(req, outs)
+        assert rec.error is None and rec.store is not None
+        ref = reference.logprobs(ids + list(rec.output_ids), images)
+        for j, tok in enumerate(rec.output_ids):
+            row = ref[len(ids) - 1 + j]
+            assert abs(rec.store.logprobs[j] - row[tok]) < 1e-4
+            _, lps = rec.store.top(j)
+            np.testing.assert_allclose(np.array(lps), np.sort(row)[::-1][:5], atol=1e-4)
 
 
 def test_an_mlx_vlm_directory(
