@@ -239,7 +239,8 @@ class ToolParsing:
 class ImageInput:
     """One image of a prompt: its content's hash (what the encoder's cache and the prefix
     cache key it by), its pixel values as the model's processor computed them ([1, C, H, W]
-    float32; Idefics3's [1, tiles, C, H, W]), and the runs of placeholder tokens its
+    float32; Idefics3's [1, tiles, C, H, W]; Qwen's patches [1, t, h, w, values], shaped by
+    their grid), and the runs of placeholder tokens its
     embeddings take in the prompt: one run (LLaVA's), or several with the processor's own
     tokens between them (Idefics3's tiles, each after its row and column marker). The encoder
     gives one row per placeholder, in prompt order."""

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omlx_logprobs.models.qwen_vl_text import qwen_vl_classes
 from omlx_logprobs.models.vision_gemma import gemma3_classes, gemma3_encoder
+from omlx_logprobs.models.vision_qwen import qwen_encoder, qwen_processor, qwen_text
 from omlx_logprobs.models.vision_text import idefics3_classes
 
 __all__ = [
@@ -47,7 +49,8 @@ class Family:
 
     text_model_type: str
     build: Callable[[Path, dict[str, Any]], Encoder]
-    processor: str
+    # transformers' class by name, or what builds the processor from the checkpoint's path
+    processor: str | Callable[[Path], Any]
     # The text configs' model types that mlx-lm module reads (its language model's class).
     text_types: frozenset[str]
     # The vision configs' model types its encoder builds (a config without one: transformers'
@@ -56,6 +59,9 @@ class Family:
     # mlx-lm's `get_model_classes` of the text half where mlx-lm's module of `text_model_type`
     # cannot read the checkpoint's weight names (models/vision_text.py); None: that module.
     classes: Callable[[dict[str, Any]], tuple[type, type]] | None = None
+    # The text config of a checkpoint, where it is not its `text_config` as it stands
+    # (models/vision_qwen.py: the hub's Qwen2-VL keeps it at the top); None: that.
+    text: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,10 +84,17 @@ class VisionSpec:
 # checkpoint has none of the encoder's (a text model's update: the encoder keeps its own).
 Update = Callable[[dict[str, Any]], Callable[[], None] | None]
 
+# A family whose rotary positions are multimodal (Qwen's M-RoPE, models/vision_qwen.py): the
+# [3, n] positions of a prompt's first n tokens from its images; None: a token's position is
+# its place in the prompt.
+Positions = Callable[[Any, int], Any]
+
 
 class Encoder:
     """One image's pixel values [1, C, H, W] (the processor's, float32) to its rows of input
-    embeddings [N, hidden] (N: its placeholder tokens in the prompt)."""
+    embeddings [N, hidden] (N: its placeholder tokens in the prompt); Qwen3-VL's [1 + k, N,
+    hidden]: the rows, then what its first k text layers add at the image's positions
+    (deepstack, runner/vision.py)."""
 
     def __init__(
         self,
@@ -89,6 +102,7 @@ class Encoder:
         image_token_id: int,
         update: Update | None = None,
         bidirectional: bool = False,
+        positions: Positions | None = None,
     ) -> None:
         self.forward = forward
         self.image_token_id = image_token_id
@@ -97,6 +111,7 @@ class Encoder:
         # the text model takes each forward's runs (runner/vision.py), and no prefill chunk
         # may cut one (batch/scheduler.py).
         self.bidirectional = bidirectional
+        self.positions = positions
 
     def __call__(self, pixels: Any) -> Any:
         return self.forward(pixels)
@@ -124,7 +139,8 @@ def text_config(config: dict[str, Any]) -> dict[str, Any] | None:
     family = family_of(config)
     if family is None:
         return None
-    spec, text = FAMILIES[family], dict(config.get("text_config", {}))
+    spec = FAMILIES[family]
+    text = spec.text(config) if spec.text is not None else dict(config.get("text_config", {}))
     kind = str(text.get("model_type", ""))
     if kind not in spec.text_types:
         raise ValueError(
@@ -163,7 +179,11 @@ def vision_spec(path: Path, config: dict[str, Any]) -> VisionSpec | None:
         return None
     import transformers
 
-    processor = getattr(transformers, FAMILIES[family].processor).from_pretrained(str(path))
+    make = FAMILIES[family].processor
+    if isinstance(make, str):
+        processor = getattr(transformers, make).from_pretrained(str(path))
+    else:
+        processor = make(path)
     if getattr(processor.image_processor, "do_pan_and_scan", None):
         raise ValueError("a Gemma 3 processor with pan and scan is not served yet")
     # Gemma3Processor's text for an image (its `image_token` is the start of image token the
@@ -369,6 +389,24 @@ _IDEFICS3 = Family(
     idefics3_classes,
 )
 
+
+def _qwen(kind: str) -> Family:
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL (models/vision_qwen.py): a Qwen2 (Qwen3) text model
+    with multimodal rotary positions, in mlx-lm's `qwen2_vl` (`qwen3_vl`) module tree, which
+    reads transformers' and mlx-vlm's weight names; mlx-vlm's tower of the family;
+    transformers' processor less its videos."""
+    return Family(
+        "qwen3_vl" if kind == "qwen3_vl" else "qwen2_vl",
+        qwen_encoder,
+        qwen_processor,
+        frozenset({f"{kind}_text"}),
+        # the hub's towers name the family; transformers 5's add `_vision`
+        frozenset({kind, f"{kind}_vision"}),
+        qwen_vl_classes,
+        qwen_text,
+    )
+
+
 FAMILIES: dict[str, Family] = {
     # mlx-lm's mistral3 module builds its language model as llama unless ministral3 or mistral4
     "llava": Family(
@@ -390,4 +428,7 @@ FAMILIES: dict[str, Family] = {
         frozenset({"siglip_vision_model"}),
         gemma3_classes,
     ),
+    "qwen2_vl": _qwen("qwen2_vl"),
+    "qwen2_5_vl": _qwen("qwen2_5_vl"),
+    "qwen3_vl": _qwen("qwen3_vl"),
 }

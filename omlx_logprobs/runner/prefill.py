@@ -246,6 +246,8 @@ class Prefill:
             c.seq.cached_tokens = max(start - pads[row], 0)
             if c.seq.params.max_tokens > 0:
                 self.batch.prefilled[c.seq.seq_id] = Prefilled(cache, row)
+        if self.vision is not None:  # each prompt's decode positions (multimodal ones)
+            self.vision.shift(cache, [(row, c.seq, c.end) for row, c in enumerate(group)])
         # Each row's computed positions (routed experts): from after the prefix or the padding,
         # whichever ends later.
         spans = [RowSpan(c.seq.group, f, c.end - f, max(p - start, 0))
@@ -410,23 +412,27 @@ class Prefill:
         members = seq.joining()
         if members:  # one copy of the prompt's cache per choice, rows in choice order
             rows_cache = BatchCache.of_copies(cache, len(members), chunk.end)
+            if self.vision is not None:
+                self.vision.shift(rows_cache, [(r, seq, chunk.end) for r in range(len(members))])
             for row, m in enumerate(members):
                 self.batch.prefilled[m.seq_id] = Prefilled(rows_cache, row)
         return logits, scored
 
     def _embedded(self, ids: mx.array, rows: list[tuple[Sequence, int]]) -> dict[str, Any]:
         """The forward's keyword arguments for `ids`: their input embeddings where a row holds
-        image positions (runner/vision.py), else none. `rows`: each row's sequence and the
-        prompt position of its column 0."""
+        image positions, and where a row's prompt has images its family's multimodal positions
+        (runner/vision.py), else none. `rows`: each row's sequence and the prompt position of
+        its column 0."""
         if not any(seq.images for seq, _ in rows):
             return {}
         if self.vision is None:  # a model loaded without its encoder (split over processes)
             raise ValueError("this engine's model has no vision encoder: it takes no images")
-        h = self.vision.inputs(ids, rows)
-        if h is None:
-            return {}
-        blocks = self.vision.blocks(ids.shape[1], rows)  # Gemma 3's images attend both ways
-        return {"input_embeddings": h, **({} if blocks is None else {"image_blocks": blocks})}
+        out = self.vision.inputs(ids, rows)
+        if "input_embeddings" in out:
+            blocks = self.vision.blocks(ids.shape[1], rows)  # Gemma 3's images attend both ways
+            if blocks is not None:
+                out["image_blocks"] = blocks
+        return out
 
     def _boundary(self, seq: Sequence, cache: list[Any], n: int) -> list[mx.array]:
         """A recurrent model's states after a chunk, n tokens into the prompt (copies), where

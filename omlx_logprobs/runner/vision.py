@@ -6,7 +6,11 @@ left-padded group of whole prompts, or one chunk of one prompt, which may cut an
 rows then go half to each chunk). An image's rows fill its runs of placeholder tokens in order
 (one run, or several with the processor's tokens between them: Idefics3's tiles). Where the
 encoder's images attend to each other both ways (Gemma 3's), the forward also takes each
-position's run (`blocks`)."""
+position's run (`blocks`).
+
+A family with multimodal rotary positions (Qwen's M-RoPE, models/vision_qwen.py) is also
+given each column's positions in such a forward (`positions`), and each row's decode positions
+are moved by its prompt's delta once it is prefilled (`shift`)."""
 
 from __future__ import annotations
 
@@ -16,9 +20,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import BatchKVCache
 
 from omlx_logprobs.batch.sequence import Sequence
 from omlx_logprobs.models.vision import Encoder, encoder_of
+from omlx_logprobs.runner.batch_cache import BatchCache, leaves
 from omlx_logprobs.types import ImageInput
 
 __all__ = ["ImageEmbedder"]
@@ -69,16 +75,16 @@ class ImageEmbedder:
         return apply
 
     def features(self, image: ImageInput) -> mx.array:
-        """The image's rows [length, hidden]: kept ones by hash, else encoded (evaluated here:
-        what is kept is counted in bytes)."""
+        """The image's rows [length, hidden] (a deepstack family's [1 + k, length, hidden]):
+        kept ones by hash, else encoded (evaluated here: what is kept is counted in bytes)."""
         kept = self._kept.get(image.digest)
         if kept is not None:
             self._kept.move_to_end(image.digest)
             return kept
         rows = self.encoder(image.pixels)
-        if rows.shape[0] != image.length:
+        if rows.shape[-2] != image.length:
             raise ValueError(
-                f"the image's encoder gave {rows.shape[0]} rows for {image.length} placeholder"
+                f"the image's encoder gave {rows.shape[-2]} rows for {image.length} placeholder"
                 " tokens"
             )
         mx.eval(rows)
@@ -90,11 +96,15 @@ class ImageEmbedder:
             self._bytes -= old.nbytes
         return rows
 
-    def inputs(self, ids: mx.array, rows: list[tuple[Sequence, int]]) -> mx.array | None:
-        """The input embeddings [B, L, hidden] of `ids` [B, L] with the rows of the images
-        there; None where no image is. `rows`: each row's sequence and the prompt position of
-        its column 0 (negative in a left-padded row: its padding is before position 0)."""
+    def inputs(self, ids: mx.array, rows: list[tuple[Sequence, int]]) -> dict[str, mx.array]:
+        """The forward's keyword arguments for `ids` [B, L]: the input embeddings [B, L,
+        hidden] with the rows of the images there (none where no image is), a deepstack
+        family's rows for its first layers [k, B, L, hidden] (zeros but at the images), and a
+        family's multimodal positions (`positions`). `rows`: each row's sequence and the prompt
+        position of its column 0 (negative in a left-padded row: its padding is before
+        position 0)."""
         width = ids.shape[1]
+        out = self.positions(width, rows)
         placed = [
             (r, shift, image, start, n, row)
             for r, (seq, shift) in enumerate(rows)
@@ -104,13 +114,53 @@ class ImageEmbedder:
             if start < shift + width and start + n > shift
         ]
         if not placed:
-            return None
+            return out
         h = self.embed(ids)
+        deep: mx.array | None = None
         for r, shift, image, start, n, row in placed:
             a, b = max(start, shift), min(start + n, shift + width)
-            rows_ = self.features(image)[row + a - start : row + b - start]
+            rows_ = self.features(image)[..., row + a - start : row + b - start, :]
+            if rows_.ndim == 3:  # the rows, then each deepstack layer's
+                if deep is None:
+                    deep = mx.zeros((rows_.shape[0] - 1, *h.shape), h.dtype)
+                deep[:, r, a - shift : b - shift, :] = rows_[1:].astype(h.dtype)
+                rows_ = rows_[0]
             h[r, a - shift : b - shift, :] = rows_.astype(h.dtype)
-        return h
+        out["input_embeddings"] = h
+        if deep is not None:
+            out["deepstack"] = deep
+        return out
+
+    def positions(self, width: int, rows: list[tuple[Sequence, int]]) -> dict[str, mx.array]:
+        """The forward's `position_ids` [3, B, width] for a family with multimodal rotary
+        positions (each row's from its prompt's images; a padding column's are 0, masked),
+        else none. `rows` as for `inputs`."""
+        of = self.encoder.positions
+        if of is None:
+            return {}
+        out = np.zeros((3, len(rows), width), np.int64)
+        for r, (seq, shift) in enumerate(rows):
+            n = min(shift + width, len(seq.context_ids))
+            a = max(shift, 0)
+            out[:, r, a - shift : n - shift] = of(seq.images, n)[:, a:n]
+        return {"position_ids": mx.array(out)}
+
+    def shift(self, cache: BatchCache, rows: list[tuple[int, Sequence, int]]) -> None:
+        """After a prefill, move the decode positions of these (row, sequence, tokens in its
+        cache) by their prompts' deltas (a family with multimodal rotary positions; its
+        layers' plain keys and values: mlx-lm's rotation reads each row's position there)."""
+        if self.encoder.positions is None:
+            return
+        deltas = [0] * len(cache)
+        for row, seq, n in rows:
+            if seq.images:
+                pos = self.encoder.positions(seq.images, n)
+                deltas[row] = int(pos.max()) + 1 - n
+        if any(deltas):
+            moved = mx.array(deltas)
+            for c in leaves(cache.layers):
+                if type(c) is BatchKVCache:
+                    c.offset = c.offset + moved
 
     def blocks(self, width: int, rows: list[tuple[Sequence, int]]) -> mx.array | None:
         """[B, width] int32: each position's run of placeholders (numbered in the forward),

@@ -86,8 +86,9 @@ def ask(client: openai.OpenAI, url: str, text: str = "What is this?", **extra: A
     )
 
 
-def check(r: Any, ref: np.ndarray, image_token: int) -> None:
-    """The answer's and the prompt's logprobs against the reference rows of prompt + answer."""
+def check(r: Any, ref: np.ndarray, image_token: int, placeholders: int = 16) -> None:
+    """The answer's and the prompt's logprobs against the reference rows of prompt + answer
+    (`placeholders`: the prompt's image positions, each null)."""
     prompt, out = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
     assert_answer_rows(r.choices[0].logprobs.content, out, ref[len(prompt) - 1 :], K)
     scored = r.model_extra["prompt_logprobs"]
@@ -100,7 +101,7 @@ def check(r: Any, ref: np.ndarray, image_token: int) -> None:
             continue
         entry = scored[i][str(prompt[i])]
         assert abs(entry["logprob"] - ref[i - 1][prompt[i]]) < 1e-4
-    assert images == 16
+    assert images == placeholders
 
 
 def test_image_logprobs_against_transformers(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from omlx_logprobs.models.qwen_vl_text import Qwen3VLText, QwenVLText
 from omlx_logprobs.models.vision import family_of, serves_images, text_classes, text_config
 from omlx_logprobs.models.vision_text import Idefics3Text
 
@@ -18,8 +19,9 @@ def test_families() -> None:
     assert (
         family_of({"model_type": "llama"}) is None and text_config({"model_type": "llama"}) is None
     )
-    assert family_of({"model_type": "qwen2_vl", "vision_config": {}}) is None  # loads as text
-    assert serves_images("llava", True) and not serves_images("qwen2_vl", True)
+    assert family_of({"model_type": "mllama", "vision_config": {}}) is None  # loads as text
+    assert serves_images("llava", True) and not serves_images("mllama", True)
+    assert serves_images("qwen2_vl", True) and serves_images("qwen3_vl", True)
     assert serves_images("idefics3", True) and serves_images("smolvlm", True)
     assert not serves_images("llava", False)
     qwen_text = {**llava, "text_config": {"model_type": "qwen2"}}
@@ -47,3 +49,32 @@ def test_idefics3_text_half() -> None:
     scaled = {**rope, "rope_type": "llama3", "factor": 8.0}
     text = text_config({**smol, "text_config": {"model_type": "llama", "rope_parameters": scaled}})
     assert text is not None and text["text_config"]["rope_scaling"] == scaled
+
+
+def test_qwen_text_half() -> None:
+    """The hub's Qwen2-VL keeps its text fields at the top and its M-RoPE sections under
+    `rope_scaling` of type `mrope` (which mlx-lm's rope does not know: dropped, the sections
+    kept apart); transformers 5 writes a `text_config` with `rope_parameters`."""
+    hub = {"model_type": "qwen2_vl", "vision_config": {"model_type": "qwen2_vl"},
+           "hidden_size": 1536, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}  # fmt: skip
+    text = text_config(hub)
+    assert text is not None and text["model_type"] == "qwen2_vl"
+    half = text["text_config"]
+    assert half["model_type"] == "qwen2_vl_text" and half["hidden_size"] == 1536
+    assert half["mrope_section"] == [16, 24, 24] and "rope_scaling" not in half
+    assert "vision_config" not in half and half["tie_word_embeddings"] is True
+    classes = text_classes(hub)
+    assert classes is not None and classes(text)[0] is QwenVLText
+    rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True}  # fmt: skip
+    new = {"model_type": "qwen3_vl", "vision_config": {"model_type": "qwen3_vl_vision"},
+           "text_config": {"model_type": "qwen3_vl_text", "rope_parameters": rope}}  # fmt: skip
+    text = text_config(new)
+    assert text is not None and text["model_type"] == "qwen3_vl"
+    assert text["text_config"]["rope_theta"] == 5000000.0
+    assert text["text_config"]["mrope_section"] == [24, 20, 20]
+    assert classes(text)[0] is Qwen3VLText
+    flat = {**new, "text_config": {"model_type": "qwen3_vl_text"}}
+    with pytest.raises(ValueError, match="without its mrope_section"):
+        text_config(flat)

@@ -246,10 +246,21 @@ def _placed(
                 f"{image.param}: its image tokens are not as the processor places them",
                 param=image.param,
             )
-        pixels = np.asarray(a["pixel_values"], dtype=np.float32)
-        inputs.append(ImageInput(image.digest, pixels, runs))
+        inputs.append(ImageInput(image.digest, _pixels(a), runs))
         first += n
     return tuple(inputs)
+
+
+def _pixels(alone: Any) -> np.ndarray:
+    """One image's pixel values; a processor that flattens its patches and gives their grid
+    (Qwen's: [t * h * w, values], `image_grid_thw`) has them shaped by it, [1, t, h, w,
+    values], so that the image carries its grid (models/vision_qwen.py)."""
+    pixels = np.asarray(alone["pixel_values"], dtype=np.float32)
+    grid = alone.get("image_grid_thw")
+    if grid is None:
+        return pixels
+    t, h, w = (int(x) for x in np.asarray(grid)[0])
+    return pixels.reshape(1, t, h, w, -1)
 
 
 def _substituted(ids: list[int], token: int, expansions: list[list[int]]) -> list[int]:

@@ -37,6 +37,7 @@ def add_service_routes(
 ) -> None:
     """`training` finishes a session (its runs dropped from their engines); `expiry` watches
     the sessions once one is open."""
+
     @app.get(f"{API}/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
