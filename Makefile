@@ -174,7 +174,7 @@ open-responses: install
 # tinker-cookbook's own RL recipe, unmodified (math_rl's arithmetic environment, the
 # importance_sampling loss), against the embedded model served on the CPU
 # (examples/tinker_cookbook_rl.py, docs/specs/tinker.md): each step's reward and the largest
-# |ratio - 1| the server saw, printed. Eleven to nineteen minutes a step on the 2-core box.
+# |ratio - 1| the server saw, printed. About two minutes a step on the 2-core box.
 tinker-example: install tinker-venv
 	$(PY) examples/tinker_cookbook_rl.py --steps $(TINKER_STEPS)
 

@@ -35,13 +35,14 @@ def main() -> None:
         action="store_true",
         help="batch-invariant mode: max |ratio - 1| 0, far slower on the CPU",
     )
-    a = ap.parse_args()
+    # the rest (--groups, --group-size, --learning-rate) goes to the recipe's driver
+    a, rest = ap.parse_known_args()
     model_dir = ensure_embedded_model()
     # the served name is the model's directory: the recipe loads its tokenizer by that name
     server = start_server(model_dir, a.port, a.invariant, name=str(model_dir))
     try:
         subprocess.run([a.python, str(DRIVER), "--base-url", f"http://127.0.0.1:{a.port}",
-                        "--model", str(model_dir), "--steps", str(a.steps)],
+                        "--model", str(model_dir), "--steps", str(a.steps), *rest],
                        check=True)  # fmt: skip
     finally:
         server.terminate()
