@@ -16,6 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omlx_logprobs.models.vision_pixtral import (
+    llava_pixtral_encoder,
+    mistral3_encoder,
+    pixtral_processor,
+)
 from omlx_logprobs.models.vision_text import idefics3_classes
 
 __all__ = [
@@ -46,7 +51,8 @@ class Family:
 
     text_model_type: str
     build: Callable[[Path, dict[str, Any]], Encoder]
-    processor: str
+    # its name in transformers, or what gives the class where transformers does not export it
+    processor: str | Callable[[], Any]
     # The text configs' model types that mlx-lm module reads (its language model's class).
     text_types: frozenset[str]
     # The vision configs' model types its encoder builds (a config without one: transformers'
@@ -96,6 +102,8 @@ def family_of(config: dict[str, Any]) -> str | None:
     """The served vision family of a config.json, None for a text model (or a vision family
     not served yet, which then loads as text, as mlx-lm reads it)."""
     kind = str(config.get("model_type") or "")
+    if kind == "llava" and (config.get("vision_config") or {}).get("model_type") == "pixtral":
+        kind = "pixtral"  # Pixtral-12B: LLaVA's model over a tower of its own
     return kind if kind in FAMILIES and "vision_config" in config else None
 
 
@@ -149,7 +157,9 @@ def vision_spec(path: Path, config: dict[str, Any]) -> VisionSpec | None:
         return None
     import transformers
 
-    processor = getattr(transformers, FAMILIES[family].processor).from_pretrained(str(path))
+    named = FAMILIES[family].processor
+    cls = getattr(transformers, named) if isinstance(named, str) else named()
+    processor = cls.from_pretrained(str(path))
     return VisionSpec(family, processor, _image_token(config))
 
 
@@ -357,9 +367,24 @@ FAMILIES: dict[str, Family] = {
         _llava,
         "LlavaProcessor",
         frozenset({"llama", "mistral", "ministral3", "mistral4"}),
-        # not Pixtral-12B's `pixtral` tower (2D rotary positions, images of any shape)
+        # Pixtral-12B's `pixtral` tower is the family `pixtral` (family_of)
         frozenset({"clip_vision_model", "siglip_vision_model"}),
     ),
     "idefics3": _IDEFICS3,
     "smolvlm": _IDEFICS3,
+    # Pixtral's tower (models/vision_pixtral.py) over mlx-lm's mistral3 text half, as LLaVA's
+    "mistral3": Family(
+        "mistral3",
+        mistral3_encoder,
+        pixtral_processor,
+        frozenset({"llama", "mistral", "ministral3", "mistral4"}),
+        frozenset({"pixtral"}),
+    ),
+    "pixtral": Family(
+        "mistral3",
+        llava_pixtral_encoder,
+        pixtral_processor,
+        frozenset({"llama", "mistral", "ministral3", "mistral4"}),
+        frozenset({"pixtral"}),
+    ),
 }
