@@ -78,10 +78,25 @@ def _chosen_layer(config: dict[str, Any]) -> int:
 
 def _states(tower: Any, pixels: Any, layer: int) -> Any:
     """The tower's patch states [rows * columns, width] of one image [1, C, H, W] (processed
-    alone: no padding), in raster order."""
+    alone: no padding), in raster order: mlx-vlm's forward of its modules without the
+    attention mask it builds for several images (a square of floats as wide as the image's
+    patches, all zeros for one image: 0.6 GB for a 1540-pixel square)."""
     import mlx.core as mx
 
-    *_, states = tower(mx.array(pixels).transpose(0, 2, 3, 1), output_hidden_states=True)
+    v = tower.vision_model
+    conv = v.patch_conv
+    x = conv(mx.array(pixels).transpose(0, 2, 3, 1).astype(conv.weight.dtype))
+    _, h, w, d = x.shape
+    side = v.config.image_size // v.config.patch_size
+    if h > side or w > side:  # its rotary table has `side` rows and columns
+        raise ValueError(f"an image of {h} x {w} patches is past the tower's {side} x {side}")
+    x = v.ln_pre(x.reshape(1, h * w, d))
+    at = (mx.arange(h)[:, None] * side + mx.arange(w)[None, :]).reshape(-1)
+    rotary = v.patch_positional_embedding(x, at)
+    states = [x]
+    for block in v.transformer.layers:
+        x = block(x, position_embeddings=rotary)
+        states.append(x)
     return states[layer][0]
 
 
