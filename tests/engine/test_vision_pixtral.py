@@ -116,12 +116,15 @@ def test_second_turn_from_the_prefix_cache(served: tuple[LoadedModel, Reference]
 
 
 def test_an_mlx_vlm_directory(
-    served: tuple[LoadedModel, Reference], tmp_path_factory: pytest.TempPathFactory
+    served: tuple[LoadedModel, Reference],
+    tmp_path_factory: pytest.TempPathFactory,
+    tokenizer_dir: Path,
 ) -> None:
     """The same model as mlx-vlm writes it (its names: `language_model.model.`,
     `language_model.lm_head`, `vision_tower.vision_model.` with the patch convolution in
     MLX's layout, `multi_modal_projector.`; Pixtral-12B's config under mlx-vlm's model type
-    `pixtral`): the same logits and image rows."""
+    `pixtral`): the same logits and image rows; its encoder takes new weights under
+    transformers' names."""
     model, _ = served
     from mlx_vlm.models.mistral3 import Model as MlxVlmMistral3
 
@@ -145,6 +148,21 @@ def test_an_mlx_vlm_directory(
     np.testing.assert_allclose(np.array(again.model(probe)), np.array(model.model(probe)), **close)
     a, b = encoder_of(model.model), encoder_of(again.model)
     assert a is not None and b is not None
+    np.testing.assert_allclose(
+        np.array(a(images[0].pixels)), np.array(b(images[0].pixels)), **close
+    )
+    # new weights under transformers' names (a trainer's checkpoint) replace the encoder's:
+    # another seed's tower and projector give other rows; these weights, the same again
+    assert model.vision is not None
+    family = model.vision.family
+    other = tiny_pixtral_dir(tmp_path_factory.mktemp("seed-1"), tokenizer_dir, family, seed=1)
+    put = b.new_weights(dict(mx.load(str(other / "model.safetensors"))))  # type: ignore[arg-type]
+    assert put is not None
+    put()
+    assert np.abs(np.array(a(images[0].pixels)) - np.array(b(images[0].pixels))).max() > 1e-3
+    put = b.new_weights(weights)
+    assert put is not None
+    put()
     np.testing.assert_allclose(
         np.array(a(images[0].pixels)), np.array(b(images[0].pixels)), **close
     )
