@@ -20,8 +20,9 @@ import pytest
 from omlx_logprobs.models.loader import load_model
 from tests.helpers.pixtral import tiny_pixtral_dir
 from tests.helpers.server import server_process
-from tests.helpers.vision import Reference, assert_answer_rows, picture
+from tests.helpers.vision import Reference, assert_answer_rows, picture, png_bytes
 from tests.integration.test_vision import data_url
+from tests.integration.test_vision_routes import check_generated, post
 
 K = 5
 FAMILIES = ("mistral3", "pixtral")
@@ -131,3 +132,32 @@ def test_an_image_with_a_text_request_then_a_second_turn(
 def test_the_model_list_says_vision(client: openai.OpenAI) -> None:
     listed = {m.id: m.model_extra for m in client.models.list().data}
     assert all(listed[f]["capabilities"]["vision"] is True for f in FAMILIES)
+
+
+def test_render_then_generate(client: openai.OpenAI, dirs: dict[str, Path]) -> None:
+    """prime-rl's token routes: the render route's range for a Pixtral image runs from its
+    first placeholder to its last, the breaks between its rows inside it (4 rows of 3: 15
+    tokens); /inference/v1/generate takes it back, its answer and logprobs transformers'."""
+    import hashlib
+
+    vision = load_model(str(dirs["mistral3"]), weights=False).vision
+    assert vision is not None
+    image = picture(2)
+    base = str(client.base_url).removesuffix("/v1/")
+    body = {"model": "mistral3", "messages": [turn(image, "What is this?")], "max_tokens": 5,
+            "temperature": 0, "logprobs": True, "top_logprobs": K}  # fmt: skip
+    rendered = post(base, "/v1/chat/completions/render", body)
+    ids = rendered["token_ids"]
+    at = ids.index(vision.image_token_id)
+    assert rendered["features"]["mm_placeholders"] == {"image": [{"offset": at, "length": 15}]}
+    assert rendered["features"]["mm_hashes"] == {
+        "image": [hashlib.sha256(png_bytes(image)).hexdigest()]
+    }
+    rendered["sampling_params"]["prompt_logprobs"] = K
+    out = post(base, "/inference/v1/generate", rendered)
+    alone = vision.processor(text="[IMG]", images=[image], return_tensors="np")
+    answer = out["choices"][0]["token_ids"]
+    ref = Reference(dirs["mistral3"]).logprobs(
+        ids + answer, alone["pixel_values"], alone["image_sizes"]
+    )
+    check_generated(out, ids, ref, vision.image_token_id)
