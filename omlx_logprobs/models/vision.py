@@ -18,6 +18,11 @@ from typing import Any
 
 from omlx_logprobs.models.qwen_vl_text import qwen_vl_classes
 from omlx_logprobs.models.vision_gemma import gemma3_classes, gemma3_encoder
+from omlx_logprobs.models.vision_pixtral import (
+    llava_pixtral_encoder,
+    mistral3_encoder,
+    pixtral_processor,
+)
 from omlx_logprobs.models.vision_qwen import qwen_encoder, qwen_processor, qwen_text
 from omlx_logprobs.models.vision_text import idefics3_classes
 
@@ -125,6 +130,8 @@ def family_of(config: dict[str, Any]) -> str | None:
     """The served vision family of a config.json, None for a text model (or a vision family
     not served yet, which then loads as text, as mlx-lm reads it)."""
     kind = str(config.get("model_type") or "")
+    if kind == "llava" and (config.get("vision_config") or {}).get("model_type") == "pixtral":
+        kind = "pixtral"  # Pixtral-12B: LLaVA's model over a tower of its own
     return kind if kind in FAMILIES and "vision_config" in config else None
 
 
@@ -407,6 +414,11 @@ def _qwen(kind: str) -> Family:
     )
 
 
+def _pixtral(path: Path) -> Any:
+    """PixtralProcessor from a checkpoint (the class as models/vision_pixtral.py finds it)."""
+    return pixtral_processor().from_pretrained(str(path))
+
+
 FAMILIES: dict[str, Family] = {
     # mlx-lm's mistral3 module builds its language model as llama unless ministral3 or mistral4
     "llava": Family(
@@ -414,7 +426,7 @@ FAMILIES: dict[str, Family] = {
         _llava,
         "LlavaProcessor",
         frozenset({"llama", "mistral", "ministral3", "mistral4"}),
-        # not Pixtral-12B's `pixtral` tower (2D rotary positions, images of any shape)
+        # Pixtral-12B's `pixtral` tower is the family `pixtral` (family_of)
         frozenset({"clip_vision_model", "siglip_vision_model"}),
     ),
     "idefics3": _IDEFICS3,
@@ -431,4 +443,19 @@ FAMILIES: dict[str, Family] = {
     "qwen2_vl": _qwen("qwen2_vl"),
     "qwen2_5_vl": _qwen("qwen2_5_vl"),
     "qwen3_vl": _qwen("qwen3_vl"),
+    # Pixtral's tower (models/vision_pixtral.py) over mlx-lm's mistral3 text half, as LLaVA's
+    "mistral3": Family(
+        "mistral3",
+        mistral3_encoder,
+        _pixtral,
+        frozenset({"llama", "mistral", "ministral3", "mistral4"}),
+        frozenset({"pixtral"}),
+    ),
+    "pixtral": Family(
+        "mistral3",
+        llava_pixtral_encoder,
+        _pixtral,
+        frozenset({"llama", "mistral", "ministral3", "mistral4"}),
+        frozenset({"pixtral"}),
+    ),
 }

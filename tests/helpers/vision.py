@@ -168,7 +168,9 @@ def png_bytes(image: Any) -> bytes:
 
 class Reference:
     """transformers' model of the checkpoint (its config's architecture: LLaVA, Idefics3,
-    SmolVLM) in float32 on the same weights: log-softmax of each position."""
+    SmolVLM, Mistral 3) in float32 on the same weights: log-softmax of each position. `sizes`:
+    each image's (height, width) in pixels, for Pixtral's towers (images of any size, padded
+    to the largest in `pixels`)."""
 
     def __init__(self, path: Path) -> None:
         import json
@@ -182,17 +184,23 @@ class Reference:
             getattr(transformers, arch).from_pretrained(str(path), dtype=torch.float32).eval()
         )
 
-    def logprobs(self, ids: list[int], pixels: np.ndarray | None = None) -> np.ndarray:
+    def logprobs(
+        self, ids: list[int], pixels: np.ndarray | None = None, sizes: Any = None
+    ) -> np.ndarray:
         torch = self.torch
         kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids])}
         if pixels is not None:
             kwargs["pixel_values"] = torch.tensor(pixels)
+        if sizes is not None:
+            kwargs["image_sizes"] = torch.tensor(sizes)
         with torch.no_grad():
             logits = self.model(**kwargs).logits[0].double()
         return torch.log_softmax(logits, -1).float().numpy()
 
-    def image_rows(self, pixels: np.ndarray) -> np.ndarray:
+    def image_rows(self, pixels: np.ndarray, sizes: Any = None) -> np.ndarray:
         """One image's rows of input embeddings [N, hidden]: its tower and projector alone."""
-        with self.torch.no_grad():
-            out = self.model.model.get_image_features(pixel_values=self.torch.tensor(pixels))
+        torch = self.torch
+        kwargs = {} if sizes is None else {"image_sizes": torch.tensor(sizes)}
+        with torch.no_grad():
+            out = self.model.model.get_image_features(pixel_values=torch.tensor(pixels), **kwargs)
         return np.asarray(out.pooler_output[0].double().numpy(), np.float32)

@@ -28,8 +28,12 @@ def test_families() -> None:
     with pytest.raises(ValueError, match="'qwen2' text model is not served yet"):
         text_config(qwen_text)
     pixtral = {**llava, "vision_config": {"model_type": "pixtral"}}  # Pixtral-12B's
-    with pytest.raises(ValueError, match="'pixtral' vision tower is not served yet"):
-        text_config(pixtral)
+    assert family_of(pixtral) == "pixtral" and serves_images("pixtral", True)
+    assert text_config(pixtral) == text_config(llava)
+    mistral3 = {**pixtral, "model_type": "mistral3"}
+    assert family_of(mistral3) == "mistral3" and serves_images("mistral3", True)
+    with pytest.raises(ValueError, match="'clip_vision_model' vision tower is not served yet"):
+        text_config({**mistral3, "vision_config": {"model_type": "clip_vision_model"}})
 
 
 def test_idefics3_text_half() -> None:
