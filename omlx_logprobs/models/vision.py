@@ -193,6 +193,15 @@ def vision_spec(path: Path, config: dict[str, Any]) -> VisionSpec | None:
         processor = make(path)
     if getattr(processor.image_processor, "do_pan_and_scan", None):
         raise ValueError("a Gemma 3 processor with pan and scan is not served yet")
+    tower = config.get("vision_config") or {}
+    edge = (getattr(processor.image_processor, "size", None) or {}).get("longest_edge")
+    if tower.get("model_type") == "pixtral" and edge and edge > tower.get("image_size", edge):
+        # the tower's rotary table covers image_size / patch_size patches a side: a larger
+        # image would fail in the engine's prefill, so the checkpoint is refused at load
+        raise ValueError(
+            f"the processor scales an image to {edge} pixels a side, past the Pixtral tower's"
+            f" image_size of {tower['image_size']}: the checkpoint's processor and tower disagree"
+        )
     # Gemma3Processor's text for an image (its `image_token` is the start of image token the
     # chat template writes, which it expands to this)
     expansion = getattr(processor, "full_image_sequence", None)

@@ -166,3 +166,21 @@ def test_an_mlx_vlm_directory(
     np.testing.assert_allclose(
         np.array(a(images[0].pixels)), np.array(b(images[0].pixels)), **close
     )
+
+
+def test_a_processor_past_the_tower_is_refused_at_load(
+    served: tuple[LoadedModel, Reference], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A checkpoint whose processor scales images past its tower's `image_size` (the rotary
+    table's reach) is refused at load, named, not failed image by image in the engine."""
+    model, _ = served
+    out = tmp_path_factory.mktemp("too-large")
+    for f in model.path.iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    for f in out.glob("*.json"):
+        text = f.read_text()
+        if '"longest_edge"' in text:
+            f.write_text(text.replace('"longest_edge": 64', '"longest_edge": 128'))
+    with pytest.raises(ValueError, match="past the Pixtral tower's image_size of 64"):
+        load_model(str(out))
