@@ -29,6 +29,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from omlx_logprobs.blas import numpy_blas_threads
+
 # The scores one attention call may hold (float32), per call; OMLX_MAX_SCORE_MIB overrides it.
 MAX_SCORE_BYTES = int(os.environ.get("OMLX_MAX_SCORE_MIB", "512")) << 20
 # Query-key pairs a row from which a prefill call takes cuDNN's fused attention, where it is on
@@ -319,6 +321,10 @@ def install() -> None:
     _inner = mx.fast.scaled_dot_product_attention
     _fused = cudnn_on()
     _host_side = mx.default_device() == mx.cpu and not _exact
+    if mx.default_device() == mx.cpu:
+        # `_host`'s matmuls on the engine's thread alone: a pool of numpy's own beside MLX's
+        # BLAS pool halved the speed of every prefill (blas.numpy_blas_threads)
+        numpy_blas_threads(1)
     mx.fast.scaled_dot_product_attention = _sdpa
 
 
