@@ -4,8 +4,9 @@ ImageChunk between text chunks that hold `<|vision_start|>` and `<|vision_end|>`
 tinker-cookbook's Qwen3-VL renderer writes it. The chunk stands for the image's placeholders (6
 for the 40 x 60 picture): its prompt logprobs are None there, those of the text equal the chat
 route's for the same image bit for bit and transformers' float32 forward within 1e-4, and so do
-the sampled tokens' logprobs. A wrong `expected_tokens`, a corrupt image and an image to a model
-that reads text only raise the SDK's BadRequestError."""
+the sampled tokens' logprobs. A wrong `expected_tokens`, a corrupt image, an image's token with no
+image, an image to a model that reads text only and a datum with an image to `forward` (training
+takes text only yet) raise the SDK's BadRequestError."""
 
 from __future__ import annotations
 
@@ -132,6 +133,18 @@ def test_image_chunks_bad_input(server: ServerProcess, qwen_dir: Path) -> None:
         text = service.create_sampling_client(base_model="tiny").result()
         with pytest.raises(tinker.BadRequestError, match="takes no images"):
             text.sample(chunked(ids, qwen.vision.image_token_id), 1, params).result()
+        # training takes text only yet: a datum with an image is the SDK's BadRequestError
+        tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+        n = len(ids)
+        datum = types.Datum(
+            model_input=chunked(ids, qwen.vision.image_token_id),
+            loss_fn_inputs={
+                "target_tokens": types.TensorData(data=[5] * n, dtype="int64", shape=[n]),
+                "weights": types.TensorData(data=[1.0] * n, dtype="float32", shape=[n]),
+            },
+        )
+        with pytest.raises(tinker.BadRequestError, match="encoded_text chunks only, not image"):
+            tc.forward([datum], "cross_entropy").result()
         # the server goes on serving the image prompt
         ok = sc.sample(chunked(ids, qwen.vision.image_token_id), 1, params).result()
         assert len(ok.sequences[0].tokens) == 2
