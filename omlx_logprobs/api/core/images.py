@@ -30,6 +30,7 @@ __all__ = [
     "Image",
     "data_url",
     "expand",
+    "expand_chunks",
     "image_part",
     "image_parts",
     "placed_in",
@@ -197,6 +198,31 @@ def expand(
         pictures = [i.picture for i in images]
         ids = _ids(_processed(spec, images, text=text, images=pictures, add_special_tokens=special))
     return ids, _placed(spec, ids, images, alone, "The chat template placed")
+
+
+def expand_chunks(
+    spec: VisionSpec, parts: list[list[int] | Image]
+) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """A prompt sent as token ids with images between them (Tinker's ModelInput: its text and
+    image chunks): each image replaced by its placeholders as the processor expands it alone,
+    from its first to its last, the tokens between its runs with them (Idefics3's tile
+    markers, Pixtral's row breaks); the tokens a family writes around an image (Qwen's vision
+    start and end, Gemma 3's start and end of image) are the text's, as the render route's
+    range of an image leaves them (api/core/kept_images.py). The ids and the images on them."""
+    images = [p for p in parts if isinstance(p, Image)]
+    alone = _alone(spec, images)
+    spans = iter(_span(spec, _ids(a)) for a in alone)
+    ids: list[int] = []
+    for p in parts:
+        ids.extend(next(spans) if isinstance(p, Image) else p)
+    return ids, _placed(spec, ids, images, alone, "The prompt holds")
+
+
+def _span(spec: VisionSpec, own: list[int]) -> list[int]:
+    """One image's ids alone from its first placeholder to its last (none: no placeholder,
+    which `_placed` refuses)."""
+    mine = [p for p, t in enumerate(own) if t == spec.image_token_id]
+    return own[mine[0] : mine[-1] + 1] if mine else []
 
 
 def placed_in(spec: VisionSpec, ids: list[int], images: list[Image]) -> tuple[ImageInput, ...]:

@@ -122,7 +122,7 @@ def add_routes(app: FastAPI, pool: ModelPool, tinker: TinkerConfig | None = None
 
     @app.post(f"{API}/asample")
     async def asample(raw: Request) -> dict[str, Any]:
-        rid, seq_ids = sampling.asample(await parse(raw, types.SampleRequest))
+        rid, seq_ids = await sampling.asample(await parse(raw, types.SampleRequest))
         return _future(rid, sample_sequence_ids=seq_ids)
 
     # ---- futures -----------------------------------------------------------------------------

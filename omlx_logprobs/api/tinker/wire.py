@@ -68,8 +68,12 @@ def parse_pass(body: bytes) -> PassRequest:
     for i, d in enumerate(msg.data):
         parts = []
         for chunk in d.model_input:
-            if chunk.WhichOneof("chunk") != "encoded_text":
-                raise APIError(f"datum {i}: only encoded_text chunks are served (no images)")
+            kind = chunk.WhichOneof("chunk")
+            if kind != "encoded_text":
+                raise APIError(
+                    f"datum {i}: forward and forward_backward take encoded_text chunks only, not"
+                    f" {kind} (images are sampled, not trained yet)"
+                )
             parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
         tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
         inputs = {k: _tensor(k, v) for k, v in d.loss_fn_inputs.items()}
