@@ -17,6 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from omlx_logprobs.models.qwen_vl_text import qwen_vl_classes
+from omlx_logprobs.models.vision_encoder import (
+    Encoder,
+    exact_activation,
+    image_token,
+    read_weights,
+    under,
+    updating,
+)
 from omlx_logprobs.models.vision_gemma import gemma3_classes, gemma3_encoder
 from omlx_logprobs.models.vision_pixtral import (
     llava_pixtral_encoder,
@@ -82,48 +90,6 @@ class VisionSpec:
     # tokens): a chat's earlier answers are then spliced into the text so expanded
     # (api/core/prompts.py). None: an image's placeholders stand where its token was.
     expansion: str | None = None
-
-
-# New weights for an encoder: from a checkpoint's arrays, its own checked (a ValueError naming
-# the first that does not fit, nothing changed), a function that puts them in; None when the
-# checkpoint has none of the encoder's (a text model's update: the encoder keeps its own).
-Update = Callable[[dict[str, Any]], Callable[[], None] | None]
-
-# A family whose rotary positions are multimodal (Qwen's M-RoPE, models/vision_qwen.py): the
-# [3, n] positions of a prompt's first n tokens from its images; None: a token's position is
-# its place in the prompt.
-Positions = Callable[[Any, int], Any]
-
-
-class Encoder:
-    """One image's pixel values [1, C, H, W] (the processor's, float32) to its rows of input
-    embeddings [N, hidden] (N: its placeholder tokens in the prompt); Qwen3-VL's [1 + k, N,
-    hidden]: the rows, then what its first k text layers add at the image's positions
-    (deepstack, runner/vision.py)."""
-
-    def __init__(
-        self,
-        forward: Callable[[Any], Any],
-        image_token_id: int,
-        update: Update | None = None,
-        bidirectional: bool = False,
-        positions: Positions | None = None,
-    ) -> None:
-        self.forward = forward
-        self.image_token_id = image_token_id
-        self.update = update
-        # The placeholders of one run attend to each other both ways in the prefill (Gemma 3's):
-        # the text model takes each forward's runs (runner/vision.py), and no prefill chunk
-        # may cut one (batch/scheduler.py).
-        self.bidirectional = bidirectional
-        self.positions = positions
-
-    def __call__(self, pixels: Any) -> Any:
-        return self.forward(pixels)
-
-    def new_weights(self, weights: dict[str, Any]) -> Callable[[], None] | None:
-        """The checked update of its weights in `weights` (`Update`), None without any."""
-        return self.update(weights) if self.update is not None else None
 
 
 def family_of(config: dict[str, Any]) -> str | None:
@@ -205,7 +171,7 @@ def vision_spec(path: Path, config: dict[str, Any]) -> VisionSpec | None:
     # Gemma3Processor's text for an image (its `image_token` is the start of image token the
     # chat template writes, which it expands to this)
     expansion = getattr(processor, "full_image_sequence", None)
-    return VisionSpec(family, processor, _image_token(config), expansion)
+    return VisionSpec(family, processor, image_token(config), expansion)
 
 
 def load_encoder(net: Any, path: Path, config: dict[str, Any]) -> None:
@@ -215,36 +181,10 @@ def load_encoder(net: Any, path: Path, config: dict[str, Any]) -> None:
         object.__setattr__(net, _ATTR, FAMILIES[family].build(path, config))
 
 
-def _image_token(config: dict[str, Any]) -> int:
-    """The placeholder's id: LLaVA's config names it `image_token_index`, Idefics3's
-    `image_token_id`."""
-    return int(config["image_token_index" if "image_token_index" in config else "image_token_id"])
-
-
 def encoder_of(net: Any) -> Encoder | None:
     """The text model's vision encoder, None for a text model."""
     found = getattr(net, _ATTR, None)
     return found if isinstance(found, Encoder) else None
-
-
-def _weights(path: Path) -> dict[str, Any]:
-    import mlx.core as mx
-
-    out: dict[str, Any] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(dict(mx.load(str(f))))  # type: ignore[arg-type]
-    return out
-
-
-def _under(weights: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """The weights under `prefix`, with it removed; transformers 5 writes them under `model.`
-    or without it, as earlier versions did."""
-    out = {}
-    for k, v in weights.items():
-        k = k.removeprefix("model.")
-        if k.startswith(prefix):
-            out[k[len(prefix) :]] = v
-    return out
 
 
 def _llava(path: Path, config: dict[str, Any]) -> Encoder:
@@ -259,20 +199,20 @@ def _llava(path: Path, config: dict[str, Any]) -> Encoder:
     cfg = update_module_configs(cfg, family, config, ["text", "vision"])
     tower = family.VisionModel(cfg.vision_config)
     act = config["vision_config"].get("hidden_act", "quick_gelu")
-    _exact_activation(tower.vision_model.encoder.layers, act)
+    exact_activation(tower.vision_model.encoder.layers, act)
     projector = LlavaMultiModalProjector(cfg)
 
     def tower_weights(weights: dict[str, Any]) -> dict[str, Any]:
         # transformers 5 writes the tower's modules without CLIPVisionModel's `vision_model.`
         tw = {k if k.startswith("vision_model.") else f"vision_model.{k}": v
-              for k, v in _under(weights, "vision_tower.").items()}  # fmt: skip
+              for k, v in under(weights, "vision_tower.").items()}  # fmt: skip
         return tower.sanitize(tw) if tw else {}
 
-    update = _updating(
+    update = updating(
         (tower, tower_weights, "vision tower"),
-        (projector, lambda w: _under(w, "multi_modal_projector."), "projector"),
+        (projector, lambda w: under(w, "multi_modal_projector."), "projector"),
     )
-    put = update(_weights(path))
+    put = update(read_weights(path))
     assert put is not None, "a LLaVA checkpoint without its vision tower's weights"
     put()
     layer, strategy = cfg.vision_feature_layer, cfg.vision_feature_select_strategy
@@ -286,47 +226,7 @@ def _llava(path: Path, config: dict[str, Any]) -> Encoder:
             chosen = chosen[:, 1:]
         return projector(chosen).reshape(-1, projector.linear_2.weight.shape[0])
 
-    return Encoder(forward, _image_token(config), update)
-
-
-def _updating(*parts: tuple[Any, Callable[[dict[str, Any]], dict[str, Any]], str]) -> Update:
-    """An encoder's `Update` over its modules: each (module, what of a checkpoint's weights is
-    its own, its name in errors); every module's new weights checked before any is replaced."""
-
-    def update(weights: dict[str, Any]) -> Callable[[], None] | None:
-        import mlx.core as mx
-
-        found = [(module, pick(weights), what) for module, pick, what in parts]
-        if not any(w for _, w, _ in found):
-            return None
-        checked = [(module, _fitted(module, w, what)) for module, w, what in found]
-
-        def apply() -> None:
-            for module, arrays in checked:
-                module.load_weights(arrays)
-            mx.eval([module.parameters() for module, _ in checked])
-
-        return apply
-
-    return update
-
-
-def _fitted(module: Any, weights: dict[str, Any], what: str) -> list[tuple[str, Any]]:
-    """`weights` as `module.load_weights` takes them (in its dtypes), once their names and
-    shapes are the module's own; a ValueError naming the first that is not."""
-    from mlx.utils import tree_flatten
-
-    own = dict(tree_flatten(module.parameters()))
-    odd = sorted(own.keys() ^ weights.keys())
-    if odd:
-        raise ValueError(f"the new weights of the {what} do not match its parameters: {odd[0]}")
-    for name, w in weights.items():
-        if tuple(w.shape) != tuple(own[name].shape):
-            raise ValueError(
-                f"the {what}'s {name} has shape {tuple(w.shape)} in the new weights, "
-                f"{tuple(own[name].shape)} served"
-            )
-    return [(n, w.astype(own[n].dtype)) for n, w in weights.items()]
+    return Encoder(forward, image_token(config), update)
 
 
 def _idefics3(path: Path, config: dict[str, Any]) -> Encoder:
@@ -347,16 +247,16 @@ def _idefics3(path: Path, config: dict[str, Any]) -> Encoder:
     cfg = family.ModelConfig.from_dict(config)
     cfg = update_module_configs(cfg, family, config, ["text", "vision"])
     tower = family.VisionModel(cfg.vision_config)
-    _exact_activation(tower.encoder.layers, vision["hidden_act"])
+    exact_activation(tower.encoder.layers, vision["hidden_act"])
     # mlx-vlm gives the last norm MLX's default epsilon (1e-5), not the config's (1e-6)
     tower.post_layernorm.eps = cfg.vision_config.layer_norm_eps
     connector = Idefics3Connector(cfg)
 
-    update = _updating(
-        (tower, lambda w: tower.sanitize(_under(w, "vision_model.")), "vision tower"),
-        (connector, lambda w: _under(w, "connector."), "connector"),
+    update = updating(
+        (tower, lambda w: tower.sanitize(under(w, "vision_model.")), "vision tower"),
+        (connector, lambda w: under(w, "connector."), "connector"),
     )
-    put = update(_weights(path))
+    put = update(read_weights(path))
     assert put is not None, "an Idefics3 checkpoint without its vision tower's weights"
     put()
     patch, hidden = cfg.vision_config.patch_size, cfg.text_config.hidden_size
@@ -371,23 +271,7 @@ def _idefics3(path: Path, config: dict[str, Any]) -> Encoder:
         states, *_ = tower(tiles, patch_attention_mask=mask)
         return connector(states).reshape(-1, hidden)
 
-    return Encoder(forward, _image_token(config), update)
-
-
-# The tower's activation as transformers names it, as MLX's GELU computes it.
-_GELU = {"quick_gelu": "fast", "gelu_pytorch_tanh": "precise", "gelu": "none"}
-
-
-def _exact_activation(layers: Any, act: str) -> None:
-    """mlx-vlm's LLaVA tower computes every MLP with CLIP's quick GELU; SigLIP's is the tanh
-    approximation (1e-4 apart in the logprobs of a tiny model): the config's own, in each of
-    the tower's encoder layers."""
-    import mlx.nn as nn
-
-    if act not in _GELU:
-        raise ValueError(f"a vision tower with the activation {act!r} is not served yet")
-    for layer in layers:
-        layer.mlp.activation_fn = nn.GELU(approx=_GELU[act])
+    return Encoder(forward, image_token(config), update)
 
 
 # Idefics3's language half is llama's, under weight names of its own (vision_text.py); its

@@ -196,7 +196,7 @@ def gemma3_classes(config: dict[str, Any]) -> tuple[type, type]:
 
 
 def gemma3_encoder(path: Path, config: dict[str, Any]) -> Any:
-    """Gemma 3's encoder (models/vision.py's `Encoder`): the SigLIP tower's last states
+    """Gemma 3's encoder (models/vision_encoder.py's `Encoder`): the SigLIP tower's last states
     (after its last norm), average-pooled to `mm_tokens_per_image` rows, normed (Gemma's
     1 + w) and projected; its images attend both ways in the prefill (`bidirectional`)."""
     import mlx_vlm.models.gemma3 as family
@@ -204,7 +204,7 @@ def gemma3_encoder(path: Path, config: dict[str, Any]) -> Any:
     from mlx_vlm.models.gemma3.gemma3 import Gemma3MultiModalProjector
     from mlx_vlm.utils import update_module_configs
 
-    from omlx_logprobs.models import vision as v
+    from omlx_logprobs.models import vision_encoder as v
 
     # The configs as transformers completes them (the hub's leave out what their classes default)
     full = transformers.AutoConfig.from_pretrained(str(path))
@@ -213,7 +213,7 @@ def gemma3_encoder(path: Path, config: dict[str, Any]) -> Any:
     raw = {**config, "text_config": text, "vision_config": vision}
     cfg = update_module_configs(family.ModelConfig.from_dict(raw), family, raw, ["text", "vision"])
     tower = family.VisionModel(cfg.vision_config)
-    v._exact_activation(tower.vision_model.encoder.layers, vision["hidden_act"])
+    v.exact_activation(tower.vision_model.encoder.layers, vision["hidden_act"])
     # mlx-vlm gives the last norm MLX's default epsilon (1e-5), not the config's (1e-6)
     tower.vision_model.post_layernorm.eps = cfg.vision_config.layer_norm_eps
     projector = Gemma3MultiModalProjector(cfg)
@@ -221,14 +221,14 @@ def gemma3_encoder(path: Path, config: dict[str, Any]) -> Any:
     def tower_weights(weights: dict[str, Any]) -> dict[str, Any]:
         # transformers 5 writes the tower's modules without SiglipVisionModel's `vision_model.`
         tw = {k if k.startswith("vision_model.") else f"vision_model.{k}": w
-              for k, w in v._under(weights, "vision_tower.").items()}  # fmt: skip
+              for k, w in v.under(weights, "vision_tower.").items()}  # fmt: skip
         return tower.sanitize(tw) if tw else {}
 
-    update = v._updating(
+    update = v.updating(
         (tower, tower_weights, "vision tower"),
-        (projector, lambda w: v._under(w, "multi_modal_projector."), "projector"),
+        (projector, lambda w: v.under(w, "multi_modal_projector."), "projector"),
     )
-    put = update(v._weights(path))
+    put = update(v.read_weights(path))
     assert put is not None, "a Gemma 3 checkpoint without its vision tower's weights"
     put()
     hidden = cfg.text_config.hidden_size
@@ -237,4 +237,4 @@ def gemma3_encoder(path: Path, config: dict[str, Any]) -> Any:
         states, *_ = tower(mx.array(pixels).transpose(0, 2, 3, 1))
         return projector(states).reshape(-1, hidden)
 
-    return v.Encoder(forward, v._image_token(config), update, bidirectional=True)
+    return v.Encoder(forward, v.image_token(config), update, bidirectional=True)

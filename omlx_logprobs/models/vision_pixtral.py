@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from omlx_logprobs.models.vision import Encoder
+    from omlx_logprobs.models.vision_encoder import Encoder
 
 __all__ = ["llava_pixtral_encoder", "mistral3_encoder", "pixtral_processor"]
 
@@ -59,11 +59,11 @@ def _tower(config: dict[str, Any]) -> tuple[Any, Any]:
     mx.eval(tower.vision_model.patch_positional_embedding.inv_freq)
 
     def weights(checkpoint: dict[str, Any]) -> dict[str, Any]:
-        from omlx_logprobs.models.vision import _under
+        from omlx_logprobs.models.vision_encoder import under
 
         # transformers names the tower's modules without mlx-vlm's `vision_model.`
         tw = {k if k.startswith("vision_model.") else f"vision_model.{k}": v
-              for k, v in _under(checkpoint, "vision_tower.").items()}  # fmt: skip
+              for k, v in under(checkpoint, "vision_tower.").items()}  # fmt: skip
         return tower.sanitize(tw) if tw else {}
 
     return tower, weights
@@ -110,14 +110,20 @@ def _encoder(
     """The encoder of a Pixtral tower (the module and its weights' picker) and a projector
     loaded from the checkpoint: `project(states, pixels)` turns the tower's patch states of one
     image into its rows."""
-    from omlx_logprobs.models.vision import Encoder, _image_token, _under, _updating, _weights
+    from omlx_logprobs.models.vision_encoder import (
+        Encoder,
+        image_token,
+        read_weights,
+        under,
+        updating,
+    )
 
     module, picks = tower
-    update = _updating(
+    update = updating(
         (module, picks, "vision tower"),
-        (projector, lambda w: _under(w, "multi_modal_projector."), "projector"),
+        (projector, lambda w: under(w, "multi_modal_projector."), "projector"),
     )
-    put = update(_weights(path))
+    put = update(read_weights(path))
     if put is None:
         raise ValueError("a checkpoint without the weights of its Pixtral tower")
     put()
@@ -126,7 +132,7 @@ def _encoder(
     def forward(pixels: Any) -> Any:
         return project(_states(module, pixels, layer), pixels)
 
-    return Encoder(forward, _image_token(config), update)
+    return Encoder(forward, image_token(config), update)
 
 
 def mistral3_encoder(path: Path, config: dict[str, Any]) -> Encoder:

@@ -107,7 +107,7 @@ def qwen_encoder(path: Path, config: dict[str, Any]) -> Any:
     merger: one image's patches to a row per 2 x 2 block of them."""
     import importlib
 
-    from omlx_logprobs.models import vision as v
+    from omlx_logprobs.models import vision_encoder as v
 
     kind = str(config["model_type"])
     family = importlib.import_module(f"mlx_vlm.models.{kind}")
@@ -122,11 +122,11 @@ def qwen_encoder(path: Path, config: dict[str, Any]) -> Any:
     def pick(weights: dict[str, Any]) -> dict[str, Any]:
         # transformers names the tower `visual.` (under `model.` from transformers 5 on),
         # mlx-vlm `vision_tower.`
-        found = v._under(weights, "visual.") or v._under(weights, "vision_tower.")
+        found = v.under(weights, "visual.") or v.under(weights, "vision_tower.")
         return tower.sanitize(found) if found else {}
 
-    update = v._updating((tower, pick, "vision tower"))
-    put = update(v._weights(path))
+    update = v.updating((tower, pick, "vision tower"))
+    put = update(v.read_weights(path))
     assert put is not None, f"a {kind} checkpoint without its vision tower's weights"
     put()
 
@@ -138,4 +138,4 @@ def qwen_encoder(path: Path, config: dict[str, Any]) -> Any:
             return mx.stack([rows, *deep])
         return out
 
-    return v.Encoder(forward, v._image_token(config), update, positions=positions)
+    return v.Encoder(forward, v.image_token(config), update, positions=positions)

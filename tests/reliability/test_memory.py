@@ -27,7 +27,7 @@ from tests.helpers.server import TINY_NAME, thread_server, wait_idle
 from tests.reliability.client import chat, chat_body
 
 ROUND = 16  # requests per round, all in flight together
-FRAMES = 40  # deep enough to reach the package's frame under the stdlib's and the libraries'
+FRAMES = 8  # deep enough to reach the package's frame under the stdlib's and the libraries'
 
 
 @pytest.fixture(scope="module")

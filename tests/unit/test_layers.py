@@ -54,12 +54,12 @@ API_APP = ("app", "guard", "server")
 RUNNER_FLOORS = [
     # nothing of runner/: the batch's caches, the head, sampling, grammars, adapters, new
     # weights, drafts from text, scored prompts, embedding prompts' hidden states, an encoder
-    # model's forward, prefill attention, routed experts and two kernels of fast/, a prompt's
-    # images into its input embeddings
+    # model's forward, prefill attention, routed experts and two kernels of fast/
     "__init__ fast batch_cache drafts encoder grammar head lora pooling prompt_scoring"
-    " query_blocks routing sampler weights fast.attention fast.fusion vision",
-    # a draft model; a kept start; a step's and a verify's records
-    "draft_model invariance prefix step verify",
+    " query_blocks routing sampler weights fast.attention fast.fusion",
+    # a draft model; a kept start; a step's and a verify's records; a prompt's images into its
+    # input embeddings (and a Qwen VL row's decode positions moved in the batch's caches)
+    "draft_model invariance prefix step verify vision",
     "batch_state disk_tier snapshot",  # the batch's rows; kept starts on disk, in and out of caches
     "masks prefix_cache probe",
     "fast.compiled prompt_cache",
