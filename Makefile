@@ -88,8 +88,12 @@ browser:
 serve: install
 	$(PY) -m omlx_logprobs.cli serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL),)
 
+# Two workers (pytest-xdist), each test file whole in one of them (its module's servers start
+# once): most of a test waits on one single-threaded process, so two share the two cores of CI's
+# box. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: install verifiers-venv
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
 
 # The integration tests alone: the real server (uvicorn on loopback) and the real `openai` client.
 integration: install verifiers-venv
