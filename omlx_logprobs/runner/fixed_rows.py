@@ -17,10 +17,18 @@ The mode (runner/invariance.py) turns them on for the whole process: `ON`.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
+import numpy as np
 
 ROWS = 8  # rows a BLAS call (2, 4, 8 and 16 measured the same property; 8 pads a decode least)
 KEYS = 128  # keys a call of the attention's scores (runner/query_blocks.py)
+# Elements of the broadcast operand times the calls of one batched product at most: MLX's CPU
+# matmul locates each call's operands with 32-bit element indices (mlx 0.32), and past 2^31 a
+# call read outside the weight (SmolLM2's head, 28M elements, from 76 blocks on: a crash in
+# OpenBLAS's packing routines, or wrong bits where the read landed in memory).
+MAX_INDEX = 1 << 30
 ON = False  # batch-invariant mode: runner/lora.py and training/lora.py multiply with these
 
 
@@ -34,10 +42,23 @@ def _blocks(x: mx.array) -> tuple[mx.array, int]:
     return flat.reshape(-1, ROWS, x.shape[-1]), rows
 
 
+def _batched(a: mx.array, b: mx.array, axis: int) -> mx.array:
+    """a @ b, split along `axis` (a batch axis of `a`) into products whose calls times the
+    largest operand's matrix stay under MAX_INDEX elements."""
+    calls = math.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    matrix = max(a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1], a.shape[-2] * b.shape[-1])
+    n = a.shape[axis]
+    per = max(1, MAX_INDEX // (matrix * max(1, calls // n)))
+    if n <= per:
+        return a @ b
+    parts = mx.split(a, list(range(per, n, per)), axis=axis)
+    return mx.concatenate([p @ b for p in parts], axis=axis)
+
+
 def product(x: mx.array, w: mx.array) -> mx.array:
     """x [..., K] @ w [K, N], each BLAS call ROWS rows of x."""
     blocks, rows = _blocks(x)
-    y = blocks @ mx.expand_dims(w, 0)  # a batch of blocks: MLX makes one call a block
+    y = _batched(blocks, mx.expand_dims(w, 0), 0)  # MLX makes one call a block
     return y.reshape(-1, w.shape[-1])[:rows].reshape(*x.shape[:-1], w.shape[-1])
 
 
@@ -68,7 +89,7 @@ def scores(q: mx.array, k: mx.array) -> mx.array:
         k = mx.pad(k, [(0, 0)] * (k.ndim - 2) + [(0, kpad), (0, 0)])
     qb = q.reshape(*lead, -1, 1, ROWS, d)
     kt = k.reshape(*k.shape[:-2], 1, -1, KEYS, d).swapaxes(-1, -2)
-    s = qb @ kt  # [..., M / ROWS, L / KEYS, ROWS, KEYS]
+    s = _batched(qb, kt, -4)  # [..., M / ROWS, L / KEYS, ROWS, KEYS]
     s = s.swapaxes(-2, -3).reshape(*s.shape[:-4], m + qpad, length + kpad)
     return s[..., :m, :length]
 
