@@ -10,7 +10,8 @@ of ROWS and multiplies them as [rows / ROWS, ROWS, K] against the weight broadca
 blocks, which MLX computes one BLAS call per block: the same (ROWS, K, N) call for every block
 of every batch. Attention's products vary in the keys too; `scores` and `weighted` hold them
 (runner/query_blocks.py's batch-invariant path). Under MLX's reference BLAS, an unblocked loop,
-the blocks give the same bits as one call.
+the blocks give the same bits as one call. A batched product is split where MLX's 32-bit
+operand indices would overflow (`MAX_INDEX`).
 
 The mode (runner/invariance.py) turns them on for the whole process: `ON`.
 """
