@@ -24,19 +24,15 @@ The reward is a toy (a colour named in the answer); the mechanics are the point.
 from __future__ import annotations
 
 # isort: off
-import os
-import sys
-
-# Batch-invariant mode's BLAS (omlx_logprobs/runner/invariance.py), chosen before MLX loads:
-# the scorer here then sums as the server does.
-if "--no-invariant" not in sys.argv:
-    os.environ.setdefault("OMLX_BLAS", "reference")
-import omlx_logprobs  # noqa: F401, E402  (first: the BLAS is chosen before MLX loads)
+# The scorer sums as the server does on the same BLAS: OpenBLAS where it is installed, loaded
+# before MLX (omlx_logprobs/blas.py), as the server loads it.
+import omlx_logprobs  # noqa: F401  (first: the BLAS is chosen before MLX loads)
 
 # isort: on
 import argparse
 import json
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path

@@ -321,8 +321,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        if args.batch_invariant:
-            _reference_blas(sys.argv[1:] if argv is None else argv)
         mlx_environment()
         try:
             cfg = config_from_args(args)
@@ -347,17 +345,6 @@ def main(argv: list[str] | None = None) -> None:
             log.error("%s", e)
             code = 2
         _exit(code)
-
-
-def _reference_blas(argv: list[str]) -> None:
-    """Batch-invariant mode needs MLX's reference BLAS (runner/invariance.py), which only a
-    process that loads no OpenBLAS before MLX has: start again with it chosen (the engine's
-    process inherits the choice)."""
-    if omlx_logprobs.BLAS.startswith("OpenBLAS"):
-        log.info("--batch-invariant: restarting with MLX's reference BLAS (OMLX_BLAS=reference)")
-        logging.shutdown()
-        command = [sys.executable, "-m", "omlx_logprobs.cli", *argv]
-        os.execve(sys.executable, command, {**os.environ, "OMLX_BLAS": "reference"})
 
 
 def _exit(code: int) -> NoReturn:

@@ -248,9 +248,9 @@ def _add_batching(s: argparse.ArgumentParser) -> None:
         action="store_true",
         help="logprobs that depend only on the tokens, bit for bit: the same whatever else is"
         " in the batch, whether a prefix came from the cache, the prefill chunk, speculation;"
-        " and equal to omlx_logprobs.runner.scorer's (an RL trainer's own forward). Checked at"
-        " start-up; on Linux's CPU backend the server restarts itself with MLX's reference BLAS"
-        " (docs/specs/logprobs.md, Batch-invariant mode)",
+        " and equal to omlx_logprobs.runner.scorer's (an RL trainer's own forward): every"
+        " product in BLAS calls of one shape. Checked at start-up (docs/specs/logprobs.md,"
+        " Batch-invariant mode)",
     )
     g.add_argument(
         "--prefix-cache-mib",

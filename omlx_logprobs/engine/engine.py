@@ -80,7 +80,8 @@ class Engine:
             model, len(vocab), cfg.cache_limit_mib, cfg.prefix_cache_mib, tuple(eos)
         )
         if cfg.batch_invariant:  # InvarianceError: this process cannot keep the promise
-            invariance.check(self.runner.model, self.runner.templates, len(vocab))
+            r = self.runner
+            invariance.check(r.model, r.templates, len(vocab), r.plan.decode)
             log.info("batch-invariant mode: one sequence's logits checked the same bits alone, "
                      "batched, chunked and decoded (runner/invariance.py)")  # fmt: skip
         self.runner.speculator = speculator(cfg, self.runner.plan, self.runner.model, vocab)

@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from omlx_logprobs.control import AdapterVersion
+from omlx_logprobs.runner import fixed_rows
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapters.safetensors"
@@ -78,10 +79,16 @@ class _Stack:
         if sel.single is not None:
             if sel.single not in self.targets:
                 return None
+            if fixed_rows.ON:  # batch-invariant mode: runner/invariance.py
+                a, b = self.a[sel.single], self.b[sel.single]
+                return fixed_rows.product(fixed_rows.product(x, a), b)
             return (x @ self.a[sel.single]) @ self.b[sel.single]
         if not (sel.slots & self.targets):
             return None
         assert sel.index is not None
+        if fixed_rows.ON:  # a row's block of ROWS rows its own, as `product` has it
+            z = fixed_rows.gathered(x, self.a, sel.index)
+            return fixed_rows.gathered(z, self.b, sel.index)
         # Row i times A[index[i]] then B[index[i]], without copying the gathered matrices.
         flat = x.ndim == 2
         z = mx.gather_mm(x[:, None, :] if flat else x, self.a, rhs_indices=sel.index)

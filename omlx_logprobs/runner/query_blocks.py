@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from omlx_logprobs.blas import numpy_blas_threads
+from omlx_logprobs.runner import fixed_rows
 
 # The scores one attention call may hold (float32), per call; OMLX_MAX_SCORE_MIB overrides it.
 MAX_SCORE_BYTES = int(os.environ.get("OMLX_MAX_SCORE_MIB", "512")) << 20
@@ -46,8 +47,9 @@ HOST_ELEMENTS = 1 << 16
 _inner: Any = None
 _fused = False  # cuDNN's attention is on: calls under FUSED_PAIRS must keep away from it
 _host_side = False  # MLX computes on the CPU here: long prefill calls take numpy
-# Batch-invariant mode (runner/invariance.py): every call takes MLX's own ops, whose reductions
-# do not depend on how many queries or rows a call holds (numpy's sums do).
+# Batch-invariant mode (runner/invariance.py): every call, a decode step's too, takes `_unfused`
+# with runner/fixed_rows.py's products, whose sums do not depend on how many queries, keys or
+# rows a call holds (OpenBLAS's and numpy's do).
 _exact = False
 # Inside `differentiable` (a training forward): numpy's attention is no MLX op a gradient traces.
 _traced = 0
@@ -57,9 +59,10 @@ _heads: set[tuple[int, int, int, int, mx.Dtype]] | None = None
 
 
 def blocks(q: mx.array, k: mx.array) -> int:
-    """Queries per block for this call: all of them when the scores fit."""
+    """Queries per block for this call: all of them when the scores fit (in batch-invariant
+    mode, the values weighted by them: `fixed_rows.weighted`, a value width per score)."""
     b, heads, lq, _ = q.shape
-    per_query = b * heads * k.shape[2] * 4
+    per_query = b * heads * k.shape[2] * 4 * (q.shape[-1] if _exact else 1)
     return max(1, min(lq, MAX_SCORE_BYTES // max(per_query, 1)))
 
 
@@ -199,15 +202,20 @@ def _unfused(
 ) -> mx.array:
     """The ops MLX's fallback runs (mlx/fast.cpp): scaled queries, scores, the mask, the sinks
     (a logit per query head that takes weight and gives no value), a precise softmax, the
-    values; query heads grouped over their key head."""
+    values; query heads grouped over their key head. In batch-invariant mode the two products
+    are runner/fixed_rows.py's (a key head's query heads one block of rows)."""
     b, heads, lq, d = q.shape
     kv_heads, lk = k.shape[1], k.shape[2]
     rep = heads // kv_heads
     q = q * mx.array(scale, q.dtype)
+    if _exact:
+        scores = fixed_rows.scores(q.reshape(b, kv_heads, rep * lq, d), k)
+        scores = scores.reshape(b, kv_heads, rep, lq, lk) if rep > 1 else scores
     if rep > 1:
         q = q.reshape(b, kv_heads, rep, lq, d)
         k, v = k[:, :, None], v[:, :, None]
-    scores = q @ k.swapaxes(-1, -2)
+    if not _exact:
+        scores = q @ k.swapaxes(-1, -2)
     if isinstance(mask, str):  # causal: the queries are the last lq positions of the keys
         mask = mx.arange(lk - lq, lk)[:, None] >= mx.arange(lk)[None]
     if mask is not None:
@@ -227,9 +235,10 @@ def _unfused(
         )
         column = mx.broadcast_to(column, (*scores.shape[:-1], 1))
         weights = mx.softmax(mx.concatenate([column, scores], axis=-1), axis=-1, precise=True)
-        out = weights[..., 1:] @ v
+        weights = weights[..., 1:]
     else:
-        out = mx.softmax(scores, axis=-1, precise=True) @ v
+        weights = mx.softmax(scores, axis=-1, precise=True)
+    out = fixed_rows.weighted(weights, v) if _exact else weights @ v
     return out.reshape(b, heads, lq, -1) if rep > 1 else out
 
 
@@ -274,6 +283,9 @@ def _sdpa(
     if "sinks" in extra and extra["sinks"] is None:  # mlx-lm passes sinks=None on every call
         del extra["sinks"]
     lq, lk = q.shape[2], k.shape[2]
+    if _exact:  # every call, a decode step's too (mx.fast's own attention sums by shape)
+        extra.pop("stream", None)
+        return _blocked(_unfused, q, k, v, scale=scale, mask=mask, **extra)
     if lq == 1:
         return _inner(q, k, v, scale=scale, mask=mask, **extra)
     if _heads is not None:
@@ -287,6 +299,21 @@ def _sdpa(
         call = _unfused
     elif not extra and _host_side and not _traced and q.size // q.shape[-1] * lk >= HOST_ELEMENTS:
         call = _host
+    return _blocked(call, q, k, v, scale=scale, mask=mask, **extra)
+
+
+def _blocked(
+    call: Callable[..., mx.array],
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: Any = None,
+    **extra: Any,
+) -> mx.array:
+    """`call` on blocks of queries whose scores fit (`blocks`), one after the other."""
+    lq, lk = q.shape[2], k.shape[2]
     step = blocks(q, k)
     if step >= lq or not (mask is None or isinstance(mask, (str, mx.array))):
         return call(q, k, v, scale=scale, mask=mask, **extra)
@@ -341,7 +368,8 @@ def differentiable() -> Iterator[None]:
 
 
 def exact() -> None:
-    """Batch-invariant mode: no numpy prefill attention, from now on (before or after
-    `install`)."""
+    """Batch-invariant mode, from now on (before or after `install`): every call through
+    `_unfused` with runner/fixed_rows.py's products, no numpy prefill attention, no
+    mx.fast attention."""
     global _exact, _host_side
     _exact, _host_side = True, False

@@ -6,17 +6,19 @@ batch-invariant mode (runner/invariance.py) a sampled token's logprob depends on
 before it alone, so one forward of the whole sequence here computes it again exactly: the
 importance ratio of an on-policy sample is 1.0, not 1 +- 1e-5.
 
-    from omlx_logprobs.runner.scorer import Scorer   # with OMLX_BLAS=reference in the environment
+    from omlx_logprobs.runner.scorer import Scorer
     scorer = Scorer("path/to/model", adapter="path/to/lora")
     lp = scorer.logprobs(prompt_ids + sampled_ids, start=len(prompt_ids), temperature=0.7)
 
-It computes what the server computes: the model's forward through the same batch cache, the
-adapter's layers as the server stacks them (runner/lora.py), the logits divided by the
+It computes what the server computes: the model's forward through the same batch cache, its
+sibling projections joined as the server joins them (runner/fast/fusion.py), the adapter's
+layers as the server stacks them (runner/lora.py), the logits divided by the
 temperature as the sampler divides them (the server's `processed_logprobs`, which rollouts
-ask for), and the host extraction's float32 log-softmax. Like the server it needs MLX's
-reference BLAS on Linux's CPU backend, chosen before MLX loads (`OMLX_BLAS=reference`): it
-checks that at construction, as the server does at start-up, and raises InvarianceError
-where the bits could differ.
+ask for), and the host extraction's float32 log-softmax, in the mode's products (BLAS calls of
+one shape: runner/fixed_rows.py). It loads the BLAS the server loads (`import omlx_logprobs`
+first: OpenBLAS where installed; a server and a scorer on different BLAS libraries differ); it
+checks at construction, as the server does at start-up, and raises InvarianceError where the
+bits could differ.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from omlx_logprobs.logprobs.extract import HostExtraction
 from omlx_logprobs.models.loader import LoadedModel, load_model
 from omlx_logprobs.runner import invariance, query_blocks
 from omlx_logprobs.runner.batch_cache import BatchCache
+from omlx_logprobs.runner.fast.fusion import Fusion
 from omlx_logprobs.runner.lora import AdapterSet
 
 __all__ = ["Scorer"]
@@ -48,6 +51,9 @@ class Scorer:
         self.model = self.loaded.model
         query_blocks.install()
         invariance.enable()
+        # Projections joined as the server joins them: a product's bits depend on its columns'
+        # count too (OpenBLAS's kernel for 64 outputs is not its kernel for 128).
+        self.fusion = Fusion(self.model)
         self.templates = make_prompt_cache(self.model)
         self.adapters = AdapterSet(self.model)
         self.slot = 0

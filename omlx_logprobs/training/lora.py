@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from omlx_logprobs.runner import fixed_rows
 from omlx_logprobs.runner.lora import layer_dims
 from omlx_logprobs.training.calls import LoraSpec
 
@@ -41,6 +42,8 @@ def _trained(cls: type) -> type:
         def __call__(self: Any, x: mx.array) -> mx.array:
             y = cls.__call__(self, x)
             a, b = self._train
+            if fixed_rows.ON:  # batch-invariant mode: the served adapter's products
+                return y + fixed_rows.product(fixed_rows.product(x, a), b).astype(y.dtype)
             return y + ((x @ a) @ b).astype(y.dtype)
 
         _TRAINED[cls] = type(f"Trained{cls.__name__}", (cls,), {"__call__": __call__})

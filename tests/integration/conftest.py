@@ -39,7 +39,7 @@ def thinker(scripted_path: Path) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def invariant(tiny_dir: Path) -> Iterator[ServerProcess]:
     """The tiny model as "tiny" in batch-invariant mode, its engine in a process of its own (the
-    mode restarts the server with MLX's reference BLAS, which makes its start a slow one).
+    mode's start-up check makes its start a slower one).
     What the modules do on it leaves the base model's answers as they were: Tinker's training
     is on LoRA sessions of its own."""
     args = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--batch-invariant",

@@ -3,17 +3,17 @@ logprob and its top list are the same float32 bits alone, among other requests, 
 cache's memory and from its disk tier, through a speculative verify, on the thread engine with
 another prefill chunk, and
 equal to runner/scorer.py's one forward of the whole sequence, as an RL trainer computes
-it. The servers are real processes (the mode restarts them with MLX's reference BLAS, which
-this test process, with OpenBLAS loaded, cannot take), the scorer a process of its own. The
-model: the tests' tiny llama (seeded random weights, SmolLM2's tokenizer), whose servers start
-in a third of the embedded model's time under the reference BLAS; the bits it keeps are the
-same property, shown on another model's shapes."""
+it. The servers are real processes on the BLAS this one loads (OpenBLAS where installed: the
+mode makes every product of BLAS calls of one shape, runner/fixed_rows.py), the scorer a
+process of its own. The model: the
+tests' tiny llama (seeded random weights, SmolLM2's tokenizer), whose servers start in a third
+of the embedded model's time; the bits it keeps are the same property, shown on another model's
+shapes."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -136,11 +136,10 @@ def test_the_scorer_equals_the_server(
 ) -> None:
     answer = ask(servers[0].base)
     prompt, sampled = answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
-    env = {**os.environ, "OMLX_BLAS": "reference"}
     out = subprocess.run(
         [sys.executable, "-c", SCORE],
         input=json.dumps([str(tiny_dir), prompt + sampled, len(prompt), BODY["temperature"]]),
-        capture_output=True, text=True, env=env, timeout=300, check=True,
+        capture_output=True, text=True, timeout=300, check=True,  # the servers' BLAS
     )  # fmt: skip
     scored = np.array(json.loads(out.stdout.strip().splitlines()[-1]), np.float32)
     served = entries(answer)[0]
@@ -149,10 +148,17 @@ def test_the_scorer_equals_the_server(
     assert np.abs(ratios - 1).max() == 0.0
 
 
-def test_the_scorer_refuses_where_bits_would_differ() -> None:
-    """This process loaded OpenBLAS: its single-row products sum in another order."""
-    from omlx_logprobs.runner.invariance import InvarianceError
-    from omlx_logprobs.runner.scorer import Scorer
+def test_the_check_refuses_where_bits_would_differ(tiny_dir: Path) -> None:
+    """Without the mode's products (this process never turns the mode on), OpenBLAS computes a
+    decode step's one row as a matrix-vector product, in another order than a prompt's rows:
+    the start-up check refuses, saying by how much the bits moved."""
+    from mlx_lm.models.cache import make_prompt_cache
 
-    with pytest.raises(InvarianceError, match="OMLX_BLAS=reference"):
-        Scorer()
+    from omlx_logprobs.models.loader import load_model
+    from omlx_logprobs.runner import fixed_rows
+    from omlx_logprobs.runner.invariance import InvarianceError, check
+
+    assert not fixed_rows.ON
+    loaded = load_model(str(tiny_dir))
+    with pytest.raises(InvarianceError, match="differ from one forward of the whole sequence"):
+        check(loaded.model, make_prompt_cache(loaded.model), len(loaded.vocab))

@@ -52,10 +52,11 @@ API_APP = ("app", "guard", "server")
 # Inside runner/, lowest first (names under runner/; "__init__" is the package itself): a module
 # imports only modules on floors below its own, type-level imports included.
 RUNNER_FLOORS = [
-    # nothing of runner/: the batch's caches, the head, sampling, grammars, adapters, new
-    # weights, drafts from text, scored prompts, embedding prompts' hidden states, an encoder
-    # model's forward, prefill attention, routed experts and two kernels of fast/
-    "__init__ fast batch_cache drafts encoder grammar head lora pooling prompt_scoring"
+    "__init__ fixed_rows",  # the package; batch-invariant mode's products
+    # nothing of runner/ but those: the batch's caches, the head, sampling, grammars,
+    # adapters, new weights, drafts from text, scored prompts, embedding prompts' hidden states,
+    # an encoder model's forward, prefill attention, routed experts and two kernels of fast/
+    "fast batch_cache drafts encoder grammar head lora pooling prompt_scoring"
     " query_blocks routing sampler weights fast.attention fast.fusion",
     # a draft model; a kept start; a step's and a verify's records; a prompt's images into its
     # input embeddings (and a Qwen VL row's decode positions moved in the batch's caches)

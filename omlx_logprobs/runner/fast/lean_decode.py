@@ -28,6 +28,7 @@ from mlx_lm.models import llama, phi3, qwen2, qwen3
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 
+from omlx_logprobs.runner import fixed_rows
 from omlx_logprobs.runner.batch_cache import BatchCache
 from omlx_logprobs.runner.fast import compiled
 from omlx_logprobs.runner.fast.fusion import Fusion
@@ -53,11 +54,13 @@ def _weight_t(layer: nn.Module) -> mx.array:
 
 class _Linear:
     """A plain linear layer as `x @ W.T (+ b)` with W.T made once; a quantized one as itself
-    (its matmul takes the weight as stored)."""
+    (its matmul takes the weight as stored), and every one in batch-invariant mode (the layer's
+    own call is the mode's fixed-row product: runner/invariance.py)."""
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
-        self.wt = None if isinstance(layer, nn.QuantizedLinear) else _weight_t(layer)
+        itself = isinstance(layer, nn.QuantizedLinear) or fixed_rows.ON
+        self.wt = None if itself else _weight_t(layer)
         self.bias = layer.get("bias")
 
     def __call__(self, x: mx.array) -> mx.array:
