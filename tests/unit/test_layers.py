@@ -211,14 +211,16 @@ def test_the_batch_layer_runs_no_mlx() -> None:
 def test_only_the_model_runner_chooses_the_fast_paths() -> None:
     """runner/fast/ is a set of opt-out speed-ups: the model runner decides which run (with its
     start-up plan, runner/plan.py), so no other module (but the fast paths themselves) imports
-    one."""
+    one; and the trainer's scorer (runner/scorer.py), which joins the projections as the server
+    does, since a product's bits follow its number of output columns."""
     importers = {
         name
         for name, path in modules().items()
         if not name.startswith("omlx_logprobs.runner.fast")
         and any(t.startswith("omlx_logprobs.runner.fast") for t in imports(path))
     }
-    assert importers == {"omlx_logprobs.runner.model_runner", "omlx_logprobs.runner.plan"}
+    runner = "omlx_logprobs.runner"
+    assert importers == {f"{runner}.model_runner", f"{runner}.plan", f"{runner}.scorer"}
 
 
 def test_the_check_sees_a_wrong_import() -> None:
