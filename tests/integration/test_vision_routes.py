@@ -120,7 +120,9 @@ def test_an_image_url_is_fetched_off_the_event_loop(
             slow.result()
     took = time.monotonic() - started
     assert FETCH_S <= took < 2 * FETCH_S + 1
-    assert len(waits) >= 5 and max(waits) < 0.5, waits
+    # the loop answered all along (a fetch that held it would hold /health for FETCH_S, 1.5 s);
+    # a loaded box delays an answer by tenths of a second
+    assert len(waits) >= 5 and max(waits) < 1.0, waits
     body = e.value.body
     assert isinstance(body, dict) and body["param"] == "messages[0].content[0].image_url"
     assert f"not fetched within {FETCH_S:g} s" in body["message"]

@@ -311,3 +311,15 @@ def _runs(positions: list[int]) -> tuple[tuple[int, int], ...]:
 
 def _ids(out: Any) -> list[int]:
     return [int(t) for t in np.asarray(out["input_ids"])[0]]
+
+
+def location_url(location: str, param: str) -> str:
+    """An image named by location (Tinker's image assets) as a URL: a URL as it is, an absolute
+    path as a file's, read as every file URL is (only under --allowed-local-media-path); a
+    relative path is a 400 naming `param`. Here because this is the one module of the HTTP
+    layer that touches paths (tests/reliability/test_security.py)."""
+    if "://" in location or location.startswith("data:"):
+        return location
+    if not Path(location).is_absolute():
+        raise APIError(f"{param}: a path must be absolute, or a URL", param=param)
+    return Path(location).as_uri()

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from pathlib import Path
 
 from tinker import types
 
 from omlx_logprobs.api.core.errors import APIError
-from omlx_logprobs.api.core.images import data_url, expand_chunks
+from omlx_logprobs.api.core.images import data_url, expand_chunks, location_url
 from omlx_logprobs.api.core.kept_images import span
 from omlx_logprobs.api.core.prompts import read_images
 from omlx_logprobs.api.core.served import Served
@@ -103,7 +102,8 @@ def parse(prompt: types.ModelInput) -> Prompt:
             parts.append(Picture(i, data_url(f"image/{chunk.format}", b64, f"prompt.chunks[{i}]"),
                                  chunk.expected_tokens, "data"))  # fmt: skip
         elif isinstance(chunk, types.ImageAssetPointerChunk):
-            parts.append(Picture(i, _url(chunk.location, i), chunk.expected_tokens, "location"))
+            url = location_url(chunk.location, f"prompt.chunks[{i}].location")
+            parts.append(Picture(i, url, chunk.expected_tokens, "location"))
         else:
             raise APIError(
                 f"prompt.chunks[{i}]: only encoded_text and image chunks are served, not"
@@ -116,16 +116,3 @@ def parse(prompt: types.ModelInput) -> Prompt:
         raise APIError("the prompt must hold at least one token id, none negative",
                        param="prompt")  # fmt: skip
     return Prompt(tuple(parts))
-
-
-def _url(location: str, i: int) -> str:
-    """An image asset's location as a URL: a URL as it is, an absolute path as a file's (read
-    only under --allowed-local-media-path, a URL fetched only with --allow-image-urls)."""
-    if "://" in location or location.startswith("data:"):
-        return location
-    if not Path(location).is_absolute():
-        raise APIError(
-            f"prompt.chunks[{i}].location: a path must be absolute, or a URL",
-            param=f"prompt.chunks[{i}].location",
-        )
-    return Path(location).as_uri()
