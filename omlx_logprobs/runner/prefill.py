@@ -427,12 +427,7 @@ class Prefill:
             return {}
         if self.vision is None:  # a model loaded without its encoder (split over processes)
             raise ValueError("this engine's model has no vision encoder: it takes no images")
-        out = self.vision.inputs(ids, rows)
-        if "input_embeddings" in out:
-            blocks = self.vision.blocks(ids.shape[1], rows)  # Gemma 3's images attend both ways
-            if blocks is not None:
-                out["image_blocks"] = blocks
-        return out
+        return self.vision.inputs(ids, rows)
 
     def _boundary(self, seq: Sequence, cache: list[Any], n: int) -> list[mx.array]:
         """A recurrent model's states after a chunk, n tokens into the prompt (copies), where

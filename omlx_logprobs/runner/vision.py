@@ -99,10 +99,10 @@ class ImageEmbedder:
     def inputs(self, ids: mx.array, rows: list[tuple[Sequence, int]]) -> dict[str, mx.array]:
         """The forward's keyword arguments for `ids` [B, L]: the input embeddings [B, L,
         hidden] with the rows of the images there (none where no image is), a deepstack
-        family's rows for its first layers [k, B, L, hidden] (zeros but at the images), and a
-        family's multimodal positions (`positions`). `rows`: each row's sequence and the prompt
-        position of its column 0 (negative in a left-padded row: its padding is before
-        position 0)."""
+        family's rows for its first layers [k, B, L, hidden] (zeros but at the images), a
+        family's multimodal positions (`positions`) and Gemma 3's image blocks (`blocks`).
+        `rows`: each row's sequence and the prompt position of its column 0 (negative in a
+        left-padded row: its padding is before position 0)."""
         width = ids.shape[1]
         out = self.positions(width, rows)
         placed = [
@@ -129,6 +129,9 @@ class ImageEmbedder:
         out["input_embeddings"] = h
         if deep is not None:
             out["deepstack"] = deep
+        blocks = self.blocks(width, rows)  # Gemma 3's images attend both ways
+        if blocks is not None:
+            out["image_blocks"] = blocks
         return out
 
     def positions(self, width: int, rows: list[tuple[Sequence, int]]) -> dict[str, mx.array]:
